@@ -1,0 +1,1 @@
+"""Content-addressed artifact store and sample store. Knows nothing of diffusion."""

@@ -1,0 +1,98 @@
+"""Digests: canonical JSON, file contents (blake3), and a persistent stat cache.
+
+A file's digest is looked up by (path, size, mtime_ns, inode) in a sqlite table so that an
+unchanged file is never read twice; touching a file without changing its bytes re-hashes it
+but yields the same digest, so nothing downstream changes.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sqlite3
+import threading
+from pathlib import Path
+from typing import Any
+
+from blake3 import blake3
+
+CHUNK = 1 << 20
+
+
+def canonical_json(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def digest_json(value: Any) -> str:
+    return blake3(canonical_json(value).encode()).hexdigest()
+
+
+def digest_bytes(data: bytes) -> str:
+    return blake3(data).hexdigest()
+
+
+def digest_file(path: Path) -> str:
+    hasher = blake3()
+    with open(path, "rb") as f:
+        while chunk := f.read(CHUNK):
+            hasher.update(chunk)
+    return hasher.hexdigest()
+
+
+class StatCache:
+    """Maps (path, size, mtime_ns, inode) to a content digest, persisted in sqlite."""
+
+    def __init__(self, db_path: Path):
+        db_path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(db_path, timeout=60, check_same_thread=False)
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.execute(
+            "CREATE TABLE IF NOT EXISTS digests (path TEXT PRIMARY KEY, size INTEGER,"
+            " mtime_ns INTEGER, inode INTEGER, digest TEXT)"
+        )
+        self._lock = threading.Lock()
+        self._pending: list[tuple] = []
+        self.hashed = 0  # files actually read since this cache was opened
+
+    def digest(self, path: Path) -> str:
+        path = Path(os.path.abspath(path))
+        st = path.stat()
+        with self._lock:
+            row = self._db.execute(
+                "SELECT size, mtime_ns, inode, digest FROM digests WHERE path=?", (str(path),)
+            ).fetchone()
+        if row and row[:3] == (st.st_size, st.st_mtime_ns, st.st_ino):
+            return row[3]
+        digest = digest_file(path)
+        with self._lock:
+            self.hashed += 1
+            self._pending.append((str(path), st.st_size, st.st_mtime_ns, st.st_ino, digest))
+            if len(self._pending) >= 512:
+                self._flush()
+        return digest
+
+    def _flush(self) -> None:
+        if self._pending:
+            self._db.executemany("INSERT OR REPLACE INTO digests VALUES (?,?,?,?,?)", self._pending)
+            self._db.commit()
+            self._pending.clear()
+
+    def close(self) -> None:
+        with self._lock:
+            self._flush()
+        self._db.close()
+
+    def __enter__(self) -> "StatCache":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def digest_tree(root: Path, stat_cache: StatCache, suffixes: tuple[str, ...] | None = None) -> str:
+    """Digest of every file under `root` (relative paths + contents), order-independent."""
+    entries = []
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        if suffixes and path.suffix.lower() not in suffixes:
+            continue
+        entries.append([path.relative_to(root).as_posix(), stat_cache.digest(path)])
+    return digest_json(entries)

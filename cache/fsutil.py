@@ -1,0 +1,47 @@
+"""Durable file-system primitives: fsync'd writes and atomic publication."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _, filenames in os.walk(root):
+        for name in filenames:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        fsync_dir(Path(dirpath))
+
+
+def write_json_atomic(path: Path, value: Any) -> None:
+    """Write JSON to `path` via a fsync'd temporary file and one rename."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(value, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def remove_tree(path: Path) -> None:
+    """Remove a directory by first renaming it aside, so a crash never leaves half of it in place."""
+    if not path.exists():
+        return
+    doomed = path.with_name(f".trash-{path.name}-{os.getpid()}")
+    os.replace(path, doomed)
+    shutil.rmtree(doomed, ignore_errors=True)

@@ -1,0 +1,256 @@
+"""The artifact store: `<root>/<stage>/<key>/` directories committed by their manifest.
+
+A directory without a valid `manifest.json` does not exist. Artifacts are built in a private
+temporary directory, fsynced, and published with one rename while the builder holds the key's
+lock; readers take no lock because published artifacts are never modified.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import socket
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from .digest import canonical_json, digest_file, digest_json
+from .fsutil import fsync_tree, remove_tree, write_json_atomic
+from .lock import key_lock
+
+MANIFEST = "manifest.json"
+LOG_DIR = "logs"  # files under logs/ are listed but excluded from the data digest (early cutoff)
+FORMAT = 1
+
+
+@dataclass(frozen=True)
+class StageKey:
+    """What a stage's output depends on. `key` names the artifact; `work_key` names its
+    resumable work directory and leaves out settings a run may extend (e.g. max_steps)."""
+
+    stage: str
+    ingredients: dict[str, Any]
+    resumable: tuple[str, ...] = ()  # dotted ingredient paths left out of the work key
+
+    @property
+    def key(self) -> str:
+        return hashlib.sha256(canonical_json(self.ingredients).encode()).hexdigest()
+
+    @property
+    def work_key(self) -> str:
+        reduced = json.loads(canonical_json(self.ingredients))
+        for dotted in self.resumable:
+            *parents, leaf = dotted.split(".")
+            node = reduced
+            for part in parents:
+                node = node[part]
+            node.pop(leaf, None)
+        return hashlib.sha256(canonical_json(reduced).encode()).hexdigest()
+
+
+@dataclass(frozen=True)
+class Artifact:
+    stage: str
+    key: str
+    path: Path
+    manifest: dict[str, Any]
+
+    @property
+    def digest(self) -> str:
+        return self.manifest["digest"]
+
+
+@dataclass(frozen=True)
+class Lookup:
+    artifact: Artifact | None
+    reason: str = ""  # why this is a miss; empty on a hit
+
+    @property
+    def hit(self) -> bool:
+        return self.artifact is not None
+
+
+@dataclass
+class Built:
+    """What a build function may report besides the files it wrote into out_dir."""
+
+    info: dict[str, Any] = field(default_factory=dict)  # counts, timings: recorded, not digested
+    refs: dict[str, dict[str, Any]] = field(default_factory=dict)  # root-relative path -> size, digest
+
+
+class ArtifactStore:
+    def __init__(self, root: Path):
+        self.root = Path(root).resolve()
+
+    # ---- layout
+    def artifact_dir(self, stage: str, key: str) -> Path:
+        return self.root / stage / key
+
+    def work_dir(self, stage: str, work_key: str) -> Path:
+        return self.root / "work" / stage / work_key
+
+    def _lock_path(self, stage: str, key: str) -> Path:
+        return self.root / "locks" / stage / f"{key}.lock"
+
+    # ---- reading
+    def lookup(self, stage: str, key: str) -> Lookup:
+        """Cheap check: manifest parses, every listed file exists with its listed size."""
+        path = self.artifact_dir(stage, key)
+        manifest_path = path / MANIFEST
+        if not path.exists():
+            return Lookup(None, "no artifact with this key")
+        try:
+            manifest = json.loads(manifest_path.read_text())
+        except (OSError, ValueError):
+            return Lookup(None, f"{manifest_path} is missing or unreadable")
+        if manifest.get("key") != key:
+            return Lookup(None, f"{manifest_path} belongs to another key")
+        for rel, entry in manifest["files"].items():
+            problem = _size_problem(path / rel, entry["size"])
+            if problem:
+                return Lookup(None, problem)
+        for rel, entry in manifest.get("refs", {}).items():
+            problem = _size_problem(self.root / rel, entry["size"])
+            if problem:
+                return Lookup(None, problem)
+        return Lookup(Artifact(stage, key, path, manifest))
+
+    def verify(self, artifact: Artifact) -> list[str]:
+        """Thorough check: re-hash every file and referenced file."""
+        problems = []
+        listed = [(artifact.path / rel, e) for rel, e in artifact.manifest["files"].items()]
+        listed += [(self.root / rel, e) for rel, e in artifact.manifest.get("refs", {}).items()]
+        for path, entry in listed:
+            problem = _size_problem(path, entry["size"])
+            if not problem and digest_file(path) != entry["digest"]:
+                problem = f"{path} does not match its recorded digest"
+            if problem:
+                problems.append(problem)
+        return problems
+
+    def artifacts(self) -> Iterator[Artifact]:
+        for stage_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
+            if stage_dir.name in ("work", "locks", "refs", "uses", "samples", "tmp"):
+                continue
+            for key_dir in sorted(p for p in stage_dir.iterdir() if p.is_dir()):
+                if key_dir.name.startswith("."):
+                    continue
+                found = self.lookup(stage_dir.name, key_dir.name)
+                if found.artifact:
+                    yield found.artifact
+
+    # ---- writing
+    def build(
+        self,
+        stage_key: StageKey,
+        build: Callable[[Path, Path], Built | None],
+        producer: dict[str, Any],
+        log: Callable[[str], None] = print,
+    ) -> tuple[Artifact, bool]:
+        """Return (artifact, computed). Builds under the key's lock unless a valid one exists."""
+        stage, key = stage_key.stage, stage_key.key
+        found = self.lookup(stage, key)
+        if found.hit:
+            return found.artifact, False
+        wait_msg = f"{stage}: another run is building {key[:12]}; waiting for it"
+        with key_lock(self._lock_path(stage, key), on_wait=lambda: log(wait_msg)):
+            found = self.lookup(stage, key)
+            if found.hit:
+                return found.artifact, False
+            return self._build_locked(stage_key, build, producer), True
+
+    def _build_locked(self, stage_key: StageKey, build, producer) -> Artifact:
+        stage, key = stage_key.stage, stage_key.key
+        tmp_root = self.root / "tmp" / stage
+        tmp_root.mkdir(parents=True, exist_ok=True)
+        for stale in tmp_root.glob(f"{key}.*"):  # left by a killed builder of this key
+            shutil.rmtree(stale, ignore_errors=True)
+        out_dir = tmp_root / f"{key}.{os.getpid()}"
+        out_dir.mkdir()
+        work_dir = self.work_dir(stage, stage_key.work_key)
+        work_dir.mkdir(parents=True, exist_ok=True)
+        started = time.time()
+        built = build(out_dir, work_dir) or Built()
+        manifest = _manifest(stage_key, out_dir, built, producer, time.time() - started)
+        write_json_atomic(out_dir / MANIFEST, manifest)
+        fsync_tree(out_dir)
+        final = self.artifact_dir(stage, key)
+        final.parent.mkdir(parents=True, exist_ok=True)
+        remove_tree(final)  # a damaged artifact of this key, already reported as a miss
+        os.replace(out_dir, final)
+        shutil.rmtree(work_dir, ignore_errors=True)
+        return Artifact(stage, key, final, manifest)
+
+    def remove(self, artifact: Artifact) -> None:
+        remove_tree(artifact.path)
+
+    # ---- what each pipeline last used (for miss reasons, `cache ls` and gc)
+    def remember(self, pipeline: str, stage_key: StageKey, artifact: Artifact) -> None:
+        refs_path = self.root / "refs" / f"{pipeline}.json"
+        refs_path.parent.mkdir(parents=True, exist_ok=True)
+        with key_lock(refs_path.with_suffix(".lock")):
+            refs = json.loads(refs_path.read_text()) if refs_path.exists() else {}
+            refs[stage_key.stage] = {"key": stage_key.key, "ingredients": stage_key.ingredients}
+            write_json_atomic(refs_path, refs)
+        uses = self.root / "uses" / stage_key.stage / f"{artifact.key}.jsonl"
+        uses.parent.mkdir(parents=True, exist_ok=True)
+        with open(uses, "a") as f:
+            f.write(json.dumps({"pipeline": pipeline, "time": time.time()}) + "\n")
+
+    def previous(self, pipeline: str, stage: str) -> dict[str, Any] | None:
+        refs_path = self.root / "refs" / f"{pipeline}.json"
+        if not refs_path.exists():
+            return None
+        return json.loads(refs_path.read_text()).get(stage)
+
+    def uses(self, artifact: Artifact) -> list[dict[str, Any]]:
+        path = self.root / "uses" / artifact.stage / f"{artifact.key}.jsonl"
+        if not path.exists():
+            return []
+        return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def _size_problem(path: Path, size: int) -> str:
+    if not path.is_file():
+        return f"{path} is missing"
+    actual = path.stat().st_size
+    if actual != size:
+        return f"{path} has {actual} bytes, its manifest says {size}"
+    return ""
+
+
+def _manifest(stage_key: StageKey, out_dir: Path, built: Built, producer: dict, seconds: float) -> dict:
+    files = {}
+    for path in sorted(p for p in out_dir.rglob("*") if p.is_file()):
+        rel = path.relative_to(out_dir).as_posix()
+        files[rel] = {"size": path.stat().st_size, "digest": digest_file(path)}
+    data = {rel: e["digest"] for rel, e in files.items() if not rel.startswith(f"{LOG_DIR}/")}
+    data.update({rel: e["digest"] for rel, e in built.refs.items()})
+    return {
+        "format": FORMAT,
+        "stage": stage_key.stage,
+        "key": stage_key.key,
+        "ingredients": stage_key.ingredients,
+        "digest": digest_json(data),
+        "files": files,
+        "refs": built.refs,
+        "info": built.info,
+        "producer": {**producer, "host": socket.gethostname(), "seconds": round(seconds, 3)},
+        "created": time.time(),
+    }
+
+
+def diff_ingredients(old: Any, new: Any, prefix: str = "") -> list[str]:
+    """Dotted paths of the ingredients that differ between two key ingredient trees."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        changed = []
+        for name in sorted(set(old) | set(new)):
+            path = f"{prefix}.{name}" if prefix else name
+            if name not in old or name not in new:
+                changed.append(path)
+            else:
+                changed += diff_ingredients(old[name], new[name], path)
+        return changed
+    return [] if old == new else [prefix or "(root)"]

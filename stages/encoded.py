@@ -1,0 +1,90 @@
+"""The encoded data format shared by encode (writer), train and evaluate (readers).
+
+The encode artifact holds one data file, `samples.json`: for every sample its split, caption,
+original size, crop box, and the keys and shard locations of its latent and text records in the
+sample store. Records are safetensors blobs (no pickle):
+  latent record: "mean", "std"  (C, h, w) in the encode dtype; the VAE posterior, unscaled
+  text record:   "hidden_states" (T, D); SDXL adds "pooled" (D2,)
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as load_safetensors
+from safetensors.torch import save as save_safetensors
+
+from cache.samples import RecordLocation, SampleStore
+
+FORMAT = 1
+SAMPLES_FILE = "samples.json"
+
+
+def encode_record(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, bytes]:
+    tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
+    return {
+        "safetensors": save_safetensors(tensors),
+        "json": json.dumps(meta, sort_keys=True).encode(),
+    }
+
+
+@dataclass(frozen=True)
+class Sample:
+    id: str
+    split: str  # "train" or "holdout"
+    caption: str
+    original_size: tuple[int, int]  # (height, width) of the source image
+    crop_box: tuple[int, int, int, int]  # (left, top, right, bottom) in resized pixels
+    size: tuple[int, int]  # (height, width) of the encoded image
+    latent: RecordLocation
+    text: RecordLocation
+
+    @classmethod
+    def from_json(cls, v: dict) -> "Sample":
+        return cls(
+            v["id"], v["split"], v["caption"], tuple(v["original_size"]), tuple(v["crop_box"]),
+            tuple(v["size"]), RecordLocation.from_json(v["latent"]["location"]),
+            RecordLocation.from_json(v["text"]["location"]),
+        )
+
+
+class EncodedData:
+    """Read-only view of an encode artifact: its index and its records in the sample store."""
+
+    def __init__(self, artifact_dir: Path, cache_root: Path):
+        self.index = json.loads((Path(artifact_dir) / SAMPLES_FILE).read_text())
+        if self.index.get("format") != FORMAT:
+            raise ValueError(f"{artifact_dir}/{SAMPLES_FILE}: unsupported encoded format {self.index.get('format')}")
+        self.store = SampleStore(cache_root)
+        self.samples = [Sample.from_json(s) for s in self.index["samples"]]
+        self.family: str = self.index["family"]
+        self.models: dict[str, str] = self.index["models"]  # component -> weights digest
+
+    def split(self, name: str) -> list[Sample]:
+        return [s for s in self.samples if s.split == name]
+
+    def _tensors(self, location: RecordLocation) -> dict[str, torch.Tensor]:
+        return load_safetensors(self.store.read(location, "safetensors"))
+
+    def latent(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self._tensors(sample.latent)
+        return t["mean"], t["std"]
+
+    def text(self, sample: Sample) -> dict[str, torch.Tensor]:
+        return self._tensors(sample.text)
+
+    def empty_text(self) -> dict[str, torch.Tensor]:
+        """The empty prompt's embedding, used for caption dropout and unconditional loss."""
+        return self._tensors(RecordLocation.from_json(self.index["empty_text"]["location"]))
+
+    def check_model(self, components: dict[str, str]) -> None:
+        """Refuse to use latents or embeddings made by other weights than `components`."""
+        for name, digest in components.items():
+            if name in self.models and self.models[name] != digest:
+                raise ValueError(
+                    f"encoded data was made with another {name} ({self.models[name][:12]}) than this model"
+                    f" ({digest[:12]}): re-run encode for this model"
+                )
