@@ -1,0 +1,63 @@
+"""Session fixtures shared by the whole suite: one tiny model and one encoded set per session."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+os.environ.update({
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_VERBOSITY": "error",
+    "DIFFUSERS_VERBOSITY": "error",
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+})
+
+REPO = Path(__file__).resolve().parent.parent
+DEMO_IMAGES = REPO / "stages" / "assets" / "demo_images"
+
+
+@dataclass(frozen=True)
+class EncodedSet:
+    artifact_dir: Path
+    cache_root: Path
+    digest: str
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory) -> Path:
+    from stages.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd15")
+
+
+@pytest.fixture(scope="session")
+def demo_images() -> Path:
+    return DEMO_IMAGES
+
+
+@pytest.fixture(scope="session")
+def encoded(tmp_path_factory, tiny_model) -> EncodedSet:
+    """The demo photos at 64 px, encoded by the real preprocess and encode stages (6 train, 2 held out)."""
+    from cache.digest import StatCache
+    from cache.store import ArtifactStore, StageKey
+    from stages import encode, preprocess
+    from stages.models import component_digests
+
+    root = tmp_path_factory.mktemp("encoded-cache")
+    store = ArtifactStore(root)
+    with StatCache(root / "stat.sqlite") as stat_cache:
+        params = preprocess.PreprocessParams(resolution=64, holdout_fraction=0.25)
+        inputs = preprocess.PreprocessInputs(DEMO_IMAGES, stat_cache)
+        pre, _ = store.build(StageKey("preprocess", {"p": params.model_dump()}),
+                             lambda out, work: preprocess.run(params, inputs, out, work), {})
+        digests = component_digests(tiny_model, stat_cache)
+    enc_inputs = encode.EncodeInputs(pre.path, DEMO_IMAGES, root, tiny_model, "sd15", digests)
+    enc, _ = store.build(
+        StageKey("encode", {"pre": pre.digest}),
+        lambda out, work: encode.run(encode.EncodeParams(), enc_inputs, out, work,
+                                     encode.EncodeOptions(num_workers=0)), {})
+    return EncodedSet(enc.path, root, enc.digest)
