@@ -50,29 +50,29 @@ class StatCache:
             " mtime_ns INTEGER, inode INTEGER, digest TEXT)"
         )
         self._lock = threading.Lock()
-        self._pending: list[tuple] = []
+        self._pending: dict[str, tuple] = {}  # rows not yet committed, visible to lookups
         self.hashed = 0  # files actually read since this cache was opened
 
     def digest(self, path: Path) -> str:
         path = Path(os.path.abspath(path))
         st = path.stat()
         with self._lock:
-            row = self._db.execute(
-                "SELECT size, mtime_ns, inode, digest FROM digests WHERE path=?", (str(path),)
+            row = self._pending.get(str(path)) or self._db.execute(
+                "SELECT path, size, mtime_ns, inode, digest FROM digests WHERE path=?", (str(path),)
             ).fetchone()
-        if row and row[:3] == (st.st_size, st.st_mtime_ns, st.st_ino):
-            return row[3]
+        if row and tuple(row[1:4]) == (st.st_size, st.st_mtime_ns, st.st_ino):
+            return row[4]
         digest = digest_file(path)
         with self._lock:
             self.hashed += 1
-            self._pending.append((str(path), st.st_size, st.st_mtime_ns, st.st_ino, digest))
+            self._pending[str(path)] = (str(path), st.st_size, st.st_mtime_ns, st.st_ino, digest)
             if len(self._pending) >= 512:
                 self._flush()
         return digest
 
     def _flush(self) -> None:
         if self._pending:
-            self._db.executemany("INSERT OR REPLACE INTO digests VALUES (?,?,?,?,?)", self._pending)
+            self._db.executemany("INSERT OR REPLACE INTO digests VALUES (?,?,?,?,?)", self._pending.values())
             self._db.commit()
             self._pending.clear()
 

@@ -1,0 +1,1 @@
+"""The thin orchestration layer: config, stage plan, Prefect flow and the `lorapipe` CLI."""

@@ -1,0 +1,88 @@
+"""The `lorapipe` command line.
+
+    lorapipe demo [--workdir DIR]
+    lorapipe run CONFIG [--only S]... [--from S] [--force S]... [--set key=value]... [--json]
+    lorapipe status CONFIG [--set key=value]... [--json]
+    lorapipe cache ls|verify|rm|gc [--cache-dir DIR | --config CONFIG]
+    lorapipe tiny-model DIR [--arch sd15|sdxl]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from .config import ConfigError
+
+PREFECT_DEFAULTS = {
+    "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+    "DO_NOT_TRACK": "1",
+    "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="lorapipe", description="Cached LoRA fine-tuning for Stable Diffusion")
+    sub = p.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="tiny model + bundled photos through the whole pipeline")
+    demo.add_argument("--workdir", type=Path, default=Path("demo-run"))
+    demo.add_argument("--json", action="store_true")
+    run = sub.add_parser("run", help="run a config's pipeline")
+    status = sub.add_parser("status", help="per stage: hit or miss and why, without running")
+    for cmd in (run, status):
+        cmd.add_argument("config", type=Path)
+        cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+        cmd.add_argument("--json", action="store_true")
+    run.add_argument("--only", action="append", default=[], metavar="STAGE")
+    run.add_argument("--from", dest="start", metavar="STAGE")
+    run.add_argument("--force", action="append", default=[], metavar="STAGE")
+    cache = sub.add_parser("cache", help="manage the artifact store")
+    cache.add_argument("action", choices=["ls", "verify", "rm", "gc"])
+    cache.add_argument("keys", nargs="*", help="rm: artifact keys or key prefixes")
+    where = cache.add_mutually_exclusive_group()
+    where.add_argument("--cache-dir", type=Path)
+    where.add_argument("--config", type=Path)
+    cache.add_argument("--keep-days", type=float, default=30, help="gc: keep artifacts used this recently")
+    cache.add_argument("--json", action="store_true")
+    tiny = sub.add_parser("tiny-model", help="build a tiny model offline")
+    tiny.add_argument("dir", type=Path)
+    tiny.add_argument("--arch", choices=["sd15", "sdxl"], default="sd15")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    for name, value in PREFECT_DEFAULTS.items():
+        os.environ.setdefault(name, value)
+    try:
+        return _dispatch(args)
+    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
+        print(f"lorapipe: error: {e}", file=sys.stderr)
+        return 2 if isinstance(e, ConfigError) else 1
+
+
+def _dispatch(args: argparse.Namespace) -> int:
+    from . import commands
+
+    if args.command == "demo":
+        from .demo import prepare_demo
+
+        config = prepare_demo(args.workdir)
+        os.environ.setdefault("PREFECT_HOME", str((args.workdir / "prefect").resolve()))
+        return commands.run(config, [], [], None, [], args.json)
+    if args.command == "run":
+        return commands.run(args.config, args.overrides, args.only, args.start, args.force, args.json)
+    if args.command == "status":
+        return commands.status(args.config, args.overrides, args.json)
+    if args.command == "cache":
+        return commands.cache(args)
+    from stages.tiny import build_tiny_model
+
+    print(build_tiny_model(args.dir, args.arch))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

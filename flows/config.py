@@ -1,0 +1,108 @@
+"""The pipeline config: YAML validated into frozen pydantic models, one section per stage.
+
+A stage section holds the stage's keyed params and its unkeyed options side by side; `split`
+separates them. Relative paths are resolved against the config file's folder.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError
+
+from stages import encode, evaluate, preprocess, train
+from stages.contract import Frozen
+
+
+class ConfigError(ValueError):
+    """A bad config: the message is one line naming the file and the key."""
+
+
+class ModelConfig(Frozen):
+    path: Path = Field(description="a diffusers-format model folder (model_index.json)")
+
+
+class DataConfig(Frozen):
+    path: Path = Field(description="an image folder with caption sidecars or metadata.jsonl")
+
+
+class EncodeConfig(encode.EncodeParams, encode.EncodeOptions):
+    pass
+
+
+class TrainConfig(train.TrainParams, train.TrainOptions):
+    pass
+
+
+class EvaluateConfig(evaluate.EvalParams, evaluate.EvalOptions):
+    pass
+
+
+class PipelineConfig(Frozen):
+    name: str = Field("default", pattern=r"^[\w.-]+$", description="names this pipeline's history in the cache")
+    cache_dir: Path
+    output_dir: Path
+    model: ModelConfig
+    data: DataConfig
+    preprocess: preprocess.PreprocessParams = preprocess.PreprocessParams()
+    encode: EncodeConfig = EncodeConfig()
+    train: TrainConfig
+    evaluate: EvaluateConfig
+
+
+def split(section: Frozen, params_cls: type[Frozen], options_cls: type[Frozen] | None):
+    """(keyed params, unkeyed options) of a stage section."""
+    values = section.model_dump()
+    params = params_cls(**{k: values[k] for k in params_cls.model_fields})
+    options = options_cls(**{k: values[k] for k in options_cls.model_fields}) if options_cls else None
+    return params, options
+
+
+def _apply_override(raw: dict, assignment: str, source: str) -> None:
+    dotted, sep, value = assignment.partition("=")
+    if not sep or not dotted:
+        raise ConfigError(f"{source}: --set expects key=value, got {assignment!r}")
+    *parents, leaf = dotted.split(".")
+    node = raw
+    for part in parents:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"{source}: --set {dotted}: {part} is not a section")
+    node[leaf] = yaml.safe_load(value)
+
+
+def _resolve_paths(raw: dict, base: Path) -> None:
+    for dotted in ("cache_dir", "output_dir", "model.path", "data.path", "evaluate.clip_model"):
+        *parents, leaf = dotted.split(".")
+        node = raw
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and isinstance(node.get(leaf), str):
+            node[leaf] = str((base / Path(node[leaf]).expanduser()).resolve())
+
+
+def load_config(path: Path, overrides: list[str] = ()) -> PipelineConfig:
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except OSError as e:
+        raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: the config must be a mapping of sections")
+    for assignment in overrides:
+        _apply_override(raw, assignment, str(path))
+    _resolve_paths(raw, path.parent.resolve())
+    return validate_config(raw, str(path))
+
+
+def validate_config(raw: dict[str, Any], source: str) -> PipelineConfig:
+    try:
+        return PipelineConfig(**raw)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        more = f" (and {len(e.errors()) - 1} more)" if len(e.errors()) > 1 else ""
+        raise ConfigError(f"{source}: {where}: {err['msg']}{more}") from None

@@ -1,0 +1,82 @@
+"""The lorapipe flow: preprocess -> encode -> train -> evaluate, each a Prefect task whose
+hit or miss is decided by our cache manifest (a hit shows in Prefect as a "Cached" state).
+
+    lorapipe run configs/demo.yaml            # or: python -m flows.pipeline CONFIG
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+from prefect import flow, get_run_logger, task
+from prefect.cache_policies import NO_CACHE
+from prefect.states import Completed
+
+from .config import PipelineConfig, load_config
+from .plan import STAGES, Context
+from .runner import StageResult, run_stage
+
+OUTPUT_FILES = {  # stage -> files copied next to the run summary for the user
+    "train": ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"),
+    "evaluate": ("grid.png", "metrics.json", "report.md"),
+}
+
+
+@task(cache_policy=NO_CACHE, persist_result=False)
+def stage_task(config: PipelineConfig, stage: str, upstream: dict[str, str], run: bool, force: bool):
+    """One stage. `upstream` maps earlier stages to their artifact keys."""
+    logger = get_run_logger()
+    ctx = Context(config, log=logger.info)
+    try:
+        artifacts = {s: ctx.store.lookup(s, k).artifact for s, k in upstream.items()}
+        result, _ = run_stage(ctx, stage, artifacts, run=run, force=force)
+    finally:
+        ctx.close()
+    if result.status == "hit":
+        return Completed(name="Cached", message=f"{stage}: served from {result.path}", data=result)
+    return result
+
+
+def selected_stages(only: list[str], start: str | None) -> set[str]:
+    for name in [*only, *([start] if start else [])]:
+        if name not in STAGES:
+            raise ValueError(f"unknown stage {name!r}: expected one of {', '.join(STAGES)}")
+    if only:
+        return set(only)
+    return set(STAGES[STAGES.index(start):]) if start else set(STAGES)
+
+
+@flow(name="lorapipe", log_prints=True)
+def pipeline(config: PipelineConfig, only: list[str] = [], start: str | None = None,  # noqa: B006
+             force: list[str] = []) -> list[dict]:  # noqa: B006
+    """Run the four stages; `only`/`start`/`force` match the CLI's --only/--from/--force."""
+    chosen = selected_stages(only, start)
+    results: list[StageResult] = []
+    upstream: dict[str, str] = {}
+    last = max(STAGES.index(s) for s in chosen)
+    for stage in STAGES[: last + 1]:  # stages before a chosen one must be cache hits
+        state = stage_task.with_options(name=stage)(
+            config, stage, dict(upstream), stage in chosen, stage in force, return_state=True)
+        result: StageResult = state.result()
+        results.append(result)
+        upstream[stage] = result.key
+    summary = [r.to_json() for r in results]
+    write_outputs(config, results, summary)
+    return summary
+
+
+def write_outputs(config: PipelineConfig, results: list[StageResult], summary: list[dict]) -> None:
+    out = config.output_dir
+    out.mkdir(parents=True, exist_ok=True)
+    for result in results:
+        for name in OUTPUT_FILES.get(result.stage, ()):
+            src = Path(result.path) / name
+            if src.exists():
+                shutil.copyfile(src, out / name)
+    (out / "run-summary.json").write_text(json.dumps({"pipeline": config.name, "stages": summary}, indent=1))
+
+
+if __name__ == "__main__":
+    pipeline(load_config(Path(sys.argv[1])))

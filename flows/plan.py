@@ -1,0 +1,127 @@
+"""What each stage's key is made of and how it is built, given the artifacts before it.
+
+Each `*_step` returns a Step: its StageKey (stage, VERSION, params, input artifact digests,
+model component digests, library majors — never paths, run ids or the whole config) and a
+build function for the cache store. Computing keys is cheap: it hashes only changed files.
+"""
+from __future__ import annotations
+
+import hashlib
+import inspect
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+from typing import Callable
+
+from cache.digest import StatCache
+from cache.store import Artifact, ArtifactStore, Built, StageKey
+from stages import encode, evaluate, preprocess, train
+from stages.contract import Log, library_majors, library_versions
+from stages.models import component_digests, model_family
+
+from .config import PipelineConfig, split
+
+STAGES = ("preprocess", "encode", "train", "evaluate")
+MODULES = {"preprocess": preprocess, "encode": encode, "train": train, "evaluate": evaluate}
+MODEL_PARTS = {  # which model components each stage's output depends on
+    "encode": ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"),
+    "train": ("unet", "scheduler"),
+    "evaluate": ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "unet", "scheduler"),
+}
+LIBS = ("torch", "diffusers", "transformers")
+
+
+@dataclass(frozen=True)
+class Step:
+    key: StageKey
+    build: Callable[[Path, Path], Built | None]
+
+
+class Context:
+    """Per-run facts shared by the steps: the store, the stat cache, the model's identity."""
+
+    def __init__(self, config: PipelineConfig, log: Log = print):
+        self.config, self.log = config, log
+        self.store = ArtifactStore(config.cache_dir)
+        self.stat_cache = StatCache(self.store.root / "stat-cache.sqlite")
+
+    @cached_property
+    def family(self) -> str:
+        return model_family(self.config.model.path)
+
+    @cached_property
+    def model_digests(self) -> dict[str, str]:
+        return component_digests(self.config.model.path, self.stat_cache)
+
+    def models_for(self, stage: str) -> dict[str, str]:
+        return {k: v for k, v in self.model_digests.items() if k in MODEL_PARTS.get(stage, ())}
+
+    def stage_key(self, stage: str, params, inputs: dict[str, str], resumable: tuple[str, ...] = ()) -> StageKey:
+        return StageKey(stage, {
+            "stage": stage, "version": MODULES[stage].VERSION, "params": params.model_dump(mode="json"),
+            "inputs": inputs, "models": self.models_for(stage), "libs": library_majors(*LIBS),
+        }, resumable)
+
+    def producer(self, stage: str) -> dict:
+        """Provenance recorded in the manifest, not keyed: exact versions and the code's digest."""
+        return {"libs": library_versions(*LIBS), "code": code_digest(stage), "pipeline": self.config.name}
+
+    def close(self) -> None:
+        self.stat_cache.close()
+
+
+def code_digest(stage: str) -> str:
+    module = MODULES[stage]
+    files = sorted(Path(module.__file__).parent.glob("*.py")) if module.__file__.endswith("__init__.py") \
+        else [Path(inspect.getfile(module))]
+    return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
+
+
+def preprocess_step(ctx: Context) -> Step:
+    cfg = ctx.config
+    params = cfg.preprocess
+    fingerprint = preprocess.dataset_fingerprint(cfg.data.path, params.caption_ext, ctx.stat_cache)
+    inputs = preprocess.PreprocessInputs(cfg.data.path, ctx.stat_cache)
+    return Step(ctx.stage_key("preprocess", params, {"dataset": fingerprint}),
+                lambda out, work: preprocess.run(params, inputs, out, work, None, ctx.log))
+
+
+def encode_step(ctx: Context, pre: Artifact) -> Step:
+    cfg = ctx.config
+    params, options = split(cfg.encode, encode.EncodeParams, encode.EncodeOptions)
+    inputs = encode.EncodeInputs(pre.path, cfg.data.path, ctx.store.root, cfg.model.path, ctx.family,
+                                 ctx.models_for("encode"))
+    return Step(ctx.stage_key("encode", params, {"preprocess": pre.digest}),
+                lambda out, work: encode.run(params, inputs, out, work, options, ctx.log))
+
+
+def train_step(ctx: Context, enc: Artifact) -> Step:
+    cfg = ctx.config
+    params, options = split(cfg.train, train.TrainParams, train.TrainOptions)
+    inputs = train.TrainInputs(
+        encoded_dir=enc.path, cache_root=ctx.store.root, model_path=cfg.model.path,
+        base_model_digest=ctx.model_digests["unet"], encoded_digest=enc.digest,
+    )
+    key = ctx.stage_key("train", params, {"encode": enc.digest}, resumable=("params.max_steps",))
+    return Step(key, lambda out, work: train.run(params, inputs, out, work, options, ctx.log))
+
+
+def evaluate_step(ctx: Context, enc: Artifact, trained: Artifact) -> Step:
+    cfg = ctx.config
+    params, options = split(cfg.evaluate, evaluate.EvalParams, evaluate.EvalOptions)
+    inputs = evaluate.EvalInputs(
+        model_path=cfg.model.path, train_dir=trained.path, encoded_dir=enc.path, cache_root=ctx.store.root,
+        base_model_digest=ctx.model_digests["unet"], encoded_digest=enc.digest, lora_digest=trained.digest,
+    )
+    key = ctx.stage_key("evaluate", params, {"encode": enc.digest, "train": trained.digest})
+    return Step(key, lambda out, work: evaluate.run(params, inputs, out, work, options, ctx.log))
+
+
+def step_for(stage: str, ctx: Context, upstream: dict[str, Artifact]) -> Step:
+    if stage == "preprocess":
+        return preprocess_step(ctx)
+    if stage == "encode":
+        return encode_step(ctx, upstream["preprocess"])
+    if stage == "train":
+        return train_step(ctx, upstream["encode"])
+    return evaluate_step(ctx, upstream["encode"], upstream["train"])

@@ -1,0 +1,102 @@
+"""Runs one stage through the cache: decide hit or miss (and why), build on a miss, remember.
+
+No Prefect here: the flow wraps `run_stage` in a task, `lorapipe status` calls `explain`.
+"""
+from __future__ import annotations
+
+import shutil
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from cache.store import Artifact, Lookup, StageKey, diff_ingredients
+
+from .plan import Context, Step, code_digest, step_for
+
+
+class StageNotCached(RuntimeError):
+    """A stage that was not selected to run has no valid artifact for this config."""
+
+
+@dataclass
+class StageResult:
+    stage: str
+    status: str  # "computed" or "hit"
+    key: str
+    digest: str
+    path: str
+    seconds: float
+    reason: str
+    info: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def miss_reason(ctx: Context, key: StageKey, found: Lookup) -> str:
+    """Why `key` is not served from the cache, in terms of what changed since the last run."""
+    previous = ctx.store.previous(ctx.config.name, key.stage)
+    if previous is None:
+        return f"{found.reason} (no earlier run of pipeline {ctx.config.name!r})"
+    if previous["key"] == key.key:
+        return found.reason  # same ingredients: the artifact itself is missing or damaged
+    changed = diff_ingredients(previous["ingredients"], key.ingredients)
+    return "changed: " + ", ".join(changed)
+
+
+def hit_note(stage: str, artifact: Artifact) -> str:
+    if artifact.manifest["producer"].get("code") not in (None, code_digest(stage)):
+        return "hit (the stage's code changed since; its VERSION did not, so the artifact stands)"
+    return "hit"
+
+
+def run_stage(ctx: Context, stage: str, upstream: dict[str, Artifact], *, run: bool = True,
+              force: bool = False) -> tuple[StageResult, Artifact]:
+    """Serve `stage` from the cache or build it. With run=False a miss is an error."""
+    started = time.time()
+    step: Step = step_for(stage, ctx, upstream)
+    key = step.key
+    found = ctx.store.lookup(stage, key.key)
+    if force:
+        ctx.log(f"{stage}: --force: rebuilding {key.key[:12]} and discarding its work directory")
+        if found.artifact:
+            ctx.store.remove(found.artifact)
+        shutil.rmtree(ctx.store.work_dir(stage, key.work_key), ignore_errors=True)
+        found = Lookup(None, "forced")
+    if found.hit:
+        artifact, computed, reason = found.artifact, False, hit_note(stage, found.artifact)
+    elif not run:
+        raise StageNotCached(f"{stage} is not selected to run and has no cached artifact for this config "
+                             f"({miss_reason(ctx, key, found)}); run it first or drop --only/--from")
+    else:
+        reason = "forced" if force else miss_reason(ctx, key, found)
+        ctx.log(f"{stage}: miss ({reason}); computing {key.key[:12]}")
+        artifact, computed = ctx.store.build(key, step.build, ctx.producer(stage), ctx.log)
+        if not computed:
+            reason = "built meanwhile by a concurrent run"
+    ctx.store.remember(ctx.config.name, key, artifact)
+    status = "computed" if computed else "hit"
+    ctx.log(f"{stage}: {status} {artifact.path}")
+    result = StageResult(stage, status, key.key, artifact.digest, str(artifact.path),
+                         round(time.time() - started, 3), reason, artifact.manifest.get("info", {}))
+    return result, artifact
+
+
+def explain(ctx: Context, stages: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Per stage: key, hit or miss and why, without running anything (`lorapipe status`)."""
+    upstream: dict[str, Artifact] = {}
+    rows = []
+    for stage in stages:
+        if any(s not in upstream for s in stages[: stages.index(stage)]):
+            rows.append({"stage": stage, "status": "miss", "key": None,
+                         "reason": "an earlier stage will be recomputed; its key is known after that"})
+            continue
+        key = step_for(stage, ctx, upstream).key
+        found = ctx.store.lookup(stage, key.key)
+        if found.hit:
+            upstream[stage] = found.artifact
+            rows.append({"stage": stage, "status": "hit", "key": key.key, "reason": hit_note(stage, found.artifact),
+                         "path": str(found.artifact.path)})
+        else:
+            rows.append({"stage": stage, "status": "miss", "key": key.key, "reason": miss_reason(ctx, key, found)})
+    return rows

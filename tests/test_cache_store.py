@@ -1,0 +1,157 @@
+"""The cache contract (DESIGN.md): atomic publish, manifest as commit marker, damaged = miss,
+one writer per key, early-cutoff digests, stat-cached hashing. No diffusion involved."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from cache.digest import StatCache
+from cache.samples import SampleStore
+from cache.store import ArtifactStore, Built, StageKey
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _key(**params) -> StageKey:
+    return StageKey("demo", {"stage": "demo", "params": params}, resumable=("params.steps",))
+
+
+def _write(files: dict[str, bytes]):
+    def build(out: Path, work: Path) -> Built:
+        for rel, data in files.items():
+            (out / rel).parent.mkdir(parents=True, exist_ok=True)
+            (out / rel).write_bytes(data)
+        return Built(info={"n": len(files)})
+    return build
+
+
+def test_build_publishes_a_manifest_listing_every_file(tmp_path):
+    store = ArtifactStore(tmp_path)
+    artifact, computed = store.build(_key(a=1), _write({"x.bin": b"abc", "logs/run.log": b"t=1"}), {})
+    assert computed and (artifact.path / "manifest.json").is_file()
+    assert set(artifact.manifest["files"]) == {"x.bin", "logs/run.log"}
+    again, computed = store.build(_key(a=1), _write({"x.bin": b"different"}), {})
+    assert not computed and again.digest == artifact.digest
+    assert list((tmp_path / "tmp" / "demo").iterdir()) == []  # nothing left behind
+
+
+def test_digest_ignores_logs_so_identical_data_cuts_off_downstream(tmp_path):
+    one, _ = ArtifactStore(tmp_path / "a").build(_key(a=1), _write({"x": b"same", "logs/l": b"1"}), {})
+    two, _ = ArtifactStore(tmp_path / "b").build(_key(a=1), _write({"x": b"same", "logs/l": b"2"}), {})
+    three, _ = ArtifactStore(tmp_path / "c").build(_key(a=1), _write({"x": b"other"}), {})
+    assert one.digest == two.digest != three.digest
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "manifest"])
+def test_a_damaged_artifact_is_a_miss_that_names_the_file_and_is_rebuilt(tmp_path, damage):
+    store = ArtifactStore(tmp_path)
+    artifact, _ = store.build(_key(a=1), _write({"x.bin": b"abcdef"}), {})
+    target = artifact.path / ("manifest.json" if damage == "manifest" else "x.bin")
+    if damage == "truncate":
+        target.write_bytes(b"abc")
+    else:
+        target.unlink()
+    found = store.lookup("demo", artifact.key)
+    assert not found.hit and str(target) in found.reason
+    rebuilt, computed = store.build(_key(a=1), _write({"x.bin": b"abcdef"}), {})
+    assert computed and (rebuilt.path / "x.bin").read_bytes() == b"abcdef"
+
+
+def test_verify_catches_corruption_that_keeps_the_size(tmp_path):
+    store = ArtifactStore(tmp_path)
+    artifact, _ = store.build(_key(a=1), _write({"x.bin": b"abcdef"}), {})
+    assert store.verify(artifact) == []
+    (artifact.path / "x.bin").write_bytes(b"abcdeF")
+    assert store.lookup("demo", artifact.key).hit  # the cheap check cannot see it...
+    assert "x.bin" in store.verify(artifact)[0]  # ...the thorough one does
+
+
+BUILDER = textwrap.dedent("""
+    import sys, time
+    from pathlib import Path
+    from cache.store import ArtifactStore, StageKey
+    root, marker, sleep = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
+    def build(out, work):
+        with open(marker, "a") as f:
+            f.write("built\\n")
+        (out / "x").write_text("data")
+        time.sleep(sleep)
+    key = StageKey("demo", {"stage": "demo", "params": {"a": 1}})
+    artifact, computed = ArtifactStore(Path(root)).build(key, build, {}, log=lambda m: print(m, flush=True))
+    print("computed" if computed else "waited", flush=True)
+""")
+
+
+def _builder(tmp_path: Path, sleep: float) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-c", BUILDER, str(tmp_path / "cache"), str(tmp_path / "marker"),
+                             str(sleep)], cwd=REPO, stdout=subprocess.PIPE, text=True)
+
+
+def _wait_for(path: Path, timeout: float = 30) -> None:
+    deadline = time.time() + timeout
+    while not path.exists():
+        assert time.time() < deadline, f"{path} never appeared"
+        time.sleep(0.05)
+
+
+def test_a_builder_killed_mid_stage_publishes_nothing_and_the_next_run_completes(tmp_path):
+    victim = _builder(tmp_path, sleep=60)
+    _wait_for(tmp_path / "marker")
+    victim.send_signal(signal.SIGKILL)
+    victim.wait()
+    store = ArtifactStore(tmp_path / "cache")
+    assert not store.lookup("demo", _key(a=1).key).hit
+    survivor = _builder(tmp_path, sleep=0)  # the kernel released the dead builder's lock
+    assert survivor.communicate(timeout=60)[0].strip().endswith("computed")
+    assert store.lookup("demo", _key(a=1).key).hit
+
+
+def test_two_concurrent_builders_of_one_key_compute_it_once(tmp_path):
+    first = _builder(tmp_path, sleep=2)
+    _wait_for(tmp_path / "marker")
+    second = _builder(tmp_path, sleep=0)
+    out_first, out_second = first.communicate(timeout=60)[0], second.communicate(timeout=60)[0]
+    assert out_first.strip().endswith("computed")
+    assert "waiting" in out_second and out_second.strip().endswith("waited")
+    assert (tmp_path / "marker").read_text().count("built") == 1
+
+
+def test_work_key_leaves_out_resumable_settings(tmp_path):
+    assert _key(a=1, steps=10).key != _key(a=1, steps=20).key
+    assert _key(a=1, steps=10).work_key == _key(a=1, steps=20).work_key != _key(a=2, steps=10).work_key
+
+
+def test_stat_cache_reads_a_file_only_when_its_stat_changes(tmp_path):
+    image = tmp_path / "img.jpg"
+    image.write_bytes(b"pixels")
+    with StatCache(tmp_path / "stat.sqlite") as cache:
+        first = cache.digest(image)
+        assert cache.digest(image) == first and cache.hashed == 1
+        os.utime(image, ns=(1, 1))  # touched, same bytes: re-read, same digest
+        assert cache.digest(image) == first and cache.hashed == 2
+        image.write_bytes(b"pixelz")
+        assert cache.digest(image) != first
+    with StatCache(tmp_path / "stat.sqlite") as reopened:  # persisted across processes
+        reopened.digest(image)
+        assert reopened.hashed == 0
+
+
+def test_sample_store_shards_are_deterministic_and_readable_by_offset(tmp_path):
+    records = {f"k{i}": {"safetensors": bytes([i]) * (100 + i), "json": b"{}"} for i in range(5)}
+    a, b = SampleStore(tmp_path / "a"), SampleStore(tmp_path / "b")
+    shard = a.write_shard(records)
+    assert b.write_shard(records) == shard
+    assert a.shard_path(shard).read_bytes() == b.shard_path(shard).read_bytes()
+    fresh = SampleStore(tmp_path / "a")
+    assert fresh.missing(["k1", "k9"]) == ["k9"]
+    assert fresh.read(fresh.index()["k3"], "safetensors") == bytes([3]) * 103
+    with open(a.shard_path(shard), "r+b") as f:
+        f.truncate(512)
+    assert SampleStore(tmp_path / "a").missing(["k1"]) == ["k1"]  # a truncated shard's records are gone
