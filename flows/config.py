@@ -11,7 +11,10 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError
 
-from stages import encode, evaluate, preprocess, train
+from stages.encode import EncodeOptions, EncodeParams
+from stages.evaluate import EvalOptions, EvalParams
+from stages.preprocess import PreprocessParams
+from stages.train import TrainOptions, TrainParams
 from stages.contract import Frozen
 
 
@@ -27,15 +30,15 @@ class DataConfig(Frozen):
     path: Path = Field(description="an image folder with caption sidecars or metadata.jsonl")
 
 
-class EncodeConfig(encode.EncodeParams, encode.EncodeOptions):
+class EncodeConfig(EncodeParams, EncodeOptions):
     pass
 
 
-class TrainConfig(train.TrainParams, train.TrainOptions):
+class TrainConfig(TrainParams, TrainOptions):
     pass
 
 
-class EvaluateConfig(evaluate.EvalParams, evaluate.EvalOptions):
+class EvaluateConfig(EvalParams, EvalOptions):
     pass
 
 
@@ -45,7 +48,7 @@ class PipelineConfig(Frozen):
     output_dir: Path
     model: ModelConfig
     data: DataConfig
-    preprocess: preprocess.PreprocessParams = preprocess.PreprocessParams()
+    preprocess: PreprocessParams = PreprocessParams()
     encode: EncodeConfig = EncodeConfig()
     train: TrainConfig
     evaluate: EvaluateConfig

@@ -60,6 +60,7 @@ def pipeline(config: PipelineConfig, only: list[str] = [], start: str | None = N
         state = stage_task.with_options(name=stage)(
             config, stage, dict(upstream), stage in chosen, stage in force, return_state=True)
         result: StageResult = state.result()
+        result.prefect_state = state.name
         results.append(result)
         upstream[stage] = result.key
     summary = [r.to_json() for r in results]

@@ -28,6 +28,7 @@ class StageResult:
     seconds: float
     reason: str
     info: dict[str, Any] = field(default_factory=dict)
+    prefect_state: str | None = None  # the task run's state name, when run by the flow
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -1,0 +1,54 @@
+"""`lorapipe demo` end to end through Prefect's embedded mode, twice: the second run is all cache
+hits, shown as Cached task runs, and recomputes nothing."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def lorapipe(*args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PREFECT_HOME": str(cwd / "prefect-home")}
+    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, text=True,
+                          capture_output=True, timeout=900)
+
+
+@pytest.fixture(scope="module")
+def demo_runs(tmp_path_factory):
+    cwd = tmp_path_factory.mktemp("demo")
+    first = lorapipe("demo", "--workdir", "run", cwd=cwd)
+    assert first.returncode == 0, first.stderr[-3000:]
+    summary_first = json.loads((cwd / "run" / "outputs" / "run-summary.json").read_text())
+    second = lorapipe("demo", "--workdir", "run", cwd=cwd)
+    assert second.returncode == 0, second.stderr[-3000:]
+    summary_second = json.loads((cwd / "run" / "outputs" / "run-summary.json").read_text())
+    return cwd / "run", first, summary_first, summary_second
+
+
+def test_demo_writes_the_lora_grid_and_metrics_and_says_where(demo_runs):
+    run, first, summary, _ = demo_runs
+    outputs = run / "outputs"
+    for name in ("pytorch_lora_weights.safetensors", "grid.png", "metrics.json", "run-summary.json"):
+        assert (outputs / name).is_file()
+        assert str(outputs / name) in first.stdout
+    assert [s["status"] for s in summary["stages"]] == ["computed"] * 4
+
+
+def test_demo_lora_beats_the_base_model_on_its_training_samples(demo_runs):
+    metrics = json.loads((demo_runs[0] / "outputs" / "metrics.json").read_text())
+    train = metrics["loss"]["train"]
+    assert train["lora"]["overall"] < train["base"]["overall"]
+
+
+def test_second_demo_run_is_all_cached(demo_runs):
+    _, _, first, second = demo_runs
+    assert [s["status"] for s in second["stages"]] == ["hit"] * 4
+    assert [s["prefect_state"] for s in second["stages"]] == ["Cached"] * 4
+    assert [s["key"] for s in second["stages"]] == [s["key"] for s in first["stages"]]
+    assert sum(s["seconds"] for s in second["stages"]) < 10

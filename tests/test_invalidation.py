@@ -1,0 +1,165 @@
+"""Each invalidation rule of the cache, proven on the tiny pipeline (CPU, real stages, no Prefect:
+the flow only wraps these same calls in tasks). Encodes are counted by hooking the VAE encoder's
+and text encoders' forward calls, not by trusting the stage's own counters."""
+from __future__ import annotations
+
+import os
+import shutil
+from contextlib import contextmanager
+from pathlib import Path
+
+import pytest
+import torch
+
+from flows.config import validate_config
+from flows.plan import STAGES, Context
+from flows.runner import explain, run_stage
+
+pytestmark = pytest.mark.slow
+
+SMALL = {
+    "preprocess": {"resolution": 64, "holdout_fraction": 0.25},
+    "encode": {"num_workers": 0},
+    "train": {"max_steps": 20, "learning_rate": 2e-3, "checkpoint_every": 10, "keep_checkpoints": 2, "log_every": 10},
+    "evaluate": {"prompts": ["a photo of a cat"], "seeds": [0], "num_inference_steps": 2},
+}
+
+
+def make_config(tmp: Path, model: Path, data: Path, cache: Path, **sections):
+    raw = {"name": "t", "cache_dir": cache, "output_dir": tmp / "out", "model": {"path": model},
+           "data": {"path": data}, **{k: {**v, **sections.get(k, {})} for k, v in SMALL.items()}}
+    return validate_config(raw, "test")
+
+
+def run_all(config, stages=STAGES) -> dict:
+    ctx = Context(config, log=lambda m: None)
+    upstream, results = {}, {}
+    try:
+        for stage in stages:
+            results[stage], upstream[stage] = run_stage(ctx, stage, upstream)
+    finally:
+        ctx.close()
+    return results
+
+
+def statuses(results: dict) -> dict[str, str]:
+    return {stage: r.status for stage, r in results.items()}
+
+
+@contextmanager
+def count_encoder_rows():
+    """Rows pushed through the VAE encoder and through each text encoder, whatever calls them."""
+    counts = {"vae": 0, "text": 0}
+
+    def hook(module, args, kwargs, output):
+        name = type(module).__name__
+        if name == "Encoder" and type(module).__module__.startswith("diffusers"):
+            counts["vae"] += args[0].shape[0]
+        elif name in ("CLIPTextModel", "CLIPTextModelWithProjection"):
+            ids = args[0] if args else kwargs["input_ids"]
+            counts["text"] += ids.shape[0]
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
+    try:
+        yield counts
+    finally:
+        handle.remove()
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, tiny_model, demo_images):
+    """One complete run; every test starts from copies of its model and data over its cache."""
+    root = tmp_path_factory.mktemp("baseline")
+    shutil.copytree(tiny_model, root / "model")
+    shutil.copytree(demo_images, root / "data")
+    config = make_config(root, root / "model", root / "data", root / "cache")
+    with count_encoder_rows() as counts:
+        results = run_all(config)
+    assert statuses(results) == dict.fromkeys(STAGES, "computed")
+    assert counts == {"vae": 8, "text": 9}  # 8 images, 8 captions + the empty prompt
+    return root
+
+
+def copy_of(baseline: Path, tmp_path: Path, **sections):
+    shutil.copytree(baseline / "model", tmp_path / "model")
+    shutil.copytree(baseline / "data", tmp_path / "data")
+    return make_config(tmp_path, tmp_path / "model", tmp_path / "data", baseline / "cache", **sections)
+
+
+def test_unchanged_inputs_moved_and_touched_rerun_nothing(baseline, tmp_path):
+    config = copy_of(baseline, tmp_path)  # new folders, new inodes, same bytes
+    for path in (tmp_path / "data").iterdir():
+        os.utime(path, ns=(10**9, 10**9))
+    with count_encoder_rows() as counts:
+        results = run_all(config)
+    assert statuses(results) == dict.fromkeys(STAGES, "hit")
+    assert counts == {"vae": 0, "text": 0}
+
+
+def test_learning_rate_reruns_only_train_and_evaluate(baseline, tmp_path):
+    config = copy_of(baseline, tmp_path, train={"learning_rate": 1e-3})
+    rows = {r["stage"]: r for r in explain(Context(config), STAGES)}
+    assert rows["train"]["status"] == "miss" and "params.learning_rate" in rows["train"]["reason"]
+    results = run_all(config)
+    assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed", "evaluate": "computed"}
+
+
+def test_evaluation_prompt_reruns_only_evaluate(baseline, tmp_path):
+    config = copy_of(baseline, tmp_path, evaluate={"prompts": ["a photo of a rocket"]})
+    results = run_all(config)
+    assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "hit", "evaluate": "computed"}
+    assert "params.prompts" in results["evaluate"].reason
+
+
+def test_one_caption_edit_encodes_one_text_embedding_and_no_latent(baseline, tmp_path):
+    config = copy_of(baseline, tmp_path)
+    (tmp_path / "data" / "coffee.txt").write_text("a photo of an espresso\n")
+    with count_encoder_rows() as counts:
+        results = run_all(config, STAGES[:2])
+    assert statuses(results) == {"preprocess": "computed", "encode": "computed"}
+    assert counts == {"vae": 0, "text": 1}
+    assert results["encode"].info["texts_encoded"] == 1 and results["encode"].info["latents_encoded"] == 0
+
+
+def test_new_vae_weights_at_the_same_path_re_encode_latents_but_no_text(baseline, tmp_path):
+    config = copy_of(baseline, tmp_path)
+    weights = tmp_path / "model" / "vae" / "diffusion_pytorch_model.safetensors"
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(weights)
+    tensors = {k: v * 1.01 if v.is_floating_point() else v for k, v in tensors.items()}
+    save_file(tensors, weights, metadata={"format": "pt"})
+    rows = {r["stage"]: r for r in explain(Context(config), STAGES)}
+    assert rows["encode"]["status"] == "miss" and "models.vae" in rows["encode"]["reason"]
+    with count_encoder_rows() as counts:
+        results = run_all(config, STAGES[:2])
+    assert statuses(results) == {"preprocess": "hit", "encode": "computed"}
+    assert counts == {"vae": 8, "text": 0}
+
+
+def test_byte_identical_re_encode_does_not_rerun_train(baseline, tmp_path):
+    config = copy_of(baseline, tmp_path)
+    ctx = Context(config, log=lambda m: None)
+    pre, pre_art = run_stage(ctx, "preprocess", {})
+    first, _ = run_stage(ctx, "encode", {"preprocess": pre_art})
+    forced, enc_art = run_stage(ctx, "encode", {"preprocess": pre_art}, force=True)
+    trained, _ = run_stage(ctx, "train", {"preprocess": pre_art, "encode": enc_art})
+    ctx.close()
+    assert forced.status == "computed" and forced.digest == first.digest
+    assert trained.status == "hit"
+
+
+def test_a_truncated_file_in_a_published_artifact_is_a_logged_miss_then_rebuilt(baseline, tmp_path):
+    shutil.copytree(baseline / "cache", tmp_path / "cache")  # damage a private copy of the cache
+    config = make_config(tmp_path, baseline / "model", baseline / "data", tmp_path / "cache")
+    lora = Path(run_all(config)["train"].path) / "pytorch_lora_weights.safetensors"
+    lora.write_bytes(lora.read_bytes()[:100])
+    logs: list[str] = []
+    ctx = Context(config, log=logs.append)
+    upstream, results = {}, {}
+    for stage in STAGES:
+        results[stage], upstream[stage] = run_stage(ctx, stage, upstream)
+    ctx.close()
+    assert results["train"].status == "computed" and str(lora) in results["train"].reason
+    assert any("miss" in line and str(lora) in line for line in logs)
+    assert lora.stat().st_size > 100
