@@ -165,9 +165,11 @@ def _encode_latents(todo: list[tuple[str, dict]], inputs: EncodeInputs, dtype: t
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL.from_pretrained(inputs.model_path, subfolder="vae").eval().requires_grad_(False)
+    # spawn, not fork: the Prefect host process is multi-threaded and forked workers died in it
+    workers = min(options.num_workers, len(todo) // options.batch_size)
     loader = torch.utils.data.DataLoader(
         ImageCrops(inputs.dataset_dir, [s for _, s in todo]), batch_size=options.batch_size,
-        num_workers=min(options.num_workers, len(todo) // options.batch_size),
+        num_workers=workers, multiprocessing_context="spawn" if workers else None,
     )
     done = 0
     with torch.inference_mode():
