@@ -12,9 +12,8 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
 from PIL import Image, ImageOps
 from pydantic import Field
 
@@ -26,8 +25,10 @@ from .contract import Frozen, Log, library_majors
 from .encoded import FORMAT, SAMPLES_FILE, encode_record
 from .preprocess import DATASET_FILE
 
+if TYPE_CHECKING:  # torch is imported where encoding happens, not by config loading
+    import torch
+
 VERSION = "1"
-DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
 class EncodeParams(Frozen):
@@ -66,8 +67,9 @@ def text_key(caption: str, params: EncodeParams, inputs: EncodeInputs) -> str:
     })[:40]
 
 
-class ImageCrops(torch.utils.data.Dataset):
-    """Decodes, orients, converts to RGB, resizes and crops one image (runs in loader workers)."""
+class ImageCrops:
+    """A map-style dataset that decodes, orients, converts to RGB, resizes and crops one image
+    (runs in DataLoader workers)."""
 
     def __init__(self, dataset_dir: Path, samples: list[dict]):
         self.dataset_dir, self.samples = dataset_dir, samples
@@ -75,14 +77,20 @@ class ImageCrops(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, i: int) -> torch.Tensor:
+    def __getitem__(self, i: int) -> tuple[int, torch.Tensor | None, str]:
+        """(index, pixels in [-1, 1] or None, why it failed): a broken file is reported, not raised."""
+        import torch
+
         s = self.samples[i]
-        with Image.open(self.dataset_dir / s["path"]) as im:
-            im = ImageOps.exif_transpose(im).convert("RGB")
-            h, w = s["resized"]
-            im = im.resize((w, h), Image.BICUBIC).crop(tuple(s["crop_box"]))
-            pixels = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
-        return pixels.view(im.height, im.width, 3).permute(2, 0, 1).float() / 127.5 - 1.0
+        try:
+            with Image.open(self.dataset_dir / s["path"]) as im:
+                im = ImageOps.exif_transpose(im).convert("RGB")
+                h, w = s["resized"]
+                im = im.resize((w, h), Image.BICUBIC).crop(tuple(s["crop_box"]))
+                pixels = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+        except (OSError, ValueError, SyntaxError) as e:
+            return i, None, f"cannot decode ({type(e).__name__}: {e})"
+        return i, pixels.view(im.height, im.width, 3).permute(2, 0, 1).float() / 127.5 - 1.0, ""
 
 
 class RecordBuffer:
@@ -122,13 +130,15 @@ class TextEncoder:
         tokenizer = self.pairs[0][0]
         return len(tokenizer(caption).input_ids) > tokenizer.model_max_length
 
-    @torch.inference_mode()
     def __call__(self, captions: list[str]) -> list[dict[str, torch.Tensor]]:
+        import torch
+
         hidden, pooled = [], None
         for tokenizer, model in self.pairs:
             ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length,
                             truncation=True, return_tensors="pt").input_ids
-            out = model(ids, output_hidden_states=True)
+            with torch.inference_mode():
+                out = model(ids, output_hidden_states=True)
             hidden.append(out.hidden_states[-2] if self.family == "sdxl" else out.last_hidden_state)
             if self.family == "sdxl":
                 pooled = out.text_embeds
@@ -158,10 +168,13 @@ def _encode_texts(captions: dict[str, tuple[str, str]], inputs: EncodeInputs, dt
 
 
 def _encode_latents(todo: list[tuple[str, dict]], inputs: EncodeInputs, dtype: torch.dtype,
-                    buffer: RecordBuffer, options: EncodeOptions, log: Log) -> None:
-    """todo: (latent record key, preprocess sample) for latents not yet in the store."""
+                    buffer: RecordBuffer, options: EncodeOptions, log: Log) -> dict[str, str]:
+    """todo: (latent record key, preprocess sample) for latents not yet in the store.
+    Returns the images that could not be decoded: path -> reason."""
+    failed: dict[str, str] = {}
     if not todo:
-        return
+        return failed
+    import torch
     from diffusers import AutoencoderKL
 
     vae = AutoencoderKL.from_pretrained(inputs.model_path, subfolder="vae").eval().requires_grad_(False)
@@ -169,25 +182,33 @@ def _encode_latents(todo: list[tuple[str, dict]], inputs: EncodeInputs, dtype: t
     workers = min(options.num_workers, len(todo) // options.batch_size)
     loader = torch.utils.data.DataLoader(
         ImageCrops(inputs.dataset_dir, [s for _, s in todo]), batch_size=options.batch_size,
-        num_workers=workers, multiprocessing_context="spawn" if workers else None,
+        num_workers=workers, multiprocessing_context="spawn" if workers else None, collate_fn=list,
     )
     done = 0
     with torch.inference_mode():
-        for pixels in loader:
-            posterior = vae.encode(pixels).latent_dist
-            for i in range(pixels.shape[0]):
-                key, sample = todo[done + i]
-                tensors = {"mean": posterior.mean[i].to(dtype), "std": posterior.std[i].to(dtype)}
-                buffer.add(key, encode_record(tensors, {"image": sample["digest"]}))
-            done += pixels.shape[0]
-            log(f"encode: {done}/{len(todo)} latents")
+        for batch in loader:
+            for i, _, reason in (item for item in batch if item[1] is None):
+                failed[todo[i][1]["path"]] = reason
+                log(f"encode: skipped {todo[i][1]['path']}: {reason}")
+            good = [(i, pixels) for i, pixels, _ in batch if pixels is not None]
+            if good:
+                posterior = vae.encode(torch.stack([p for _, p in good])).latent_dist
+                for row, (i, _) in enumerate(good):
+                    key, sample = todo[i]
+                    tensors = {"mean": posterior.mean[row].to(dtype), "std": posterior.std[row].to(dtype)}
+                    buffer.add(key, encode_record(tensors, {"image": sample["digest"]}))
+            done += len(batch)
+            log(f"encode: {done}/{len(todo)} images")
+    return failed
 
 
 def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Path,
         options: EncodeOptions, log: Log = print) -> Built:
+    import torch
+
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
     store = SampleStore(inputs.cache_root)
-    dtype = DTYPES[params.dtype]
+    dtype = getattr(torch, params.dtype)
     latent_keys = {s["id"]: latent_key(s, params, inputs.model_digests["vae"]) for s in dataset}
     text_keys = {s["id"]: text_key(s["caption"], params, inputs) for s in dataset}
     empty_key = text_key("", params, inputs)
@@ -198,8 +219,25 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
         captions[empty_key] = ("", "the empty prompt")
     _encode_texts(captions, inputs, dtype, buffer, options.batch_size, log)
     todo = sorted({latent_keys[s["id"]]: s for s in dataset if latent_keys[s["id"]] in missing}.items())
-    _encode_latents(todo, inputs, dtype, buffer, options, log)
+    failed = _encode_latents(todo, inputs, dtype, buffer, options, log)
     buffer.flush()
+    usable = [s for s in dataset if s["path"] not in failed]
+    if not usable:
+        raise ValueError(f"encode: none of the {len(dataset)} images in {inputs.dataset_dir} could be decoded")
+    refs = _write_index(out_dir, usable, latent_keys, text_keys, empty_key, store, params, inputs)
+    (out_dir / "report.json").write_text(json.dumps({"undecodable": failed}, indent=1, sort_keys=True))
+    counts = {
+        "latents_encoded": len(todo) - len(failed), "latents_reused": len(set(latent_keys.values())) - len(todo),
+        "texts_encoded": len(captions), "texts_reused": len(set(text_keys.values()) | {empty_key}) - len(captions),
+        "undecodable": len(failed),
+    }
+    log("encode: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return Built(info=counts, refs=refs)
+
+
+def _write_index(out_dir: Path, dataset: list[dict], latent_keys: dict[str, str], text_keys: dict[str, str],
+                 empty_key: str, store: SampleStore, params: EncodeParams, inputs: EncodeInputs) -> dict:
+    """Write samples.json; return the shards it points into as artifact refs (size, digest)."""
     index = store.index()
     entry = lambda key: {"key": key, "location": index[key].to_json()}  # noqa: E731
     samples = [{
@@ -207,22 +245,16 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
         "crop_box": s["crop_box"], "size": s["size"], "latent": entry(latent_keys[s["id"]]),
         "text": entry(text_keys[s["id"]]),
     } for s in dataset]
-    shards = sorted({index[k].shard for k in [*latent_keys.values(), *text_keys.values(), empty_key]})
-    refs = {}
-    for shard in shards:
-        meta = store.shard_meta(shard)
-        refs[f"samples/{shard}.tar"] = {"size": meta["size"], "digest": meta["digest"]}
     (out_dir / SAMPLES_FILE).write_text(json.dumps({
         "format": FORMAT, "family": inputs.family, "dtype": params.dtype, "models": inputs.model_digests,
         "vae_scaling_factor": _vae_scaling_factor(inputs.model_path), "empty_text": entry(empty_key),
         "samples": samples,
     }, indent=1, sort_keys=True))
-    counts = {
-        "latents_encoded": len(todo), "latents_reused": len(set(latent_keys.values())) - len(todo),
-        "texts_encoded": len(captions), "texts_reused": len(set(text_keys.values()) | {empty_key}) - len(captions),
-    }
-    log("encode: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-    return Built(info=counts, refs=refs)
+    refs = {}
+    for shard in sorted({index[e[k]["key"]].shard for e in samples for k in ("latent", "text")} | {index[empty_key].shard}):
+        meta = store.shard_meta(shard)
+        refs[f"samples/{shard}.tar"] = {"size": meta["size"], "digest": meta["digest"]}
+    return refs
 
 
 def _vae_scaling_factor(model_path: Path) -> float:

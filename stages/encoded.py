@@ -11,19 +11,20 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
-
-import torch
-from safetensors.torch import load as load_safetensors
-from safetensors.torch import save as save_safetensors
+from typing import TYPE_CHECKING, Any
 
 from cache.samples import RecordLocation, SampleStore
+
+if TYPE_CHECKING:  # torch is imported where records are read or written, not by config loading
+    import torch
 
 FORMAT = 1
 SAMPLES_FILE = "samples.json"
 
 
 def encode_record(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, bytes]:
+    from safetensors.torch import save as save_safetensors
+
     tensors = {k: v.detach().contiguous().cpu() for k, v in tensors.items()}
     return {
         "safetensors": save_safetensors(tensors),
@@ -67,6 +68,8 @@ class EncodedData:
         return [s for s in self.samples if s.split == name]
 
     def _tensors(self, location: RecordLocation) -> dict[str, torch.Tensor]:
+        from safetensors.torch import load as load_safetensors
+
         return load_safetensors(self.store.read(location, "safetensors"))
 
     def latent(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:

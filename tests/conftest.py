@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,34 @@ class EncodedSet:
     artifact_dir: Path
     cache_root: Path
     digest: str
+
+
+@contextmanager
+def _count_encoder_rows():
+    """Rows pushed through the VAE encoder and through each text encoder, whatever calls them."""
+    import torch
+
+    counts = {"vae": 0, "text": 0}
+
+    def hook(module, args, kwargs, output):
+        name = type(module).__name__
+        if name == "Encoder" and type(module).__module__.startswith("diffusers"):
+            counts["vae"] += args[0].shape[0]
+        elif name in ("CLIPTextModel", "CLIPTextModelWithProjection"):
+            ids = args[0] if args else kwargs["input_ids"]
+            counts["text"] += ids.shape[0]
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
+    try:
+        yield counts
+    finally:
+        handle.remove()
+
+
+@pytest.fixture(scope="session")
+def count_encoder_rows():
+    """Counts encodes by hooking forward calls, not by trusting a stage's own counters."""
+    return _count_encoder_rows
 
 
 @pytest.fixture(scope="session")

@@ -5,11 +5,9 @@ from __future__ import annotations
 
 import os
 import shutil
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
-import torch
 
 from flows.config import validate_config
 from flows.plan import STAGES, Context
@@ -46,37 +44,19 @@ def statuses(results: dict) -> dict[str, str]:
     return {stage: r.status for stage, r in results.items()}
 
 
-@contextmanager
-def count_encoder_rows():
-    """Rows pushed through the VAE encoder and through each text encoder, whatever calls them."""
-    counts = {"vae": 0, "text": 0}
-
-    def hook(module, args, kwargs, output):
-        name = type(module).__name__
-        if name == "Encoder" and type(module).__module__.startswith("diffusers"):
-            counts["vae"] += args[0].shape[0]
-        elif name in ("CLIPTextModel", "CLIPTextModelWithProjection"):
-            ids = args[0] if args else kwargs["input_ids"]
-            counts["text"] += ids.shape[0]
-
-    handle = torch.nn.modules.module.register_module_forward_hook(hook, with_kwargs=True)
-    try:
-        yield counts
-    finally:
-        handle.remove()
-
-
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, tiny_model, demo_images):
+def baseline(tmp_path_factory, tiny_model, demo_images, count_encoder_rows):
     """One complete run; every test starts from copies of its model and data over its cache."""
     root = tmp_path_factory.mktemp("baseline")
     shutil.copytree(tiny_model, root / "model")
     shutil.copytree(demo_images, root / "data")
     config = make_config(root, root / "model", root / "data", root / "cache")
     with count_encoder_rows() as counts:
-        results = run_all(config)
-    assert statuses(results) == dict.fromkeys(STAGES, "computed")
+        encoded = run_all(config, STAGES[:2])
     assert counts == {"vae": 8, "text": 9}  # 8 images, 8 captions + the empty prompt
+    results = run_all(config)
+    assert statuses(encoded) == {"preprocess": "computed", "encode": "computed"}
+    assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed", "evaluate": "computed"}
     return root
 
 
@@ -86,7 +66,7 @@ def copy_of(baseline: Path, tmp_path: Path, **sections):
     return make_config(tmp_path, tmp_path / "model", tmp_path / "data", baseline / "cache", **sections)
 
 
-def test_unchanged_inputs_moved_and_touched_rerun_nothing(baseline, tmp_path):
+def test_unchanged_inputs_moved_and_touched_rerun_nothing(baseline, tmp_path, count_encoder_rows):
     config = copy_of(baseline, tmp_path)  # new folders, new inodes, same bytes
     for path in (tmp_path / "data").iterdir():
         os.utime(path, ns=(10**9, 10**9))
@@ -111,7 +91,7 @@ def test_evaluation_prompt_reruns_only_evaluate(baseline, tmp_path):
     assert "params.prompts" in results["evaluate"].reason
 
 
-def test_one_caption_edit_encodes_one_text_embedding_and_no_latent(baseline, tmp_path):
+def test_one_caption_edit_encodes_one_text_embedding_and_no_latent(baseline, tmp_path, count_encoder_rows):
     config = copy_of(baseline, tmp_path)
     (tmp_path / "data" / "coffee.txt").write_text("a photo of an espresso\n")
     with count_encoder_rows() as counts:
@@ -121,7 +101,7 @@ def test_one_caption_edit_encodes_one_text_embedding_and_no_latent(baseline, tmp
     assert results["encode"].info["texts_encoded"] == 1 and results["encode"].info["latents_encoded"] == 0
 
 
-def test_new_vae_weights_at_the_same_path_re_encode_latents_but_no_text(baseline, tmp_path):
+def test_new_vae_weights_at_the_same_path_re_encode_latents_but_no_text(baseline, tmp_path, count_encoder_rows):
     config = copy_of(baseline, tmp_path)
     weights = tmp_path / "model" / "vae" / "diffusion_pytorch_model.safetensors"
     from safetensors.torch import load_file, save_file
