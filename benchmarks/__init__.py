@@ -1,0 +1,1 @@
+"""Reproducible performance measurements: ratios and rates within one run (see BENCHMARKS.md)."""
