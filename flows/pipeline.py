@@ -20,7 +20,7 @@ from .runner import StageResult, run_stage
 
 OUTPUT_FILES = {  # stage -> files copied next to the run summary for the user
     "train": ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"),
-    "evaluate": ("grid.png", "metrics.json", "report.md"),
+    "evaluate": ("grid.png", "metrics.json", "report.md", "checkpoint_loss.png", "checkpoint_losses.json"),
 }
 
 

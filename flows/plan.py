@@ -113,7 +113,8 @@ def evaluate_step(ctx: Context, enc: Artifact, trained: Artifact) -> Step:
         model_path=cfg.model.path, train_dir=trained.path, encoded_dir=enc.path, cache_root=ctx.store.root,
         base_model_digest=ctx.model_digests["unet"], encoded_digest=enc.digest, lora_digest=trained.digest,
     )
-    key = ctx.stage_key("evaluate", params, {"encode": enc.digest, "train": trained.digest})
+    clip = evaluate.clip_model_identity(params.clip_model, ctx.stat_cache)  # its content, not its path
+    key = ctx.stage_key("evaluate", params, {"encode": enc.digest, "train": trained.digest, "clip_model": clip})
     return Step(key, lambda out, work: evaluate.run(params, inputs, out, work, options, ctx.log))
 
 

@@ -140,7 +140,7 @@ class TextEncoder:
             with torch.inference_mode():
                 out = model(ids, output_hidden_states=True)
             hidden.append(out.hidden_states[-2] if self.family == "sdxl" else out.last_hidden_state)
-            if self.family == "sdxl":
+            if self.family == "sdxl" and hasattr(out, "text_embeds"):  # the projection encoder
                 pooled = out.text_embeds
         states = torch.cat(hidden, dim=-1).to(self.dtype)
         records = [{"hidden_states": states[i]} for i in range(len(captions))]

@@ -1,0 +1,110 @@
+"""Sample images for fixed prompts and seeds, and the labelled comparison grid.
+
+Every image gets its own CPU generator seeded with its seed, so an image depends on its prompt,
+seed and settings, not on what was rendered before it (batch size: see EvalOptions).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+if TYPE_CHECKING:
+    from diffusers import DiffusionPipeline
+
+SCHEDULERS = {
+    "dpm_solver_multistep": "DPMSolverMultistepScheduler",
+    "ddim": "DDIMScheduler",
+    "euler": "EulerDiscreteScheduler",
+}
+LABEL_WIDTH = 160  # left column of the grid: prompt and seed of each row
+HEADER_HEIGHT = 20  # top row of the grid: base or LoRA scale of each column
+FONT_SIZE = 11
+
+
+@dataclass(frozen=True)
+class RenderSettings:
+    prompts: list[str]
+    seeds: list[int]
+    num_inference_steps: int
+    guidance_scale: float
+    negative_prompt: str
+    resolution: int
+    batch_size: int
+
+
+def use_scheduler(pipe: DiffusionPipeline, name: str) -> None:
+    import diffusers
+
+    pipe.scheduler = getattr(diffusers, SCHEDULERS[name]).from_config(pipe.scheduler.config)
+
+
+@torch.inference_mode()
+def render_column(pipe: DiffusionPipeline, settings: RenderSettings) -> list[Image.Image]:
+    """One image per (prompt, seed), prompt-major, with the pipeline's current adapters."""
+    images = []
+    for prompt in settings.prompts:
+        for start in range(0, len(settings.seeds), settings.batch_size):
+            seeds = settings.seeds[start:start + settings.batch_size]
+            images += pipe(
+                prompt=[prompt] * len(seeds), negative_prompt=[settings.negative_prompt] * len(seeds),
+                generator=[torch.Generator().manual_seed(seed) for seed in seeds],
+                num_inference_steps=settings.num_inference_steps, guidance_scale=settings.guidance_scale,
+                height=settings.resolution, width=settings.resolution, output_type="pil",
+            ).images
+    return images
+
+
+def grid_size(rows: int, columns: int, resolution: int) -> tuple[int, int]:
+    return LABEL_WIDTH + columns * resolution, HEADER_HEIGHT + rows * resolution
+
+
+def compose_grid(
+    columns: dict[str, list[Image.Image]], rows: list[tuple[str, int]], resolution: int
+) -> Image.Image:
+    """Columns side by side under their labels; each row labelled with its (prompt, seed)."""
+    grid = Image.new("RGB", grid_size(len(rows), len(columns), resolution), "white")
+    draw = ImageDraw.Draw(grid)
+    font = ImageFont.load_default(size=FONT_SIZE)
+    for c, (label, images) in enumerate(columns.items()):
+        x = LABEL_WIDTH + c * resolution
+        draw.text((x + 2, 4), _fit(draw, label, resolution - 4, font), fill="black", font=font)
+        for r, image in enumerate(images):
+            grid.paste(image.convert("RGB").resize((resolution, resolution)), (x, HEADER_HEIGHT + r * resolution))
+    line_height = FONT_SIZE + 3
+    for r, (prompt, seed) in enumerate(rows):
+        lines = _wrap(draw, prompt, LABEL_WIDTH - 8, font, max(1, resolution // line_height - 1))
+        lines.append(f"seed {seed}")
+        for i, line in enumerate(lines):
+            draw.text((4, HEADER_HEIGHT + r * resolution + 2 + i * line_height), line, fill="black", font=font)
+    return grid
+
+
+def cell(grid: Image.Image, row: int, column: int, resolution: int) -> Image.Image:
+    """The image at (row, column) of a grid made by compose_grid."""
+    x, y = LABEL_WIDTH + column * resolution, HEADER_HEIGHT + row * resolution
+    return grid.crop((x, y, x + resolution, y + resolution))
+
+
+def _fit(draw: ImageDraw.ImageDraw, text: str, width: int, font: ImageFont.FreeTypeFont) -> str:
+    if draw.textlength(text, font=font) <= width:
+        return text
+    while text and draw.textlength(text + "...", font=font) > width:
+        text = text[:-1]
+    return text + "..."
+
+
+def _wrap(draw: ImageDraw.ImageDraw, text: str, width: int, font: ImageFont.FreeTypeFont, max_lines: int) -> list[str]:
+    """Greedy word wrap; the last line keeps what is left, shortened with an ellipsis."""
+    lines: list[str] = []
+    words = text.split()
+    while words and len(lines) < max_lines - 1:
+        line = words.pop(0)
+        while words and draw.textlength(f"{line} {words[0]}", font=font) <= width:
+            line = f"{line} {words.pop(0)}"
+        lines.append(_fit(draw, line, width, font))
+    if words:
+        lines.append(_fit(draw, " ".join(words), width, font))
+    return lines

@@ -1,0 +1,233 @@
+"""The evaluate stage on the tiny model and the encoded demo photos: real components, no mocks.
+
+The LoRA is made here (random nonzero weights, saved the way the train stage saves them) so these
+tests do not depend on training.
+"""
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from PIL import Image, ImageChops
+from pydantic import ValidationError
+
+from stages.evaluate import LORA_WEIGHTS, EvalInputs, EvalParams, run
+from stages.evaluate.render import HEADER_HEIGHT, LABEL_WIDTH, cell
+
+FAST = dict(
+    prompts=("a photo of a cat on a windowsill", "a rocket"), seeds=(0, 1), lora_scales=(0.0, 1.0),
+    num_inference_steps=2, loss_timesteps=(100, 500, 900),
+)
+DATA_FILES = ("grid.png", "metrics.json", "report.md", "checkpoint_losses.json", "checkpoint_loss.png")
+
+
+def _save_lora(pipe_cls, unet, out_dir: Path, factor: float) -> None:
+    from diffusers.utils import convert_state_dict_to_diffusers
+    from peft import get_peft_model_state_dict
+
+    peft_layers = {k: v * factor if "lora_B" in k else v for k, v in get_peft_model_state_dict(unet).items()}
+    pipe_cls.save_lora_weights(
+        out_dir, unet_lora_layers=convert_state_dict_to_diffusers(peft_layers),
+        unet_lora_adapter_metadata=unet.peft_config["default"].to_dict(),
+    )
+
+
+@pytest.fixture(scope="session")
+def lora_dir(tmp_path_factory, tiny_model) -> Path:
+    """Shaped like a train artifact: a LoRA with nonzero weights and two checkpoints of it."""
+    import torch
+    from diffusers import StableDiffusionPipeline, UNet2DConditionModel
+    from peft import LoraConfig
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=8, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    generator = torch.Generator().manual_seed(0)
+    for name, param in unet.named_parameters():
+        if "lora_B" in name:  # peft initialises B to zero, which would make the LoRA a no-op
+            param.data = torch.randn(param.shape, generator=generator) * 0.3
+    out = tmp_path_factory.mktemp("train-artifact")
+    _save_lora(StableDiffusionPipeline, unet, out, 1.0)
+    for step, factor in ((10, 0.3), (20, 0.7)):
+        _save_lora(StableDiffusionPipeline, unet, out / "checkpoints" / f"step-{step:06d}", factor)
+    return out
+
+
+def _evaluate(params: EvalParams, tiny_model: Path, lora_dir: Path, encoded, out: Path):
+    out.mkdir(parents=True)
+    inputs = EvalInputs(
+        tiny_model, lora_dir, encoded.artifact_dir, encoded.cache_root,
+        base_model_digest="base-digest", encoded_digest=encoded.digest, lora_digest="lora-digest",
+    )
+    return run(params, inputs, out, out.parent / f"{out.name}-work", log=lambda message: None)
+
+
+@pytest.fixture(scope="module")
+def evaluated(tmp_path_factory, tiny_model, lora_dir, encoded) -> tuple[Path, EvalParams, dict]:
+    root = tmp_path_factory.mktemp("evaluate")
+    params = EvalParams(**FAST, clip_model=str(root / "no-such-clip"))
+    built = _evaluate(params, tiny_model, lora_dir, encoded, root / "first")
+    return root / "first", params, built.info
+
+
+def test_writes_grid_metrics_and_report(evaluated):
+    out, params, info = evaluated
+    rows, columns = len(params.prompts) * len(params.seeds), 1 + len(params.lora_scales)
+    with Image.open(out / "grid.png") as grid:
+        assert grid.size == (LABEL_WIDTH + columns * 64, HEADER_HEIGHT + rows * 64)
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert metrics["n_samples"] == {"train": 6, "holdout": 2}
+    for split in ("holdout", "train"):
+        for model in ("base", "lora"):
+            loss = metrics["loss"][split][model]
+            assert set(loss["by_timestep"]) == {"100", "500", "900"}
+            assert math.isfinite(loss["overall"]) and loss["overall"] > 0
+            assert loss["overall"] == pytest.approx(sum(loss["by_timestep"].values()) / 3)
+            assert info[f"{split}_loss_{model}"] == loss["overall"]
+    report = (out / "report.md").read_text()
+    assert "](grid.png)" in report and "lora-digest" in report and "base-digest" in report
+
+
+def test_rerun_gives_identical_bytes(evaluated, tiny_model, lora_dir, encoded):
+    out, params, _ = evaluated
+    again = out.parent / "again"
+    _evaluate(params, tiny_model, lora_dir, encoded, again)
+    for name in DATA_FILES:
+        assert (again / name).read_bytes() == (out / name).read_bytes(), name
+
+
+def test_lora_changes_loss_and_scale_zero_is_base(evaluated):
+    out, params, _ = evaluated
+    metrics = json.loads((out / "metrics.json").read_text())
+    for split in ("holdout", "train"):
+        assert metrics["loss"][split]["lora"]["overall"] != metrics["loss"][split]["base"]["overall"]
+    with Image.open(out / "grid.png") as grid:
+        grid = grid.convert("RGB")
+        base = [cell(grid, r, 0, 64) for r in range(4)]
+        scale_zero = [cell(grid, r, 1, 64) for r in range(4)]
+        scale_one = [cell(grid, r, 2, 64) for r in range(4)]
+    assert all(ImageChops.difference(a, b).getbbox() is None for a, b in zip(base, scale_zero))
+    assert any(ImageChops.difference(a, b).getbbox() is not None for a, b in zip(base, scale_one))
+
+
+def test_checkpoint_losses_for_every_retained_checkpoint(evaluated):
+    out, _, _ = evaluated
+    checkpoints = json.loads((out / "checkpoint_losses.json").read_text())
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert [c["step"] for c in checkpoints["checkpoints"]] == [10, 20]
+    assert checkpoints["base"] == metrics["loss"]["holdout"]["base"]["overall"]
+    losses = {c["overall"] for c in checkpoints["checkpoints"]} | {checkpoints["base"]}
+    assert len(losses) == 3  # each checkpoint's weights were really loaded
+    with Image.open(out / "checkpoint_loss.png") as chart:
+        assert chart.size == (500, 300)
+
+
+def test_missing_clip_model_is_skipped_with_reason(evaluated):
+    out, _, info = evaluated
+    clip = json.loads((out / "metrics.json").read_text())["clip_score"]
+    assert set(clip) == {"skipped"} and "no-such-clip" in clip["skipped"] and "does not exist" in clip["skipped"]
+    assert "clip_score_base" not in info
+    assert clip["skipped"] in (out / "report.md").read_text()
+
+
+def test_empty_holdout_is_skipped_not_a_crash(tmp_path, tiny_model, lora_dir, encoded):
+    index = json.loads((Path(encoded.artifact_dir) / "samples.json").read_text())
+    for sample in index["samples"]:
+        sample["split"] = "train"
+    no_holdout = tmp_path / "encoded"
+    no_holdout.mkdir()
+    (no_holdout / "samples.json").write_text(json.dumps(index))
+    encoded_all_train = type(encoded)(no_holdout, encoded.cache_root, encoded.digest)
+    params = EvalParams(prompts=("a cat",), seeds=(0,), num_inference_steps=1, loss_timesteps=(500,))
+    _evaluate(params, tiny_model, lora_dir, encoded_all_train, tmp_path / "out")
+    metrics = json.loads((tmp_path / "out" / "metrics.json").read_text())
+    assert metrics["loss"]["holdout"] == {"skipped": "the holdout split is empty"}
+    assert set(metrics["loss"]["train"]) == {"base", "lora"}
+    checkpoints = json.loads((tmp_path / "out" / "checkpoint_losses.json").read_text())
+    assert checkpoints == {"skipped": "the holdout split is empty"}
+    assert not (tmp_path / "out" / "checkpoint_loss.png").exists()
+
+
+def test_lora_trained_for_another_prediction_type_is_scored_against_it(tmp_path, tiny_model, lora_dir, encoded):
+    v_lora = tmp_path / "train-artifact"
+    shutil.copytree(lora_dir, v_lora)
+    (v_lora / "train_config.json").write_text(json.dumps({"params": {"prediction_type": "v_prediction"}}))
+    params = EvalParams(prompts=("a cat",), seeds=(0,), num_inference_steps=1, loss_timesteps=(500,))
+    _evaluate(params, tiny_model, v_lora, encoded, tmp_path / "v")
+    _evaluate(params, tiny_model, lora_dir, encoded, tmp_path / "eps")
+    v, eps = (json.loads((tmp_path / name / "metrics.json").read_text()) for name in ("v", "eps"))
+    assert v["prediction_type"] == {"base": "epsilon", "lora": "v_prediction"}
+    assert eps["prediction_type"] == {"base": "epsilon", "lora": "epsilon"}
+    assert v["loss"]["train"]["base"] == eps["loss"]["train"]["base"]
+    assert v["loss"]["train"]["lora"] != eps["loss"]["train"]["lora"]
+    assert "trained to predict v_prediction" in (tmp_path / "v" / "report.md").read_text()
+
+
+@pytest.fixture(scope="session")
+def tiny_clip(tmp_path_factory) -> Path:
+    """A CLIP model with random weights and the byte-level tokenizer, saved offline."""
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+
+    from stages.tiny import write_tokenizer
+
+    out = tmp_path_factory.mktemp("models") / "tiny-clip"
+    tokenizer = write_tokenizer(out.parent / "clip-tokenizer-src")
+    vocab = len(tokenizer.get_vocab())
+    layers = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2)
+    config = CLIPConfig(
+        text_config=dict(**layers, vocab_size=vocab, max_position_embeddings=77, bos_token_id=vocab - 2,
+                         eos_token_id=vocab - 1, pad_token_id=vocab - 1),
+        vision_config=dict(**layers, image_size=32, patch_size=8), projection_dim=16,
+    )
+    torch.manual_seed(0)
+    CLIPModel(config).save_pretrained(out)
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(out)
+    shutil.rmtree(out.parent / "clip-tokenizer-src")
+    return out
+
+
+def test_clip_score_with_a_local_clip_model(tmp_path, tiny_model, lora_dir, encoded, tiny_clip):
+    params = EvalParams(prompts=("a cat",), seeds=(0, 1), lora_scales=(0.5, 1.0), num_inference_steps=1,
+                        loss_timesteps=(500,), clip_model=str(tiny_clip))
+    info = _evaluate(params, tiny_model, lora_dir, encoded, tmp_path / "out").info
+    clip = json.loads((tmp_path / "out" / "metrics.json").read_text())["clip_score"]
+    assert set(clip) == {"base", "lora"} and set(clip["lora"]) == {"0.5", "1.0"}
+    for score in (clip["base"], *clip["lora"].values()):
+        assert math.isfinite(score) and 0 <= score <= 100
+    assert info["clip_score_base"] == clip["base"]
+
+
+def test_a_folder_without_lora_weights_is_refused(tmp_path, tiny_model, encoded):
+    with pytest.raises(FileNotFoundError, match="not a train artifact"):
+        _evaluate(EvalParams(prompts=("a cat",)), tiny_model, tmp_path, encoded, tmp_path / "out")
+
+
+def test_clip_model_identity_is_a_content_digest(tmp_path, tiny_clip):
+    from cache.digest import StatCache
+    from stages.evaluate import clip_model_identity
+
+    with StatCache(tmp_path / "stat.sqlite") as stat_cache:
+        assert clip_model_identity(None, stat_cache) == "none"
+        assert clip_model_identity(str(tmp_path / "no-such-clip"), stat_cache) == "missing"
+        copy = tmp_path / "copy"
+        shutil.copytree(tiny_clip, copy)
+        assert clip_model_identity(str(copy), stat_cache) == clip_model_identity(str(tiny_clip), stat_cache)
+        (copy / "config.json").write_text("{}")
+        assert clip_model_identity(str(copy), stat_cache) != clip_model_identity(str(tiny_clip), stat_cache)
+
+
+@pytest.mark.parametrize("bad", [
+    dict(prompts=()), dict(prompts=("  ",)), dict(resolution=60), dict(lora_scales=(1.0, 1.0)),
+    dict(loss_timesteps=(-1,)), dict(scheduler="pndm"), dict(num_inference_steps=0),
+])
+def test_params_refuse_bad_values(bad):
+    with pytest.raises(ValidationError):
+        EvalParams(**{"prompts": ("a cat",), **bad})
+
+
+def test_lora_weights_name_matches_train_output():
+    assert LORA_WEIGHTS == "pytorch_lora_weights.safetensors"
