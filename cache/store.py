@@ -180,7 +180,8 @@ class ArtifactStore:
         final.parent.mkdir(parents=True, exist_ok=True)
         remove_tree(final)  # a damaged artifact of this key, already reported as a miss
         os.replace(out_dir, final)
-        shutil.rmtree(work_dir, ignore_errors=True)
+        if not stage_key.resumable:  # a resumable stage's work dir serves its extensions (more steps)
+            shutil.rmtree(work_dir, ignore_errors=True)
         return Artifact(stage, key, final, manifest)
 
     def remove(self, artifact: Artifact) -> None:

@@ -123,9 +123,20 @@ def test_two_concurrent_builders_of_one_key_compute_it_once(tmp_path):
     assert (tmp_path / "marker").read_text().count("built") == 1
 
 
-def test_work_key_leaves_out_resumable_settings(tmp_path):
+def test_work_key_leaves_out_resumable_settings_and_their_work_dir_outlives_publishing(tmp_path):
     assert _key(a=1, steps=10).key != _key(a=1, steps=20).key
     assert _key(a=1, steps=10).work_key == _key(a=1, steps=20).work_key != _key(a=2, steps=10).work_key
+    store = ArtifactStore(tmp_path)
+
+    def build(out: Path, work: Path) -> None:
+        (work / "checkpoint").write_text("step 10")
+        (out / "x").write_text("x")
+
+    store.build(_key(a=1, steps=10), build, {})
+    assert (store.work_dir("demo", _key(a=1, steps=20).work_key) / "checkpoint").exists()
+    plain = StageKey("plain", {"a": 1})
+    store.build(plain, build, {})
+    assert not store.work_dir("plain", plain.work_key).exists()
 
 
 def test_stat_cache_reads_a_file_only_when_its_stat_changes(tmp_path):

@@ -143,3 +143,11 @@ def test_a_truncated_file_in_a_published_artifact_is_a_logged_miss_then_rebuilt(
     assert results["train"].status == "computed" and str(lora) in results["train"].reason
     assert any("miss" in line and str(lora) in line for line in logs)
     assert lora.stat().st_size > 100
+
+
+def test_raising_max_steps_continues_from_the_published_run(baseline, tmp_path):
+    config = copy_of(baseline, tmp_path, train={"max_steps": 30})
+    results = run_all(config, STAGES[:3])
+    assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed"}
+    assert results["train"].reason == "changed: params.max_steps"
+    assert results["train"].info["resumed_from"] == 20 and results["train"].info["steps"] == 30

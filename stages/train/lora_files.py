@@ -1,0 +1,82 @@
+"""LoRA weight files: diffusers format (what `load_lora_weights` reads) and a kohya export.
+
+Both carry provenance in their safetensors metadata. Files are byte-deterministic: the
+safetensors library writes metadata keys in a per-process random order, so the header is
+rewritten here with sorted keys.
+"""
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save
+
+ADAPTER = "default"
+
+
+def _json(value: Any) -> str:
+    # peft configs hold sets (target_modules): sort them so the file is reproducible
+    return json.dumps(value, sort_keys=True, default=lambda v: sorted(v) if isinstance(v, set) else str(v))
+
+
+def save_safetensors_sorted(tensors: dict[str, torch.Tensor], metadata: dict[str, str], path: Path) -> None:
+    """Write a safetensors file whose bytes depend only on its contents; atomic, mode 0644."""
+    raw = save({k: v.detach().contiguous().cpu() for k, v in tensors.items()})
+    (header_len,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8 : 8 + header_len])
+    header = {"__metadata__": dict(sorted(metadata.items())), **header}
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # safetensors aligns the data section to 8 bytes
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text + raw[8 + header_len :])
+        f.flush()
+        os.fsync(f.fileno())
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+
+
+def peft_state_dict(unet: torch.nn.Module) -> dict[str, torch.Tensor]:
+    from peft.utils import get_peft_model_state_dict
+
+    return get_peft_model_state_dict(unet, adapter_name=ADAPTER)
+
+
+def write_diffusers_lora(unet: torch.nn.Module, path: Path, provenance: dict[str, str]) -> None:
+    """`pytorch_lora_weights.safetensors` for `load_lora_weights`: PEFT keys under `unet.` and the
+    adapter config (without it, alpha != rank loads at the wrong strength). Not passed through
+    `convert_state_dict_to_diffusers`: it renames linear layers only, and the loader skipped the
+    renamed ones in a file that also held conv LoRA."""
+    tensors = {f"unet.{k}": v for k, v in peft_state_dict(unet).items()}
+    config = json.loads(_json(unet.peft_config[ADAPTER].to_dict()))
+    adapter_metadata = {f"unet.{k}": v for k, v in config.items()}
+    metadata = {"format": "pt", "lora_adapter_metadata": json.dumps(adapter_metadata, indent=2, sort_keys=True)}
+    save_safetensors_sorted(tensors, {**metadata, **provenance}, path)
+
+
+def write_kohya_lora(unet: torch.nn.Module, path: Path, alpha: float, metadata: dict[str, str]) -> None:
+    """kohya/A1111/ComfyUI keys (`lora_unet_*`, module names as in diffusers). The `.alpha`
+    tensors carry lora_alpha: loaders ignore `ss_network_alpha` metadata."""
+    from diffusers.utils import convert_state_dict_to_kohya
+
+    tensors = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in peft_state_dict(unet).items()})
+    tensors = {k: torch.tensor(float(alpha)) if k.endswith(".alpha") else v for k, v in tensors.items()}
+    save_safetensors_sorted(tensors, metadata, path)
+
+
+def load_diffusers_lora(unet: torch.nn.Module, path: Path) -> None:
+    """Load a file written by `write_diffusers_lora` into a UNet that already has the adapter."""
+    from diffusers.utils import convert_unet_state_dict_to_peft
+    from peft import set_peft_model_state_dict
+
+    tensors = {k.removeprefix("unet."): v for k, v in load_file(path).items()}
+    result = set_peft_model_state_dict(unet, convert_unet_state_dict_to_peft(tensors), adapter_name=ADAPTER)
+    unexpected = list(getattr(result, "unexpected_keys", None) or [])
+    missing = [k for k in getattr(result, "missing_keys", None) or [] if "lora_" in k]
+    if unexpected or missing:
+        raise ValueError(f"{path} does not match this UNet's LoRA layers: unexpected {unexpected[:3]},"
+                         f" missing {missing[:3]}")

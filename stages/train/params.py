@@ -1,0 +1,91 @@
+"""The train stage's settings and inputs. Imports nothing heavy: flows load this to build keys."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from stages.contract import Frozen
+
+VERSION = "1"  # bump by hand when the trained output's semantics change
+
+TARGET_PRESETS: dict[str, tuple[str, ...]] = {
+    "attention": ("to_q", "to_k", "to_v", "to_out.0"),
+    "attention_ff": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+}
+ALL_LINEAR = "all_linear"  # every nn.Linear of the UNet, resolved against the model in the recipe
+
+
+class TrainParams(Frozen):
+    """Exactly the settings that change the trained LoRA (all keyed; max_steps is resumable:
+    the work directory is keyed without it, so raising it continues from the latest checkpoint)."""
+
+    # ---- LoRA
+    rank: int = Field(4, gt=0)
+    alpha: float = Field(4.0, gt=0)
+    dropout: float = Field(0.0, ge=0, lt=1)
+    target_modules: Literal["attention", "attention_ff", "all_linear"] | tuple[str, ...] = "attention"
+    # ---- optimisation (AdamW)
+    learning_rate: float = Field(1e-4, gt=0)
+    scale_lr: bool = False  # multiply learning_rate by the global batch
+    lr_scheduler: Literal["constant", "constant_with_warmup", "cosine", "linear", "polynomial"] = "constant"
+    warmup_steps: int = Field(0, ge=0)
+    max_steps: int = Field(1000, gt=0)
+    batch_size: int = Field(4, gt=0, description="samples per process per micro-batch")
+    gradient_accumulation_steps: int = Field(1, gt=0)
+    num_processes: int = Field(1, gt=0)
+    max_grad_norm: float = Field(1.0, gt=0)
+    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
+    weight_decay: float = Field(1e-2, ge=0)
+    # ---- diffusion loss
+    snr_gamma: float | None = Field(None, gt=0, description="min-SNR weighting; None = plain MSE")
+    noise_offset: float = Field(0.0, ge=0)
+    prediction_type: Literal["epsilon", "v_prediction"] | None = None  # None = the scheduler's
+    caption_dropout: float = Field(0.0, ge=0, le=1)
+    seed: int = Field(0, ge=0)
+    # ---- checkpoints (their LoRA weights are published, so they are part of the result)
+    checkpoint_every: int = Field(100, gt=0)
+    keep_checkpoints: int = Field(2, gt=0)
+
+    @model_validator(mode="after")
+    def _check(self) -> "TrainParams":
+        if isinstance(self.target_modules, tuple) and not self.target_modules:
+            raise ValueError("target_modules: give a preset name or at least one module name")
+        if self.warmup_steps and self.lr_scheduler == "constant":
+            raise ValueError("warmup_steps is ignored by lr_scheduler 'constant': use 'constant_with_warmup'")
+        return self
+
+    @property
+    def global_batch(self) -> int:
+        return self.batch_size * self.num_processes * self.gradient_accumulation_steps
+
+    @property
+    def effective_learning_rate(self) -> float:
+        return self.learning_rate * self.global_batch if self.scale_lr else self.learning_rate
+
+
+class TrainOptions(Frozen):
+    """Settings that do not change the result. Gradient checkpointing recomputes the same
+    activations (with the same RNG state) to save memory, so it trades speed, not outcome."""
+
+    log_every: int = Field(10, gt=0, description="print a progress line every N steps")
+    gradient_checkpointing: bool = False
+
+
+@dataclass(frozen=True)
+class TrainInputs:
+    encoded_dir: Path  # the encode artifact (samples.json)
+    cache_root: Path  # holds the sample store the encode artifact points into
+    model_path: Path  # a diffusers-format model folder
+    base_model_digest: str  # provenance, written into the LoRA files' metadata
+    encoded_digest: str
+
+    def to_json(self) -> dict[str, str]:
+        return {k: str(v) for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_json(cls, value: dict[str, str]) -> "TrainInputs":
+        paths = {k: Path(value[k]) for k in ("encoded_dir", "cache_root", "model_path")}
+        return cls(**{**value, **paths})

@@ -1,0 +1,396 @@
+"""LoRA fine-tuning of a Stable Diffusion UNet on cached latents and text embeddings.
+
+The train stage's `run()` writes the job file and an accelerate config into the work directory
+and launches this module. By hand (JOB.json as `run()` writes it):
+
+    # one process (CPU or one GPU)
+    accelerate launch --num_processes 1 -m stages.train.recipe WORK/job.json
+    # DDP: two GPUs, or two CPU processes over gloo (`--cpu` would start only one)
+    accelerate launch --multi_gpu --num_processes 2 -m stages.train.recipe WORK/job.json
+    # the exact launch the stage uses
+    accelerate launch --config_file WORK/accelerate.yaml -m stages.train.recipe WORK/job.json
+
+Data: a deterministic batch plan. For each epoch, a permutation seeded by (seed, epoch) deals the
+train split, bucket by bucket (one encoded size per batch), into global batches of
+batch_size x num_processes samples; a bucket's remainder that does not fill a global batch is
+dropped for that epoch. Rank r takes slice r of each global batch, so every rank runs the same
+number of steps. Micro-batch m = step * gradient_accumulation_steps + j is batch m of the plan,
+and all of its randomness (posterior sample, caption dropout, noise, timesteps, LoRA dropout)
+comes from a seed derived from (seed, m, rank): resuming from a checkpoint is exact.
+
+Writes only into the work directory: checkpoints/ (see checkpoints.py), export/ (the final LoRA
+files and train_config.json) and logs/loss.jsonl.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from stages.encoded import EncodedData, Sample
+from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
+from stages.train.lora_files import load_diffusers_lora, write_diffusers_lora, write_kohya_lora
+from stages.train.params import ALL_LINEAR, TARGET_PRESETS, VERSION, TrainInputs, TrainOptions, TrainParams
+
+TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")
+
+
+def derived_seed(*parts: object) -> int:
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
+
+
+class BatchPlan:
+    """Which samples micro-batch m gives to each rank (see the module docstring)."""
+
+    def __init__(self, samples: list[Sample], seed: int, batch_size: int, num_processes: int):
+        self.seed, self.batch_size, self.global_batch = seed, batch_size, batch_size * num_processes
+        buckets: dict[tuple[int, int], list[Sample]] = {}
+        for sample in sorted(samples, key=lambda s: s.id):
+            buckets.setdefault(sample.size, []).append(sample)
+        self.buckets = [buckets[size] for size in sorted(buckets)]
+        self.batches_per_epoch = sum(len(b) // self.global_batch for b in self.buckets)
+        if self.batches_per_epoch == 0:
+            sizes = {f"{s[0]}x{s[1]}": len(b) for s, b in sorted(buckets.items())}
+            raise ValueError(
+                f"no bucket of the train split holds a global batch of {self.global_batch} samples"
+                f" (batch_size x num_processes); samples per bucket: {sizes}. Lower batch_size."
+            )
+        self._epoch: tuple[int, list[list[Sample]]] | None = None
+
+    def epoch(self, epoch: int) -> list[list[Sample]]:
+        if self._epoch is None or self._epoch[0] != epoch:
+            rng = torch.Generator().manual_seed(derived_seed(self.seed, "epoch", epoch))
+            batches = []
+            for bucket in self.buckets:
+                order = torch.randperm(len(bucket), generator=rng).tolist()
+                usable = len(bucket) // self.global_batch * self.global_batch
+                batches += [[bucket[i] for i in order[j : j + self.global_batch]] for j in range(0, usable, self.global_batch)]
+            self._epoch = (epoch, [batches[i] for i in torch.randperm(len(batches), generator=rng).tolist()])
+        return self._epoch[1]
+
+    def batch(self, micro_batch: int, rank: int) -> list[Sample]:
+        epoch, index = divmod(micro_batch, self.batches_per_epoch)
+        return self.epoch(epoch)[index][rank * self.batch_size : (rank + 1) * self.batch_size]
+
+
+@dataclass
+class Batch:
+    latents: torch.Tensor  # (B, C, h, w), scaled by the VAE's scaling factor
+    hidden_states: torch.Tensor  # (B, T, D)
+    added_cond: dict[str, torch.Tensor] | None  # SDXL: pooled text embeds and size/crop time ids
+
+
+def load_batch(data: EncodedData, samples: list[Sample], rng: torch.Generator, caption_dropout: float) -> Batch:
+    """Sample each posterior, drop captions (to the cached empty prompt) with probability caption_dropout."""
+    scale = float(data.index["vae_scaling_factor"])
+    empty = data.empty_text()
+    latents, texts = [], []
+    for sample in samples:
+        mean, std = (t.float() for t in data.latent(sample))
+        latents.append((mean + std * torch.randn(mean.shape, generator=rng)) * scale)
+        dropped = torch.rand((), generator=rng).item() < caption_dropout
+        texts.append(empty if dropped else data.text(sample))
+    added_cond = None
+    if data.family == "sdxl":
+        time_ids = [[*s.original_size, s.crop_box[1], s.crop_box[0], *s.size] for s in samples]
+        added_cond = {
+            "text_embeds": torch.stack([t["pooled"].float() for t in texts]),
+            "time_ids": torch.tensor(time_ids, dtype=torch.float32),
+        }
+    hidden = torch.stack([t["hidden_states"].float() for t in texts])
+    return Batch(torch.stack(latents), hidden, added_cond)
+
+
+def compute_snr(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+    alpha_bar = alphas_cumprod[timesteps].float()
+    return alpha_bar / (1 - alpha_bar)
+
+
+def diffusion_loss(unet, scheduler, batch: Batch, rng: torch.Generator, params: TrainParams,
+                   device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Noise the latents at random timesteps and score the UNet's prediction (MSE, optional min-SNR)."""
+    latents = batch.latents
+    noise = torch.randn(latents.shape, generator=rng)
+    if params.noise_offset:
+        noise += params.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=rng)
+    timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), generator=rng)
+    noisy = scheduler.add_noise(latents, noise, timesteps)
+    prediction_type = scheduler.config.prediction_type
+    target = noise if prediction_type == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)
+    added = {k: v.to(device, dtype) for k, v in batch.added_cond.items()} if batch.added_cond else None
+    pred = unet(noisy.to(device, dtype), timesteps.to(device), batch.hidden_states.to(device, dtype),
+                added_cond_kwargs=added).sample.float()
+    per_sample = F.mse_loss(pred, target.to(device), reduction="none").mean(dim=(1, 2, 3))
+    if params.snr_gamma is None:
+        return per_sample.mean()
+    snr = compute_snr(scheduler.alphas_cumprod, timesteps)
+    weight = torch.clamp(snr, max=params.snr_gamma) / (snr if prediction_type == "epsilon" else snr + 1)
+    return (per_sample * weight.to(device)).mean()
+
+
+def resolve_target_modules(unet: torch.nn.Module, spec: str | tuple[str, ...]) -> list[str]:
+    if spec == ALL_LINEAR:
+        return sorted(name for name, m in unet.named_modules() if isinstance(m, torch.nn.Linear))
+    return list(TARGET_PRESETS.get(spec, spec))
+
+
+class LoRATrainingRecipe:
+    """LoRA on the UNet's attention (or any linear) layers; the VAE and text encoders are never
+    loaded: latents and embeddings come from the encode stage, so the text encoder is not trained.
+
+    Features: DDP (gloo on CPU), gradient accumulation, mixed precision (frozen weights in
+    fp16/bf16, LoRA in fp32), min-SNR weighting, noise offset, v-prediction, caption dropout,
+    gradient checkpointing (less memory, ~30% slower), exact resume from atomic checkpoints that
+    hold only the LoRA, optimizer, LR scheduler and RNG states.
+    """
+
+    def __init__(self, params: TrainParams, inputs: TrainInputs, options: TrainOptions, work_dir: Path):
+        self.params, self.inputs, self.options, self.work_dir = params, inputs, options, Path(work_dir)
+        self.checkpoints = CheckpointDir(self.work_dir / "checkpoints")
+        self.loss_log = self.work_dir / "logs" / "loss.jsonl"
+        self.step = 0
+        self.resumed_from: int | None = None
+
+    # ---- setup
+    def setup(self) -> None:
+        from accelerate import Accelerator
+
+        p = self.params
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=p.mixed_precision)
+        self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
+        if self.world != p.num_processes:
+            raise RuntimeError(f"launched with {self.world} processes but num_processes is {p.num_processes}")
+        self._setup_data()
+        self._setup_model()
+        self._setup_optimizer()
+        self._register_checkpoint_hooks()
+        self._resume()
+
+    def _setup_data(self) -> None:
+        self.data = EncodedData(self.inputs.encoded_dir, self.inputs.cache_root)
+        train = self.data.split("train")
+        self.plan = BatchPlan(train, self.params.seed, self.params.batch_size, self.world)
+        print(f"rank {self.rank}/{self.world}: {len(train)} train samples, {self.plan.batches_per_epoch}"
+              f" global batches of {self.plan.global_batch} per epoch", flush=True)
+
+    def _setup_model(self) -> None:
+        from diffusers import DDPMScheduler, UNet2DConditionModel
+        from diffusers.training_utils import cast_training_params
+        from peft import LoraConfig
+
+        p, model_path = self.params, self.inputs.model_path
+        self.dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.mixed_precision]
+        self.scheduler = DDPMScheduler.from_pretrained(model_path, subfolder="scheduler")
+        if p.prediction_type:
+            self.scheduler.register_to_config(prediction_type=p.prediction_type)
+        unet = UNet2DConditionModel.from_pretrained(model_path, subfolder="unet", torch_dtype=self.dtype)
+        is_sdxl = unet.config.addition_embed_type == "text_time"
+        if is_sdxl != (self.data.family == "sdxl"):
+            raise ValueError(f"the encoded data is {self.data.family} but {model_path} is not")
+        unet.requires_grad_(False)
+        unet.to(self.accelerator.device)
+        self.lora_config = LoraConfig(
+            r=p.rank, lora_alpha=p.alpha, lora_dropout=p.dropout, init_lora_weights="gaussian",
+            target_modules=resolve_target_modules(unet, p.target_modules),
+        )
+        torch.manual_seed(derived_seed(p.seed, "init"))  # the LoRA's gaussian init
+        unet.add_adapter(self.lora_config)
+        cast_training_params(unet, dtype=torch.float32)
+        if self.options.gradient_checkpointing:
+            unet.enable_gradient_checkpointing()
+        self.unet = unet
+
+    def _setup_optimizer(self) -> None:
+        from diffusers.optimization import get_scheduler
+
+        p = self.params
+        lora_params = [t for t in self.unet.parameters() if t.requires_grad]
+        optimizer = torch.optim.AdamW(lora_params, lr=p.effective_learning_rate, weight_decay=p.weight_decay)
+        self.lr_scheduler = get_scheduler(p.lr_scheduler, optimizer, num_warmup_steps=p.warmup_steps,
+                                          num_training_steps=p.max_steps)
+        self.unet, self.optimizer = self.accelerator.prepare(self.unet, optimizer)
+        # not prepare(): a prepared scheduler steps once per process per call
+        self.accelerator.register_for_checkpointing(self.lr_scheduler)
+
+    def _register_checkpoint_hooks(self) -> None:
+        """Checkpoints hold the LoRA only (save_state would write the whole UNet)."""
+
+        def save_hook(models, weights, output_dir):
+            weights.clear()
+            if self.accelerator.is_main_process:
+                write_diffusers_lora(self._lora_unet(), Path(output_dir) / LORA_FILE, self.provenance())
+
+        def load_hook(models, input_dir):
+            models.clear()
+            load_diffusers_lora(self._lora_unet(), Path(input_dir) / LORA_FILE)
+
+        self.accelerator.register_save_state_pre_hook(save_hook)
+        self.accelerator.register_load_state_pre_hook(load_hook)
+
+    def _resume(self) -> None:
+        if self.accelerator.is_main_process:
+            self.checkpoints.remove_staging()
+            self.loss_log.parent.mkdir(parents=True, exist_ok=True)
+        self.accelerator.wait_for_everyone()
+        latest = self.checkpoints.latest_intact(warn=self.accelerator.print)
+        if latest is None:
+            if self.accelerator.is_main_process:
+                self._truncate_loss_log(0)
+            return
+        if latest > self.params.max_steps:
+            raise RuntimeError(f"{self.checkpoints.path(latest)} is past max_steps={self.params.max_steps}:"
+                               " raise max_steps or train from scratch (--force train)")
+        self.accelerator.load_state(str(self.checkpoints.path(latest)))
+        self.step = self.resumed_from = latest
+        previous_total = self.checkpoints.max_steps_of(latest)
+        if previous_total != self.params.max_steps and self.params.lr_scheduler in TOTAL_DEPENDENT_SCHEDULES:
+            self.accelerator.print(f"lr schedule '{self.params.lr_scheduler}' recomputed for max_steps"
+                                   f" {self.params.max_steps} (the checkpoint was made for {previous_total})")
+        # the optimizer's saved lr follows the old total; the scheduler's lambda follows the new one
+        s = self.lr_scheduler
+        for group, base_lr, fn in zip(self.optimizer.param_groups, s.base_lrs, s.lr_lambdas):
+            group["lr"] = base_lr * fn(s.last_epoch)
+        if self.accelerator.is_main_process:
+            self._truncate_loss_log(latest)
+        self.accelerator.print(f"resumed from {step_name(latest)}")
+
+    # ---- training
+    def train(self) -> None:
+        p, acc = self.params, self.accelerator
+        self.unet.train()
+        started, started_step = time.perf_counter(), self.step
+        while self.step < p.max_steps:
+            lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+            loss = self._train_step()
+            self.step += 1
+            if not torch.isfinite(loss):
+                last = self.checkpoints.steps()
+                raise FloatingPointError(
+                    f"loss is {loss.item()} at step {self.step}; stopping. The last good checkpoint is"
+                    f" {step_name(last[-1]) if last else 'none'}: lower learning_rate or check the data."
+                )
+            if acc.is_main_process:
+                with open(self.loss_log, "a") as f:
+                    f.write(json.dumps({"step": self.step, "loss": loss.item(), "lr": lr}) + "\n")
+            if self.step % self.options.log_every == 0 or self.step == p.max_steps:
+                rate = (self.step - started_step) / (time.perf_counter() - started)
+                acc.print(f"step {self.step}/{p.max_steps} loss {loss.item():.5f} lr {lr:.3e} {rate:.2f} it/s",
+                          flush=True)
+            if self.step % p.checkpoint_every == 0 or self.step == p.max_steps:
+                self.save_checkpoint()
+
+    def _train_step(self) -> torch.Tensor:
+        """One optimizer step over gradient_accumulation_steps micro-batches; returns the mean
+        loss over micro-batches and ranks."""
+        p, acc = self.params, self.accelerator
+        losses = []
+        for j in range(p.gradient_accumulation_steps):
+            micro_batch = self.step * p.gradient_accumulation_steps + j
+            rng = torch.Generator().manual_seed(derived_seed(p.seed, "batch", micro_batch, self.rank))
+            torch.manual_seed(derived_seed(p.seed, "dropout", micro_batch, self.rank))  # LoRA dropout
+            batch = load_batch(self.data, self.plan.batch(micro_batch, self.rank), rng, p.caption_dropout)
+            last = j == p.gradient_accumulation_steps - 1
+            with nullcontext() if last else acc.no_sync(self.unet):
+                loss = diffusion_loss(self.unet, self.scheduler, batch, rng, p, acc.device, self.dtype)
+                acc.backward(loss / p.gradient_accumulation_steps)
+            losses.append(loss.detach())
+        acc.clip_grad_norm_(self.unet.parameters(), p.max_grad_norm)
+        self.optimizer.step()
+        self.lr_scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return acc.gather(torch.stack(losses).mean().reshape(1)).mean()
+
+    # ---- checkpoints and outputs
+    def save_checkpoint(self) -> None:
+        """Stage, seal and commit step-XXXXXX, then drop the checkpoints no longer kept."""
+        acc, staging = self.accelerator, self.checkpoints.staging(self.step)
+        acc.save_state(str(staging))
+        acc.wait_for_everyone()
+        if acc.is_main_process:
+            self.checkpoints.commit(self.step, self.params.max_steps)
+            self.checkpoints.rotate(self.step, self.params.checkpoint_every, self.params.keep_checkpoints)
+        acc.wait_for_everyone()
+
+    def export(self) -> None:
+        """The final LoRA in both formats and the training config, into work_dir/export/."""
+        if not self.accelerator.is_main_process:
+            return
+        out = self.work_dir / "export"
+        out.mkdir(parents=True, exist_ok=True)
+        unet, provenance = self._lora_unet(), self.provenance()
+        write_diffusers_lora(unet, out / "pytorch_lora_weights.safetensors", provenance)
+        write_kohya_lora(unet, out / "pytorch_lora_weights_kohya.safetensors", self.params.alpha,
+                         {**provenance, **self.kohya_metadata()})
+        config = {**self.train_config(), "steps": self.step}
+        (out / "train_config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+        (self.work_dir / "logs" / "summary.json").write_text(
+            json.dumps({"steps": self.step, "resumed_from": self.resumed_from}) + "\n")
+
+    def train_config(self) -> dict:
+        """What produced these weights. Leaves out max_steps (the files record their step), so a
+        checkpoint's bytes do not depend on the max_steps of the run that wrote it."""
+        return {
+            "version": VERSION, "params": self.params.model_dump(mode="json", exclude={"max_steps"}),
+            "target_modules": sorted(self.lora_config.target_modules),
+            "base_model_digest": self.inputs.base_model_digest, "encoded_digest": self.inputs.encoded_digest,
+            "family": self.data.family,
+        }
+
+    def provenance(self) -> dict[str, str]:
+        return {
+            "lorapipe.base_model_digest": self.inputs.base_model_digest,
+            "lorapipe.encoded_digest": self.inputs.encoded_digest,
+            "lorapipe.train_config": json.dumps(self.train_config(), sort_keys=True),
+            "lorapipe.steps": str(self.step),
+        }
+
+    def kohya_metadata(self) -> dict[str, str]:
+        p = self.params
+        values = {
+            "ss_network_module": "networks.lora", "ss_network_dim": p.rank, "ss_network_alpha": p.alpha,
+            "ss_network_dropout": p.dropout, "ss_learning_rate": p.effective_learning_rate,
+            "ss_unet_lr": p.effective_learning_rate, "ss_text_encoder_lr": 0, "ss_lr_scheduler": p.lr_scheduler,
+            "ss_lr_warmup_steps": p.warmup_steps, "ss_max_train_steps": p.max_steps, "ss_steps": self.step,
+            "ss_seed": p.seed, "ss_batch_size_per_device": p.batch_size, "ss_mixed_precision": p.mixed_precision,
+            "ss_gradient_accumulation_steps": p.gradient_accumulation_steps, "ss_max_grad_norm": p.max_grad_norm,
+            "ss_noise_offset": p.noise_offset, "ss_min_snr_gamma": p.snr_gamma, "ss_caption_dropout_rate": p.caption_dropout,
+            "ss_network_train_unet_only": True, "ss_cache_latents": True,
+            "ss_base_model_version": "sdxl_base_v1-0" if self.data.family == "sdxl" else "sd_v1",
+            "ss_new_sd_model_hash": self.inputs.base_model_digest,
+        }
+        return {k: str(v) for k, v in values.items()}
+
+    def cleanup(self) -> None:
+        self.accelerator.end_training()
+
+    def _lora_unet(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.unet)
+
+    def _truncate_loss_log(self, step: int) -> None:
+        """Forget losses logged after `step` by a run that died before its next checkpoint."""
+        if not self.loss_log.exists():
+            return
+        lines = [line for line in self.loss_log.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        self.loss_log.write_text("".join(line + "\n" for line in lines))
+
+
+def main(argv: list[str]) -> None:
+    job = json.loads(Path(argv[1]).read_text())
+    recipe = LoRATrainingRecipe(TrainParams(**job["params"]), TrainInputs.from_json(job["inputs"]),
+                                TrainOptions(**job["options"]), Path(job["work_dir"]))
+    recipe.setup()
+    recipe.train()
+    recipe.export()
+    recipe.cleanup()
+
+
+if __name__ == "__main__":
+    main(sys.argv)
