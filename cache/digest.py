@@ -96,3 +96,14 @@ def digest_tree(root: Path, stat_cache: StatCache, suffixes: tuple[str, ...] | N
             continue
         entries.append([path.relative_to(root).as_posix(), stat_cache.digest(path)])
     return digest_json(entries)
+
+
+def path_identity(path: str | Path | None, stat_cache: StatCache) -> str:
+    """What an optional local file or folder contributes to a key: its content digest, or
+    "none" / "missing" — so a file that appears later at the same path invalidates what used it."""
+    if path is None:
+        return "none"
+    path = Path(path)
+    if path.is_file():
+        return stat_cache.digest(path)
+    return digest_tree(path, stat_cache) if path.is_dir() else "missing"

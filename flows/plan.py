@@ -13,7 +13,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
-from cache.digest import StatCache
+from cache.digest import StatCache, path_identity
 from cache.store import Artifact, ArtifactStore, Built, StageKey
 from stages import encode, evaluate, preprocess, train
 from stages.contract import Log, library_majors, library_versions
@@ -113,8 +113,10 @@ def evaluate_step(ctx: Context, enc: Artifact, trained: Artifact) -> Step:
         model_path=cfg.model.path, train_dir=trained.path, encoded_dir=enc.path, cache_root=ctx.store.root,
         base_model_digest=ctx.model_digests["unet"], encoded_digest=enc.digest, lora_digest=trained.digest,
     )
-    clip = evaluate.clip_model_identity(params.clip_model, ctx.stat_cache)  # its content, not its path
-    key = ctx.stage_key("evaluate", params, {"encode": enc.digest, "train": trained.digest, "clip_model": clip})
+    local = {name: path_identity(getattr(params, name), ctx.stat_cache)  # their contents, not their paths
+             for name in ("clip_model", "fid_reference", "inception_weights")}
+    keyed = params.model_copy(update=dict.fromkeys(local))
+    key = ctx.stage_key("evaluate", keyed, {"encode": enc.digest, "train": trained.digest, **local})
     return Step(key, lambda out, work: evaluate.run(params, inputs, out, work, options, ctx.log))
 
 

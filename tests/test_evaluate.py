@@ -206,18 +206,27 @@ def test_a_folder_without_lora_weights_is_refused(tmp_path, tiny_model, encoded)
         _evaluate(EvalParams(prompts=("a cat",)), tiny_model, tmp_path, encoded, tmp_path / "out")
 
 
-def test_clip_model_identity_is_a_content_digest(tmp_path, tiny_clip):
-    from cache.digest import StatCache
-    from stages.evaluate import clip_model_identity
+def test_local_model_identity_is_a_content_digest(tmp_path, tiny_clip):
+    from cache.digest import StatCache, path_identity
 
     with StatCache(tmp_path / "stat.sqlite") as stat_cache:
-        assert clip_model_identity(None, stat_cache) == "none"
-        assert clip_model_identity(str(tmp_path / "no-such-clip"), stat_cache) == "missing"
+        assert path_identity(None, stat_cache) == "none"
+        assert path_identity(str(tmp_path / "no-such-clip"), stat_cache) == "missing"
         copy = tmp_path / "copy"
         shutil.copytree(tiny_clip, copy)
-        assert clip_model_identity(str(copy), stat_cache) == clip_model_identity(str(tiny_clip), stat_cache)
+        assert path_identity(str(copy), stat_cache) == path_identity(str(tiny_clip), stat_cache)
         (copy / "config.json").write_text("{}")
-        assert clip_model_identity(str(copy), stat_cache) != clip_model_identity(str(tiny_clip), stat_cache)
+        assert path_identity(str(copy), stat_cache) != path_identity(str(tiny_clip), stat_cache)
+
+
+def test_fid_and_kid_are_skipped_with_the_reason_when_they_cannot_run(evaluated, tmp_path, tiny_model, lora_dir,
+                                                                      encoded, demo_images):
+    out, params, _ = evaluated
+    assert json.loads((out / "metrics.json").read_text())["fid_kid"] == {"skipped": "no fid_reference configured"}
+    with_reference = params.model_copy(update={"fid_reference": str(demo_images)})
+    _evaluate(with_reference, tiny_model, lora_dir, encoded, tmp_path / "out")
+    skipped = json.loads((tmp_path / "out" / "metrics.json").read_text())["fid_kid"]["skipped"]
+    assert "Inception weights" in skipped
 
 
 @pytest.mark.parametrize("bad", [
@@ -227,7 +236,3 @@ def test_clip_model_identity_is_a_content_digest(tmp_path, tiny_clip):
 def test_params_refuse_bad_values(bad):
     with pytest.raises(ValidationError):
         EvalParams(**{"prompts": ("a cat",), **bad})
-
-
-def test_lora_weights_name_matches_train_output():
-    assert LORA_WEIGHTS == "pytorch_lora_weights.safetensors"

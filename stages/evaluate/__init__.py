@@ -26,8 +26,10 @@ from pydantic import Field, field_validator
 from cache.store import Built
 from stages.contract import Frozen, Log
 from stages.encoded import EncodedData, Sample
+from stages.train.checkpoints import LORA_FILE
 
-from .clip import clip_model_identity, clip_score, load_clip
+from .clip import clip_score, load_clip
+from .fid import fid_kid
 from .losses import LossResult, denoising_loss
 from .render import RenderSettings, compose_grid, render_column, use_scheduler
 from .report import plot_checkpoint_losses, write_report
@@ -35,10 +37,10 @@ from .report import plot_checkpoint_losses, write_report
 if TYPE_CHECKING:
     from diffusers import DDPMScheduler, DiffusionPipeline
 
-__all__ = ["VERSION", "EvalParams", "EvalOptions", "EvalInputs", "run", "clip_model_identity", "LORA_WEIGHTS"]
+__all__ = ["VERSION", "EvalParams", "EvalOptions", "EvalInputs", "run", "LORA_WEIGHTS"]
 
 VERSION = "1"
-LORA_WEIGHTS = "pytorch_lora_weights.safetensors"
+LORA_WEIGHTS = LORA_FILE  # what the train stage writes
 LORA_ADAPTER = "lora"
 SPLITS = ("holdout", "train")
 
@@ -57,6 +59,8 @@ class EvalParams(Frozen):
     loss_timesteps: tuple[int, ...] = Field((100, 300, 500, 700, 900), min_length=1)
     loss_seed: int = 0
     clip_model: str | None = None  # a local CLIP folder; without one the CLIP score is skipped
+    fid_reference: str | None = None  # a folder of reference images for FID/KID
+    inception_weights: str | None = None  # local Inception-v3 weights; without them FID/KID are skipped
 
     @field_validator("prompts")
     @classmethod
@@ -143,6 +147,7 @@ def run(
             for name in SPLITS
         },
         "clip_score": _clip_metrics(params, columns, [prompt for prompt, _ in rows], pipe.device, log),
+        "fid_kid": _fid_metrics(params, columns, log),
         "n_samples": {name: len(samples) for name, samples in splits.items()},
         "prediction_type": prediction,
         "provenance": {
@@ -211,6 +216,13 @@ def _clip_metrics(
         "base": scores.pop("base"),
         "lora": {str(float(s)): scores[f"LoRA x{s:g}"] for s in params.lora_scales},
     }
+
+
+def _fid_metrics(params: EvalParams, columns: dict[str, list[Image.Image]], log: Log) -> dict[str, Any]:
+    result = fid_kid(params.fid_reference, params.inception_weights, columns)
+    if "skipped" in result:
+        log(f"evaluate: FID/KID skipped: {result['skipped']}")
+    return result
 
 
 def _checkpoint_losses(

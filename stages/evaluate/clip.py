@@ -11,21 +11,8 @@ from typing import TYPE_CHECKING
 import torch
 from PIL import Image
 
-from cache.digest import StatCache, digest_tree
-
 if TYPE_CHECKING:
     from transformers import CLIPModel, CLIPProcessor
-
-
-def clip_model_identity(path: str | None, stat_cache: StatCache) -> str:
-    """What the CLIP score depends on, for the evaluate key: the folder's content digest, or
-    "none"/"missing". Keying on it makes a CLIP model that appears later rerun evaluate instead
-    of serving the cached "skipped"."""
-    if path is None:
-        return "none"
-    if not Path(path).is_dir():
-        return "missing"
-    return digest_tree(Path(path), stat_cache)
 
 
 def load_clip(path: str) -> tuple[CLIPModel, CLIPProcessor] | str:
