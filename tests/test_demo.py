@@ -52,3 +52,17 @@ def test_second_demo_run_is_all_cached(demo_runs):
     assert [s["prefect_state"] for s in second["stages"]] == ["Cached"] * 4
     assert [s["key"] for s in second["stages"]] == [s["key"] for s in first["stages"]]
     assert sum(s["seconds"] for s in second["stages"]) < 10
+
+
+def test_status_says_hit_or_miss_and_which_ingredient_changed(demo_runs):
+    run = demo_runs[0]
+    unchanged = lorapipe("status", str(run / "demo.yaml"), "--json", cwd=run.parent)
+    assert [s["status"] for s in json.loads(unchanged.stdout)["stages"]] == ["hit"] * 4
+    changed = lorapipe("status", str(run / "demo.yaml"), "--json", "--set", "train.learning_rate=0.001",
+                       cwd=run.parent)
+    rows = {s["stage"]: s for s in json.loads(changed.stdout)["stages"]}
+    assert rows["encode"]["status"] == "hit"
+    assert rows["train"]["status"] == "miss" and rows["train"]["reason"] == "changed: params.learning_rate"
+    assert rows["evaluate"]["status"] == "miss" and rows["evaluate"]["key"] is None
+    text = lorapipe("status", str(run / "demo.yaml"), "--set", "train.learning_rate=0.001", cwd=run.parent).stdout
+    assert "params.learning_rate" in text
