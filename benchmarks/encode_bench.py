@@ -20,14 +20,14 @@ def _inputs(root: Path, data: Path, cache: Path, model: Path):
     from stages import encode, preprocess
     from stages.models import component_digests
 
-    pre = cache / "pre"
+    pre, sources = cache / "pre", (preprocess.DatasetSource(path=data),)
     shutil.rmtree(pre, ignore_errors=True)
     pre.mkdir(parents=True)
     with StatCache(cache / "stat.sqlite") as stats:
         preprocess.run(preprocess.PreprocessParams(resolution=64, holdout_fraction=0.0),
-                       preprocess.PreprocessInputs(data, stats), pre, cache, None, lambda m: None)
+                       preprocess.PreprocessInputs(sources, stats), pre, cache, None, lambda m: None)
         digests = component_digests(model, stats)
-    return encode.EncodeInputs(pre, data, cache, model, "sd15", digests)
+    return encode.EncodeInputs(pre, sources, cache, model, "sd15", digests)
 
 
 def run_encode(inputs, out: Path, workers: int = 1):
@@ -47,7 +47,7 @@ def bare_forward_seconds(inputs, n: int) -> float:
     from stages.encode import ImageCrops, TextEncoder
 
     samples = json.loads((inputs.preprocess_dir / "dataset.json").read_text())["samples"][:n]
-    crops = ImageCrops(inputs.dataset_dir, samples)
+    crops = ImageCrops(inputs.datasets, samples, [False] * n)
     batches = [torch.stack([crops[i][1] for i in range(s, min(s + BATCH, n))]) for s in range(0, n, BATCH)]
     captions = [[s["caption"] for s in samples[i:i + BATCH]] for i in range(0, n, BATCH)]
     vae = AutoencoderKL.from_pretrained(inputs.model_path, subfolder="vae").eval()

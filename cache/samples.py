@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
 
-from .digest import digest_bytes
+from .digest import digest_bytes, digest_file
 from .fsutil import fsync_dir, write_json_atomic
 
 Blobs = Mapping[str, bytes]
@@ -51,15 +51,41 @@ class SampleStore:
         if self._index is None:
             self._index = {}
             for meta_path in sorted(self.dir.glob("*.json")):
-                meta = json.loads(meta_path.read_text())
+                meta = _read_meta(meta_path)
+                if meta is None:
+                    continue  # damaged index: its records count as missing and get re-encoded
                 tar = self.shard_path(meta["shard"])
                 if not tar.is_file() or tar.stat().st_size != meta["size"]:
-                    continue  # damaged shard: its records count as missing and get re-encoded
+                    continue  # damaged shard: likewise
                 for key, members in meta["records"].items():
                     self._index[key] = RecordLocation(
                         meta["shard"], {k: (v[0], v[1]) for k, v in members.items()}
                     )
         return self._index
+
+    def verify(self) -> list[tuple[str, str]]:
+        """Re-hash every shard; remove each one that is damaged (its index first, so it stops
+        existing at once), so its records count as missing and are re-encoded, and any encode
+        artifact referencing it becomes a miss. Returns (shard file, problem) per removed shard."""
+        damaged = []
+        for meta_path in sorted(self.dir.glob("*.json")):
+            meta = _read_meta(meta_path)
+            tar = self.shard_path(meta["shard"]) if meta else meta_path.with_suffix(".tar")
+            if meta is None:
+                problem = f"its index {meta_path.name} is unreadable"
+            elif not tar.is_file():
+                problem = "missing"
+            elif tar.stat().st_size != meta["size"]:
+                problem = f"has {tar.stat().st_size} bytes, its index says {meta['size']}"
+            elif digest_file(tar) != meta["digest"]:
+                problem = "does not match its recorded digest"
+            else:
+                continue
+            meta_path.unlink()
+            tar.unlink(missing_ok=True)
+            damaged.append((tar.name, problem))
+        self._index = None
+        return damaged
 
     def missing(self, keys: Iterable[str]) -> list[str]:
         index = self.index()
@@ -107,6 +133,14 @@ class SampleStore:
             os.fsync(f.fileno())
         os.replace(tmp, path)
         fsync_dir(path.parent)
+
+
+def _read_meta(path: Path) -> dict | None:
+    try:
+        meta = json.loads(path.read_text())
+        return meta if {"shard", "size", "digest", "records"} <= set(meta) else None
+    except (OSError, ValueError):
+        return None
 
 
 def _padded(size: int) -> int:

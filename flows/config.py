@@ -9,11 +9,11 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from stages.encode import EncodeOptions, EncodeParams
 from stages.evaluate import EvalOptions, EvalParams
-from stages.preprocess import PreprocessParams
+from stages.preprocess import DatasetSource, PreprocessParams
 from stages.train import TrainOptions, TrainParams
 from stages.contract import Frozen
 
@@ -27,7 +27,25 @@ class ModelConfig(Frozen):
 
 
 class DataConfig(Frozen):
-    path: Path = Field(description="an image folder with caption sidecars or metadata.jsonl")
+    """Either `path` (one folder) or `datasets` (a list of DatasetSource: path, name, format,
+    repeats, caption settings)."""
+
+    path: Path | None = Field(None, description="one image folder: caption sidecars or metadata files")
+    datasets: tuple[DatasetSource, ...] = ()
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "DataConfig":
+        if (self.path is None) == (not self.datasets):
+            raise ValueError("set either data.path or data.datasets (a list), not both or neither")
+        labels = [d.label for d in self.datasets]
+        clash = next((label for label in labels if labels.count(label) > 1), None)
+        if clash:
+            raise ValueError(f"two datasets are named {clash!r}: give them distinct `name`s")
+        return self
+
+    @property
+    def sources(self) -> tuple[DatasetSource, ...]:
+        return self.datasets or (DatasetSource(path=self.path),)
 
 
 class EncodeConfig(EncodeParams, EncodeOptions):
@@ -84,6 +102,10 @@ def _resolve_paths(raw: dict, base: Path) -> None:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and isinstance(node.get(leaf), str):
             node[leaf] = str((base / Path(node[leaf]).expanduser()).resolve())
+    datasets = raw.get("data", {}).get("datasets") if isinstance(raw.get("data"), dict) else None
+    for entry in datasets if isinstance(datasets, list) else []:
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str):
+            entry["path"] = str((base / Path(entry["path"]).expanduser()).resolve())
 
 
 def load_config(path: Path, overrides: list[str] = ()) -> PipelineConfig:

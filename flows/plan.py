@@ -80,16 +80,16 @@ def code_digest(stage: str) -> str:
 def preprocess_step(ctx: Context) -> Step:
     cfg = ctx.config
     params = cfg.preprocess
-    fingerprint = preprocess.dataset_fingerprint(cfg.data.path, params.caption_ext, ctx.stat_cache)
-    inputs = preprocess.PreprocessInputs(cfg.data.path, ctx.stat_cache)
-    return Step(ctx.stage_key("preprocess", params, {"dataset": fingerprint}),
+    datasets = preprocess.dataset_ingredients(cfg.data.sources, params, ctx.stat_cache)
+    inputs = preprocess.PreprocessInputs(cfg.data.sources, ctx.stat_cache)
+    return Step(ctx.stage_key("preprocess", params, {"datasets": datasets}),
                 lambda out, work: preprocess.run(params, inputs, out, work, None, ctx.log))
 
 
 def encode_step(ctx: Context, pre: Artifact) -> Step:
     cfg = ctx.config
     params, options = split(cfg.encode, encode.EncodeParams, encode.EncodeOptions)
-    inputs = encode.EncodeInputs(pre.path, cfg.data.path, ctx.store.root, cfg.model.path, ctx.family,
+    inputs = encode.EncodeInputs(pre.path, cfg.data.sources, ctx.store.root, cfg.model.path, ctx.family,
                                  ctx.models_for("encode"))
     return Step(ctx.stage_key("encode", params, {"preprocess": pre.digest}),
                 lambda out, work: encode.run(params, inputs, out, work, options, ctx.log))
@@ -98,11 +98,16 @@ def encode_step(ctx: Context, pre: Artifact) -> Step:
 def train_step(ctx: Context, enc: Artifact) -> Step:
     cfg = ctx.config
     params, options = split(cfg.train, train.TrainParams, train.TrainOptions)
+    if params.init_lora and not Path(params.init_lora).is_file():
+        raise FileNotFoundError(f"train.init_lora: {params.init_lora} is not a file")
+    init_lora = ctx.stat_cache.digest(Path(params.init_lora)) if params.init_lora else "none"
     inputs = train.TrainInputs(
         encoded_dir=enc.path, cache_root=ctx.store.root, model_path=cfg.model.path,
-        base_model_digest=ctx.model_digests["unet"], encoded_digest=enc.digest,
+        base_model_digest=ctx.model_digests["unet"], encoded_digest=enc.digest, init_lora_digest=init_lora,
     )
-    key = ctx.stage_key("train", params, {"encode": enc.digest}, resumable=("params.max_steps",))
+    keyed = params.model_copy(update={"init_lora": None})  # keyed by its content (inputs), not its path
+    key = ctx.stage_key("train", keyed, {"encode": enc.digest, "init_lora": init_lora},
+                        resumable=("params.max_steps",))
     return Step(key, lambda out, work: train.run(params, inputs, out, work, options, ctx.log))
 
 

@@ -1,8 +1,9 @@
 """The encoded data format shared by encode (writer), train and evaluate (readers).
 
 The encode artifact holds one data file, `samples.json`: for every sample its split, caption,
-original size, crop box, and the keys and shard locations of its latent and text records in the
-sample store. Records are safetensors blobs (no pickle):
+original size, crop box, size (samples of different buckets differ: batch by size), repeats,
+dataset name, and the keys and shard locations of its latent (and, with encode.flip, mirrored
+`latent_flip`) and text records in the sample store. Records are safetensors blobs (no pickle):
   latent record: "mean", "std"  (C, h, w) in the encode dtype; the VAE posterior, unscaled
   text record:   "hidden_states" (T, D); SDXL adds "pooled" (D2,)
 """
@@ -42,13 +43,20 @@ class Sample:
     size: tuple[int, int]  # (height, width) of the encoded image
     latent: RecordLocation
     text: RecordLocation
+    repeats: int = 1  # how many times an epoch should show it (kohya-style dataset repeats)
+    latent_flip: RecordLocation | None = None  # the mirrored image's posterior (encode.flip)
+    dataset: str = ""  # the name of the dataset it came from
+    resized: tuple[int, int] | None = None  # (height, width) before the crop; mirrors a flipped crop box
 
     @classmethod
     def from_json(cls, v: dict) -> "Sample":
+        flip = v.get("latent_flip")
         return cls(
             v["id"], v["split"], v["caption"], tuple(v["original_size"]), tuple(v["crop_box"]),
             tuple(v["size"]), RecordLocation.from_json(v["latent"]["location"]),
-            RecordLocation.from_json(v["text"]["location"]),
+            RecordLocation.from_json(v["text"]["location"]), v.get("repeats", 1),
+            RecordLocation.from_json(flip["location"]) if flip else None, v.get("dataset", ""),
+            tuple(v["resized"]) if "resized" in v else None,
         )
 
 
@@ -72,8 +80,11 @@ class EncodedData:
 
         return load_safetensors(self.store.read(location, "safetensors"))
 
-    def latent(self, sample: Sample) -> tuple[torch.Tensor, torch.Tensor]:
-        t = self._tensors(sample.latent)
+    def latent(self, sample: Sample, flipped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The posterior's mean and std; `flipped`: of the mirrored image (needs encode.flip)."""
+        if flipped and sample.latent_flip is None:
+            raise ValueError(f"sample {sample.id} has no flipped latent: encode with encode.flip: true")
+        t = self._tensors(sample.latent_flip if flipped else sample.latent)
         return t["mean"], t["std"]
 
     def text(self, sample: Sample) -> dict[str, torch.Tensor]:

@@ -64,6 +64,13 @@ def tiny_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def sdxl_model(tmp_path_factory) -> Path:
+    from stages.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sdxl", "sdxl")
+
+
+@pytest.fixture(scope="session")
 def demo_images() -> Path:
     return DEMO_IMAGES
 
@@ -80,13 +87,39 @@ def encoded(tmp_path_factory, tiny_model) -> EncodedSet:
     store = ArtifactStore(root)
     with StatCache(root / "stat.sqlite") as stat_cache:
         params = preprocess.PreprocessParams(resolution=64, holdout_fraction=0.25)
-        inputs = preprocess.PreprocessInputs(DEMO_IMAGES, stat_cache)
+        sources = (preprocess.DatasetSource(path=DEMO_IMAGES),)
+        inputs = preprocess.PreprocessInputs(sources, stat_cache)
         pre, _ = store.build(StageKey("preprocess", {"p": params.model_dump()}),
                              lambda out, work: preprocess.run(params, inputs, out, work), {})
         digests = component_digests(tiny_model, stat_cache)
-    enc_inputs = encode.EncodeInputs(pre.path, DEMO_IMAGES, root, tiny_model, "sd15", digests)
+    enc_inputs = encode.EncodeInputs(pre.path, sources, root, tiny_model, "sd15", digests)
     enc, _ = store.build(
         StageKey("encode", {"pre": pre.digest}),
         lambda out, work: encode.run(encode.EncodeParams(), enc_inputs, out, work,
+                                     encode.EncodeOptions(num_workers=0)), {})
+    return EncodedSet(enc.path, root, enc.digest)
+
+
+@pytest.fixture(scope="session")
+def sdxl_encoded(tmp_path_factory, sdxl_model) -> EncodedSet:
+    """The demo photos at 64 px through the tiny SDXL model, each also encoded mirrored (encode.flip)."""
+    from cache.digest import StatCache
+    from cache.store import ArtifactStore, StageKey
+    from stages import encode, preprocess
+    from stages.models import component_digests
+
+    root = tmp_path_factory.mktemp("sdxl-encoded-cache")
+    store = ArtifactStore(root)
+    with StatCache(root / "stat.sqlite") as stat_cache:
+        params = preprocess.PreprocessParams(resolution=64, holdout_fraction=0.25)
+        sources = (preprocess.DatasetSource(path=DEMO_IMAGES),)
+        pre, _ = store.build(StageKey("preprocess", {"p": params.model_dump()}),
+                             lambda out, work: preprocess.run(params, preprocess.PreprocessInputs(sources, stat_cache),
+                                                              out, work), {})
+        digests = component_digests(sdxl_model, stat_cache)
+    enc_inputs = encode.EncodeInputs(pre.path, sources, root, sdxl_model, "sdxl", digests)
+    enc, _ = store.build(
+        StageKey("encode", {"pre": pre.digest}),
+        lambda out, work: encode.run(encode.EncodeParams(flip=True), enc_inputs, out, work,
                                      encode.EncodeOptions(num_workers=0)), {})
     return EncodedSet(enc.path, root, enc.digest)

@@ -15,7 +15,7 @@ from cache.store import Built
 from stages.contract import Log
 from stages.launching import run_streaming, write_accelerate_config
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
-from stages.train.params import TrainInputs, TrainOptions, TrainParams
+from stages.train.params import TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
 
 EXPORTS = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors", "train_config.json")
 
@@ -51,8 +51,10 @@ def publish(work_dir: Path, out_dir: Path, max_steps: int, log: Log) -> Built:
             log(f"train: not publishing {step_name(step)}: {problem}")
             continue
         _copy(checkpoints.path(step) / LORA_FILE, out_dir / "checkpoints" / step_name(step) / LORA_FILE)
-    for name in ("loss.jsonl", "train.log", "summary.json"):
+    for name in ("loss.jsonl", "loss.png", "train.log", "summary.json"):
         _copy(work_dir / "logs" / name, out_dir / "logs" / name)
+    if (work_dir / "logs" / TRACKER_RUN).is_dir():
+        shutil.copytree(work_dir / "logs" / TRACKER_RUN, out_dir / "logs" / TRACKER_RUN, dirs_exist_ok=True)
     losses = [json.loads(line) for line in (work_dir / "logs" / "loss.jsonl").read_text().splitlines() if line]
     summary = json.loads((work_dir / "logs" / "summary.json").read_text())
     final = [e["loss"] for e in losses if e["step"] == max_steps]

@@ -1,6 +1,7 @@
 """The train stage's settings and inputs. Imports nothing heavy: flows load this to build keys."""
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -9,13 +10,14 @@ from pydantic import Field, model_validator
 
 from stages.contract import Frozen
 
-VERSION = "1"  # bump by hand when the trained output's semantics change
+VERSION = "2"  # bump by hand when the trained output's semantics change
 
 TARGET_PRESETS: dict[str, tuple[str, ...]] = {
     "attention": ("to_q", "to_k", "to_v", "to_out.0"),
     "attention_ff": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
 }
 ALL_LINEAR = "all_linear"  # every nn.Linear of the UNet, resolved against the model in the recipe
+TRACKER_RUN = "tracker"  # accelerate's tracker (TensorBoard, wandb) writes under work_dir/logs/tracker/
 
 
 class TrainParams(Frozen):
@@ -27,6 +29,9 @@ class TrainParams(Frozen):
     alpha: float = Field(4.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
     target_modules: Literal["attention", "attention_ff", "all_linear"] | tuple[str, ...] = "attention"
+    init_lora: str | None = Field(None, description="start from this diffusers-format LoRA file instead of"
+                                  " zero-initialised adapters (same rank, alpha and targets); keyed by its"
+                                  " content, not its path")
     # ---- optimisation (AdamW)
     learning_rate: float = Field(1e-4, gt=0)
     scale_lr: bool = False  # multiply learning_rate by the global batch
@@ -72,6 +77,15 @@ class TrainOptions(Frozen):
 
     log_every: int = Field(10, gt=0, description="print a progress line every N steps")
     gradient_checkpointing: bool = False
+    log_with: Literal["tensorboard", "wandb", "none"] = Field(
+        "tensorboard", description="accelerate tracker for loss and lr (files under the work dir's logs/)")
+
+    @model_validator(mode="after")
+    def _tracker_installed(self) -> "TrainOptions":
+        if self.log_with != "none" and importlib.util.find_spec(self.log_with) is None:
+            raise ValueError(f"log_with: {self.log_with} is not installed (pip install {self.log_with}),"
+                             " or set log_with: none")
+        return self
 
 
 @dataclass(frozen=True)
@@ -81,6 +95,7 @@ class TrainInputs:
     model_path: Path  # a diffusers-format model folder
     base_model_digest: str  # provenance, written into the LoRA files' metadata
     encoded_digest: str
+    init_lora_digest: str = "none"  # the content digest of params.init_lora (provenance)
 
     def to_json(self) -> dict[str, str]:
         return {k: str(v) for k, v in self.__dict__.items()}

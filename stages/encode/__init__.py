@@ -1,0 +1,180 @@
+"""Encode: pixels -> VAE posteriors and text-encoder hidden states, as records in the sample store.
+
+Reads:  the preprocess artifact (dataset.json) and the images it names, the model's VAE,
+        tokenizer(s) and text encoder(s).
+Writes: samples.json (stages/encoded.py), an index into shards of the sample store; each
+        sample's latent record(s) (and a horizontally flipped one with `flip`) and text record
+        are keyed by what they depend on, so only records that do not exist yet are computed
+        (a caption edit encodes one text record and no latent). Also report.json (undecodable images).
+Key:    these params + the preprocess artifact's digest + VAE / tokenizer / text-encoder digests.
+
+With `num_processes` > 1 the missing records are dealt to that many processes started by
+`accelerate launch` (stages/encode/workers.py); each commits its own shards, the parent then
+writes the one samples.json. Each record is encoded exactly once.
+"""
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field
+
+from cache.digest import digest_json
+from cache.samples import SampleStore
+from cache.store import Built
+
+from ..contract import Frozen, Log, library_majors
+from ..encoded import FORMAT, SAMPLES_FILE
+from ..preprocess import DATASET_FILE
+from ..preprocess.sources import DatasetSource
+from .images import ImageCrops, sample_label
+from .texts import TextEncoder
+
+VERSION = "2"
+RECORD_VERSION = "1"  # in record keys: bump when a record's bytes would change for the same inputs
+
+__all__ = ["VERSION", "EncodeParams", "EncodeOptions", "EncodeInputs", "ImageCrops", "TextEncoder",
+           "latent_key", "text_key", "run"]
+
+
+class EncodeParams(Frozen):
+    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    flip: bool = Field(False, description="also encode each image mirrored, as its own latent record")
+
+
+class EncodeOptions(Frozen):
+    batch_size: int = Field(8, gt=0, description="images per VAE call (halved on CUDA out-of-memory)")
+    num_workers: int = Field(1, ge=0, description="DataLoader processes decoding images")
+    shard_records: int = Field(256, gt=0, description="records per shard (a crash loses at most one shard)")
+    num_processes: int = Field(1, ge=1, description="encode processes under accelerate launch (one per GPU),"
+                               " used when more than one batch of latents is missing")
+    progress_every: float = Field(10.0, ge=0, description="seconds between progress lines")
+
+
+@dataclass(frozen=True)
+class EncodeInputs:
+    preprocess_dir: Path
+    datasets: tuple[DatasetSource, ...]
+    cache_root: Path
+    model_path: Path
+    family: str
+    model_digests: dict[str, str]
+
+    def to_json(self) -> dict:
+        return {"preprocess_dir": str(self.preprocess_dir), "cache_root": str(self.cache_root),
+                "datasets": [d.model_dump(mode="json") for d in self.datasets], "model_path": str(self.model_path),
+                "family": self.family, "model_digests": self.model_digests}
+
+    @classmethod
+    def from_json(cls, v: dict) -> "EncodeInputs":
+        return cls(Path(v["preprocess_dir"]), tuple(DatasetSource(**d) for d in v["datasets"]),
+                   Path(v["cache_root"]), Path(v["model_path"]), v["family"], v["model_digests"])
+
+
+def latent_key(sample: dict, params: EncodeParams, vae_digest: str, flip: bool = False) -> str:
+    pixels = {"image": sample["digest"], "resized": sample["resized"], "crop_box": sample["crop_box"], "flip": flip}
+    if "background" in sample:  # only images with alpha depend on it
+        pixels["background"] = sample["background"]
+    return digest_json({**pixels, "dtype": params.dtype, "vae": vae_digest, "version": RECORD_VERSION,
+                        "libs": library_majors("torch", "diffusers")})[:40]
+
+
+def text_key(caption: str, params: EncodeParams, inputs: EncodeInputs) -> str:
+    encoders = {k: v for k, v in inputs.model_digests.items() if k.startswith(("text_encoder", "tokenizer"))}
+    return digest_json({
+        "caption": caption, "encoders": encoders, "family": inputs.family, "dtype": params.dtype,
+        "version": RECORD_VERSION, "libs": library_majors("torch", "transformers"),
+    })[:40]
+
+
+@dataclass(frozen=True)
+class SampleKeys:
+    """Every record key the encode artifact points to, per sample id."""
+
+    latent: dict[str, str]
+    latent_flip: dict[str, str]
+    text: dict[str, str]
+    empty: str
+
+    @classmethod
+    def of(cls, dataset: list[dict], params: EncodeParams, inputs: EncodeInputs) -> "SampleKeys":
+        vae = inputs.model_digests["vae"]
+        return cls({s["id"]: latent_key(s, params, vae) for s in dataset},
+                   {s["id"]: latent_key(s, params, vae, True) for s in dataset} if params.flip else {},
+                   {s["id"]: text_key(s["caption"], params, inputs) for s in dataset},
+                   text_key("", params, inputs))
+
+    def latents(self) -> set[str]:
+        return {*self.latent.values(), *self.latent_flip.values()}
+
+    def texts(self) -> set[str]:
+        return {*self.text.values(), self.empty}
+
+
+def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Path,
+        options: EncodeOptions, log: Log = print) -> Built:
+    from .workers import EncodeJobs, encode_jobs, launch_workers
+
+    dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
+    keys = SampleKeys.of(dataset, params, inputs)
+    missing = set(SampleStore(inputs.cache_root).missing(keys.latents() | keys.texts()))
+    jobs = EncodeJobs.plan(dataset, keys, missing, inputs.datasets)
+    log(f"encode: {len(jobs.latents)} latents and {len(jobs.texts)} text embeddings to encode,"
+        f" {jobs.reused_latents} latents reused")
+    processes = options.num_processes if len(jobs.latents) > options.batch_size else 1  # else not worth starting
+    if processes > 1:
+        failed = launch_workers(jobs, params, inputs, options, work_dir, log)
+    else:
+        failed = encode_jobs(jobs, dataset, params, inputs, options, 0, 1, log)
+    failed_jobs = sum(1 for _, i, _ in jobs.latents if dataset[i]["id"] in failed)
+    usable = [s for s in dataset if s["id"] not in failed]
+    undecodable = {sample_label(s, inputs.datasets): failed[s["id"]] for s in dataset if s["id"] in failed}
+    if not usable:
+        first = next(iter(undecodable.items()))
+        raise ValueError(f"encode: none of the {len(dataset)} images could be decoded; the first, {first[0]}: {first[1]}")
+    refs = _write_index(out_dir, usable, keys, SampleStore(inputs.cache_root), params, inputs)
+    (out_dir / "report.json").write_text(json.dumps({"undecodable": undecodable}, indent=1, sort_keys=True))
+    counts = {
+        "latents_encoded": len(jobs.latents) - failed_jobs, "latents_reused": jobs.reused_latents,
+        "texts_encoded": len(jobs.texts), "texts_reused": len(keys.texts()) - len(jobs.texts),
+        "undecodable": len(failed), "processes": processes,
+    }
+    log("encode: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    sizes = dict(sorted(Counter(f"{s['size'][1]}x{s['size'][0]}" for s in usable).items()))
+    return Built(info={**counts, "sizes": sizes}, refs=refs)
+
+
+def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: SampleStore,
+                 params: EncodeParams, inputs: EncodeInputs) -> dict:
+    """Write samples.json; return the shards it points into as artifact refs (size, digest)."""
+    index = store.index()
+    entry = lambda key: {"key": key, "location": index[key].to_json()}  # noqa: E731
+    samples = []
+    for s in dataset:
+        sample = {
+            "id": s["id"], "split": s["split"], "caption": s["caption"], "original_size": s["original_size"],
+            "crop_box": s["crop_box"], "resized": s["resized"], "size": s["size"], "repeats": s["repeats"],
+            "dataset": inputs.datasets[s["source"]].label, "latent": entry(keys.latent[s["id"]]),
+            "text": entry(keys.text[s["id"]]),
+        }
+        if params.flip:
+            sample["latent_flip"] = entry(keys.latent_flip[s["id"]])
+        samples.append(sample)
+    (out_dir / SAMPLES_FILE).write_text(json.dumps({
+        "format": FORMAT, "family": inputs.family, "dtype": params.dtype, "models": inputs.model_digests,
+        "vae_scaling_factor": _vae_scaling_factor(inputs.model_path), "empty_text": entry(keys.empty),
+        "flip": params.flip, "samples": samples,
+    }, indent=1, sort_keys=True))
+    shards = {index[e[k]["key"]].shard for e in samples for k in ("latent", "latent_flip", "text") if k in e}
+    refs = {}
+    for shard in sorted(shards | {index[keys.empty].shard}):
+        meta = store.shard_meta(shard)
+        refs[f"samples/{shard}.tar"] = {"size": meta["size"], "digest": meta["digest"]}
+    return refs
+
+
+def _vae_scaling_factor(model_path: Path) -> float:
+    return json.loads((model_path / "vae" / "config.json").read_text()).get("scaling_factor", 0.18215)

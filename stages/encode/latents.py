@@ -1,0 +1,93 @@
+"""Latent records: VAE posteriors of size-grouped batches, decoded in DataLoader workers."""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+from ..contract import Log
+from ..encoded import encode_record
+from .images import ImageCrops, sample_label, size_batches
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..preprocess.sources import DatasetSource
+
+T = TypeVar("T")
+
+
+class Progress:
+    """A progress line at most every `every` seconds (and at the end): images/s, ETA, reuse."""
+
+    def __init__(self, total: int, reused: int, log: Log, every: float, what: str = ""):
+        self.total, self.reused, self.log, self.every, self.what = total, reused, log, every, what
+        self.done, self.started, self.last = 0, time.perf_counter(), float("-inf")
+
+    def advance(self, n: int) -> None:
+        self.done += n
+        now = time.perf_counter()
+        if now - self.last < self.every and self.done < self.total:
+            return
+        self.last = now
+        rate = self.done / max(now - self.started, 1e-9)
+        eta = (self.total - self.done) / rate if rate else float("inf")
+        self.log(f"encode: latents {self.done}/{self.total}{self.what}, {rate:.1f} images/s, ETA {eta:.0f} s;"
+                 f" {self.reused} reused, {self.done} encoded")
+
+
+def halve_on_oom(fn: Callable[[torch.Tensor], T], batch: torch.Tensor, log: Log) -> list[T]:
+    """fn(batch) as one call, or, on CUDA out-of-memory, fn over its two halves (recursively)."""
+    import torch
+
+    try:
+        return [fn(batch)]
+    except torch.cuda.OutOfMemoryError:
+        if len(batch) == 1:
+            raise
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        half = (len(batch) + 1) // 2
+        log(f"encode: CUDA out of memory on a batch of {len(batch)}; retrying as {half} + {len(batch) - half}")
+        return halve_on_oom(fn, batch[:half], log) + halve_on_oom(fn, batch[half:], log)
+
+
+def encode_latents(jobs: list[tuple[str, dict, bool]], datasets: tuple[DatasetSource, ...], model_path: Path,
+                   dtype: torch.dtype, device: str, add: Callable[[str, dict[str, bytes]], None],
+                   batch_size: int, num_workers: int, progress: Progress, log: Log) -> dict[str, str]:
+    """jobs: (latent record key, preprocess sample, flipped), grouped by size. Returns the samples
+    whose image could not be decoded: id -> reason."""
+    failed: dict[str, str] = {}
+    if not jobs:
+        return failed
+    import torch
+    from diffusers import AutoencoderKL
+
+    vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").eval().requires_grad_(False).to(device)
+
+    def posterior(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        dist = vae.encode(pixels.to(device)).latent_dist
+        return dist.mean.cpu(), dist.std.cpu()
+
+    batches = size_batches([tuple(s["size"]) for _, s, _ in jobs], batch_size)
+    # spawn, not fork: the Prefect host process is multi-threaded and forked workers died in it
+    workers = min(num_workers, len(jobs) // batch_size)
+    loader = torch.utils.data.DataLoader(
+        ImageCrops(datasets, [s for _, s, _ in jobs], [f for _, _, f in jobs]), batch_sampler=batches,
+        num_workers=workers, multiprocessing_context="spawn" if workers else None, collate_fn=list,
+    )
+    with torch.inference_mode():
+        for batch in loader:
+            for i, _, reason in (item for item in batch if item[1] is None):
+                failed[jobs[i][1]["id"]] = reason
+                log(f"encode: skipped {sample_label(jobs[i][1], datasets)}: {reason}")
+            good = [(i, pixels) for i, pixels, _ in batch if pixels is not None]
+            if good:
+                chunks = halve_on_oom(posterior, torch.stack([p for _, p in good]), log)
+                mean, std = torch.cat([m for m, _ in chunks]), torch.cat([s for _, s in chunks])
+                for row, (i, _) in enumerate(good):
+                    key, sample, flip = jobs[i]
+                    tensors = {"mean": mean[row].to(dtype), "std": std[row].to(dtype)}
+                    add(key, encode_record(tensors, {"image": sample["digest"], "flip": flip}))
+            progress.advance(len(batch))
+    return failed

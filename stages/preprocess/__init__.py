@@ -1,0 +1,180 @@
+"""Preprocess: scan and validate the datasets; decide each image's target size and crop box;
+pick the held-out split. No pixels are decoded (headers only) and none are written.
+
+Reads:  one or more datasets (stages/preprocess/sources.py): nested image folders with caption
+        sidecars, imagefolder metadata.jsonl / metadata.csv, saved `datasets` folders or parquet.
+Writes: dataset.json: per sample id, dataset index (`source`), relative path, content digest,
+        caption, repeats, original size, target size (a square or a bucket), resized size, crop
+        box, split, and `background` for images with alpha; report.json: every rejected file, its
+        reason and detail, and counts per reason.
+Key:    these params + per dataset its settings and a fingerprint of its files (relative paths and
+        content digests, stat-cached) — never a folder's location.
+"""
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from blake3 import blake3
+from pydantic import Field, field_validator
+
+from cache.digest import StatCache
+from cache.store import Built
+
+from ..contract import Frozen, Log
+from .crops import generated_buckets, nearest_bucket, place, shrink_to_fit
+from .sources import Candidate, DatasetSource, MissingCaption, candidates, fingerprint
+from .validation import ImageInfo, Rejected, inspect_image, summary_lines
+
+VERSION = "2"
+DATASET_FILE = "dataset.json"
+REPORT_FILE = "report.json"
+
+__all__ = ["VERSION", "DATASET_FILE", "DatasetSource", "PreprocessParams", "PreprocessInputs",
+           "dataset_ingredients", "run"]
+
+
+class PreprocessParams(Frozen):
+    resolution: int = Field(512, ge=64, multiple_of=8, description="square side, or √(bucket area), in pixels")
+    holdout_fraction: float = Field(0.1, ge=0, lt=1, description="share of images held out for evaluation")
+    caption_ext: str = Field(".txt", pattern=r"^\.\w+$", description="default for every dataset")
+    missing_caption: MissingCaption = Field("error", description="default for every dataset")
+    crop: Literal["center", "random"] = Field("center", description="random: one fixed crop per sample")
+    seed: int = Field(0, description="places random crops")
+    buckets: bool = Field(False, description="aspect-ratio buckets instead of a square")
+    bucket_sizes: tuple[tuple[int, int], ...] = Field((), description="[width, height] pairs; default:"
+                                                      " generated from resolution and max_aspect")
+    max_aspect: float = Field(2.0, ge=1, description="of generated buckets, long side to short")
+    never_upscale: bool = Field(False, description="shrink the target (sides multiples of 64) instead")
+    min_side: int = Field(0, ge=0, description="reject images whose short side is smaller")
+    background: tuple[int, int, int] = Field((255, 255, 255), description="RGB that alpha is composited on")
+
+    @field_validator("bucket_sizes")
+    @classmethod
+    def _multiples_of_64(cls, sizes: tuple[tuple[int, int], ...]) -> tuple[tuple[int, int], ...]:
+        if any(side <= 0 or side % 64 for size in sizes for side in size):
+            raise ValueError("every bucket side must be a positive multiple of 64")
+        return sizes
+
+    @field_validator("background")
+    @classmethod
+    def _rgb(cls, rgb: tuple[int, int, int]) -> tuple[int, int, int]:
+        if any(not 0 <= c <= 255 for c in rgb):
+            raise ValueError("background must be three values from 0 to 255")
+        return rgb
+
+
+@dataclass(frozen=True)
+class PreprocessInputs:
+    datasets: tuple[DatasetSource, ...]
+    stat_cache: StatCache
+
+
+def dataset_ingredients(datasets: tuple[DatasetSource, ...], params: PreprocessParams,
+                        stat_cache: StatCache) -> dict:
+    """Per dataset (by name when there are several) its keyed settings and files' fingerprint."""
+    several = len(datasets) > 1
+    return {
+        (d.label if several else "data"): {**d.model_dump(mode="json", exclude={"path", "name"}),
+                                           "files": fingerprint(d, params.caption_ext, stat_cache)}
+        for d in datasets
+    }
+
+
+def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_dir: Path,
+        options: None = None, log: Log = print) -> Built:
+    several = len(inputs.datasets) > 1
+    found = [c for i, d in enumerate(inputs.datasets)
+             for c in candidates(d, i, f"{d.label}/" if several else "", params.caption_ext, inputs.stat_cache)]
+    samples, rejected = _validate(found, params, inputs.datasets)
+    if not samples:
+        counts = ", ".join(f"{n} {r}" for r, n in sorted(Counter(r["reason"] for r in rejected).items()))
+        where = ", ".join(str(d.path) for d in inputs.datasets)
+        raise ValueError(f"no usable image in {where} ({counts or 'no image files'})")
+    holdout = _holdout_ids([s["id"] for s in samples], params.holdout_fraction)
+    for s in samples:
+        s["split"] = "holdout" if s["id"] in holdout else "train"
+    counts = dict(sorted(Counter(r["reason"] for r in rejected).items()))
+    buckets = dict(sorted(Counter(f"{s['size'][1]}x{s['size'][0]}" for s in samples).items()))
+    (out_dir / DATASET_FILE).write_text(json.dumps({"format": 2, "samples": samples}, indent=1, sort_keys=True))
+    (out_dir / REPORT_FILE).write_text(json.dumps({"rejected": rejected, "counts": counts}, indent=1,
+                                                  sort_keys=True))
+    for line in summary_lines(rejected):
+        log(line)
+    log(f"preprocess: {len(samples)} images ({len(holdout)} held out) from {len(inputs.datasets)} dataset(s),"
+        f" {len(rejected)} rejected; sizes (WxH): {buckets}")
+    return Built(info={"images": len(samples), "holdout": len(holdout), "rejected": len(rejected),
+                       "rejected_by_reason": counts, "sizes": buckets})
+
+
+def _validate(found: list[Candidate], params: PreprocessParams,
+              datasets: tuple[DatasetSource, ...]) -> tuple[list[dict], list[dict]]:
+    """(samples, rejected); the first of identical files (by path) is kept."""
+    samples, rejected, uncaptioned = [], [], []
+    first_of: dict[str, str] = {}  # content digest or sample id -> the file that has it
+    for c in found:
+        source = datasets[c.source]
+        sample_id = c.label.rsplit(".", 1)[0]
+        try:
+            info = inspect_image(c, params.min_side)
+            caption = _caption(c, source.missing_caption or params.missing_caption)
+            if caption is None:
+                uncaptioned.append(c)
+                continue
+            for seen, what in ((info.digest, "same bytes as"), (sample_id, "same name (so the same id) as")):
+                if seen in first_of:
+                    raise Rejected("duplicate", f"{what} {first_of[seen]}")
+            first_of.update({info.digest: c.label, sample_id: c.label})
+            samples.append(_sample(c, sample_id, info, caption, source.repeats, params))
+        except Rejected as r:
+            rejected.append({"path": c.label, "reason": r.reason, "detail": r.detail})
+    if uncaptioned:
+        c, more = uncaptioned[0], f" (and {len(uncaptioned) - 1} more)" if len(uncaptioned) > 1 else ""
+        raise ValueError(f"{datasets[c.source].path / c.rel}: no caption ({c.caption_problem}){more}; set"
+                         " missing_caption (preprocess or the dataset's) to skip, filename or empty")
+    return samples, rejected
+
+
+def _caption(c: Candidate, policy: str) -> str | None:
+    """The caption, whitespace collapsed; missing or empty ones follow `policy` (None: error)."""
+    text = " ".join((c.caption or "").split())
+    if text:
+        return text
+    if policy == "skip":
+        raise Rejected("missing_caption", c.caption_problem if c.caption is None else "empty caption")
+    return {"error": None, "filename": c.rel.rsplit("/", 1)[-1].rsplit(".", 1)[0].replace("_", " "),
+            "empty": ""}[policy]
+
+
+def _sample(c: Candidate, sample_id: str, info: ImageInfo, caption: str, repeats: int,
+            params: PreprocessParams) -> dict:
+    if params.buckets:
+        target = nearest_bucket(info.width, info.height, list(params.bucket_sizes)
+                                or generated_buckets(params.resolution, params.max_aspect))
+    else:
+        target = (params.resolution, params.resolution)
+    if params.never_upscale:
+        target = shrink_to_fit(info.width, info.height, target)
+        if target is None:
+            raise Rejected("too_small", f"{info.width}x{info.height} is under 64 px with never_upscale set")
+    resized, box = place(info.width, info.height, target, params.crop == "random", params.seed, sample_id)
+    sample = {
+        "id": sample_id, "source": c.source, "path": c.rel, "digest": info.digest, "caption": caption,
+        "repeats": repeats, "original_size": [info.height, info.width], "size": [target[1], target[0]],
+        "resized": resized, "crop_box": box,
+    }
+    if info.has_alpha:
+        sample["background"] = list(params.background)
+    return sample
+
+
+def _holdout_ids(ids: list[str], fraction: float) -> set[str]:
+    """The same ids for the same fraction, whatever the folder order: rank by a hash of the id."""
+    if fraction == 0 or len(ids) < 2:
+        return set()
+    k = min(len(ids) - 1, max(1, math.floor(len(ids) * fraction + 0.5)))
+    return set(sorted(ids, key=lambda i: blake3(i.encode()).hexdigest())[:k])

@@ -1,0 +1,103 @@
+"""Validation without decoding pixels: file access, image header, truncation, size, duplicates.
+
+Reading a header (format, size, mode, EXIF orientation) costs a few KB per image, so a rerun on a
+changed dataset stays cheap; pixels are decoded once, by encode.
+"""
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import BinaryIO
+
+from PIL import Image, UnidentifiedImageError
+
+from .sources import Candidate
+
+TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
+SHOWN_PER_REASON = 3
+HEAD, TAIL = 16, 4096  # bytes read for the truncation check
+
+
+@dataclass(frozen=True)
+class ImageInfo:
+    width: int  # after EXIF orientation
+    height: int
+    has_alpha: bool
+    digest: str
+
+
+class Rejected(Exception):
+    """An input that cannot be used; `reason` is one of a few fixed words for the report."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason, self.detail = reason, detail
+
+
+class Unparsable(Exception):
+    """The header is not one of an image format PIL reads."""
+
+
+def _header(f: BinaryIO) -> tuple[int, int, bool, str]:
+    """(width, height after EXIF orientation, has alpha, format) from the header alone."""
+    try:
+        with Image.open(f) as im:
+            width, height, fmt = im.width, im.height, im.format
+            has_alpha = im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info
+            if im.getexif().get(0x0112) in TRANSPOSED:
+                width, height = height, width
+    except (UnidentifiedImageError, ValueError, SyntaxError, EOFError) as e:
+        raise Unparsable(type(e).__name__) from None
+    except OSError as e:  # PIL raises OSError for broken headers too; keep real I/O errors apart
+        if e.errno is not None:
+            raise
+        raise Unparsable(type(e).__name__) from None
+    return width, height, has_alpha, fmt
+
+
+def inspect_image(candidate: Candidate, min_side: int) -> ImageInfo:
+    """Header facts of one image, or Rejected naming why it cannot be used."""
+    try:
+        with candidate.open() as f:
+            size = f.seek(0, io.SEEK_END)
+            f.seek(max(0, size - TAIL))
+            tail = f.read()
+            f.seek(0)
+            head = f.read(HEAD)
+            f.seek(0)
+            if size:
+                width, height, has_alpha, fmt = _header(f)
+    except OSError as e:
+        raise Rejected("unreadable", f"cannot read the file ({e.strerror or type(e).__name__})") from None
+    except Unparsable as e:
+        raise Rejected("not_an_image", f"not a readable image ({e})") from None
+    if not size:
+        raise Rejected("empty_file", "zero bytes")
+    if truncated(head, tail, size, fmt):
+        raise Rejected("truncated", f"the {fmt} data ends early (a partial download or copy?)")
+    if min(width, height) < min_side:
+        raise Rejected("too_small", f"{width}x{height} is below preprocess.min_side {min_side}")
+    return ImageInfo(width, height, has_alpha, candidate.digest())
+
+
+def truncated(head: bytes, tail: bytes, size: int, fmt: str | None) -> bool:
+    """Whether the file stops before its format's end marker (cheap: looks at head and tail only)."""
+    if fmt in ("JPEG", "MPO"):
+        return b"\xff\xd9" not in tail  # entropy-coded data never holds FF D9 (FF is stuffed)
+    if fmt == "PNG":
+        return b"IEND" not in tail[-64:]
+    if fmt == "WEBP":
+        return int.from_bytes(head[4:8], "little") + 8 > size  # the RIFF header's length
+    return False
+
+
+def summary_lines(rejected: list[dict]) -> list[str]:
+    """Per reason: the count and the first few file names."""
+    by_reason: dict[str, list[str]] = {}
+    for r in rejected:
+        by_reason.setdefault(r["reason"], []).append(r["path"])
+    lines = []
+    for reason, paths in sorted(by_reason.items()):
+        more = f" and {len(paths) - SHOWN_PER_REASON} more" if len(paths) > SHOWN_PER_REASON else ""
+        lines.append(f"preprocess: rejected {len(paths)} {reason}: {', '.join(paths[:SHOWN_PER_REASON])}{more}")
+    return lines
