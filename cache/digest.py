@@ -50,22 +50,23 @@ class StatCache:
             " mtime_ns INTEGER, inode INTEGER, digest TEXT)"
         )
         self._lock = threading.Lock()
-        self._pending: dict[str, tuple] = {}  # rows not yet committed, visible to lookups
+        self._known: dict[str, tuple] | None = None  # every row, loaded on first use: one query, not one a file
+        self._pending: dict[str, tuple] = {}  # rows not yet committed
         self.hashed = 0  # files actually read since this cache was opened
 
-    def digest(self, path: Path) -> str:
-        path = Path(os.path.abspath(path))
-        st = path.stat()
+    def digest(self, path: str | Path) -> str:
+        path = os.path.abspath(path)
+        st = os.stat(path)
         with self._lock:
-            row = self._pending.get(str(path)) or self._db.execute(
-                "SELECT path, size, mtime_ns, inode, digest FROM digests WHERE path=?", (str(path),)
-            ).fetchone()
-        if row and tuple(row[1:4]) == (st.st_size, st.st_mtime_ns, st.st_ino):
+            if self._known is None:
+                self._known = {row[0]: row for row in self._db.execute("SELECT * FROM digests")}
+            row = self._known.get(path)
+        if row and row[1:4] == (st.st_size, st.st_mtime_ns, st.st_ino):
             return row[4]
-        digest = digest_file(path)
+        digest = digest_file(Path(path))
         with self._lock:
             self.hashed += 1
-            self._pending[str(path)] = (str(path), st.st_size, st.st_mtime_ns, st.st_ino, digest)
+            self._known[path] = self._pending[path] = (path, st.st_size, st.st_mtime_ns, st.st_ino, digest)
             if len(self._pending) >= 512:
                 self._flush()
         return digest

@@ -10,6 +10,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -65,8 +66,13 @@ def listed_files(root: Path) -> list[Path]:
     """Every file (or symlink, possibly dangling) under `root`, sorted, hidden folders skipped."""
     if not root.is_dir():
         raise FileNotFoundError(f"dataset folder {root} does not exist")
-    return sorted(p for p in root.rglob("*") if (p.is_file() or p.is_symlink())
-                  and not any(part.startswith(".") for part in p.relative_to(root).parts))
+    found = []  # os.walk on strings: pathlib's rglob + relative_to cost ~100 us a file at 10k files
+    for folder, dirs, names in os.walk(root, followlinks=True):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        rel = os.path.relpath(folder, root)
+        prefix = () if rel == "." else tuple(rel.split(os.sep))
+        found += [(*prefix, name) for name in names if not name.startswith(".")]
+    return [root.joinpath(*parts) for parts in sorted(found)]
 
 
 def _file_digest(path: Path, stat_cache: StatCache) -> str:
