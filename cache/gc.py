@@ -1,39 +1,86 @@
-"""Garbage collection: drop artifacts no pipeline needs any more, then unreferenced shards."""
+"""Garbage collection: drop artifacts no pipeline needs any more, then unreferenced shards.
+
+What is kept: every pipeline's latest artifact per stage (its refs), what each pipeline's last N
+completed runs used (`runs/<pipeline>.jsonl`, appended by `record_run`), and what was created or
+used at or after a cutoff time.
+"""
 from __future__ import annotations
 
 import json
 import shutil
 import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-from .store import ArtifactStore
+from .store import Artifact, ArtifactStore
 
 SHARD_GRACE_SECONDS = 3600  # an encode in progress has committed shards no artifact references yet
+RUNS_DIR = "runs"
 
 
-def collect(store: ArtifactStore, keep_seconds: float) -> dict[str, int]:
-    now = time.time()
-    latest = set()
+def record_run(root: Path, pipeline: str, run: str, keys: dict[str, str]) -> None:
+    """Append one completed run (its name and the artifact key of each stage it used)."""
+    path = Path(root) / RUNS_DIR / f"{pipeline}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:  # one short O_APPEND write: concurrent runs do not interleave
+        f.write(json.dumps({"run": run, "time": time.time(), "keys": keys}) + "\n")
+
+
+def read_runs(root: Path) -> dict[str, list[dict[str, Any]]]:
+    """pipeline -> its completed runs, oldest first."""
+    runs = {}
+    for path in sorted((Path(root) / RUNS_DIR).glob("*.jsonl")):
+        rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+        runs[path.stem] = sorted(rows, key=lambda r: r["time"])
+    return runs
+
+
+@dataclass
+class Freed:
+    removed: list[str] = field(default_factory=list)  # "stage/key" of each removed artifact
+    shards: int = 0
+    bytes: int = 0
+
+
+def kept_keys(store: ArtifactStore, keep_last: int) -> set[tuple[str, str]]:
+    """(stage, key) of every pipeline's latest artifacts and of what its last `keep_last` runs used."""
+    kept = set()
     for refs_path in (store.root / "refs").glob("*.json"):
-        latest |= {(stage, ref["key"]) for stage, ref in json.loads(refs_path.read_text()).items()}
-    freed = {"artifacts": 0, "shards": 0, "bytes": 0}
+        kept |= {(stage, ref["key"]) for stage, ref in json.loads(refs_path.read_text()).items()}
+    for runs in read_runs(store.root).values():
+        for run in runs[-keep_last:] if keep_last > 0 else []:
+            kept |= set(run["keys"].items())
+    return kept
+
+
+def last_used(store: ArtifactStore, artifact: Artifact) -> float:
+    return max([artifact.manifest["created"], *(u["time"] for u in store.uses(artifact))])
+
+
+def collect(store: ArtifactStore, keep_last: int = 0, keep_since: float | None = None) -> Freed:
+    """Remove artifacts outside `kept_keys` not used since `keep_since`, then dead shards."""
+    kept = kept_keys(store, keep_last)
+    freed = Freed()
     live_refs: set[str] = set()
     for artifact in list(store.artifacts()):
-        last = max([artifact.manifest["created"], *(u["time"] for u in store.uses(artifact))])
-        if (artifact.stage, artifact.key) in latest or now - last < keep_seconds:
+        recent = keep_since is not None and last_used(store, artifact) >= keep_since
+        if (artifact.stage, artifact.key) in kept or recent:
             live_refs |= set(artifact.manifest.get("refs", {}))
             continue
-        freed["bytes"] += sum(e["size"] for e in artifact.manifest["files"].values())
+        freed.bytes += sum(e["size"] for e in artifact.manifest["files"].values())
         store.remove(artifact)
-        freed["artifacts"] += 1
+        freed.removed.append(f"{artifact.stage}/{artifact.key}")
+    now = time.time()
     samples = store.root / "samples"
     for meta_path in sorted(samples.glob("*.json")) if samples.is_dir() else []:
         tar = meta_path.with_suffix(".tar")
         if f"samples/{tar.name}" in live_refs or now - meta_path.stat().st_mtime < SHARD_GRACE_SECONDS:
             continue
-        freed["bytes"] += tar.stat().st_size if tar.exists() else 0
+        freed.bytes += tar.stat().st_size if tar.exists() else 0
         meta_path.unlink()  # the index first: without it the shard no longer exists
         tar.unlink(missing_ok=True)
-        freed["shards"] += 1
+        freed.shards += 1
     for trash in store.root.rglob(".trash-*"):
         shutil.rmtree(trash, ignore_errors=True)
     return freed

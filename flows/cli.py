@@ -3,7 +3,7 @@
     lorapipe demo [--workdir DIR]
     lorapipe run CONFIG [--only S]... [--from S] [--force S]... [--set key=value]... [--json]
     lorapipe status CONFIG [--set key=value]... [--json]
-    lorapipe cache ls|verify|rm|gc [--cache-dir DIR | --config CONFIG]
+    lorapipe cache ls|verify|rm|gc [--cache-dir DIR | --config CONFIG] [--keep-last N] [--keep-days D | --since DATE]
     lorapipe tiny-model DIR [--arch sd15|sdxl]
 """
 from __future__ import annotations
@@ -44,7 +44,10 @@ def _parser() -> argparse.ArgumentParser:
     where = cache.add_mutually_exclusive_group()
     where.add_argument("--cache-dir", type=Path)
     where.add_argument("--config", type=Path)
-    cache.add_argument("--keep-days", type=float, default=30, help="gc: keep artifacts used this recently")
+    cache.add_argument("--keep-last", type=int, default=0, metavar="N",
+                       help="gc: keep what each pipeline's last N completed runs used")
+    cache.add_argument("--keep-days", type=float, help="gc: keep artifacts used this recently (default 30)")
+    cache.add_argument("--since", metavar="DATE", help="gc: keep artifacts used on or after DATE (2026-11-01)")
     cache.add_argument("--json", action="store_true")
     tiny = sub.add_parser("tiny-model", help="build a tiny model offline")
     tiny.add_argument("dir", type=Path)

@@ -65,40 +65,99 @@ def _cache_root(args) -> Path:
     return root
 
 
+def _when(timestamp: float | None) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(timestamp)) if timestamp else "-"
+
+
+def cache_rows(store) -> list[dict]:
+    """One row per artifact: stage, key, size, created, last used, the runs and pipelines that used it."""
+    from cache.gc import last_used, read_runs
+
+    runs = [(pipeline, r) for pipeline, rows in read_runs(store.root).items() for r in rows]
+    rows = []
+    for a in store.artifacts():
+        used_by = [r["run"] for _, r in runs if r["keys"].get(a.stage) == a.key]
+        rows.append({"stage": a.stage, "key": a.key, "bytes": sum(e["size"] for e in a.manifest["files"].values()),
+                     "created": a.manifest["created"], "last_used": last_used(store, a), "runs": used_by,
+                     "pipelines": sorted({u["pipeline"] for u in store.uses(a)})})
+    return rows
+
+
+def _cache_ls(store, as_json: bool) -> int:
+    rows = cache_rows(store)
+    if as_json:
+        _print_json(rows)
+        return 0
+    print(f"{'stage':<11}{'key':<14}{'bytes':>12}  {'created':<17} {'last used':<17} runs (pipelines)")
+    for r in rows:
+        runs = ", ".join(r["runs"][-3:]) + (f" +{len(r['runs']) - 3} more" if len(r["runs"]) > 3 else "")
+        print(f"{r['stage']:<11}{r['key'][:12]:<14}{r['bytes']:>12,}  {_when(r['created']):<17} "
+              f"{_when(r['last_used']):<17} {runs or '-'} ({','.join(r['pipelines']) or '-'})")
+    return 0
+
+
+def _cache_verify(store) -> int:
+    """Re-hash every artifact, then every sample shard; a damaged shard is removed, so the encode
+    artifacts that reference it are misses and its records are re-encoded on the next run."""
+    from cache.samples import SampleStore
+
+    bad = 0
+    for a in store.artifacts():
+        problems = store.verify(a)
+        bad += bool(problems)
+        print(f"{a.stage:<11}{a.key[:12]:<14}{'ok' if not problems else 'DAMAGED: ' + problems[0]}")
+    damaged = SampleStore(store.root).verify()
+    for shard, problem in damaged:
+        print(f"{'shard':<11}{shard[:12]:<14}DAMAGED: {problem}; removed, its records are re-encoded on the next run")
+    print(f"shards: {len(damaged)} damaged" if damaged else "shards: ok")
+    return 1 if bad or damaged else 0
+
+
+def _cache_rm(store, prefixes: list[str]) -> int:
+    if not prefixes:
+        raise ValueError("cache rm needs one or more artifact keys (see `lorapipe cache ls`)")
+    artifacts = list(store.artifacts())
+    unmatched = [k for k in prefixes if not any(a.key.startswith(k) for a in artifacts)]
+    if unmatched:
+        raise ValueError(f"cache rm: no artifact key starts with {unmatched[0]!r} (see `lorapipe cache ls`)")
+    for a in artifacts:
+        if any(a.key.startswith(k) for k in prefixes):
+            store.remove(a)
+            print(f"removed {a.stage} {a.key}")
+    return 0
+
+
+def gc_cutoff(since: str | None, keep_days: float | None, keep_last: int) -> float | None:
+    """The time after which anything used is kept: --since DATE, --keep-days D, or 30 days by default."""
+    from datetime import datetime
+
+    if since is not None and keep_days is not None:
+        raise ValueError("cache gc: give --since or --keep-days, not both")
+    if since is not None:
+        try:
+            return datetime.fromisoformat(since).timestamp()
+        except ValueError:
+            raise ValueError(f"cache gc: --since: {since!r} is not a date like 2026-11-01 or 2026-11-01T12:00") from None
+    if keep_days is None and keep_last:
+        return None
+    return time.time() - (30 if keep_days is None else keep_days) * 86400
+
+
 def cache(args) -> int:
     from cache.gc import collect
     from cache.store import ArtifactStore
 
     store = ArtifactStore(_cache_root(args))
     if args.action == "ls":
-        rows = []
-        for a in store.artifacts():
-            uses = store.uses(a)
-            size = sum(e["size"] for e in a.manifest["files"].values())
-            rows.append({"stage": a.stage, "key": a.key, "bytes": size, "created": a.manifest["created"],
-                         "last_used": max((u["time"] for u in uses), default=None),
-                         "pipelines": sorted({u["pipeline"] for u in uses})})
-        if args.json:
-            _print_json(rows)
-        for r in [] if args.json else rows:
-            used = time.strftime("%Y-%m-%d %H:%M", time.localtime(r["last_used"])) if r["last_used"] else "-"
-            print(f"{r['stage']:<11}{r['key'][:12]:<14}{r['bytes']:>12,}  last used {used}  {','.join(r['pipelines'])}")
-        return 0
+        return _cache_ls(store, args.json)
     if args.action == "verify":
-        bad = 0
-        for a in store.artifacts():
-            problems = store.verify(a)
-            bad += bool(problems)
-            print(f"{a.stage:<11}{a.key[:12]:<14}{'ok' if not problems else 'DAMAGED: ' + problems[0]}")
-        return 1 if bad else 0
+        return _cache_verify(store)
     if args.action == "rm":
-        if not args.keys:
-            raise ValueError("cache rm needs one or more artifact keys (see `lorapipe cache ls`)")
-        for a in store.artifacts():
-            if any(a.key.startswith(k) for k in args.keys):
-                store.remove(a)
-                print(f"removed {a.stage} {a.key}")
-        return 0
-    freed = collect(store, keep_seconds=args.keep_days * 86400)
-    print(f"gc: removed {freed['artifacts']} artifacts and {freed['shards']} shards, freed {freed['bytes']:,} bytes")
+        return _cache_rm(store, args.keys)
+    if args.keep_last < 0:
+        raise ValueError(f"cache gc: --keep-last must be 0 or more, got {args.keep_last}")
+    freed = collect(store, keep_last=args.keep_last, keep_since=gc_cutoff(args.since, args.keep_days, args.keep_last))
+    for name in freed.removed:
+        print(f"removed {name}")
+    print(f"gc: removed {len(freed.removed)} artifacts and {freed.shards} shards, freed {freed.bytes:,} bytes")
     return 0

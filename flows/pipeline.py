@@ -2,6 +2,7 @@
 hit or miss is decided by our cache manifest (a hit shows in Prefect as a "Cached" state).
 
     lorapipe run configs/demo.yaml            # or: python -m flows.pipeline CONFIG
+    prefect deploy --all                      # the deployments in prefect.yaml (README: "Running as a service")
 """
 from __future__ import annotations
 
@@ -9,14 +10,24 @@ import json
 import shutil
 import sys
 from pathlib import Path
+from typing import Literal, get_args
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
+from prefect.runtime import flow_run
 from prefect.states import Completed
 
+from cache.gc import record_run
+from cache.store import ArtifactStore
+from stages.train import TrainInputs
+
+from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config
 from .plan import STAGES, Context
 from .runner import StageResult, run_stage
+
+Stage = Literal["preprocess", "encode", "train", "evaluate"]  # typed, so Prefect refuses a misspelt stage
+assert get_args(Stage) == STAGES
 
 OUTPUT_FILES = {  # stage -> files copied next to the run summary for the user
     "train": ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"),
@@ -25,12 +36,21 @@ OUTPUT_FILES = {  # stage -> files copied next to the run summary for the user
 
 
 @task(cache_policy=NO_CACHE, persist_result=False)
-def stage_task(config: PipelineConfig, stage: str, upstream: dict[str, str], run: bool, force: bool):
-    """One stage. `upstream` maps earlier stages to their artifact keys."""
-    logger = get_run_logger()
-    ctx = Context(config, log=logger.info)
+def stage_task(config: PipelineConfig, stage: str, upstream: dict[str, str], run: bool, force: bool,
+               init_lora: str | None = None):
+    """One stage. `upstream` maps earlier stages to their artifact keys; `init_lora` is the key of
+    the train artifact a warm-started train stage begins from."""
+    logger, progress = get_run_logger(), StageProgress(stage)
+
+    def log(line: str) -> None:
+        logger.info(line)
+        progress(line)
+
+    ctx = Context(config, log=log)
     try:
         artifacts = {s: ctx.store.lookup(s, k).artifact for s, k in upstream.items()}
+        if init_lora:
+            artifacts["init_lora"] = ctx.store.lookup("train", init_lora).artifact
         result, _ = run_stage(ctx, stage, artifacts, run=run, force=force)
     finally:
         ctx.close()
@@ -48,23 +68,49 @@ def selected_stages(only: list[str], start: str | None) -> set[str]:
     return set(STAGES[STAGES.index(start):]) if start else set(STAGES)
 
 
+def previous_lora(config: PipelineConfig) -> str:
+    """Key of the train artifact this pipeline used last: where a warm start begins."""
+    if "init_lora" not in TrainInputs.__dataclass_fields__:
+        raise ValueError("warm_start: the train stage cannot start from an earlier LoRA yet"
+                         " (stages/train needs TrainInputs.init_lora); run without warm_start")
+    store = ArtifactStore(config.cache_dir)
+    previous = store.previous(config.name, "train")
+    if previous is None or not store.lookup("train", previous["key"]).hit:
+        raise ValueError(f"warm_start: pipeline {config.name!r} has no earlier LoRA in {config.cache_dir};"
+                         " run it once without warm_start")
+    return previous["key"]
+
+
 @flow(name="lorapipe", log_prints=True)
-def pipeline(config: PipelineConfig, only: list[str] = [], start: str | None = None,  # noqa: B006
-             force: list[str] = []) -> list[dict]:  # noqa: B006
-    """Run the four stages; `only`/`start`/`force` match the CLI's --only/--from/--force."""
+def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None = None,  # noqa: B006
+             force: list[Stage] = [], warm_start: bool = False) -> list[dict]:  # noqa: B006
+    """Run the four stages, each served from the cache when nothing it depends on changed.
+
+    Args:
+        config: the pipeline config (the YAML file's content; paths are absolute or relative to the
+            worker's working directory, the repository root)
+        only: run only these stages (`--only`); the stages before them must already be cached
+        start: run this stage and those after it (`--from`)
+        force: rebuild these stages, discarding their artifacts and train's checkpoints (`--force`)
+        warm_start: start training from this pipeline's previous LoRA instead of from scratch
+    """
     chosen = selected_stages(only, start)
+    init_lora = previous_lora(config) if warm_start else None
     results: list[StageResult] = []
     upstream: dict[str, str] = {}
     last = max(STAGES.index(s) for s in chosen)
     for stage in STAGES[: last + 1]:  # stages before a chosen one must be cache hits
         state = stage_task.with_options(name=stage)(
-            config, stage, dict(upstream), stage in chosen, stage in force, return_state=True)
+            config, stage, dict(upstream), stage in chosen, stage in force,
+            init_lora if stage == "train" else None, return_state=True)
         result: StageResult = state.result()
         result.prefect_state = state.name
         results.append(result)
         upstream[stage] = result.key
     summary = [r.to_json() for r in results]
     write_outputs(config, results, summary)
+    record_run(config.cache_dir, config.name, flow_run.name or "unnamed", upstream)
+    publish_run_artifacts(config.name, results)
     return summary
 
 
