@@ -4,6 +4,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import yaml
 
 from flows.cli import main
 from flows.config import ConfigError, load_config
@@ -46,3 +47,13 @@ def test_the_cli_reports_a_bad_config_in_one_line(tmp_path, capsys):
     assert main(["status", str(bad)]) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("lorapipe: error:") and "bad.yaml" in err and "\n" not in err
+
+
+def test_every_deployment_in_prefect_yaml_carries_a_valid_config():
+    from flows.config import validate_config
+
+    deployments = yaml.safe_load((CONFIGS[0].parent.parent / "prefect.yaml").read_text())["deployments"]
+    assert deployments
+    for deployment in deployments:
+        config = validate_config(deployment["parameters"]["config"], f"prefect.yaml:{deployment['name']}")
+        assert config.evaluate.prompts
