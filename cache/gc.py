@@ -40,6 +40,7 @@ def read_runs(root: Path) -> dict[str, list[dict[str, Any]]]:
 class Freed:
     removed: list[str] = field(default_factory=list)  # "stage/key" of each removed artifact
     shards: int = 0
+    work_dirs: int = 0  # resumable work (training checkpoints) no kept artifact came from
     bytes: int = 0
 
 
@@ -63,10 +64,12 @@ def collect(store: ArtifactStore, keep_last: int = 0, keep_since: float | None =
     kept = kept_keys(store, keep_last)
     freed = Freed()
     live_refs: set[str] = set()
+    live_work: set[tuple[str, str]] = set()
     for artifact in list(store.artifacts()):
         recent = keep_since is not None and last_used(store, artifact) >= keep_since
         if (artifact.stage, artifact.key) in kept or recent:
             live_refs |= set(artifact.manifest.get("refs", {}))
+            live_work.add((artifact.stage, artifact.manifest.get("work_key", "")))
             continue
         freed.bytes += sum(e["size"] for e in artifact.manifest["files"].values())
         store.remove(artifact)
@@ -81,6 +84,20 @@ def collect(store: ArtifactStore, keep_last: int = 0, keep_since: float | None =
         meta_path.unlink()  # the index first: without it the shard no longer exists
         tar.unlink(missing_ok=True)
         freed.shards += 1
+    _collect_work_dirs(store, live_work, freed)
     for trash in store.root.rglob(".trash-*"):
         shutil.rmtree(trash, ignore_errors=True)
     return freed
+
+
+def _collect_work_dirs(store: ArtifactStore, live: set[tuple[str, str]], freed: Freed) -> None:
+    """Remove work directories that no kept artifact was built from and no run touched lately
+    (a run in progress keeps writing checkpoints into its own)."""
+    now = time.time()
+    for work in sorted((store.root / "work").glob("*/*")):
+        entries = [work, *work.rglob("*")]
+        if (work.parent.name, work.name) in live or now - max(e.stat().st_mtime for e in entries) < SHARD_GRACE_SECONDS:
+            continue
+        freed.bytes += sum(e.stat().st_size for e in entries if e.is_file())
+        shutil.rmtree(work, ignore_errors=True)
+        freed.work_dirs += 1

@@ -159,5 +159,6 @@ def cache(args) -> int:
     freed = collect(store, keep_last=args.keep_last, keep_since=gc_cutoff(args.since, args.keep_days, args.keep_last))
     for name in freed.removed:
         print(f"removed {name}")
-    print(f"gc: removed {len(freed.removed)} artifacts and {freed.shards} shards, freed {freed.bytes:,} bytes")
+    print(f"gc: removed {len(freed.removed)} artifacts, {freed.shards} shards and {freed.work_dirs} work"
+          f" directories, freed {freed.bytes:,} bytes")
     return 0

@@ -77,7 +77,7 @@ def test_gc_keeps_what_the_last_runs_used_and_reports_what_it_freed(capsys, stor
     code, out, _ = _cache(capsys, store, "gc", "--keep-last", "2")
     assert code == 0 and _present(store) == {"e1", "e2", "b", "c"}
     assert f"removed train/{store.keys['a']}" in out
-    assert "removed 1 artifacts and 0 shards, freed 100 bytes" in out
+    assert "removed 1 artifacts, 0 shards and 0 work directories, freed 100 bytes" in out
     code, out, _ = _cache(capsys, store, "gc", "--keep-last", "1")
     assert _present(store) == {"e2", "c"} and "freed 300 bytes" in out
 
@@ -92,6 +92,28 @@ def test_gc_keeps_what_is_newer_than_a_date(capsys, store):
 def test_gc_keep_days_zero_keeps_only_each_pipelines_latest(capsys, store):
     code, out, _ = _cache(capsys, store, "gc", "--keep-days", "0")
     assert code == 0 and _present(store) == {"e2", "c"} and "removed 3 artifacts" in out
+
+
+def test_gc_drops_the_training_work_of_removed_artifacts_and_keeps_the_latest(capsys, tmp_path):
+    import os
+
+    store = ArtifactStore(tmp_path / "cache")
+
+    def build(out: Path, work: Path) -> Built:
+        (work / "checkpoint.bin").write_bytes(b"x" * 50)
+        (out / "lora.bin").write_bytes(work.name.encode())
+        return Built()
+
+    old, new = (StageKey("train", {"lr": lr, "steps": 10}, resumable=("steps",)) for lr in (1, 2))
+    for key in (old, new):
+        store.build(key, build, {})
+    _use(store, "p", "run-1", [new])
+    for work in (store.root / "work").rglob("*"):
+        os.utime(work, (time.time() - 2 * DAY,) * 2)
+    code, out, _ = _cache(capsys, store, "gc", "--keep-days", "0")
+    assert code == 0 and "1 work directories" in out
+    assert not store.work_dir("train", old.work_key).exists()
+    assert (store.work_dir("train", new.work_key) / "checkpoint.bin").exists()
 
 
 def test_verify_rehashes_and_names_the_damaged_file(capsys, store):
