@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import shutil
 import sys
+from functools import partial
 from pathlib import Path
 from typing import Literal, get_args
 
@@ -18,13 +19,11 @@ from prefect.runtime import flow_run
 from prefect.states import Completed
 
 from cache.gc import record_run
-from cache.store import ArtifactStore
-from stages.train import TrainInputs
 
 from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config
 from .plan import STAGES, Context
-from .runner import StageResult, run_stage
+from .runner import StageResult, run_stage, run_warm_train
 
 Stage = Literal["preprocess", "encode", "train", "evaluate"]  # typed, so Prefect refuses a misspelt stage
 assert get_args(Stage) == STAGES
@@ -37,9 +36,9 @@ OUTPUT_FILES = {  # stage -> files copied next to the run summary for the user
 
 @task(cache_policy=NO_CACHE, persist_result=False)
 def stage_task(config: PipelineConfig, stage: str, upstream: dict[str, str], run: bool, force: bool,
-               init_lora: str | None = None):
-    """One stage. `upstream` maps earlier stages to their artifact keys; `init_lora` is the key of
-    the train artifact a warm-started train stage begins from."""
+               warm_start: bool = False):
+    """One stage. `upstream` maps earlier stages to their artifact keys; `warm_start` makes train
+    begin from this pipeline's previous LoRA."""
     logger, progress = get_run_logger(), StageProgress(stage)
 
     def log(line: str) -> None:
@@ -49,9 +48,8 @@ def stage_task(config: PipelineConfig, stage: str, upstream: dict[str, str], run
     ctx = Context(config, log=log)
     try:
         artifacts = {s: ctx.store.lookup(s, k).artifact for s, k in upstream.items()}
-        if init_lora:
-            artifacts["init_lora"] = ctx.store.lookup("train", init_lora).artifact
-        result, _ = run_stage(ctx, stage, artifacts, run=run, force=force)
+        stage_run = run_warm_train if warm_start else partial(run_stage, stage=stage)
+        result, _ = stage_run(ctx, upstream=artifacts, run=run, force=force)
     finally:
         ctx.close()
     if result.status == "hit":
@@ -68,19 +66,6 @@ def selected_stages(only: list[str], start: str | None) -> set[str]:
     return set(STAGES[STAGES.index(start):]) if start else set(STAGES)
 
 
-def previous_lora(config: PipelineConfig) -> str:
-    """Key of the train artifact this pipeline used last: where a warm start begins."""
-    if "init_lora" not in TrainInputs.__dataclass_fields__:
-        raise ValueError("warm_start: the train stage cannot start from an earlier LoRA yet"
-                         " (stages/train needs TrainInputs.init_lora); run without warm_start")
-    store = ArtifactStore(config.cache_dir)
-    previous = store.previous(config.name, "train")
-    if previous is None or not store.lookup("train", previous["key"]).hit:
-        raise ValueError(f"warm_start: pipeline {config.name!r} has no earlier LoRA in {config.cache_dir};"
-                         " run it once without warm_start")
-    return previous["key"]
-
-
 @flow(name="lorapipe", log_prints=True)
 def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None = None,  # noqa: B006
              force: list[Stage] = [], warm_start: bool = False) -> list[dict]:  # noqa: B006
@@ -95,14 +80,13 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
         warm_start: start training from this pipeline's previous LoRA instead of from scratch
     """
     chosen = selected_stages(only, start)
-    init_lora = previous_lora(config) if warm_start else None
     results: list[StageResult] = []
     upstream: dict[str, str] = {}
     last = max(STAGES.index(s) for s in chosen)
     for stage in STAGES[: last + 1]:  # stages before a chosen one must be cache hits
         state = stage_task.with_options(name=stage)(
             config, stage, dict(upstream), stage in chosen, stage in force,
-            init_lora if stage == "train" else None, return_state=True)
+            warm_start and stage == "train", return_state=True)
         result: StageResult = state.result()
         result.prefect_state = state.name
         results.append(result)

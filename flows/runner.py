@@ -13,6 +13,8 @@ from cache.store import Artifact, Lookup, StageKey, diff_ingredients
 
 from .plan import Context, Step, code_digest, step_for
 
+LORA_FILE = "pytorch_lora_weights.safetensors"
+
 
 class StageNotCached(RuntimeError):
     """A stage that was not selected to run has no valid artifact for this config."""
@@ -101,3 +103,31 @@ def explain(ctx: Context, stages: tuple[str, ...]) -> list[dict[str, Any]]:
         else:
             rows.append({"stage": stage, "status": "miss", "key": key.key, "reason": miss_reason(ctx, key, found)})
     return rows
+
+
+def previous_train(ctx: Context) -> Artifact:
+    """This pipeline's last train artifact: where a warm start begins."""
+    previous = ctx.store.previous(ctx.config.name, "train")
+    found = ctx.store.lookup("train", previous["key"]) if previous else None
+    if not found or not found.hit:
+        raise ValueError(f"warm_start: pipeline {ctx.config.name!r} has no earlier LoRA in {ctx.config.cache_dir};"
+                         " run it once without warm_start")
+    return found.artifact
+
+
+def run_warm_train(ctx: Context, upstream: dict[str, Artifact], **kwargs) -> tuple[StageResult, Artifact]:
+    """Train starting from the previous LoRA. When that LoRA was trained on exactly this encoded
+    data there is nothing new to learn, so it is served as is (a scheduled no-op stays a no-op)."""
+    started, previous = time.time(), previous_train(ctx)
+    if previous.manifest["ingredients"]["inputs"]["encode"] == upstream["encode"].digest:
+        reason = "warm start on unchanged data: the previous LoRA stands"
+        ctx.log(f"train: hit ({reason}) {previous.path}")
+        return StageResult("train", "hit", previous.key, previous.digest, str(previous.path),
+                           round(time.time() - started, 3), reason, previous.manifest.get("info", {})), previous
+    ctx.log(f"train: warm start from {previous.path / LORA_FILE}")
+    train = ctx.config.train.model_copy(update={"init_lora": str(previous.path / LORA_FILE)})
+    warm = Context(ctx.config.model_copy(update={"train": train}), ctx.log)
+    try:
+        return run_stage(warm, "train", upstream, **kwargs)
+    finally:
+        warm.close()

@@ -151,3 +151,26 @@ def test_raising_max_steps_continues_from_the_published_run(baseline, tmp_path):
     assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed"}
     assert results["train"].reason == "changed: params.max_steps"
     assert results["train"].info["resumed_from"] == 20 and results["train"].info["steps"] == 30
+
+
+def test_warm_start_continues_from_the_previous_lora_only_when_the_data_changed(baseline, tmp_path):
+    from cache.digest import digest_file
+    from flows.runner import run_warm_train
+
+    config = copy_of(baseline, tmp_path)
+    ctx = Context(config, log=lambda m: None)
+    upstream = {}
+    for stage in STAGES[:2]:
+        _, upstream[stage] = run_stage(ctx, stage, upstream)
+    same, previous = run_warm_train(ctx, upstream)
+    assert same.status == "hit" and "unchanged data" in same.reason
+    shutil.copy(tmp_path / "data" / "rocket.jpg", tmp_path / "data" / "rocket2.jpg")
+    (tmp_path / "data" / "rocket2.txt").write_text("another rocket")
+    upstream = {}
+    for stage in STAGES[:2]:
+        _, upstream[stage] = run_stage(ctx, stage, upstream)
+    warm, artifact = run_warm_train(ctx, upstream)
+    ctx.close()
+    assert warm.status == "computed"
+    lora = previous.path / "pytorch_lora_weights.safetensors"
+    assert artifact.manifest["ingredients"]["inputs"]["init_lora"] == digest_file(lora)
