@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-from . import encode_bench, noop_rerun
+from . import encode_bench, noop_rerun, train_bench
 from .common import machine
 
 BENCHES = {
@@ -17,6 +17,7 @@ BENCHES = {
     "encode_throughput": lambda root: encode_bench.throughput(root),
     "encode_incremental": lambda root: encode_bench.incremental(root),
     "encode_peak_memory": lambda root: encode_bench.peak_memory(root),
+    "train_step": lambda root: train_bench.step_times(root),
 }
 
 

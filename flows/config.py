@@ -6,7 +6,7 @@ separates them. Relative paths are resolved against the config file's folder.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
@@ -23,7 +23,10 @@ class ConfigError(ValueError):
 
 
 class ModelConfig(Frozen):
-    path: Path = Field(description="a diffusers-format model folder (model_index.json)")
+    path: Path = Field(description="a diffusers-format model folder (model_index.json), or a single-file"
+                       " .safetensors checkpoint in the original layout (A1111/ComfyUI)")
+    family: Literal["sd15", "sdxl"] | None = Field(
+        None, description="a single file's family; detected from its tensor names when not given")
 
 
 class DataConfig(Frozen):

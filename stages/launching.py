@@ -77,7 +77,7 @@ def run_streaming(command: list[str], log_file: Path, log: Log) -> None:
            PARENT_ENV: str(os.getpid())}
     tail: deque[str] = deque(maxlen=TAIL_LINES)
     errors: list[str] = []
-    with open(log_file, "a") as sink:
+    with open(log_file, "a", buffering=1) as sink:  # line-buffered: the log can be followed live
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    bufsize=1, env=env, cwd=REPO_ROOT, preexec_fn=_die_with(os.getpid()))
         try:

@@ -1,12 +1,20 @@
-"""The train stage on the tiny SD1.5 model and the encoded demo photos (6 train samples), CPU only.
+"""The train stage on the tiny SD1.5 and SDXL models and the encoded demo photos (6 train samples),
+CPU only, every run a real `accelerate launch`.
 
 One 120-step training (`trained`) is shared: its files, its loss curve, exact resume against it,
-and that its exported LoRA files reproduce the trained UNet.
+that its exported LoRA files reproduce the trained UNet, and a start from its LoRA (init_lora).
+Also: SDXL export into StableDiffusionXLPipeline, a non-finite loss, repeats and mirrored latents,
+and that no worker outlives its parent (SIGINT, SIGKILL).
 """
 from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -68,6 +76,10 @@ def test_run_writes_lora_files_and_rotates_checkpoints(trained):
     assert json.loads(meta["lorapipe.train_config"])["params"]["rank"] == 4
     assert (out / "pytorch_lora_weights.safetensors").stat().st_mode & 0o777 == 0o644
     assert [e["step"] for e in losses(out)] == list(range(1, STEPS + 1))
+    assert (out / "logs" / "loss.png").read_bytes().startswith(b"\x89PNG")
+    assert list((out / "logs" / "tracker").glob("events.out.tfevents.*"))  # TensorBoard, the default tracker
+    progress = [line for line in (out / "logs" / "train.log").read_text().splitlines() if line.startswith("step ")]
+    assert len(progress) == STEPS // 20 and all(" it/s ETA " in line for line in progress)
 
 
 def test_loss_goes_down(trained):
@@ -121,6 +133,7 @@ def test_ddp_two_cpu_processes(tmp_path, tiny_model, encoded):
     log = (out / "logs" / "train.log").read_text()
     assert "rank 0/2" in log and "rank 1/2" in log
     assert built.info["steps"] == 4 and (out / "pytorch_lora_weights.safetensors").is_file()
+    assert len([line for line in log.splitlines() if line.startswith("step 4/4")]) == 1  # main process only
 
 
 def test_child_failure_is_reported(tmp_path, encoded):
@@ -183,3 +196,185 @@ def test_params_validation():
     with pytest.raises(ValueError, match="constant_with_warmup"):
         train.TrainParams(warmup_steps=10)
     assert train.TrainParams(target_modules=["to_q"]).target_modules == ("to_q",)
+
+
+def test_sdxl_lora_loads_into_the_sdxl_pipeline(tmp_path, sdxl_model, sdxl_encoded):
+    from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
+    from peft import LoraConfig
+
+    from stages.train.lora_files import load_diffusers_lora
+
+    inputs = train_inputs(sdxl_model, sdxl_encoded)
+    out, built = run_train(tmp_path, "sdxl", inputs, max_steps=6, checkpoint_every=6)
+    assert built.info["steps"] == 6 and json.loads((out / "train_config.json").read_text())["family"] == "sdxl"
+    trained = UNet2DConditionModel.from_pretrained(sdxl_model, subfolder="unet")
+    trained.add_adapter(LoraConfig(r=4, lora_alpha=8.0, target_modules=list(TARGETS)))
+    load_diffusers_lora(trained, out / "checkpoints" / "step-000006" / "pytorch_lora_weights.safetensors")
+    g = torch.Generator().manual_seed(0)
+    args = (torch.randn(2, 4, 8, 8, generator=g), torch.tensor([10, 700]), torch.randn(2, 77, 64, generator=g))
+    added = {"text_embeds": torch.randn(2, 32, generator=g), "time_ids": torch.tensor([[64., 64, 0, 0, 64, 64]] * 2)}
+    with torch.no_grad():
+        expected = trained.eval()(*args, added_cond_kwargs=added).sample
+        base = UNet2DConditionModel.from_pretrained(sdxl_model, subfolder="unet").eval()(*args, added_cond_kwargs=added).sample
+        assert (expected - base).abs().max() > 1e-3
+        for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"):
+            pipe = StableDiffusionXLPipeline.from_pretrained(sdxl_model)
+            pipe.load_lora_weights(out, weight_name=name)
+            got = pipe.unet.eval()(*args, added_cond_kwargs=added).sample
+            assert (got - expected).abs().max() < 1e-5, name
+
+
+def test_flipped_latents_are_drawn_half_the_time(sdxl_encoded):
+    from stages.encoded import EncodedData
+    from stages.train.recipe import draws_flipped, load_batch
+
+    data = EncodedData(sdxl_encoded.artifact_dir, sdxl_encoded.cache_root)
+    sample = data.split("train")[0]
+    assert not torch.equal(data.latent(sample)[0], data.latent(sample, flipped=True)[0])
+    draws = [draws_flipped(sample, torch.Generator().manual_seed(seed)) for seed in range(200)]
+    assert 70 < sum(draws) < 130
+    flipped_seed = draws.index(True)
+    batch = load_batch(data, [sample], torch.Generator().manual_seed(flipped_seed), 0.0)
+    again = load_batch(data, [sample], torch.Generator().manual_seed(flipped_seed), 0.0)
+    assert torch.equal(batch.latents, again.latents)  # seeded: resume stays exact
+    mean, std = data.latent(sample, flipped=True)
+    rng = torch.Generator().manual_seed(flipped_seed)
+    torch.rand((), generator=rng)  # the coin comes before the posterior sample
+    expected = (mean + std * torch.randn(mean.shape, generator=rng)) * data.index["vae_scaling_factor"]
+    assert torch.equal(batch.latents[0], expected)
+
+
+def test_batch_plan_repeats_samples(encoded):
+    from stages.encoded import EncodedData
+
+    samples = EncodedData(encoded.artifact_dir, encoded.cache_root).split("train")
+    samples[0] = replace(samples[0], repeats=3)
+    plan = BatchPlan(samples, seed=0, batch_size=1, num_processes=1)
+    assert plan.batches_per_epoch == len(samples) + 2
+    epoch = [plan.batch(m, 0)[0].id for m in range(plan.batches_per_epoch)]
+    assert epoch.count(samples[0].id) == 3 and all(epoch.count(s.id) == 1 for s in samples[1:])
+
+
+def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tiny_model, encoded):
+    # lr 1e30: Adam moves every LoRA weight by about 1e30 in step 1, so step 2's forward overflows
+    with pytest.raises(RuntimeError) as failure:
+        run_train(tmp_path, "nan", train_inputs(tiny_model, encoded), learning_rate=1e30, max_steps=5,
+                  checkpoint_every=1, keep_checkpoints=5)
+    work = tmp_path / "work-nan"
+    first_line = str(failure.value).splitlines()[0]
+    assert "FloatingPointError: loss is" in first_line and "at step 2" in first_line, first_line
+    assert f"{work}/checkpoints/step-000001 is kept" in first_line, first_line
+    checkpoints = CheckpointDir(work / "checkpoints")
+    assert checkpoints.steps() == [1] and checkpoints.damage(1) == ""
+    assert not (tmp_path / "out-nan" / "pytorch_lora_weights.safetensors").exists()
+
+
+def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded):
+    """Step 1's loss is computed before the first update: it must be the init LoRA's loss on the
+    plan's first batch, computed here with the recipe's own data and loss functions."""
+    from diffusers import DDPMScheduler, UNet2DConditionModel
+    from peft import LoraConfig
+
+    from stages.encoded import EncodedData
+    from stages.train.lora_files import load_diffusers_lora
+    from stages.train.recipe import derived_seed, diffusion_loss, load_batch
+
+    init = trained[0] / "pytorch_lora_weights.safetensors"
+    inputs = replace(train_inputs(tiny_model, encoded), init_lora_digest="init-digest")
+    out, _ = run_train(tmp_path, "init", inputs, init_lora=str(init), max_steps=1)
+    params = train.TrainParams(**PARAMS)
+    data = EncodedData(encoded.artifact_dir, encoded.cache_root)
+    unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    unet.add_adapter(LoraConfig(r=4, lora_alpha=8.0, target_modules=list(TARGETS)))
+    load_diffusers_lora(unet, init)
+    rng = torch.Generator().manual_seed(derived_seed(params.seed, "batch", 0, 0))
+    batch = load_batch(data, BatchPlan(data.split("train"), params.seed, 2, 1).batch(0, 0), rng, 0.0)
+    scheduler = DDPMScheduler.from_pretrained(tiny_model, subfolder="scheduler")
+    with torch.no_grad():
+        expected = diffusion_loss(unet.train(), scheduler, batch, rng, params, torch.device("cpu"), torch.float32)
+    first = losses(out)[0]["loss"]
+    assert first == pytest.approx(expected.item(), rel=1e-5)
+    assert first < 0.5 * losses(trained[0])[0]["loss"]  # not the zero-initialised start
+    with safe_open(out / "pytorch_lora_weights.safetensors", "pt") as f:
+        config = json.loads(f.metadata()["lorapipe.train_config"])
+    assert config["init_lora_digest"] == "init-digest" and "init_lora" not in config["params"]  # not its path
+
+
+def test_init_lora_must_match_rank_and_alpha(trained, tiny_model):
+    from diffusers import UNet2DConditionModel
+    from peft import LoraConfig
+
+    from stages.train.lora_files import load_init_lora
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
+    config = LoraConfig(r=4, lora_alpha=4.0, target_modules=list(TARGETS))
+    unet.add_adapter(config)
+    with pytest.raises(ValueError, match="train.init_lora: .* has alpha 8.0 but train.alpha is 4.0"):
+        load_init_lora(unet, trained[0] / "pytorch_lora_weights.safetensors", config)
+
+
+PARENT = """
+import sys
+from pathlib import Path
+from stages import train
+inputs = train.TrainInputs(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), "base", "encoded")
+train.run(train.TrainParams(max_steps=100000, batch_size=2, checkpoint_every=100000), inputs,
+          Path(sys.argv[4]), Path(sys.argv[5]), train.TrainOptions(log_with="none", log_every=10**9))
+"""
+
+
+def recipe_processes(job: Path) -> list:
+    import psutil
+
+    found = []
+    for process in psutil.process_iter(["cmdline"]):
+        if str(job) in " ".join(process.info["cmdline"] or ()) and process.status() != psutil.STATUS_ZOMBIE:
+            found.append(process)
+    return found
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGKILL], ids=["sigint", "sigkill"])
+def test_stopping_the_parent_leaves_no_worker(sig, tmp_path, tiny_model, encoded):
+    """SIGINT: the parent terminates its children; SIGKILL: the kernel does (PR_SET_PDEATHSIG).
+    The worker prints nothing once started, so no broken pipe kills it instead."""
+    work, out = tmp_path / "work", tmp_path / "out"
+    out.mkdir()
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(encoded.artifact_dir), str(encoded.cache_root),
+                               str(tiny_model), str(out), str(work)], cwd=Path(__file__).parent.parent,
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    log, deadline = work / "logs" / "train.log", time.monotonic() + 240
+    while not (log.exists() and "rank 0/1" in log.read_text()):  # the worker is past its start
+        assert parent.poll() is None and time.monotonic() < deadline, "the training never started"
+        time.sleep(0.5)
+    assert recipe_processes(work / "job.json")
+    parent.send_signal(sig)
+    parent.wait(timeout=60)
+    deadline = time.monotonic() + 30
+    while recipe_processes(work / "job.json") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert recipe_processes(work / "job.json") == []
+
+
+def test_init_lora_is_keyed_by_its_content_not_its_path(tmp_path, tiny_model, demo_images):
+    from cache.store import Artifact
+    from flows.config import validate_config
+    from flows.plan import Context, train_step
+
+    def key(lora: Path) -> str:
+        raw = {"name": "t", "cache_dir": tmp_path / "cache", "output_dir": tmp_path / "out", "model": {"path": tiny_model},
+               "data": {"path": demo_images}, "train": {"init_lora": str(lora)}, "evaluate": {"prompts": ["a cat"]}}
+        ctx = Context(validate_config(raw, "test"), log=lambda m: None)
+        try:
+            return train_step(ctx, Artifact("encode", "k", tmp_path, {"digest": "encoded"})).key.key
+        finally:
+            ctx.close()
+
+    first, moved = tmp_path / "a.safetensors", tmp_path / "elsewhere" / "b.safetensors"
+    save_safetensors_sorted({"x": torch.zeros(2)}, {}, first)
+    moved.parent.mkdir()
+    save_safetensors_sorted({"x": torch.zeros(2)}, {}, moved)
+    assert key(first) == key(moved)
+    save_safetensors_sorted({"x": torch.ones(2)}, {}, moved)
+    assert key(first) != key(moved)
+    with pytest.raises(FileNotFoundError, match="train.init_lora: .*missing.safetensors is not a file"):
+        key(tmp_path / "missing.safetensors")

@@ -10,10 +10,13 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors.torch import load_file, save
+
+if TYPE_CHECKING:
+    from peft import LoraConfig
 
 ADAPTER = "default"
 
@@ -80,3 +83,19 @@ def load_diffusers_lora(unet: torch.nn.Module, path: Path) -> None:
     if unexpected or missing:
         raise ValueError(f"{path} does not match this UNet's LoRA layers: unexpected {unexpected[:3]},"
                          f" missing {missing[:3]}")
+
+
+def load_init_lora(unet: torch.nn.Module, path: Path, config: "LoraConfig") -> None:
+    """Start from an existing diffusers-format LoRA file (its adapter must have this run's rank,
+    alpha and target layers: a different alpha would load it at the wrong strength)."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        raise FileNotFoundError(f"train.init_lora: {path} is not a file")
+    with safe_open(path, "pt") as f:
+        recorded = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
+    for field, key in (("r", "rank"), ("lora_alpha", "alpha")):
+        value = recorded.get(f"unet.{field}")
+        if value is not None and float(value) != float(getattr(config, field)):
+            raise ValueError(f"train.init_lora: {path} has {key} {value} but train.{key} is {getattr(config, field)}")
+    load_diffusers_lora(unet, path)

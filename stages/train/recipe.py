@@ -12,11 +12,16 @@ and launches this module. By hand (JOB.json as `run()` writes it):
 
 Data: a deterministic batch plan. For each epoch, a permutation seeded by (seed, epoch) deals the
 train split, bucket by bucket (one encoded size per batch), into global batches of
-batch_size x num_processes samples; a bucket's remainder that does not fill a global batch is
-dropped for that epoch. Rank r takes slice r of each global batch, so every rank runs the same
-number of steps. Micro-batch m = step * gradient_accumulation_steps + j is batch m of the plan,
-and all of its randomness (posterior sample, caption dropout, noise, timesteps, LoRA dropout)
-comes from a seed derived from (seed, m, rank): resuming from a checkpoint is exact.
+batch_size x num_processes samples; a sample with `repeats` = k is dealt k times per epoch
+(kohya-style), so a batch may hold it twice. A bucket's remainder that does not fill a global
+batch is dropped for that epoch. Rank r takes slice r of each global batch, so every rank runs the
+same number of steps. Micro-batch m = step * gradient_accumulation_steps + j is batch m of the
+plan, and all of its randomness (flipped or plain latent where encode made both, posterior sample,
+caption dropout, noise, timesteps, LoRA dropout) comes from a seed derived from (seed, m, rank):
+resuming from a checkpoint is exact.
+
+Logs: loss.jsonl and loss.png, TensorBoard (or wandb) through accelerate's trackers, and a
+progress line with it/s and ETA from the main process.
 
 Writes only into the work directory: checkpoints/ (see checkpoints.py), export/ (the final LoRA
 files and train_config.json) and logs/loss.jsonl.
@@ -25,8 +30,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,9 +42,11 @@ import torch
 import torch.nn.functional as F
 
 from stages.encoded import EncodedData, Sample
+from stages.launching import ERROR_PREFIX, die_with_parent
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
-from stages.train.lora_files import load_diffusers_lora, write_diffusers_lora, write_kohya_lora
-from stages.train.params import ALL_LINEAR, TARGET_PRESETS, VERSION, TrainInputs, TrainOptions, TrainParams
+from stages.train.lora_files import load_diffusers_lora, load_init_lora, write_diffusers_lora, write_kohya_lora
+from stages.train.params import (ALL_LINEAR, TARGET_PRESETS, TRACKER_RUN, VERSION, TrainInputs, TrainOptions,
+                                 TrainParams)
 
 TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")
 
@@ -54,7 +63,7 @@ class BatchPlan:
         self.seed, self.batch_size, self.global_batch = seed, batch_size, batch_size * num_processes
         buckets: dict[tuple[int, int], list[Sample]] = {}
         for sample in sorted(samples, key=lambda s: s.id):
-            buckets.setdefault(sample.size, []).append(sample)
+            buckets.setdefault(sample.size, []).extend([sample] * sample.repeats)
         self.buckets = [buckets[size] for size in sorted(buckets)]
         self.batches_per_epoch = sum(len(b) // self.global_batch for b in self.buckets)
         if self.batches_per_epoch == 0:
@@ -88,13 +97,21 @@ class Batch:
     added_cond: dict[str, torch.Tensor] | None  # SDXL: pooled text embeds and size/crop time ids
 
 
+def draws_flipped(sample: Sample, rng: torch.Generator) -> bool:
+    """A sample encoded with a mirrored latent shows it on half of its draws (no draw otherwise,
+    so data without flips keeps its random stream)."""
+    return sample.latent_flip is not None and torch.rand((), generator=rng).item() < 0.5
+
+
 def load_batch(data: EncodedData, samples: list[Sample], rng: torch.Generator, caption_dropout: float) -> Batch:
-    """Sample each posterior, drop captions (to the cached empty prompt) with probability caption_dropout."""
+    """Pick plain or mirrored latents, sample each posterior, drop captions (to the cached empty
+    prompt) with probability caption_dropout. SDXL time ids keep the unmirrored crop: samples.json
+    lacks the resized width that mirroring the crop's left edge needs."""
     scale = float(data.index["vae_scaling_factor"])
     empty = data.empty_text()
     latents, texts = [], []
     for sample in samples:
-        mean, std = (t.float() for t in data.latent(sample))
+        mean, std = (t.float() for t in data.latent(sample, draws_flipped(sample, rng)))
         latents.append((mean + std * torch.randn(mean.shape, generator=rng)) * scale)
         dropped = torch.rand((), generator=rng).item() < caption_dropout
         texts.append(empty if dropped else data.text(sample))
@@ -146,10 +163,12 @@ class LoRATrainingRecipe:
     """LoRA on the UNet's attention (or any linear) layers; the VAE and text encoders are never
     loaded: latents and embeddings come from the encode stage, so the text encoder is not trained.
 
-    Features: DDP (gloo on CPU), gradient accumulation, mixed precision (frozen weights in
-    fp16/bf16, LoRA in fp32), min-SNR weighting, noise offset, v-prediction, caption dropout,
+    Features: SD1.x/2.x and SDXL, DDP (gloo on CPU), gradient accumulation, mixed precision
+    (frozen weights in fp16/bf16, LoRA in fp32), min-SNR weighting, noise offset, v-prediction,
+    caption dropout, dataset repeats, mirrored latents, a start from an existing LoRA file,
     gradient checkpointing (less memory, ~30% slower), exact resume from atomic checkpoints that
-    hold only the LoRA, optimizer, LR scheduler and RNG states.
+    hold only the LoRA, optimizer, LR scheduler and RNG states. A non-finite loss or LoRA weight
+    stops the run before it can be checkpointed.
     """
 
     def __init__(self, params: TrainParams, inputs: TrainInputs, options: TrainOptions, work_dir: Path):
@@ -163,8 +182,10 @@ class LoRATrainingRecipe:
     def setup(self) -> None:
         from accelerate import Accelerator
 
-        p = self.params
-        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=p.mixed_precision)
+        p, tracker = self.params, self.options.log_with
+        self.accelerator = Accelerator(cpu=not torch.cuda.is_available(), mixed_precision=p.mixed_precision,
+                                       log_with=None if tracker == "none" else tracker,
+                                       project_dir=self.work_dir / "logs")
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         if self.world != p.num_processes:
             raise RuntimeError(f"launched with {self.world} processes but num_processes is {p.num_processes}")
@@ -173,6 +194,8 @@ class LoRATrainingRecipe:
         self._setup_optimizer()
         self._register_checkpoint_hooks()
         self._resume()
+        if self.options.log_with != "none":
+            self.accelerator.init_trackers(TRACKER_RUN, config=tracker_config(self.params))
 
     def _setup_data(self) -> None:
         self.data = EncodedData(self.inputs.encoded_dir, self.inputs.cache_root)
@@ -203,6 +226,8 @@ class LoRATrainingRecipe:
         )
         torch.manual_seed(derived_seed(p.seed, "init"))  # the LoRA's gaussian init
         unet.add_adapter(self.lora_config)
+        if p.init_lora:
+            load_init_lora(unet, Path(p.init_lora), self.lora_config)
         cast_training_params(unet, dtype=torch.float32)
         if self.options.gradient_checkpointing:
             unet.enable_gradient_checkpointing()
@@ -272,20 +297,26 @@ class LoRATrainingRecipe:
             loss = self._train_step()
             self.step += 1
             if not torch.isfinite(loss):
-                last = self.checkpoints.steps()
-                raise FloatingPointError(
-                    f"loss is {loss.item()} at step {self.step}; stopping. The last good checkpoint is"
-                    f" {step_name(last[-1]) if last else 'none'}: lower learning_rate or check the data."
-                )
+                self._stop(f"loss is {loss.item()} at step {self.step}")
             if acc.is_main_process:
                 with open(self.loss_log, "a") as f:
                     f.write(json.dumps({"step": self.step, "loss": loss.item(), "lr": lr}) + "\n")
+            acc.log({"loss": loss.item(), "lr": lr}, step=self.step)
             if self.step % self.options.log_every == 0 or self.step == p.max_steps:
                 rate = (self.step - started_step) / (time.perf_counter() - started)
-                acc.print(f"step {self.step}/{p.max_steps} loss {loss.item():.5f} lr {lr:.3e} {rate:.2f} it/s",
-                          flush=True)
+                eta = time.strftime("%H:%M:%S", time.gmtime((p.max_steps - self.step) / rate))
+                acc.print(f"step {self.step}/{p.max_steps} loss {loss.item():.5f} lr {lr:.3e} {rate:.2f} it/s"
+                          f" ETA {eta}", flush=True)
             if self.step % p.checkpoint_every == 0 or self.step == p.max_steps:
+                if not all(torch.isfinite(t).all() for t in self.unet.parameters() if t.requires_grad):
+                    self._stop(f"the LoRA weights are not finite after step {self.step}")
                 self.save_checkpoint()
+
+    def _stop(self, what: str) -> None:
+        """Stop before anything non-finite is checkpointed; every committed checkpoint stays."""
+        last = self.checkpoints.steps()
+        kept = f"{self.checkpoints.path(last[-1])} is kept" if last else "there is no checkpoint yet"
+        raise FloatingPointError(f"{what}; training stopped and {kept}. Lower train.learning_rate or check the data.")
 
     def _train_step(self) -> torch.Tensor:
         """One optimizer step over gradient_accumulation_steps micro-batches; returns the mean
@@ -333,15 +364,16 @@ class LoRATrainingRecipe:
         (out / "train_config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
         (self.work_dir / "logs" / "summary.json").write_text(
             json.dumps({"steps": self.step, "resumed_from": self.resumed_from}) + "\n")
+        plot_losses(self.loss_log, self.work_dir / "logs" / "loss.png")
 
     def train_config(self) -> dict:
         """What produced these weights. Leaves out max_steps (the files record their step), so a
         checkpoint's bytes do not depend on the max_steps of the run that wrote it."""
         return {
-            "version": VERSION, "params": self.params.model_dump(mode="json", exclude={"max_steps"}),
+            "version": VERSION, "params": self.params.model_dump(mode="json", exclude={"max_steps", "init_lora"}),
             "target_modules": sorted(self.lora_config.target_modules),
             "base_model_digest": self.inputs.base_model_digest, "encoded_digest": self.inputs.encoded_digest,
-            "family": self.data.family,
+            "init_lora_digest": self.inputs.init_lora_digest, "family": self.data.family,
         }
 
     def provenance(self) -> dict[str, str]:
@@ -382,14 +414,48 @@ class LoRATrainingRecipe:
         self.loss_log.write_text("".join(line + "\n" for line in lines))
 
 
+def tracker_config(params: TrainParams) -> dict[str, str | int | float | bool]:
+    """The params as TensorBoard hparams accept them (scalars only)."""
+    values = params.model_dump(mode="json")
+    return {k: v if isinstance(v, (str, int, float, bool)) else json.dumps(v) for k, v in values.items()}
+
+
+def plot_losses(loss_log: Path, png: Path) -> None:
+    """The loss per step and its moving average (a window of about 5% of the run)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    entries = [json.loads(line) for line in loss_log.read_text().splitlines() if line]
+    steps, values = [e["step"] for e in entries], [e["loss"] for e in entries]
+    window = max(1, math.ceil(len(values) / 20))
+    smooth = [sum(values[max(0, i - window + 1) : i + 1]) / len(values[max(0, i - window + 1) : i + 1])
+              for i in range(len(values))]
+    fig, ax = plt.subplots(figsize=(6, 3.5), dpi=100)
+    ax.plot(steps, values, lw=0.6, alpha=0.4, label="loss")
+    ax.plot(steps, smooth, lw=1.5, label=f"mean of {window}")
+    ax.set(xlabel="step", ylabel="loss", title="training loss")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png)
+    plt.close(fig)
+
+
 def main(argv: list[str]) -> None:
+    die_with_parent()
     job = json.loads(Path(argv[1]).read_text())
     recipe = LoRATrainingRecipe(TrainParams(**job["params"]), TrainInputs.from_json(job["inputs"]),
                                 TrainOptions(**job["options"]), Path(job["work_dir"]))
-    recipe.setup()
-    recipe.train()
-    recipe.export()
-    recipe.cleanup()
+    try:
+        recipe.setup()
+        recipe.train()
+        recipe.export()
+        recipe.cleanup()
+    except Exception as error:  # the traceback for the log, then one line for the user
+        traceback.print_exc()
+        print(f"{ERROR_PREFIX}{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", flush=True)
+        sys.exit(1)
 
 
 if __name__ == "__main__":
