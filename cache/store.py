@@ -132,7 +132,7 @@ class ArtifactStore:
 
     def artifacts(self) -> Iterator[Artifact]:
         for stage_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            if stage_dir.name in ("work", "locks", "refs", "uses", "samples", "tmp"):
+            if stage_dir.name in ("work", "locks", "refs", "uses", "samples", "tmp", "runs", "models"):
                 continue
             for key_dir in sorted(p for p in stage_dir.iterdir() if p.is_dir()):
                 if key_dir.name.startswith("."):

@@ -98,7 +98,7 @@ def _apply_override(raw: dict, assignment: str, source: str) -> None:
 
 def _resolve_paths(raw: dict, base: Path) -> None:
     for dotted in ("cache_dir", "output_dir", "model.path", "data.path", "evaluate.clip_model",
-                   "evaluate.fid_reference", "evaluate.inception_weights"):
+                   "evaluate.fid_reference", "evaluate.inception_weights", "train.init_lora"):
         *parents, leaf = dotted.split(".")
         node = raw
         for part in parents:

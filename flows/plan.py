@@ -17,7 +17,7 @@ from cache.digest import StatCache, path_identity
 from cache.store import Artifact, ArtifactStore, Built, StageKey
 from stages import encode, evaluate, preprocess, train
 from stages.contract import Log, library_majors, library_versions
-from stages.models import component_digests, model_family
+from stages.models import component_digests, diffusers_folder, is_single_file, model_family
 
 from .config import PipelineConfig, split
 
@@ -47,11 +47,20 @@ class Context:
 
     @cached_property
     def family(self) -> str:
-        return model_family(self.config.model.path)
+        return model_family(self.config.model.path, self.config.model.family)
 
     @cached_property
     def model_digests(self) -> dict[str, str]:
-        return component_digests(self.config.model.path, self.stat_cache)
+        return component_digests(self.config.model.path, self.stat_cache, self.config.model.family)
+
+    @cached_property
+    def model_path(self) -> Path:
+        """A diffusers folder: the configured one, or a single-file checkpoint converted once into
+        the cache (`<cache>/models/<digest>`)."""
+        path = self.config.model.path
+        if not is_single_file(path):
+            return path
+        return diffusers_folder(path, self.model_digests["unet"], self.family, self.store.root / "models")
 
     def models_for(self, stage: str) -> dict[str, str]:
         return {k: v for k, v in self.model_digests.items() if k in MODEL_PARTS.get(stage, ())}
@@ -89,10 +98,13 @@ def preprocess_step(ctx: Context) -> Step:
 def encode_step(ctx: Context, pre: Artifact) -> Step:
     cfg = ctx.config
     params, options = split(cfg.encode, encode.EncodeParams, encode.EncodeOptions)
-    inputs = encode.EncodeInputs(pre.path, cfg.data.sources, ctx.store.root, cfg.model.path, ctx.family,
-                                 ctx.models_for("encode"))
-    return Step(ctx.stage_key("encode", params, {"preprocess": pre.digest}),
-                lambda out, work: encode.run(params, inputs, out, work, options, ctx.log))
+
+    def build(out: Path, work: Path) -> Built:
+        inputs = encode.EncodeInputs(pre.path, cfg.data.sources, ctx.store.root, ctx.model_path, ctx.family,
+                                     ctx.models_for("encode"))
+        return encode.run(params, inputs, out, work, options, ctx.log)
+
+    return Step(ctx.stage_key("encode", params, {"preprocess": pre.digest}), build)
 
 
 def train_step(ctx: Context, enc: Artifact) -> Step:
@@ -101,28 +113,36 @@ def train_step(ctx: Context, enc: Artifact) -> Step:
     if params.init_lora and not Path(params.init_lora).is_file():
         raise FileNotFoundError(f"train.init_lora: {params.init_lora} is not a file")
     init_lora = ctx.stat_cache.digest(Path(params.init_lora)) if params.init_lora else "none"
-    inputs = train.TrainInputs(
-        encoded_dir=enc.path, cache_root=ctx.store.root, model_path=cfg.model.path,
-        base_model_digest=ctx.model_digests["unet"], encoded_digest=enc.digest, init_lora_digest=init_lora,
-    )
     keyed = params.model_copy(update={"init_lora": None})  # keyed by its content (inputs), not its path
     key = ctx.stage_key("train", keyed, {"encode": enc.digest, "init_lora": init_lora},
                         resumable=("params.max_steps",))
-    return Step(key, lambda out, work: train.run(params, inputs, out, work, options, ctx.log))
+
+    def build(out: Path, work: Path) -> Built:
+        inputs = train.TrainInputs(
+            encoded_dir=enc.path, cache_root=ctx.store.root, model_path=ctx.model_path,
+            base_model_digest=ctx.model_digests["unet"], encoded_digest=enc.digest, init_lora_digest=init_lora,
+        )
+        return train.run(params, inputs, out, work, options, ctx.log)
+
+    return Step(key, build)
 
 
 def evaluate_step(ctx: Context, enc: Artifact, trained: Artifact) -> Step:
     cfg = ctx.config
     params, options = split(cfg.evaluate, evaluate.EvalParams, evaluate.EvalOptions)
-    inputs = evaluate.EvalInputs(
-        model_path=cfg.model.path, train_dir=trained.path, encoded_dir=enc.path, cache_root=ctx.store.root,
-        base_model_digest=ctx.model_digests["unet"], encoded_digest=enc.digest, lora_digest=trained.digest,
-    )
     local = {name: path_identity(getattr(params, name), ctx.stat_cache)  # their contents, not their paths
              for name in ("clip_model", "fid_reference", "inception_weights")}
     keyed = params.model_copy(update=dict.fromkeys(local))
     key = ctx.stage_key("evaluate", keyed, {"encode": enc.digest, "train": trained.digest, **local})
-    return Step(key, lambda out, work: evaluate.run(params, inputs, out, work, options, ctx.log))
+
+    def build(out: Path, work: Path) -> Built:
+        inputs = evaluate.EvalInputs(
+            model_path=ctx.model_path, train_dir=trained.path, encoded_dir=enc.path, cache_root=ctx.store.root,
+            base_model_digest=ctx.model_digests["unet"], encoded_digest=enc.digest, lora_digest=trained.digest,
+        )
+        return evaluate.run(params, inputs, out, work, options, ctx.log)
+
+    return Step(key, build)
 
 
 def step_for(stage: str, ctx: Context, upstream: dict[str, Artifact]) -> Step:

@@ -378,3 +378,14 @@ def test_init_lora_is_keyed_by_its_content_not_its_path(tmp_path, tiny_model, de
     assert key(first) != key(moved)
     with pytest.raises(FileNotFoundError, match="train.init_lora: .*missing.safetensors is not a file"):
         key(tmp_path / "missing.safetensors")
+
+
+def test_sdxl_crop_conditioning_is_mirrored_with_a_flipped_latent():
+    from cache.samples import RecordLocation
+    from stages.encoded import Sample
+    from stages.train.recipe import sdxl_time_ids
+
+    where = RecordLocation("shard", {"safetensors": (0, 1)})
+    sample = Sample("a", "train", "cap", (480, 750), (10, 0, 74, 64), (64, 64), where, where, resized=(64, 100))
+    assert sdxl_time_ids(sample, flipped=False) == [480, 750, 0, 10, 64, 64]
+    assert sdxl_time_ids(sample, flipped=True) == [480, 750, 0, 26, 64, 64]

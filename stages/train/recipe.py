@@ -103,21 +103,29 @@ def draws_flipped(sample: Sample, rng: torch.Generator) -> bool:
     return sample.latent_flip is not None and torch.rand((), generator=rng).item() < 0.5
 
 
+def sdxl_time_ids(sample: Sample, flipped: bool) -> list[int]:
+    """SDXL's size conditioning: original size, crop top-left (mirrored with the latent), target size."""
+    left, top = sample.crop_box[0], sample.crop_box[1]
+    if flipped and sample.resized is not None:
+        left = sample.resized[1] - sample.crop_box[2]
+    return [*sample.original_size, top, left, *sample.size]
+
+
 def load_batch(data: EncodedData, samples: list[Sample], rng: torch.Generator, caption_dropout: float) -> Batch:
     """Pick plain or mirrored latents, sample each posterior, drop captions (to the cached empty
-    prompt) with probability caption_dropout. SDXL time ids keep the unmirrored crop: samples.json
-    lacks the resized width that mirroring the crop's left edge needs."""
+    prompt) with probability caption_dropout."""
     scale = float(data.index["vae_scaling_factor"])
     empty = data.empty_text()
-    latents, texts = [], []
+    latents, texts, time_ids = [], [], []
     for sample in samples:
-        mean, std = (t.float() for t in data.latent(sample, draws_flipped(sample, rng)))
+        flipped = draws_flipped(sample, rng)
+        time_ids.append(sdxl_time_ids(sample, flipped))
+        mean, std = (t.float() for t in data.latent(sample, flipped))
         latents.append((mean + std * torch.randn(mean.shape, generator=rng)) * scale)
         dropped = torch.rand((), generator=rng).item() < caption_dropout
         texts.append(empty if dropped else data.text(sample))
     added_cond = None
     if data.family == "sdxl":
-        time_ids = [[*s.original_size, s.crop_box[1], s.crop_box[0], *s.size] for s in samples]
         added_cond = {
             "text_embeds": torch.stack([t["pooled"].float() for t in texts]),
             "time_ids": torch.tensor(time_ids, dtype=torch.float32),
