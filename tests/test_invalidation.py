@@ -164,7 +164,9 @@ def test_warm_start_continues_from_the_previous_lora_only_when_the_data_changed(
         _, upstream[stage] = run_stage(ctx, stage, upstream)
     same, previous = run_warm_train(ctx, upstream)
     assert same.status == "hit" and "unchanged data" in same.reason
-    shutil.copy(tmp_path / "data" / "rocket.jpg", tmp_path / "data" / "rocket2.jpg")
+    from PIL import Image, ImageOps
+
+    ImageOps.mirror(Image.open(tmp_path / "data" / "rocket.jpg")).save(tmp_path / "data" / "rocket2.jpg")
     (tmp_path / "data" / "rocket2.txt").write_text("another rocket")
     upstream = {}
     for stage in STAGES[:2]:
