@@ -75,51 +75,39 @@ def demo_images() -> Path:
     return DEMO_IMAGES
 
 
-@pytest.fixture(scope="session")
-def encoded(tmp_path_factory, tiny_model) -> EncodedSet:
-    """The demo photos at 64 px, encoded by the real preprocess and encode stages (6 train, 2 held out)."""
+def _encode_demo_images(root: Path, model: Path, family: str, params) -> EncodedSet:
+    """The demo photos at 64 px through the real preprocess and encode stages (6 train, 2 held out)."""
     from cache.digest import StatCache
     from cache.store import ArtifactStore, StageKey
     from stages import encode, preprocess
     from stages.models import component_digests
 
-    root = tmp_path_factory.mktemp("encoded-cache")
     store = ArtifactStore(root)
     with StatCache(root / "stat.sqlite") as stat_cache:
-        params = preprocess.PreprocessParams(resolution=64, holdout_fraction=0.25)
+        pre_params = preprocess.PreprocessParams(resolution=64, holdout_fraction=0.25)
         sources = (preprocess.DatasetSource(path=DEMO_IMAGES),)
         inputs = preprocess.PreprocessInputs(sources, stat_cache)
-        pre, _ = store.build(StageKey("preprocess", {"p": params.model_dump()}),
-                             lambda out, work: preprocess.run(params, inputs, out, work), {})
-        digests = component_digests(tiny_model, stat_cache)
-    enc_inputs = encode.EncodeInputs(pre.path, sources, root, tiny_model, "sd15", digests)
+        pre, _ = store.build(StageKey("preprocess", {"p": pre_params.model_dump()}),
+                             lambda out, work: preprocess.run(pre_params, inputs, out, work), {})
+        digests = component_digests(model, stat_cache)
+    enc_inputs = encode.EncodeInputs(pre.path, sources, root, model, family, digests)
     enc, _ = store.build(
         StageKey("encode", {"pre": pre.digest}),
-        lambda out, work: encode.run(encode.EncodeParams(), enc_inputs, out, work,
-                                     encode.EncodeOptions(num_workers=0)), {})
+        lambda out, work: encode.run(params, enc_inputs, out, work, encode.EncodeOptions(num_workers=0)), {})
     return EncodedSet(enc.path, root, enc.digest)
+
+
+@pytest.fixture(scope="session")
+def encoded(tmp_path_factory, tiny_model) -> EncodedSet:
+    from stages.encode import EncodeParams
+
+    return _encode_demo_images(tmp_path_factory.mktemp("encoded-cache"), tiny_model, "sd15", EncodeParams())
 
 
 @pytest.fixture(scope="session")
 def sdxl_encoded(tmp_path_factory, sdxl_model) -> EncodedSet:
-    """The demo photos at 64 px through the tiny SDXL model, each also encoded mirrored (encode.flip)."""
-    from cache.digest import StatCache
-    from cache.store import ArtifactStore, StageKey
-    from stages import encode, preprocess
-    from stages.models import component_digests
+    """Through the tiny SDXL model, each image also encoded mirrored (encode.flip)."""
+    from stages.encode import EncodeParams
 
-    root = tmp_path_factory.mktemp("sdxl-encoded-cache")
-    store = ArtifactStore(root)
-    with StatCache(root / "stat.sqlite") as stat_cache:
-        params = preprocess.PreprocessParams(resolution=64, holdout_fraction=0.25)
-        sources = (preprocess.DatasetSource(path=DEMO_IMAGES),)
-        pre, _ = store.build(StageKey("preprocess", {"p": params.model_dump()}),
-                             lambda out, work: preprocess.run(params, preprocess.PreprocessInputs(sources, stat_cache),
-                                                              out, work), {})
-        digests = component_digests(sdxl_model, stat_cache)
-    enc_inputs = encode.EncodeInputs(pre.path, sources, root, sdxl_model, "sdxl", digests)
-    enc, _ = store.build(
-        StageKey("encode", {"pre": pre.digest}),
-        lambda out, work: encode.run(encode.EncodeParams(flip=True), enc_inputs, out, work,
-                                     encode.EncodeOptions(num_workers=0)), {})
-    return EncodedSet(enc.path, root, enc.digest)
+    return _encode_demo_images(tmp_path_factory.mktemp("sdxl-encoded-cache"), sdxl_model, "sdxl",
+                               EncodeParams(flip=True))

@@ -79,6 +79,17 @@ def trainers(root: Path) -> list[psutil.Process]:
     return found
 
 
+def assert_trainers_die(root: Path, what: str) -> None:
+    """Within 30 s no training process of this test is left (any found are killed, then reported)."""
+    deadline = time.time() + 30
+    while trainers(root) and time.time() < deadline:
+        time.sleep(0.5)
+    left = [" ".join(p.cmdline()) for p in trainers(root)]
+    for proc in trainers(root):
+        proc.kill()
+    assert not left, f"training processes outlived {what}: {left}"
+
+
 @dataclass
 class Service:
     url: str
@@ -341,13 +352,7 @@ def test_6_cancelling_during_training_leaves_no_training_process(service):
     with get_client(sync_client=True) as client:
         client.set_flow_run_state(run_id, Cancelling())
     assert service.wait(run_id, timeout=120) == "Cancelled"
-    deadline = time.time() + 30
-    while trainers(service.root) and time.time() < deadline:
-        time.sleep(0.5)
-    left = [" ".join(p.cmdline()) for p in trainers(service.root)]
-    for proc in trainers(service.root):
-        proc.kill()
-    assert not left, f"training processes outlived the cancelled run: {left}"
+    assert_trainers_die(service.root, "the cancelled run")
 
 
 def test_6b_a_flow_run_process_killed_outright_leaves_no_training_process(service):
@@ -362,13 +367,7 @@ def test_6b_a_flow_run_process_killed_outright_leaves_no_training_process(servic
     flow_process = launchers[0].parent()
     assert "prefect.engine" in " ".join(flow_process.cmdline()), flow_process.cmdline()
     flow_process.kill()
-    deadline = time.time() + 30
-    while trainers(service.root) and time.time() < deadline:
-        time.sleep(0.5)
-    left = [" ".join(p.cmdline()) for p in trainers(service.root)]
-    for proc in trainers(service.root):
-        proc.kill()
-    assert not left, f"training processes outlived their SIGKILLed flow run process: {left}"
+    assert_trainers_die(service.root, "their SIGKILLed flow run process")
     assert service.wait(run_id, timeout=120) == "Crashed"
 
 
