@@ -166,3 +166,14 @@ def test_sample_store_shards_are_deterministic_and_readable_by_offset(tmp_path):
     with open(a.shard_path(shard), "r+b") as f:
         f.truncate(512)
     assert SampleStore(tmp_path / "a").missing(["k1"]) == ["k1"]  # a truncated shard's records are gone
+
+
+def test_sample_store_shards_stream_through_webdataset(tmp_path):
+    import webdataset
+
+    records = {f"k{i}": {"safetensors": bytes([i]) * 10, "json": b'{"i": %d}' % i} for i in range(3)}
+    store = SampleStore(tmp_path)
+    shard = store.write_shard(records)
+    streamed = list(webdataset.WebDataset(str(store.shard_path(shard)), shardshuffle=False, empty_check=False))
+    assert [s["__key__"] for s in streamed] == ["k0", "k1", "k2"]
+    assert [s["safetensors"] for s in streamed] == [records[k]["safetensors"] for k in ("k0", "k1", "k2")]
