@@ -196,6 +196,11 @@ def test_params_validation():
     with pytest.raises(ValueError, match="constant_with_warmup"):
         train.TrainParams(warmup_steps=10)
     assert train.TrainParams(target_modules=["to_q"]).target_modules == ("to_q",)
+    import importlib.util
+
+    if importlib.util.find_spec("bitsandbytes") is None:  # the CPU machines: a clear refusal
+        with pytest.raises(ValueError, match="optimizer: adamw8bit needs bitsandbytes"):
+            train.TrainParams(optimizer="adamw8bit")
 
 
 def test_sdxl_lora_loads_into_the_sdxl_pipeline(tmp_path, sdxl_model, sdxl_encoded):

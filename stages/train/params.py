@@ -44,6 +44,7 @@ class TrainParams(Frozen):
     max_grad_norm: float = Field(1.0, gt=0)
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
     weight_decay: float = Field(1e-2, ge=0)
+    optimizer: Literal["adamw", "adamw8bit"] = "adamw"  # adamw8bit needs bitsandbytes (a GPU)
     # ---- diffusion loss
     snr_gamma: float | None = Field(None, gt=0, description="min-SNR weighting; None = plain MSE")
     noise_offset: float = Field(0.0, ge=0)
@@ -58,6 +59,8 @@ class TrainParams(Frozen):
     def _check(self) -> "TrainParams":
         if isinstance(self.target_modules, tuple) and not self.target_modules:
             raise ValueError("target_modules: give a preset name or at least one module name")
+        if self.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
+            raise ValueError("optimizer: adamw8bit needs bitsandbytes (pip install bitsandbytes), or use adamw")
         if self.warmup_steps and self.lr_scheduler == "constant":
             raise ValueError("warmup_steps is ignored by lr_scheduler 'constant': use 'constant_with_warmup'")
         return self

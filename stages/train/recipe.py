@@ -246,7 +246,11 @@ class LoRATrainingRecipe:
 
         p = self.params
         lora_params = [t for t in self.unet.parameters() if t.requires_grad]
-        optimizer = torch.optim.AdamW(lora_params, lr=p.effective_learning_rate, weight_decay=p.weight_decay)
+        if p.optimizer == "adamw8bit":
+            from bitsandbytes.optim import AdamW8bit as optimizer_class
+        else:
+            optimizer_class = torch.optim.AdamW
+        optimizer = optimizer_class(lora_params, lr=p.effective_learning_rate, weight_decay=p.weight_decay)
         self.lr_scheduler = get_scheduler(p.lr_scheduler, optimizer, num_warmup_steps=p.warmup_steps,
                                           num_training_steps=p.max_steps)
         self.unet, self.optimizer = self.accelerator.prepare(self.unet, optimizer)
