@@ -6,9 +6,10 @@ VENV_STAMP := .venv/.installed
 
 $(VENV_STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv .venv
-	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0
+	@# pip's exit status is lost in the filter (it only hides index warnings); the import check catches failures
+	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
 	$(PY) -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 | grep -v "^WARNING: Location" || true
-	$(PY) -c "import torch, diffusers, prefect"
+	$(PY) -c "import torch, diffusers, prefect, tensorboard; assert torch.__version__.startswith('2.13.0')"
 	touch $(VENV_STAMP)
 
 demo: $(VENV_STAMP)

@@ -9,7 +9,7 @@ import json
 import time
 from pathlib import Path
 
-from . import encode_bench, noop_rerun, train_bench
+from . import encode_bench, noop_rerun, pipeline_noop, train_bench
 from .common import machine
 
 BENCHES = {
@@ -18,6 +18,7 @@ BENCHES = {
     "encode_incremental": lambda root: encode_bench.incremental(root),
     "encode_peak_memory": lambda root: encode_bench.peak_memory(root),
     "train_step": lambda root: train_bench.step_times(root),
+    "pipeline_noop": lambda root: pipeline_noop.measure(root),
 }
 
 

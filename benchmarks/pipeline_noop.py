@@ -1,0 +1,53 @@
+"""A no-op rerun through the real CLI and Prefect's embedded server, at two dataset sizes:
+wall time of the second `lorapipe run`, and the part of it spent deciding (the stages' own
+seconds in run-summary.json) — the rest is Python, torch and Prefect start-up.
+Needs prefect (unlike the other benchmarks); skipped where it is not installed."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+from .common import generated_images, tiny_model
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _run(config: Path, env: dict) -> float:
+    started = time.perf_counter()
+    subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], cwd=REPO, env=env, check=True,
+                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return time.perf_counter() - started
+
+
+def measure(root: Path, sizes=(200, 2000)) -> list[dict] | str:
+    if importlib.util.find_spec("prefect") is None:
+        return "skipped: prefect is not installed"
+    model = tiny_model(root)
+    rows = []
+    for n in sizes:
+        work = root / f"pipeline-{n}"
+        shutil.rmtree(work, ignore_errors=True)
+        work.mkdir()
+        config = work / "config.yaml"
+        config.write_text(yaml.safe_dump({
+            "name": f"noop{n}", "cache_dir": "cache", "output_dir": "out", "model": {"path": str(model)},
+            "data": {"path": str(generated_images(root / f"images-{n}", n))},
+            "preprocess": {"resolution": 64, "holdout_fraction": 0.01}, "encode": {"batch_size": 16},
+            "train": {"max_steps": 2, "batch_size": 2, "checkpoint_every": 2},
+            "evaluate": {"prompts": ["x"], "seeds": [0], "num_inference_steps": 1, "loss_timesteps": [500]}}))
+        env = {**os.environ, "PREFECT_HOME": str(work / "prefect-home")}
+        first = _run(config, env)
+        second = _run(config, env)
+        stages = json.loads((work / "out" / "run-summary.json").read_text())["stages"]
+        assert [s["status"] for s in stages] == ["hit"] * 4, stages
+        rows.append({"images": n, "first_run_s": round(first, 1), "noop_rerun_s": round(second, 1),
+                     "deciding_s": round(sum(s["seconds"] for s in stages), 3)})
+    return rows
