@@ -3,7 +3,6 @@ reuse when 1% of the images are new, and peak memory at two dataset sizes."""
 from __future__ import annotations
 
 import json
-import resource
 import shutil
 import subprocess
 import sys

@@ -14,7 +14,7 @@ import pytest
 from PIL import Image, ImageChops
 from pydantic import ValidationError
 
-from stages.evaluate import LORA_WEIGHTS, EvalInputs, EvalParams, run
+from stages.evaluate import EvalInputs, EvalParams, run
 from stages.evaluate.render import HEADER_HEIGHT, LABEL_WIDTH, cell
 
 FAST = dict(
