@@ -6,6 +6,7 @@ dataclass, and `run(params, inputs, out_dir, work_dir, options, log) -> Built | 
 """
 from __future__ import annotations
 
+from functools import cache
 from importlib.metadata import version
 from typing import Callable
 
@@ -20,9 +21,14 @@ class Frozen(BaseModel):
 
 def library_majors(*names: str) -> dict[str, str]:
     """Major versions of the libraries that compute an output (keyed: a minor upgrade keeps caches)."""
-    return {name: version(name).split(".")[0] for name in names}
+    return {name: _version(name).split(".")[0] for name in names}
 
 
 def library_versions(*names: str) -> dict[str, str]:
     """Exact versions, recorded in manifests for provenance but never keyed."""
-    return {name: version(name) for name in names}
+    return {name: _version(name) for name in names}
+
+
+@cache
+def _version(name: str) -> str:  # reading package metadata costs ~2 ms; record keys ask per sample
+    return version(name)

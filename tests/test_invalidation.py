@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 SMALL = {
     "preprocess": {"resolution": 64, "holdout_fraction": 0.25},
-    "encode": {"num_workers": 0},
+    "encode": {"num_workers": 2, "batch_size": 2},  # decode threads ahead of the VAE
     "train": {"max_steps": 20, "learning_rate": 2e-3, "checkpoint_every": 10, "keep_checkpoints": 2, "log_every": 10},
     "evaluate": {"prompts": ["a photo of a cat"], "seeds": [0], "num_inference_steps": 2},
 }

@@ -47,7 +47,7 @@ class EncodeParams(Frozen):
 
 class EncodeOptions(Frozen):
     batch_size: int = Field(8, gt=0, description="images per VAE call (halved on CUDA out-of-memory)")
-    num_workers: int = Field(1, ge=0, description="DataLoader processes decoding images")
+    num_workers: int = Field(1, ge=0, description="threads decoding images ahead of the VAE (0: inline)")
     shard_records: int = Field(256, gt=0, description="records per shard (a crash loses at most one shard)")
     num_processes: int = Field(1, ge=1, description="encode processes under accelerate launch (one per GPU),"
                                " used when more than one batch of latents is missing")

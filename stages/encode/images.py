@@ -1,4 +1,4 @@
-"""Pixel work, in DataLoader workers: read, check, decode, orient, convert to RGB, resize, crop, flip."""
+"""Pixel work, in decode threads: read, check, decode, orient, convert to RGB, resize, crop, flip."""
 from __future__ import annotations
 
 import io

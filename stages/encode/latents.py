@@ -1,9 +1,11 @@
-"""Latent records: VAE posteriors of size-grouped batches, decoded in DataLoader workers."""
+"""Latent records: VAE posteriors of size-grouped batches, decoded in worker threads."""
 from __future__ import annotations
 
 import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable, TypeVar
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from ..contract import Log
 from ..encoded import encode_record
@@ -52,6 +54,23 @@ def halve_on_oom(fn: Callable[[torch.Tensor], T], batch: torch.Tensor, log: Log)
         return halve_on_oom(fn, batch[:half], log) + halve_on_oom(fn, batch[half:], log)
 
 
+def decoded_batches(crops: ImageCrops, batches: list[list[int]], workers: int) -> Iterator[list]:
+    """Batches decoded by `workers` threads, at most two per thread ahead of the model. Threads, not
+    DataLoader processes: PIL releases the GIL while decoding and resizing, a thread starts at once
+    where a spawned worker took seconds to import torch, and forked workers died inside Prefect."""
+    if workers == 0:
+        yield from ([crops[i] for i in batch] for batch in batches)
+        return
+    with ThreadPoolExecutor(workers, thread_name_prefix="decode") as pool:
+        ahead: deque[Future] = deque()
+        for batch in batches:
+            ahead.append(pool.submit(lambda b=batch: [crops[i] for i in b]))
+            if len(ahead) > 2 * workers:
+                yield ahead.popleft().result()
+        while ahead:
+            yield ahead.popleft().result()
+
+
 def encode_latents(jobs: list[tuple[str, dict, bool]], datasets: tuple[DatasetSource, ...], model_path: Path,
                    dtype: torch.dtype, device: str, add: Callable[[str, dict[str, bytes]], None],
                    batch_size: int, num_workers: int, progress: Progress, log: Log) -> dict[str, str]:
@@ -70,14 +89,9 @@ def encode_latents(jobs: list[tuple[str, dict, bool]], datasets: tuple[DatasetSo
         return dist.mean.cpu(), dist.std.cpu()
 
     batches = size_batches([tuple(s["size"]) for _, s, _ in jobs], batch_size)
-    # spawn, not fork: the Prefect host process is multi-threaded and forked workers died in it
-    workers = min(num_workers, len(jobs) // batch_size)
-    loader = torch.utils.data.DataLoader(
-        ImageCrops(datasets, [s for _, s, _ in jobs], [f for _, _, f in jobs]), batch_sampler=batches,
-        num_workers=workers, multiprocessing_context="spawn" if workers else None, collate_fn=list,
-    )
+    crops = ImageCrops(datasets, [s for _, s, _ in jobs], [f for _, _, f in jobs])
     with torch.inference_mode():
-        for batch in loader:
+        for batch in decoded_batches(crops, batches, num_workers):
             for i, _, reason in (item for item in batch if item[1] is None):
                 failed[jobs[i][1]["id"]] = reason
                 log(f"encode: skipped {sample_label(jobs[i][1], datasets)}: {reason}")

@@ -164,7 +164,7 @@ def _table_candidates(source: DatasetSource, index: int, prefix: str) -> list[Ca
     return found
 
 
-@lru_cache(maxsize=8)  # one open table per dataset and process (DataLoader workers included)
+@lru_cache(maxsize=8)  # one open table per dataset and process, shared by the decode threads (read-only)
 def load_table(path: Path, fmt: str, image_column: str):
     try:
         import datasets
