@@ -205,3 +205,17 @@ def test_the_data_section_takes_one_path_or_a_list_of_datasets(tmp_path):
                           ({"datasets": [{"path": tmp_path, "repeats": 0}]}, "data.datasets.0.repeats")):
         with pytest.raises(ConfigError, match=message):
             validate_config(base_config(tmp_path, data), "c.yaml")
+
+
+def test_a_dataset_can_be_the_validation_set(tmp_path):
+    for i in range(4):
+        image(tmp_path / "train" / f"t{i}.png", color=(i, 0, 0))
+        image(tmp_path / "val" / f"v{i}.png", color=(0, 100 + i, 0))  # no byte duplicates
+    datasets = [DatasetSource(path=tmp_path / "train"), DatasetSource(path=tmp_path / "val", split="holdout")]
+    samples, _, built, _ = preprocess(datasets, tmp_path, holdout_fraction=0.25)
+    validation = {f"val/v{i}" for i in range(4)}
+    held = {s["id"] for s in samples if s["split"] == "holdout"}
+    assert validation < held and len(held - validation) == 1  # the fraction applies to "auto" datasets
+    assert built.info["holdout"] == 5
+    samples, _, _, _ = preprocess(datasets, tmp_path, holdout_fraction=0)
+    assert {s["id"] for s in samples if s["split"] == "holdout"} == validation

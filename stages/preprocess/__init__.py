@@ -95,7 +95,9 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
         counts = ", ".join(f"{n} {r}" for r, n in sorted(Counter(r["reason"] for r in rejected).items()))
         where = ", ".join(str(d.path) for d in inputs.datasets)
         raise ValueError(f"no usable image in {where} ({counts or 'no image files'})")
-    holdout = _holdout_ids([s["id"] for s in samples], params.holdout_fraction)
+    fixed = {s["id"]: inputs.datasets[s["source"]].split for s in samples}  # a dataset may name its split
+    holdout = _holdout_ids([i for i, split in fixed.items() if split == "auto"], params.holdout_fraction)
+    holdout |= {i for i, split in fixed.items() if split == "holdout"}
     for s in samples:
         s["split"] = "holdout" if s["id"] in holdout else "train"
     counts = dict(sorted(Counter(r["reason"] for r in rejected).items()))

@@ -39,6 +39,8 @@ class DatasetSource(Frozen):
     caption_column: str = Field("text", description="caption column of metadata files / hf / parquet")
     image_column: str = Field("image", description="image column of hf / parquet datasets")
     missing_caption: MissingCaption | None = None
+    split: Literal["auto", "train", "holdout"] = Field("auto", description="holdout: a separate validation"
+                                                        " set; auto: preprocess.holdout_fraction decides")
 
     @property
     def label(self) -> str:
