@@ -25,7 +25,7 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
     print(f"\n{'stage':<11}{'status':<10}{'seconds':>9}  artifact")
     for row in summary:
         print(f"{row['stage']:<11}{row['status']:<10}{row['seconds']:>9.1f}  {row['path']}")
-        if row["stage"] == "encode":
+        if row["stage"] == "encode" and row["status"] == "computed":
             i = row["info"]
             print(f"{'':<21}latents encoded {i.get('latents_encoded')}, reused {i.get('latents_reused')}; "
                   f"text embeddings encoded {i.get('texts_encoded')}, reused {i.get('texts_reused')}")

@@ -80,8 +80,9 @@ def run_stage(ctx: Context, stage: str, upstream: dict[str, Artifact], *, run: b
     ctx.store.remember(ctx.config.name, key, artifact)
     status = "computed" if computed else "hit"
     ctx.log(f"{stage}: {status} {artifact.path}")
+    work_done = artifact.manifest.get("info", {}) if computed else {}  # a hit computed nothing this run
     result = StageResult(stage, status, key.key, artifact.digest, str(artifact.path),
-                         round(time.time() - started, 3), reason, artifact.manifest.get("info", {}))
+                         round(time.time() - started, 3), reason, work_done)
     return result, artifact
 
 
@@ -123,7 +124,7 @@ def run_warm_train(ctx: Context, upstream: dict[str, Artifact], **kwargs) -> tup
         reason = "warm start on unchanged data: the previous LoRA stands"
         ctx.log(f"train: hit ({reason}) {previous.path}")
         return StageResult("train", "hit", previous.key, previous.digest, str(previous.path),
-                           round(time.time() - started, 3), reason, previous.manifest.get("info", {})), previous
+                           round(time.time() - started, 3), reason), previous
     ctx.log(f"train: warm start from {previous.path / LORA_FILE}")
     train = ctx.config.train.model_copy(update={"init_lora": str(previous.path / LORA_FILE)})
     warm = Context(ctx.config.model_copy(update={"train": train}), ctx.log)
