@@ -117,14 +117,18 @@ class ArtifactStore:
                 return Lookup(None, problem)
         return Lookup(Artifact(stage, key, path, manifest))
 
-    def verify(self, artifact: Artifact) -> list[str]:
-        """Thorough check: re-hash every file and referenced file."""
+    def verify(self, artifact: Artifact, hashed: dict[Path, str] | None = None) -> list[str]:
+        """Thorough check: re-hash every file and referenced file. Pass one `hashed` dict to a
+        series of calls so a file that several artifacts reference (a shard) is read once."""
+        hashed = {} if hashed is None else hashed
         problems = []
         listed = [(artifact.path / rel, e) for rel, e in artifact.manifest["files"].items()]
         listed += [(self.root / rel, e) for rel, e in artifact.manifest.get("refs", {}).items()]
         for path, entry in listed:
             problem = _size_problem(path, entry["size"])
-            if not problem and digest_file(path) != entry["digest"]:
+            if not problem and path not in hashed:
+                hashed[path] = digest_file(path)
+            if not problem and hashed[path] != entry["digest"]:
                 problem = f"{path} does not match its recorded digest"
             if problem:
                 problems.append(problem)

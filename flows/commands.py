@@ -101,9 +101,9 @@ def _cache_verify(store) -> int:
     artifacts that reference it are misses and its records are re-encoded on the next run."""
     from cache.samples import SampleStore
 
-    bad = 0
+    bad, hashed = 0, {}
     for a in store.artifacts():
-        problems = store.verify(a)
+        problems = store.verify(a, hashed)
         bad += bool(problems)
         print(f"{a.stage:<11}{a.key[:12]:<14}{'ok' if not problems else 'DAMAGED: ' + problems[0]}")
     damaged = SampleStore(store.root).verify()

@@ -12,11 +12,10 @@ from typing import Any
 
 from PIL import Image
 
-IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
-
+from stages.preprocess.sources import IMAGE_SUFFIXES, listed_files
 
 def reference_images(folder: str) -> list[Path]:
-    return sorted(p for p in Path(folder).rglob("*") if p.suffix.lower() in IMAGE_SUFFIXES)
+    return [p for p in listed_files(Path(folder)) if p.suffix.lower() in IMAGE_SUFFIXES]
 
 
 def why_not(reference: str | None, weights: str | None) -> str:
