@@ -50,6 +50,7 @@ def _recipe(enc_inputs, encoded_dir: Path, work: Path):
     recipe = LoRATrainingRecipe(params, inputs, TrainOptions(log_with="none"), work)
     recipe.setup()
     recipe.unet.train()
+    recipe.batches = recipe.micro_batches()
     return recipe
 
 

@@ -24,8 +24,8 @@ from safetensors.torch import load_file
 
 from stages import train
 from stages.train.checkpoints import CheckpointDir
+from stages.train.data import BatchPlan, MicroBatches
 from stages.train.lora_files import save_safetensors_sorted
-from stages.train.recipe import BatchPlan
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -42,11 +42,12 @@ def train_inputs(tiny_model: Path, encoded) -> train.TrainInputs:
                              model_path=tiny_model, base_model_digest="base-digest", encoded_digest=encoded.digest)
 
 
-def run_train(tmp: Path, name: str, inputs: train.TrainInputs, work: Path | None = None, **overrides):
+def run_train(tmp: Path, name: str, inputs: train.TrainInputs, work: Path | None = None,
+              options: dict | None = None, **overrides):
     out = tmp / f"out-{name}"
     out.mkdir()
     built = train.run(train.TrainParams(**{**PARAMS, **overrides}), inputs, out, work or tmp / f"work-{name}",
-                      train.TrainOptions(log_every=20), log=lambda line: None)
+                      train.TrainOptions(log_every=20, **(options or {})), log=lambda line: None)
     return out, built
 
 
@@ -100,6 +101,27 @@ def test_resume_is_exact(trained, tmp_path, tiny_model, encoded):
     for rel in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
                 "train_config.json", "checkpoints/step-000080/pytorch_lora_weights.safetensors"):
         assert (out / rel).read_bytes() == (trained[0] / rel).read_bytes(), rel
+
+
+def test_loader_threads_train_what_the_step_would_prepare_itself(trained, tmp_path, tiny_model, encoded):
+    out, _ = run_train(tmp_path, "inline", train_inputs(tiny_model, encoded), options={"loader_workers": 0},
+                       max_steps=40)
+    assert train.TrainOptions().loader_workers == 2 and losses(out) == losses(trained[0])[:40]
+
+
+def test_micro_batches_come_in_order_and_raise_a_workers_error():
+    def prepare(m: int) -> int:
+        if m == 5:
+            raise OSError("shard abc.tar is truncated")
+        return m
+
+    batches = MicroBatches(prepare, first=3, end=10, workers=2, pin=False)
+    assert [batches.get(3), batches.get(4)] == [3, 4]
+    with pytest.raises(OSError, match="shard abc.tar is truncated"):
+        batches.get(5)
+    batches.close()  # returns although the other worker waits with a full queue
+    with pytest.raises(RuntimeError, match="micro-batch 7 asked for, 3 expected"):
+        MicroBatches(prepare, first=3, end=10, workers=0, pin=False).get(7)
 
 
 def test_exported_loras_reproduce_the_trained_unet(trained, tiny_model):
@@ -231,7 +253,7 @@ def test_sdxl_lora_loads_into_the_sdxl_pipeline(tmp_path, sdxl_model, sdxl_encod
 
 def test_flipped_latents_are_drawn_half_the_time(sdxl_encoded):
     from stages.encoded import EncodedData
-    from stages.train.recipe import draws_flipped, load_batch
+    from stages.train.data import draws_flipped, load_batch
 
     data = EncodedData(sdxl_encoded.artifact_dir, sdxl_encoded.cache_root)
     sample = data.split("train")[0]
@@ -282,7 +304,8 @@ def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded)
 
     from stages.encoded import EncodedData
     from stages.train.lora_files import load_diffusers_lora
-    from stages.train.recipe import derived_seed, diffusion_loss, load_batch
+    from stages.train.data import derived_seed, load_batch
+    from stages.train.recipe import diffusion_loss
 
     init = trained[0] / "pytorch_lora_weights.safetensors"
     inputs = replace(train_inputs(tiny_model, encoded), init_lora_digest="init-digest")
@@ -388,7 +411,7 @@ def test_init_lora_is_keyed_by_its_content_not_its_path(tmp_path, tiny_model, de
 def test_sdxl_crop_conditioning_is_mirrored_with_a_flipped_latent():
     from cache.samples import RecordLocation
     from stages.encoded import Sample
-    from stages.train.recipe import sdxl_time_ids
+    from stages.train.data import sdxl_time_ids
 
     where = RecordLocation("shard", {"safetensors": (0, 1)})
     sample = Sample("a", "train", "cap", (480, 750), (10, 0, 74, 64), (64, 64), where, where, resized=(64, 100))

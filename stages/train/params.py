@@ -80,6 +80,8 @@ class TrainOptions(Frozen):
 
     log_every: int = Field(10, gt=0, description="print a progress line every N steps")
     gradient_checkpointing: bool = False
+    loader_workers: int = Field(2, ge=0, description="threads preparing micro-batches ahead of the step"
+                                " (read, sample, noise, pin); 0: in the step")
     log_with: Literal["tensorboard", "wandb", "none"] = Field(
         "tensorboard", description="accelerate tracker for loss and lr (files under the work dir's logs/)")
 

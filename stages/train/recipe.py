@@ -18,7 +18,9 @@ batch is dropped for that epoch. Rank r takes slice r of each global batch, so e
 same number of steps. Micro-batch m = step * gradient_accumulation_steps + j is batch m of the
 plan, and all of its randomness (flipped or plain latent where encode made both, posterior sample,
 caption dropout, noise, timesteps, LoRA dropout) comes from a seed derived from (seed, m, rank):
-resuming from a checkpoint is exact.
+resuming from a checkpoint is exact. Threads prepare micro-batches ahead of the step (stages/train/
+data.py: read, sample, noise, pin), so the step itself is the copy to the device, the UNet and the
+optimizer.
 
 Logs: loss.jsonl and loss.png, TensorBoard (or wandb) through accelerate's trackers, and a
 progress line with it/s and ETA from the main process.
@@ -28,22 +30,22 @@ files and train_config.json) and logs/loss.jsonl.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import sys
 import time
 import traceback
 from contextlib import nullcontext
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-from stages.encoded import EncodedData, Sample
+from stages.encoded import EncodedData
 from stages.launching import ERROR_PREFIX, die_with_parent
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
+from stages.train.data import (Batch, BatchPlan, MicroBatches, UNetInputs, derived_seed, load_batch,
+                               noised_inputs)
 from stages.train.lora_files import load_diffusers_lora, load_init_lora, write_diffusers_lora, write_kohya_lora
 from stages.train.params import (ALL_LINEAR, TARGET_PRESETS, TRACKER_RUN, VERSION, TrainInputs, TrainOptions,
                                  TrainParams)
@@ -51,114 +53,22 @@ from stages.train.params import (ALL_LINEAR, TARGET_PRESETS, TRACKER_RUN, VERSIO
 TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")
 
 
-def derived_seed(*parts: object) -> int:
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
-class BatchPlan:
-    """Which samples micro-batch m gives to each rank (see the module docstring)."""
-
-    def __init__(self, samples: list[Sample], seed: int, batch_size: int, num_processes: int):
-        self.seed, self.batch_size, self.global_batch = seed, batch_size, batch_size * num_processes
-        buckets: dict[tuple[int, int], list[Sample]] = {}
-        for sample in sorted(samples, key=lambda s: s.id):
-            buckets.setdefault(sample.size, []).extend([sample] * sample.repeats)
-        self.buckets = [buckets[size] for size in sorted(buckets)]
-        self.batches_per_epoch = sum(len(b) // self.global_batch for b in self.buckets)
-        if self.batches_per_epoch == 0:
-            sizes = {f"{s[0]}x{s[1]}": len(b) for s, b in sorted(buckets.items())}
-            raise ValueError(
-                f"no bucket of the train split holds a global batch of {self.global_batch} samples"
-                f" (batch_size x num_processes); samples per bucket: {sizes}. Lower batch_size."
-            )
-        self._epoch: tuple[int, list[list[Sample]]] | None = None
-
-    def epoch(self, epoch: int) -> list[list[Sample]]:
-        if self._epoch is None or self._epoch[0] != epoch:
-            rng = torch.Generator().manual_seed(derived_seed(self.seed, "epoch", epoch))
-            batches = []
-            for bucket in self.buckets:
-                order = torch.randperm(len(bucket), generator=rng).tolist()
-                usable = len(bucket) // self.global_batch * self.global_batch
-                batches += [[bucket[i] for i in order[j : j + self.global_batch]] for j in range(0, usable, self.global_batch)]
-            self._epoch = (epoch, [batches[i] for i in torch.randperm(len(batches), generator=rng).tolist()])
-        return self._epoch[1]
-
-    def batch(self, micro_batch: int, rank: int) -> list[Sample]:
-        epoch, index = divmod(micro_batch, self.batches_per_epoch)
-        return self.epoch(epoch)[index][rank * self.batch_size : (rank + 1) * self.batch_size]
-
-
-@dataclass
-class Batch:
-    latents: torch.Tensor  # (B, C, h, w), scaled by the VAE's scaling factor
-    hidden_states: torch.Tensor  # (B, T, D)
-    added_cond: dict[str, torch.Tensor] | None  # SDXL: pooled text embeds and size/crop time ids
-
-
-def draws_flipped(sample: Sample, rng: torch.Generator) -> bool:
-    """A sample encoded with a mirrored latent shows it on half of its draws (no draw otherwise,
-    so data without flips keeps its random stream)."""
-    return sample.latent_flip is not None and torch.rand((), generator=rng).item() < 0.5
-
-
-def sdxl_time_ids(sample: Sample, flipped: bool) -> list[int]:
-    """SDXL's size conditioning: original size, crop top-left (mirrored with the latent), target size."""
-    left, top = sample.crop_box[0], sample.crop_box[1]
-    if flipped and sample.resized is not None:
-        left = sample.resized[1] - sample.crop_box[2]
-    return [*sample.original_size, top, left, *sample.size]
-
-
-def load_batch(data: EncodedData, samples: list[Sample], rng: torch.Generator, caption_dropout: float) -> Batch:
-    """Pick plain or mirrored latents, sample each posterior, drop captions (to the cached empty
-    prompt) with probability caption_dropout."""
-    scale = float(data.index["vae_scaling_factor"])
-    empty = data.empty_text()
-    latents, texts, time_ids = [], [], []
-    for sample in samples:
-        flipped = draws_flipped(sample, rng)
-        time_ids.append(sdxl_time_ids(sample, flipped))
-        mean, std = (t.float() for t in data.latent(sample, flipped))
-        latents.append((mean + std * torch.randn(mean.shape, generator=rng)) * scale)
-        dropped = torch.rand((), generator=rng).item() < caption_dropout
-        texts.append(empty if dropped else data.text(sample))
-    added_cond = None
-    if data.family == "sdxl":
-        added_cond = {
-            "text_embeds": torch.stack([t["pooled"].float() for t in texts]),
-            "time_ids": torch.tensor(time_ids, dtype=torch.float32),
-        }
-    hidden = torch.stack([t["hidden_states"].float() for t in texts])
-    return Batch(torch.stack(latents), hidden, added_cond)
-
-
-def compute_snr(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-    alpha_bar = alphas_cumprod[timesteps].float()
-    return alpha_bar / (1 - alpha_bar)
+def unet_loss(unet, inputs: UNetInputs, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Score the UNet's prediction for a prepared micro-batch (MSE, min-SNR weighted if asked)."""
+    to_device = lambda t, dt=None: t.to(device, dt, non_blocking=True)  # noqa: E731
+    added = {k: to_device(v, dtype) for k, v in inputs.added_cond.items()} if inputs.added_cond else None
+    pred = unet(to_device(inputs.noisy, dtype), to_device(inputs.timesteps), to_device(inputs.hidden_states, dtype),
+                added_cond_kwargs=added).sample.float()
+    per_sample = F.mse_loss(pred, to_device(inputs.target), reduction="none").mean(dim=(1, 2, 3))
+    if inputs.loss_weight is None:
+        return per_sample.mean()
+    return (per_sample * to_device(inputs.loss_weight)).mean()
 
 
 def diffusion_loss(unet, scheduler, batch: Batch, rng: torch.Generator, params: TrainParams,
                    device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Noise the latents at random timesteps and score the UNet's prediction (MSE, optional min-SNR)."""
-    latents = batch.latents
-    noise = torch.randn(latents.shape, generator=rng)
-    if params.noise_offset:
-        noise += params.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=rng)
-    timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), generator=rng)
-    noisy = scheduler.add_noise(latents, noise, timesteps)
-    prediction_type = scheduler.config.prediction_type
-    target = noise if prediction_type == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)
-    added = {k: v.to(device, dtype) for k, v in batch.added_cond.items()} if batch.added_cond else None
-    pred = unet(noisy.to(device, dtype), timesteps.to(device), batch.hidden_states.to(device, dtype),
-                added_cond_kwargs=added).sample.float()
-    per_sample = F.mse_loss(pred, target.to(device), reduction="none").mean(dim=(1, 2, 3))
-    if params.snr_gamma is None:
-        return per_sample.mean()
-    snr = compute_snr(scheduler.alphas_cumprod, timesteps)
-    weight = torch.clamp(snr, max=params.snr_gamma) / (snr if prediction_type == "epsilon" else snr + 1)
-    return (per_sample * weight.to(device)).mean()
+    """Noise the latents at random timesteps and score the UNet's prediction."""
+    return unet_loss(unet, noised_inputs(scheduler, batch, rng, params), device, dtype)
 
 
 def resolve_target_modules(unet: torch.nn.Module, spec: str | tuple[str, ...]) -> list[str]:
@@ -301,8 +211,27 @@ class LoRATrainingRecipe:
 
     # ---- training
     def train(self) -> None:
-        p, acc = self.params, self.accelerator
         self.unet.train()
+        self.batches = self.micro_batches()
+        try:
+            self._train_loop()
+        finally:
+            self.batches.close()
+
+    def micro_batches(self) -> MicroBatches:
+        """The micro-batches from the current step to max_steps, prepared ahead of the step."""
+        accumulation = self.params.gradient_accumulation_steps
+        return MicroBatches(self._prepare, self.step * accumulation, self.params.max_steps * accumulation,
+                            self.options.loader_workers, pin=self.accelerator.device.type == "cuda")
+
+    def _prepare(self, micro_batch: int) -> UNetInputs:
+        p = self.params
+        rng = torch.Generator().manual_seed(derived_seed(p.seed, "batch", micro_batch, self.rank))
+        batch = load_batch(self.data, self.plan.batch(micro_batch, self.rank), rng, p.caption_dropout)
+        return noised_inputs(self.scheduler, batch, rng, p)
+
+    def _train_loop(self) -> None:
+        p, acc = self.params, self.accelerator
         started, started_step = time.perf_counter(), self.step
         while self.step < p.max_steps:
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
@@ -337,12 +266,11 @@ class LoRATrainingRecipe:
         losses = []
         for j in range(p.gradient_accumulation_steps):
             micro_batch = self.step * p.gradient_accumulation_steps + j
-            rng = torch.Generator().manual_seed(derived_seed(p.seed, "batch", micro_batch, self.rank))
+            inputs = self.batches.get(micro_batch)
             torch.manual_seed(derived_seed(p.seed, "dropout", micro_batch, self.rank))  # LoRA dropout
-            batch = load_batch(self.data, self.plan.batch(micro_batch, self.rank), rng, p.caption_dropout)
             last = j == p.gradient_accumulation_steps - 1
             with nullcontext() if last else acc.no_sync(self.unet):
-                loss = diffusion_loss(self.unet, self.scheduler, batch, rng, p, acc.device, self.dtype)
+                loss = unet_loss(self.unet, inputs, acc.device, self.dtype)
                 acc.backward(loss / p.gradient_accumulation_steps)
             losses.append(loss.detach())
         acc.clip_grad_norm_(self.unet.parameters(), p.max_grad_norm)
