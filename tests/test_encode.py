@@ -140,6 +140,44 @@ def test_colour_modes_become_rgb_and_alpha_lands_on_the_background():
     assert to_rgb(Image.new("I;16", (2, 2), 40000), None).getpixel((0, 0)) == (156, 156, 156)
 
 
+@pytest.mark.parametrize("orientation", range(1, 9))
+def test_exif_orientation_is_shown_upright(tmp_path, orientation):
+    import numpy as np
+    from PIL import Image, ImageOps
+
+    from stages.encode.images import resized_upright
+
+    stored = Image.fromarray(np.random.default_rng(0).integers(0, 255, (90, 150, 3), dtype=np.uint8))
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    stored.save(tmp_path / "turned.png", exif=exif.tobytes())
+    with Image.open(tmp_path / "turned.png") as im:
+        expected = ImageOps.exif_transpose(im).convert("RGB").resize((45, 30) if orientation < 5 else (30, 45),
+                                                                       Image.BICUBIC)
+    with Image.open(tmp_path / "turned.png") as im:
+        ours = resized_upright(im, (expected.height, expected.width), None)
+    assert ours.size == expected.size
+    assert np.abs(np.asarray(ours, dtype=int) - np.asarray(expected, dtype=int)).max() <= 1  # rounding order
+
+
+def test_a_large_jpeg_is_decoded_at_a_reduced_scale_with_the_same_pixels(tmp_path):
+    import numpy as np
+    from PIL import Image
+
+    from stages.encode.images import resized_upright
+
+    grain = np.random.default_rng(0).normal(0, 6, (1500, 2000, 3))
+    photo = np.asarray(Image.linear_gradient("L").resize((2000, 1500)).convert("RGB"), dtype=float) + grain
+    Image.fromarray(photo.clip(0, 255).astype(np.uint8)).save(tmp_path / "photo.jpg", quality=90)
+    with Image.open(tmp_path / "photo.jpg") as im:
+        full = im.convert("RGB").resize((256, 192), Image.BICUBIC)
+    with Image.open(tmp_path / "photo.jpg") as im:
+        ours = resized_upright(im, (192, 256), None)
+        assert im.size == (1000, 750)  # decoded at 1/2 scale: 1/4 would be less than twice the target
+    mse = ((np.asarray(ours, dtype=float) - np.asarray(full, dtype=float)) ** 2).mean()
+    assert 10 * np.log10(255**2 / mse) > 45
+
+
 def bucket_images(folder: Path) -> Path:
     from PIL import Image
 

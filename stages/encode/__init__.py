@@ -33,8 +33,10 @@ from ..preprocess.sources import DatasetSource
 from .images import ImageCrops, sample_label
 from .texts import TextEncoder
 
-VERSION = "2"
-RECORD_VERSION = "1"  # in record keys: bump when a record's bytes would change for the same inputs
+VERSION = "3"
+# in record keys: bump when a record's bytes would change for the same inputs
+LATENT_VERSION = "2"  # 2: JPEGs decoded at a reduced scale, resized before turning upright
+TEXT_VERSION = "1"
 
 __all__ = ["VERSION", "EncodeParams", "EncodeOptions", "EncodeInputs", "ImageCrops", "TextEncoder",
            "latent_key", "text_key", "run"]
@@ -78,7 +80,7 @@ def latent_key(sample: dict, params: EncodeParams, vae_digest: str, flip: bool =
     pixels = {"image": sample["digest"], "resized": sample["resized"], "crop_box": sample["crop_box"], "flip": flip}
     if "background" in sample:  # only images with alpha depend on it
         pixels["background"] = sample["background"]
-    return digest_json({**pixels, "dtype": params.dtype, "vae": vae_digest, "version": RECORD_VERSION,
+    return digest_json({**pixels, "dtype": params.dtype, "vae": vae_digest, "version": LATENT_VERSION,
                         "libs": library_majors("torch", "diffusers")})[:40]
 
 
@@ -86,7 +88,7 @@ def text_key(caption: str, params: EncodeParams, inputs: EncodeInputs) -> str:
     encoders = {k: v for k, v in inputs.model_digests.items() if k.startswith(("text_encoder", "tokenizer"))}
     return digest_json({
         "caption": caption, "encoders": encoders, "family": inputs.family, "dtype": params.dtype,
-        "version": RECORD_VERSION, "libs": library_majors("torch", "transformers"),
+        "version": TEXT_VERSION, "libs": library_majors("torch", "transformers"),
     })[:40]
 
 
