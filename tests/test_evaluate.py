@@ -78,7 +78,7 @@ def test_writes_grid_metrics_and_report(evaluated):
     with Image.open(out / "grid.png") as grid:
         assert grid.size == (LABEL_WIDTH + columns * 64, HEADER_HEIGHT + rows * 64)
     metrics = json.loads((out / "metrics.json").read_text())
-    assert metrics["n_samples"] == {"train": 6, "holdout": 2}
+    assert metrics["n_samples"] == metrics["n_samples_in_split"] == {"train": 6, "holdout": 2}
     for split in ("holdout", "train"):
         for model in ("base", "lora"):
             loss = metrics["loss"][split][model]
@@ -88,6 +88,20 @@ def test_writes_grid_metrics_and_report(evaluated):
             assert info[f"{split}_loss_{model}"] == loss["overall"]
     report = (out / "report.md").read_text()
     assert "](grid.png)" in report and "lora-digest" in report and "base-digest" in report
+
+
+def test_the_loss_subset_has_a_fixed_size_and_keeps_its_members_as_the_split_grows():
+    from types import SimpleNamespace
+
+    from stages.evaluate.losses import loss_subset
+
+    split = [SimpleNamespace(id=f"img{i}.png") for i in range(1000)]
+    chosen = {s.id for s in loss_subset(split, 64, loss_seed=0)}
+    grown = {s.id for s in loss_subset(split + [SimpleNamespace(id=f"new{i}.png") for i in range(10)], 64, 0)}
+    assert len(chosen) == len(grown) == 64
+    assert len(chosen & grown) >= 54  # only newcomers that hash lower displace a member
+    assert loss_subset(split[:10], 64, 0) == split[:10] and loss_subset(split, None, 0) == split
+    assert {s.id for s in loss_subset(split, 64, loss_seed=1)} != chosen
 
 
 def test_rerun_gives_identical_bytes(evaluated, tiny_model, lora_dir, encoded):

@@ -14,7 +14,7 @@ from stages.encoded import EncodedData, Sample
 
 from .clip import clip_score, load_clip
 from .fid import fid_kid
-from .losses import LossResult, denoising_loss
+from .losses import LossResult, denoising_loss, loss_subset
 from .params import LORA_WEIGHTS, VERSION, EvalInputs, EvalOptions, EvalParams
 from .render import RenderSettings, compose_grid, render_column, use_scheduler
 from .report import plot_checkpoint_losses, write_report
@@ -34,7 +34,8 @@ def run(
     if not (Path(inputs.train_dir) / LORA_WEIGHTS).is_file():
         raise FileNotFoundError(f"{inputs.train_dir} has no {LORA_WEIGHTS}: it is not a train artifact; re-run train")
     encoded = EncodedData(inputs.encoded_dir, inputs.cache_root)
-    splits = {name: encoded.split(name) for name in SPLITS}
+    in_split = {name: encoded.split(name) for name in SPLITS}
+    splits = {name: loss_subset(samples, params.loss_samples, params.loss_seed) for name, samples in in_split.items()}
     pipe, noise_scheduler = _load_pipeline(inputs.model_path, params, options)
     settings = RenderSettings(
         list(params.prompts), list(params.seeds), params.num_inference_steps, params.guidance_scale,
@@ -67,7 +68,8 @@ def run(
         },
         "clip_score": _clip_metrics(params, columns, [prompt for prompt, _ in rows], pipe.device, log),
         "fid_kid": _fid_metrics(params, columns, log),
-        "n_samples": {name: len(samples) for name, samples in splits.items()},
+        "n_samples": {name: len(samples) for name, samples in splits.items()},  # scored for the loss
+        "n_samples_in_split": {name: len(samples) for name, samples in in_split.items()},
         "prediction_type": prediction,
         "provenance": {
             "base_model": inputs.base_model_digest, "encoded": inputs.encoded_digest,

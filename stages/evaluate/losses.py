@@ -27,6 +27,14 @@ def fixed_noise(loss_seed: int, sample_id: str, shape: tuple[int, ...]) -> torch
     return torch.randn(shape, generator=generator)
 
 
+def loss_subset(samples: list[Sample], limit: int | None, loss_seed: int) -> list[Sample]:
+    """At most `limit` samples: those whose hash of (loss_seed, id) is smallest, so the subset
+    changes little as the dataset grows and evaluation costs the same at any dataset size."""
+    if limit is None or len(samples) <= limit:
+        return samples
+    return sorted(samples, key=lambda s: hashlib.sha256(f"{loss_seed}:{s.id}".encode()).digest())[:limit]
+
+
 def _target(
     scheduler: DDPMScheduler, clean: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor
 ) -> torch.Tensor:

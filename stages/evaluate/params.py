@@ -27,6 +27,7 @@ class EvalParams(Frozen):
     scheduler: Literal["dpm_solver_multistep", "ddim", "euler"] = "dpm_solver_multistep"
     loss_timesteps: tuple[int, ...] = Field((100, 300, 500, 700, 900), min_length=1)
     loss_seed: int = 0
+    loss_samples: int | None = Field(256, ge=1)  # per split; None: every sample (cost grows with the data)
     clip_model: str | None = None  # a local CLIP folder; without one the CLIP score is skipped
     fid_reference: str | None = None  # a folder of reference images for FID/KID
     inception_weights: str | None = None  # local Inception-v3 weights; without them FID/KID are skipped

@@ -24,7 +24,10 @@ def write_report(
     lines.append("|---" * (3 + len(timesteps)) + "|")
     for split in ("holdout", "train"):
         lines += _loss_rows(split, metrics["loss"][split], timesteps)
-    lines += ["", f"Samples: {metrics['n_samples']['train']} train, {metrics['n_samples']['holdout']} held out."]
+    scored, total = metrics["n_samples"], metrics["n_samples_in_split"]
+    lines += ["", "Samples scored: " + ", ".join(
+        f"{scored[name]} {label}" + (f" (a fixed subset of {total[name]})" if scored[name] < total[name] else "")
+        for name, label in (("train", "train"), ("holdout", "held out")))]
     lines.append("LoRA losses are measured at scale 1, the strength it was trained at.")
     prediction = metrics["prediction_type"]
     if prediction["lora"] != prediction["base"]:
