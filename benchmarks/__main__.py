@@ -1,24 +1,28 @@
-"""Run every CPU benchmark and append the figures to BENCHMARKS.md.
+"""Run every benchmark and append the figures to BENCHMARKS.md.
 
     python -m benchmarks [--root DIR] [--only NAME]...     (make bench)
+
+`gpu` (full-size SD1.5 and SDXL, benchmarks/gpu_bench.py) is skipped without a CUDA device; on
+its own, with a line per measurement: python -m benchmarks.gpu_bench
 """
 from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
-from . import encode_bench, noop_rerun, pipeline_noop, train_bench
-from .common import machine
+from . import encode_bench, gpu_bench, loader_bench, memory_bench, noop_rerun, pipeline_noop, train_bench
+from .common import ResultsSection
 
 BENCHES = {
     "noop_rerun": lambda root: noop_rerun.measure(root),
     "encode_throughput": lambda root: encode_bench.throughput(root),
     "encode_incremental": lambda root: encode_bench.incremental(root),
-    "encode_peak_memory": lambda root: encode_bench.peak_memory(root),
+    "stage_peak_memory": lambda root: memory_bench.stage_peaks(root),
+    "loader_full_size": lambda root: loader_bench.throughput(root),
     "train_step": lambda root: train_bench.step_times(root),
     "pipeline_noop": lambda root: pipeline_noop.measure(root),
+    "gpu": lambda root: gpu_bench.measure(root),
 }
 
 
@@ -28,14 +32,11 @@ def main() -> None:
     parser.add_argument("--only", action="append", choices=sorted(BENCHES))
     args = parser.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
-    lines = [f"\n### {time.strftime('%Y-%m-%d %H:%M')} — {machine()}", "",
-             f"Command: `python -m benchmarks {' '.join('--only ' + o for o in args.only or [])}`".rstrip(), ""]
+    section = ResultsSection(" ".join(["python -m benchmarks", *(f"--only {o}" for o in args.only or [])]))
     for name in args.only or BENCHES:
         result = BENCHES[name](args.root.resolve())
         print(name, json.dumps(result))
-        lines.append(f"- {name}: `{json.dumps(result)}`")
-    with open(Path(__file__).resolve().parent.parent / "BENCHMARKS.md", "a") as f:
-        f.write("\n".join(lines) + "\n")
+        section.add(name, result)
 
 
 if __name__ == "__main__":

@@ -1,16 +1,26 @@
-"""Shared set-up for the benchmarks: generated image folders and a tiny model, under one root."""
+"""Shared set-up for the benchmarks: generated image folders and a tiny model under one root, timing
+in interleaved rounds, and the dated sections they append to BENCHMARKS.md."""
 from __future__ import annotations
 
+import json
 import os
 import platform
 import random
+import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
+
 
 def generated_images(folder: Path, count: int, size: int = 64, seed: int = 0) -> Path:
-    """`count` small random-noise PNGs with captions (kept if already there)."""
+    """`count` random-noise PNGs of `size` x `size` with captions (kept if already there)."""
     import numpy as np
     from PIL import Image
 
@@ -26,16 +36,67 @@ def generated_images(folder: Path, count: int, size: int = 64, seed: int = 0) ->
     return folder
 
 
-def tiny_model(root: Path) -> Path:
+def tiny_model(root: Path, arch: str = "sd15") -> Path:
     from stages.tiny import build_tiny_model
 
-    model = root / "tiny-sd15"
+    model = root / f"tiny-{arch}"
     if not (model / "model_index.json").exists():
-        build_tiny_model(model)
+        build_tiny_model(model, arch)
     return model
 
 
 def machine() -> str:
     import torch
 
-    return f"{platform.node()} {os.cpu_count()} cores, torch {torch.__version__}, python {platform.python_version()}"
+    cores = f"{os.cpu_count()} cores" + (f", {torch.cuda.get_device_name()}" if torch.cuda.is_available() else "")
+    return f"{platform.node()} {cores}, torch {torch.__version__}, python {platform.python_version()}"
+
+
+def device_sync(device: torch.device) -> Callable[[], None]:
+    """What waits for the work queued on `device` (CUDA kernels run asynchronously to Python)."""
+    import torch
+
+    return torch.cuda.synchronize if device.type == "cuda" else lambda: None
+
+
+@dataclass(frozen=True)
+class Timing:
+    warmup: int  # calls of each variant before any round
+    rounds: int
+    steps: int  # calls per round
+
+    def __str__(self) -> str:
+        return f"{self.rounds}x{self.steps}, fastest round"
+
+
+def interleaved(calls: dict[str, Callable[[int], object]], timing: Timing,
+                sync: Callable[[], None] = lambda: None) -> dict[str, float]:
+    """Seconds per call of each variant: rounds of `timing.steps` calls taken in turn, the fastest
+    round kept. Call i gets i, counting from 0 over its warm-up and rounds."""
+    for call in calls.values():
+        for i in range(timing.warmup):
+            call(i)
+    best = {name: float("inf") for name in calls}
+    for r in range(timing.rounds):
+        for name, call in calls.items():
+            sync()
+            started = time.perf_counter()
+            for i in range(timing.steps):
+                call(timing.warmup + r * timing.steps + i)
+            sync()
+            best[name] = min(best[name], (time.perf_counter() - started) / timing.steps)
+    return best
+
+
+class ResultsSection:
+    """A dated section of BENCHMARKS.md: a heading with the machine, the command, then one line per
+    result, each appended as it comes so that a run cut short keeps what it measured."""
+
+    def __init__(self, command: str, path: Path = BENCHMARKS_MD):
+        self.path = path
+        self.heading = [f"\n### {time.strftime('%Y-%m-%d %H:%M')} — {machine()}", "", f"Command: `{command}`", ""]
+
+    def add(self, name: str, result: object) -> None:
+        lines, self.heading = [*self.heading, f"- {name}: `{json.dumps(result)}`"], []
+        with open(self.path, "a") as f:
+            f.write("\n".join(lines) + "\n")

@@ -1,20 +1,24 @@
 """Encode: pipeline throughput vs the bare VAE + text-encoder forward on the same batches,
-reuse when 1% of the images are new, and peak memory at two dataset sizes."""
+and reuse when 1% of the images are new."""
 from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, NamedTuple
 
-from .common import generated_images, tiny_model
+from .common import device_sync, generated_images, tiny_model
+
+if TYPE_CHECKING:
+    import torch
 
 BATCH = 16
 
 
-def _inputs(root: Path, data: Path, cache: Path, model: Path):
+def encode_inputs(data: Path, cache: Path, model: Path, family: str = "sd15", resolution: int = 64):
+    """Preprocess `data` at `resolution` into `cache`/pre (every image in the train split); the
+    encode stage's inputs for it."""
     from cache.digest import StatCache
     from stages import encode, preprocess
     from stages.models import component_digests
@@ -23,39 +27,59 @@ def _inputs(root: Path, data: Path, cache: Path, model: Path):
     shutil.rmtree(pre, ignore_errors=True)
     pre.mkdir(parents=True)
     with StatCache(cache / "stat.sqlite") as stats:
-        preprocess.run(preprocess.PreprocessParams(resolution=64, holdout_fraction=0.0),
+        preprocess.run(preprocess.PreprocessParams(resolution=resolution, holdout_fraction=0.0),
                        preprocess.PreprocessInputs(sources, stats), pre, cache, None, lambda m: None)
         digests = component_digests(model, stats)
-    return encode.EncodeInputs(pre, sources, cache, model, "sd15", digests)
+    return encode.EncodeInputs(pre, sources, cache, model, family, digests)
 
 
-def run_encode(inputs, out: Path, workers: int = 1):
+def run_encode(inputs, out: Path, workers: int = 1, batch_size: int = BATCH, dtype: str = "float32"):
     from stages import encode
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
-    return encode.run(encode.EncodeParams(), inputs, out, out, encode.EncodeOptions(batch_size=BATCH,
-                      num_workers=workers), lambda m: None)
+    return encode.run(encode.EncodeParams(dtype=dtype), inputs, out, out,
+                      encode.EncodeOptions(batch_size=batch_size, num_workers=workers), lambda m: None)
 
 
-def bare_forward_seconds(inputs, n: int) -> float:
-    """VAE encode + text encoder on pre-decoded batches: the floor the pipeline can approach."""
+class Encoders(NamedTuple):
+    vae: torch.nn.Module
+    text: object  # stages.encode.TextEncoder
+    device: torch.device
+
+
+def load_encoders(inputs, device: str = "cpu", dtype: torch.dtype | None = None) -> Encoders:
+    """The VAE and text encoder(s) as the encode stage loads them: float32 weights on `device`,
+    text embeddings cast to the record dtype `dtype` (default float32)."""
     import torch
     from diffusers import AutoencoderKL
 
-    from stages.encode import ImageCrops, TextEncoder
+    from stages.encode import TextEncoder
+
+    vae = AutoencoderKL.from_pretrained(inputs.model_path, subfolder="vae").eval().requires_grad_(False).to(device)
+    text = TextEncoder(inputs.model_path, inputs.family, dtype or torch.float32, device)
+    return Encoders(vae, text, torch.device(device))
+
+
+def bare_forward_seconds(inputs, n: int, encoders: Encoders, batch_size: int = BATCH) -> float:
+    """VAE encode + text encoder on pre-decoded batches: the floor the pipeline can approach."""
+    import torch
+
+    from stages.encode import ImageCrops
 
     samples = json.loads((inputs.preprocess_dir / "dataset.json").read_text())["samples"][:n]
     crops = ImageCrops(inputs.datasets, samples, [False] * n)
-    batches = [torch.stack([crops[i][1] for i in range(s, min(s + BATCH, n))]) for s in range(0, n, BATCH)]
-    captions = [[s["caption"] for s in samples[i:i + BATCH]] for i in range(0, n, BATCH)]
-    vae = AutoencoderKL.from_pretrained(inputs.model_path, subfolder="vae").eval()
-    text = TextEncoder(inputs.model_path, "sd15", torch.float32)
+    starts = range(0, n, batch_size)
+    batches = [torch.stack([crops[i][1] for i in range(s, min(s + batch_size, n))]) for s in starts]
+    captions = [[s["caption"] for s in samples[i:i + batch_size]] for i in starts]
+    sync = device_sync(encoders.device)
+    sync()
     started = time.perf_counter()
     with torch.inference_mode():
         for pixels, caps in zip(batches, captions):
-            vae.encode(pixels).latent_dist.mean.sum()
-            text(caps)
+            encoders.vae.encode(pixels.to(encoders.device)).latent_dist.mean.sum()
+            encoders.text(caps)
+    sync()
     return time.perf_counter() - started
 
 
@@ -64,8 +88,8 @@ def throughput(root: Path, n: int = 512) -> dict:
     data = generated_images(root / f"images-{n}", n)
     cache = root / "enc-throughput"
     shutil.rmtree(cache, ignore_errors=True)
-    inputs = _inputs(root, data, cache, model)
-    bare = bare_forward_seconds(inputs, n)
+    inputs = encode_inputs(data, cache, model)
+    bare = bare_forward_seconds(inputs, n, load_encoders(inputs))
     started = time.perf_counter()
     run_encode(inputs, cache / "out")
     pipeline = time.perf_counter() - started
@@ -79,33 +103,9 @@ def incremental(root: Path, n: int = 2000) -> dict:
     data = generated_images(root / f"images-grow-{n}", n)
     cache = root / "enc-grow"
     shutil.rmtree(cache, ignore_errors=True)
-    first = run_encode(_inputs(root, data, cache, model), cache / "out")
+    first = run_encode(encode_inputs(data, cache, model), cache / "out")
     generated_images(data, n + n // 100, seed=0)  # 1% more images
-    second = run_encode(_inputs(root, data, cache, model), cache / "out")
+    second = run_encode(encode_inputs(data, cache, model), cache / "out")
     return {"images_before": n, "images_added": n // 100, "first_latents_encoded": first.info["latents_encoded"],
             "second_latents_encoded": second.info["latents_encoded"],
             "second_latents_reused": second.info["latents_reused"]}
-
-
-PEAK = """
-import resource, sys
-from pathlib import Path
-from benchmarks.encode_bench import _inputs, run_encode
-root, data, model = map(Path, sys.argv[1:4])
-run_encode(_inputs(root, data, root / "cache", model), root / "cache" / "out")
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss + resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
-"""
-
-
-def peak_memory(root: Path, sizes=(200, 2000)) -> list[dict]:
-    model = tiny_model(root)
-    rows = []
-    for n in sizes:
-        data = generated_images(root / f"images-{n}", n)
-        work = root / f"peak-{n}"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir()
-        out = subprocess.run([sys.executable, "-c", PEAK, str(work), str(data), str(model)], check=True,
-                             capture_output=True, text=True).stdout.split()[-1]
-        rows.append({"images": n, "peak_rss_mib": round(int(out) / 1024, 1)})
-    return rows

@@ -3,49 +3,46 @@ how much faster the shards are read than training consumes them.
 
 All four use the same tiny SD1.5 model, LoRA, optimizer, batch and resolution, in this process
 (the stage's recipe object, no accelerate launch, no Prefect):
-- cached:     the recipe's own step (read records by shard and offset, sample the posterior, UNet
-              forward + backward, optimizer step);
+- cached:     the recipe's own step (its loader threads read records by shard and offset, sample the
+              posterior and noise; the step copies them to the device, runs the UNet forward +
+              backward and the optimizer step);
 - on the fly: what diffusers' train_text_to_image_lora.py does every step: decode, resize and crop
-              the images, tokenize and run the text encoder, run the VAE encoder, then the same step;
-- bare:       the UNet forward + backward + optimizer step on one batch already in memory;
-- loader:     the recipe's batch loading alone, in samples/s, as a multiple of what `cached` consumes.
+              the images, tokenize and run the text encoder(s), run the VAE encoder, then the same step;
+- bare:       the UNet forward + backward + optimizer step on one micro-batch already on the device;
+- loader:     `load_batch` alone, in samples/s, as a multiple of what `cached` consumes.
 Each variant runs in rounds taken in turn and keeps its fastest round, on one torch thread: on a
 shared 2-core machine a two-thread step slows down several-fold whenever a neighbour computes.
+benchmarks/gpu_bench.py runs the same four steps at full size on a GPU.
 """
 from __future__ import annotations
 
 import json
 import shutil
-import time
+from dataclasses import fields, replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
-from .common import generated_images, tiny_model
-from .encode_bench import _inputs, run_encode
+from .common import Timing, generated_images, interleaved, tiny_model
+from .encode_bench import encode_inputs, run_encode
 
-BATCH, IMAGES, ROUNDS, STEPS, WARMUP = 4, 64, 5, 10, 3
+if TYPE_CHECKING:
+    import torch
 
+    from stages.train.data import UNetInputs
+    from stages.train.recipe import LoRATrainingRecipe
 
-def _interleaved(calls: dict[str, Callable[[int], None]]) -> dict[str, float]:
-    """Seconds per call of each variant: rounds of STEPS calls taken in turn, the fastest round kept."""
-    for call in calls.values():
-        for i in range(WARMUP):
-            call(i)
-    best = {name: float("inf") for name in calls}
-    for r in range(ROUNDS):
-        for name, call in calls.items():
-            started = time.perf_counter()
-            for i in range(STEPS):
-                call(WARMUP + r * STEPS + i)
-            best[name] = min(best[name], (time.perf_counter() - started) / STEPS)
-    return best
+BATCH, IMAGES = 4, 64
+TIMING = Timing(warmup=3, rounds=5, steps=10)
 
 
-def _recipe(enc_inputs, encoded_dir: Path, work: Path):
+def training_recipe(enc_inputs, encoded_dir: Path, work: Path, batch_size: int = BATCH,
+                    mixed_precision: str = "no", rank: int = 4) -> LoRATrainingRecipe:
+    """The train stage's recipe, set up in this process over the encoded shards (LoRA alpha = rank)."""
     from stages.train import TrainInputs, TrainOptions, TrainParams
     from stages.train.recipe import LoRATrainingRecipe
 
-    params = TrainParams(batch_size=BATCH, max_steps=10**6, learning_rate=1e-4)
+    params = TrainParams(batch_size=batch_size, max_steps=10**6, learning_rate=1e-4, rank=rank, alpha=rank,
+                         mixed_precision=mixed_precision)
     inputs = TrainInputs(encoded_dir, enc_inputs.cache_root, enc_inputs.model_path, "bench", "bench")
     recipe = LoRATrainingRecipe(params, inputs, TrainOptions(log_with="none"), work)
     recipe.setup()
@@ -54,73 +51,116 @@ def _recipe(enc_inputs, encoded_dir: Path, work: Path):
     return recipe
 
 
-def _optimizer_step(recipe, batch, rng) -> None:
-    """The recipe's step on a given batch (what _train_step does after loading it)."""
-    from stages.train.recipe import diffusion_loss
-
+def optimizer_step(recipe: LoRATrainingRecipe, loss: torch.Tensor) -> None:
+    """What the recipe's step does with a micro-batch's loss."""
     acc = recipe.accelerator
-    loss = diffusion_loss(recipe.unet, recipe.scheduler, batch, rng, recipe.params, acc.device, recipe.dtype)
     acc.backward(loss)
     acc.clip_grad_norm_(recipe.unet.parameters(), recipe.params.max_grad_norm)
     recipe.optimizer.step()
     recipe.optimizer.zero_grad(set_to_none=True)
 
 
-def _on_the_fly(recipe, enc_inputs) -> Callable[[int], None]:
-    """A step that encodes its batch from the image files first, as the diffusers example does."""
-    import torch
-    from diffusers import AutoencoderKL
-
-    from stages.encode import ImageCrops, TextEncoder
-    from stages.train.recipe import Batch
-
-    samples = json.loads((enc_inputs.preprocess_dir / "dataset.json").read_text())["samples"]
-    crops = ImageCrops(enc_inputs.datasets, samples, [False] * len(samples))
-    vae = AutoencoderKL.from_pretrained(enc_inputs.model_path, subfolder="vae").eval().requires_grad_(False)
-    text = TextEncoder(enc_inputs.model_path, "sd15", torch.float32)
-
+def cached_step(recipe: LoRATrainingRecipe) -> Callable[[int], None]:
     def step(i: int) -> None:
-        rows = [(i * BATCH + j) % len(samples) for j in range(BATCH)]
-        rng = torch.Generator().manual_seed(i)
-        pixels = torch.stack([crops[r][1] for r in rows])
-        with torch.no_grad():
-            hidden = torch.stack([t["hidden_states"] for t in text([samples[r]["caption"] for r in rows])])
-            latents = vae.encode(pixels).latent_dist.sample(rng) * vae.config.scaling_factor
-        _optimizer_step(recipe, Batch(latents, hidden, None), rng)
+        recipe._train_step()
+        recipe.step += 1
 
     return step
 
 
-def step_times(root: Path) -> dict:
+def _to_device(inputs: UNetInputs, device: torch.device) -> UNetInputs:
+    def move(value):
+        if isinstance(value, dict):  # added_cond
+            return {k: t.to(device) for k, t in value.items()}
+        return None if value is None else value.to(device)
+
+    return replace(inputs, **{f.name: move(getattr(inputs, f.name)) for f in fields(inputs)})
+
+
+def bare_step(recipe: LoRATrainingRecipe) -> Callable[[int], None]:
+    """The recipe's UNet step on its first micro-batch, prepared once and kept on the device."""
+    from stages.train.recipe import unet_loss
+
+    device = recipe.accelerator.device
+    inputs = _to_device(recipe._prepare(0), device)
+    return lambda i: optimizer_step(recipe, unet_loss(recipe.unet, inputs, device, recipe.dtype))
+
+
+def on_the_fly_step(recipe: LoRATrainingRecipe, enc_inputs) -> Callable[[int], None]:
+    """A step that encodes its micro-batch from the image files first, as diffusers'
+    train_text_to_image_lora.py does, in the training dtype (the VAE cast to it, the text encoder(s)
+    under autocast)."""
+    import torch
+    from diffusers import AutoencoderKL
+
+    from stages.encode import ImageCrops, TextEncoder
+    from stages.train.data import Batch, sdxl_time_ids
+    from stages.train.recipe import diffusion_loss
+
+    device, dtype = recipe.accelerator.device, recipe.dtype
+    samples = json.loads((enc_inputs.preprocess_dir / "dataset.json").read_text())["samples"]
+    row = {s["id"]: i for i, s in enumerate(samples)}
+    crops = ImageCrops(enc_inputs.datasets, samples, [False] * len(samples))
+    vae = AutoencoderKL.from_pretrained(enc_inputs.model_path, subfolder="vae", torch_dtype=dtype)
+    vae = vae.eval().requires_grad_(False).to(device)
+    text = TextEncoder(enc_inputs.model_path, enc_inputs.family, dtype, str(device))
+
+    def step(i: int) -> None:
+        chosen = recipe.plan.batch(i, 0)
+        rng = torch.Generator().manual_seed(i)
+        pixels = torch.stack([crops[row[s.id]][1] for s in chosen]).to(device, dtype)
+        with torch.no_grad(), torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
+            records = text([s.caption for s in chosen])
+            latents = vae.encode(pixels).latent_dist.sample(rng) * vae.config.scaling_factor
+        added_cond = None
+        if enc_inputs.family == "sdxl":
+            added_cond = {"text_embeds": torch.stack([r["pooled"] for r in records]).float().cpu(),
+                          "time_ids": torch.tensor([sdxl_time_ids(s, False) for s in chosen], dtype=torch.float32)}
+        hidden = torch.stack([r["hidden_states"] for r in records]).float().cpu()
+        # diffusion_loss draws the noise on the CPU, as the cached step's loader does
+        batch = Batch(latents.float().cpu(), hidden, added_cond)
+        optimizer_step(recipe, diffusion_loss(recipe.unet, recipe.scheduler, batch, rng, recipe.params, device, dtype))
+
+    return step
+
+
+def step_calls(recipe: LoRATrainingRecipe, enc_inputs) -> dict[str, Callable[[int], object]]:
+    """The four variants of the module docstring, called with a step number i (on the fly and the
+    loader take micro-batch i; cached takes the recipe's next, bare always its first)."""
     import torch
 
-    from stages.train.recipe import load_batch
+    from stages.train.data import load_batch
+
+    return {
+        "cached": cached_step(recipe), "bare": bare_step(recipe), "on_the_fly": on_the_fly_step(recipe, enc_inputs),
+        "loader": lambda i: load_batch(recipe.data, recipe.plan.batch(i, 0), torch.Generator().manual_seed(i), 0.0),
+    }
+
+
+def step_figures(seconds: dict[str, float], batch: int) -> dict:
+    """Milliseconds per step of each variant of `step_calls` and the ratios between them."""
+    cached_s, fly_s, bare_s, load_s = (seconds[k] for k in ("cached", "on_the_fly", "bare", "loader"))
+    return {
+        "cached_step_ms": round(cached_s * 1e3, 2), "cached_it_s": round(1 / cached_s, 2),
+        "bare_unet_step_ms": round(bare_s * 1e3, 2), "cached_over_bare": round(cached_s / bare_s, 3),
+        "on_the_fly_step_ms": round(fly_s * 1e3, 2), "on_the_fly_over_cached": round(fly_s / cached_s, 2),
+        "loader_samples_s": round(batch / load_s, 1), "training_consumes_samples_s": round(batch / cached_s, 1),
+        "loader_over_consumption": round(cached_s / load_s, 1),
+    }
+
+
+def step_times(root: Path) -> dict:
+    import torch
 
     torch.set_num_threads(1)
     model = tiny_model(root)
     data = generated_images(root / f"images-{IMAGES}", IMAGES)
     cache = root / "train-bench"
     shutil.rmtree(cache, ignore_errors=True)
-    enc_inputs = _inputs(root, data, cache, model)
+    enc_inputs = encode_inputs(data, cache, model)
     run_encode(enc_inputs, cache / "encoded", workers=0)
-    recipe = _recipe(enc_inputs, cache / "encoded", cache / "work")
-
-    def cached(i: int) -> None:
-        recipe._train_step()
-        recipe.step += 1
-
-    fixed = load_batch(recipe.data, recipe.plan.batch(0, 0), torch.Generator().manual_seed(0), 0.0)
-    loads = lambda i: load_batch(recipe.data, recipe.plan.batch(i, 0), torch.Generator().manual_seed(i), 0.0)  # noqa: E731
-    seconds = _interleaved({
-        "cached": cached, "on_the_fly": _on_the_fly(recipe, enc_inputs), "loader": loads,
-        "bare": lambda i: _optimizer_step(recipe, fixed, torch.Generator().manual_seed(i)),
-    })
-    cached_s, fly_s, bare_s, load_s = (seconds[k] for k in ("cached", "on_the_fly", "bare", "loader"))
-    return {
-        "model": "tiny sd15", "resolution": 64, "batch": BATCH, "steps": f"{ROUNDS}x{STEPS}, fastest round",
-        "torch_threads": torch.get_num_threads(),
-        "cached_step_ms": round(cached_s * 1e3, 2), "on_the_fly_step_ms": round(fly_s * 1e3, 2),
-        "on_the_fly_over_cached": round(fly_s / cached_s, 2), "bare_unet_step_ms": round(bare_s * 1e3, 2),
-        "loader_samples_s": round(BATCH / load_s, 1), "training_consumes_samples_s": round(BATCH / cached_s, 1),
-        "loader_over_consumption": round(cached_s / load_s, 1),
-    }
+    recipe = training_recipe(enc_inputs, cache / "encoded", cache / "work")
+    seconds = interleaved(step_calls(recipe, enc_inputs), TIMING)
+    recipe.batches.close()
+    return {"model": "tiny sd15", "resolution": 64, "batch": BATCH, "steps": str(TIMING),
+            "torch_threads": torch.get_num_threads(), **step_figures(seconds, BATCH)}

@@ -1,0 +1,355 @@
+"""GPU: encode and train at full size on one GPU: SD1.5 at 512 px batch 8 and SDXL at 1024 px batch
+4, mixed precision bf16 as the train stage runs it (frozen UNet in bf16, LoRA rank 16 on the attention
+projections in fp32), each setting in this process (no accelerate launch; nothing from flows/, so
+no Prefect):
+
+1. model:  random weights from the published architecture configs in stages/assets/arch/<arch>/
+           with stages/tiny.py's byte-level tokenizer (checked to fit the text encoders), initialised
+           on the GPU from a fixed seed and saved in bf16 under ROOT/models/<arch> (reused after).
+2. encode: N generated noise images through the real encode stage (records in bf16) vs the bare VAE +
+           text-encoder forward on the same pre-decoded batches, both loaded as the stage loads them;
+           ratio = bare / stage time (goal >= 0.9), also without the encoders' load time.
+3. train steps, train_bench's four variants in interleaved rounds (fastest round kept, the GPU
+           synchronised around each round): cached (the recipe's own step over the encoded shards),
+           bare (UNet forward + backward + optimizer on a micro-batch already on the GPU), on the fly
+           (VAE + text encoder(s) every step, then the same step) and the loader (`load_batch` alone).
+           Goals: cached within 5% of bare; the loader >= 10x the samples/s the step consumes.
+4. cached step variants: SDPA (diffusers' default AttnProcessor2_0), the classic AttnProcessor, SDPA
+           + torch.compile(unet). Each reports its peak GPU memory and MFU: the FLOPs one forward +
+           backward executes (torch.utils.flop_counter; about 1.8x the forward, as the frozen weights
+           get no gradients) / step time / the GPU's dense bf16 peak (null for a GPU not in
+           PEAK_BF16_FLOPS). first_step_s is the variant's first step alone: for a compiled variant
+           its compilation, which is not in its step time. A variant that fails (compile error, out
+           of memory) reports its error and the run goes on.
+
+Prints one JSON line per measurement, and appends each as it comes to a dated section of the
+BENCHMARKS.md beside this folder (a run cut short keeps what it measured; on a remote copy of the
+checkout, bring that file back). Planned to take 6-8 minutes on an H100 (not yet run on one), most
+of it the two compilations and SDXL's weights (about 7 GB, written once under ROOT/models); where a
+command's time is limited, run the two settings as two commands:
+
+    python -m benchmarks.gpu_bench [--root DIR] [--only sd15|sdxl]
+
+It needs torch, transformers, accelerate, peft, safetensors, diffusers, webdataset, pydantic, blake3
+and pillow (not prefect); where some are missing and there is no network, install their wheels and
+those of their own dependencies first, e.g.
+`pip install --no-index --no-deps --target /tmp/site WHEELS && export PYTHONPATH=/tmp/site`.
+
+    python -m benchmarks.gpu_bench --smoke [--root DIR]
+
+runs the same code on the tiny test models at 64 px in fp32 (on the GPU if there is one), shorter,
+without the compiled variant, and prints only: tests/test_gpu_bench.py runs it on the CPU.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from .common import ResultsSection, Timing, device_sync, generated_images, interleaved, tiny_model
+from .encode_bench import bare_forward_seconds, encode_inputs, load_encoders, run_encode
+from .train_bench import cached_step, step_calls, step_figures, training_recipe
+
+if TYPE_CHECKING:
+    import torch
+
+    from stages.encode import EncodeInputs
+    from stages.train.recipe import LoRATrainingRecipe
+
+SEED, LORA_RANK = 0, 16
+COMPILED = "+compile"
+# dense (no sparsity) bf16 tensor-core peaks, FLOP/s, by the first name part torch.cuda.get_device_name() contains
+PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
+                   ("A100", 312e12))
+
+
+@dataclass(frozen=True)
+class Setting:
+    arch: str  # sd15 | sdxl, also the model family
+    resolution: int
+    batch: int  # training micro-batch
+    images: int  # encoded, then trained on
+    encode_batch: int
+    variants: tuple[str, ...]  # of the cached step: "sdpa" or "classic" attention, + COMPILED to compile
+
+
+@dataclass(frozen=True)
+class Mode:
+    full_size: bool  # random weights at the published sizes, else the tiny test models
+    settings: dict[str, Setting]
+    timing: Timing
+    encode_dtype: str  # the encode stage's record dtype
+    mixed_precision: str  # the recipe's
+    encode_workers: int  # the encode stage's decode threads
+
+
+# images: enough that loading the encoders (seconds, also in the stage's time) does not swamp the encode rate
+GPU = Mode(True, {"sd15": Setting("sd15", 512, 8, 256, 16, ("sdpa", "classic", "sdpa" + COMPILED)),
+                  "sdxl": Setting("sdxl", 1024, 4, 128, 8, ("sdpa", "sdpa" + COMPILED))},
+           Timing(warmup=3, rounds=3, steps=10), "bfloat16", "bf16", 4)
+SMOKE = Mode(False, {arch: Setting(arch, 64, 2, 8, 4, ("sdpa", "classic")) for arch in ("sd15", "sdxl")},
+             Timing(warmup=1, rounds=2, steps=2), "float32", "no", 0)
+
+
+# ---- 1. model
+def _check_tokenizer(tokenizer, text_encoder_dir: Path) -> None:
+    config = json.loads((text_encoder_dir / "config.json").read_text())
+    if tokenizer.model_max_length != config["max_position_embeddings"] or len(tokenizer) > config["vocab_size"]:
+        raise ValueError(f"the byte-level tokenizer ({tokenizer.model_max_length} tokens, vocabulary of"
+                         f" {len(tokenizer)}) does not fit {text_encoder_dir}/config.json")
+
+
+def _random_component(library: str, class_name: str, config_dir: Path, device: torch.device) -> torch.nn.Module:
+    import torch
+
+    cls = getattr(importlib.import_module(library), class_name)
+    torch.manual_seed(SEED)
+    with torch.device(device):  # initialised where it is created: seconds on a GPU, minutes for SDXL on a CPU
+        if library == "diffusers":
+            model = cls.from_config(cls.load_config(config_dir))
+        else:
+            model = cls(cls.config_class.from_pretrained(config_dir))
+    return model.to(torch.bfloat16).cpu()
+
+
+def random_model(arch: str, out: Path, device: torch.device) -> Path:
+    """A diffusers folder of `arch` at its published size: seeded random weights in bf16 from the
+    configs in stages/assets/arch/<arch>/, whose tokenizer folders hold no vocabulary: stages/tiny.py's
+    byte-level tokenizer instead."""
+    from stages.models import ARCH_ROOT
+    from stages.tiny import write_tokenizer
+
+    arch_dir, staging = ARCH_ROOT / arch, out.with_name(f"{out.name}.partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    for name, spec in json.loads((arch_dir / "model_index.json").read_text()).items():
+        if not isinstance(spec, list) or spec[0] is None:
+            continue
+        if name.startswith("tokenizer"):
+            _check_tokenizer(write_tokenizer(staging / name), arch_dir / name.replace("tokenizer", "text_encoder"))
+        elif name == "scheduler":
+            shutil.copytree(arch_dir / name, staging / name)
+        else:
+            _random_component(*spec, arch_dir / name, device).save_pretrained(staging / name, safe_serialization=True)
+    shutil.copy(arch_dir / "model_index.json", staging)
+    staging.rename(out)
+    return out
+
+
+def model_figures(arch: str, mode: Mode, root: Path, device: torch.device) -> tuple[dict, Path]:
+    """Figures (built_s null: reused) and the model folder."""
+    if not mode.full_size:
+        return {"weights": "tiny test model"}, tiny_model(root / "models", arch)
+    model, built_s = root / "models" / arch, None
+    if not (model / "model_index.json").exists():
+        started = time.perf_counter()
+        random_model(arch, model, device)
+        built_s = round(time.perf_counter() - started, 1)
+    return {"weights": "random, published architecture", "built_s": built_s}, model
+
+
+# ---- 2. encode
+def encode_figures(setting: Setting, mode: Mode, model: Path, root: Path,
+                   device: torch.device) -> tuple[dict, EncodeInputs, Path]:
+    """Figures, the encode inputs, and the encode artifact's folder."""
+    import torch
+    from diffusers import AutoencoderKL  # noqa: F401  (imported before the encoders' load is timed)
+    from transformers import CLIPTextModel  # noqa: F401
+
+    n = setting.images
+    data = generated_images(root / f"images-{n}-{setting.resolution}px", n, setting.resolution)
+    cache = root / f"gpu-bench-{setting.arch}"
+    shutil.rmtree(cache, ignore_errors=True)
+    inputs = encode_inputs(data, cache, model, setting.arch, setting.resolution)
+    started = time.perf_counter()
+    encoders = load_encoders(inputs, str(device), getattr(torch, mode.encode_dtype))
+    load_s = time.perf_counter() - started
+    bare_s = bare_forward_seconds(inputs, n, encoders, setting.encode_batch)
+    del encoders
+    release_memory(device)
+    started = time.perf_counter()
+    run_encode(inputs, cache / "encoded", mode.encode_workers, setting.encode_batch, mode.encode_dtype)
+    stage_s = time.perf_counter() - started
+    return {
+        "images": n, "resolution": setting.resolution, "batch": setting.encode_batch, "dtype": mode.encode_dtype,
+        "decode_threads": mode.encode_workers, "stage_img_s": round(n / stage_s, 1), "bare_img_s": round(n / bare_s, 1),
+        "ratio": round(bare_s / stage_s, 3), "encoders_load_s": round(load_s, 2),
+        "ratio_without_load": round(bare_s / (stage_s - load_s), 3),
+    }, inputs, cache / "encoded"
+
+
+# ---- 3. train steps and 4. variants
+def peak_bf16_flops(device: torch.device) -> tuple[str, float | None]:
+    import torch
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else device.type
+    return name, next((peak for part, peak in PEAK_BF16_FLOPS if part in name), None)
+
+
+def step_flops(recipe: LoRATrainingRecipe) -> int:
+    """FLOPs of one forward + backward of the recipe's UNet step (the optimizer's are negligible)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from stages.train.recipe import unet_loss
+
+    inputs, device = recipe._prepare(0), recipe.accelerator.device
+    with FlopCounterMode(display=False) as counter:
+        recipe.accelerator.backward(unet_loss(recipe.unet, inputs, device, recipe.dtype))
+    recipe.optimizer.zero_grad(set_to_none=True)
+    return counter.get_total_flops()
+
+
+@contextmanager
+def cached_step_variant(recipe: LoRATrainingRecipe, variant: str) -> Iterator[None]:
+    """The recipe's UNet with the variant's attention processor, compiled for COMPILED; as it was after."""
+    import torch
+    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+
+    unet, prepared = recipe._lora_unet(), recipe.unet
+    processors = unet.attn_processors
+    unet.set_attn_processor(AttnProcessor() if variant.removesuffix(COMPILED) == "classic" else AttnProcessor2_0())
+    if variant.endswith(COMPILED):
+        recipe.unet = torch.compile(prepared)
+    try:
+        yield
+    finally:
+        recipe.unet = prepared
+        unet.set_attn_processor(processors)
+        if variant.endswith(COMPILED):
+            torch._dynamo.reset()  # drops the compiled graphs
+
+
+def variant_figures(recipe: LoRATrainingRecipe, variant: str, timing: Timing, flops: int,
+                    device: torch.device) -> dict:
+    import torch
+
+    sync, step, cuda = device_sync(device), cached_step(recipe), device.type == "cuda"
+    with cached_step_variant(recipe, variant):
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        sync()
+        started = time.perf_counter()
+        step(0)
+        sync()
+        first_s = time.perf_counter() - started
+        seconds = interleaved({variant: step}, timing, sync)[variant]
+        peak_mib = torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None
+    peak = peak_bf16_flops(device)[1]
+    compile_note = {"note": "first_step_s is the compilation, which step_ms leaves out"}
+    return {
+        "variant": variant, **(compile_note if variant.endswith(COMPILED) else {}), "step_ms": round(seconds * 1e3, 2),
+        "it_s": round(1 / seconds, 2), "first_step_s": round(first_s, 2),
+        "peak_gpu_mib": None if peak_mib is None else round(peak_mib), "tflop_per_step": _digits(flops / 1e12),
+        "achieved_tflop_s": _digits(flops / seconds / 1e12), "mfu": round(flops / seconds / peak, 3) if peak else None,
+    }
+
+
+def _digits(value: float) -> float:
+    return float(f"{value:.4g}")  # the tiny smoke models' TFLOPs would round to 0
+
+
+def train_figures(setting: Setting, mode: Mode, inputs: EncodeInputs, encoded: Path,
+                  device: torch.device) -> Iterator[tuple[str, dict]]:
+    import torch
+
+    recipe = training_recipe(inputs, encoded, encoded.parent / "work", setting.batch, mode.mixed_precision,
+                             LORA_RANK)
+    try:
+        seconds = interleaved(step_calls(recipe, inputs), mode.timing, device_sync(device))
+        release_memory(device)  # the on-the-fly step's VAE and text encoders
+        params = list(recipe._lora_unet().parameters())
+        gpu, peak = peak_bf16_flops(device)
+        yield "train steps", {
+            "resolution": setting.resolution, "batch": setting.batch, "mixed_precision": mode.mixed_precision,
+            "lora_rank": LORA_RANK, "unet_params_m": round(sum(p.numel() for p in params) / 1e6, 1),
+            "lora_params_m": round(sum(p.numel() for p in params if p.requires_grad) / 1e6, 2),
+            "steps": str(mode.timing), "torch_threads": torch.get_num_threads(), "device": gpu,
+            "dense_bf16_peak_tflop_s": peak / 1e12 if peak else None,
+            **({} if peak else {"mfu_note": f"mfu is null: no dense bf16 peak known for {gpu}"}),
+            **step_figures(seconds, setting.batch),
+        }
+        flops = step_flops(recipe)
+        for variant in setting.variants:
+            yield f"cached step {variant}", _variant_or_error(recipe, variant, mode.timing, flops, device)
+    finally:
+        recipe.batches.close()
+
+
+def _variant_or_error(recipe: LoRATrainingRecipe, variant: str, timing: Timing, flops: int,
+                      device: torch.device) -> dict:
+    try:
+        return variant_figures(recipe, variant, timing, flops, device)
+    except Exception as error:  # compile errors, out of memory: reported, the other variants still run
+        recipe.batches.close()  # a failed step took its micro-batch without counting the step
+        recipe.batches = recipe.micro_batches()
+        release_memory(device)
+        first_line = next(iter(str(error).strip().splitlines()), "")
+        return {"variant": variant, "error": f"{type(error).__name__}: {first_line}"}
+
+
+# ---- the run
+def release_memory(device: torch.device) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def measurements(mode: Mode, archs: list[str], root: Path) -> Iterator[tuple[str, dict]]:
+    """(name, figures) of every measurement, each yielded as soon as it is taken."""
+    import torch
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda":
+        torch.ones(1, device=device)  # the CUDA context now, not inside the first timing
+    else:
+        torch.set_num_threads(1)  # as train_bench: on shared cores a two-thread step was up to 10x slower
+    for arch in archs:
+        setting = mode.settings[arch]
+        figures, model = model_figures(arch, mode, root, device)
+        yield f"{arch} model", figures
+        figures, inputs, encoded = encode_figures(setting, mode, model, root, device)
+        yield f"{arch} encode", figures
+        for name, figures in train_figures(setting, mode, inputs, encoded, device):
+            yield f"{arch} {name}", figures
+        release_memory(device)
+
+
+def measure(root: Path) -> dict | str:
+    """Every measurement of the GPU run, by name (for `python -m benchmarks`)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "skipped: no CUDA device (python -m benchmarks.gpu_bench --smoke runs its code on the CPU)"
+    return dict(measurements(GPU, list(GPU.settings), root))
+
+
+def main(argv: list[str] | None = None) -> None:
+    import torch
+
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bench", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--root", type=Path, default=Path("bench-run"))
+    parser.add_argument("--smoke", action="store_true", help="tiny models at 64 px in fp32; prints only")
+    parser.add_argument("--only", choices=["sd15", "sdxl"])
+    args = parser.parse_args(argv)
+    if not args.smoke and not torch.cuda.is_available():
+        parser.error("no CUDA device: --smoke runs the same code on the tiny models on the CPU")
+    mode, archs = (SMOKE if args.smoke else GPU), [args.only] if args.only else ["sd15", "sdxl"]
+    args.root.mkdir(parents=True, exist_ok=True)
+    section = None if args.smoke else ResultsSection(
+        " ".join(["python -m benchmarks.gpu_bench", *(["--only", args.only] if args.only else [])]))
+    for name, figures in measurements(mode, archs, args.root.resolve()):
+        print(json.dumps({"measurement": name, **figures}), flush=True)
+        if section:
+            section.add(name, figures)
+
+
+if __name__ == "__main__":
+    main()
