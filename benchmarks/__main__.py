@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from . import encode_bench, gpu_bench, loader_bench, memory_bench, noop_rerun, pipeline_noop, train_bench
+from . import decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench, noop_rerun, pipeline_noop, train_bench
 from .common import ResultsSection
 
 BENCHES = {
@@ -20,6 +20,7 @@ BENCHES = {
     "encode_incremental": lambda root: encode_bench.incremental(root),
     "stage_peak_memory": lambda root: memory_bench.stage_peaks(root),
     "loader_full_size": lambda root: loader_bench.throughput(root),
+    "decode_camera_jpeg": lambda root: decode_bench.rates(root),
     "train_step": lambda root: train_bench.step_times(root),
     "pipeline_noop": lambda root: pipeline_noop.measure(root),
     "gpu": lambda root: gpu_bench.measure(root),

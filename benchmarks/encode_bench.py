@@ -97,7 +97,7 @@ def throughput(root: Path, n: int = 512) -> dict:
             "ratio": round(bare / pipeline, 3)}
 
 
-def incremental(root: Path, n: int = 2000) -> dict:
+def incremental(root: Path, n: int = 10000) -> dict:
     model = tiny_model(root)
     shutil.rmtree(root / f"images-grow-{n}", ignore_errors=True)  # it grows by 1% each run
     data = generated_images(root / f"images-grow-{n}", n)

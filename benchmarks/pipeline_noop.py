@@ -27,7 +27,7 @@ def _run(config: Path, env: dict) -> float:
     return time.perf_counter() - started
 
 
-def measure(root: Path, sizes=(200, 2000)) -> list[dict] | str:
+def measure(root: Path, sizes=(1000, 10000)) -> list[dict] | str:
     if importlib.util.find_spec("prefect") is None:
         return "skipped: prefect is not installed"
     model = tiny_model(root)

@@ -21,7 +21,7 @@ from .fsutil import fsync_dir, write_json_atomic
 Blobs = Mapping[str, bytes]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class RecordLocation:
     shard: str
     members: dict[str, tuple[int, int]]  # ext -> (data offset, size) inside the shard tar

@@ -33,7 +33,7 @@ def encode_record(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dic
     }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Sample:
     id: str
     split: str  # "train" or "holdout"
@@ -68,7 +68,7 @@ class EncodedData:
         if self.index.get("format") != FORMAT:
             raise ValueError(f"{artifact_dir}/{SAMPLES_FILE}: unsupported encoded format {self.index.get('format')}")
         self.store = SampleStore(cache_root)
-        self.samples = [Sample.from_json(s) for s in self.index["samples"]]
+        self.samples = [Sample.from_json(s) for s in self.index.pop("samples")]  # not kept twice
         self.family: str = self.index["family"]
         self.models: dict[str, str] = self.index["models"]  # component -> weights digest
 

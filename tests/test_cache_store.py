@@ -2,6 +2,7 @@
 one writer per key, early-cutoff digests, stat-cached hashing. No diffusion involved."""
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -177,3 +178,14 @@ def test_sample_store_shards_stream_through_webdataset(tmp_path):
     streamed = list(webdataset.WebDataset(str(store.shard_path(shard)), shardshuffle=False, empty_check=False))
     assert [s["__key__"] for s in streamed] == ["k0", "k1", "k2"]
     assert [s["safetensors"] for s in streamed] == [records[k]["safetensors"] for k in ("k0", "k1", "k2")]
+
+
+@pytest.mark.parametrize("fields,rows", [({"format": 2, "name": "x"}, [{"id": "a", "n": [1, 2]}, {"id": "b"}]),
+                                         ({}, []), ({"flip": False}, [{"caption": "quote \" and\nnewline"}])])
+def test_json_rows_stream_into_one_json_object_a_row_per_line(tmp_path, fields, rows):
+    from cache.fsutil import write_json_rows
+
+    write_json_rows(tmp_path / "index.json", fields, "samples", iter(rows))
+    text = (tmp_path / "index.json").read_text()
+    assert json.loads(text) == {**fields, "samples": rows}
+    assert len(text.splitlines()) == len(rows) + 2  # the fields and "[", a line per row, "]}"

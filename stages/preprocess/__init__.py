@@ -23,6 +23,7 @@ from blake3 import blake3
 from pydantic import Field, field_validator
 
 from cache.digest import StatCache
+from cache.fsutil import write_json_rows
 from cache.store import Built
 
 from ..contract import Frozen, Log
@@ -102,7 +103,7 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
         s["split"] = "holdout" if s["id"] in holdout else "train"
     counts = dict(sorted(Counter(r["reason"] for r in rejected).items()))
     buckets = dict(sorted(Counter(f"{s['size'][1]}x{s['size'][0]}" for s in samples).items()))
-    (out_dir / DATASET_FILE).write_text(json.dumps({"format": 2, "samples": samples}, indent=1, sort_keys=True))
+    write_json_rows(out_dir / DATASET_FILE, {"format": 2}, "samples", samples)
     (out_dir / REPORT_FILE).write_text(json.dumps({"rejected": rejected, "counts": counts}, indent=1,
                                                   sort_keys=True))
     for line in summary_lines(rejected):
