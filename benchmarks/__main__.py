@@ -22,6 +22,7 @@ BENCHES = {
     "loader_full_size": lambda root: loader_bench.throughput(root),
     "decode_camera_jpeg": lambda root: decode_bench.rates(root),
     "train_step": lambda root: train_bench.step_times(root),
+    "optimizer_step": lambda root: train_bench.optimizer_variants(root),
     "pipeline_noop": lambda root: pipeline_noop.measure(root),
     "gpu": lambda root: gpu_bench.measure(root),
 }

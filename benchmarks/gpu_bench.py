@@ -9,8 +9,9 @@ no Prefect):
 2. encode: N generated noise images through the real encode stage (records in bf16) vs the bare VAE +
            text-encoder forward on the same pre-decoded batches, both loaded as the stage loads them;
            ratio = bare / stage time (goal >= 0.9), also without the encoders' load time.
-3. train steps, train_bench's four variants in interleaved rounds (fastest round kept, the GPU
-           synchronised around each round): cached (the recipe's own step over the encoded shards),
+3. train steps, train_bench's variants in interleaved rounds (fastest round kept, the GPU
+           synchronised around each round): cached (the recipe's own step over the encoded shards;
+           cached inline: with train.loader_workers 0, the micro-batch prepared in the step),
            bare (UNet forward + backward + optimizer on a micro-batch already on the GPU), on the fly
            (VAE + text encoder(s) every step, then the same step) and the loader (`load_batch` alone).
            Goals: cached within 5% of bare; the loader >= 10x the samples/s the step consumes.
@@ -260,9 +261,12 @@ def train_figures(setting: Setting, mode: Mode, inputs: EncodeInputs, encoded: P
 
     recipe = training_recipe(inputs, encoded, encoded.parent / "work", setting.batch, mode.mixed_precision,
                              LORA_RANK)
+    inline = training_recipe(inputs, encoded, encoded.parent / "work-inline", setting.batch, mode.mixed_precision,
+                             LORA_RANK, loader_workers=0)
     try:
-        seconds = interleaved(step_calls(recipe, inputs), mode.timing, device_sync(device))
-        release_memory(device)  # the on-the-fly step's VAE and text encoders
+        seconds = interleaved(step_calls(recipe, inline, inputs), mode.timing, device_sync(device))
+        del inline
+        release_memory(device)  # the on-the-fly step's VAE and text encoders, the inline recipe's UNet
         params = list(recipe._lora_unet().parameters())
         gpu, peak = peak_bf16_flops(device)
         yield "train steps", {

@@ -1,11 +1,12 @@
 """Train: step time over the cached shards vs an on-the-fly baseline, the bare UNet step, and
 how much faster the shards are read than training consumes them.
 
-All four use the same tiny SD1.5 model, LoRA, optimizer, batch and resolution, in this process
+All use the same tiny SD1.5 model, LoRA, optimizer, batch and resolution, in this process
 (the stage's recipe object, no accelerate launch, no Prefect):
 - cached:     the recipe's own step (its loader threads read records by shard and offset, sample the
               posterior and noise; the step copies them to the device, runs the UNet forward +
               backward and the optimizer step);
+- cached inline: the same with train.loader_workers 0: the step prepares its own micro-batch;
 - on the fly: what diffusers' train_text_to_image_lora.py does every step: decode, resize and crop
               the images, tokenize and run the text encoder(s), run the VAE encoder, then the same step;
 - bare:       the UNet forward + backward + optimizer step on one micro-batch already on the device;
@@ -36,7 +37,7 @@ TIMING = Timing(warmup=3, rounds=5, steps=10)
 
 
 def training_recipe(enc_inputs, encoded_dir: Path, work: Path, batch_size: int = BATCH,
-                    mixed_precision: str = "no", rank: int = 4) -> LoRATrainingRecipe:
+                    mixed_precision: str = "no", rank: int = 4, loader_workers: int = 2) -> LoRATrainingRecipe:
     """The train stage's recipe, set up in this process over the encoded shards (LoRA alpha = rank)."""
     from stages.train import TrainInputs, TrainOptions, TrainParams
     from stages.train.recipe import LoRATrainingRecipe
@@ -44,7 +45,8 @@ def training_recipe(enc_inputs, encoded_dir: Path, work: Path, batch_size: int =
     params = TrainParams(batch_size=batch_size, max_steps=10**6, learning_rate=1e-4, rank=rank, alpha=rank,
                          mixed_precision=mixed_precision)
     inputs = TrainInputs(encoded_dir, enc_inputs.cache_root, enc_inputs.model_path, "bench", "bench")
-    recipe = LoRATrainingRecipe(params, inputs, TrainOptions(log_with="none"), work)
+    options = TrainOptions(log_with="none", loader_workers=loader_workers)
+    recipe = LoRATrainingRecipe(params, inputs, options, work)
     recipe.setup()
     recipe.unet.train()
     recipe.batches = recipe.micro_batches()
@@ -55,7 +57,7 @@ def optimizer_step(recipe: LoRATrainingRecipe, loss: torch.Tensor) -> None:
     """What the recipe's step does with a micro-batch's loss."""
     acc = recipe.accelerator
     acc.backward(loss)
-    acc.clip_grad_norm_(recipe.unet.parameters(), recipe.params.max_grad_norm)
+    acc.clip_grad_norm_(recipe.lora_params, recipe.params.max_grad_norm)
     recipe.optimizer.step()
     recipe.optimizer.zero_grad(set_to_none=True)
 
@@ -124,15 +126,18 @@ def on_the_fly_step(recipe: LoRATrainingRecipe, enc_inputs) -> Callable[[int], N
     return step
 
 
-def step_calls(recipe: LoRATrainingRecipe, enc_inputs) -> dict[str, Callable[[int], object]]:
-    """The four variants of the module docstring, called with a step number i (on the fly and the
-    loader take micro-batch i; cached takes the recipe's next, bare always its first)."""
+def step_calls(recipe: LoRATrainingRecipe, inline: LoRATrainingRecipe,
+               enc_inputs) -> dict[str, Callable[[int], object]]:
+    """The variants of the module docstring, called with a step number i (on the fly and the
+    loader take micro-batch i; cached takes the recipe's next, bare always its first); `inline` is
+    a second recipe with loader_workers 0."""
     import torch
 
     from stages.train.data import load_batch
 
     return {
-        "cached": cached_step(recipe), "bare": bare_step(recipe), "on_the_fly": on_the_fly_step(recipe, enc_inputs),
+        "cached": cached_step(recipe), "cached_inline": cached_step(inline), "bare": bare_step(recipe),
+        "on_the_fly": on_the_fly_step(recipe, enc_inputs),
         "loader": lambda i: load_batch(recipe.data, recipe.plan.batch(i, 0), torch.Generator().manual_seed(i), 0.0),
     }
 
@@ -143,6 +148,8 @@ def step_figures(seconds: dict[str, float], batch: int) -> dict:
     return {
         "cached_step_ms": round(cached_s * 1e3, 2), "cached_it_s": round(1 / cached_s, 2),
         "bare_unet_step_ms": round(bare_s * 1e3, 2), "cached_over_bare": round(cached_s / bare_s, 3),
+        "cached_inline_step_ms": round(seconds["cached_inline"] * 1e3, 2),
+        "inline_over_bare": round(seconds["cached_inline"] / bare_s, 3),
         "on_the_fly_step_ms": round(fly_s * 1e3, 2), "on_the_fly_over_cached": round(fly_s / cached_s, 2),
         "loader_samples_s": round(batch / load_s, 1), "training_consumes_samples_s": round(batch / cached_s, 1),
         "loader_over_consumption": round(cached_s / load_s, 1),
@@ -160,7 +167,35 @@ def step_times(root: Path) -> dict:
     enc_inputs = encode_inputs(data, cache, model)
     run_encode(enc_inputs, cache / "encoded", workers=0)
     recipe = training_recipe(enc_inputs, cache / "encoded", cache / "work")
-    seconds = interleaved(step_calls(recipe, enc_inputs), TIMING)
+    inline = training_recipe(enc_inputs, cache / "encoded", cache / "work-inline", loader_workers=0)
+    seconds = interleaved(step_calls(recipe, inline, enc_inputs), TIMING)
     recipe.batches.close()
     return {"model": "tiny sd15", "resolution": 64, "batch": BATCH, "steps": str(TIMING),
             "torch_threads": torch.get_num_threads(), **step_figures(seconds, BATCH)}
+
+
+def optimizer_variants(root: Path) -> dict:
+    """Milliseconds of the step's bookkeeping around the UNet on the tiny recipe's LoRA: AdamW as
+    single-tensor loops (torch's CPU default), foreach or fused kernels, and gradient clipping
+    over every UNet parameter vs over the LoRA's list."""
+    import torch
+
+    torch.set_num_threads(1)
+    data = generated_images(root / f"images-{IMAGES}", IMAGES)
+    cache = root / "optimizer-bench"
+    shutil.rmtree(cache, ignore_errors=True)
+    enc_inputs = encode_inputs(data, cache, tiny_model(root))
+    run_encode(enc_inputs, cache / "encoded", workers=0)
+    recipe = training_recipe(enc_inputs, cache / "encoded", cache / "work", loader_workers=0)
+    unet, lora = recipe._lora_unet(), [t for t in recipe._lora_unet().parameters() if t.requires_grad]
+    for t in lora:
+        t.grad = torch.randn_like(t)
+    adamw = {kind: torch.optim.AdamW(lora, lr=1e-6, **{kind: True} if kind != "single_tensor" else {"foreach": False})
+             for kind in ("single_tensor", "foreach", "fused")}
+    seconds = interleaved({
+        **{f"adamw_{kind}": lambda i, o=optimizer: o.step() for kind, optimizer in adamw.items()},
+        "clip_over_unet_parameters": lambda i: torch.nn.utils.clip_grad_norm_(unet.parameters(), 1e9),
+        "clip_over_lora_list": lambda i: torch.nn.utils.clip_grad_norm_(lora, 1e9),
+    }, Timing(warmup=3, rounds=5, steps=20))
+    return {"lora_tensors": len(lora), "lora_params": sum(t.numel() for t in lora),
+            **{f"{name}_ms": round(s * 1e3, 3) for name, s in seconds.items()}}

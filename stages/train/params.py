@@ -80,8 +80,9 @@ class TrainOptions(Frozen):
 
     log_every: int = Field(10, gt=0, description="print a progress line every N steps")
     gradient_checkpointing: bool = False
-    loader_workers: int = Field(2, ge=0, description="threads preparing micro-batches ahead of the step"
-                                " (read, sample, noise, pin); 0: in the step")
+    loader_workers: int | None = Field(None, ge=0, description="threads preparing micro-batches ahead of the"
+                                       " step (read, sample, noise, pin); 0: in the step; default 2 on CUDA, 0 on"
+                                       " CPU (where the threads' share of the GIL slowed the step, benchmarks/)")
     log_with: Literal["tensorboard", "wandb", "none"] = Field(
         "tensorboard", description="accelerate tracker for loss and lr (files under the work dir's logs/)")
 

@@ -18,9 +18,9 @@ batch is dropped for that epoch. Rank r takes slice r of each global batch, so e
 same number of steps. Micro-batch m = step * gradient_accumulation_steps + j is batch m of the
 plan, and all of its randomness (flipped or plain latent where encode made both, posterior sample,
 caption dropout, noise, timesteps, LoRA dropout) comes from a seed derived from (seed, m, rank):
-resuming from a checkpoint is exact. Threads prepare micro-batches ahead of the step (stages/train/
-data.py: read, sample, noise, pin), so the step itself is the copy to the device, the UNet and the
-optimizer.
+resuming from a checkpoint is exact. On CUDA, threads prepare micro-batches ahead of the step
+(stages/train/data.py: read, sample, noise, pin), so the step itself is the copy to the device, the
+UNet and the optimizer (train.loader_workers).
 
 Logs: loss.jsonl and loss.png, TensorBoard (or wandb) through accelerate's trackers, and a
 progress line with it/s and ETA from the main process.
@@ -155,12 +155,15 @@ class LoRATrainingRecipe:
         from diffusers.optimization import get_scheduler
 
         p = self.params
-        lora_params = [t for t in self.unet.parameters() if t.requires_grad]
+        # the LoRA's tensors, listed once: walking unet.parameters() every step costs more than clipping
+        self.lora_params = [t for t in self.unet.parameters() if t.requires_grad]
+        settings = dict(lr=p.effective_learning_rate, weight_decay=p.weight_decay)
         if p.optimizer == "adamw8bit":
-            from bitsandbytes.optim import AdamW8bit as optimizer_class
-        else:
-            optimizer_class = torch.optim.AdamW
-        optimizer = optimizer_class(lora_params, lr=p.effective_learning_rate, weight_decay=p.weight_decay)
+            from bitsandbytes.optim import AdamW8bit
+
+            optimizer = AdamW8bit(self.lora_params, **settings)
+        else:  # fused: one kernel for all tensors (6.5x torch's CPU default in benchmarks/)
+            optimizer = torch.optim.AdamW(self.lora_params, fused=True, **settings)
         self.lr_scheduler = get_scheduler(p.lr_scheduler, optimizer, num_warmup_steps=p.warmup_steps,
                                           num_training_steps=p.max_steps)
         self.unet, self.optimizer = self.accelerator.prepare(self.unet, optimizer)
@@ -220,9 +223,10 @@ class LoRATrainingRecipe:
 
     def micro_batches(self) -> MicroBatches:
         """The micro-batches from the current step to max_steps, prepared ahead of the step."""
-        accumulation = self.params.gradient_accumulation_steps
+        accumulation, cuda = self.params.gradient_accumulation_steps, self.accelerator.device.type == "cuda"
+        workers = self.options.loader_workers if self.options.loader_workers is not None else 2 if cuda else 0
         return MicroBatches(self._prepare, self.step * accumulation, self.params.max_steps * accumulation,
-                            self.options.loader_workers, pin=self.accelerator.device.type == "cuda")
+                            workers, pin=cuda)
 
     def _prepare(self, micro_batch: int) -> UNetInputs:
         p = self.params
@@ -249,7 +253,7 @@ class LoRATrainingRecipe:
                 acc.print(f"step {self.step}/{p.max_steps} loss {loss.item():.5f} lr {lr:.3e} {rate:.2f} it/s"
                           f" ETA {eta}", flush=True)
             if self.step % p.checkpoint_every == 0 or self.step == p.max_steps:
-                if not all(torch.isfinite(t).all() for t in self.unet.parameters() if t.requires_grad):
+                if not all(torch.isfinite(t).all() for t in self.lora_params):
                     self._stop(f"the LoRA weights are not finite after step {self.step}")
                 self.save_checkpoint()
 
@@ -273,7 +277,7 @@ class LoRATrainingRecipe:
                 loss = unet_loss(self.unet, inputs, acc.device, self.dtype)
                 acc.backward(loss / p.gradient_accumulation_steps)
             losses.append(loss.detach())
-        acc.clip_grad_norm_(self.unet.parameters(), p.max_grad_norm)
+        acc.clip_grad_norm_(self.lora_params, p.max_grad_norm)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
