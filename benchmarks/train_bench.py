@@ -33,7 +33,7 @@ if TYPE_CHECKING:
     from stages.train.recipe import LoRATrainingRecipe
 
 BATCH, IMAGES = 4, 64
-TIMING = Timing(warmup=3, rounds=5, steps=10)
+TIMING = Timing(warmup=3, rounds=10, steps=10)
 
 
 def training_recipe(enc_inputs, encoded_dir: Path, work: Path, batch_size: int = BATCH,

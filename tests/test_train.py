@@ -103,6 +103,14 @@ def test_resume_is_exact(trained, tmp_path, tiny_model, encoded):
         assert (out / rel).read_bytes() == (trained[0] / rel).read_bytes(), rel
 
 
+def test_resume_with_lora_dropout_is_exact(tmp_path, tiny_model, encoded):
+    inputs, dropout = train_inputs(tiny_model, encoded), dict(dropout=0.3, checkpoint_every=10)
+    straight, _ = run_train(tmp_path, "straight", inputs, max_steps=20, **dropout)
+    run_train(tmp_path, "half", inputs, tmp_path / "work", max_steps=10, **dropout)
+    resumed, built = run_train(tmp_path, "resumed", inputs, tmp_path / "work", max_steps=20, **dropout)
+    assert built.info["resumed_from"] == 10 and losses(resumed) == losses(straight)
+
+
 def test_loader_threads_train_what_the_step_would_prepare_itself(trained, tmp_path, tiny_model, encoded):
     out, _ = run_train(tmp_path, "threads", train_inputs(tiny_model, encoded), options={"loader_workers": 2},
                        max_steps=40)

