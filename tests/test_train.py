@@ -349,10 +349,12 @@ def test_init_lora_must_match_rank_and_alpha(trained, tiny_model):
         load_init_lora(unet, trained[0] / "pytorch_lora_weights.safetensors", config)
 
 
+# Ctrl-C in a terminal; Python leaves SIGINT ignored where its launcher ignored it (a background job)
 PARENT = """
-import sys
+import signal, sys
 from pathlib import Path
 from stages import train
+signal.signal(signal.SIGINT, signal.default_int_handler)
 inputs = train.TrainInputs(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), "base", "encoded")
 train.run(train.TrainParams(max_steps=100000, batch_size=2, checkpoint_every=100000), inputs,
           Path(sys.argv[4]), Path(sys.argv[5]), train.TrainOptions(log_with="none", log_every=10**9))
