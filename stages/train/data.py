@@ -160,7 +160,8 @@ class MicroBatches:
     each one when it is asked for. `get` must be called in order. A worker's error is raised by `get`."""
 
     def __init__(self, prepare: Callable[[int], UNetInputs], first: int, end: int, workers: int, pin: bool):
-        self.prepare, self.first, self.next, self.pin = prepare, first, first, pin
+        self.prepare, self.first, self.next = prepare, first, first
+        self.pin = pin and workers > 0  # pinning pays off only when a thread does it ahead of the copy
         self.stopping = threading.Event()
         self.queues = [queue.Queue(maxsize=2) for _ in range(workers)]
         self.threads = [threading.Thread(target=self._work, args=(range(first + w, end, workers), q), daemon=True)
