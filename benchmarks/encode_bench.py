@@ -83,17 +83,20 @@ def bare_forward_seconds(inputs, n: int, encoders: Encoders, batch_size: int = B
     return time.perf_counter() - started
 
 
-def throughput(root: Path, n: int = 512) -> dict:
+def throughput(root: Path, n: int = 512, rounds: int = 3) -> dict:
+    """The fastest of `rounds` alternating runs of each (single runs swung from 0.61 to 0.97)."""
     model = tiny_model(root)
     data = generated_images(root / f"images-{n}", n)
-    cache = root / "enc-throughput"
-    shutil.rmtree(cache, ignore_errors=True)
-    inputs = encode_inputs(data, cache, model)
-    bare = bare_forward_seconds(inputs, n, load_encoders(inputs))
-    started = time.perf_counter()
-    run_encode(inputs, cache / "out")
-    pipeline = time.perf_counter() - started
-    return {"images": n, "pipeline_img_s": round(n / pipeline, 1), "bare_img_s": round(n / bare, 1),
+    bare = pipeline = float("inf")
+    for r in range(rounds):
+        cache = root / "enc-throughput"
+        shutil.rmtree(cache, ignore_errors=True)  # every record encoded again
+        inputs = encode_inputs(data, cache, model)
+        bare = min(bare, bare_forward_seconds(inputs, n, load_encoders(inputs)))
+        started = time.perf_counter()
+        run_encode(inputs, cache / "out")
+        pipeline = min(pipeline, time.perf_counter() - started)
+    return {"images": n, "rounds": rounds, "pipeline_img_s": round(n / pipeline, 1), "bare_img_s": round(n / bare, 1),
             "ratio": round(bare / pipeline, 3)}
 
 
