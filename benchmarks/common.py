@@ -6,6 +6,7 @@ import json
 import os
 import platform
 import random
+import shutil
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,24 @@ def tiny_model(root: Path, arch: str = "sd15") -> Path:
     if not (model / "model_index.json").exists():
         build_tiny_model(model, arch)
     return model
+
+
+def pipeline_config(root: Path, folder: str, images: int, train: dict, evaluate: dict) -> Path:
+    """root/folder, emptied, holding a config.yaml that runs the tiny SD1.5 model on `images`
+    generated images (64 px, 1% held out), its cache and outputs inside the folder."""
+    import yaml
+
+    work = root / folder
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    config = work / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": folder, "cache_dir": "cache", "output_dir": "out", "model": {"path": str(tiny_model(root))},
+        "data": {"path": str(generated_images(root / f"images-{images}", images))},
+        "preprocess": {"resolution": 64, "holdout_fraction": 0.01}, "encode": {"batch_size": 16},
+        "train": train, "evaluate": {"seeds": [0], "loss_timesteps": [500], **evaluate},
+    }))
+    return config
 
 
 def machine() -> str:

@@ -53,19 +53,13 @@ def synthetic_encoded(out: Path, setting: str) -> Path:
 
 
 def samples_per_second(encoded: Path, batch: int, workers: int, scheduler) -> float:
-    import torch
-
     from stages.encoded import EncodedData
     from stages.train import TrainParams
-    from stages.train.data import BatchPlan, MicroBatches, derived_seed, load_batch, noised_inputs
+    from stages.train.data import BatchPlan, MicroBatches, prepare_micro_batch
 
     data = EncodedData(encoded, encoded / "cache")
     plan, params = BatchPlan(data.split("train"), 0, batch, 1), TrainParams(batch_size=batch)
-
-    def prepare(m: int):
-        rng = torch.Generator().manual_seed(derived_seed(0, "batch", m, 0))
-        return noised_inputs(scheduler, load_batch(data, plan.batch(m, 0), rng, 0.0), rng, params)
-
+    prepare = lambda m: prepare_micro_batch(data, plan, scheduler, params, m, 0)  # noqa: E731
     batches = MicroBatches(prepare, 0, BATCHES, workers, pin=False)
     started = time.perf_counter()
     for m in range(BATCHES):

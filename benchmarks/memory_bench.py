@@ -8,13 +8,12 @@ which a child's size starts at its parent's when forked); the stage's own proces
 """
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-from .common import generated_images, tiny_model
+from .common import pipeline_config
 
 REPO = Path(__file__).resolve().parent.parent
 # VmHWM, not getrusage(RUSAGE_SELF): Linux carries ru_maxrss across fork and exec, so a stage
@@ -27,17 +26,6 @@ run_through(Path(sys.argv[1]), sys.argv[2])
 own = re.search(r"VmHWM:\\s+(\\d+) kB", Path("/proc/self/status").read_text()).group(1)
 print(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 """
-
-
-def config(root: Path, images: Path, name: str) -> dict:
-    return {
-        "name": name, "cache_dir": str(root / "cache"), "output_dir": str(root / "out"),
-        "model": {"path": str(tiny_model(root.parent))}, "data": {"path": str(images)},
-        "preprocess": {"resolution": 64, "holdout_fraction": 0.01}, "encode": {"batch_size": 16},
-        "train": {"max_steps": 20, "batch_size": 4, "checkpoint_every": 10, "log_with": "none"},
-        "evaluate": {"prompts": ["a generated image"], "seeds": [0], "num_inference_steps": 2,
-                     "loss_timesteps": [500]},
-    }
 
 
 def run_through(config_file: Path, last: str) -> None:
@@ -54,17 +42,13 @@ def run_through(config_file: Path, last: str) -> None:
 
 
 def stage_peaks(root: Path, sizes=(1000, 10000)) -> list[dict]:
-    import yaml
-
     from flows.plan import STAGES
 
     rows = []
     for n in sizes:
-        work = root / f"memory-{n}"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir()
-        config_file = work / "config.yaml"
-        config_file.write_text(yaml.safe_dump(config(work, generated_images(root / f"images-{n}", n), f"mem{n}")))
+        train = {"max_steps": 20, "batch_size": 4, "checkpoint_every": 10, "log_with": "none"}
+        config_file = pipeline_config(root, f"memory-{n}", n, train,
+                                      evaluate={"prompts": ["a generated image"], "num_inference_steps": 2})
         row: dict = {"images": n}
         for stage in STAGES:
             started = time.perf_counter()

@@ -7,15 +7,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import yaml
-
-from .common import generated_images, tiny_model
+from .common import pipeline_config
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -30,19 +27,11 @@ def _run(config: Path, env: dict) -> float:
 def measure(root: Path, sizes=(1000, 10000)) -> list[dict] | str:
     if importlib.util.find_spec("prefect") is None:
         return "skipped: prefect is not installed"
-    model = tiny_model(root)
     rows = []
     for n in sizes:
-        work = root / f"pipeline-{n}"
-        shutil.rmtree(work, ignore_errors=True)
-        work.mkdir()
-        config = work / "config.yaml"
-        config.write_text(yaml.safe_dump({
-            "name": f"noop{n}", "cache_dir": "cache", "output_dir": "out", "model": {"path": str(model)},
-            "data": {"path": str(generated_images(root / f"images-{n}", n))},
-            "preprocess": {"resolution": 64, "holdout_fraction": 0.01}, "encode": {"batch_size": 16},
-            "train": {"max_steps": 2, "batch_size": 2, "checkpoint_every": 2},
-            "evaluate": {"prompts": ["x"], "seeds": [0], "num_inference_steps": 1, "loss_timesteps": [500]}}))
+        train = {"max_steps": 2, "batch_size": 2, "checkpoint_every": 2}
+        config = pipeline_config(root, f"pipeline-{n}", n, train, evaluate={"prompts": ["x"], "num_inference_steps": 1})
+        work = config.parent
         env = {**os.environ, "PREFECT_HOME": str(work / "prefect-home")}
         first = _run(config, env)
         second = _run(config, env)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import shutil
-from dataclasses import fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
@@ -29,7 +28,6 @@ from .encode_bench import encode_inputs, run_encode
 if TYPE_CHECKING:
     import torch
 
-    from stages.train.data import UNetInputs
     from stages.train.recipe import LoRATrainingRecipe
 
 BATCH, IMAGES = 4, 64
@@ -70,21 +68,12 @@ def cached_step(recipe: LoRATrainingRecipe) -> Callable[[int], None]:
     return step
 
 
-def _to_device(inputs: UNetInputs, device: torch.device) -> UNetInputs:
-    def move(value):
-        if isinstance(value, dict):  # added_cond
-            return {k: t.to(device) for k, t in value.items()}
-        return None if value is None else value.to(device)
-
-    return replace(inputs, **{f.name: move(getattr(inputs, f.name)) for f in fields(inputs)})
-
-
 def bare_step(recipe: LoRATrainingRecipe) -> Callable[[int], None]:
     """The recipe's UNet step on its first micro-batch, prepared once and kept on the device."""
     from stages.train.recipe import unet_loss
 
     device = recipe.accelerator.device
-    inputs = _to_device(recipe._prepare(0), device)
+    inputs = recipe._prepare(0).map_tensors(lambda t: t.to(device))
     return lambda i: optimizer_step(recipe, unet_loss(recipe.unet, inputs, device, recipe.dtype))
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 

@@ -21,9 +21,12 @@ if TYPE_CHECKING:
 LossResult = dict[str, Any]  # {"overall": float, "by_timestep": {"<t>": float}}
 
 
+def sample_digest(loss_seed: int, sample_id: str) -> bytes:
+    return hashlib.sha256(f"{loss_seed}:{sample_id}".encode()).digest()
+
+
 def fixed_noise(loss_seed: int, sample_id: str, shape: tuple[int, ...]) -> torch.Tensor:
-    digest = hashlib.sha256(f"{loss_seed}:{sample_id}".encode()).digest()
-    generator = torch.Generator().manual_seed(int.from_bytes(digest[:8], "big"))
+    generator = torch.Generator().manual_seed(int.from_bytes(sample_digest(loss_seed, sample_id)[:8], "big"))
     return torch.randn(shape, generator=generator)
 
 
@@ -32,7 +35,7 @@ def loss_subset(samples: list[Sample], limit: int | None, loss_seed: int) -> lis
     changes little as the dataset grows and evaluation costs the same at any dataset size."""
     if limit is None or len(samples) <= limit:
         return samples
-    return sorted(samples, key=lambda s: hashlib.sha256(f"{loss_seed}:{s.id}".encode()).digest())[:limit]
+    return sorted(samples, key=lambda s: sample_digest(loss_seed, s.id))[:limit]
 
 
 def _target(

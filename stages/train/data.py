@@ -14,7 +14,7 @@ from __future__ import annotations
 import hashlib
 import queue
 import threading
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
@@ -122,13 +122,14 @@ class UNetInputs:
     target: torch.Tensor
     loss_weight: torch.Tensor | None  # min-SNR weight per sample
 
-    def pinned(self) -> "UNetInputs":
-        """Page-locked copies, so the copies to the GPU can overlap the step before."""
-        pin = lambda t: None if t is None else t.pin_memory()  # noqa: E731
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        added = values.pop("added_cond")
-        return UNetInputs(**{k: pin(v) for k, v in values.items()},
-                          added_cond={k: pin(v) for k, v in added.items()} if added else None)
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "UNetInputs":
+        """`fn` applied to every tensor (those of added_cond too)."""
+        def apply(value):
+            if isinstance(value, dict):
+                return {k: fn(t) for k, t in value.items()}
+            return None if value is None else fn(value)
+
+        return replace(self, **{f.name: apply(getattr(self, f.name)) for f in fields(self)})
 
 
 def compute_snr(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
@@ -152,6 +153,14 @@ def noised_inputs(scheduler, batch: Batch, rng: torch.Generator, params: TrainPa
         snr = compute_snr(scheduler.alphas_cumprod, timesteps)
         weight = torch.clamp(snr, max=params.snr_gamma) / (snr if prediction_type == "epsilon" else snr + 1)
     return UNetInputs(noisy, timesteps, batch.hidden_states, batch.added_cond, target, weight)
+
+
+def prepare_micro_batch(data: EncodedData, plan: BatchPlan, scheduler, params: TrainParams, micro_batch: int,
+                        rank: int) -> UNetInputs:
+    """Micro-batch m of `rank`, from the generator seeded by (seed, m, rank) alone."""
+    rng = torch.Generator().manual_seed(derived_seed(params.seed, "batch", micro_batch, rank))
+    batch = load_batch(data, plan.batch(micro_batch, rank), rng, params.caption_dropout)
+    return noised_inputs(scheduler, batch, rng, params)
 
 
 class MicroBatches:
@@ -185,8 +194,8 @@ class MicroBatches:
                 return
 
     def _prepared(self, m: int) -> UNetInputs:
-        inputs = self.prepare(m)
-        return inputs.pinned() if self.pin else inputs
+        inputs = self.prepare(m)  # page-locked, the copies to the GPU can overlap the step before
+        return inputs.map_tensors(torch.Tensor.pin_memory) if self.pin else inputs
 
     def get(self, m: int) -> UNetInputs:
         if m != self.next:

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from stages.encoded import EncodedData
 from stages.launching import ERROR_PREFIX, die_with_parent
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
-from stages.train.data import (Batch, BatchPlan, MicroBatches, UNetInputs, derived_seed, load_batch,
-                               noised_inputs)
+from stages.train.data import (Batch, BatchPlan, MicroBatches, UNetInputs, derived_seed, noised_inputs,
+                               prepare_micro_batch)
 from stages.train.lora_files import load_diffusers_lora, load_init_lora, write_diffusers_lora, write_kohya_lora
 from stages.train.params import (ALL_LINEAR, TARGET_PRESETS, TRACKER_RUN, VERSION, TrainInputs, TrainOptions,
                                  TrainParams)
@@ -229,10 +229,7 @@ class LoRATrainingRecipe:
                             workers, pin=cuda)
 
     def _prepare(self, micro_batch: int) -> UNetInputs:
-        p = self.params
-        rng = torch.Generator().manual_seed(derived_seed(p.seed, "batch", micro_batch, self.rank))
-        batch = load_batch(self.data, self.plan.batch(micro_batch, self.rank), rng, p.caption_dropout)
-        return noised_inputs(self.scheduler, batch, rng, p)
+        return prepare_micro_batch(self.data, self.plan, self.scheduler, self.params, micro_batch, self.rank)
 
     def _train_loop(self) -> None:
         p, acc = self.params, self.accelerator
