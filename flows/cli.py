@@ -1,8 +1,8 @@
 """The `lorapipe` command line.
 
     lorapipe demo [--workdir DIR]
-    lorapipe run CONFIG [--only S]... [--from S] [--force S]... [--set key=value]... [--json]
-    lorapipe status CONFIG [--set key=value]... [--json]
+    lorapipe run CONFIG [--only S]... [--from S] [--force S]... [--set key=value]... [--strict] [--json]
+    lorapipe status CONFIG [--set key=value]... [--strict] [--json]
     lorapipe cache ls|verify|rm|gc [--cache-dir DIR | --config CONFIG] [--keep-last N] [--keep-days D | --since DATE]
     lorapipe tiny-model DIR [--arch sd15|sdxl]
 """
@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .config import ConfigError
 
+STRICT = ["preprocess.on_bad_row=error"]  # --strict: a bad metadata row stops the run
 PREFECT_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",
@@ -34,6 +35,8 @@ def _parser() -> argparse.ArgumentParser:
         cmd.add_argument("config", type=Path)
         cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
         cmd.add_argument("--json", action="store_true")
+        cmd.add_argument("--strict", action="store_true", help="a bad metadata row stops the run"
+                         " (preprocess.on_bad_row: error)")
     run.add_argument("--only", action="append", default=[], metavar="STAGE")
     run.add_argument("--from", dest="start", metavar="STAGE")
     run.add_argument("--force", action="append", default=[], metavar="STAGE")
@@ -75,9 +78,10 @@ def _dispatch(args: argparse.Namespace) -> int:
         os.environ.setdefault("PREFECT_HOME", str((args.workdir / "prefect").resolve()))
         return commands.run(config, [], [], None, [], args.json)
     if args.command == "run":
-        return commands.run(args.config, args.overrides, args.only, args.start, args.force, args.json)
+        return commands.run(args.config, args.overrides + STRICT * args.strict, args.only, args.start, args.force,
+                            args.json)
     if args.command == "status":
-        return commands.status(args.config, args.overrides, args.json)
+        return commands.status(args.config, args.overrides + STRICT * args.strict, args.json)
     if args.command == "cache":
         return commands.cache(args)
     from stages.tiny import build_tiny_model

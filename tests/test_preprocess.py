@@ -8,6 +8,7 @@ import os
 import shutil
 
 import pytest
+from blake3 import blake3
 from PIL import Image
 
 from cache.digest import StatCache
@@ -15,6 +16,7 @@ from flows.config import ConfigError, validate_config
 from stages.preprocess import (DATASET_FILE, DatasetSource, PreprocessInputs, PreprocessParams, dataset_ingredients,
                                run)
 from stages.preprocess.crops import generated_buckets, place
+from stages.preprocess.sources import read_image_bytes
 
 
 def preprocess(datasets, tmp_path, **params):
@@ -93,7 +95,7 @@ def test_metadata_jsonl_and_csv_captions_in_nested_folders(tmp_path, demo_images
     shutil.copy(demo_images / "rocket.jpg", data / "photos" / "more" / "rocket.jpg")
     (data / "metadata.jsonl").write_text(json.dumps({"file_name": "photos/coffee.jpg", "text": "  an  espresso "}))
     (data / "photos" / "more" / "metadata.csv").write_text('file_name,prompt\nrocket.jpg,"a rocket, at night"\n')
-    with pytest.raises(ValueError, match="metadata.jsonl:1: needs the columns file_name and prompt"):
+    with pytest.raises(ValueError, match=r"coffee.jpg: no caption \(metadata.jsonl:1 has no 'prompt' value"):
         preprocess(DatasetSource(path=data, caption_column="prompt"), tmp_path)
     (data / "metadata.jsonl").write_text(json.dumps({"file_name": "photos/coffee.jpg", "prompt": "an espresso"}))
     samples, _, _, _ = preprocess(DatasetSource(path=data, caption_column="prompt"), tmp_path)
@@ -219,3 +221,177 @@ def test_a_dataset_can_be_the_validation_set(tmp_path):
     assert built.info["holdout"] == 5
     samples, _, _, _ = preprocess(datasets, tmp_path, holdout_fraction=0)
     assert {s["id"] for s in samples if s["split"] == "holdout"} == validation
+
+
+# --- Data safety: nothing outside a dataset is read; metadata rows; caption sidecars; small images
+
+def blake3_hex(path):
+    return blake3(path.read_bytes()).hexdigest()
+
+
+def appears_under(root, text: str) -> list[str]:
+    """Every file under `root` (manifests, reports, the stat cache's database) holding `text`."""
+    return [str(p) for p in root.rglob("*") if p.is_file() and text.encode() in p.read_bytes()]
+
+
+@pytest.fixture
+def outside(tmp_path):
+    """Images and a caption next to the dataset, not in it, each with bytes seen nowhere else."""
+    image(tmp_path / "outside" / "secret.png", color=(1, 2, 3), caption=None)
+    image(tmp_path / "outside" / "folder" / "inner.png", color=(4, 5, 6))
+    (tmp_path / "outside" / "secret.txt").write_text("a caption kept outside")
+    return tmp_path / "outside"
+
+
+def test_links_and_metadata_rows_leading_outside_the_dataset_are_refused_and_never_read(tmp_path, outside):
+    data = tmp_path / "data"
+    image(data / "a.png")
+    image(data / ".store" / "kept.png", color=(0, 90, 0), caption=None)  # git-annex style: a link inside
+    (data / "alias.png").symlink_to(data / ".store" / "kept.png")
+    (data / "alias.txt").write_text("a link inside the dataset")
+    (data / "secret.png").symlink_to(outside / "secret.png")
+    (data / "secret.txt").write_text("a link leading outside")
+    (data / "folder").symlink_to(outside / "folder")
+    image(data / "captioned.png", color=(0, 0, 90), caption=None)
+    (data / "captioned.txt").symlink_to(outside / "secret.txt")
+    (data / "metadata.jsonl").write_text("\n".join(json.dumps({"file_name": name, "text": "x"}) for name in (
+        "../outside/secret.png", str(outside / "secret.png"), "folder/inner.png")))
+    cache_dir = tmp_path / "cache"
+    with StatCache(cache_dir / "stat.sqlite") as cache:  # the key computation
+        dataset_ingredients((DatasetSource(path=data),), PreprocessParams(), cache)
+    samples, report, _, _ = preprocess(data, cache_dir)
+    assert [s["id"] for s in samples] == ["a", "alias"]
+    assert {(r["path"], r["reason"]) for r in report["rejected"]} == {
+        ("secret.png", "outside_dataset"), ("folder", "outside_dataset"), ("captioned.png", "outside_dataset"),
+        ("metadata.jsonl:1", "outside_dataset"), ("metadata.jsonl:2", "outside_dataset"),
+        ("metadata.jsonl:3", "outside_dataset")}
+    assert "follow_symlinks" in next(r["detail"] for r in report["rejected"] if r["path"] == "secret.png")
+    assert appears_under(cache_dir, blake3_hex(data / "a.png"))  # what was hashed can be found
+    for secret in (outside / "secret.png", outside / "folder" / "inner.png", outside / "secret.txt"):
+        assert not appears_under(cache_dir, blake3_hex(secret))
+    assert not appears_under(cache_dir, "kept outside")
+    assert not [r for r in report["rejected"] if str(outside) in r["detail"] and ":" not in r["path"]]
+
+
+def test_follow_symlinks_opts_in_to_links_leading_outside(tmp_path, outside):
+    data = tmp_path / "data"
+    image(data / "a.png")
+    (data / "secret.png").symlink_to(outside / "secret.png")
+    (data / "secret.txt").write_text("a linked image")
+    (data / "folder").symlink_to(outside / "folder")
+    followed = DatasetSource(path=data, follow_symlinks=True)
+    samples, report, _, _ = preprocess(followed, tmp_path)
+    assert [s["id"] for s in samples] == ["a", "folder/inner", "secret"] and report["rejected"] == []
+    assert samples[2]["digest"] == blake3_hex(outside / "secret.png")
+    with StatCache(tmp_path / "stat.sqlite") as cache:
+        keys = [dataset_ingredients((d,), PreprocessParams(), cache) for d in (followed, DatasetSource(path=data))]
+    assert keys[0] != keys[1]
+
+
+def test_symlink_loops_are_reported_once_never_walked(tmp_path):
+    data = tmp_path / "data"
+    image(data / "a" / "img.png")
+    (data / "a" / "back").symlink_to("..")
+    (data / "b").mkdir()
+    (data / "c").mkdir()
+    (data / "b" / "to_c").symlink_to(data / "c")
+    (data / "c" / "to_b").symlink_to(data / "b")
+    samples, report, _, _ = preprocess(data, tmp_path)
+    assert [s["id"] for s in samples] == ["a/img"]
+    assert [(r["path"], r["reason"]) for r in report["rejected"]] == [
+        ("a/back", "symlink_loop"), ("b/to_c/to_b", "symlink_loop"), ("c/to_b/to_c", "symlink_loop")]
+
+
+def test_a_file_replaced_by_a_link_to_outside_after_preprocess_is_not_read(tmp_path, outside):
+    data = tmp_path / "data"
+    image(data / "a.png")
+    samples, _, _, _ = preprocess(data, tmp_path)
+    (data / "a.png").unlink()
+    (data / "a.png").symlink_to(outside / "secret.png")
+    with pytest.raises(OSError, match="a.png now leads outside the dataset folder"):
+        read_image_bytes(DatasetSource(path=data), samples[0]["path"])
+    assert read_image_bytes(DatasetSource(path=data, follow_symlinks=True), "a.png") == (outside / "secret.png").read_bytes()
+
+
+def rows_dataset(data):
+    """Four images; metadata rows with every kind of problem beside good ones."""
+    for i, name in enumerate(("a", "b", "c", "sub/d")):
+        image(data / f"{name}.png", color=(i, 50, 50), caption=None)
+    (data / "c.txt").write_text("c from its sidecar")
+    lines = [json.dumps({"file_name": "a.png", "text": "first a"}),
+             json.dumps({"file_name": "gone.png", "text": "no such file"}),
+             json.dumps({"file_name": "a.png", "text": "second a"}),
+             '{"file_name": "b.png", "text": ',
+             json.dumps({"text": "a row without a file name"}),
+             json.dumps(["not", "an", "object"]),
+             "",
+             json.dumps({"file_name": "b.png", "text": "a b"})]
+    (data / "metadata.jsonl").write_bytes("\n".join(lines).encode() + b'\n{"file_name": "c.png", "text": "\xff"}\n')
+    (data / "sub" / "metadata.csv").write_text('file_name,text\nd.png,"a d"\n,no name\n../a.png,"a again"\n')
+
+
+def test_metadata_row_problems_are_reported_by_line_and_the_rest_of_the_dataset_is_used(tmp_path):
+    rows_dataset(tmp_path / "data")
+    samples, report, built, logs = preprocess(tmp_path / "data", tmp_path)
+    assert {s["id"]: s["caption"] for s in samples} == {
+        "a": "first a", "b": "a b", "c": "c from its sidecar", "sub/d": "a d"}
+    assert [(r["path"], r["reason"]) for r in report["rejected"]] == [
+        ("metadata.jsonl:2", "listed_but_missing"), ("metadata.jsonl:3", "duplicate_row"),
+        ("metadata.jsonl:4", "bad_row"), ("metadata.jsonl:5", "bad_row"), ("metadata.jsonl:6", "bad_row"),
+        ("metadata.jsonl:9", "bad_row"), ("sub/metadata.csv:3", "bad_row"), ("sub/metadata.csv:4", "duplicate_row")]
+    details = {r["path"]: r["detail"] for r in report["rejected"]}
+    assert details["metadata.jsonl:3"] == "a.png is listed again: the row at metadata.jsonl:1 is used"
+    assert details["sub/metadata.csv:4"] == "a.png is listed again: the row at metadata.jsonl:1 is used"
+    assert "'gone.png'" in details["metadata.jsonl:2"] and details["metadata.jsonl:9"] == "not UTF-8 text"
+    assert built.info["rejected_by_reason"] == {"bad_row": 5, "duplicate_row": 2, "listed_but_missing": 1}
+    assert "preprocess: rejected 5 bad_row: metadata.jsonl:4, metadata.jsonl:5, metadata.jsonl:6 and 2 more" in logs
+
+
+def test_on_bad_row_error_stops_at_the_first_bad_row_in_one_line(tmp_path):
+    data = tmp_path / "data"
+    rows_dataset(data)
+    with pytest.raises(ValueError, match=r"data/metadata.jsonl:2: listed_but_missing: file_name 'gone.png'.*"
+                                         r"\(and 7 more\); on_bad_row is error \(or --strict\)") as err:
+        preprocess(data, tmp_path, on_bad_row="error")
+    assert "\n" not in str(err.value)
+    assert len(preprocess(DatasetSource(path=data, on_bad_row="skip"), tmp_path, on_bad_row="error")[0]) == 4
+    with pytest.raises(ValueError, match="metadata.jsonl:2"):
+        preprocess(DatasetSource(path=data, on_bad_row="error"), tmp_path)
+    config = validate_config(base_config(tmp_path, {"path": data}), "c.yaml")
+    assert config.preprocess.on_bad_row == "skip"
+
+
+def test_a_dot_caption_sidecar_is_used_where_no_txt_exists_unless_caption_ext_is_set(tmp_path):
+    data = tmp_path / "data"
+    image(data / "kohya.png", caption=None)
+    (data / "kohya.caption").write_text("from the caption file")
+    image(data / "both.png", color=(0, 0, 200))
+    (data / "both.caption").write_text("not used: both.txt exists")
+    samples = preprocess(data, tmp_path)[0]
+    assert {s["id"]: s["caption"] for s in samples} == {"both": "a caption", "kohya": "from the caption file"}
+    _, report, _, _ = preprocess(data, tmp_path, caption_ext=".txt", missing_caption="skip")
+    assert [(r["path"], r["reason"], r["detail"]) for r in report["rejected"]] == [
+        ("kohya.png", "missing_caption", "no .txt sidecar or metadata entry")]
+    with StatCache(tmp_path / "stat.sqlite") as cache:
+        def key(**params):
+            return dataset_ingredients((DatasetSource(path=data),), PreprocessParams(**params), cache)
+        default, explicit = key(), key(caption_ext=".txt")
+        (data / "both.caption").write_text("still not used")
+        assert (key(), key(caption_ext=".txt")) == (default, explicit)
+        image(data / "new.png", color=(7, 7, 7), caption=None)
+        default, explicit = key(), key(caption_ext=".txt")
+        (data / "new.caption").write_text("appears later")
+        assert key() != default and key(caption_ext=".txt") == explicit
+
+
+def test_an_image_far_below_the_target_size_is_kept_with_a_warning(tmp_path):
+    image(tmp_path / "data" / "tiny.png", size=(16, 16))
+    image(tmp_path / "data" / "small.png", size=(40, 40), color=(0, 0, 1))  # 1.6x: no warning
+    image(tmp_path / "data" / "wide.png", size=(128, 24), color=(0, 0, 2))  # short side 24: 2.7x
+    samples, report, built, logs = preprocess(tmp_path / "data", tmp_path)
+    assert [s["id"] for s in samples] == ["small", "tiny", "wide"] and report["rejected"] == []
+    assert [(w["path"], w["reason"]) for w in report["warnings"]] == [("tiny.png", "small_image"),
+                                                                      ("wide.png", "small_image")]
+    assert report["warnings"][0]["detail"].startswith("16x16 is enlarged 4.0x to cover 64x64")
+    assert built.info["warnings"] == 2 and "preprocess: warning: 2 small_image: tiny.png, wide.png" in logs
+    assert preprocess(tmp_path / "data", tmp_path, min_side=32)[1]["counts"] == {"too_small": 2}

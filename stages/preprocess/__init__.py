@@ -5,10 +5,10 @@ Reads:  one or more datasets (stages/preprocess/sources.py): nested image folder
         sidecars, imagefolder metadata.jsonl / metadata.csv, saved `datasets` folders or parquet.
 Writes: dataset.json: per sample id, dataset index (`source`), relative path, content digest,
         caption, repeats, original size, target size (a square or a bucket), resized size, crop
-        box, split, and `background` for images with alpha; report.json: every rejected file, its
-        reason and detail, and counts per reason.
+        box, split, and `background` for images with alpha; report.json: every rejected file or
+        metadata row, its reason and detail, counts per reason, and warnings (`small_image`).
 Key:    these params + per dataset its settings and a fingerprint of its files (relative paths and
-        content digests, stat-cached) — never a folder's location.
+        content digests, stat-cached, and what it refuses) — never a folder's location.
 """
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ from cache.store import Built
 
 from ..contract import Frozen, Log
 from .crops import generated_buckets, nearest_bucket, place, shrink_to_fit
-from .sources import Candidate, DatasetSource, MissingCaption, candidates, fingerprint
+from .sources import BadRow, Candidate, DatasetSource, MissingCaption, candidates, fingerprint
 from .validation import ImageInfo, Rejected, inspect_image, summary_lines
 
-VERSION = "2"
+VERSION = "3"  # 3: nothing read outside a dataset, metadata row problems reported, .caption fallback, warnings
+MAX_UPSCALE = 2.0  # an image enlarged more than this to cover its target gets a small_image warning
 DATASET_FILE = "dataset.json"
 REPORT_FILE = "report.json"
 
@@ -42,8 +43,11 @@ __all__ = ["VERSION", "DATASET_FILE", "DatasetSource", "PreprocessParams", "Prep
 class PreprocessParams(Frozen):
     resolution: int = Field(512, ge=64, multiple_of=8, description="square side, or √(bucket area), in pixels")
     holdout_fraction: float = Field(0.1, ge=0, lt=1, description="share of images held out for evaluation")
-    caption_ext: str = Field(".txt", pattern=r"^\.\w+$", description="default for every dataset")
+    caption_ext: str | None = Field(None, pattern=r"^\.\w+$", description="default for every dataset;"
+                                    " unset: .txt, or .caption where no .txt exists")
     missing_caption: MissingCaption = Field("error", description="default for every dataset")
+    on_bad_row: BadRow = Field("skip", description="default for every dataset: a metadata row that cannot be"
+                               " used is skipped and listed in report.json, or stops the run (error)")
     crop: Literal["center", "random"] = Field("center", description="random: one fixed crop per sample")
     seed: int = Field(0, description="places random crops")
     buckets: bool = Field(False, description="aspect-ratio buckets instead of a square")
@@ -81,17 +85,24 @@ def dataset_ingredients(datasets: tuple[DatasetSource, ...], params: PreprocessP
     several = len(datasets) > 1
     return {
         (d.label if several else "data"): {**d.model_dump(mode="json", exclude={"path", "name"}),
-                                           "files": fingerprint(d, params.caption_ext, stat_cache)}
-        for d in datasets
+                                           "files": fingerprint(settled, stat_cache)}
+        for d, settled in zip(datasets, _settled(datasets, params))
     }
+
+
+def _settled(datasets: tuple[DatasetSource, ...], params: PreprocessParams) -> tuple[DatasetSource, ...]:
+    """Each dataset with its unset caption and row settings taken from the preprocess section."""
+    return tuple(d.with_defaults(caption_ext=params.caption_ext, missing_caption=params.missing_caption,
+                                 on_bad_row=params.on_bad_row) for d in datasets)
 
 
 def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_dir: Path,
         options: None = None, log: Log = print) -> Built:
-    several = len(inputs.datasets) > 1
-    found = [c for i, d in enumerate(inputs.datasets)
-             for c in candidates(d, i, f"{d.label}/" if several else "", params.caption_ext, inputs.stat_cache)]
-    samples, rejected = _validate(found, params, inputs.datasets)
+    datasets = _settled(inputs.datasets, params)
+    several = len(datasets) > 1
+    offered = [candidates(d, i, f"{d.label}/" if several else "", inputs.stat_cache) for i, d in enumerate(datasets)]
+    samples, rejected, warnings = _validate([c for o in offered for c in o.candidates], params, datasets)
+    rejected = [r for o in offered for r in o.refused] + rejected
     if not samples:
         counts = ", ".join(f"{n} {r}" for r, n in sorted(Counter(r["reason"] for r in rejected).items()))
         where = ", ".join(str(d.path) for d in inputs.datasets)
@@ -104,27 +115,27 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
     counts = dict(sorted(Counter(r["reason"] for r in rejected).items()))
     buckets = dict(sorted(Counter(f"{s['size'][1]}x{s['size'][0]}" for s in samples).items()))
     write_json_rows(out_dir / DATASET_FILE, {"format": 2}, "samples", samples)
-    (out_dir / REPORT_FILE).write_text(json.dumps({"rejected": rejected, "counts": counts}, indent=1,
-                                                  sort_keys=True))
-    for line in summary_lines(rejected):
+    (out_dir / REPORT_FILE).write_text(json.dumps({"rejected": rejected, "counts": counts, "warnings": warnings},
+                                                  indent=1, sort_keys=True))
+    for line in summary_lines(rejected, "rejected") + summary_lines(warnings, "warning:"):
         log(line)
     log(f"preprocess: {len(samples)} images ({len(holdout)} held out) from {len(inputs.datasets)} dataset(s),"
-        f" {len(rejected)} rejected; sizes (WxH): {buckets}")
+        f" {len(rejected)} rejected, {len(warnings)} warnings; sizes (WxH): {buckets}")
     return Built(info={"images": len(samples), "holdout": len(holdout), "rejected": len(rejected),
-                       "rejected_by_reason": counts, "sizes": buckets})
+                       "rejected_by_reason": counts, "warnings": len(warnings), "sizes": buckets})
 
 
 def _validate(found: list[Candidate], params: PreprocessParams,
-              datasets: tuple[DatasetSource, ...]) -> tuple[list[dict], list[dict]]:
-    """(samples, rejected); the first of identical files (by path) is kept."""
-    samples, rejected, uncaptioned = [], [], []
+              datasets: tuple[DatasetSource, ...]) -> tuple[list[dict], list[dict], list[dict]]:
+    """(samples, rejected, warnings); the first of identical files (by path) is kept."""
+    samples, rejected, warnings, uncaptioned = [], [], [], []
     first_of: dict[str, str] = {}  # content digest or sample id -> the file that has it
     for c in found:
         source = datasets[c.source]
         sample_id = c.label.rsplit(".", 1)[0]
         try:
             info = inspect_image(c, params.min_side)
-            caption = _caption(c, source.missing_caption or params.missing_caption)
+            caption = _caption(c, source.missing_caption)
             if caption is None:
                 uncaptioned.append(c)
                 continue
@@ -135,11 +146,24 @@ def _validate(found: list[Candidate], params: PreprocessParams,
             samples.append(_sample(c, sample_id, info, caption, source.repeats, params))
         except Rejected as r:
             rejected.append({"path": c.label, "reason": r.reason, "detail": r.detail})
+            continue
+        if small := _small_image(samples[-1]):
+            warnings.append({"path": c.label, "reason": "small_image", "detail": small})
     if uncaptioned:
         c, more = uncaptioned[0], f" (and {len(uncaptioned) - 1} more)" if len(uncaptioned) > 1 else ""
         raise ValueError(f"{datasets[c.source].path / c.rel}: no caption ({c.caption_problem}){more}; set"
                          " missing_caption (preprocess or the dataset's) to skip, filename or empty")
-    return samples, rejected
+    return samples, rejected, warnings
+
+
+def _small_image(sample: dict) -> str:
+    """Why the sample is far below its target size ("" when it is not)."""
+    (h, w), (th, tw) = sample["original_size"], sample["size"]
+    scale = max(th / h, tw / w)
+    if scale <= MAX_UPSCALE:
+        return ""
+    return (f"{w}x{h} is enlarged {scale:.1f}x to cover {tw}x{th} (set min_side to reject such images, or"
+            " never_upscale to train it at a smaller size)")
 
 
 def _caption(c: Candidate, policy: str) -> str | None:

@@ -2,15 +2,17 @@
 
 Formats: `folder` (nested image files with caption sidecars, and/or `metadata.jsonl` /
 `metadata.csv` files in the diffusers imagefolder convention, `file_name` relative to the
-metadata file), `hf` (a `datasets.save_to_disk` folder) and `parquet` (a folder of parquet
-files); the last two need the `datasets` package.
+metadata file: stages/preprocess/metadata.py), `hf` (a `datasets.save_to_disk` folder) and
+`parquet` (a folder of parquet files); the last two need the `datasets` package.
+
+Nothing outside a dataset's folder is read, not even to hash it for the key: links leading
+outside are refused (`outside_dataset`) unless the dataset sets `follow_symlinks`.
 """
 from __future__ import annotations
 
-import csv
 import io
-import json
 import os
+import posixpath
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -21,14 +23,22 @@ from pydantic import Field
 from cache.digest import StatCache, digest_bytes, digest_json
 
 from ..contract import Frozen
+from .listing import Listing, list_folder, within
+from .metadata import METADATA_FILES, MetadataCaption, RowProblem, metadata_captions
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
-METADATA_FILES = ("metadata.jsonl", "metadata.csv")
+DEFAULT_CAPTION_EXTS = (".txt", ".caption")  # caption_ext unset: kohya's .caption where no .txt exists
 MissingCaption = Literal["error", "skip", "filename", "empty"]
+BadRow = Literal["skip", "error"]
+SKIPPED_DETAIL = {
+    "outside_dataset": "a link to outside the dataset folder, not read (follow_symlinks: true on the dataset uses it)",
+    "symlink_loop": "a linked folder leading back to a folder above it, not walked",
+    "unreadable": "a folder that cannot be listed",
+}
 
 
 class DatasetSource(Frozen):
-    """One dataset of the `data:` section. Caption settings left unset use the preprocess section's."""
+    """One dataset of the `data:` section. Caption and row settings left unset use the preprocess section's."""
 
     path: Path = Field(description="the dataset folder")
     name: str | None = Field(None, pattern=r"^[\w.-]+$", description="prefixes sample ids when there are"
@@ -39,12 +49,24 @@ class DatasetSource(Frozen):
     caption_column: str = Field("text", description="caption column of metadata files / hf / parquet")
     image_column: str = Field("image", description="image column of hf / parquet datasets")
     missing_caption: MissingCaption | None = None
+    on_bad_row: BadRow | None = Field(None, description="a metadata row that cannot be used: skip (listed in"
+                                      " report.json) or error (stop)")
+    follow_symlinks: bool = Field(False, description="use links to files and folders outside the dataset folder")
     split: Literal["auto", "train", "holdout"] = Field("auto", description="holdout: a separate validation"
                                                         " set; auto: preprocess.holdout_fraction decides")
 
     @property
     def label(self) -> str:
         return self.name or self.path.name
+
+    @property
+    def caption_exts(self) -> tuple[str, ...]:
+        """Sidecar suffixes in order of preference."""
+        return (self.caption_ext,) if self.caption_ext else DEFAULT_CAPTION_EXTS
+
+    def with_defaults(self, **defaults) -> "DatasetSource":
+        """This dataset with its unset settings taken from `defaults` (the preprocess section's)."""
+        return self.model_copy(update={k: v for k, v in defaults.items() if getattr(self, k) is None})
 
 
 @dataclass(frozen=True)
@@ -60,21 +82,44 @@ class Candidate:
     digest: Callable[[], str]  # content digest of those bytes (stat-cached for files)
 
 
-def caption_ext(source: DatasetSource, default: str) -> str:
-    return source.caption_ext or default
+@dataclass(frozen=True)
+class Offered:
+    """A dataset's candidates, and report entries for what it refused before validation."""
+
+    candidates: list[Candidate]
+    refused: list[dict]  # {"path", "reason", "detail"}
 
 
-def listed_files(root: Path) -> list[Path]:
-    """Every file (or symlink, possibly dangling) under `root`, sorted, hidden folders skipped."""
-    if not root.is_dir():
-        raise FileNotFoundError(f"dataset folder {root} does not exist")
-    found = []  # os.walk on strings: pathlib's rglob + relative_to cost ~100 us a file at 10k files
-    for folder, dirs, names in os.walk(root, followlinks=True):
-        dirs[:] = [d for d in dirs if not d.startswith(".")]
-        rel = os.path.relpath(folder, root)
-        prefix = () if rel == "." else tuple(rel.split(os.sep))
-        found += [(*prefix, name) for name in names if not name.startswith(".")]
-    return [root.joinpath(*parts) for parts in sorted(found)]
+@dataclass(frozen=True)
+class FolderScan:
+    """What a folder dataset's samples are made of, decided from its listing alone."""
+
+    listing: Listing
+    images: dict[str, str | None]  # image -> the caption sidecar it would use, by relative path
+    metadata: tuple[str, ...]  # metadata files, by relative path
+    refused: tuple[tuple[str, str, str], ...]  # (relative path, reason, detail)
+
+
+def scan_folder(source: DatasetSource) -> FolderScan:
+    listing = list_folder(source.path, source.follow_symlinks)
+    refused = [(rel, skip.reason, SKIPPED_DETAIL[skip.reason]) for rel, skip in listing.skipped.items()
+               if skip.folder or _offered_name(rel)]
+    images = {}
+    for rel in (r for r in listing.files if r.lower().endswith(IMAGE_SUFFIXES)):
+        stem = rel.rsplit(".", 1)[0]
+        sidecar = next((s for s in (stem + ext for ext in source.caption_exts)
+                        if s in listing.files or s in listing.skipped), None)
+        if sidecar in listing.skipped:
+            refused.append((rel, listing.skipped[sidecar].reason,
+                            f"its caption {sidecar} is {SKIPPED_DETAIL[listing.skipped[sidecar].reason]}"))
+        else:
+            images[rel] = sidecar
+    metadata = tuple(r for r in listing.files if posixpath.basename(r) in METADATA_FILES)
+    return FolderScan(listing, images, metadata, tuple(refused))
+
+
+def _offered_name(rel: str) -> bool:
+    return rel.lower().endswith(IMAGE_SUFFIXES) or posixpath.basename(rel) in METADATA_FILES
 
 
 def _file_digest(path: Path, stat_cache: StatCache) -> str:
@@ -86,70 +131,57 @@ def _file_digest(path: Path, stat_cache: StatCache) -> str:
         return f"unreadable:{st.st_mode:o}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def fingerprint(source: DatasetSource, default_caption_ext: str, stat_cache: StatCache) -> str:
-    """Relative paths and content digests of every file the dataset's samples come from."""
-    root = source.path
-    if source.format == "folder":
-        wanted = {*IMAGE_SUFFIXES, caption_ext(source, default_caption_ext)}
-        files = [p for p in listed_files(root) if p.suffix.lower() in wanted or p.name in METADATA_FILES]
-    else:
-        files = listed_files(root)
-    return digest_json([[p.relative_to(root).as_posix(), _file_digest(p, stat_cache)] for p in files])
-
-
-def candidates(source: DatasetSource, index: int, prefix: str, default_caption_ext: str,
-               stat_cache: StatCache) -> list[Candidate]:
+def fingerprint(source: DatasetSource, stat_cache: StatCache) -> str:
+    """Relative paths and content digests of every file the dataset's samples come from, and what
+    it refuses. `source` holds its settled caption settings (DatasetSource.with_defaults)."""
     if source.format != "folder":
-        return _table_candidates(source, index, prefix)
-    root, ext = source.path, caption_ext(source, default_caption_ext)
-    files = listed_files(root)
-    metadata = _metadata_captions(root, files, source.caption_column)
+        files = list_folder(source.path, source.follow_symlinks).files
+        return digest_json([[rel, _file_digest(path, stat_cache)] for rel, path in files.items()])
+    scan = scan_folder(source)
+    used = sorted({*scan.images, *filter(None, scan.images.values()), *scan.metadata})
+    return digest_json({"files": [[rel, _file_digest(scan.listing.files[rel], stat_cache)] for rel in used],
+                        "refused": scan.refused})
+
+
+def candidates(source: DatasetSource, index: int, prefix: str, stat_cache: StatCache) -> Offered:
+    """`source` holds its settled caption and row settings (DatasetSource.with_defaults)."""
+    if source.format != "folder":
+        return Offered(_table_candidates(source, index, prefix), [])
+    scan = scan_folder(source)
+    offered = {rel for rel in (*scan.listing.files, *scan.listing.skipped) if rel.lower().endswith(IMAGE_SUFFIXES)}
+    captions, problems = metadata_captions(scan.listing, offered, source.caption_column)
+    if problems and source.on_bad_row == "error":
+        raise ValueError(_bad_row_error(source, problems))
     found = []
-    for path in (p for p in files if p.suffix.lower() in IMAGE_SUFFIXES):
-        rel = path.relative_to(root).as_posix()
-        caption, problem = metadata.get(rel), ""
-        if caption is None:
-            caption, problem = _sidecar(path.with_suffix(ext))
+    for rel, sidecar in scan.images.items():
+        path = scan.listing.files[rel]
+        caption, problem = _caption(source, captions.get(rel), sidecar and scan.listing.files[sidecar])
         found.append(Candidate(index, rel, prefix + rel, caption, problem, lambda path=path: open(path, "rb"),
                                lambda path=path: stat_cache.digest(path)))
-    return found
+    refused = [{"path": prefix + rel, "reason": reason, "detail": detail} for rel, reason, detail in scan.refused]
+    refused += [{"path": prefix + p.where, "reason": p.reason, "detail": p.detail} for p in problems]
+    return Offered(found, refused)
 
 
-def _sidecar(path: Path) -> tuple[str | None, str]:
-    if not path.is_file():
-        return None, f"no {path.suffix} sidecar or metadata entry"
-    try:
-        return path.read_text(encoding="utf-8", errors="replace"), ""
-    except OSError as e:
-        return None, f"caption file {path.name} is unreadable ({e.strerror})"
+def _caption(source: DatasetSource, row: MetadataCaption | None, sidecar: Path | None) -> tuple[str | None, str]:
+    """(caption, why there is none): the metadata row's, else the sidecar's."""
+    if row and row.text is not None:
+        return row.text, ""
+    if sidecar:
+        try:
+            return sidecar.read_text(encoding="utf-8", errors="replace"), ""
+        except OSError as e:
+            return None, f"caption file {sidecar.name} is unreadable ({e.strerror})"
+    if row:
+        return None, f"{row.where} has no {source.caption_column!r} value (caption_column)"
+    return None, f"no {' or '.join(source.caption_exts)} sidecar or metadata entry"
 
 
-def _metadata_captions(root: Path, files: list[Path], column: str) -> dict[str, str]:
-    """Captions from every metadata.jsonl / metadata.csv, by image path relative to `root`."""
-    captions = {}
-    for path in (p for p in files if p.name in METADATA_FILES):
-        base = path.parent.relative_to(root).as_posix()
-        for where, row in _metadata_rows(path):
-            if "file_name" not in row or column not in row:
-                raise ValueError(f"{where}: needs the columns file_name and {column} (preprocess caption_column)")
-            rel = row["file_name"] if base == "." else f"{base}/{row['file_name']}"
-            captions[rel] = str(row[column])
-    return captions
-
-
-def _metadata_rows(path: Path):
-    text = path.read_text(encoding="utf-8")
-    if path.suffix == ".csv":
-        for n, row in enumerate(csv.DictReader(io.StringIO(text)), 2):
-            yield f"{path}:{n}", row
-        return
-    for n, line in enumerate(text.splitlines(), 1):
-        if line.strip():
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: not a JSON object ({e})") from None
-            yield f"{path}:{n}", row if isinstance(row, dict) else {}
+def _bad_row_error(source: DatasetSource, problems: list[RowProblem]) -> str:
+    first = problems[0]
+    more = f" (and {len(problems) - 1} more)" if len(problems) > 1 else ""
+    return (f"{source.path}/{first.where}: {first.reason}: {first.detail}{more}; on_bad_row is error"
+            " (or --strict): fix the row, or set on_bad_row: skip to leave bad rows out")
 
 
 def _table_candidates(source: DatasetSource, index: int, prefix: str) -> list[Candidate]:
@@ -196,5 +228,8 @@ def row_image_bytes(path: Path, fmt: str, image_column: str, row: int) -> bytes:
 def read_image_bytes(source: DatasetSource, rel: str) -> bytes:
     """The bytes of a sample's image (what encode decodes)."""
     if source.format == "folder":
-        return (source.path / rel).read_bytes()
+        path = source.path / rel
+        if not (source.follow_symlinks or within(os.path.realpath(path), os.path.realpath(source.path))):
+            raise OSError(f"{rel} now leads outside the dataset folder (a link?): not read")
+        return path.read_bytes()
     return row_image_bytes(source.path, source.format, source.image_column, int(rel.removeprefix("row-")))

@@ -91,13 +91,13 @@ def truncated(head: bytes, tail: bytes, size: int, fmt: str | None) -> bool:
     return False
 
 
-def summary_lines(rejected: list[dict]) -> list[str]:
-    """Per reason: the count and the first few file names."""
+def summary_lines(entries: list[dict], verb: str) -> list[str]:
+    """Per reason: the count and the first few file names ("preprocess: rejected 2 duplicate: ...")."""
     by_reason: dict[str, list[str]] = {}
-    for r in rejected:
+    for r in entries:
         by_reason.setdefault(r["reason"], []).append(r["path"])
     lines = []
     for reason, paths in sorted(by_reason.items()):
         more = f" and {len(paths) - SHOWN_PER_REASON} more" if len(paths) > SHOWN_PER_REASON else ""
-        lines.append(f"preprocess: rejected {len(paths)} {reason}: {', '.join(paths[:SHOWN_PER_REASON])}{more}")
+        lines.append(f"preprocess: {verb} {len(paths)} {reason}: {', '.join(paths[:SHOWN_PER_REASON])}{more}")
     return lines
