@@ -49,14 +49,14 @@ def peft_state_dict(unet: torch.nn.Module) -> dict[str, torch.Tensor]:
     return get_peft_model_state_dict(unet, adapter_name=ADAPTER)
 
 
-def write_diffusers_lora(unet: torch.nn.Module, path: Path, provenance: dict[str, str]) -> None:
-    """`pytorch_lora_weights.safetensors` for `load_lora_weights`: PEFT keys under `unet.` and the
-    adapter config (without it, alpha != rank loads at the wrong strength). Not passed through
-    `convert_state_dict_to_diffusers`: it renames linear layers only, and the loader skipped the
-    renamed ones in a file that also held conv LoRA."""
-    tensors = {f"unet.{k}": v for k, v in peft_state_dict(unet).items()}
+def write_diffusers_lora(unet: torch.nn.Module, path: Path, provenance: dict[str, str], prefix: str = "unet") -> None:
+    """`pytorch_lora_weights.safetensors` for `load_lora_weights`: PEFT keys under `<prefix>.` (the
+    denoiser's component name) and the adapter config (without it, alpha != rank loads at the wrong
+    strength). Not passed through `convert_state_dict_to_diffusers`: it renames linear layers only,
+    and the loader skipped the renamed ones in a file that also held conv LoRA."""
+    tensors = {f"{prefix}.{k}": v for k, v in peft_state_dict(unet).items()}
     config = json.loads(_json(unet.peft_config[ADAPTER].to_dict()))
-    adapter_metadata = {f"unet.{k}": v for k, v in config.items()}
+    adapter_metadata = {f"{prefix}.{k}": v for k, v in config.items()}
     metadata = {"format": "pt", "lora_adapter_metadata": json.dumps(adapter_metadata, indent=2, sort_keys=True)}
     save_safetensors_sorted(tensors, {**metadata, **provenance}, path)
 
@@ -71,12 +71,12 @@ def write_kohya_lora(unet: torch.nn.Module, path: Path, alpha: float, metadata: 
     save_safetensors_sorted(tensors, metadata, path)
 
 
-def load_diffusers_lora(unet: torch.nn.Module, path: Path) -> None:
-    """Load a file written by `write_diffusers_lora` into a UNet that already has the adapter."""
+def load_diffusers_lora(unet: torch.nn.Module, path: Path, prefix: str = "unet") -> None:
+    """Load a file written by `write_diffusers_lora` into a denoiser that already has the adapter."""
     from diffusers.utils import convert_unet_state_dict_to_peft
     from peft import set_peft_model_state_dict
 
-    tensors = {k.removeprefix("unet."): v for k, v in load_file(path).items()}
+    tensors = {k.removeprefix(f"{prefix}."): v for k, v in load_file(path).items()}
     result = set_peft_model_state_dict(unet, convert_unet_state_dict_to_peft(tensors), adapter_name=ADAPTER)
     unexpected = list(getattr(result, "unexpected_keys", None) or [])
     missing = [k for k in getattr(result, "missing_keys", None) or [] if "lora_" in k]

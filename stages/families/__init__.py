@@ -1,0 +1,71 @@
+"""Model families: everything that differs between model lines, behind one seam.
+
+(The interface and the map from today's stage code to it: see the end of this docstring.)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .base import ALL_LINEAR, Components, Family, TextOptions
+from .flux1 import FLUX1
+from .folders import model_index
+from .objectives import ObjectiveParams, TimestepSampling
+from .sd import SD15, SDXL
+
+# detection order: SDXL's single-file marker before SD1.x's, which SDXL checkpoints also carry
+FAMILIES: dict[str, Family] = {family.name: family for family in (SDXL, SD15, FLUX1)}
+SINGLE_FILE_SUFFIX = ".safetensors"
+
+__all__ = ["ALL_LINEAR", "Components", "FAMILIES", "Family", "ObjectiveParams", "TextOptions", "TimestepSampling",
+           "build_tiny_model", "for_model", "get", "tiny_arches"]
+
+
+def get(name: str) -> Family:
+    """The registered family `name` (not yet bound to a model's variant: see for_model)."""
+    if name not in FAMILIES:
+        raise ValueError(f"unknown model family {name!r}: expected one of {', '.join(sorted(FAMILIES))}")
+    return FAMILIES[name]
+
+
+def for_model(model_path: Path, declared: str | None = None) -> Family:
+    """The family of a diffusers folder (from its pipeline class) or of a single-file checkpoint
+    (declared, or from its tensor names), bound to the model's variant. `declared` is
+    model.family: for a folder it must agree."""
+    model_path = Path(model_path)
+    if model_path.suffix == SINGLE_FILE_SUFFIX:
+        return get(declared) if declared else single_file_family(model_path)
+    name = model_index(model_path).get("_class_name")
+    family = next((f for f in FAMILIES.values() if f.pipeline_class == name), None)
+    if family is None:
+        supported = ", ".join(f.pipeline_class for f in FAMILIES.values())
+        raise ValueError(f"{model_path}/model_index.json: unsupported pipeline class {name!r} (supported: {supported})")
+    if declared and declared != family.name:
+        raise ValueError(f"model.family is {declared} but {model_path}/model_index.json is a {family.name} model")
+    return family.for_model(model_path)
+
+
+def single_file_family(path: Path) -> Family:
+    """The family whose marker tensor the checkpoint holds (read from its header only)."""
+    from safetensors import safe_open
+
+    if not Path(path).is_file():
+        raise FileNotFoundError(f"model.path: {path} is not a file")
+    with safe_open(path, "pt") as f:
+        names = set(f.keys())
+    family = next((f for f in FAMILIES.values() if f.is_single_file(names)), None)
+    if family is None:
+        raise ValueError(f"model.path: {path} holds none of the tensors that identify a {', '.join(FAMILIES)}"
+                         " checkpoint in the original layout; give a diffusers folder, or set model.family")
+    return family
+
+
+def tiny_arches() -> dict[str, Family]:
+    """`lorapipe tiny-model --arch` names -> the family that builds them."""
+    return {arch: family for family in FAMILIES.values() for arch in family.tiny_arches}
+
+
+def build_tiny_model(out_dir: Path, arch: str = "sd15") -> Path:
+    arches = tiny_arches()
+    if arch not in arches:
+        raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(arches)}")
+    return arches[arch].build_tiny(Path(out_dir), arch)

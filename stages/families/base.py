@@ -1,0 +1,196 @@
+"""What every family shares: the declarative head, the seam's types, and the common defaults.
+
+A family is a frozen dataclass: its fields are data (pipeline class, components, LoRA presets,
+variants), its methods the few functions that differ between model lines. The defaults here serve
+families with a diffusers `AutoencoderKL` normalised by scale and shift (SD, Flux.1, Z-Image); a
+family overrides what differs. Nothing here imports torch or diffusers at module level: flows
+import the registry to build cache keys.
+"""
+from __future__ import annotations
+
+import re
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol
+
+from pydantic import Field
+
+from stages.contract import Frozen
+
+from .folders import load_component, vae_scale_factor
+from .latents import LatentNormalisation, VaePosterior, scale_shift_of
+
+if TYPE_CHECKING:
+    import torch
+
+    from .objectives import Objective, ObjectiveParams
+
+TextRecord = dict[str, "torch.Tensor"]  # one caption's tensors, as cached in the sample store
+Conditioning = dict[str, "torch.Tensor"]  # a batch's denoiser inputs besides x_t and t, named as its arguments
+ALL_LINEAR = "all_linear"  # the LoRA preset every family offers
+
+
+@dataclass(frozen=True)
+class Components:
+    """A model folder's components by role. Which of them a stage's output depends on is one rule
+    for every family (`for_stage`), so no stage or flow names a component."""
+
+    text: tuple[str, ...]  # tokenizers and text encoders: text records depend on them
+    latent: tuple[str, ...]  # the VAE: latent records and the latent normalisation
+    denoiser: str  # what the LoRA adapts; its digest is the model's identity
+    scheduler: str = "scheduler"
+
+    def for_stage(self, stage: str) -> tuple[str, ...]:
+        parts = {
+            "encode": (*self.text, *self.latent),
+            "train": (self.denoiser, self.scheduler),
+            "evaluate": (*self.text, *self.latent, self.denoiser, self.scheduler),
+        }
+        return parts.get(stage, ())
+
+
+class ImageGeometry(Protocol):
+    """What a family may condition on besides the text (an encoded Sample has these)."""
+
+    original_size: tuple[int, int]  # (height, width) of the source image
+    crop_box: tuple[int, int, int, int]  # (left, top, right, bottom) in resized pixels
+    size: tuple[int, int]  # (height, width) of the encoded image
+    resized: tuple[int, int] | None  # (height, width) before the crop
+
+
+class TextEncoder(Protocol):
+    """A loaded prompt encoder: captions -> one text record each, tensors in the encode dtype."""
+
+    def __call__(self, captions: list[str]) -> list[TextRecord]: ...
+
+    def too_long(self, caption: str) -> bool: ...
+
+
+class LatentEncoder(Protocol):
+    """A loaded VAE: pixels (B, 3, H, W) in [-1, 1] -> the posterior's (mean, std), unscaled, on the CPU."""
+
+    def __call__(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+
+class TextOptions(Frozen):
+    """The user's text-encoding settings; a family resolves them into its text settings and refuses,
+    naming the key, what does not apply to it."""
+
+    max_sequence_length: int | None = Field(None, gt=0, description="tokens of the sequence encoder"
+                                            " (Flux.1: T5); None: the model's default (dev 512, schnell 256)")
+
+
+def stack(records: list[TextRecord], name: str) -> torch.Tensor:
+    """A batch of fixed-shape records as one float32 tensor (what the step takes)."""
+    import torch
+
+    return torch.stack([r[name].float() for r in records])
+
+
+def select_linear(model: torch.nn.Module, patterns: tuple[str, ...]) -> list[str]:
+    """The names of the model's Linear layers that fully match one of the regular expressions."""
+    import torch
+
+    compiled = [re.compile(p) for p in patterns]
+    return sorted(name for name, module in model.named_modules()
+                  if isinstance(module, torch.nn.Linear) and any(c.fullmatch(name) for c in compiled))
+
+
+@dataclass(frozen=True)
+class Family(ABC):
+    """The declarative head every family fills in, and the functions of the seam."""
+
+    name: str  # the registry key, recorded in encode manifests and text record keys
+    label: str  # for people: "Stable Diffusion 1.x/2.x"
+    pipeline_class: str  # the diffusers pipeline that renders samples (model_index.json's _class_name)
+    components: Components
+    kohya_base_model: str  # ss_base_model_version in the kohya export
+    tiny_arches: tuple[str, ...]  # `lorapipe tiny-model --arch` names this family builds
+    single_file_markers: tuple[str, ...] = ()  # a tensor name that identifies a single-file checkpoint
+    latent_patch: int = 1  # latent pixels per image token side (Flux: 2x2 patches)
+    lora_presets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> what lora_target_modules reads
+
+    # ---- identity and loading
+    def for_model(self, model_path: Path) -> Family:
+        """This family bound to the model's variant (its data read from the folder's configs)."""
+        return self
+
+    def identity(self, digests: dict[str, str]) -> str:
+        """The model's identity: its denoiser's weights digest (what a LoRA is made for)."""
+        return digests[self.components.denoiser]
+
+    def is_single_file(self, tensor_names: set[str]) -> bool:
+        return any(marker in tensor_names for marker in self.single_file_markers)
+
+    def pixel_multiple(self, model_path: Path) -> int:
+        """Image sides must be multiples of this: the VAE's downsampling times the latent patch."""
+        return vae_scale_factor(model_path, self.components.latent[0]) * self.latent_patch
+
+    # ---- text records
+    @abstractmethod
+    def text_settings(self, model_path: Path, options: TextOptions) -> Frozen:
+        """Every setting that changes a text record (encoders' roles, hidden layer(s), pooled output,
+        max length, padding/mask mode, template) as data: for the text record key, for the encoder,
+        and for rendering with what training saw."""
+
+    @abstractmethod
+    def load_text_encoder(self, model_path: Path, settings: Frozen, dtype: torch.dtype, device: str) -> TextEncoder:
+        ...
+
+    # ---- latent records
+    def load_latent_encoder(self, model_path: Path, device: str) -> LatentEncoder:
+        return VaePosterior(model_path, self.components.latent[0], device)
+
+    def latent_normalisation(self, model_path: Path) -> LatentNormalisation:
+        """Read once at encode time and recorded with the records; train and evaluate apply it."""
+        return scale_shift_of(model_path, self.components.latent[0])
+
+    # ---- the objective and the denoiser
+    @abstractmethod
+    def objective(self, model_path: Path, params: ObjectiveParams) -> Objective:
+        """Timestep sampling, noisy input, target and weight (objectives.py) for this model."""
+
+    def load_denoiser(self, model_path: Path, dtype: torch.dtype) -> torch.nn.Module:
+        return load_component(model_path, self.components.denoiser, torch_dtype=dtype)
+
+    @abstractmethod
+    def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
+                     params: ObjectiveParams) -> Conditioning:
+        """A batch's conditioning on the CPU, from its text records (padded by the family's rule when
+        they vary in length) and each image's geometry and whether its latent is the mirrored one."""
+
+    @abstractmethod
+    def predict(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
+        """The denoiser's prediction for x_t (latent layout, already on the denoiser's device),
+        packed and unpacked as the family needs, in float32, comparable with the objective's target."""
+
+    # ---- LoRA
+    @abstractmethod
+    def lora_target_modules(self, denoiser: torch.nn.Module, spec: str | tuple[str, ...]) -> list[str]:
+        """peft's target_modules for a preset name (or the user's own tuple, passed through)."""
+
+    @abstractmethod
+    def export_lora(self, denoiser: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
+                    kohya_metadata: dict[str, str]) -> list[Path]:
+        """Write every LoRA file the family exports (diffusers format first) into out_dir."""
+
+    # ---- rendering
+    @abstractmethod
+    def render_defaults(self) -> dict[str, Any]:
+        """num_inference_steps, guidance_scale and sampler that suit the model (variant)."""
+
+    @abstractmethod
+    def render_kwargs(self, settings: Frozen, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
+        """The pipeline call's family-specific arguments (besides prompt, size, steps and generator)."""
+
+    @abstractmethod
+    def prepare_pipeline(self, pipe: Any, sampler: str, objective: Objective) -> None:
+        """Set the pipeline's sampler, consistent with what the (LoRA) model was trained to predict."""
+
+    # ---- tests and the demo
+    @abstractmethod
+    def build_tiny(self, out_dir: Path, arch: str) -> Path:
+        """A tiny model of `arch` (one of tiny_arches) in out_dir: random weights from a fixed seed,
+        tokenizers built offline, byte-identical when rebuilt, loadable by `pipeline_class`."""

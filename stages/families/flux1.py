@@ -1,0 +1,220 @@
+"""Flux.1 (dev and schnell): a flow-matching transformer on 2x2-packed 16-channel latents.
+
+As FluxPipeline does it: the text record is CLIP-L's pooled output plus T5's last hidden state
+over `max_sequence_length` tokens, padded and unmasked (Flux.1 saw padded T5 outputs in training,
+so records keep the padding); latents are `(z - shift_factor) * scaling_factor`, cached unpacked
+(so aspect buckets keep working) and packed 2x2 with their position ids at the denoiser call; the
+transformer takes sigma as its timestep and, on dev, a guidance value.
+
+Variants are data (`VARIANTS`), told apart by the transformer's `guidance_embeds`: dev has the
+guidance input and reads 512 T5 tokens; schnell has none and reads 256.
+
+LoRA presets: attention; attention + feed-forward (double blocks' attn.to_q/to_k/to_v/to_out.0,
+attn.add_q_proj/add_k_proj/add_v_proj/to_add_out, ff.net.*, ff_context.net.*; single blocks'
+attn.to_q/to_k/to_v, proj_mlp, proj_out); every Linear of the double and single blocks (kohya's
+"all blocks": the embedders and the final layer are left out). Exports: diffusers format under
+`transformer.`, and kohya/BFL names (`lora_unet_double_blocks_N_img_attn_qkv`, single blocks'
+`linear1` = q|k|v|mlp) derived from diffusers' `convert_flux_transformer_checkpoint_to_diffusers`
+(original_names.py); the seed keys below are the one hand-written part.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+from stages.contract import Frozen
+
+from .base import ALL_LINEAR, Components, Conditioning, Family, ImageGeometry, TextOptions, TextRecord, select_linear, stack
+from .folders import component_config, load_component
+from .objectives import FlowMatchingObjective, ObjectiveParams
+from .original_names import OriginalNames, derive_original_names, fused_lora
+
+if TYPE_CHECKING:
+    import torch
+
+KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"
+SAMPLER = "flow_match_euler"  # FluxPipeline's own FlowMatchEulerDiscreteScheduler
+MAX_T5_TOKENS = 512  # FluxPipeline refuses more
+DOUBLE, SINGLE = r"transformer_blocks\.\d+\.", r"single_transformer_blocks\.\d+\."
+ATTENTION = (DOUBLE + r"attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
+             SINGLE + r"attn\.(to_q|to_k|to_v)")
+
+
+@dataclass(frozen=True)
+class Flux1Variant:
+    name: str
+    tiny_arch: str  # `lorapipe tiny-model --arch` name of its tiny model
+    guidance_embeds: bool  # the transformer's guidance input (guidance-distilled dev)
+    max_sequence_length: int  # T5 tokens the variant was trained with
+    render_steps: int
+    render_guidance: float
+
+
+VARIANTS = (Flux1Variant("dev", "flux1", True, 512, 28, 3.5), Flux1Variant("schnell", "flux1-schnell", False, 256, 4, 0.0))
+
+
+class Flux1TextSettings(Frozen):
+    max_sequence_length: int  # T5 tokens
+    padding: Literal["max_length"] = "max_length"  # T5 records padded to max_sequence_length, no mask
+
+
+class Flux1TextEncoder:
+    """FluxPipeline.encode_prompt, batched: CLIP's pooler_output and T5's last hidden state."""
+
+    def __init__(self, model_path: Path, settings: Flux1TextSettings, dtype: torch.dtype, device: str):
+        self.settings, self.dtype, self.device = settings, dtype, device
+        self.clip_tokenizer, self.t5_tokenizer = (load_component(model_path, n) for n in ("tokenizer", "tokenizer_2"))
+        self.clip, self.t5 = (load_component(model_path, n).eval().requires_grad_(False).to(device)
+                              for n in ("text_encoder", "text_encoder_2"))
+
+    def too_long(self, caption: str) -> bool:
+        return (len(self.t5_tokenizer(caption).input_ids) > self.settings.max_sequence_length
+                or len(self.clip_tokenizer(caption).input_ids) > self.clip_tokenizer.model_max_length)
+
+    def __call__(self, captions: list[str]) -> list[TextRecord]:
+        import torch
+
+        clip_ids = self.clip_tokenizer(captions, padding="max_length", max_length=self.clip_tokenizer.model_max_length,
+                                       truncation=True, return_tensors="pt").input_ids
+        t5_ids = self.t5_tokenizer(captions, padding="max_length", max_length=self.settings.max_sequence_length,
+                                   truncation=True, return_tensors="pt").input_ids
+        with torch.inference_mode():
+            pooled = self.clip(clip_ids.to(self.device), output_hidden_states=False).pooler_output
+            hidden = self.t5(t5_ids.to(self.device), output_hidden_states=False)[0]
+        return [{"hidden_states": hidden[i].to(self.dtype), "pooled": pooled[i].to(self.dtype)}
+                for i in range(len(captions))]
+
+
+@dataclass(frozen=True)
+class Flux1(Family):
+    variant: Flux1Variant | None = None  # set by for_model
+    variants: tuple[Flux1Variant, ...] = VARIANTS
+    lora_presets: dict[str, tuple[str, ...]] = field(default_factory=lambda: {  # regular expressions over names
+        "attention": ATTENTION,
+        "attention_ff": (*ATTENTION, DOUBLE + r"(ff|ff_context)\.net\.(0\.proj|2)", SINGLE + r"(proj_mlp|proj_out)"),
+        ALL_LINEAR: (DOUBLE + ".+", SINGLE + ".+"),
+    })
+
+    def for_model(self, model_path: Path) -> Flux1:
+        guidance = bool(component_config(model_path, self.components.denoiser).get("guidance_embeds"))
+        return replace(self, variant=next(v for v in self.variants if v.guidance_embeds == guidance))
+
+    @property
+    def bound(self) -> Flux1Variant:
+        if self.variant is None:
+            raise RuntimeError("the flux1 family is not bound to a model: use families.for_model(model_path)")
+        return self.variant
+
+    # ---- text
+    def text_settings(self, model_path: Path, options: TextOptions) -> Flux1TextSettings:
+        length = options.max_sequence_length or self.bound.max_sequence_length
+        if length > MAX_T5_TOKENS:
+            raise ValueError(f"encode.max_sequence_length: Flux.1 reads at most {MAX_T5_TOKENS} T5 tokens, not {length}")
+        return Flux1TextSettings(max_sequence_length=length)
+
+    def load_text_encoder(self, model_path: Path, settings: Flux1TextSettings, dtype: torch.dtype,
+                          device: str) -> Flux1TextEncoder:
+        return Flux1TextEncoder(model_path, settings, dtype, device)
+
+    # ---- objective and denoiser
+    def objective(self, model_path: Path, params: ObjectiveParams) -> FlowMatchingObjective:
+        why = f"applies to DDPM models; {self.name} is trained by flow matching (see train.timestep_sampling)"
+        refused = {"prediction_type": why, "snr_gamma": why}
+        if not self.bound.guidance_embeds:
+            refused["guidance"] = f"Flux.1 {self.bound.name} has no guidance input"
+        params.refuse(refused)
+        config = component_config(model_path, self.components.scheduler)
+        return FlowMatchingObjective.from_scheduler_config(config, params, self.latent_patch)
+
+    def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
+                     params: ObjectiveParams) -> Conditioning:
+        import torch
+
+        guidance = self.bound.guidance_embeds
+        cond = {"encoder_hidden_states": stack(texts, "hidden_states"), "pooled_projections": stack(texts, "pooled")}
+        if guidance:
+            cond["guidance"] = torch.full((len(texts),), params.guidance, dtype=torch.float32)
+        return cond
+
+    def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
+        """As FluxPipeline calls its transformer: packed 2x2 latents with (0, row, col) ids, zero text
+        ids, sigma as the timestep; the prediction unpacked."""
+        import torch
+        from diffusers import FluxPipeline
+
+        b, c, h, w = noisy.shape
+        text = conditioning["encoder_hidden_states"].to(dtype)
+        out = transformer(
+            hidden_states=FluxPipeline._pack_latents(noisy, b, c, h, w).to(dtype), timestep=timesteps.to(dtype),
+            guidance=conditioning.get("guidance"), pooled_projections=conditioning["pooled_projections"].to(dtype),
+            encoder_hidden_states=text, txt_ids=torch.zeros(text.shape[1], 3, device=noisy.device, dtype=dtype),
+            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, noisy.device, dtype), return_dict=False,
+        )[0]
+        return FluxPipeline._unpack_latents(out, h, w, 1).float()
+
+    # ---- LoRA
+    def lora_target_modules(self, transformer: torch.nn.Module, spec: str | tuple[str, ...]) -> list[str]:
+        if isinstance(spec, str):
+            return select_linear(transformer, self.lora_presets[spec])
+        return list(spec)
+
+    def export_lora(self, transformer: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
+                    kohya_metadata: dict[str, str]) -> list[Path]:
+        from stages.train.checkpoints import LORA_FILE
+        from stages.train.lora_files import ADAPTER, peft_state_dict, save_safetensors_sorted, write_diffusers_lora
+
+        diffusers_file, kohya_file = Path(out_dir) / LORA_FILE, Path(out_dir) / KOHYA_FILE
+        write_diffusers_lora(transformer, diffusers_file, provenance, self.components.denoiser)
+        adapter, config = transformer.peft_config[ADAPTER], transformer.config
+        names = original_names(config.num_layers, config.num_single_layers, config.guidance_embeds)
+        tensors = fused_lora(peft_state_dict(transformer), adapter.lora_alpha / adapter.r, names)
+        metadata = {**provenance, **kohya_metadata, "ss_base_model_version": self.kohya_base_model}
+        save_safetensors_sorted(tensors, metadata, kohya_file)
+        return [diffusers_file, kohya_file]
+
+    # ---- rendering
+    def render_defaults(self) -> dict[str, Any]:
+        return {"num_inference_steps": self.bound.render_steps, "guidance_scale": self.bound.render_guidance,
+                "sampler": SAMPLER}
+
+    def render_kwargs(self, settings: Flux1TextSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
+        if negative_prompt:
+            raise ValueError("evaluate.negative_prompt: Flux.1 is guidance-distilled and ignores negative prompts;"
+                             " remove it")
+        return {"guidance_scale": guidance_scale, "max_sequence_length": settings.max_sequence_length}
+
+    def prepare_pipeline(self, pipe: Any, sampler: str, objective: FlowMatchingObjective) -> None:
+        if sampler != SAMPLER:
+            raise ValueError(f"evaluate.scheduler: Flux.1 renders with {SAMPLER}, not {sampler}")
+
+    # ---- tiny model
+    def build_tiny(self, out_dir: Path, arch: str) -> Path:
+        from .tiny_flux1 import build_tiny_flux1
+
+        variant = next(v for v in self.variants if v.tiny_arch == arch)
+        return build_tiny_flux1(out_dir, variant.guidance_embeds)
+
+
+@cache
+def original_names(num_layers: int, num_single_layers: int, guidance: bool) -> OriginalNames:
+    """BFL's module names for a transformer of this shape, from diffusers' single-file converter.
+    Seed keys (hand-written): one per block, so that the converter counts them, and the guidance
+    embedder's, whose presence it checks."""
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    seeds = [f"double_blocks.{i}.img_mod.lin.weight" for i in range(num_layers)]
+    seeds += [f"single_blocks.{i}.modulation.lin.weight" for i in range(num_single_layers)]
+    seeds += ["guidance_in.in_layer.weight"] if guidance else []
+    return derive_original_names(convert_flux_transformer_checkpoint_to_diffusers, seeds)
+
+
+FLUX1 = Flux1(
+    name="flux1", label="Flux.1", pipeline_class="FluxPipeline",
+    components=Components(text=("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"), latent=("vae",),
+                          denoiser="transformer"),
+    kohya_base_model="flux1", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
+    single_file_markers=("double_blocks.0.img_attn.qkv.weight", "model.diffusion_model.double_blocks.0.img_attn.qkv.weight"),
+)

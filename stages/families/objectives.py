@@ -1,0 +1,226 @@
+"""The training objective: noise levels, noisy input, target and loss weight, for train and evaluate.
+
+A family turns the user's `ObjectiveParams` and its model's scheduler config into an `Objective`.
+Train draws noise and timesteps from the micro-batch's generator (`draw`); evaluate uses fixed
+noise and `fixed_timesteps`; both then call `noised`, the one place a target and a weight are
+defined, so the two stages cannot drift apart again (they had: train scored a `sample`-prediction
+model against v).
+
+- `DDPMObjective` (SD1.x/2.x, SDXL): integer timesteps uniform in [0, T), the scheduler's
+  `add_noise`, target epsilon, v or the clean sample, optional min-SNR weight.
+- `FlowMatchingObjective` (Flux.1 and the later transformer families): x_t = (1 - s) x0 + s noise,
+  target noise - x0, s = shift(u) with u uniform, logit-normal, sigmoid or SD3's "mode", the shift
+  static or resolution-dependent (BFL's base_shift/max_shift over the image sequence length), the
+  defaults from the scheduler config; weighting as diffusers' `compute_loss_weighting_for_sd3`.
+"""
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field
+
+from stages.contract import Frozen
+
+if TYPE_CHECKING:
+    import torch
+    from diffusers import DDPMScheduler
+
+PredictionType = Literal["epsilon", "v_prediction", "sample"]
+
+
+class TimestepSampling(Frozen):
+    """How a flow-matching family draws noise levels in training (all keyed)."""
+
+    distribution: Literal["uniform", "logit_normal", "sigmoid", "mode"] = Field(
+        "uniform", description="u in (0, 1): uniform; logit_normal: sigmoid(N(logit_mean, logit_std));"
+        " sigmoid: sigmoid(sigmoid_scale * N(0, 1)) (kohya's); mode: SD3's mode sampling (mode_scale)")
+    logit_mean: float = 0.0
+    logit_std: float = Field(1.0, gt=0)
+    sigmoid_scale: float = Field(1.0, gt=0)
+    mode_scale: float = 1.29
+    shift: Literal["model", "none", "static", "resolution"] = Field(
+        "model", description="s = shift(u): static s*u/(1+(s-1)u); resolution: BFL's exp(mu) time shift, mu"
+        " linear in the image's token count from base_shift to max_shift; model: as the scheduler config says")
+    shift_value: float | None = Field(None, gt=0, description="static shift; None: the scheduler config's `shift`")
+    base_shift: float | None = Field(None, description="resolution shift at 256 tokens; None: the scheduler config's")
+    max_shift: float | None = Field(None, description="resolution shift at 4096 tokens; None: the scheduler config's")
+
+
+class ObjectiveParams(Frozen):
+    """The user's objective settings (train section). A family refuses, naming the key, those that
+    do not apply to it; the field names are TrainParams' own where they existed before."""
+
+    prediction_type: PredictionType | None = Field(None, description="DDPM families: None = the scheduler's")
+    snr_gamma: float | None = Field(None, gt=0, description="DDPM families: min-SNR weighting; None = plain MSE")
+    noise_offset: float = Field(0.0, ge=0)
+    timestep_sampling: TimestepSampling = TimestepSampling()
+    loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
+        "none", description="flow-matching families: diffusers' compute_loss_weighting_for_sd3")
+    guidance: float = Field(1.0, ge=0, description="guidance-distilled models (Flux.1 dev): the guidance"
+                            " embedding's input in training")
+
+    def refuse(self, not_applicable: dict[str, str]) -> None:
+        """Raise for the first explicitly set field that does not apply: field -> why."""
+        for name, why in not_applicable.items():
+            if name in self.model_fields_set:
+                raise ValueError(f"train.{name}: {why}")
+
+
+@dataclass(frozen=True)
+class Noised:
+    """A batch as the objective prepares it; everything but the denoiser's prediction."""
+
+    noisy: torch.Tensor  # x_t, in the latents' layout
+    timesteps: torch.Tensor  # (B,) what the denoiser is given: DDPM integer steps, flow-matching sigmas
+    target: torch.Tensor  # what the prediction is scored against, in the latents' layout
+    weight: torch.Tensor | None  # (B,) per-sample loss weight; None: plain MSE
+
+
+def draw_noise(shape: tuple[int, ...], rng: torch.Generator, offset: float) -> torch.Tensor:
+    """Gaussian noise, plus `offset` times a per-(sample, channel) constant (noise offset)."""
+    import torch
+
+    noise = torch.randn(shape, generator=rng)
+    if offset:
+        noise += offset * torch.randn((*shape[:2], *[1] * (len(shape) - 2)), generator=rng)
+    return noise
+
+
+class Objective(ABC):
+    num_train_timesteps: int
+    noise_offset: float
+
+    def draw(self, latents: torch.Tensor, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+        """Training's random noise and timesteps for `latents`, drawn from `rng` in a fixed order."""
+        noise = draw_noise(tuple(latents.shape), rng, self.noise_offset)
+        return noise, self.sample_timesteps(tuple(latents.shape), rng)
+
+    @abstractmethod
+    def sample_timesteps(self, shape: tuple[int, ...], rng: torch.Generator) -> torch.Tensor: ...
+
+    @abstractmethod
+    def noised(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> Noised:
+        """The noisy input, target and weight for clean `latents` (the one definition)."""
+
+    @abstractmethod
+    def fixed_timesteps(self, steps: list[int]) -> torch.Tensor:
+        """Evaluate's fixed noise levels, given as integer steps in [0, num_train_timesteps)."""
+
+    def _check_steps(self, steps: list[int]) -> None:
+        if max(steps) >= self.num_train_timesteps:
+            raise ValueError(f"loss_timesteps must be below {self.num_train_timesteps},"
+                             " the model's number of training timesteps")
+
+
+@dataclass(frozen=True, eq=False)
+class DDPMObjective(Objective):
+    scheduler: DDPMScheduler
+    prediction_type: PredictionType
+    snr_gamma: float | None
+    noise_offset: float
+
+    @property
+    def num_train_timesteps(self) -> int:  # type: ignore[override]
+        return self.scheduler.config.num_train_timesteps
+
+    def sample_timesteps(self, shape: tuple[int, ...], rng: torch.Generator) -> torch.Tensor:
+        import torch
+
+        return torch.randint(0, self.num_train_timesteps, (shape[0],), generator=rng)
+
+    def noised(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> Noised:
+        import torch
+
+        noisy = self.scheduler.add_noise(latents, noise, timesteps)
+        if self.prediction_type == "epsilon":
+            target = noise
+        elif self.prediction_type == "v_prediction":
+            target = self.scheduler.get_velocity(latents, noise, timesteps)
+        else:
+            target = latents
+        weight = None
+        if self.snr_gamma is not None:  # min-SNR (Hang et al. 2023) for each prediction type
+            alpha_bar = self.scheduler.alphas_cumprod[timesteps].float()
+            snr = alpha_bar / (1 - alpha_bar)
+            weight = torch.clamp(snr, max=self.snr_gamma)  # x0-prediction's weight; epsilon's and v's:
+            if self.prediction_type == "epsilon":
+                weight = weight / snr
+            elif self.prediction_type == "v_prediction":
+                weight = weight / (snr + 1)
+        return Noised(noisy, timesteps, target, weight)
+
+    def fixed_timesteps(self, steps: list[int]) -> torch.Tensor:
+        import torch
+
+        self._check_steps(steps)
+        return torch.tensor(steps, dtype=torch.long)
+
+
+@dataclass(frozen=True)
+class FlowMatchingObjective(Objective):
+    sampling: TimestepSampling  # its shift resolved: "none", "static" or "resolution", values filled in
+    loss_weighting: str
+    noise_offset: float
+    num_train_timesteps: int
+    patch_size: int  # latent pixels per image-token side, for the image sequence length
+    base_seq_len: int
+    max_seq_len: int
+
+    @classmethod
+    def from_scheduler_config(cls, config: dict, params: ObjectiveParams, patch_size: int) -> FlowMatchingObjective:
+        """Unset shift settings take the scheduler config's values (FlowMatchEulerDiscreteScheduler's
+        defaults where the config has none)."""
+        s = params.timestep_sampling
+        shift = s.shift if s.shift != "model" else "resolution" if config.get("use_dynamic_shifting") else "static"
+        resolved = s.model_copy(update={
+            "shift": shift,
+            "shift_value": s.shift_value or config.get("shift", 1.0),
+            "base_shift": config.get("base_shift", 0.5) if s.base_shift is None else s.base_shift,
+            "max_shift": config.get("max_shift", 1.15) if s.max_shift is None else s.max_shift,
+        })
+        return cls(resolved, params.loss_weighting, params.noise_offset, config.get("num_train_timesteps", 1000),
+                   patch_size, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096))
+
+    def sample_timesteps(self, shape: tuple[int, ...], rng: torch.Generator) -> torch.Tensor:
+        from diffusers.training_utils import compute_density_for_timestep_sampling
+
+        s = self.sampling
+        if s.distribution == "sigmoid":
+            u = compute_density_for_timestep_sampling("logit_normal", shape[0], 0.0, s.sigmoid_scale, generator=rng)
+        else:
+            u = compute_density_for_timestep_sampling(s.distribution, shape[0], s.logit_mean, s.logit_std,
+                                                      s.mode_scale, generator=rng)
+        return self.shifted(u, (shape[-2] // self.patch_size) * (shape[-1] // self.patch_size))
+
+    def shifted(self, u: torch.Tensor, image_seq_len: int) -> torch.Tensor:
+        """The scheduler's shifts: FlowMatchEulerDiscreteScheduler's static one and its exponential
+        time shift at mu = calculate_shift(image_seq_len) (what FluxPipeline samples with)."""
+        from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+        s = self.sampling
+        if s.shift == "static":
+            return s.shift_value * u / (1 + (s.shift_value - 1) * u)
+        if s.shift == "resolution":
+            mu = calculate_shift(image_seq_len, self.base_seq_len, self.max_seq_len, s.base_shift, s.max_shift)
+            return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
+        return u
+
+    def noised(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> Noised:
+        from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+        sigma = timesteps.view(-1, *[1] * (latents.ndim - 1))
+        noisy = (1 - sigma) * latents + sigma * noise
+        weight = None
+        if self.loss_weighting != "none":
+            weight = compute_loss_weighting_for_sd3(self.loss_weighting, timesteps)
+        return Noised(noisy, timesteps, noise - latents, weight)
+
+    def fixed_timesteps(self, steps: list[int]) -> torch.Tensor:
+        """sigma = step / num_train_timesteps, unshifted: the same noise levels for every model."""
+        import torch
+
+        self._check_steps(steps)
+        return torch.tensor(steps, dtype=torch.float32) / self.num_train_timesteps

@@ -1,0 +1,138 @@
+"""Original (non-diffusers) module names, derived from diffusers' own single-file converters, and
+the LoRA export in those names with fused projections (kohya's `lora_unet_*` for Flux.1).
+
+diffusers keeps, for each family, a converter from the original checkpoint layout to its own
+(`convert_<family>_transformer_checkpoint_to_diffusers`). Feeding it a probe checkpoint whose every
+tensor is a column of row tags (the tensor's index times ROWS plus the row number) and reading the
+tags back out of the converted tensors says, for every diffusers weight, which original tensor and
+which of its rows it came from: `to_q`, `to_k`, `to_v` are the thirds of `img_attn.qkv`; `linear1`
+is `to_q | to_k | to_v | proj_mlp`; `norm_out.linear` is `final_layer.adaLN_modulation.1` with its
+halves swapped. So no name table is written here by hand; what is hand-written is what the
+converter needs to see (`seed_keys`: one tensor per block so it counts the blocks, as the family
+module says) and `ROWS`, a row count its hard-coded splits accept.
+
+A LoRA on diffusers modules that share one original module becomes one LoRA on it: the downs
+concatenated along the rank (rank = the sum), the ups placed block-diagonally in the original
+rows (zeros where a part has no LoRA), and `.alpha` = scale x fused rank so that loaders, which
+scale by alpha / rank, apply each part at its trained scale. diffusers' kohya converter splits
+such a fused file back (its "sparse" up-weight path), which is how the tests check the export.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    import torch
+
+ROWS = 21504  # Flux.1's single-block linear1: 3 x 3072 + 12288 rows (the converter splits it so)
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Rows [start, end) of an original weight are rows [part_start, part_end) of a diffusers
+    module's weight; all as fractions of the respective weight's rows."""
+
+    module: str  # diffusers module name
+    start: Fraction
+    end: Fraction
+    part_start: Fraction
+    part_end: Fraction
+
+
+OriginalNames = dict[str, tuple[Segment, ...]]  # original module -> its rows, in order
+
+
+class _Probe(dict):
+    """A checkpoint that makes up every tensor the converter asks for: row tags of its own."""
+
+    def __init__(self, seed_keys: list[str]):
+        super().__init__()
+        self.names: list[str] = []
+        for key in seed_keys:
+            self[key] = self._make(key)
+
+    def _make(self, key: str) -> torch.Tensor:
+        import torch
+
+        self.names.append(key)
+        return torch.arange(ROWS, dtype=torch.int32) + (len(self.names) - 1) * ROWS
+
+    def __missing__(self, key: str) -> torch.Tensor:
+        self[key] = self._make(key)
+        return self[key]
+
+    def pop(self, key: str, *default) -> torch.Tensor:
+        if key not in self:
+            self[key] = self._make(key)
+        return super().pop(key)
+
+
+def derive_original_names(convert: Callable[[dict], dict], seed_keys: list[str]) -> OriginalNames:
+    """Which original weights' rows each diffusers weight is made of, by running `convert`."""
+    probe = _Probe(seed_keys)
+    converted = convert(probe)
+    found: dict[str, list[Segment]] = {}
+    for key, tags in converted.items():
+        if not key.endswith(".weight") or tags.ndim != 1:
+            continue
+        source, row = (tags // ROWS).tolist(), (tags % ROWS).tolist()
+        start = 0
+        for i in range(1, len(tags) + 1):  # runs of consecutive rows of one source
+            if i == len(tags) or source[i] != source[start] or row[i] != row[i - 1] + 1:
+                original = probe.names[source[start]]
+                if original.endswith(".weight"):
+                    found.setdefault(original.removesuffix(".weight"), []).append(Segment(
+                        key.removesuffix(".weight"), Fraction(row[start], ROWS), Fraction(row[i - 1] + 1, ROWS),
+                        Fraction(start, len(tags)), Fraction(i, len(tags))))
+                start = i
+    return {name: tuple(sorted(segments, key=lambda s: s.start)) for name, segments in found.items()}
+
+
+def kohya_name(original: str) -> str:
+    return "lora_unet_" + original.replace(".", "_")
+
+
+def fused_lora(lora: dict[str, torch.Tensor], scale: float, names: OriginalNames) -> dict[str, torch.Tensor]:
+    """kohya tensors (`<name>.lora_down.weight`, `.lora_up.weight`, `.alpha`) in original names
+    for a peft state dict (`<module>.lora_A.weight`, `.lora_B.weight`) trained at alpha/r = scale."""
+    import torch
+
+    downs = {k.removesuffix(".lora_A.weight"): v for k, v in lora.items() if k.endswith(".lora_A.weight")}
+    ups = {k.removesuffix(".lora_B.weight"): v for k, v in lora.items() if k.endswith(".lora_B.weight")}
+    out, placed = {}, set()
+    for original, segments in names.items():
+        parts = list(dict.fromkeys(s.module for s in segments if s.module in downs))
+        if not parts:
+            continue
+        columns, rank = {}, 0
+        for part in parts:
+            columns[part] = slice(rank, rank + downs[part].shape[0])
+            rank += downs[part].shape[0]
+        rows = _original_rows(segments, ups)
+        up = torch.zeros(rows, rank, dtype=ups[parts[0]].dtype)
+        for s in segments:
+            if s.module in ups:
+                n = ups[s.module].shape[0]
+                up[int(s.start * rows):int(s.end * rows), columns[s.module]] = \
+                    ups[s.module][int(s.part_start * n):int(s.part_end * n)]
+        name = kohya_name(original)
+        out[f"{name}.lora_down.weight"] = torch.cat([downs[part] for part in parts])
+        out[f"{name}.lora_up.weight"] = up
+        out[f"{name}.alpha"] = torch.tensor(float(scale * rank))
+        placed.update(parts)
+    unplaced = sorted(set(downs) - placed)
+    if unplaced:
+        raise ValueError(f"no original module name for {unplaced[:3]}: this LoRA cannot be written in the"
+                         " original layout (train other target_modules, or use the diffusers file)")
+    return out
+
+
+def _original_rows(segments: tuple[Segment, ...], ups: dict[str, torch.Tensor]) -> int:
+    """The original weight's row count, from a segment whose diffusers module has a LoRA."""
+    s = next(s for s in segments if s.module in ups)
+    rows = ups[s.module].shape[0] * (s.part_end - s.part_start) / (s.end - s.start)
+    if rows.denominator != 1:
+        raise ValueError(f"{s.module}: {ups[s.module].shape[0]} rows do not divide as the converter splits them")
+    return int(rows)

@@ -1,0 +1,206 @@
+"""Stable Diffusion 1.x/2.x and SDXL: UNet families trained on DDPM timesteps.
+
+The two differ only in data: their text encoders (SD: CLIP's final output; SDXL: the penultimate
+hidden states of two CLIP encoders, concatenated, plus the second one's pooled embedding) and SDXL's
+size conditioning (original size, crop top-left, target size). SD2-style v-prediction and
+`sample` prediction come from the scheduler config (or train.prediction_type).
+
+These reproduce what the stages computed before the family layer, number for number: the same
+records, the same random draws in the same order, the same target (bar `sample` prediction, which
+train used to score as v).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from stages.contract import Frozen
+
+from .base import ALL_LINEAR, Components, Conditioning, Family, ImageGeometry, TextOptions, TextRecord, stack
+from .folders import load_component
+from .objectives import DDPMObjective, ObjectiveParams
+
+if TYPE_CHECKING:
+    import torch
+
+KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"
+SAMPLERS = {  # evaluate.scheduler -> the diffusers scheduler class that renders with it
+    "dpm_solver_multistep": "DPMSolverMultistepScheduler",
+    "ddim": "DDIMScheduler",
+    "euler": "EulerDiscreteScheduler",
+}
+FLOW_ONLY = "applies to flow-matching models; {name} samples DDPM timesteps uniformly"
+
+
+class ClipEncoding(Frozen):
+    """One CLIP encoder's part of a text record."""
+
+    encoder: str  # its component folder
+    tokenizer: str
+    hidden_layer: int | None  # None: the final (layer-normed) output; -2: the penultimate layer's hidden states
+    pooled: bool = False  # also its projected pooled embedding (`text_embeds`)
+
+
+class SDTextSettings(Frozen):
+    """Hidden states concatenated over the encoders, each padded to its tokenizer's 77-token window."""
+
+    encoders: tuple[ClipEncoding, ...]
+
+
+class ClipTextEncoder:
+    def __init__(self, model_path: Path, settings: SDTextSettings, dtype: torch.dtype, device: str):
+        self.settings, self.dtype, self.device = settings, dtype, device
+        self.parts = [(load_component(model_path, e.tokenizer), load_component(model_path, e.encoder), e)
+                      for e in settings.encoders]
+        for _, model, _ in self.parts:
+            model.eval().requires_grad_(False).to(device)
+
+    def too_long(self, caption: str) -> bool:
+        tokenizer = self.parts[0][0]
+        return len(tokenizer(caption).input_ids) > tokenizer.model_max_length
+
+    def __call__(self, captions: list[str]) -> list[TextRecord]:
+        import torch
+
+        hidden, pooled = [], None
+        for tokenizer, model, encoding in self.parts:
+            ids = tokenizer(captions, padding="max_length", max_length=tokenizer.model_max_length,
+                            truncation=True, return_tensors="pt").input_ids.to(self.device)
+            with torch.inference_mode():
+                out = model(ids, output_hidden_states=True)
+            hidden.append(out.last_hidden_state if encoding.hidden_layer is None
+                          else out.hidden_states[encoding.hidden_layer])
+            if encoding.pooled:
+                pooled = out.text_embeds
+        states = torch.cat(hidden, dim=-1).to(self.dtype)
+        records = [{"hidden_states": states[i]} for i in range(len(captions))]
+        if pooled is not None:
+            for i, record in enumerate(records):
+                record["pooled"] = pooled[i].to(self.dtype)
+        return records
+
+
+def size_conditioning(image: ImageGeometry, flipped: bool) -> list[int]:
+    """SDXL's time ids: original size, crop top-left (mirrored with the latent), target size."""
+    left, top = image.crop_box[0], image.crop_box[1]
+    if flipped and image.resized is not None:
+        left = image.resized[1] - image.crop_box[2]
+    return [*image.original_size, top, left, *image.size]
+
+
+@dataclass(frozen=True)
+class StableDiffusion(Family):
+    text: SDTextSettings = SDTextSettings(encoders=())
+    size_conditioning: bool = False  # SDXL's micro-conditioning on sizes and crop
+    lora_presets: dict[str, tuple[str, ...]] = field(default_factory=lambda: {  # peft target_modules suffixes
+        "attention": ("to_q", "to_k", "to_v", "to_out.0"),
+        "attention_ff": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
+    })
+
+    # ---- text
+    def text_settings(self, model_path: Path, options: TextOptions) -> SDTextSettings:
+        if options.max_sequence_length is not None:
+            raise ValueError(f"encode.max_sequence_length: {self.label} encodes CLIP's fixed 77-token window;"
+                             " remove the setting")
+        return self.text
+
+    def load_text_encoder(self, model_path: Path, settings: SDTextSettings, dtype: torch.dtype,
+                          device: str) -> ClipTextEncoder:
+        return ClipTextEncoder(model_path, settings, dtype, device)
+
+    # ---- objective and denoiser
+    def objective(self, model_path: Path, params: ObjectiveParams) -> DDPMObjective:
+        from diffusers import DDPMScheduler
+
+        why = FLOW_ONLY.format(name=self.name)
+        params.refuse({"timestep_sampling": why, "loss_weighting": why,
+                       "guidance": f"applies to guidance-distilled models; {self.name} has no guidance input"})
+        scheduler = DDPMScheduler.from_pretrained(model_path, subfolder=self.components.scheduler)
+        prediction = params.prediction_type or scheduler.config.prediction_type
+        if prediction not in ("epsilon", "v_prediction", "sample"):
+            raise ValueError(f"{model_path}/{self.components.scheduler}: prediction_type {prediction!r} is not"
+                             " supported: expected epsilon, v_prediction or sample")
+        return DDPMObjective(scheduler, prediction, params.snr_gamma, params.noise_offset)
+
+    def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
+                     params: ObjectiveParams) -> Conditioning:
+        import torch
+
+        cond = {"encoder_hidden_states": stack(texts, "hidden_states")}
+        if self.size_conditioning:
+            cond["text_embeds"] = stack(texts, "pooled")
+            cond["time_ids"] = torch.tensor([size_conditioning(image, flipped) for image, flipped in images],
+                                            dtype=torch.float32)
+        return cond
+
+    def predict(self, unet: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
+        added = None
+        if self.size_conditioning:
+            added = {k: conditioning[k].to(dtype) for k in ("text_embeds", "time_ids")}
+        return unet(noisy.to(dtype), timesteps, conditioning["encoder_hidden_states"].to(dtype),
+                    added_cond_kwargs=added).sample.float()
+
+    # ---- LoRA
+    def lora_target_modules(self, unet: torch.nn.Module, spec: str | tuple[str, ...]) -> list[str]:
+        import torch
+
+        if spec == ALL_LINEAR:
+            return sorted(name for name, m in unet.named_modules() if isinstance(m, torch.nn.Linear))
+        return list(self.lora_presets.get(spec, spec))
+
+    def export_lora(self, unet: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
+                    kohya_metadata: dict[str, str]) -> list[Path]:
+        """The diffusers file and kohya's `lora_unet_*` file (diffusers module names, `.alpha` tensors)."""
+        from stages.train.checkpoints import LORA_FILE
+        from stages.train.lora_files import ADAPTER, write_diffusers_lora, write_kohya_lora
+
+        diffusers_file, kohya_file = Path(out_dir) / LORA_FILE, Path(out_dir) / KOHYA_FILE
+        write_diffusers_lora(unet, diffusers_file, provenance, self.components.denoiser)
+        metadata = {**provenance, **kohya_metadata, "ss_base_model_version": self.kohya_base_model}
+        write_kohya_lora(unet, kohya_file, unet.peft_config[ADAPTER].lora_alpha, metadata)
+        return [diffusers_file, kohya_file]
+
+    # ---- rendering
+    def render_defaults(self) -> dict[str, Any]:
+        return {"num_inference_steps": 20, "guidance_scale": 5.0, "sampler": "dpm_solver_multistep"}
+
+    def render_kwargs(self, settings: SDTextSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
+        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt}
+
+    def prepare_pipeline(self, pipe: Any, sampler: str, objective: DDPMObjective) -> None:
+        """Render with `sampler`, predicting what the (LoRA) model was trained to predict."""
+        import diffusers
+
+        if sampler not in SAMPLERS:
+            raise ValueError(f"evaluate.scheduler: {self.name} renders with one of {', '.join(SAMPLERS)}")
+        pipe.scheduler = getattr(diffusers, SAMPLERS[sampler]).from_config(pipe.scheduler.config)
+        pipe.scheduler.register_to_config(prediction_type=objective.prediction_type)
+
+    # ---- tiny model
+    def build_tiny(self, out_dir: Path, arch: str) -> Path:
+        from stages.tiny import build_tiny_model
+
+        return build_tiny_model(out_dir, arch)
+
+
+SD15 = StableDiffusion(
+    name="sd15", label="Stable Diffusion 1.x/2.x", pipeline_class="StableDiffusionPipeline",
+    components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="unet"),
+    kohya_base_model="sd_v1", tiny_arches=("sd15",),
+    single_file_markers=("model.diffusion_model.input_blocks.0.0.weight",),
+    text=SDTextSettings(encoders=(ClipEncoding(encoder="text_encoder", tokenizer="tokenizer", hidden_layer=None),)),
+)
+SDXL = StableDiffusion(
+    name="sdxl", label="Stable Diffusion XL", pipeline_class="StableDiffusionXLPipeline",
+    components=Components(text=("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"), latent=("vae",),
+                          denoiser="unet"),
+    kohya_base_model="sdxl_base_v1-0", tiny_arches=("sdxl",),
+    single_file_markers=("model.diffusion_model.label_emb.0.0.weight",),  # the size/crop embedding
+    text=SDTextSettings(encoders=(
+        ClipEncoding(encoder="text_encoder", tokenizer="tokenizer", hidden_layer=-2),
+        ClipEncoding(encoder="text_encoder_2", tokenizer="tokenizer_2", hidden_layer=-2, pooled=True),
+    )),
+    size_conditioning=True,
+)

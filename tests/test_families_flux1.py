@@ -1,0 +1,313 @@
+"""The Flux.1 family against FluxPipeline on the tiny offline Flux: the cached text record is what
+inference encodes, the latent normalisation and the denoiser call are the pipeline's, the
+flow-matching objective is x_t = (1 - s) x0 + s noise with target noise - x0, and both LoRA exports
+load through diffusers' own loaders and mean what was trained (fuse_lora's weight change)."""
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import stages.families as families
+from stages.families import ObjectiveParams, TextOptions, TimestepSampling
+from stages.families.flux1 import original_names
+from stages.families.original_names import fused_lora
+from stages.train.lora_files import save_safetensors_sorted
+
+CAPTIONS = ["a photo of a tabby cat looking to the side", "a photo of a rocket on a launch pad"]
+
+
+@pytest.fixture(scope="module")
+def flux_dev(tmp_path_factory) -> Path:
+    return families.build_tiny_model(tmp_path_factory.mktemp("flux") / "dev", "flux1")
+
+
+@pytest.fixture(scope="module")
+def flux_schnell(tmp_path_factory) -> Path:
+    return families.build_tiny_model(tmp_path_factory.mktemp("flux") / "schnell", "flux1-schnell")
+
+
+def _pipeline(model: Path):
+    from diffusers import FluxPipeline
+
+    pipe = FluxPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_tiny_flux_builds_byte_identically_and_loads(flux_dev, tmp_path):
+    again = families.build_tiny_model(tmp_path / "again", "flux1")
+    files = sorted(p.relative_to(flux_dev) for p in flux_dev.rglob("*") if p.is_file())
+    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
+    assert "tokenizer_2/tokenizer.json" in map(str, files)
+    for rel in files:
+        assert (flux_dev / rel).read_bytes() == (again / rel).read_bytes(), rel
+    pipe = _pipeline(flux_dev)
+    assert pipe.tokenizer_2.unk_token_id not in pipe.tokenizer_2("A photo, 3 cats!").input_ids
+
+
+def test_variants_are_told_apart_by_the_model(flux_dev, flux_schnell):
+    dev, schnell = families.for_model(flux_dev), families.for_model(flux_schnell)
+    assert (dev.name, dev.bound.name, schnell.bound.name) == ("flux1", "dev", "schnell")
+    assert dev.text_settings(flux_dev, TextOptions()).max_sequence_length == 512
+    assert schnell.text_settings(flux_schnell, TextOptions()).max_sequence_length == 256
+    assert schnell.text_settings(flux_schnell, TextOptions(max_sequence_length=64)).max_sequence_length == 64
+    with pytest.raises(ValueError, match="encode.max_sequence_length: Flux.1 reads at most 512"):
+        dev.text_settings(flux_dev, TextOptions(max_sequence_length=1024))
+    assert (dev.render_defaults()["num_inference_steps"], schnell.render_defaults()["num_inference_steps"]) == (28, 4)
+    assert dev.pixel_multiple(flux_dev) == 16
+    with pytest.raises(RuntimeError, match="not bound"):
+        families.get("flux1").conditioning([], [], ObjectiveParams())
+
+
+@pytest.mark.parametrize("variant", ["dev", "schnell"])
+def test_text_record_is_what_the_pipeline_encodes(variant, flux_dev, flux_schnell):
+    model = flux_dev if variant == "dev" else flux_schnell
+    family = families.for_model(model)
+    settings = family.text_settings(model, TextOptions())
+    records = family.load_text_encoder(model, settings, torch.float32, "cpu")(CAPTIONS)
+    with torch.no_grad():  # as FluxPipeline.__call__ runs it
+        embeds, pooled, _ = _pipeline(model).encode_prompt(CAPTIONS, max_sequence_length=settings.max_sequence_length)
+    for i, record in enumerate(records):
+        assert record["hidden_states"].shape == (settings.max_sequence_length, 32)
+        assert torch.equal(record["hidden_states"], embeds[i]) and torch.equal(record["pooled"], pooled[i])
+
+
+def test_latent_normalisation_is_the_pipelines(flux_dev):
+    family, pipe = families.for_model(flux_dev), _pipeline(flux_dev)
+    pixels = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    mean, std = family.load_latent_encoder(flux_dev, "cpu")(pixels)  # what a latent record holds
+    sample = mean + std * torch.randn(mean.shape, generator=torch.Generator().manual_seed(5))
+    normalise = family.latent_normalisation(flux_dev)
+    assert (normalise.scale, normalise.shift) == (0.3611, 0.1159)
+    from diffusers import FluxImg2ImgPipeline
+
+    with torch.no_grad():
+        expected = FluxImg2ImgPipeline._encode_vae_image(pipe, pixels, torch.Generator().manual_seed(5))
+    assert torch.allclose(normalise.apply(sample), expected, atol=1e-6)
+
+
+@pytest.mark.parametrize("variant", ["dev", "schnell"])
+def test_denoiser_call_is_the_pipelines(variant, flux_dev, flux_schnell):
+    """The transformer's inputs and output in FluxPipeline's first step, against family.predict on
+    the unpacked latent, the cached text record and sigma: the same prediction."""
+    model = flux_dev if variant == "dev" else flux_schnell
+    family, pipe = families.for_model(model), _pipeline(model)
+    seen = {}
+
+    def hook(module, args, kwargs, output):
+        seen.setdefault("kwargs", kwargs)
+        seen.setdefault("output", output[0])
+
+    handle = pipe.transformer.register_forward_hook(hook, with_kwargs=True)
+    guidance = 3.5 if variant == "dev" else 0.0
+    pipe(CAPTIONS[0], num_inference_steps=2, height=64, width=48, guidance_scale=guidance,
+         generator=torch.Generator().manual_seed(0), output_type="latent", max_sequence_length=64)
+    handle.remove()
+    kwargs = seen["kwargs"]
+    settings = family.text_settings(model, TextOptions(max_sequence_length=64))
+    record = family.load_text_encoder(model, settings, torch.float32, "cpu")(CAPTIONS[:1])
+    cond = family.conditioning(record, [], ObjectiveParams(guidance=guidance) if variant == "dev" else ObjectiveParams())
+    assert ("guidance" in cond) == (variant == "dev")
+    noisy = pipe._unpack_latents(kwargs["hidden_states"], 64, 48, pipe.vae_scale_factor)
+    with torch.no_grad():
+        predicted = family.predict(pipe.transformer, noisy, kwargs["timestep"], cond, torch.float32)
+    assert noisy.shape == (1, 16, 8, 6)
+    assert torch.equal(predicted, pipe._unpack_latents(seen["output"], 64, 48, pipe.vae_scale_factor))
+
+
+def test_flow_matching_objective(flux_dev, flux_schnell):
+    dev = families.for_model(flux_dev)
+    objective = dev.objective(flux_dev, ObjectiveParams())
+    x0 = torch.randn(3, 16, 8, 8, generator=torch.Generator().manual_seed(1))
+    noise, sigmas = objective.draw(x0, torch.Generator().manual_seed(2))
+    again = objective.draw(x0, torch.Generator().manual_seed(2))
+    assert torch.equal(noise, again[0]) and torch.equal(sigmas, again[1])
+    assert sigmas.shape == (3,) and bool(((sigmas > 0) & (sigmas < 1)).all())
+    noised = objective.noised(x0, noise, sigmas)
+    s = sigmas.view(-1, 1, 1, 1)
+    assert torch.allclose(noised.noisy, (1 - s) * x0 + s * noise)
+    assert torch.equal(noised.target, noise - x0) and torch.equal(noised.timesteps, sigmas) and noised.weight is None
+    assert torch.equal(objective.fixed_timesteps([100, 500]), torch.tensor([0.1, 0.5]))
+    with pytest.raises(ValueError, match="loss_timesteps must be below 1000"):
+        objective.fixed_timesteps([1000])
+
+
+def test_timestep_shifts_are_the_schedulers(flux_dev, flux_schnell):
+    """Defaults from the scheduler config: dev shifts by resolution (BFL's mu over the image's token
+    count, as FluxPipeline samples), schnell statically by its `shift` (1.0)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+
+    u = torch.tensor([0.1, 0.5, 0.9])
+    dev = families.for_model(flux_dev).objective(flux_dev, ObjectiveParams())
+    assert dev.sampling.shift == "resolution"
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(flux_dev, subfolder="scheduler")
+    for side in (8, 128):  # 64 px and 1024 px
+        tokens = (side // 2) ** 2
+        expected = scheduler.time_shift(calculate_shift(tokens), 1.0, u)
+        assert torch.allclose(dev.shifted(u, tokens), expected)
+        assert dev.sample_timesteps((1, 16, side, side), torch.Generator().manual_seed(0)).shape == (1,)
+    schnell = families.for_model(flux_schnell).objective(flux_schnell, ObjectiveParams())
+    assert (schnell.sampling.shift, schnell.sampling.shift_value) == ("static", 1.0)
+    assert torch.equal(schnell.shifted(u, 16), u)
+    static = families.for_model(flux_dev).objective(
+        flux_dev, ObjectiveParams(timestep_sampling=TimestepSampling(shift="static", shift_value=3.0)))
+    assert torch.allclose(static.shifted(u, 16), 3 * u / (1 + 2 * u))
+
+
+def test_timestep_distributions_and_weighting(flux_dev):
+    from diffusers.training_utils import compute_loss_weighting_for_sd3
+
+    family = families.for_model(flux_dev)
+    plain = TimestepSampling(shift="none")
+    draws = {}
+    for name, sampling in {"uniform": plain, "logit_normal": plain.model_copy(update={"distribution": "logit_normal"}),
+                           "sigmoid": plain.model_copy(update={"distribution": "sigmoid", "sigmoid_scale": 2.0})}.items():
+        objective = family.objective(flux_dev, ObjectiveParams(timestep_sampling=sampling, loss_weighting="cosmap"))
+        draws[name] = objective.sample_timesteps((4000, 16, 8, 8), torch.Generator().manual_seed(0))
+    assert abs(draws["uniform"].mean() - 0.5) < 0.02 and abs(draws["uniform"].std() - math.sqrt(1 / 12)) < 0.01
+    assert draws["sigmoid"].std() > draws["logit_normal"].std() > 0.1  # a wider logit spreads the levels
+    assert abs(torch.logit(draws["logit_normal"]).std() - 1) < 0.05
+    sigmas = torch.tensor([0.2, 0.7])
+    noised = objective.noised(torch.zeros(2, 16, 2, 2), torch.ones(2, 16, 2, 2), sigmas)
+    assert torch.equal(noised.weight, compute_loss_weighting_for_sd3("cosmap", sigmas))
+
+
+def test_objective_refuses_what_does_not_apply(flux_dev, flux_schnell):
+    dev, schnell = families.for_model(flux_dev), families.for_model(flux_schnell)
+    with pytest.raises(ValueError, match="train.snr_gamma: applies to DDPM models"):
+        dev.objective(flux_dev, ObjectiveParams(snr_gamma=5.0))
+    with pytest.raises(ValueError, match="train.guidance: Flux.1 schnell has no guidance input"):
+        schnell.objective(flux_schnell, ObjectiveParams(guidance=1.0))
+    with pytest.raises(ValueError, match="evaluate.negative_prompt"):
+        dev.render_kwargs(dev.text_settings(flux_dev, TextOptions()), 3.5, "blurry")
+
+
+def test_lora_presets(flux_dev):
+    family = families.for_model(flux_dev)
+    transformer = family.load_denoiser(flux_dev, torch.float32)
+    attention = family.lora_target_modules(transformer, "attention")
+    assert attention == sorted(
+        [f"transformer_blocks.0.attn.{m}" for m in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
+                                                    "add_v_proj", "to_add_out")]
+        + [f"single_transformer_blocks.0.attn.{m}" for m in ("to_q", "to_k", "to_v")])
+    with_ff = family.lora_target_modules(transformer, "attention_ff")
+    assert set(with_ff) - set(attention) == {
+        "transformer_blocks.0.ff.net.0.proj", "transformer_blocks.0.ff.net.2", "transformer_blocks.0.ff_context.net.0.proj",
+        "transformer_blocks.0.ff_context.net.2", "single_transformer_blocks.0.proj_mlp",
+        "single_transformer_blocks.0.proj_out"}
+    every = family.lora_target_modules(transformer, "all_linear")
+    assert set(every) - set(with_ff) == {"transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1_context.linear",
+                                         "single_transformer_blocks.0.norm.linear"}
+    assert family.lora_target_modules(transformer, ("to_q",)) == ["to_q"]
+
+
+def _trained_lora(family, model: Path, targets: str | tuple[str, ...], alpha: float = 3.0):
+    """The tiny transformer with a LoRA whose up weights are not zero (as after training)."""
+    from peft import LoraConfig
+
+    transformer = family.load_denoiser(model, torch.float32)
+    if isinstance(targets, str):
+        targets = family.lora_target_modules(transformer, targets)
+    transformer.add_adapter(LoraConfig(r=4, lora_alpha=alpha, target_modules=list(targets), init_lora_weights="gaussian"))
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in transformer.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
+    return transformer, list(targets)
+
+
+def _fused_change(model: Path, lora_file: Path) -> dict[str, torch.Tensor]:
+    """Each Linear's weight change after load_lora_weights + fuse_lora in a fresh FluxPipeline."""
+    pipe = _pipeline(model)
+    base = {n: m.weight.detach().clone() for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    pipe.load_lora_weights(lora_file.parent, weight_name=lora_file.name)
+    pipe.fuse_lora()
+    return {n: m.weight.detach() - base[n] for n, m in pipe.transformer.named_modules() if n in base}
+
+
+def _assert_means_what_was_trained(transformer, targets: list[str], change: dict[str, torch.Tensor]) -> None:
+    for name, delta in change.items():
+        trained = transformer.get_submodule(name).get_delta_weight("default") if name in targets else 0 * delta
+        assert torch.allclose(delta, trained, atol=1e-6), name
+
+
+def test_diffusers_export_loads_and_means_what_was_trained(flux_dev, tmp_path):
+    family = families.for_model(flux_dev)
+    transformer, targets = _trained_lora(family, flux_dev, "all_linear")
+    written = family.export_lora(transformer, tmp_path, {"lorapipe.steps": "1"}, {"ss_network_dim": "4"})
+    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"]
+    with safe_open(written[0], "pt") as f:
+        keys = set(f.keys())
+    assert keys == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
+    pipe = _pipeline(flux_dev)  # every key lands on a LoRA weight of that value: nothing unexpected, nothing missing
+    pipe.load_lora_weights(tmp_path, weight_name=written[0].name, adapter_name="x")
+    loaded = {f"transformer.{k.replace('.x.', '.')}": v for k, v in pipe.transformer.state_dict().items() if ".x." in k}
+    with safe_open(written[0], "pt") as f:
+        assert loaded.keys() == keys and all(torch.equal(loaded[k], f.get_tensor(k)) for k in keys)
+    _assert_means_what_was_trained(transformer, targets, _fused_change(flux_dev, written[0]))
+
+
+def test_kohya_export_loads_through_diffusers_converter(flux_dev, tmp_path):
+    """Double blocks: q/k/v fused into img_attn.qkv and txt_attn.qkv, loaded by FluxPipeline's kohya
+    converter. (Single blocks cannot load at this width: diffusers 0.42.1 splits linear1 at Flux.1's
+    fixed 3072/12288 rows; the full-width test below covers them.)"""
+    family = families.for_model(flux_dev)
+    double = tuple(t for t in family.lora_target_modules(family.load_denoiser(flux_dev, torch.float32), "all_linear")
+                   if t.startswith("transformer_blocks."))
+    transformer, targets = _trained_lora(family, flux_dev, double)
+    kohya = family.export_lora(transformer, tmp_path, {"lorapipe.steps": "1"}, {"ss_network_alpha": "3.0"})[1]
+    with safe_open(kohya, "pt") as f:
+        keys, metadata = set(f.keys()), f.metadata()
+        qkv_alpha, qkv_down = f.get_tensor("lora_unet_double_blocks_0_img_attn_qkv.alpha"), \
+            f.get_tensor("lora_unet_double_blocks_0_img_attn_qkv.lora_down.weight")
+    assert metadata["ss_base_model_version"] == "flux1" and metadata["ss_network_alpha"] == "3.0"
+    assert {k.rsplit(".", 2)[0] if k.endswith(".weight") else k.rsplit(".", 1)[0] for k in keys} == {
+        f"lora_unet_double_blocks_0_{m}" for m in ("img_attn_qkv", "img_attn_proj", "img_mlp_0", "img_mlp_2",
+                                                   "img_mod_lin", "txt_attn_qkv", "txt_attn_proj", "txt_mlp_0",
+                                                   "txt_mlp_2", "txt_mod_lin")}
+    assert qkv_down.shape[0] == 12 and qkv_alpha.item() == pytest.approx(3.0 / 4 * 12)  # rank 3 x 4, scale kept
+    _assert_means_what_was_trained(transformer, targets, _fused_change(flux_dev, kohya))
+
+
+def test_kohya_export_at_full_width_through_diffusers_converter(tmp_path):
+    """Flux.1's real widths (3072, single-block linear1 = q|k|v|mlp), one block of each kind, every
+    Linear of the blocks: FluxPipeline.lora_state_dict's kohya converter maps every key back, and each
+    module's B @ A is the trained one at its scale (compared on random inputs: the full products
+    take half a minute on two cores)."""
+    from diffusers import FluxPipeline, FluxTransformer2DModel
+
+    with torch.device("meta"):
+        meta = FluxTransformer2DModel(num_layers=1, num_single_layers=1, guidance_embeds=True)
+    family, generator, rank, alpha = families.get("flux1"), torch.Generator().manual_seed(0), 4, 3.0
+    lora = {}
+    for name in family.lora_target_modules(meta, "all_linear"):
+        module = meta.get_submodule(name)
+        lora[f"{name}.lora_A.weight"] = torch.randn(rank, module.in_features, generator=generator)
+        lora[f"{name}.lora_B.weight"] = torch.randn(module.out_features, rank, generator=generator)
+    tensors = fused_lora(lora, alpha / rank, original_names(1, 1, True))
+    assert tensors["lora_unet_single_blocks_0_linear1.lora_up.weight"].shape == (3 * 3072 + 12288, 4 * rank)
+    save_safetensors_sorted(tensors, {}, tmp_path / "kohya.safetensors")
+    converted, alphas = FluxPipeline.lora_state_dict(tmp_path / "kohya.safetensors", return_alphas=True)
+    assert not alphas and {k.rsplit(".", 2)[0] for k in converted} == {f"transformer.{k.rsplit('.', 2)[0]}" for k in lora}
+    for key in (k for k in lora if k.endswith("lora_A.weight")):
+        name = key.rsplit(".", 2)[0]
+        x = torch.randn(lora[key].shape[1], 8, generator=generator)
+        got = converted[f"transformer.{name}.lora_B.weight"] @ (converted[f"transformer.{name}.lora_A.weight"] @ x)
+        want = lora[f"{name}.lora_B.weight"] @ (lora[key] @ x) * (alpha / rank)
+        assert torch.linalg.norm(got - want) <= 1e-5 * torch.linalg.norm(want), name
+
+
+def test_single_file_flux_is_detected(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"model.diffusion_model.double_blocks.0.img_attn.qkv.weight": torch.zeros(1)}, tmp_path / "f.safetensors")
+    assert families.for_model(tmp_path / "f.safetensors").name == "flux1"
+    save_file({"something.else": torch.zeros(1)}, tmp_path / "g.safetensors")
+    with pytest.raises(ValueError, match="none of the tensors that identify"):
+        families.for_model(tmp_path / "g.safetensors")
