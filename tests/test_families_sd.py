@@ -163,7 +163,8 @@ def test_text_records_are_todays_and_the_pipelines(name, models):
 
     model = models[name][0]
     family = families.for_model(model)
-    records = family.load_text_encoder(model, family.text_settings(model, TextOptions()), torch.float16, "cpu")(CAPTIONS)
+    settings = family.text_settings(model, TextOptions())
+    records = family.load_text_encoder(model, settings, torch.float16, "cpu")(CAPTIONS)
     today = TextEncoder(model, name, torch.float16)(CAPTIONS)
     assert [r.keys() for r in records] == [r.keys() for r in today]
     assert all(torch.equal(r[k], t[k]) for r, t in zip(records, today) for k in r)

@@ -1,6 +1,99 @@
-"""Model families: everything that differs between model lines, behind one seam.
+"""Model families: everything that differs between model lines (SD1.x/2.x, SDXL, Flux.1; later
+Flux.2-klein, Z-Image, Qwen-Image), behind one seam. Outside this package no code should branch on
+a family or name a model part.
 
-(The interface and the map from today's stage code to it: see the end of this docstring.)
+A family (base.Family) is a frozen dataclass: a declarative head (pipeline class, components by
+role, LoRA presets, kohya base-model name, tiny arches, single-file markers, variants) and the
+functions below. `for_model(path)` detects a model's family and binds it to its variant (Flux.1
+dev or schnell, read from the transformer config); stages call the bound family.
+
+The seam (what a stage calls; all model-dependent data is read from the folder's configs):
+  identity and loading
+    for_model(path, declared) -> Family            registry: folder by pipeline class, single file by markers
+    family.components.for_stage(stage) -> names    what a stage's key depends on (encode: text + latent;
+                                                   train: denoiser + scheduler; evaluate: all)
+    family.identity(digests) -> str                the denoiser's digest: the model's identity
+    family.single_file_folder(file, digest, root)  a single-file checkpoint as a diffusers folder, once
+    family.pixel_multiple(path) -> int             image sides must be multiples of it (SD 8, Flux 16)
+  text records
+    family.text_settings(path, TextOptions) -> Frozen    every setting that changes a record, as data
+    family.load_text_encoder(path, settings, dtype, device) -> TextEncoder   captions -> records; too_long
+  latent records (unscaled posterior mean/std; the normalisation is data recorded with them)
+    family.load_latent_encoder(path, device) -> LatentEncoder   pixels -> (mean, std)
+    family.latent_normalisation(path) -> LatentNormalisation    .apply(z); JSON via model_dump
+  the objective (one definition for train and evaluate) and the denoiser call
+    family.objective(path, ObjectiveParams) -> Objective
+      objective.draw(latents, rng) -> (noise, t)            train: from the micro-batch's generator
+      objective.fixed_timesteps(steps) -> t                 evaluate: fixed levels (validates the range)
+      objective.noised(latents, noise, t) -> Noised         noisy, timesteps, target, weight: both stages
+    family.load_denoiser(path, dtype) -> nn.Module
+    family.conditioning(text records, [(geometry, flipped)], params) -> dict   on the CPU, per batch;
+      records arrive as stored, so a family with variable-length records pads them here by its rule
+    family.predict(denoiser, noisy, t, conditioning, dtype) -> float32 prediction in the latent layout
+  LoRA
+    family.lora_target_modules(denoiser, preset or tuple) -> peft target_modules
+    family.export_lora(denoiser, out_dir, provenance, kohya_metadata) -> [diffusers file, kohya file, ...]
+  rendering and tests
+    family.render_defaults() / render_kwargs(settings, guidance, negative) / prepare_pipeline(pipe, sampler, objective)
+    family.build_tiny(out_dir, arch); build_tiny_model(out_dir, arch); tiny_arches()
+
+Rewiring the stages: today's code -> the family method that replaces it
+  flows/plan.py Context.family (models.model_family)     -> for_model(path, model.family); manifests keep .name
+  flows/plan.py MODEL_PARTS, Context.models_for          -> family.components.for_stage(stage)
+  flows/plan.py model_digests["unet"] (base_model_digest,
+    the single-file folder's digest)                     -> family.identity(digests)
+  stages/models.py FAMILIES/PIPELINES, model_family,
+    single_file_family (SDXL_UNET_KEY, LDM_UNET_KEY)     -> for_model, single_file_family, Family.pipeline_class,
+                                                            Family.single_file_markers; model_index -> folders.py
+  stages/models.py diffusers_folder (SD only)            -> family.single_file_folder(checkpoint, digest, root)
+                                                            (sd.py delegates to it now; Flux.1 refuses)
+  encode text_key "encoders" (text_encoder*/tokenizer*)  -> digests of family.components.text, plus
+                                                            "text": family.text_settings(...).model_dump()
+  encode/texts.py TextEncoder(model_path, family, ...)   -> family.load_text_encoder(path, settings, dtype, device)
+  encode/latents.py AutoencoderKL + posterior()          -> family.load_latent_encoder(path, device)
+  encode _vae_scaling_factor -> samples.json             -> family.latent_normalisation(path).model_dump() in the
+                                                            index; readers: latents.normalisation_from_json
+  train/data.py load_batch: "* scale"                    -> normalisation.apply(mean + std * randn)
+  train/data.py load_batch: hidden stack, sdxl_time_ids,
+    added_cond                                           -> family.conditioning(texts, [(sample, flipped)], params)
+  train/data.py noised_inputs, compute_snr               -> objective.draw + objective.noised (UNetInputs becomes
+                                                            noisy, timesteps, conditioning, target, weight)
+  train/recipe.py unet_loss: the unet(...) call           -> family.predict (the MSE and weighting stay)
+  train/recipe.py _setup_model: DDPMScheduler +
+    prediction_type, UNet2DConditionModel, SDXL check    -> family.objective, family.load_denoiser, family name vs
+                                                            the encode manifest's (EncodedData.check_model)
+  train/recipe.py resolve_target_modules, TARGET_PRESETS -> family.lora_target_modules, family.lora_presets
+  train/recipe.py export (write_diffusers/kohya_lora),
+    kohya_metadata's ss_base_model_version               -> family.export_lora (adds family.kohya_base_model)
+  train/recipe.py checkpoint hooks                       -> write/load_diffusers_lora(..., prefix=components.denoiser)
+  evaluate/losses.py scaling, add_noise, _target         -> normalisation.apply, objective.fixed_timesteps, .noised
+  evaluate/losses.py _added_cond, hidden expand, unet()  -> family.conditioning([text], [(sample, False)]) expanded
+                                                            over the timesteps; family.predict
+  evaluate/evaluation.py _load_pipeline: DDPMScheduler,
+    the loss_timesteps limit, use_scheduler, prediction
+    type registration, pipe.unet, _trained_prediction_type -> family.objective (for the LoRA: ObjectiveParams from
+                                                            train_config.json), fixed_timesteps, prepare_pipeline,
+                                                            getattr(pipe, components.denoiser)
+  evaluate/render.py render_column's guidance/negative,
+    SCHEDULERS, EvalParams' step/guidance defaults       -> family.render_kwargs, sd.SAMPLERS, family.render_defaults
+  stages/tiny.py build_tiny_model, cli --arch choices    -> build_tiny_model, tiny_arches() (SD builders move here)
+  preprocess resolution/bucket multiples                 -> family.pixel_multiple(path)
+  TrainParams prediction_type/snr_gamma/noise_offset     -> ObjectiveParams (TrainParams can inherit it; it adds
+                                                            timestep_sampling, loss_weighting, guidance)
+  EncodeParams                                           -> gains TextOptions (max_sequence_length), keyed
+tests/test_families_sd.py shows the rewired train batch and evaluate loss reproducing today's exactly.
+
+Adding a family: write stages/families/<family>.py (a Family subclass, or an existing class when the
+new line differs only in data, as SDXL does from SD1.x; its data head first; its text settings model;
+`objective` usually FlowMatchingObjective.from_scheduler_config; `conditioning` and `predict` as its
+pipeline calls the denoiser; LoRA presets as regular expressions; the original-name export derived
+with original_names.derive_original_names from diffusers' convert_<family>_transformer_checkpoint_to_
+diffusers; override load_latent_encoder/latent_normalisation when its VAE is not a scale-and-shift
+AutoencoderKL, adding a kind to latents.LatentNormalisation), its tiny builder (tiny_<family>.py:
+inline configs, tokenizer built offline, byte-identical), and register it in FAMILIES. Copy
+tests/test_families_flux1.py: byte-identical tiny build; text record == the pipeline's encode_prompt;
+normalisation == the pipeline's VAE encode; predict == the pipeline's transformer call (forward hook);
+the objective; presets; each export loaded through diffusers' loaders with fuse_lora's weight change.
 """
 from __future__ import annotations
 

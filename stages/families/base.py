@@ -123,6 +123,12 @@ class Family(ABC):
     def is_single_file(self, tensor_names: set[str]) -> bool:
         return any(marker in tensor_names for marker in self.single_file_markers)
 
+    def single_file_folder(self, checkpoint: Path, digest: str, models_root: Path) -> Path:
+        """A single-file checkpoint (ComfyUI/A1111 layout) converted once, offline, into a diffusers
+        folder under models_root that every stage then loads like any other."""
+        raise ValueError(f"model.path: {checkpoint}: single-file {self.label} checkpoints are not supported yet;"
+                         f" give a diffusers-format folder")
+
     def pixel_multiple(self, model_path: Path) -> int:
         """Image sides must be multiples of this: the VAE's downsampling times the latent patch."""
         return vae_scale_factor(model_path, self.components.latent[0]) * self.latent_patch

@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from stages.contract import Frozen
 
-from .base import ALL_LINEAR, Components, Conditioning, Family, ImageGeometry, TextOptions, TextRecord, select_linear, stack
+from .base import (ALL_LINEAR, Components, Conditioning, Family, ImageGeometry, TextOptions, TextRecord, select_linear,
+                   stack)
 from .folders import component_config, load_component
 from .objectives import FlowMatchingObjective, ObjectiveParams
 from .original_names import OriginalNames, derive_original_names, fused_lora
@@ -52,7 +53,8 @@ class Flux1Variant:
     render_guidance: float
 
 
-VARIANTS = (Flux1Variant("dev", "flux1", True, 512, 28, 3.5), Flux1Variant("schnell", "flux1-schnell", False, 256, 4, 0.0))
+VARIANTS = (Flux1Variant("dev", "flux1", True, 512, 28, 3.5),
+            Flux1Variant("schnell", "flux1-schnell", False, 256, 4, 0.0))
 
 
 class Flux1TextSettings(Frozen):
@@ -111,7 +113,8 @@ class Flux1(Family):
     def text_settings(self, model_path: Path, options: TextOptions) -> Flux1TextSettings:
         length = options.max_sequence_length or self.bound.max_sequence_length
         if length > MAX_T5_TOKENS:
-            raise ValueError(f"encode.max_sequence_length: Flux.1 reads at most {MAX_T5_TOKENS} T5 tokens, not {length}")
+            raise ValueError(f"encode.max_sequence_length: Flux.1 reads at most {MAX_T5_TOKENS} T5 tokens,"
+                             f" not {length}")
         return Flux1TextSettings(max_sequence_length=length)
 
     def load_text_encoder(self, model_path: Path, settings: Flux1TextSettings, dtype: torch.dtype,
@@ -216,5 +219,6 @@ FLUX1 = Flux1(
     components=Components(text=("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"), latent=("vae",),
                           denoiser="transformer"),
     kohya_base_model="flux1", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
-    single_file_markers=("double_blocks.0.img_attn.qkv.weight", "model.diffusion_model.double_blocks.0.img_attn.qkv.weight"),
+    single_file_markers=("double_blocks.0.img_attn.qkv.weight",  # BFL's, bare or under ComfyUI's prefix
+                         "model.diffusion_model.double_blocks.0.img_attn.qkv.weight"),
 )

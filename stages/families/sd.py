@@ -98,6 +98,11 @@ class StableDiffusion(Family):
         "attention_ff": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
     })
 
+    def single_file_folder(self, checkpoint: Path, digest: str, models_root: Path) -> Path:
+        from stages.models import diffusers_folder
+
+        return diffusers_folder(checkpoint, digest, self.name, models_root)
+
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> SDTextSettings:
         if options.max_sequence_length is not None:

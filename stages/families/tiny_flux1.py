@@ -32,8 +32,10 @@ def unigram_vocab(captions: list[str], vocab_size: int = 300) -> list[tuple[str,
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 
     tokenizer = Tokenizer(models.Unigram())
-    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)])
+    tokenizer.pre_tokenizer = pre_tokenizers.Sequence([  # as T5Tokenizer splits words
+        pre_tokenizers.WhitespaceSplit(),
+        pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True),
+    ])
     trainer = trainers.UnigramTrainer(vocab_size=vocab_size, special_tokens=list(T5_SPECIALS), unk_token="<unk>",
                                       show_progress=False)
     tokenizer.train_from_iterator(captions, trainer)
