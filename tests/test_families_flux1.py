@@ -9,6 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from family_checks import (assert_builds_byte_identically, assert_means_what_was_trained, fused_change,
+                           respelled_as_kohya, trained_lora)
 from safetensors import safe_open
 
 import stages.families as families
@@ -39,12 +41,7 @@ def _pipeline(model: Path):
 
 
 def test_tiny_flux_builds_byte_identically_and_loads(flux_dev, tmp_path):
-    again = families.build_tiny_model(tmp_path / "again", "flux1")
-    files = sorted(p.relative_to(flux_dev) for p in flux_dev.rglob("*") if p.is_file())
-    assert files == sorted(p.relative_to(again) for p in again.rglob("*") if p.is_file())
-    assert "tokenizer_2/tokenizer.json" in map(str, files)
-    for rel in files:
-        assert (flux_dev / rel).read_bytes() == (again / rel).read_bytes(), rel
+    assert "tokenizer_2/tokenizer.json" in assert_builds_byte_identically(flux_dev, "flux1", tmp_path / "again")
     pipe = _pipeline(flux_dev)
     assert pipe.tokenizer_2.unk_token_id not in pipe.tokenizer_2("A photo, 3 cats!").input_ids
 
@@ -208,43 +205,12 @@ def test_lora_presets(flux_dev):
     assert family.lora_target_modules(transformer, ("to_q",)) == ["to_q"]
 
 
-def _trained_lora(family, model: Path, targets: str | tuple[str, ...], alpha: float = 3.0):
-    """The tiny transformer with a LoRA whose up weights are not zero (as after training)."""
-    from peft import LoraConfig
-
-    transformer = family.load_denoiser(model, torch.float32)
-    if isinstance(targets, str):
-        targets = family.lora_target_modules(transformer, targets)
-    config = LoraConfig(r=4, lora_alpha=alpha, target_modules=list(targets), init_lora_weights="gaussian")
-    transformer.add_adapter(config)
-    generator = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, param in transformer.named_parameters():
-            if "lora_B" in name:
-                param.copy_(torch.randn(param.shape, generator=generator) * 0.1)
-    return transformer, list(targets)
-
-
-def _fused_change(model: Path, lora_file: Path) -> dict[str, torch.Tensor]:
-    """Each Linear's weight change after load_lora_weights + fuse_lora in a fresh FluxPipeline."""
-    pipe = _pipeline(model)
-    base = {n: m.weight.detach().clone() for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
-    pipe.load_lora_weights(lora_file.parent, weight_name=lora_file.name)
-    pipe.fuse_lora()
-    return {n: m.weight.detach() - base[n] for n, m in pipe.transformer.named_modules() if n in base}
-
-
-def _assert_means_what_was_trained(transformer, targets: list[str], change: dict[str, torch.Tensor]) -> None:
-    for name, delta in change.items():
-        trained = transformer.get_submodule(name).get_delta_weight("default") if name in targets else 0 * delta
-        assert torch.allclose(delta, trained, atol=1e-6), name
-
-
 def test_diffusers_export_loads_and_means_what_was_trained(flux_dev, tmp_path):
     family = families.for_model(flux_dev)
-    transformer, targets = _trained_lora(family, flux_dev, "all_linear")
+    transformer, targets = trained_lora(family, flux_dev, "all_linear")
     written = family.export_lora(transformer, tmp_path, {"lorapipe.steps": "1"}, {"ss_network_dim": "4"})
-    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"]
+    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
+                                         "pytorch_lora_weights_comfyui.safetensors"]
     with safe_open(written[0], "pt") as f:
         keys = set(f.keys())
     assert keys == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
@@ -253,7 +219,7 @@ def test_diffusers_export_loads_and_means_what_was_trained(flux_dev, tmp_path):
     loaded = {f"transformer.{k.replace('.x.', '.')}": v for k, v in pipe.transformer.state_dict().items() if ".x." in k}
     with safe_open(written[0], "pt") as f:
         assert loaded.keys() == keys and all(torch.equal(loaded[k], f.get_tensor(k)) for k in keys)
-    _assert_means_what_was_trained(transformer, targets, _fused_change(flux_dev, written[0]))
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(flux_dev), "transformer", written[0]))
 
 
 def test_kohya_export_loads_through_diffusers_converter(flux_dev, tmp_path):
@@ -263,7 +229,7 @@ def test_kohya_export_loads_through_diffusers_converter(flux_dev, tmp_path):
     family = families.for_model(flux_dev)
     double = tuple(t for t in family.lora_target_modules(family.load_denoiser(flux_dev, torch.float32), "all_linear")
                    if t.startswith("transformer_blocks."))
-    transformer, targets = _trained_lora(family, flux_dev, double)
+    transformer, targets = trained_lora(family, flux_dev, double)
     kohya = family.export_lora(transformer, tmp_path, {"lorapipe.steps": "1"}, {"ss_network_alpha": "3.0"})[1]
     with safe_open(kohya, "pt") as f:
         keys, metadata = set(f.keys()), f.metadata()
@@ -275,7 +241,25 @@ def test_kohya_export_loads_through_diffusers_converter(flux_dev, tmp_path):
                                                    "img_mod_lin", "txt_attn_qkv", "txt_attn_proj", "txt_mlp_0",
                                                    "txt_mlp_2", "txt_mod_lin")}
     assert qkv_down.shape[0] == 12 and qkv_alpha.item() == pytest.approx(3.0 / 4 * 12)  # rank 3 x 4, scale kept
-    _assert_means_what_was_trained(transformer, targets, _fused_change(flux_dev, kohya))
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(flux_dev), "transformer", kohya))
+
+
+def test_comfyui_export_loads_through_diffusers_converter(flux_dev, tmp_path):
+    """BFL names under `diffusion_model.` with lora_A/lora_B and `.alpha` = rank (scale in lora_B).
+    diffusers' Flux loader reads BFL names only with kohya's lora_down/lora_up, so the file is loaded
+    respelled (the same names): every key maps and the fused change is the trained one. Double blocks
+    only, as for the kohya file (linear1's fixed widths)."""
+    family = families.for_model(flux_dev)
+    double = tuple(t for t in family.lora_target_modules(family.load_denoiser(flux_dev, torch.float32), "all_linear")
+                   if t.startswith("transformer_blocks."))
+    transformer, targets = trained_lora(family, flux_dev, double)
+    comfy = family.export_lora(transformer, tmp_path, {}, {})[2]
+    with safe_open(comfy, "pt") as f:
+        keys = set(f.keys())
+        alpha = f.get_tensor("diffusion_model.double_blocks.0.img_attn.qkv.alpha")
+    assert "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight" in keys and alpha.item() == 12
+    kohya = respelled_as_kohya(comfy, tmp_path / "respelled.safetensors")
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(flux_dev), "transformer", kohya))
 
 
 def test_kohya_export_at_full_width_through_diffusers_converter(tmp_path):

@@ -104,9 +104,10 @@ from .flux1 import FLUX1
 from .folders import model_index
 from .objectives import ObjectiveParams, TimestepSampling
 from .sd import SD15, SDXL
+from .zimage import ZIMAGE
 
 # detection order: SDXL's single-file marker before SD1.x's, which SDXL checkpoints also carry
-FAMILIES: dict[str, Family] = {family.name: family for family in (SDXL, SD15, FLUX1)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (SDXL, SD15, FLUX1, ZIMAGE)}
 SINGLE_FILE_SUFFIX = ".safetensors"
 
 __all__ = ["ALL_LINEAR", "Components", "FAMILIES", "Family", "ObjectiveParams", "TextOptions", "TimestepSampling",

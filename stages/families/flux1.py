@@ -13,48 +13,39 @@ LoRA presets: attention; attention + feed-forward (double blocks' attn.to_q/to_k
 attn.add_q_proj/add_k_proj/add_v_proj/to_add_out, ff.net.*, ff_context.net.*; single blocks'
 attn.to_q/to_k/to_v, proj_mlp, proj_out); every Linear of the double and single blocks (kohya's
 "all blocks": the embedders and the final layer are left out). Exports: diffusers format under
-`transformer.`, and kohya/BFL names (`lora_unet_double_blocks_N_img_attn_qkv`, single blocks'
-`linear1` = q|k|v|mlp) derived from diffusers' `convert_flux_transformer_checkpoint_to_diffusers`
-(original_names.py); the seed keys below are the one hand-written part.
+`transformer.`, and BFL names spelt as kohya (`lora_unet_double_blocks_N_img_attn_qkv`, single
+blocks' `linear1` = q|k|v|mlp) and as ComfyUI (`diffusion_model.double_blocks.N.img_attn.qkv`),
+derived from diffusers' `convert_flux_transformer_checkpoint_to_diffusers` (original_names.py); the
+seed keys below are the one hand-written part.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from stages.contract import Frozen
 
-from .base import (ALL_LINEAR, Components, Conditioning, Family, ImageGeometry, TextOptions, TextRecord, select_linear,
-                   stack)
-from .folders import component_config, load_component
-from .objectives import FlowMatchingObjective, ObjectiveParams
-from .original_names import OriginalNames, derive_original_names, fused_lora
+from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, stack
+from .flow import FlowFamily, FlowVariant, presets_field
+from .folders import load_component
+from .objectives import ObjectiveParams
+from .original_names import OriginalNames, derive_original_names
 
 if TYPE_CHECKING:
     import torch
 
-KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"
-SAMPLER = "flow_match_euler"  # FluxPipeline's own FlowMatchEulerDiscreteScheduler
 MAX_T5_TOKENS = 512  # FluxPipeline refuses more
 DOUBLE, SINGLE = r"transformer_blocks\.\d+\.", r"single_transformer_blocks\.\d+\."
 ATTENTION = (DOUBLE + r"attn\.(to_q|to_k|to_v|to_out\.0|add_q_proj|add_k_proj|add_v_proj|to_add_out)",
              SINGLE + r"attn\.(to_q|to_k|to_v)")
+FEED_FORWARD = (DOUBLE + r"(ff|ff_context)\.net\.(0\.proj|2)", SINGLE + r"(proj_mlp|proj_out)")
 
-
-@dataclass(frozen=True)
-class Flux1Variant:
-    name: str
-    tiny_arch: str  # `lorapipe tiny-model --arch` name of its tiny model
-    guidance_embeds: bool  # the transformer's guidance input (guidance-distilled dev)
-    max_sequence_length: int  # T5 tokens the variant was trained with
-    render_steps: int
-    render_guidance: float
-
-
-VARIANTS = (Flux1Variant("dev", "flux1", True, 512, 28, 3.5),
-            Flux1Variant("schnell", "flux1-schnell", False, 256, 4, 0.0))
+VARIANTS = (  # told apart by the transformer's guidance input; schnell reads 256 T5 tokens
+    FlowVariant("dev", "flux1", 28, 3.5, markers=(("transformer", "guidance_embeds", True),), guidance_embeds=True),
+    FlowVariant("schnell", "flux1-schnell", 4, 0.0, max_sequence_length=256),
+)
 
 
 class Flux1TextSettings(Frozen):
@@ -90,24 +81,9 @@ class Flux1TextEncoder:
 
 
 @dataclass(frozen=True)
-class Flux1(Family):
-    variant: Flux1Variant | None = None  # set by for_model
-    variants: tuple[Flux1Variant, ...] = VARIANTS
-    lora_presets: dict[str, tuple[str, ...]] = field(default_factory=lambda: {  # regular expressions over names
-        "attention": ATTENTION,
-        "attention_ff": (*ATTENTION, DOUBLE + r"(ff|ff_context)\.net\.(0\.proj|2)", SINGLE + r"(proj_mlp|proj_out)"),
-        ALL_LINEAR: (DOUBLE + ".+", SINGLE + ".+"),
-    })
-
-    def for_model(self, model_path: Path) -> Flux1:
-        guidance = bool(component_config(model_path, self.components.denoiser).get("guidance_embeds"))
-        return replace(self, variant=next(v for v in self.variants if v.guidance_embeds == guidance))
-
-    @property
-    def bound(self) -> Flux1Variant:
-        if self.variant is None:
-            raise RuntimeError("the flux1 family is not bound to a model: use families.for_model(model_path)")
-        return self.variant
+class Flux1(FlowFamily):
+    variants: tuple[FlowVariant, ...] = VARIANTS
+    lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (DOUBLE, SINGLE))
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> Flux1TextSettings:
@@ -121,16 +97,7 @@ class Flux1(Family):
                           device: str) -> Flux1TextEncoder:
         return Flux1TextEncoder(model_path, settings, dtype, device)
 
-    # ---- objective and denoiser
-    def objective(self, model_path: Path, params: ObjectiveParams) -> FlowMatchingObjective:
-        why = f"applies to DDPM models; {self.name} is trained by flow matching (see train.timestep_sampling)"
-        refused = {"prediction_type": why, "snr_gamma": why}
-        if not self.bound.guidance_embeds:
-            refused["guidance"] = f"Flux.1 {self.bound.name} has no guidance input"
-        params.refuse(refused)
-        config = component_config(model_path, self.components.scheduler)
-        return FlowMatchingObjective.from_scheduler_config(config, params, self.latent_patch)
-
+    # ---- denoiser
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
                      params: ObjectiveParams) -> Conditioning:
         import torch
@@ -159,45 +126,21 @@ class Flux1(Family):
         return FluxPipeline._unpack_latents(out, h, w, 1).float()
 
     # ---- LoRA
-    def lora_target_modules(self, transformer: torch.nn.Module, spec: str | tuple[str, ...]) -> list[str]:
-        if isinstance(spec, str):
-            return select_linear(transformer, self.lora_presets[spec])
-        return list(spec)
-
-    def export_lora(self, transformer: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
-                    kohya_metadata: dict[str, str]) -> list[Path]:
-        from stages.train.checkpoints import LORA_FILE
-        from stages.train.lora_files import ADAPTER, peft_state_dict, save_safetensors_sorted, write_diffusers_lora
-
-        diffusers_file, kohya_file = Path(out_dir) / LORA_FILE, Path(out_dir) / KOHYA_FILE
-        write_diffusers_lora(transformer, diffusers_file, provenance, self.components.denoiser)
-        adapter, config = transformer.peft_config[ADAPTER], transformer.config
-        names = original_names(config.num_layers, config.num_single_layers, config.guidance_embeds)
-        tensors = fused_lora(peft_state_dict(transformer), adapter.lora_alpha / adapter.r, names)
-        metadata = {**provenance, **kohya_metadata, "ss_base_model_version": self.kohya_base_model}
-        save_safetensors_sorted(tensors, metadata, kohya_file)
-        return [diffusers_file, kohya_file]
+    def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
+        config = transformer.config
+        return original_names(config.num_layers, config.num_single_layers, config.guidance_embeds)
 
     # ---- rendering
-    def render_defaults(self) -> dict[str, Any]:
-        return {"num_inference_steps": self.bound.render_steps, "guidance_scale": self.bound.render_guidance,
-                "sampler": SAMPLER}
-
     def render_kwargs(self, settings: Flux1TextSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
         if negative_prompt:
             raise ValueError("evaluate.negative_prompt: Flux.1 is guidance-distilled and ignores negative prompts;"
                              " remove it")
         return {"guidance_scale": guidance_scale, "max_sequence_length": settings.max_sequence_length}
 
-    def prepare_pipeline(self, pipe: Any, sampler: str, objective: FlowMatchingObjective) -> None:
-        if sampler != SAMPLER:
-            raise ValueError(f"evaluate.scheduler: Flux.1 renders with {SAMPLER}, not {sampler}")
-
     # ---- tiny model
-    def build_tiny(self, out_dir: Path, arch: str) -> Path:
+    def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path:
         from .tiny_flux1 import build_tiny_flux1
 
-        variant = next(v for v in self.variants if v.tiny_arch == arch)
         return build_tiny_flux1(out_dir, variant.guidance_embeds)
 
 
@@ -219,6 +162,7 @@ FLUX1 = Flux1(
     components=Components(text=("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"), latent=("vae",),
                           denoiser="transformer"),
     kohya_base_model="flux1", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
+    original_formats=("kohya", "comfyui"),
     single_file_markers=("double_blocks.0.img_attn.qkv.weight",  # BFL's, bare or under ComfyUI's prefix
                          "model.diffusion_model.double_blocks.0.img_attn.qkv.weight"),
 )

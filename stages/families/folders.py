@@ -35,5 +35,23 @@ def load_component(model_path: Path, name: str, **kwargs: Any) -> Any:
 
 
 def vae_scale_factor(model_path: Path, vae: str) -> int:
-    """Pixels per latent side: 2 ** (the VAE's levels - 1), as diffusers' pipelines compute it."""
-    return 2 ** (len(component_config(model_path, vae)["block_out_channels"]) - 1)
+    """Pixels per latent side, as diffusers' pipelines compute it: 2 ** (the VAE's levels - 1), or
+    for a video VAE (Qwen-Image's) 2 ** its number of downsampling stages."""
+    config = component_config(model_path, vae)
+    if "temperal_downsample" in config:
+        return 2 ** len(config["temperal_downsample"])
+    return 2 ** (len(config["block_out_channels"]) - 1)
+
+
+def component_tensors(model_path: Path, name: str, keys: tuple[str, ...]) -> dict:
+    """Named tensors of a component's safetensors weights, read without loading the component."""
+    from safetensors import safe_open
+
+    found = {}
+    for file in sorted((Path(model_path) / name).glob("*.safetensors")):
+        with safe_open(file, "pt") as f:
+            found.update({key: f.get_tensor(key) for key in keys if key in f.keys()})
+    missing = [key for key in keys if key not in found]
+    if missing:
+        raise ValueError(f"{Path(model_path) / name} has no tensor {missing[0]}: the model folder is incomplete")
+    return found

@@ -1,22 +1,29 @@
 """Latent records and their normalisation.
 
 A latent record holds the VAE posterior unscaled (mean and std, stages/encoded.py), so a change of
-normalisation never re-encodes an image. The normalisation is data read from the VAE's config at
-encode time and recorded in the encode index, so train and evaluate apply the one the records were
-made with, and its values reach the train key through the encode artifact's digest.
+normalisation never re-encodes an image. The normalisation is data read from the VAE at encode time
+and recorded in the encode index, so train and evaluate apply the one the records were made with,
+and its values reach the train key through the encode artifact's digest. Records are (C, H, W) for
+every family: a video VAE's one frame (Qwen-Image) is squeezed out by its encoder.
 
-Flux.1, Z-Image and SD use `(z - shift) * scale`. Later families add their own kinds here (per-channel
-mean/std for Qwen-Image, the VAE's batch-norm statistics after a 2x2 patchify for Flux.2) as further
-members of the `LatentNormalisation` union, told apart by `kind`.
+Kinds, told apart by `kind`:
+- `scale_shift` (SD, Flux.1, Z-Image): `(z - shift) * scale` from the VAE config;
+- `channel_mean_std` (Qwen-Image): `(z - mean_c) * (1 / std_c)` from the config's latents_mean/std;
+- `patched_batch_norm` (Flux.2): z patchified 2x2 (C -> 4C channels, half the sides), then
+  `(z - running_mean_c) / sqrt(running_var_c + eps)` with the VAE's batch-norm statistics (weights,
+  not config: read from its safetensors). Its output layout is the patchified one: the objective and
+  the denoiser see (4C, H/2, W/2) latents, so noise is drawn after `apply`.
 """
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Annotated, Literal
+
+from pydantic import Field, TypeAdapter
 
 from stages.contract import Frozen
 
-from .folders import component_config, load_component
+from .folders import component_config, component_tensors, load_component
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +40,42 @@ class ScaleShift(Frozen):
         return (latents - self.shift) * self.scale
 
 
-LatentNormalisation = ScaleShift
+def _per_channel(values: tuple[float, ...], latents: torch.Tensor) -> torch.Tensor:
+    import torch
+
+    return torch.tensor(values).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+
+
+class ChannelMeanStd(Frozen):
+    """`(z - mean) * (1 / std)` per channel, as QwenImage's pipelines compute it."""
+
+    kind: Literal["channel_mean_std"] = "channel_mean_std"
+    mean: tuple[float, ...]
+    std: tuple[float, ...]
+
+    def apply(self, latents: torch.Tensor) -> torch.Tensor:
+        return (latents - _per_channel(self.mean, latents)) * (1.0 / _per_channel(self.std, latents))
+
+
+class PatchedBatchNorm(Frozen):
+    """2x2 patchify, then the VAE's batch-norm running statistics per patched channel (Flux.2)."""
+
+    kind: Literal["patched_batch_norm"] = "patched_batch_norm"
+    running_mean: tuple[float, ...]
+    running_var: tuple[float, ...]
+    eps: float
+
+    def apply(self, latents: torch.Tensor) -> torch.Tensor:
+        import torch
+        from diffusers import Flux2KleinPipeline
+
+        patched = Flux2KleinPipeline._patchify_latents(latents)
+        std = torch.sqrt(_per_channel(self.running_var, patched) + self.eps)
+        return (patched - _per_channel(self.running_mean, patched)) / std
+
+
+LatentNormalisation = Annotated[ScaleShift | ChannelMeanStd | PatchedBatchNorm, Field(discriminator="kind")]
+_NORMALISATION = TypeAdapter(LatentNormalisation)
 
 
 def scale_shift_of(model_path: Path, vae: str) -> ScaleShift:
@@ -43,17 +85,35 @@ def scale_shift_of(model_path: Path, vae: str) -> ScaleShift:
     return ScaleShift(scale=config.get("scaling_factor", 0.18215), shift=config.get("shift_factor") or 0.0)
 
 
+def channel_mean_std_of(model_path: Path, vae: str) -> ChannelMeanStd:
+    config = component_config(model_path, vae)
+    return ChannelMeanStd(mean=tuple(config["latents_mean"]), std=tuple(config["latents_std"]))
+
+
+def patched_batch_norm_of(model_path: Path, vae: str) -> PatchedBatchNorm:
+    config = component_config(model_path, vae)
+    stats = component_tensors(model_path, vae, ("bn.running_mean", "bn.running_var"))
+    return PatchedBatchNorm(running_mean=tuple(stats["bn.running_mean"].double().tolist()),
+                            running_var=tuple(stats["bn.running_var"].double().tolist()),
+                            eps=config.get("batch_norm_eps", 1e-4))
+
+
 def normalisation_from_json(value: dict) -> LatentNormalisation:
-    return ScaleShift.model_validate(value)
+    return _NORMALISATION.validate_python(value)
 
 
 class VaePosterior:
-    """A diffusers VAE's encoder: pixels in [-1, 1] -> the posterior's mean and std, on the CPU."""
+    """A diffusers VAE's encoder: pixels (B, 3, H, W) in [-1, 1] -> the posterior's mean and std,
+    (B, C, h, w) on the CPU. `one_frame`: a video VAE, given and giving one frame."""
 
-    def __init__(self, model_path: Path, vae: str, device: str):
+    def __init__(self, model_path: Path, vae: str, device: str, one_frame: bool = False):
         self.vae = load_component(model_path, vae).eval().requires_grad_(False).to(device)
-        self.device = device
+        self.device, self.one_frame = device, one_frame
 
     def __call__(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dist = self.vae.encode(pixels.to(self.device)).latent_dist
-        return dist.mean.cpu(), dist.std.cpu()
+        pixels = pixels.to(self.device)
+        dist = self.vae.encode(pixels.unsqueeze(2) if self.one_frame else pixels).latent_dist
+        mean, std = dist.mean, dist.std
+        if self.one_frame:
+            mean, std = mean.squeeze(2), std.squeeze(2)
+        return mean.cpu(), std.cpu()

@@ -10,8 +10,11 @@ model against v).
   `add_noise`, target epsilon, v or the clean sample, optional min-SNR weight.
 - `FlowMatchingObjective` (Flux.1 and the later transformer families): x_t = (1 - s) x0 + s noise,
   target noise - x0, s = shift(u) with u uniform, logit-normal, sigmoid or SD3's "mode", the shift
-  static or resolution-dependent (BFL's base_shift/max_shift over the image sequence length), the
-  defaults from the scheduler config; weighting as diffusers' `compute_loss_weighting_for_sd3`.
+  static, resolution-dependent (BFL's base_shift/max_shift over the image sequence length) or
+  step- and resolution-dependent (Flux.2's empirical mu), the defaults from the scheduler config
+  unless the family says its pipeline samples otherwise; weighting as diffusers'
+  `compute_loss_weighting_for_sd3`. Sigma is what `noised` returns as the timestep: a family whose
+  transformer reads another convention (Z-Image: 1 - sigma) converts in its `predict`.
 """
 from __future__ import annotations
 
@@ -41,12 +44,15 @@ class TimestepSampling(Frozen):
     logit_std: float = Field(1.0, gt=0)
     sigmoid_scale: float = Field(1.0, gt=0)
     mode_scale: float = 1.29
-    shift: Literal["model", "none", "static", "resolution"] = Field(
+    shift: Literal["model", "none", "static", "resolution", "empirical"] = Field(
         "model", description="s = shift(u): static s*u/(1+(s-1)u); resolution: BFL's exp(mu) time shift, mu"
-        " linear in the image's token count from base_shift to max_shift; model: as the scheduler config says")
+        " linear in the image's token count from base_shift to max_shift; empirical: the same time shift at"
+        " Flux.2's empirical mu of the token count and shift_steps; model: as the model's pipeline samples")
     shift_value: float | None = Field(None, gt=0, description="static shift; None: the scheduler config's `shift`")
     base_shift: float | None = Field(None, description="resolution shift at 256 tokens; None: the scheduler config's")
     max_shift: float | None = Field(None, description="resolution shift at 4096 tokens; None: the scheduler config's")
+    shift_steps: int | None = Field(None, gt=0, description="empirical shift: the inference steps it is computed"
+                                    " for; None: the model's render steps")
 
 
 class ObjectiveParams(Frozen):
@@ -170,16 +176,26 @@ class FlowMatchingObjective(Objective):
     max_seq_len: int
 
     @classmethod
-    def from_scheduler_config(cls, config: dict, params: ObjectiveParams, patch_size: int) -> FlowMatchingObjective:
+    def from_scheduler_config(cls, config: dict, params: ObjectiveParams, patch_size: int,
+                              model_shift: TimestepSampling | None = None) -> FlowMatchingObjective:
         """Unset shift settings take the scheduler config's values (FlowMatchEulerDiscreteScheduler's
-        defaults where the config has none)."""
+        defaults where the config has none). `model_shift`: what shift "model" means when the family's
+        pipeline samples otherwise than its scheduler config says (Flux.2: empirical, with the
+        variant's render steps); its set fields fill the user's unset ones."""
         s = params.timestep_sampling
-        shift = s.shift if s.shift != "model" else "resolution" if config.get("use_dynamic_shifting") else "static"
+        shift = s.shift
+        if shift == "model":
+            shift = model_shift.shift if model_shift else \
+                "resolution" if config.get("use_dynamic_shifting") else "static"
+        steps = s.shift_steps or (model_shift.shift_steps if model_shift else None)
+        if shift == "empirical" and steps is None:
+            raise ValueError("train.timestep_sampling.shift_steps: the empirical shift needs the inference steps")
         resolved = s.model_copy(update={
             "shift": shift,
             "shift_value": s.shift_value or config.get("shift", 1.0),
             "base_shift": config.get("base_shift", 0.5) if s.base_shift is None else s.base_shift,
             "max_shift": config.get("max_shift", 1.15) if s.max_shift is None else s.max_shift,
+            "shift_steps": steps,
         })
         return cls(resolved, params.loss_weighting, params.noise_offset, config.get("num_train_timesteps", 1000),
                    patch_size, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096))
@@ -197,14 +213,19 @@ class FlowMatchingObjective(Objective):
 
     def shifted(self, u: torch.Tensor, image_seq_len: int) -> torch.Tensor:
         """The scheduler's shifts: FlowMatchEulerDiscreteScheduler's static one and its exponential
-        time shift at mu = calculate_shift(image_seq_len) (what FluxPipeline samples with)."""
+        time shift at mu = calculate_shift(image_seq_len) (what FluxPipeline samples with) or at
+        Flux.2's compute_empirical_mu(image_seq_len, steps) (what Flux2KleinPipeline samples with)."""
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
+        from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
         s = self.sampling
         if s.shift == "static":
             return s.shift_value * u / (1 + (s.shift_value - 1) * u)
         if s.shift == "resolution":
             mu = calculate_shift(image_seq_len, self.base_seq_len, self.max_seq_len, s.base_shift, s.max_shift)
+            return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
+        if s.shift == "empirical":
+            mu = compute_empirical_mu(image_seq_len, s.shift_steps)
             return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
         return u
 

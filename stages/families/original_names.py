@@ -16,12 +16,18 @@ concatenated along the rank (rank = the sum), the ups placed block-diagonally in
 rows (zeros where a part has no LoRA), and `.alpha` = scale x fused rank so that loaders, which
 scale by alpha / rank, apply each part at its trained scale. diffusers' kohya converter splits
 such a fused file back (its "sparse" up-weight path), which is how the tests check the export.
+
+Two spellings of the same fused LoRA (`KeyStyle`): kohya's (`lora_unet_<name with _>.lora_down.weight`,
+`.lora_up.weight`, `.alpha` = scale x rank; weights as trained) and ComfyUI's native one, as
+ai-toolkit and musubi-tuner write for the 2026 families (`diffusion_model.<name>.lora_A.weight`,
+`.lora_B.weight`, `.alpha` = rank with the scale folded into lora_B, so that a loader that ignores
+alpha, as diffusers' ai-toolkit converters do, still applies the trained strength).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -90,13 +96,28 @@ def derive_original_names(convert: Callable[[dict], dict], seed_keys: list[str])
     return {name: tuple(sorted(segments, key=lambda s: s.start)) for name, segments in found.items()}
 
 
+KeyStyle = Literal["kohya", "comfyui"]
+FILES: dict[KeyStyle, str] = {"kohya": "pytorch_lora_weights_kohya.safetensors",
+                              "comfyui": "pytorch_lora_weights_comfyui.safetensors"}
+
+
 def kohya_name(original: str) -> str:
     return "lora_unet_" + original.replace(".", "_")
 
 
-def fused_lora(lora: dict[str, torch.Tensor], scale: float, names: OriginalNames) -> dict[str, torch.Tensor]:
-    """kohya tensors (`<name>.lora_down.weight`, `.lora_up.weight`, `.alpha`) in original names
-    for a peft state dict (`<module>.lora_A.weight`, `.lora_B.weight`) trained at alpha/r = scale."""
+def _keys(original: str, style: KeyStyle) -> tuple[str, str, str]:
+    """(down, up, alpha) tensor names of an original module's LoRA in `style`."""
+    if style == "kohya":
+        name = kohya_name(original)
+        return f"{name}.lora_down.weight", f"{name}.lora_up.weight", f"{name}.alpha"
+    name = f"diffusion_model.{original}"
+    return f"{name}.lora_A.weight", f"{name}.lora_B.weight", f"{name}.alpha"
+
+
+def fused_lora(lora: dict[str, torch.Tensor], scale: float, names: OriginalNames,
+               style: KeyStyle = "kohya") -> dict[str, torch.Tensor]:
+    """The LoRA in original names, spelt as `style`, for a peft state dict (`<module>.lora_A.weight`,
+    `.lora_B.weight`) trained at alpha/r = scale."""
     import torch
 
     downs = {k.removesuffix(".lora_A.weight"): v for k, v in lora.items() if k.endswith(".lora_A.weight")}
@@ -117,10 +138,10 @@ def fused_lora(lora: dict[str, torch.Tensor], scale: float, names: OriginalNames
                 n = ups[s.module].shape[0]
                 up[int(s.start * rows):int(s.end * rows), columns[s.module]] = \
                     ups[s.module][int(s.part_start * n):int(s.part_end * n)]
-        name = kohya_name(original)
-        out[f"{name}.lora_down.weight"] = torch.cat([downs[part] for part in parts])
-        out[f"{name}.lora_up.weight"] = up
-        out[f"{name}.alpha"] = torch.tensor(float(scale * rank))
+        down_key, up_key, alpha_key = _keys(original, style)
+        out[down_key] = torch.cat([downs[part] for part in parts])
+        out[up_key] = up if style == "kohya" else up * scale
+        out[alpha_key] = torch.tensor(float(scale * rank if style == "kohya" else rank))
         placed.update(parts)
     unplaced = sorted(set(downs) - placed)
     if unplaced:

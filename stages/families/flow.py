@@ -1,0 +1,141 @@
+"""What the flow-matching transformer families (Flux.1, Flux.2-klein, Z-Image, Qwen-Image) share:
+variants as data, detected from the model's configs; the objective built from the scheduler config;
+LoRA presets as regular expressions over module names; the exports (diffusers format, then the
+original-name files of `original_formats`); rendering with the pipeline's own flow-matching Euler
+sampler at the variant's steps and guidance.
+
+A family module fills in the data head and writes what differs: text settings and encoder,
+`conditioning`, `predict`, `original_names` (derived from diffusers' single-file converter) and its
+tiny builder.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .base import Family, select_linear
+from .folders import component_config, model_index
+from .objectives import FlowMatchingObjective, ObjectiveParams, TimestepSampling
+from .original_names import FILES, KeyStyle, OriginalNames, fused_lora
+
+if TYPE_CHECKING:
+    import torch
+
+SAMPLER = "flow_match_euler"  # the pipelines' own FlowMatchEulerDiscreteScheduler
+MODEL_INDEX = "model_index"  # a variant marker's component: the pipeline's own config
+
+
+@dataclass(frozen=True)
+class FlowVariant:
+    """One checkpoint line of a family (Flux.1 dev or schnell, Z-Image base or Turbo, ...)."""
+
+    name: str
+    tiny_arch: str  # `lorapipe tiny-model --arch` name of its tiny model
+    render_steps: int
+    render_guidance: float
+    markers: tuple[tuple[str, str, Any], ...] = ()  # (component, config key, value) that identify it; () matches all
+    guidance_embeds: bool = False  # the transformer's guidance input (guidance-distilled)
+    max_sequence_length: int = 512  # text tokens the variant was trained with
+    distilled: bool = False  # step-distilled: LoRAs trained on it collapse; train on `train_instead`
+    train_instead: str | None = None  # the base checkpoint to train on, for a distilled variant
+
+    def matches(self, model_path: Path) -> bool:
+        def config(component: str) -> dict:
+            return model_index(model_path) if component == MODEL_INDEX else component_config(model_path, component)
+
+        return all(config(component).get(key) == value for component, key, value in self.markers)
+
+
+@dataclass(frozen=True)
+class FlowFamily(Family):
+    variant: FlowVariant | None = None  # set by for_model
+    variants: tuple[FlowVariant, ...] = ()  # detection order: the first whose markers match
+    sequence_patch: int = 2  # normalised-latent pixels per image token side (the objective's token count)
+    original_formats: tuple[KeyStyle, ...] = ("comfyui",)  # exported besides the diffusers file
+
+    def for_model(self, model_path: Path) -> FlowFamily:
+        return replace(self, variant=next(v for v in self.variants if v.matches(model_path)))
+
+    @property
+    def bound(self) -> FlowVariant:
+        if self.variant is None:
+            raise RuntimeError(f"the {self.name} family is not bound to a model: use families.for_model(model_path)")
+        return self.variant
+
+    def train_instead(self) -> str | None:
+        """The base checkpoint to train on when the bound variant is distilled (None otherwise)."""
+        return self.bound.train_instead if self.bound.distilled else None
+
+    # ---- objective
+    def model_shift(self) -> TimestepSampling | None:
+        """What timestep_sampling.shift "model" means when the pipeline samples otherwise than its
+        scheduler config says (None: as the config says)."""
+        return None
+
+    def objective(self, model_path: Path, params: ObjectiveParams) -> FlowMatchingObjective:
+        why = f"applies to DDPM models; {self.name} is trained by flow matching (see train.timestep_sampling)"
+        refused = {"prediction_type": why, "snr_gamma": why}
+        if not self.bound.guidance_embeds:
+            refused["guidance"] = f"{self.label} {self.bound.name} has no guidance input"
+        params.refuse(refused)
+        config = component_config(model_path, self.components.scheduler)
+        return FlowMatchingObjective.from_scheduler_config(config, params, self.sequence_patch, self.model_shift())
+
+    # ---- LoRA
+    def lora_target_modules(self, transformer: torch.nn.Module, spec: str | tuple[str, ...]) -> list[str]:
+        if isinstance(spec, str):
+            return select_linear(transformer, self.lora_presets[spec])
+        return list(spec)
+
+    @abstractmethod
+    def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
+        """The original (non-diffusers) module names of this transformer's Linear layers, and which
+        rows of each the diffusers modules are (original_names.derive_original_names)."""
+
+    def export_lora(self, transformer: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
+                    kohya_metadata: dict[str, str]) -> list[Path]:
+        from stages.train.checkpoints import LORA_FILE
+        from stages.train.lora_files import ADAPTER, peft_state_dict, save_safetensors_sorted, write_diffusers_lora
+
+        written = [Path(out_dir) / LORA_FILE]
+        write_diffusers_lora(transformer, written[0], provenance, self.components.denoiser)
+        adapter, names, lora = transformer.peft_config[ADAPTER], self.original_names(transformer), None
+        metadata = {**provenance, **kohya_metadata, "ss_base_model_version": self.kohya_base_model}
+        for style in self.original_formats:
+            lora = lora or peft_state_dict(transformer)
+            written.append(Path(out_dir) / FILES[style])
+            save_safetensors_sorted(fused_lora(lora, adapter.lora_alpha / adapter.r, names, style), metadata,
+                                    written[-1])
+        return written
+
+    # ---- rendering
+    def render_defaults(self) -> dict[str, Any]:
+        return {"num_inference_steps": self.bound.render_steps, "guidance_scale": self.bound.render_guidance,
+                "sampler": SAMPLER}
+
+    def prepare_pipeline(self, pipe: Any, sampler: str, objective: FlowMatchingObjective) -> None:
+        if sampler != SAMPLER:
+            raise ValueError(f"evaluate.scheduler: {self.label} renders with {SAMPLER}, not {sampler}")
+
+    def build_tiny(self, out_dir: Path, arch: str) -> Path:
+        return self.build_tiny_variant(Path(out_dir), next(v for v in self.variants if v.tiny_arch == arch))
+
+    @abstractmethod
+    def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path: ...
+
+
+def regex_presets(attention: tuple[str, ...], feed_forward: tuple[str, ...],
+                  blocks: tuple[str, ...]) -> dict[str, tuple[str, ...]]:
+    """The three presets every flow family offers, as regular expressions over module names:
+    attention; attention + feed-forward; every Linear of the blocks (kohya's "all blocks": the
+    embedders and the final layer are left out)."""
+    from .base import ALL_LINEAR
+
+    return {"attention": attention, "attention_ff": (*attention, *feed_forward),
+            ALL_LINEAR: tuple(block + ".+" for block in blocks)}
+
+
+def presets_field(attention: tuple[str, ...], feed_forward: tuple[str, ...], blocks: tuple[str, ...]):
+    return field(default_factory=lambda: regex_presets(attention, feed_forward, blocks))

@@ -1,0 +1,121 @@
+"""Z-Image (base and Turbo): a single-stream flow-matching transformer on 16-channel latents,
+conditioned on Qwen3 prompt embeddings of variable length.
+
+As ZImagePipeline does it: the caption in Qwen3's chat template (thinking on), tokenized padded to
+max_sequence_length (512), Qwen3's penultimate hidden layer (`hidden_states[-2]`) at the caption's
+own tokens only: records are stored unpadded (L_i, 2560 at full size), padded per batch with a mask
+and handed to the transformer as a list of unpadded tensors, as the pipeline does. Latents are
+`(z - shift_factor) * scaling_factor` (Flux.1's VAE), given to the transformer one frame each
+(C, 1, H, W); it reads `1 - sigma` as its timestep and predicts `x0 - noise`, so `predict` negates it.
+
+Variants are data: Turbo (step-distilled, 9 steps, no CFG) is told apart by its scheduler's shift
+3.0 (the base's is 6.0); LoRAs trained on Turbo break its distillation, so the family names the base
+(`Tongyi-MAI/Z-Image`) to train on instead.
+
+Exports: diffusers format, and ComfyUI's native names (`diffusion_model.layers.N.attention.qkv`, q|k|v
+fused; `attention.out`; `x_embedder`, `final_layer`), derived from diffusers'
+`convert_z_image_transformer_checkpoint_to_diffusers`. Hand-written: the original module names per
+block (`ORIGINAL_BLOCK_MODULES`, `ORIGINAL_TOP_MODULES`), the converter's input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
+from .flow import FlowFamily, FlowVariant, presets_field
+from .objectives import ObjectiveParams
+from .original_names import OriginalNames, derive_original_names
+from .qwen_text import QwenPromptEncoder, QwenPromptSettings
+
+if TYPE_CHECKING:
+    import torch
+
+BLOCK = r"(layers|noise_refiner|context_refiner)\.\d+\."
+ATTENTION = (BLOCK + r"attention\.(to_q|to_k|to_v|to_out\.0)",)
+FEED_FORWARD = (BLOCK + r"feed_forward\.(w1|w2|w3)",)
+ORIGINAL_BLOCK_MODULES = ("attention.qkv", "attention.out", "feed_forward.w1", "feed_forward.w2",
+                          "feed_forward.w3", "adaLN_modulation.0")
+ORIGINAL_TOP_MODULES = ("x_embedder", "final_layer.linear", "final_layer.adaLN_modulation.1", "t_embedder.mlp.0",
+                        "t_embedder.mlp.2", "cap_embedder.1")
+TIMESTEP_SCALE = 1000  # ZImagePipeline's timestep convention: (1000 - t) / 1000 with t = 1000 sigma
+
+VARIANTS = (
+    FlowVariant("turbo", "z-image-turbo", 9, 0.0, markers=(("scheduler", "shift", 3.0),), distilled=True,
+                train_instead="Tongyi-MAI/Z-Image"),
+    FlowVariant("base", "z-image", 50, 4.0),
+)
+
+
+@dataclass(frozen=True)
+class ZImage(FlowFamily):
+    variants: tuple[FlowVariant, ...] = VARIANTS
+    lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (BLOCK,))
+
+    # ---- text
+    def text_settings(self, model_path: Path, options: TextOptions) -> QwenPromptSettings:
+        length = options.max_sequence_length or self.bound.max_sequence_length
+        return QwenPromptSettings(enable_thinking=True, hidden_layers=(-2,), max_sequence_length=length,
+                                  token_window=length, pad_to_window=True, keep_padding=False)
+
+    def load_text_encoder(self, model_path: Path, settings: QwenPromptSettings, dtype: torch.dtype,
+                          device: str) -> QwenPromptEncoder:
+        return QwenPromptEncoder(model_path, settings, dtype, device)
+
+    # ---- denoiser
+    def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
+                     params: ObjectiveParams) -> Conditioning:
+        embeds, mask = pad_sequences(texts, "hidden_states")
+        return {"cap_feats": embeds, "cap_mask": mask}
+
+    def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
+        """As ZImagePipeline calls its transformer: lists of one-frame latents and unpadded caption
+        features, the timestep (1000 - 1000 sigma) / 1000, the output negated."""
+        import torch
+
+        embeds, mask = conditioning["cap_feats"], conditioning["cap_mask"]
+        t = (TIMESTEP_SCALE - timesteps * TIMESTEP_SCALE) / TIMESTEP_SCALE
+        out = transformer(list(noisy.to(dtype).unsqueeze(2).unbind(0)), t.to(dtype),
+                          [embeds[i][mask[i]].to(dtype) for i in range(len(embeds))], return_dict=False)[0]
+        return -torch.stack([o.float() for o in out]).squeeze(2)
+
+    # ---- LoRA
+    def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
+        return original_names(transformer.config.n_layers, transformer.config.n_refiner_layers)
+
+    # ---- rendering
+    def render_kwargs(self, settings: QwenPromptSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
+        if negative_prompt and self.bound.distilled:
+            raise ValueError(f"evaluate.negative_prompt: Z-Image {self.bound.name} renders without guidance and"
+                             " ignores negative prompts; remove it")
+        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None,
+                "max_sequence_length": settings.max_sequence_length}
+
+    # ---- tiny model
+    def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path:
+        from .tiny_zimage import build_tiny_zimage
+
+        return build_tiny_zimage(out_dir, variant.distilled)
+
+
+@cache
+def original_names(n_layers: int, n_refiner_layers: int) -> OriginalNames:
+    """Z-Image's original module names for a transformer of this shape, from diffusers' converter."""
+    from diffusers.loaders.single_file_utils import convert_z_image_transformer_checkpoint_to_diffusers
+
+    blocks = [f"layers.{i}" for i in range(n_layers)]
+    blocks += [f"{kind}.{i}" for kind in ("noise_refiner", "context_refiner") for i in range(n_refiner_layers)]
+    seeds = [f"{block}.{module}.weight" for block in blocks for module in ORIGINAL_BLOCK_MODULES]
+    seeds += [f"{module}.weight" for module in ORIGINAL_TOP_MODULES]
+    return derive_original_names(convert_z_image_transformer_checkpoint_to_diffusers, seeds)
+
+
+ZIMAGE = ZImage(
+    name="z-image", label="Z-Image", pipeline_class="ZImagePipeline",
+    components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
+    kohya_base_model="z_image", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
+    single_file_markers=("layers.0.attention.qkv.weight", "model.diffusion_model.layers.0.attention.qkv.weight"),
+)

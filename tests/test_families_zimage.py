@@ -1,0 +1,168 @@
+"""The Z-Image family against ZImagePipeline on the tiny offline Z-Image: the cached text record
+(unpadded, padded per batch by the family) is what inference encodes, the latent normalisation and
+the denoiser call are the pipeline's, the shift comes from the scheduler config (base 6, Turbo 3),
+Turbo is known as distilled, and both LoRA exports load through diffusers' own loaders and mean
+what was trained."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from family_checks import (assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change,
+                           respelled_as_kohya, trained_lora)
+from safetensors import safe_open
+
+import stages.families as families
+from stages.families import ObjectiveParams, TextOptions
+
+CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return families.build_tiny_model(tmp_path_factory.mktemp("zimage") / "base", "z-image")
+
+
+@pytest.fixture(scope="module")
+def turbo(tmp_path_factory) -> Path:
+    return families.build_tiny_model(tmp_path_factory.mktemp("zimage") / "turbo", "z-image-turbo")
+
+
+def _pipeline(model: Path):
+    from diffusers import ZImagePipeline
+
+    pipe = ZImagePipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_tiny_zimage_builds_byte_identically_and_loads(base, tmp_path):
+    files = assert_builds_byte_identically(base, "z-image", tmp_path / "again")
+    assert {"tokenizer/tokenizer.json", "tokenizer/chat_template.jinja"} <= set(files)
+    pipe = _pipeline(base)
+    text = pipe.tokenizer.apply_chat_template([{"role": "user", "content": "A cat!"}], tokenize=False,
+                                              add_generation_prompt=True, enable_thinking=True)
+    assert text == "<|im_start|>user\nA cat!<|im_end|>\n<|im_start|>assistant\n"  # Qwen3's rendering
+
+
+def test_variants_are_told_apart_by_the_scheduler(base, turbo):
+    b, t = families.for_model(base), families.for_model(turbo)
+    assert (b.name, b.bound.name, t.bound.name) == ("z-image", "base", "turbo")
+    assert t.bound.distilled and t.train_instead() == "Tongyi-MAI/Z-Image" and b.train_instead() is None
+    assert (b.render_defaults()["num_inference_steps"], t.render_defaults()["num_inference_steps"]) == (50, 9)
+    assert b.pixel_multiple(base) == 16
+    settings = b.text_settings(base, TextOptions())
+    assert (settings.hidden_layers, settings.max_sequence_length, settings.keep_padding) == ((-2,), 512, False)
+    with pytest.raises(ValueError, match="evaluate.negative_prompt"):
+        t.render_kwargs(settings, 0.0, "blurry")
+
+
+def test_text_records_are_what_the_pipeline_encodes(base):
+    """Records hold the caption's own tokens (unpadded); the family pads a batch with zeros and a mask,
+    and the transformer gets back exactly the pipeline's list of prompt embeddings."""
+    family = families.for_model(base)
+    settings = family.text_settings(base, TextOptions())
+    records = family.load_text_encoder(base, settings, torch.float32, "cpu")(CAPTIONS)
+    with torch.no_grad():
+        embeds, _ = _pipeline(base).encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False)
+    lengths = [r["hidden_states"].shape[0] for r in records]
+    assert len(set(lengths)) == 3 and all(r["hidden_states"].shape[1] == 16 for r in records)
+    for record, expected in zip(records, embeds):
+        assert torch.equal(record["hidden_states"], expected)
+    cond = family.conditioning(records, [], ObjectiveParams())
+    assert cond["cap_feats"].shape == (3, max(lengths), 16) and cond["cap_mask"].sum(1).tolist() == lengths
+    for i, expected in enumerate(embeds):
+        assert torch.equal(cond["cap_feats"][i][cond["cap_mask"][i]], expected)
+        assert not cond["cap_feats"][i][~cond["cap_mask"][i]].any()
+
+
+def test_latent_normalisation_is_the_pipelines(base):
+    family, pipe = families.for_model(base), _pipeline(base)
+    pixels = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    mean, _ = family.load_latent_encoder(base, "cpu")(pixels)
+    normalise = family.latent_normalisation(base)
+    with torch.no_grad():
+        expected = pipe.vae.encode(pixels).latent_dist.mode()
+    assert torch.equal(mean, expected)
+    decoded_input = normalise.apply(mean) / pipe.vae.config.scaling_factor + pipe.vae.config.shift_factor
+    assert torch.allclose(decoded_input, mean, atol=1e-6)  # ZImagePipeline decodes z / scale + shift
+
+
+@pytest.mark.parametrize("variant", ["base", "turbo"])
+def test_denoiser_call_is_the_pipelines(variant, base, turbo):
+    """The transformer's inputs and output in ZImagePipeline's first step (two prompts of different
+    lengths, no CFG), against family.predict on the stacked latents, the cached records padded by the
+    family and the scheduler's sigma: the same prediction, negated into noise - x0."""
+    model = base if variant == "base" else turbo
+    family, pipe = families.for_model(model), _pipeline(model)
+    args, _, output = first_call(pipe.transformer, lambda: pipe(
+        CAPTIONS[:2], num_inference_steps=2, height=64, width=48, guidance_scale=0.0,
+        generator=torch.Generator().manual_seed(0), output_type="latent"))
+    settings = family.text_settings(model, TextOptions())
+    records = family.load_text_encoder(model, settings, torch.float32, "cpu")(CAPTIONS[:2])
+    cond = family.conditioning(records, [], ObjectiveParams())
+    noisy = torch.stack(args[0]).squeeze(2)
+    sigma = pipe.scheduler.sigmas[0].expand(2)
+    with torch.no_grad():
+        predicted = family.predict(pipe.transformer, noisy, sigma, cond, torch.float32)
+    assert noisy.shape == (2, 16, 8, 6)
+    assert torch.equal(predicted, -torch.stack(output[0]).squeeze(2))
+
+
+def test_shift_is_the_schedulers(base, turbo):
+    """Static shift from the scheduler config (base 6, Turbo 3), as FlowMatchEulerDiscreteScheduler
+    shifts the sigmas ZImagePipeline samples."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    u = torch.tensor([0.9, 0.5, 0.1])
+    for model, shift in ((base, 6.0), (turbo, 3.0)):
+        objective = families.for_model(model).objective(model, ObjectiveParams())
+        assert (objective.sampling.shift, objective.sampling.shift_value) == ("static", shift)
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model, subfolder="scheduler")
+        scheduler.set_timesteps(sigmas=u.tolist())
+        assert torch.allclose(objective.shifted(u, 16), scheduler.sigmas[:-1])
+
+
+def test_lora_presets(base):
+    family = families.for_model(base)
+    transformer = family.load_denoiser(base, torch.float32)
+    attention = family.lora_target_modules(transformer, "attention")
+    blocks = ["layers.0", "layers.1", "noise_refiner.0", "context_refiner.0"]
+    assert attention == sorted(f"{b}.attention.{m}" for b in blocks for m in ("to_q", "to_k", "to_v", "to_out.0"))
+    with_ff = family.lora_target_modules(transformer, "attention_ff")
+    assert set(with_ff) - set(attention) == {f"{b}.feed_forward.{w}" for b in blocks for w in ("w1", "w2", "w3")}
+    every = family.lora_target_modules(transformer, "all_linear")
+    assert set(every) - set(with_ff) == {f"{b}.adaLN_modulation.0" for b in blocks[:3]}
+
+
+def test_diffusers_export_loads_and_means_what_was_trained(base, tmp_path):
+    family = families.for_model(base)
+    transformer, targets = trained_lora(family, base, "all_linear")
+    written = family.export_lora(transformer, tmp_path, {"lorapipe.steps": "1"}, {"ss_network_dim": "4"})
+    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
+    with safe_open(written[0], "pt") as f:
+        assert set(f.keys()) == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", written[0]))
+
+
+def test_comfyui_export_in_original_names_means_what_was_trained(base, tmp_path):
+    """ComfyUI's native names: q/k/v fused into attention.qkv (rank 3 x 4, block-diagonal up),
+    attention.out, feed_forward.w1-3, adaLN_modulation.0, under `diffusion_model.`, `.alpha` = rank
+    with the scale in lora_B. diffusers 0.42.1's Z-Image converter splits a fused qkv only in kohya's
+    spelling, so the file is loaded respelled (the same names, `lora_unet_*`): every key maps, and
+    the fused weight change is the trained one."""
+    family = families.for_model(base)
+    transformer, targets = trained_lora(family, base, "all_linear")
+    comfy = family.export_lora(transformer, tmp_path, {}, {})[1]
+    with safe_open(comfy, "pt") as f:
+        keys, alpha = set(f.keys()), f.get_tensor("diffusion_model.layers.0.attention.qkv.alpha")
+        qkv_down = f.get_tensor("diffusion_model.layers.0.attention.qkv.lora_A.weight")
+    modules = {k.removeprefix("diffusion_model.").rsplit(".", 2)[0] for k in keys if k.endswith(".weight")}
+    blocks = ["layers.0", "layers.1", "noise_refiner.0", "context_refiner.0"]
+    assert modules == {f"{b}.{m}" for b in blocks for m in ("attention.qkv", "attention.out", "feed_forward.w1",
+                                                             "feed_forward.w2", "feed_forward.w3")} | {
+        f"{b}.adaLN_modulation.0" for b in blocks[:3]}
+    assert qkv_down.shape[0] == 12 and alpha.item() == 12
+    kohya = respelled_as_kohya(comfy, tmp_path / "respelled.safetensors")
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", kohya))
