@@ -69,9 +69,9 @@ class FlowFamily(Family):
         return self.bound.train_instead if self.bound.distilled else None
 
     # ---- objective
-    def model_shift(self) -> TimestepSampling | None:
+    def model_shift(self, scheduler_config: dict) -> TimestepSampling | None:
         """What timestep_sampling.shift "model" means when the pipeline samples otherwise than its
-        scheduler config says (None: as the config says)."""
+        scheduler config alone says (None: as the config says)."""
         return None
 
     def objective(self, model_path: Path, params: ObjectiveParams) -> FlowMatchingObjective:
@@ -81,7 +81,8 @@ class FlowFamily(Family):
             refused["guidance"] = f"{self.label} {self.bound.name} has no guidance input"
         params.refuse(refused)
         config = component_config(model_path, self.components.scheduler)
-        return FlowMatchingObjective.from_scheduler_config(config, params, self.sequence_patch, self.model_shift())
+        return FlowMatchingObjective.from_scheduler_config(config, params, self.sequence_patch,
+                                                           self.model_shift(config))
 
     # ---- LoRA
     def lora_target_modules(self, transformer: torch.nn.Module, spec: str | tuple[str, ...]) -> list[str]:

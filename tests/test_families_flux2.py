@@ -1,0 +1,196 @@
+"""The Flux.2-klein family against Flux2KleinPipeline on the tiny offline Klein: the cached text
+record (three Qwen3 layers, every position) is what inference encodes, the patched batch-norm
+normalisation and the denoiser call are the pipeline's, the shift is the pipeline's empirical mu,
+the distilled checkpoint is known as such, and the three LoRA exports load through diffusers' own
+loaders and mean what was trained."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
+    trained_lora
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import stages.families as families
+from stages.families import ObjectiveParams, TextOptions, TimestepSampling
+
+CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory) -> Path:
+    return families.build_tiny_model(tmp_path_factory.mktemp("klein") / "base", "flux2-klein")
+
+
+@pytest.fixture(scope="module")
+def distilled(tmp_path_factory) -> Path:
+    return families.build_tiny_model(tmp_path_factory.mktemp("klein") / "distilled", "flux2-klein-distilled")
+
+
+def _pipeline(model: Path):
+    from diffusers import Flux2KleinPipeline
+
+    pipe = Flux2KleinPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def test_tiny_klein_builds_byte_identically_and_loads(base, tmp_path):
+    assert "vae/diffusion_pytorch_model.safetensors" in assert_builds_byte_identically(base, "flux2-klein",
+                                                                                          tmp_path / "again")
+    pipe = _pipeline(base)
+    text = pipe.tokenizer.apply_chat_template([{"role": "user", "content": "A cat!"}], tokenize=False,
+                                              add_generation_prompt=True, enable_thinking=False)
+    assert text == "<|im_start|>user\nA cat!<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+
+
+def test_variants_are_told_apart_by_the_model_index(base, distilled):
+    b, d = families.for_model(base), families.for_model(distilled)
+    assert (b.name, b.bound.name, d.bound.name) == ("flux2-klein", "base", "distilled")
+    assert d.train_instead().startswith("black-forest-labs/FLUX.2-klein-base-4B") and b.train_instead() is None
+    assert (b.render_defaults()["num_inference_steps"], d.render_defaults()["num_inference_steps"]) == (50, 4)
+    assert b.pixel_multiple(base) == 16
+    settings = b.text_settings(base, TextOptions(max_sequence_length=64))
+    assert (settings.hidden_layers, settings.max_sequence_length, settings.keep_padding) == ((9, 18, 27), 64, True)
+    assert b.render_kwargs(settings, 4.0, "")["text_encoder_out_layers"] == (9, 18, 27)
+    with pytest.raises(ValueError, match="train.guidance: Flux.2-klein base has no guidance input"):
+        b.objective(base, ObjectiveParams(guidance=3.0))
+
+
+def test_text_records_are_what_the_pipeline_encodes(base):
+    family = families.for_model(base)
+    settings = family.text_settings(base, TextOptions())
+    records = family.load_text_encoder(base, settings, torch.float32, "cpu")(CAPTIONS)
+    with torch.no_grad():
+        embeds, _ = _pipeline(base).encode_prompt(list(CAPTIONS), max_sequence_length=512)
+    for i, record in enumerate(records):
+        assert record["hidden_states"].shape == (512, 48)
+        assert torch.equal(record["hidden_states"], embeds[i])
+    assert torch.equal(family.conditioning(records, [], ObjectiveParams())["encoder_hidden_states"], embeds)
+
+
+def test_latent_normalisation_is_the_pipelines(base):
+    """The VAE's batch-norm statistics after a 2x2 patchify, as Flux2KleinPipeline encodes images."""
+    family, pipe = families.for_model(base), _pipeline(base)
+    pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    mean, _ = family.load_latent_encoder(base, "cpu")(pixels)
+    normalise = family.latent_normalisation(base)
+    assert normalise.kind == "patched_batch_norm" and len(normalise.running_mean) == 32
+    with torch.no_grad():
+        expected = pipe._encode_vae_image(pixels, torch.Generator().manual_seed(0))  # the posterior's mode
+    assert mean.shape == (2, 8, 8, 6) and expected.shape == (2, 32, 4, 3)
+    assert torch.allclose(normalise.apply(mean), expected, atol=1e-6)
+    from stages.families.latents import normalisation_from_json
+
+    assert normalisation_from_json(normalise.model_dump()) == normalise  # as the encode index records it
+
+
+@pytest.mark.parametrize("variant", ["base", "distilled"])
+def test_denoiser_call_is_the_pipelines(variant, base, distilled):
+    model = base if variant == "base" else distilled
+    family, pipe = families.for_model(model), _pipeline(model)
+    _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
+        prompt=CAPTIONS[:2], num_inference_steps=2, height=64, width=48, guidance_scale=1.0, max_sequence_length=64,
+        generator=torch.Generator().manual_seed(0), output_type="latent"))
+    settings = family.text_settings(model, TextOptions(max_sequence_length=64))
+    records = family.load_text_encoder(model, settings, torch.float32, "cpu")(CAPTIONS[:2])
+    cond = family.conditioning(records, [], ObjectiveParams())
+    assert kwargs["guidance"] is None
+    noisy = pipe._unpack_latents_with_ids(kwargs["hidden_states"], kwargs["img_ids"], 4, 3)
+    with torch.no_grad():
+        predicted = family.predict(pipe.transformer, noisy, pipe.scheduler.sigmas[0].expand(2), cond, torch.float32)
+    assert noisy.shape == (2, 32, 4, 3)
+    assert torch.equal(predicted, pipe._unpack_latents_with_ids(output[0], kwargs["img_ids"], 4, 3))
+
+
+def test_shift_is_the_pipelines_empirical_mu(base, distilled):
+    """Flux2KleinPipeline shifts its sigmas by compute_empirical_mu(image tokens, steps) through the
+    scheduler's exponential time shift: "model" is that shift at the variant's render steps."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
+
+    u = torch.tensor([0.9, 0.5, 0.1])
+    for model, steps in ((base, 50), (distilled, 4)):
+        objective = families.for_model(model).objective(model, ObjectiveParams())
+        assert (objective.sampling.shift, objective.sampling.shift_steps) == ("empirical", steps)
+        for tokens in (12, 4096):  # 64 x 48 px and 1024 x 1024 px
+            scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model, subfolder="scheduler")
+            scheduler.set_timesteps(sigmas=u.tolist(), mu=compute_empirical_mu(tokens, steps))
+            assert torch.allclose(objective.shifted(u, tokens), scheduler.sigmas[:-1])
+        assert objective.sample_timesteps((1, 32, 64, 64), torch.Generator().manual_seed(0)).shape == (1,)
+    mine = families.for_model(base).objective(
+        base, ObjectiveParams(timestep_sampling=TimestepSampling(shift_steps=8)))
+    assert mine.sampling.shift_steps == 8
+
+
+def test_lora_presets(base):
+    family = families.for_model(base)
+    transformer = family.load_denoiser(base, torch.float32)
+    attention = family.lora_target_modules(transformer, "attention")
+    assert {"single_transformer_blocks.0.attn.to_qkv_mlp_proj", "single_transformer_blocks.0.attn.to_out"} < set(
+        attention)
+    assert len(attention) == 10
+    with_ff = family.lora_target_modules(transformer, "attention_ff")
+    assert set(with_ff) - set(attention) == {f"transformer_blocks.0.{m}.{io}" for m in ("ff", "ff_context")
+                                             for io in ("linear_in", "linear_out")}
+    assert family.lora_target_modules(transformer, "all_linear") == with_ff
+
+
+@pytest.fixture(scope="module")
+def exported(base, tmp_path_factory):
+    family = families.for_model(base)
+    transformer, targets = trained_lora(family, base, "all_linear")
+    out = tmp_path_factory.mktemp("exports")
+    written = family.export_lora(transformer, out, {"lorapipe.steps": "1"}, {"ss_network_alpha": "3.0"})
+    return transformer, targets, written
+
+
+def test_diffusers_export_loads_and_means_what_was_trained(base, exported):
+    transformer, targets, written = exported
+    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
+                                         "pytorch_lora_weights_comfyui.safetensors"]
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", written[0]))
+
+
+def test_kohya_export_loads_through_diffusers_converter(base, exported):
+    """musubi-tuner's spelling (`lora_unet_double_blocks_0_img_attn_qkv`, single blocks' linear1 and
+    linear2), read by Flux2KleinPipeline's kohya-Flux.2 converter: every module's change is the
+    trained one (fused q/k/v split back by its sparse path)."""
+    transformer, targets, written = exported
+    with safe_open(written[1], "pt") as f:
+        modules = {k.rsplit(".", 2)[0] for k in f.keys() if k.endswith(".weight")}
+        assert f.metadata()["ss_base_model_version"] == "flux2_klein"
+    assert modules == {f"lora_unet_double_blocks_0_{m}" for m in (
+        "img_attn_qkv", "img_attn_proj", "img_mlp_0", "img_mlp_2", "txt_attn_qkv", "txt_attn_proj", "txt_mlp_0",
+        "txt_mlp_2")} | {"lora_unet_single_blocks_0_linear1", "lora_unet_single_blocks_0_linear2"}
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", written[1]))
+
+
+def test_comfyui_export_loads_through_diffusers_converter(base, exported):
+    """ComfyUI/ai-toolkit's spelling (`diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight`),
+    read by Flux2KleinPipeline's ai-toolkit converter. That converter reads no `.alpha` (and refuses
+    keys it leaves over), so the file carries the scale in lora_B and `.alpha` = rank, which makes
+    alpha / rank = 1 for ComfyUI: the alphas are checked to be the ranks and left out for diffusers."""
+    transformer, targets, written = exported
+    tensors = load_file(written[2])
+    alphas = {k: v for k, v in tensors.items() if k.endswith(".alpha")}
+    for key, alpha in alphas.items():
+        assert alpha.item() == tensors[key.removesuffix(".alpha") + ".lora_A.weight"].shape[0], key
+    assert "diffusion_model.single_blocks.0.linear1.lora_A.weight" in tensors
+    lora = {k: v for k, v in tensors.items() if k not in alphas}
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", lora))
+
+
+def test_single_file_flux2_is_told_from_flux1(tmp_path):
+    """Flux.2 checkpoints carry Flux.1's marker names too; its shared modulation tells them apart."""
+    from safetensors.torch import save_file
+
+    prefix = "model.diffusion_model."
+    save_file({f"{prefix}double_blocks.0.img_attn.qkv.weight": torch.zeros(1),
+               f"{prefix}double_stream_modulation_img.lin.weight": torch.zeros(1)}, tmp_path / "klein.safetensors")
+    save_file({f"{prefix}double_blocks.0.img_attn.qkv.weight": torch.zeros(1)}, tmp_path / "flux1.safetensors")
+    assert families.for_model(tmp_path / "klein.safetensors").name == "flux2-klein"
+    assert families.for_model(tmp_path / "flux1.safetensors").name == "flux1"
