@@ -104,12 +104,14 @@ from .flux1 import FLUX1
 from .flux2 import FLUX2_KLEIN
 from .folders import model_index
 from .objectives import ObjectiveParams, TimestepSampling
+from .qwenimage import QWEN_IMAGE
 from .sd import SD15, SDXL
 from .zimage import ZIMAGE
 
 # detection order: SDXL's single-file marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's
 # before Flux.1's, whose markers Flux.2 checkpoints also carry
-FAMILIES: dict[str, Family] = {family.name: family for family in (SDXL, SD15, FLUX2_KLEIN, FLUX1, ZIMAGE)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (SDXL, SD15, FLUX2_KLEIN, FLUX1, ZIMAGE,
+                                                                                QWEN_IMAGE)}
 SINGLE_FILE_SUFFIX = ".safetensors"
 
 __all__ = ["ALL_LINEAR", "Components", "FAMILIES", "Family", "ObjectiveParams", "TextOptions", "TimestepSampling",
