@@ -15,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 import stages.families as families
+from family_checks import assert_means_what_was_trained, fused_change, respelled_as_kohya, trained_lora
+from safetensors import safe_open
 from stages.encoded import EncodedData
 from stages.families import ObjectiveParams, TextOptions, TimestepSampling
 from stages.train.data import BatchPlan, derived_seed, draws_flipped, prepare_micro_batch
@@ -208,6 +210,34 @@ def test_exported_files_are_todays_bytes(tiny_model, tmp_path):
                      {**provenance, **kohya, "ss_base_model_version": "sd_v1"})
     assert written[0].read_bytes() == (tmp_path / "today.safetensors").read_bytes()
     assert written[1].read_bytes() == (tmp_path / "today_kohya.safetensors").read_bytes()
+
+
+@pytest.mark.parametrize("arch", ["sd15", "sdxl"])
+def test_comfyui_export_in_ldm_names_means_what_was_trained(arch, tiny_model, sdxl_model, tmp_path):
+    """`diffusion_model.<LDM name>.lora_A/lora_B.weight` + `.alpha` for every Linear of the UNet
+    (attention, feed-forward, resnets' emb_layers.1, time_embed, SDXL's label_emb). diffusers' SD
+    converter reads LDM names only in kohya's spelling and maps SGM blocks only when given the UNet
+    config (StableDiffusionPipeline.load_lora_weights does not pass it; the SDXL one does), so the
+    file is respelled and converted by `lora_state_dict(..., unet_config=...)`: every key maps, every
+    alpha is the rank (the scale is in lora_B), and the fused change is the trained one."""
+    from diffusers import DiffusionPipeline
+
+    model = tiny_model if arch == "sd15" else sdxl_model
+    family = families.for_model(model)
+    unet, targets = trained_lora(family, model, "all_linear")
+    comfy = family.export_lora(unet, tmp_path, {}, {})[2]
+    with safe_open(comfy, "pt") as f:
+        keys = set(f.keys())
+    assert comfy.name == "pytorch_lora_weights_comfyui.safetensors"
+    assert {"diffusion_model.input_blocks.1.0.emb_layers.1.lora_A.weight", "diffusion_model.time_embed.0.alpha",
+            "diffusion_model.middle_block.1.transformer_blocks.0.attn2.to_k.lora_B.weight"} < keys
+    assert ("diffusion_model.label_emb.0.0.lora_A.weight" in keys) == (arch == "sdxl")
+    assert len(keys) == 3 * len(targets)
+    kohya = respelled_as_kohya(comfy, tmp_path / "respelled.safetensors")
+    pipe = DiffusionPipeline.from_pretrained(model)
+    converted, alphas = pipe.lora_state_dict(kohya, unet_config=pipe.unet.config)
+    assert len(alphas) == len(targets) and set(alphas.values()) == {4.0}
+    assert_means_what_was_trained(unet, targets, fused_change(pipe, "unet", converted))
 
 
 def test_model_parts_and_family_are_todays(models, tmp_path):

@@ -17,61 +17,13 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cache.digest import StatCache, digest_file
+from stages.families.ldm_names import ldm_name, renamed, unet_block_prefixes
 from stages.models import ARCH_ROOT, component_digests, diffusers_folder, model_family
 
 
-def _unet_prefixes(config: dict) -> list[tuple[str, str]]:
-    """(LDM prefix, diffusers prefix) for every block of a UNet2DConditionModel."""
-    levels, per = len(config["block_out_channels"]), config["layers_per_block"]
-    pairs = [("middle_block.1.", "mid_block.attentions.0."), ("middle_block.0.", "mid_block.resnets.0."),
-             ("middle_block.2.", "mid_block.resnets.1.")]
-    for i in range(levels):
-        down_attn = "CrossAttn" in config["down_block_types"][i]
-        for j in range(per):
-            pairs.append((f"input_blocks.{(per + 1) * i + j + 1}.0.", f"down_blocks.{i}.resnets.{j}."))
-            if down_attn:
-                pairs.append((f"input_blocks.{(per + 1) * i + j + 1}.1.", f"down_blocks.{i}.attentions.{j}."))
-        up_attn = "CrossAttn" in config["up_block_types"][i]
-        for j in range(per + 1):
-            pairs.append((f"output_blocks.{(per + 1) * i + j}.0.", f"up_blocks.{i}.resnets.{j}."))
-            if up_attn:
-                pairs.append((f"output_blocks.{(per + 1) * i + j}.1.", f"up_blocks.{i}.attentions.{j}."))
-        if i < levels - 1:
-            pairs.append((f"input_blocks.{(per + 1) * (i + 1)}.0.op.", f"down_blocks.{i}.downsamplers.0.conv."))
-            pairs.append((f"output_blocks.{(per + 1) * i + per}.{2 if up_attn else 1}.", f"up_blocks.{i}.upsamplers.0."))
-    return pairs
-
-
-UNET_TOP = [("time_embed.0.", "time_embedding.linear_1."), ("time_embed.2.", "time_embedding.linear_2."),
-            ("input_blocks.0.0.", "conv_in."), ("out.0.", "conv_norm_out."), ("out.2.", "conv_out."),
-            ("label_emb.0.0.", "add_embedding.linear_1."), ("label_emb.0.2.", "add_embedding.linear_2.")]
-UNET_RESNET = [("in_layers.0.", "norm1."), ("in_layers.2.", "conv1."), ("out_layers.0.", "norm2."),
-               ("out_layers.3.", "conv2."), ("emb_layers.1.", "time_emb_proj."), ("skip_connection.", "conv_shortcut.")]
-
-
-def _rename(key: str, pairs: list[tuple[str, str]]) -> str | None:
-    for ldm, hf in pairs:
-        if key.startswith(hf):
-            return ldm + key[len(hf):]
-    return None
-
-
 def unet_to_ldm(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
-    out = {}
-    blocks = _unet_prefixes(config)
-    for key, value in state.items():
-        new = _rename(key, UNET_TOP)
-        if new is None:
-            new = _rename(key, blocks)
-            if new is None:
-                raise KeyError(f"no LDM name for UNet key {key}")
-            if ".resnets." in key:
-                head, _, tail = new.partition(".0." if new.startswith(("input", "output")) else "\0")
-                block_prefix = _rename(key, blocks)[: -len(key) + len(next(hf for _, hf in blocks if key.startswith(hf)))]
-                rest = key[len(next(hf for _, hf in blocks if key.startswith(hf))):]
-                new = block_prefix + (_rename(rest, UNET_RESNET) or rest)
-        out["model.diffusion_model." + new] = value
-    return out
+    blocks = unet_block_prefixes(config)
+    return {"model.diffusion_model." + ldm_name(key, blocks): value for key, value in state.items()}
 
 
 def vae_to_ldm(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
@@ -94,7 +46,7 @@ def vae_to_ldm(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.
         for ldm, hf in pairs:
             if key.startswith(hf):
                 rest = key[len(hf):]
-                new = ldm + (_rename(rest, parts) or rest)
+                new = ldm + (renamed(rest, parts) or rest)
                 if ".attn_1." in ldm and rest.split(".")[0].startswith(("to_", "proj")) and value.ndim == 2:
                     value = value[:, :, None, None]
                 break

@@ -24,7 +24,6 @@ from .objectives import DDPMObjective, ObjectiveParams
 if TYPE_CHECKING:
     import torch
 
-KOHYA_FILE = "pytorch_lora_weights_kohya.safetensors"
 SAMPLERS = {  # evaluate.scheduler -> the diffusers scheduler class that renders with it
     "dpm_solver_multistep": "DPMSolverMultistepScheduler",
     "ddim": "DDIMScheduler",
@@ -157,15 +156,26 @@ class StableDiffusion(Family):
 
     def export_lora(self, unet: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
                     kohya_metadata: dict[str, str]) -> list[Path]:
-        """The diffusers file and kohya's `lora_unet_*` file (diffusers module names, `.alpha` tensors)."""
+        """The diffusers file, kohya's `lora_unet_*` file (diffusers module names, `.alpha` tensors)
+        and ComfyUI's native one (`diffusion_model.<LDM name>.lora_A/lora_B.weight`, ldm_names.py)."""
         from stages.train.checkpoints import LORA_FILE
-        from stages.train.lora_files import ADAPTER, write_diffusers_lora, write_kohya_lora
+        from stages.train.lora_files import (ADAPTER, peft_state_dict, save_safetensors_sorted,
+                                             write_diffusers_lora, write_kohya_lora)
 
-        diffusers_file, kohya_file = Path(out_dir) / LORA_FILE, Path(out_dir) / KOHYA_FILE
+        from .ldm_names import unet_original_names
+        from .original_names import FILES, fused_lora
+
+        diffusers_file, kohya_file, comfyui_file = (Path(out_dir) / f for f in (LORA_FILE, *FILES.values()))
         write_diffusers_lora(unet, diffusers_file, provenance, self.components.denoiser)
         metadata = {**provenance, **kohya_metadata, "ss_base_model_version": self.kohya_base_model}
-        write_kohya_lora(unet, kohya_file, unet.peft_config[ADAPTER].lora_alpha, metadata)
-        return [diffusers_file, kohya_file]
+        adapter = unet.peft_config[ADAPTER]
+        write_kohya_lora(unet, kohya_file, adapter.lora_alpha, metadata)
+        lora = peft_state_dict(unet)
+        modules = sorted({k.removesuffix(".lora_A.weight") for k in lora if k.endswith(".lora_A.weight")})
+        names = unet_original_names(dict(unet.config), modules)
+        save_safetensors_sorted(fused_lora(lora, adapter.lora_alpha / adapter.r, names, "comfyui"), metadata,
+                                comfyui_file)
+        return [diffusers_file, kohya_file, comfyui_file]
 
     # ---- rendering
     def render_defaults(self) -> dict[str, Any]:
