@@ -1,11 +1,14 @@
-"""Model families: everything that differs between model lines (SD1.x/2.x, SDXL, Flux.1; later
+"""Model families: everything that differs between model lines (SD1.x/2.x, SDXL, Flux.1,
 Flux.2-klein, Z-Image, Qwen-Image), behind one seam. Outside this package no code should branch on
 a family or name a model part.
 
 A family (base.Family) is a frozen dataclass: a declarative head (pipeline class, components by
 role, LoRA presets, kohya base-model name, tiny arches, single-file markers, variants) and the
 functions below. `for_model(path)` detects a model's family and binds it to its variant (Flux.1
-dev or schnell, read from the transformer config); stages call the bound family.
+dev or schnell, read from the transformer config); stages call the bound family. The flow-matching
+families share flow.FlowFamily: variants as data (FlowVariant: render steps and guidance, markers
+read from the configs, `distilled` and the base to train instead), `family.train_instead()` names
+that base for a distilled checkpoint (Z-Image Turbo, the distilled Klein) so a stage can warn.
 
 The seam (what a stage calls; all model-dependent data is read from the folder's configs):
   identity and loading
@@ -20,7 +23,9 @@ The seam (what a stage calls; all model-dependent data is read from the folder's
     family.load_text_encoder(path, settings, dtype, device) -> TextEncoder   captions -> records; too_long
   latent records (unscaled posterior mean/std; the normalisation is data recorded with them)
     family.load_latent_encoder(path, device) -> LatentEncoder   pixels -> (mean, std)
-    family.latent_normalisation(path) -> LatentNormalisation    .apply(z); JSON via model_dump
+    family.latent_normalisation(path) -> LatentNormalisation    .apply(z); JSON via model_dump; kinds:
+      scale_shift, channel_mean_std (Qwen-Image), patched_batch_norm (Flux.2: apply returns the
+      2x2-patchified layout, so noise is drawn after apply, in its shape)
   the objective (one definition for train and evaluate) and the denoiser call
     family.objective(path, ObjectiveParams) -> Objective
       objective.draw(latents, rng) -> (noise, t)            train: from the micro-batch's generator
@@ -29,10 +34,13 @@ The seam (what a stage calls; all model-dependent data is read from the folder's
     family.load_denoiser(path, dtype) -> nn.Module
     family.conditioning(text records, [(geometry, flipped)], params) -> dict   on the CPU, per batch;
       records arrive as stored, so a family with variable-length records pads them here by its rule
+      (base.pad_sequences: zeros to the batch's longest and a bool mask; Qwen-Image drops the mask
+      when nothing is padded, as its pipeline does). Every value is a tensor with the batch first.
     family.predict(denoiser, noisy, t, conditioning, dtype) -> float32 prediction in the latent layout
   LoRA
     family.lora_target_modules(denoiser, preset or tuple) -> peft target_modules
-    family.export_lora(denoiser, out_dir, provenance, kohya_metadata) -> [diffusers file, kohya file, ...]
+    family.export_lora(denoiser, out_dir, provenance, kohya_metadata) -> [diffusers file, then the family's
+      original-name files: SD kohya + comfyui; Flux.1 and Flux.2 kohya + comfyui; Z-Image, Qwen-Image comfyui]
   rendering and tests
     family.render_defaults() / render_kwargs(settings, guidance, negative) / prepare_pipeline(pipe, sampler, objective)
     family.build_tiny(out_dir, arch); build_tiny_model(out_dir, arch); tiny_arches()
