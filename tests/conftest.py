@@ -75,6 +75,50 @@ def demo_images() -> Path:
     return DEMO_IMAGES
 
 
+@pytest.fixture(scope="session")
+def tiny_config(tiny_model):
+    """A function that writes FOLDER/config.yaml for a whole `lorapipe run` of the tiny model over a
+    copy of the demo photos (FOLDER/data) at 64 px, its cache and outputs in FOLDER; `train` settings
+    as given."""
+    import shutil
+
+    import yaml
+
+    def write(folder: Path, name: str, **train) -> Path:
+        shutil.copytree(DEMO_IMAGES, folder / "data")
+        (folder / "config.yaml").write_text(yaml.safe_dump({
+            "name": name, "cache_dir": "cache", "output_dir": "out", "model": {"path": str(tiny_model)},
+            "data": {"path": "data"}, "preprocess": {"resolution": 64, "holdout_fraction": 0.25},
+            "encode": {"num_workers": 0}, "train": train,
+            "evaluate": {"prompts": ["a photo of a cat"], "seeds": [0], "num_inference_steps": 2},
+        }))
+        return folder / "config.yaml"
+
+    return write
+
+
+@pytest.fixture(scope="session")
+def run_stages():
+    """A function that serves or builds a config's stages in-process (no Prefect, which only wraps
+    the same calls in tasks): stage -> (StageResult, Artifact)."""
+    from flows.config import load_config
+    from flows.plan import Context
+    from flows.runner import run_stage
+
+    def run(config_path: Path, stages: tuple[str, ...]) -> dict:
+        ctx = Context(load_config(config_path), log=lambda line: None)
+        done, upstream = {}, {}
+        try:
+            for stage in stages:
+                done[stage] = run_stage(ctx, stage, upstream)
+                upstream[stage] = done[stage][1]
+        finally:
+            ctx.close()
+        return done
+
+    return run
+
+
 def _encode_demo_images(root: Path, model: Path, family: str, params) -> EncodedSet:
     """The demo photos at 64 px through the real preprocess and encode stages (6 train, 2 held out)."""
     from cache.digest import StatCache
