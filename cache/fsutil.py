@@ -58,3 +58,14 @@ def remove_tree(path: Path) -> None:
     doomed = path.with_name(f".trash-{path.name}-{os.getpid()}")
     os.replace(path, doomed)
     shutil.rmtree(doomed, ignore_errors=True)
+
+
+def probe_writable(folder: Path) -> None:
+    """Create `folder` if needed, then write, fsync and remove a small file in it: raises the
+    OSError a full, read-only or forbidden folder (or a file in its place) gives."""
+    folder.mkdir(parents=True, exist_ok=True)
+    probe = folder / f".probe-{os.getpid()}"
+    with open(probe, "wb") as f:
+        f.write(b"probe")
+        os.fsync(f.fileno())
+    probe.unlink()

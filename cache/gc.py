@@ -67,12 +67,11 @@ def collect(store: ArtifactStore, keep_last: int = 0, keep_since: float | None =
     live_work: set[tuple[str, str]] = set()
     for artifact in list(store.artifacts()):
         recent = keep_since is not None and last_used(store, artifact) >= keep_since
-        if (artifact.stage, artifact.key) in kept or recent:
-            live_refs |= set(artifact.manifest.get("refs", {}))
-            live_work.add((artifact.stage, artifact.manifest.get("work_key", "")))
+        if (artifact.stage, artifact.key) in kept or recent or not store.remove(artifact, wait=False):
+            live_refs |= set(artifact.manifest.get("refs", {}))  # kept, or in use by a running build
+            live_work.add((artifact.stage, artifact.work_key))
             continue
         freed.bytes += sum(e["size"] for e in artifact.manifest["files"].values())
-        store.remove(artifact)
         freed.removed.append(f"{artifact.stage}/{artifact.key}")
     now = time.time()
     samples = store.root / "samples"
@@ -91,13 +90,14 @@ def collect(store: ArtifactStore, keep_last: int = 0, keep_since: float | None =
 
 
 def _collect_work_dirs(store: ArtifactStore, live: set[tuple[str, str]], freed: Freed) -> None:
-    """Remove work directories that no kept artifact was built from and no run touched lately
-    (a run in progress keeps writing checkpoints into its own)."""
+    """Remove work directories that no kept artifact was built from, no run is using (its lock is
+    free) and no run touched lately (a killed run's checkpoints stay resumable for a while)."""
     now = time.time()
     for work in sorted((store.root / "work").glob("*/*")):
         entries = [work, *work.rglob("*")]
         if (work.parent.name, work.name) in live or now - max(e.stat().st_mtime for e in entries) < SHARD_GRACE_SECONDS:
             continue
-        freed.bytes += sum(e.stat().st_size for e in entries if e.is_file())
-        shutil.rmtree(work, ignore_errors=True)
-        freed.work_dirs += 1
+        size = sum(e.stat().st_size for e in entries if e.is_file())
+        if store.remove_work_dir(work.parent.name, work.name):
+            freed.bytes += size
+            freed.work_dirs += 1

@@ -1,8 +1,13 @@
 """The artifact store: `<root>/<stage>/<key>/` directories committed by their manifest.
 
 A directory without a valid `manifest.json` does not exist. Artifacts are built in a private
-temporary directory, fsynced, and published with one rename while the builder holds the key's
-lock; readers take no lock because published artifacts are never modified.
+temporary directory, fsynced, and published with one rename; readers take no lock because
+published artifacts are never modified.
+
+Locks: every step that writes or removes something of a key (a build, a forced rebuild, `cache rm`,
+`gc`) holds the lock of the key's *work key*. Keys that differ only in what a run may extend (train's
+max_steps) share one work directory, so they share one lock: two of them never write the same
+checkpoints at once, and a removal never pulls a work directory from under a running build.
 """
 from __future__ import annotations
 
@@ -17,12 +22,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .digest import canonical_json, digest_file, digest_json
-from .fsutil import fsync_tree, remove_tree, write_json_atomic
+from .errors import NO_SPACE, CacheRootError, unusable_folder
+from .fsutil import fsync_tree, probe_writable, remove_tree, write_json_atomic
 from .lock import key_lock
 
 MANIFEST = "manifest.json"
 LOG_DIR = "logs"  # files under logs/ are listed but excluded from the data digest (early cutoff)
 FORMAT = 1
+RESERVED = ("work", "locks", "refs", "uses", "samples", "tmp", "runs", "models")  # folders that hold no stage
 
 
 @dataclass(frozen=True)
@@ -61,6 +68,14 @@ class Artifact:
     def digest(self) -> str:
         return self.manifest["digest"]
 
+    @property
+    def work_key(self) -> str:
+        return self.manifest.get("work_key", self.key)
+
+    @property
+    def created(self) -> float:
+        return self.manifest["created"]
+
 
 @dataclass(frozen=True)
 class Lookup:
@@ -91,8 +106,21 @@ class ArtifactStore:
     def work_dir(self, stage: str, work_key: str) -> Path:
         return self.root / "work" / stage / work_key
 
-    def _lock_path(self, stage: str, key: str) -> Path:
-        return self.root / "locks" / stage / f"{key}.lock"
+    def lock(self, stage: str, work_key: str, on_wait: Callable[[], None] | None = None, wait: bool = True):
+        """The lock of everything built from one work directory (see the module's docstring)."""
+        return key_lock(self.root / "locks" / stage / f"{work_key}.lock", on_wait, wait)
+
+    def ensure_usable(self) -> None:
+        """Raise CacheRootError, one line naming the path, unless the root and the folders it
+        keeps can be created and written (a file in their place, read-only, full, no permission)."""
+        for path in (self.root, *(self.root / name for name in RESERVED)):
+            if path.exists() and not path.is_dir():
+                raise CacheRootError(f"{path} is a file where the cache keeps a folder: move it away,"
+                                     " or set cache_dir to another folder")
+        try:
+            probe_writable(self.root / "tmp")
+        except OSError as error:
+            raise CacheRootError(unusable_folder("cache_dir", self.root, error)) from error
 
     # ---- reading
     def lookup(self, stage: str, key: str) -> Lookup:
@@ -136,7 +164,7 @@ class ArtifactStore:
 
     def artifacts(self) -> Iterator[Artifact]:
         for stage_dir in sorted(p for p in self.root.iterdir() if p.is_dir()):
-            if stage_dir.name in ("work", "locks", "refs", "uses", "samples", "tmp", "runs", "models"):
+            if stage_dir.name in RESERVED:
                 continue
             for key_dir in sorted(p for p in stage_dir.iterdir() if p.is_dir()):
                 if key_dir.name.startswith("."):
@@ -152,18 +180,32 @@ class ArtifactStore:
         build: Callable[[Path, Path], Built | None],
         producer: dict[str, Any],
         log: Callable[[str], None] = print,
+        force: bool = False,
     ) -> tuple[Artifact, bool]:
-        """Return (artifact, computed). Builds under the key's lock unless a valid one exists."""
+        """Return (artifact, computed). Builds under the lock unless a valid artifact exists.
+
+        force: discard the artifact and the work directory and build again, unless another run
+        published a new artifact of this key while this one waited for the lock: two runs forced
+        at once rebuild once, and the second uses the first one's fresh artifact."""
         stage, key = stage_key.stage, stage_key.key
-        found = self.lookup(stage, key)
-        if found.hit:
-            return found.artifact, False
-        wait_msg = f"{stage}: another run is building {key[:12]}; waiting for it"
-        with key_lock(self._lock_path(stage, key), on_wait=lambda: log(wait_msg)):
+        seen = self.lookup(stage, key)
+        if seen.hit and not force:
+            return seen.artifact, False
+        wait_msg = f"{stage}: another run is building {key[:12]} (or from its work directory); waiting for it"
+        with self.lock(stage, stage_key.work_key, on_wait=lambda: log(wait_msg)):
             found = self.lookup(stage, key)
-            if found.hit:
+            if found.hit and not (force and _same_build(found.artifact, seen.artifact)):
                 return found.artifact, False
-            return self._build_locked(stage_key, build, producer), True
+            if force:
+                if found.artifact:
+                    remove_tree(found.artifact.path)
+                shutil.rmtree(self.work_dir(stage, stage_key.work_key), ignore_errors=True)
+            try:
+                return self._build_locked(stage_key, build, producer), True
+            except OSError as error:
+                if error.filename is None and error.errno in NO_SPACE:  # a write (they name no file): all of
+                    error.filename = str(self.root)  # a build's writes go into its out and work dirs, in here
+                raise
 
     def _build_locked(self, stage_key: StageKey, build, producer) -> Artifact:
         stage, key = stage_key.stage, stage_key.key
@@ -188,8 +230,20 @@ class ArtifactStore:
             shutil.rmtree(work_dir, ignore_errors=True)
         return Artifact(stage, key, final, manifest)
 
-    def remove(self, artifact: Artifact) -> None:
-        remove_tree(artifact.path)
+    def remove(self, artifact: Artifact, wait: bool = True, on_wait: Callable[[], None] | None = None) -> bool:
+        """Remove a published artifact under its lock, so that a run building it (or from its work
+        directory) finishes first. With wait=False a busy artifact is left alone: returns False."""
+        with self.lock(artifact.stage, artifact.work_key, on_wait, wait) as held:
+            if held:
+                remove_tree(artifact.path)
+            return held
+
+    def remove_work_dir(self, stage: str, work_key: str) -> bool:
+        """Remove a work directory unless a run is using it (its lock is held): returns whether it was."""
+        with self.lock(stage, work_key, wait=False) as held:
+            if held:
+                shutil.rmtree(self.work_dir(stage, work_key), ignore_errors=True)
+            return held
 
     # ---- what each pipeline last used (for miss reasons, `cache ls` and gc)
     def remember(self, pipeline: str, stage_key: StageKey, artifact: Artifact) -> None:
@@ -215,6 +269,11 @@ class ArtifactStore:
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+
+def _same_build(found: Artifact, seen: Artifact | None) -> bool:
+    """Whether `found` is the very artifact seen before waiting for the lock (not a rebuild)."""
+    return seen is not None and found.created == seen.created and found.digest == seen.digest
 
 
 def _size_problem(path: Path, size: int) -> str:

@@ -5,13 +5,20 @@
     lorapipe status CONFIG [--set key=value]... [--strict] [--json]
     lorapipe cache ls|verify|rm|gc [--cache-dir DIR | --config CONFIG] [--keep-last N] [--keep-days D | --since DATE]
     lorapipe tiny-model DIR [--arch sd15|sdxl]
+
+Every command takes --debug. An error ends the command with one line, `lorapipe: error: ...`, and
+a non-zero exit code (2 for a bad config, 1 otherwise); a run's traceback is in its log file
+(flows/runlog.py), and --debug prints it too.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import sys
+import traceback
 from pathlib import Path
+
+from cache.errors import one_line, user_message
 
 from .config import ConfigError
 
@@ -25,12 +32,14 @@ PREFECT_DEFAULTS = {
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lorapipe", description="Cached LoRA fine-tuning for Stable Diffusion")
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--debug", action="store_true", help="print tracebacks and everything Prefect logs")
     sub = p.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="tiny model + bundled photos through the whole pipeline")
+    demo = sub.add_parser("demo", parents=[common], help="tiny model + bundled photos through the whole pipeline")
     demo.add_argument("--workdir", type=Path, default=Path("demo-run"))
     demo.add_argument("--json", action="store_true")
-    run = sub.add_parser("run", help="run a config's pipeline")
-    status = sub.add_parser("status", help="per stage: hit or miss and why, without running")
+    run = sub.add_parser("run", parents=[common], help="run a config's pipeline")
+    status = sub.add_parser("status", parents=[common], help="per stage: hit or miss and why, without running")
     for cmd in (run, status):
         cmd.add_argument("config", type=Path)
         cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
@@ -40,7 +49,7 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--only", action="append", default=[], metavar="STAGE")
     run.add_argument("--from", dest="start", metavar="STAGE")
     run.add_argument("--force", action="append", default=[], metavar="STAGE")
-    cache = sub.add_parser("cache", help="manage the artifact store")
+    cache = sub.add_parser("cache", parents=[common], help="manage the artifact store")
     cache.add_argument("action", choices=["ls", "verify", "rm", "gc"])
     cache.add_argument("keys", nargs="*", help="rm: artifact keys or key prefixes")
     where = cache.add_mutually_exclusive_group()
@@ -51,7 +60,7 @@ def _parser() -> argparse.ArgumentParser:
     cache.add_argument("--keep-days", type=float, help="gc: keep artifacts used this recently (default 30)")
     cache.add_argument("--since", metavar="DATE", help="gc: keep artifacts used on or after DATE (2026-11-01)")
     cache.add_argument("--json", action="store_true")
-    tiny = sub.add_parser("tiny-model", help="build a tiny model offline")
+    tiny = sub.add_parser("tiny-model", parents=[common], help="build a tiny model offline")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--arch", choices=["sd15", "sdxl"], default="sd15")
     return p
@@ -63,9 +72,24 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(name, value)
     try:
         return _dispatch(args)
-    except (ConfigError, ValueError, FileNotFoundError, RuntimeError) as e:
-        print(f"lorapipe: error: {e}", file=sys.stderr)
-        return 2 if isinstance(e, ConfigError) else 1
+    except KeyboardInterrupt:
+        print("lorapipe: interrupted", file=sys.stderr)
+        return 130
+    except Exception as error:
+        if args.debug:
+            traceback.print_exc()
+        print(f"lorapipe: error: {error_line(error)}", file=sys.stderr)
+        return 2 if isinstance(error, ConfigError) else 1
+
+
+def error_line(error: Exception) -> str:
+    """What went wrong and what to do, for an error the user can fix; else the bug's one line."""
+    message = user_message(error)
+    if message is not None:
+        return message
+    text = one_line(str(error))
+    what = f"{type(error).__name__}: {text}" if text else type(error).__name__
+    return f"{what} (an internal error: its traceback is in the run's log, or rerun with --debug)"
 
 
 def _dispatch(args: argparse.Namespace) -> int:
@@ -76,10 +100,10 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         config = prepare_demo(args.workdir)
         os.environ.setdefault("PREFECT_HOME", str((args.workdir / "prefect").resolve()))
-        return commands.run(config, [], [], None, [], args.json)
+        return commands.run(config, [], [], None, [], args.json, args.debug)
     if args.command == "run":
         return commands.run(args.config, args.overrides + STRICT * args.strict, args.only, args.start, args.force,
-                            args.json)
+                            args.json, args.debug)
     if args.command == "status":
         return commands.status(args.config, args.overrides + STRICT * args.strict, args.json)
     if args.command == "cache":

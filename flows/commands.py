@@ -5,22 +5,47 @@ import json
 import time
 from pathlib import Path
 
-from .config import load_config
+from cache.errors import UserError
+
+from .config import PipelineConfig, load_config
 
 
 def _print_json(value) -> None:
     print(json.dumps(value, indent=1, default=str))
 
 
-def run(config_path: Path, overrides: list[str], only: list[str], start: str | None,
-        force: list[str], as_json: bool) -> int:
-    config = load_config(config_path, overrides)
-    from .pipeline import pipeline, selected_stages
+def preflight(config: PipelineConfig, stage_names: list[str], start: str | None) -> None:
+    """What can be checked before Prefect starts, so that it fails at once in one line: the stage
+    names, that output_dir and the cache can be written, that the model is whole and supported."""
+    from cache.errors import unusable_folder
+    from cache.fsutil import probe_writable
 
-    selected_stages(only + force, start)  # reject an unknown stage name before Prefect starts
-    summary = pipeline(config, only=only, start=start, force=force)
+    from .plan import Context, selected_stages
+
+    selected_stages(stage_names, start)
+    try:
+        probe_writable(config.output_dir)
+    except OSError as error:
+        raise UserError(unusable_folder("output_dir", config.output_dir, error)) from error
+    ctx = Context(config, log=lambda line: None)
+    try:
+        ctx.model_digests  # noqa: B018 (reads the model index, checks every weights file, hashes new ones)
+        ctx.family  # noqa: B018
+    finally:
+        ctx.close()
+
+
+def run(config_path: Path, overrides: list[str], only: list[str], start: str | None,
+        force: list[str], as_json: bool, debug: bool = False) -> int:
+    config = load_config(config_path, overrides)
+    preflight(config, only + force, start)
+    from .pipeline import pipeline
+    from .runlog import run_log
+
+    with run_log(config.output_dir, debug) as log_path:
+        summary = pipeline(config, only=only, start=start, force=force)
     if as_json:
-        _print_json({"pipeline": config.name, "stages": summary})
+        _print_json({"pipeline": config.name, "stages": summary, "log": str(log_path)})
         return 0
     print(f"\n{'stage':<11}{'status':<10}{'seconds':>9}  artifact")
     for row in summary:
@@ -34,6 +59,7 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
                         ("metrics", "metrics.json"), ("run summary", "run-summary.json")):
         if (out / name).exists():
             print(f"{label + ':':<13}{out / name}")
+    print(f"{'run log:':<13}{log_path}")
     return 0
 
 
@@ -61,7 +87,7 @@ def _cache_root(args) -> Path:
         return load_config(args.config).cache_dir
     root = args.cache_dir or Path("demo-run/cache")
     if not root.is_dir():
-        raise FileNotFoundError(f"cache folder {root} does not exist (pass --cache-dir or --config)")
+        raise UserError(f"cache folder {root} does not exist (pass --cache-dir or --config)")
     return root
 
 
@@ -115,14 +141,15 @@ def _cache_verify(store) -> int:
 
 def _cache_rm(store, prefixes: list[str]) -> int:
     if not prefixes:
-        raise ValueError("cache rm needs one or more artifact keys (see `lorapipe cache ls`)")
+        raise UserError("cache rm needs one or more artifact keys (see `lorapipe cache ls`)")
     artifacts = list(store.artifacts())
     unmatched = [k for k in prefixes if not any(a.key.startswith(k) for a in artifacts)]
     if unmatched:
-        raise ValueError(f"cache rm: no artifact key starts with {unmatched[0]!r} (see `lorapipe cache ls`)")
+        raise UserError(f"cache rm: no artifact key starts with {unmatched[0]!r} (see `lorapipe cache ls`)")
     for a in artifacts:
         if any(a.key.startswith(k) for k in prefixes):
-            store.remove(a)
+            store.remove(a, on_wait=lambda: print(f"{a.stage} {a.key[:12]}: a run is building from its work"
+                                                  " directory; waiting for it", flush=True))
             print(f"removed {a.stage} {a.key}")
     return 0
 
@@ -132,12 +159,12 @@ def gc_cutoff(since: str | None, keep_days: float | None, keep_last: int) -> flo
     from datetime import datetime
 
     if since is not None and keep_days is not None:
-        raise ValueError("cache gc: give --since or --keep-days, not both")
+        raise UserError("cache gc: give --since or --keep-days, not both")
     if since is not None:
         try:
             return datetime.fromisoformat(since).timestamp()
         except ValueError:
-            raise ValueError(f"cache gc: --since: {since!r} is not a date like 2026-11-01 or 2026-11-01T12:00") from None
+            raise UserError(f"cache gc: --since: {since!r} is not a date like 2026-11-01 or 2026-11-01T12:00") from None
     if keep_days is None and keep_last:
         return None
     return time.time() - (30 if keep_days is None else keep_days) * 86400
@@ -148,6 +175,8 @@ def cache(args) -> int:
     from cache.store import ArtifactStore
 
     store = ArtifactStore(_cache_root(args))
+    if args.action in ("rm", "gc"):
+        store.ensure_usable()
     if args.action == "ls":
         return _cache_ls(store, args.json)
     if args.action == "verify":
@@ -155,7 +184,7 @@ def cache(args) -> int:
     if args.action == "rm":
         return _cache_rm(store, args.keys)
     if args.keep_last < 0:
-        raise ValueError(f"cache gc: --keep-last must be 0 or more, got {args.keep_last}")
+        raise UserError(f"cache gc: --keep-last must be 0 or more, got {args.keep_last}")
     freed = collect(store, keep_last=args.keep_last, keep_since=gc_cutoff(args.since, args.keep_days, args.keep_last))
     for name in freed.removed:
         print(f"removed {name}")

@@ -11,6 +11,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
+from cache.errors import UserError
 from stages.encode import EncodeOptions, EncodeParams
 from stages.evaluate import EvalOptions, EvalParams
 from stages.preprocess import DatasetSource, PreprocessParams
@@ -18,7 +19,7 @@ from stages.train import TrainOptions, TrainParams
 from stages.contract import Frozen
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A bad config: the message is one line naming the file and the key."""
 
 
@@ -118,13 +119,20 @@ def load_config(path: Path, overrides: list[str] = ()) -> PipelineConfig:
     except OSError as e:
         raise ConfigError(f"{path}: cannot read config ({e.strerror})") from None
     except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({str(e).splitlines()[0]})") from None
+        raise ConfigError(f"{path}: {_yaml_problem(e)}") from None
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the config must be a mapping of sections")
     for assignment in overrides:
         _apply_override(raw, assignment, str(path))
     _resolve_paths(raw, path.parent.resolve())
     return validate_config(raw, str(path))
+
+
+def _yaml_problem(error: yaml.YAMLError) -> str:
+    """Where and what: 'line 3, column 9: not valid YAML: expected ',' or ']', but got ...'."""
+    mark = getattr(error, "problem_mark", None)
+    what = getattr(error, "problem", None) or str(error).splitlines()[0]
+    return f"line {mark.line + 1}, column {mark.column + 1}: not valid YAML: {what}" if mark else f"not valid YAML: {what}"
 
 
 def validate_config(raw: dict[str, Any], source: str) -> PipelineConfig:

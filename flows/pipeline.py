@@ -6,6 +6,7 @@ hit or miss is decided by our cache manifest (a hit shows in Prefect as a "Cache
 """
 from __future__ import annotations
 
+import errno
 import json
 import shutil
 import sys
@@ -15,14 +16,15 @@ from typing import Literal, get_args
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import flow_run
+from prefect.runtime import flow_run, task_run
 from prefect.states import Completed
 
 from cache.gc import record_run
+from stages.launching import WorkerCrashed
 
 from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config
-from .plan import STAGES, Context
+from .plan import STAGES, Context, selected_stages
 from .runner import StageResult, run_stage, run_warm_train
 
 Stage = Literal["preprocess", "encode", "train", "evaluate"]  # typed, so Prefect refuses a misspelt stage
@@ -32,14 +34,26 @@ OUTPUT_FILES = {  # stage -> files copied next to the run summary for the user
     "train": ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"),
     "evaluate": ("grid.png", "metrics.json", "report.md", "checkpoint_loss.png", "checkpoint_losses.json"),
 }
+TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ESTALE, errno.ETIMEDOUT, errno.ECONNRESET,
+                    errno.ECONNABORTED}  # a busy or briefly unreachable (network) filesystem
 
 
-@task(cache_policy=NO_CACHE, persist_result=False)
+def may_succeed_on_retry(_task, _task_run, state) -> bool:
+    """Retry a stage whose worker process died without reporting an error (a signal, the OOM
+    killer), or that hit a transient filesystem error; never one that failed on its input."""
+    error = state.data
+    return isinstance(error, WorkerCrashed) or (isinstance(error, OSError) and error.errno in TRANSIENT_ERRNOS)
+
+
+@task(cache_policy=NO_CACHE, persist_result=False, retries=2, retry_delay_seconds=5,
+      retry_condition_fn=may_succeed_on_retry)
 def stage_task(config: PipelineConfig, stage: str, upstream: dict[str, str], run: bool, force: bool,
                warm_start: bool = False):
     """One stage. `upstream` maps earlier stages to their artifact keys; `warm_start` makes train
-    begin from this pipeline's previous LoRA."""
+    begin from this pipeline's previous LoRA. A retry resumes (train from its last checkpoint,
+    encode after its last shard): `force` discards the work directory on the first attempt only."""
     logger, progress = get_run_logger(), StageProgress(stage)
+    force = force and task_run.run_count <= 1
 
     def log(line: str) -> None:
         logger.info(line)
@@ -55,15 +69,6 @@ def stage_task(config: PipelineConfig, stage: str, upstream: dict[str, str], run
     if result.status == "hit":
         return Completed(name="Cached", message=f"{stage}: served from {result.path}", data=result)
     return result
-
-
-def selected_stages(only: list[str], start: str | None) -> set[str]:
-    for name in [*only, *([start] if start else [])]:
-        if name not in STAGES:
-            raise ValueError(f"unknown stage {name!r}: expected one of {', '.join(STAGES)}")
-    if only:
-        return set(only)
-    return set(STAGES[STAGES.index(start):]) if start else set(STAGES)
 
 
 @flow(name="lorapipe", log_prints=True)

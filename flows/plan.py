@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from cache.digest import StatCache, path_identity
+from cache.errors import UserError
 from cache.store import Artifact, ArtifactStore, Built, StageKey
 from stages import encode, evaluate, preprocess, train
 from stages.contract import Log, library_majors, library_versions
@@ -43,6 +44,7 @@ class Context:
     def __init__(self, config: PipelineConfig, log: Log = print):
         self.config, self.log = config, log
         self.store = ArtifactStore(config.cache_dir)
+        self.store.ensure_usable()
         self.stat_cache = StatCache(self.store.root / "stat-cache.sqlite")
 
     @cached_property
@@ -111,7 +113,7 @@ def train_step(ctx: Context, enc: Artifact) -> Step:
     cfg = ctx.config
     params, options = split(cfg.train, train.TrainParams, train.TrainOptions)
     if params.init_lora and not Path(params.init_lora).is_file():
-        raise FileNotFoundError(f"train.init_lora: {params.init_lora} is not a file")
+        raise UserError(f"train.init_lora: {params.init_lora} is not a file")
     init_lora = ctx.stat_cache.digest(Path(params.init_lora)) if params.init_lora else "none"
     keyed = params.model_copy(update={"init_lora": None})  # keyed by its content (inputs), not its path
     key = ctx.stage_key("train", keyed, {"encode": enc.digest, "init_lora": init_lora},
@@ -143,6 +145,16 @@ def evaluate_step(ctx: Context, enc: Artifact, trained: Artifact) -> Step:
         return evaluate.run(params, inputs, out, work, options, ctx.log)
 
     return Step(key, build)
+
+
+def selected_stages(only: list[str], start: str | None) -> set[str]:
+    """The stages `--only` / `--from` select (all by default)."""
+    for name in [*only, *([start] if start else [])]:
+        if name not in STAGES:
+            raise UserError(f"unknown stage {name!r}: expected one of {', '.join(STAGES)}")
+    if only:
+        return set(only)
+    return set(STAGES[STAGES.index(start):]) if start else set(STAGES)
 
 
 def step_for(stage: str, ctx: Context, upstream: dict[str, Artifact]) -> Step:

@@ -4,11 +4,11 @@ No Prefect here: the flow wraps `run_stage` in a task, `lorapipe status` calls `
 """
 from __future__ import annotations
 
-import shutil
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from cache.errors import UserError
 from cache.store import Artifact, Lookup, StageKey, diff_ingredients
 
 from .plan import Context, Step, code_digest, step_for
@@ -16,7 +16,7 @@ from .plan import Context, Step, code_digest, step_for
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
-class StageNotCached(RuntimeError):
+class StageNotCached(UserError):
     """A stage that was not selected to run has no valid artifact for this config."""
 
 
@@ -60,23 +60,18 @@ def run_stage(ctx: Context, stage: str, upstream: dict[str, Artifact], *, run: b
     step: Step = step_for(stage, ctx, upstream)
     key = step.key
     found = ctx.store.lookup(stage, key.key)
-    if force:
-        ctx.log(f"{stage}: --force: rebuilding {key.key[:12]} and discarding its work directory")
-        if found.artifact:
-            ctx.store.remove(found.artifact)
-        shutil.rmtree(ctx.store.work_dir(stage, key.work_key), ignore_errors=True)
-        found = Lookup(None, "forced")
-    if found.hit:
+    if found.hit and not force:
         artifact, computed, reason = found.artifact, False, hit_note(stage, found.artifact)
     elif not run:
         raise StageNotCached(f"{stage} is not selected to run and has no cached artifact for this config "
                              f"({miss_reason(ctx, key, found)}); run it first or drop --only/--from")
     else:
         reason = "forced" if force else miss_reason(ctx, key, found)
-        ctx.log(f"{stage}: miss ({reason}); computing {key.key[:12]}")
-        artifact, computed = ctx.store.build(key, step.build, ctx.producer(stage), ctx.log)
+        what = "rebuilding it and discarding its work directory" if force else "computing"
+        ctx.log(f"{stage}: {'--force' if force else 'miss'} ({reason}); {what} {key.key[:12]}")
+        artifact, computed = ctx.store.build(key, step.build, ctx.producer(stage), ctx.log, force=force)
         if not computed:
-            reason = "built meanwhile by a concurrent run"
+            reason = "built meanwhile by a concurrent run" + (" (forced too: one rebuild serves both)" if force else "")
     ctx.store.remember(ctx.config.name, key, artifact)
     status = "computed" if computed else "hit"
     ctx.log(f"{stage}: {status} {artifact.path}")
@@ -111,8 +106,8 @@ def previous_train(ctx: Context) -> Artifact:
     previous = ctx.store.previous(ctx.config.name, "train")
     found = ctx.store.lookup("train", previous["key"]) if previous else None
     if not found or not found.hit:
-        raise ValueError(f"warm_start: pipeline {ctx.config.name!r} has no earlier LoRA in {ctx.config.cache_dir};"
-                         " run it once without warm_start")
+        raise UserError(f"warm_start: pipeline {ctx.config.name!r} has no earlier LoRA in {ctx.config.cache_dir};"
+                        " run it once without warm_start")
     return found.artifact
 
 

@@ -4,27 +4,44 @@ Used by train and by multi-process encode. The children live in the parent's pro
 write only into the stage's work_dir, and are terminated with the parent: on an exception or
 Ctrl-C by `terminate`, and on Linux even when the parent is SIGKILLed, by the kernel
 (PR_SET_PDEATHSIG, set in the launcher before it runs and by each worker at its start).
-A worker reports an error meant for the user as one line starting with ERROR_PREFIX; the
-parent's exception then begins with that line.
+A worker reports its exception as one line starting with ERROR_PREFIX (`reporting_errors`), then
+its traceback; the parent raises WorkerFailed with that line. A worker that dies without a word
+(killed by a signal or the OOM killer, a segfault) makes the parent raise WorkerCrashed, which a
+retry may cure. Tracebacks in the workers' output go to the stage's log file and to the
+`lorapipe.detail` logger (the run's log file), not to the stage's `log`: the terminal shows the one line.
 """
 from __future__ import annotations
 
 import ctypes
+import logging
 import os
 import signal
 import socket
 import subprocess
 import sys
-from collections import deque
+import traceback
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
+from cache.errors import UserError, user_message
 from stages.contract import Log
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
-TAIL_LINES = 20
+TRACEBACK_START = "Traceback (most recent call last):"
 PARENT_ENV = "LORAPIPE_STAGE_PID"  # the stage process a worker must not outlive
 ERROR_PREFIX = "error: "
 PR_SET_PDEATHSIG = 1
+detail_log = logging.getLogger("lorapipe.detail")  # lines for the log file, not the terminal
+
+
+class WorkerFailed(UserError):
+    """A worker process stopped on an exception and reported it in one line."""
+
+
+class WorkerCrashed(RuntimeError):
+    """A worker process died without reporting an error: killed by a signal (the OOM killer),
+    or crashed. Nothing says the input is at fault, so a retry may succeed."""
 
 
 def _prctl():
@@ -70,31 +87,57 @@ def free_port() -> int:
 
 
 def run_streaming(command: list[str], log_file: Path, log: Log) -> None:
-    """Run `command`, sending each output line to `log` and `log_file`; raise if it fails.
-    The error names the log file's stem (train.log -> "train failed")."""
+    """Run `command`, sending each output line to `log_file` and, tracebacks aside, to `log`.
+    Raise WorkerFailed with the first error a worker reported, or WorkerCrashed if none did."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",  # every input is a local path
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
            PARENT_ENV: str(os.getpid())}
-    tail: deque[str] = deque(maxlen=TAIL_LINES)
     errors: list[str] = []
     with open(log_file, "a", buffering=1) as sink:  # line-buffered: the log can be followed live
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                                    bufsize=1, env=env, cwd=REPO_ROOT, preexec_fn=_die_with(os.getpid()))
         try:
-            for line in process.stdout:
-                line = line.rstrip("\n")
-                tail.append(line)
-                if line.startswith(ERROR_PREFIX):
-                    errors.append(line.removeprefix(ERROR_PREFIX))
+            for line, is_detail in _classified(process.stdout, errors):
                 sink.write(line + "\n")
-                log(line)
+                (detail_log.info if is_detail else log)(line)
             code = process.wait()
         finally:
             terminate(process)
+    name = Path(log_file).stem
+    if code != 0 and errors:
+        raise WorkerFailed(f"{name}: {errors[0]}")
     if code != 0:
-        reason = f"{errors[0]}\n" if errors else ""
-        raise RuntimeError(f"{reason}{Path(log_file).stem} failed (exit code {code}); last lines of its log:\n"
-                           + "\n".join(tail))
+        raise WorkerCrashed(f"the {name} process died without reporting an error (exit code {code}; killed by a"
+                            f" signal or out of memory?); its log: {log_file}")
+
+
+def _classified(lines: Iterator[str], errors: list[str]) -> Iterator[tuple[str, bool]]:
+    """(line, is_detail) for each output line: detail is a Python traceback (up to and including its
+    exception line) and whatever follows a worker's error report (its traceback, the launcher's)."""
+    in_traceback = False
+    for line in lines:
+        line = line.rstrip("\n")
+        if line.startswith(ERROR_PREFIX):
+            errors.append(line.removeprefix(ERROR_PREFIX))
+            yield line, True  # the parent's exception carries it
+            continue
+        ends_traceback = in_traceback and not line.startswith(" ")
+        in_traceback = (in_traceback or line == TRACEBACK_START) and not ends_traceback
+        yield line, bool(errors) or in_traceback or ends_traceback
+
+
+@contextmanager
+def reporting_errors() -> Iterator[None]:
+    """In a worker's main: report an exception as one ERROR_PREFIX line (the user's line for an
+    error the user can fix), then its traceback, and exit with status 1."""
+    try:
+        yield
+    except Exception as error:
+        line = user_message(error) or f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        print(f"{ERROR_PREFIX}{line}", flush=True)
+        traceback.print_exc(file=sys.stdout)
+        sys.stdout.flush()
+        sys.exit(1)
 
 
 def _die_with(stage_pid: int):

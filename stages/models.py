@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 from cache.digest import StatCache, digest_tree
+from cache.errors import UserError
 
 FAMILIES = {"StableDiffusionPipeline": "sd15", "StableDiffusionXLPipeline": "sdxl"}
 PIPELINES = {family: name for name, family in FAMILIES.items()}
@@ -30,9 +31,31 @@ def is_single_file(model_path: Path) -> bool:
 def model_index(model_path: Path) -> dict:
     index_path = Path(model_path) / "model_index.json"
     if not index_path.is_file():
-        raise FileNotFoundError(f"{index_path} not found: model.path must be a diffusers-format model folder"
-                                f" or a single-file {SINGLE_FILE_SUFFIX} checkpoint")
-    return json.loads(index_path.read_text())
+        raise UserError(f"{index_path} not found: model.path must be a diffusers-format model folder"
+                        f" or a single-file {SINGLE_FILE_SUFFIX} checkpoint")
+    try:
+        return json.loads(index_path.read_text())
+    except ValueError as e:
+        raise UserError(f"{index_path}: not valid JSON ({e})") from None
+
+
+def check_weights_file(path: Path) -> None:
+    """Raise UserError unless `path` is a whole safetensors file: its header parses and its last
+    tensor ends where the file ends (a truncated download or copy does not). Reads the header only."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+        try:
+            header = json.loads(f.read(length)) if 0 < length <= size - 8 else None
+        except ValueError:
+            header = None
+    if not isinstance(header, dict):
+        raise UserError(f"{path} is not a readable safetensors file ({size:,} bytes): copy or download it again")
+    end = 8 + length + max((t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"), default=0)
+    if end != size:
+        raise UserError(f"{path} is truncated or damaged: its header describes {end:,} bytes but the file has"
+                        f" {size:,}: copy or download it again")
 
 
 def single_file_family(path: Path) -> str:
@@ -40,7 +63,8 @@ def single_file_family(path: Path) -> str:
     from safetensors import safe_open
 
     if not Path(path).is_file():
-        raise FileNotFoundError(f"model.path: {path} is not a file")
+        raise UserError(f"model.path: {path} is not a file")
+    check_weights_file(Path(path))
     with safe_open(path, "pt") as f:
         keys = set(f.keys())
     if SDXL_UNET_KEY in keys:
@@ -57,7 +81,8 @@ def model_family(model_path: Path, family: str | None = None) -> str:
         return family or single_file_family(Path(model_path))
     name = model_index(model_path).get("_class_name")
     if name not in FAMILIES:
-        raise ValueError(f"{model_path}/model_index.json: unsupported pipeline class {name!r}")
+        raise UserError(f"{model_path}/model_index.json: unsupported pipeline class {name!r}"
+                        f" (supported: {', '.join(FAMILIES)})")
     if family and family != FAMILIES[name]:
         raise ValueError(f"model.family is {family} but {model_path}/model_index.json is a {FAMILIES[name]} model")
     return FAMILIES[name]
@@ -67,9 +92,19 @@ def component_digests(model_path: Path, stat_cache: StatCache, family: str | Non
     """Digest of every component the model index names (vae, unet, text_encoder, ...); for a single
     file, the file's digest for every component of its family's architecture."""
     if is_single_file(model_path):
+        family = model_family(model_path, family)
+        check_weights_file(Path(model_path))
         digest = stat_cache.digest(Path(model_path))
-        return {name: digest for name in _components(ARCH_ROOT / model_family(model_path, family))}
-    return {name: digest_tree(Path(model_path) / name, stat_cache) for name in _components(model_path)}
+        return {name: digest for name in _components(ARCH_ROOT / family)}
+    digests = {}
+    for name in _components(model_path):
+        folder = Path(model_path) / name
+        if not folder.is_dir():
+            raise UserError(f"{model_path}/model_index.json names {name!r} but there is no folder {folder}")
+        for weights in sorted(folder.rglob(f"*{SINGLE_FILE_SUFFIX}")):
+            check_weights_file(weights)
+        digests[name] = digest_tree(folder, stat_cache)
+    return digests
 
 
 def _components(model_path: Path) -> list[str]:

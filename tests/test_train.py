@@ -22,7 +22,9 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from cache.errors import UserError
 from stages import train
+from stages.launching import WorkerFailed
 from stages.train.checkpoints import CheckpointDir
 from stages.train.data import BatchPlan, MicroBatches
 from stages.train.lora_files import save_safetensors_sorted
@@ -166,11 +168,12 @@ def test_ddp_two_cpu_processes(tmp_path, tiny_model, encoded):
     assert len([line for line in log.splitlines() if line.startswith("step 4/4")]) == 1  # main process only
 
 
-def test_child_failure_is_reported(tmp_path, encoded):
+def test_child_failure_is_reported_in_one_line(tmp_path, encoded):
     inputs = train.TrainInputs(encoded.artifact_dir, encoded.cache_root, tmp_path / "no-such-model", "x", "y")
-    with pytest.raises(RuntimeError, match="exit code") as failure:
+    with pytest.raises(WorkerFailed) as failure:
         run_train(tmp_path, "bad", inputs, max_steps=2)
-    assert "no-such-model" in str(failure.value)
+    assert "no-such-model" in str(failure.value) and "\n" not in str(failure.value)
+    assert "Traceback" in (tmp_path / "work-bad" / "logs" / "train.log").read_text()  # kept for the log
 
 
 def test_batch_plan_deals_equal_disjoint_batches(encoded):
@@ -197,7 +200,7 @@ def test_damaged_checkpoint_falls_back_then_refuses(tmp_path):
     (checkpoints.path(20) / "state.bin").write_bytes(b"truncated")
     assert checkpoints.latest_intact(warnings.append) == 10 and "step-000020" in warnings[0]
     (checkpoints.path(10) / "checkpoint.json").unlink()
-    with pytest.raises(RuntimeError, match="every checkpoint"):
+    with pytest.raises(UserError, match="every checkpoint"):
         checkpoints.latest_intact(warnings.append)
 
 
@@ -292,7 +295,7 @@ def test_batch_plan_repeats_samples(encoded):
 
 def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tiny_model, encoded):
     # lr 1e30: Adam moves every LoRA weight by about 1e30 in step 1, so step 2's forward overflows
-    with pytest.raises(RuntimeError) as failure:
+    with pytest.raises(WorkerFailed) as failure:
         run_train(tmp_path, "nan", train_inputs(tiny_model, encoded), learning_rate=1e30, max_steps=5,
                   checkpoint_every=1, keep_checkpoints=5)
     work = tmp_path / "work-nan"
@@ -353,7 +356,9 @@ def test_init_lora_must_match_rank_and_alpha(trained, tiny_model):
 PARENT = """
 import signal, sys
 from pathlib import Path
+from cache.errors import UserError
 from stages import train
+from stages.launching import WorkerFailed
 signal.signal(signal.SIGINT, signal.default_int_handler)
 inputs = train.TrainInputs(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), "base", "encoded")
 train.run(train.TrainParams(max_steps=100000, batch_size=2, checkpoint_every=100000), inputs,
@@ -414,7 +419,7 @@ def test_init_lora_is_keyed_by_its_content_not_its_path(tmp_path, tiny_model, de
     assert key(first) == key(moved)
     save_safetensors_sorted({"x": torch.ones(2)}, {}, moved)
     assert key(first) != key(moved)
-    with pytest.raises(FileNotFoundError, match="train.init_lora: .*missing.safetensors is not a file"):
+    with pytest.raises(UserError, match="train.init_lora: .*missing.safetensors is not a file"):
         key(tmp_path / "missing.safetensors")
 
 

@@ -20,7 +20,7 @@ from cache.fsutil import write_json_atomic
 from cache.samples import SampleStore
 
 from ..contract import Log
-from ..launching import die_with_parent, run_streaming, write_accelerate_config
+from ..launching import die_with_parent, reporting_errors, run_streaming, write_accelerate_config
 from .images import sample_label
 from .latents import Progress, encode_latents
 from .texts import TextEncoder, encode_texts
@@ -128,8 +128,9 @@ def main(job_path: Path) -> None:
     log = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: print(f"[rank {rank}] {m}", flush=True))
     share = jobs.share(rank, world)
     log(f"encode: process {rank} of {world}: {len(share.latents)} latents, {len(share.texts)} text embeddings")
-    failed = encode_jobs(jobs, dataset, EncodeParams(**job["params"]), inputs, EncodeOptions(**job["options"]),
-                         rank, world, log)
+    with reporting_errors():
+        failed = encode_jobs(jobs, dataset, EncodeParams(**job["params"]), inputs, EncodeOptions(**job["options"]),
+                             rank, world, log)
     write_json_atomic(job_path.parent / f"failed-{rank}.json", failed)
 
 

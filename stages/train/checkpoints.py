@@ -3,6 +3,10 @@
 A checkpoint is staged in `checkpoints/.staging-step-XXXXXX/`, sealed by `checkpoint.json`
 (step, max_steps of the run that wrote it, every file's size and digest) and renamed into place.
 A directory whose files do not match its `checkpoint.json` is damaged.
+
+Only the training processes write here, and only while their stage process holds the work
+directory's lock (cache/store.py), so rotation never races a forced rebuild, `gc` or another run
+that extends the same training.
 """
 from __future__ import annotations
 
@@ -12,6 +16,7 @@ from pathlib import Path
 from typing import Callable
 
 from cache.digest import digest_file
+from cache.errors import UserError
 from cache.fsutil import fsync_dir, fsync_tree, remove_tree, write_json_atomic
 
 SEAL = "checkpoint.json"
@@ -65,10 +70,8 @@ class CheckpointDir:
                 return step
             warn(f"checkpoint {step_name(step)} is damaged ({problem}); trying the one before it")
         if steps:
-            raise RuntimeError(
-                f"every checkpoint in {self.root} is damaged; refusing to start over silently."
-                " Remove the directory (or run with --force train) to train from scratch."
-            )
+            raise UserError(f"every checkpoint in {self.root} is damaged; refusing to start over silently:"
+                            " run with --force train to train from scratch")
         return None
 
     def max_steps_of(self, step: int) -> int:

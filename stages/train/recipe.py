@@ -34,15 +34,15 @@ import json
 import math
 import sys
 import time
-import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from cache.errors import UserError
 from stages.encoded import EncodedData
-from stages.launching import ERROR_PREFIX, die_with_parent
+from stages.launching import die_with_parent, reporting_errors
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
 from stages.train.data import (Batch, BatchPlan, MicroBatches, UNetInputs, derived_seed, noised_inputs,
                                prepare_micro_batch)
@@ -196,8 +196,8 @@ class LoRATrainingRecipe:
                 self._truncate_loss_log(0)
             return
         if latest > self.params.max_steps:
-            raise RuntimeError(f"{self.checkpoints.path(latest)} is past max_steps={self.params.max_steps}:"
-                               " raise max_steps or train from scratch (--force train)")
+            raise UserError(f"{self.checkpoints.path(latest)} is past train.max_steps={self.params.max_steps}:"
+                            " raise max_steps, or train from scratch with --force train")
         self.accelerator.load_state(str(self.checkpoints.path(latest)))
         self.step = self.resumed_from = latest
         previous_total = self.checkpoints.max_steps_of(latest)
@@ -389,15 +389,11 @@ def main(argv: list[str]) -> None:
     job = json.loads(Path(argv[1]).read_text())
     recipe = LoRATrainingRecipe(TrainParams(**job["params"]), TrainInputs.from_json(job["inputs"]),
                                 TrainOptions(**job["options"]), Path(job["work_dir"]))
-    try:
+    with reporting_errors():  # one line for the user, then the traceback for the log
         recipe.setup()
         recipe.train()
         recipe.export()
         recipe.cleanup()
-    except Exception as error:  # the traceback for the log, then one line for the user
-        traceback.print_exc()
-        print(f"{ERROR_PREFIX}{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}", flush=True)
-        sys.exit(1)
 
 
 if __name__ == "__main__":

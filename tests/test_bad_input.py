@@ -1,0 +1,266 @@
+"""Every bad input a user can cause ends `lorapipe run` with one line naming the file or key and
+what to do, a non-zero exit code, and no traceback on the terminal; the traceback is in the run's
+log file, whose path the line before says. Nothing already cached is lost. (Issue 12, items 8, 10.)
+
+One row per bad input, each a real `python -m flows.cli run` over one shared cache (preprocess,
+encode and a train with two checkpoints, built in-process). Errors found before the run starts
+print exactly one line and start no Prefect server; rows marked `in_flow` fail inside a Prefect
+task, which shows that Prefect's own tracebacks and repeats stay off the terminal.
+"""
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from cache.store import ArtifactStore
+from flows.plan import STAGES
+from stages.train.checkpoints import CheckpointDir
+
+pytestmark = pytest.mark.slow
+REPO = Path(__file__).resolve().parent.parent
+MAX_FLOW_LINES = 20  # Prefect's progress lines for three stages, the log's path, the error
+PR_CAPBSET_DROP, CAP_DAC_OVERRIDE = 24, 1  # linux/prctl.h, linux/capability.h
+
+
+@dataclass(frozen=True)
+class Workspace:
+    root: Path
+    config: Path
+    model: Path
+    checkpoints: Path  # the baseline train's work directory's checkpoints
+
+    @property
+    def cache(self) -> Path:
+        return self.root / "cache"
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory, tiny_model, tiny_config, run_stages) -> Workspace:
+    root = tmp_path_factory.mktemp("bad-input")
+    config = tiny_config(root, "bad", max_steps=4, checkpoint_every=2, keep_checkpoints=2, log_every=2)
+    _, trained = run_stages(config, STAGES[:3])["train"]
+    checkpoints = ArtifactStore(root / "cache").work_dir("train", trained.manifest["work_key"]) / "checkpoints"
+    assert CheckpointDir(checkpoints).steps() == [2, 4]
+    return Workspace(root, config, tiny_model, checkpoints)
+
+
+Setup = Callable[[Workspace, Path], AbstractContextManager[list[str]]]  # -> the arguments after `run`
+
+
+def args(*extra: str) -> Setup:
+    """The workspace's config with these arguments; `{tmp}` is the row's own folder."""
+    @contextmanager
+    def setup(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+        yield [str(ws.config), *(a.format(tmp=tmp) for a in extra)]
+    return setup
+
+
+@contextmanager
+def missing_config(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+    yield [str(tmp / "nope.yaml")]
+
+
+@contextmanager
+def yaml_syntax_error(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+    (tmp / "bad.yaml").write_text("name: x\ntrain:\n  rank: 4\n   alpha: 4\n")
+    yield [str(tmp / "bad.yaml")]
+
+
+def model_copy(change: Callable[[Path], None]) -> Setup:
+    """A copy of the tiny model, changed."""
+    @contextmanager
+    def setup(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+        shutil.copytree(ws.model, tmp / "model")
+        change(tmp / "model")
+        yield [str(ws.config), "--set", f"model.path={tmp / 'model'}"]
+    return setup
+
+
+def truncate(path: Path) -> None:
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@contextmanager
+def truncated_single_file(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+    (tmp / "model.safetensors").write_bytes((ws.model / "unet" / "diffusion_pytorch_model.safetensors").read_bytes())
+    truncate(tmp / "model.safetensors")
+    yield [str(ws.config), "--set", f"model.path={tmp / 'model.safetensors'}"]
+
+
+def file_in_the_cache(rel: str, *extra: str) -> Setup:
+    """A file where the shared cache keeps the folder `rel` (the folder is put back afterwards)."""
+    @contextmanager
+    def setup(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+        folder = ws.cache / rel
+        shutil.move(folder, tmp / "moved-aside")
+        folder.write_text("not a folder")
+        try:
+            yield [str(ws.config), *extra]
+        finally:
+            folder.unlink()
+            shutil.move(tmp / "moved-aside", folder)
+    return setup
+
+
+def a_file_at(key: str) -> Setup:
+    """A file where the config key `key` names a folder."""
+    @contextmanager
+    def setup(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+        (tmp / "file").write_text("not a folder")
+        yield [str(ws.config), "--set", f"{key}={tmp / 'file'}"]
+    return setup
+
+
+def tmpfs(options: str) -> Setup:
+    """cache_dir on a small tmpfs mounted for the row (needs the right to mount; else skipped)."""
+    @contextmanager
+    def setup(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+        mount = tmp / "mnt"
+        mount.mkdir()
+        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True)
+        if done.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
+        try:
+            yield [str(ws.config), "--set", f"cache_dir={mount / 'cache'}", "--set", f"output_dir={tmp / 'out'}"]
+        finally:
+            subprocess.run(["umount", str(mount)], check=True)
+    return setup
+
+
+@contextmanager
+def unwritable_cache(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+    """A cache folder the user may not write (the run loses root's right to ignore that: see below)."""
+    (tmp / "cache").mkdir(mode=0o555)
+    try:
+        yield [str(ws.config), "--set", f"cache_dir={tmp / 'cache'}"]
+    finally:
+        (tmp / "cache").chmod(0o755)
+
+
+def _as_a_plain_user() -> Callable[[], None]:
+    """A pre-exec hook that drops CAP_DAC_OVERRIDE, so that even root meets file permissions."""
+    prctl = ctypes.CDLL(None, use_errno=True).prctl
+    return lambda: prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, 0, 0, 0)
+
+
+@contextmanager
+def no_images(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+    (tmp / "empty").mkdir()
+    yield [str(ws.config), "--set", f"data.path={tmp / 'empty'}"]
+
+
+@contextmanager
+def an_image_without_caption(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+    shutil.copytree(ws.root / "data", tmp / "data")
+    (tmp / "data" / "rocket.txt").unlink()
+    yield [str(ws.config), "--set", f"data.path={tmp / 'data'}"]
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    setup: Setup
+    expect: tuple[str, ...]  # what the last line of stderr says (`{tmp}`: the row's folder)
+    code: int = 1
+    in_flow: bool = False  # fails in a Prefect task (else before Prefect starts)
+    plain_user: bool = False  # run without root's right to override file permissions
+
+
+ROWS = [
+    # the config and the command line
+    Row("missing config", missing_config, ("nope.yaml", "cannot read config"), 2),
+    Row("YAML syntax error", yaml_syntax_error, ("bad.yaml", "line 4, column 9", "not valid YAML"), 2),
+    Row("unknown key", args("--set", "train.rnak=4"), ("train.rnak", "Extra inputs are not permitted"), 2),
+    Row("bad value", args("--set", "train.learning_rate=-1"), ("train.learning_rate", "greater than 0"), 2),
+    Row("rule across keys", args("--set", "train.warmup_steps=5", "--set", "train.lr_scheduler=constant"),
+        ("train", "warmup_steps", "constant_with_warmup"), 2),
+    Row("bad --set", args("--set", "train.rank"), ("--set expects key=value", "train.rank"), 2),
+    Row("--set into a value", args("--set", "name.x=1"), ("--set name.x", "name is not a section"), 2),
+    Row("unknown stage (--only)", args("--only", "trian"), ("unknown stage 'trian'", "preprocess, encode"),),
+    Row("unknown stage (--force)", args("--force", "evaluat"), ("unknown stage 'evaluat'",)),
+    # the model
+    Row("missing model folder", args("--set", "model.path={tmp}/none"), ("none/model_index.json not found",)),
+    Row("unsupported pipeline", model_copy(lambda m: (m / "model_index.json").write_text(
+        json.dumps({"_class_name": "KandinskyV22Pipeline"}))), ("model_index.json", "KandinskyV22Pipeline")),
+    Row("model component missing", model_copy(lambda m: shutil.rmtree(m / "text_encoder")),
+        ("names 'text_encoder' but there is no folder", "text_encoder")),
+    Row("truncated UNet weights", model_copy(lambda m: truncate(m / "unet" / "diffusion_pytorch_model.safetensors")),
+        ("unet/diffusion_pytorch_model.safetensors is truncated", "download it again")),
+    Row("truncated VAE weights", model_copy(lambda m: truncate(m / "vae" / "diffusion_pytorch_model.safetensors")),
+        ("vae/diffusion_pytorch_model.safetensors is truncated",)),
+    Row("truncated single-file checkpoint", truncated_single_file, ("model.safetensors is truncated",)),
+    # the cache and output folders
+    Row("cache_dir is a file", a_file_at("cache_dir"),
+        ("file is a file where the cache keeps a folder", "cache_dir")),
+    Row("file where the lock folder is", file_in_the_cache("locks"),
+        ("cache/locks is a file where the cache keeps a folder",)),
+    Row("output_dir is a file", a_file_at("output_dir"),
+        ("output_dir", "file is a file where a folder is expected")),
+    Row("read-only cache filesystem", tmpfs("ro,size=64k"), ("cache_dir", "read-only")),
+    Row("cache folder not writable", unwritable_cache, ("cache_dir", "permission denied"), plain_user=True),
+    # found while the stages run
+    Row("no usable image", no_images, ("no usable image in", "empty"), in_flow=True),
+    Row("image without a caption", an_image_without_caption, ("rocket.jpg", "no caption", "missing_caption"),
+        in_flow=True),
+    Row("max_steps below a kept checkpoint", args("--set", "train.max_steps=1"),
+        ("checkpoints/step-000004 is past train.max_steps=1", "--force train"), in_flow=True),
+    Row("earlier stage not cached", args("--only", "evaluate", "--set", "train.learning_rate=0.004"),
+        ("train is not selected to run and has no cached artifact", "--only"), in_flow=True),
+    Row("file where a stage's lock folder is", file_in_the_cache("locks/train", "--set", "train.learning_rate=0.003"),
+        ("cache/locks/train is a file where a folder is expected",), in_flow=True),
+    Row("disk full", tmpfs("size=128k"), ("mnt/cache: the disk is full", "cache gc"), in_flow=True),
+]
+
+
+def lorapipe_run(ws: Workspace, argv: list[str], plain_user: bool) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PREFECT_HOME": str(ws.root / "prefect-home")}
+    demote = plain_user and os.geteuid() == 0
+    return subprocess.run([sys.executable, "-m", "flows.cli", "run", *argv], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600, preexec_fn=_as_a_plain_user() if demote else None)
+
+
+def assert_nothing_cached_was_lost(ws: Workspace) -> None:
+    store = ArtifactStore(ws.cache)
+    artifacts = list(store.artifacts())
+    assert sorted(a.stage for a in artifacts) == ["encode", "preprocess", "train"]
+    assert all(store.verify(a) == [] for a in artifacts)
+    checkpoints = CheckpointDir(ws.checkpoints)
+    assert checkpoints.steps() == [2, 4] and all(checkpoints.damage(s) == "" for s in (2, 4))
+
+
+@pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)
+def test_a_bad_input_ends_the_run_with_one_line(ws, tmp_path, row):
+    with row.setup(ws, tmp_path) as argv:
+        done = lorapipe_run(ws, argv, row.plain_user)
+    lines = done.stderr.splitlines()
+    assert done.returncode == row.code, done.stderr[-3000:]
+    last = lines[-1]
+    assert last.startswith("lorapipe: error: "), done.stderr[-3000:]
+    for fragment in row.expect:
+        assert fragment.format(tmp=tmp_path) in last, last
+    assert "Traceback" not in done.stderr and done.stderr.count(last.removeprefix("lorapipe: error: ")) == 1
+    if row.in_flow:
+        assert "Beginning flow run" in done.stderr and len(lines) <= MAX_FLOW_LINES, done.stderr
+        log = Path(lines[-2].removeprefix("lorapipe: the full log of this run: "))
+        assert "Traceback" in log.read_text()
+    else:
+        assert len(lines) == 1, done.stderr  # before Prefect starts
+    assert_nothing_cached_was_lost(ws)
+
+
+def test_debug_shows_the_traceback_and_still_ends_with_the_line(ws, tmp_path):
+    with model_copy(lambda m: truncate(m / "vae" / "diffusion_pytorch_model.safetensors"))(ws, tmp_path) as argv:
+        done = lorapipe_run(ws, [*argv, "--debug"], plain_user=False)
+    assert done.returncode == 1 and "Traceback (most recent call last)" in done.stderr
+    assert "vae/diffusion_pytorch_model.safetensors is truncated" in done.stderr.splitlines()[-1]
