@@ -167,6 +167,13 @@ def an_image_without_caption(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
     yield [str(ws.config), "--set", f"data.path={tmp / 'data'}"]
 
 
+@contextmanager
+def a_malformed_metadata_row_with_strict(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+    shutil.copytree(ws.root / "data", tmp / "data")
+    (tmp / "data" / "metadata.jsonl").write_text('{"file_name": "rocket.jpg", "text": "a rocket"}\n{"file_name": \n')
+    yield [str(ws.config), "--set", f"data.path={tmp / 'data'}", "--strict"]
+
+
 @dataclass(frozen=True)
 class Row:
     name: str
@@ -213,6 +220,8 @@ ROWS = [
     Row("no usable image", no_images, ("no usable image in", "empty"), in_flow=True),
     Row("image without a caption", an_image_without_caption, ("rocket.jpg", "no caption", "missing_caption"),
         in_flow=True),
+    Row("malformed metadata row with --strict", a_malformed_metadata_row_with_strict,
+        ("metadata.jsonl", "on_bad_row is error"), in_flow=True),
     Row("max_steps below a kept checkpoint", args("--set", "train.max_steps=1"),
         ("checkpoints/step-000004 is past train.max_steps=1", "--force train"), in_flow=True),
     Row("earlier stage not cached", args("--only", "evaluate", "--set", "train.learning_rate=0.004"),
