@@ -6,15 +6,23 @@ mean and std 4x64x64 in float16, text 77x768) and SDXL at 1024 px (4x128x128 in 
 77x2048 + pooled 1280), batch 8 and 4. Training on a GPU must consume fewer than a tenth of these
 rates for the loader to meet the ">= 10x" goal; with threads the preparation also leaves the
 step's critical path.
+
+Every record read is checked against its blake3 digest; `verify_ms_per_batch` is that check
+alone (hashing the bytes of a micro-batch's latents, texts and the empty prompt, already in
+memory), and its share of preparing the micro-batch inline.
 """
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING, Callable
 
 from .common import tiny_model
+
+if TYPE_CHECKING:
+    from stages.encoded import EncodedData
+    from stages.train.data import BatchPlan
 
 SETTINGS = {  # family: (latent side, latent dtype, text dims, pooled dim, batch)
     "sd15-512": ("sd15", 64, "float16", 768, None, 8),
@@ -28,7 +36,7 @@ def synthetic_encoded(out: Path, setting: str) -> Path:
     import torch
 
     from cache.samples import SampleStore
-    from stages.encoded import FORMAT, SAMPLES_FILE, encode_record
+    from stages.encoded import encode_record, write_index
 
     family, side, dtype, text_dim, pooled, _ = SETTINGS[setting]
     store, rng = SampleStore(out / "cache"), torch.Generator().manual_seed(0)
@@ -40,15 +48,12 @@ def synthetic_encoded(out: Path, setting: str) -> Path:
     keys = sorted(records)
     for start in range(0, len(keys), SHARD_RECORDS):
         store.write_shard({k: records[k] for k in keys[start:start + SHARD_RECORDS]})
-    index = store.index()
-    entry = lambda key: {"key": key, "location": index[key].to_json()}  # noqa: E731
     size = [side * 8, side * 8]
-    samples = [{"id": f"s{i:04d}", "split": "train", "caption": "", "original_size": size, "crop_box": [0, 0, *size],
-                "resized": size, "size": size, "repeats": 1, "dataset": "", "latent": entry(f"latent{i:04d}"),
-                "text": entry(f"text{i:04d}")} for i in range(SAMPLES)]
-    (out / SAMPLES_FILE).write_text(json.dumps({
-        "format": FORMAT, "family": family, "dtype": dtype, "models": {}, "vae_scaling_factor": 0.18215,
-        "empty_text": entry(f"text{SAMPLES:04d}"), "flip": False, "samples": samples}))
+    samples = [{"split": "train", "caption": "", "original_size": size, "crop_box": [0, 0, *size], "resized": size,
+                "size": size, "repeats": 1, "latent": f"latent{i:04d}", "text": f"text{i:04d}"} for i in range(SAMPLES)]
+    write_index(out, {"family": family, "dtype": dtype, "models": {}, "vae_scaling_factor": 0.18215,
+                      "empty_text": f"text{SAMPLES:04d}", "flip": False}, samples,
+                [{"id": f"s{i:04d}", "dataset": ""} for i in range(SAMPLES)], store.index())
     return out
 
 
@@ -69,6 +74,33 @@ def samples_per_second(encoded: Path, batch: int, workers: int, scheduler) -> fl
     return BATCHES * batch / seconds
 
 
+def verification(data: EncodedData, plan: BatchPlan) -> Callable[[int], None]:
+    """What checking micro-batch m's records adds to reading them: one digest of each record's
+    bytes (every latent and text of the batch, and the empty prompt, which load_batch reads once)."""
+    from cache.digest import digest_bytes
+
+    records = {r.key: r for s in data.samples for r in (s.latent, s.text)} | {data.empty.key: data.empty}
+    payloads = {key: data.store.read(key, r.location, "safetensors") for key, r in records.items()}
+
+    def check(m: int) -> None:
+        for key in [data.empty.key, *(r.key for s in plan.batch(m, 0) for r in (s.latent, s.text))]:
+            digest_bytes(payloads[key])
+
+    return check
+
+
+def verify_ms_per_batch(encoded: Path, batch: int) -> float:
+    from stages.encoded import EncodedData
+    from stages.train.data import BatchPlan
+
+    data = EncodedData(encoded, encoded / "cache")
+    check = verification(data, BatchPlan(data.split("train"), 0, batch, 1))
+    started = time.perf_counter()
+    for m in range(BATCHES):
+        check(m)
+    return (time.perf_counter() - started) / BATCHES * 1e3
+
+
 def throughput(root: Path) -> list[dict]:
     from diffusers import DDPMScheduler
 
@@ -80,6 +112,9 @@ def throughput(root: Path) -> list[dict]:
         encoded = synthetic_encoded(out, setting)
         samples_per_second(encoded, batch, 2, scheduler)  # warm the page cache and the allocator
         rates = {f"workers_{w}": round(samples_per_second(encoded, batch, w, scheduler), 1) for w in (0, 1, 2)}
+        verify_ms = min(verify_ms_per_batch(encoded, batch) for _ in range(3))
         rows.append({"setting": setting, "batch": batch, "samples_s": rates,
-                     "two_threads_over_inline": round(rates["workers_2"] / rates["workers_0"], 2)})
+                     "two_threads_over_inline": round(rates["workers_2"] / rates["workers_0"], 2),
+                     "verify_ms_per_batch": round(verify_ms, 3),
+                     "verify_share_of_inline_preparation": round(verify_ms / 1e3 * rates["workers_0"] / batch, 4)})
     return rows

@@ -10,7 +10,9 @@ All use the same tiny SD1.5 model, LoRA, optimizer, batch and resolution, in thi
 - on the fly: what diffusers' train_text_to_image_lora.py does every step: decode, resize and crop
               the images, tokenize and run the text encoder(s), run the VAE encoder, then the same step;
 - bare:       the UNet forward + backward + optimizer step on one micro-batch already on the device;
-- loader:     `load_batch` alone, in samples/s, as a multiple of what `cached` consumes.
+- loader:     `load_batch` alone, in samples/s, as a multiple of what `cached` consumes;
+- verify:     the digest check of every record a micro-batch reads (part of `cached` and `loader`),
+              as a share of the cached step.
 Each variant runs in rounds taken in turn and keeps its fastest round, on one torch thread: on a
 shared 2-core machine a two-thread step slows down several-fold whenever a neighbour computes.
 benchmarks/gpu_bench.py runs the same four steps at full size on a GPU.
@@ -124,10 +126,13 @@ def step_calls(recipe: LoRATrainingRecipe, inline: LoRATrainingRecipe,
 
     from stages.train.data import load_batch
 
+    from .loader_bench import verification
+
     return {
         "cached": cached_step(recipe), "cached_inline": cached_step(inline), "bare": bare_step(recipe),
         "on_the_fly": on_the_fly_step(recipe, enc_inputs),
         "loader": lambda i: load_batch(recipe.data, recipe.plan.batch(i, 0), torch.Generator().manual_seed(i), 0.0),
+        "verify": verification(recipe.data, recipe.plan),
     }
 
 
@@ -142,6 +147,7 @@ def step_figures(seconds: dict[str, float], batch: int) -> dict:
         "on_the_fly_step_ms": round(fly_s * 1e3, 2), "on_the_fly_over_cached": round(fly_s / cached_s, 2),
         "loader_samples_s": round(batch / load_s, 1), "training_consumes_samples_s": round(batch / cached_s, 1),
         "loader_over_consumption": round(cached_s / load_s, 1),
+        "verify_ms": round(seconds["verify"] * 1e3, 4), "verify_share_of_cached_step": round(seconds["verify"] / cached_s, 5),
     }
 
 

@@ -8,6 +8,18 @@ Locks: every step that writes or removes something of a key (a build, a forced r
 `gc`) holds the lock of the key's *work key*. Keys that differ only in what a run may extend (train's
 max_steps) share one work directory, so they share one lock: two of them never write the same
 checkpoints at once, and a removal never pulls a work directory from under a running build.
+
+An artifact's digest (what the keys of later stages hold) covers its data only, so that a
+rebuild holding the same data is an early cutoff:
+- every file is listed in the manifest with its size and content digest (a hit checks the sizes,
+  `verify` the digests), but files under `logs/` (logs, timings, reports) and `locations/`
+  (where the data is kept: offsets into shared files, the source files' names) are left out of
+  the digest;
+- `refs` are shared files outside the artifact that it reads from (sample store shards): a hit
+  needs each with its listed size and `verify` re-hashes them, but they are left out of the
+  digest too. So an artifact with refs must identify, in its digested files, every piece of
+  shared data it uses (the encode artifact lists record keys); the same data kept in other
+  shards (repaired, compacted) is then the same artifact.
 """
 from __future__ import annotations
 
@@ -27,7 +39,9 @@ from .fsutil import fsync_tree, probe_writable, remove_tree, write_json_atomic
 from .lock import key_lock
 
 MANIFEST = "manifest.json"
-LOG_DIR = "logs"  # files under logs/ are listed but excluded from the data digest (early cutoff)
+LOG_DIR = "logs"  # files under logs/ and locations/ are listed but left out of the data digest
+LOCATIONS_DIR = "locations"
+UNDIGESTED = (f"{LOG_DIR}/", f"{LOCATIONS_DIR}/")
 FORMAT = 1
 RESERVED = ("work", "locks", "refs", "uses", "samples", "tmp", "runs", "models")  # folders that hold no stage
 
@@ -290,8 +304,7 @@ def _manifest(stage_key: StageKey, out_dir: Path, built: Built, producer: dict, 
     for path in sorted(p for p in out_dir.rglob("*") if p.is_file()):
         rel = path.relative_to(out_dir).as_posix()
         files[rel] = {"size": path.stat().st_size, "digest": digest_file(path)}
-    data = {rel: e["digest"] for rel, e in files.items() if not rel.startswith(f"{LOG_DIR}/")}
-    data.update({rel: e["digest"] for rel, e in built.refs.items()})
+    data = {rel: e["digest"] for rel, e in files.items() if not rel.startswith(UNDIGESTED)}
     return {
         "format": FORMAT,
         "stage": stage_key.stage,

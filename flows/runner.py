@@ -9,9 +9,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cache.errors import UserError
+from cache.samples import DamagedRecord, SampleStore
 from cache.store import Artifact, Lookup, StageKey, diff_ingredients
 
-from .plan import Context, Step, code_digest, step_for
+from .plan import STAGES, Context, Step, code_digest, step_for
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
 
@@ -69,7 +70,7 @@ def run_stage(ctx: Context, stage: str, upstream: dict[str, Artifact], *, run: b
         reason = "forced" if force else miss_reason(ctx, key, found)
         what = "rebuilding it and discarding its work directory" if force else "computing"
         ctx.log(f"{stage}: {'--force' if force else 'miss'} ({reason}); {what} {key.key[:12]}")
-        artifact, computed = ctx.store.build(key, step.build, ctx.producer(stage), ctx.log, force=force)
+        key, artifact, computed = build_repairing(ctx, stage, step, upstream, force)
         if not computed:
             reason = "built meanwhile by a concurrent run" + (" (forced too: one rebuild serves both)" if force else "")
     ctx.store.remember(ctx.config.name, key, artifact)
@@ -79,6 +80,30 @@ def run_stage(ctx: Context, stage: str, upstream: dict[str, Artifact], *, run: b
     result = StageResult(stage, status, key.key, artifact.digest, str(artifact.path),
                          round(time.time() - started, 3), reason, work_done)
     return result, artifact
+
+
+def build_repairing(ctx: Context, stage: str, step: Step, upstream: dict[str, Artifact],
+                    force: bool = False) -> tuple[StageKey, Artifact, bool]:
+    """Build `step`. When it meets a damaged record (train and evaluate check every record they
+    read), drop that record's shard, rebuild encode (the same key: only the shard's records are
+    encoded again) and the stages up to this one (hits when the data is unchanged), then build
+    again (not forced: training resumes from its last checkpoint). Returns (key, artifact, computed)."""
+    repaired: set[str] = set()
+    while True:
+        try:
+            artifact, computed = ctx.store.build(step.key, step.build, ctx.producer(stage), ctx.log, force=force)
+            return step.key, artifact, computed
+        except DamagedRecord as damage:
+            if damage.shard in repaired or "preprocess" not in upstream:  # damaged again: not ours to fix
+                raise
+            repaired.add(damage.shard)
+            ctx.log(f"{stage}: {damage.path}: record {damage.key} {damage.problem}; dropping the shard and"
+                    " encoding its records again")
+            SampleStore(ctx.store.root).remove(damage.shard)
+            upstream = dict(upstream)
+            for earlier in STAGES[STAGES.index("encode"):STAGES.index(stage)]:
+                _, upstream[earlier] = run_stage(ctx, earlier, upstream)
+            step, force = step_for(stage, ctx, upstream), False
 
 
 def explain(ctx: Context, stages: tuple[str, ...]) -> list[dict[str, Any]]:

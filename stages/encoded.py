@@ -1,9 +1,15 @@
 """The encoded data format shared by encode (writer), train and evaluate (readers).
 
-The encode artifact holds one data file, `samples.json`: for every sample its split, caption,
-original size, crop box, size (samples of different buckets differ: batch by size), repeats,
-dataset name, and the keys and shard locations of its latent (and, with encode.flip, mirrored
-`latent_flip`) and text records in the sample store. Records are safetensors blobs (no pickle):
+An encode artifact holds what training sees in `samples.json` (in its digest): for every sample
+its split, caption, original size, crop box, size (samples of different buckets differ: batch by
+size) and repeats, and the keys of its latent (and, with encode.flip, mirrored `latent_flip`) and
+text records, ordered by record keys. Where those records are kept lives in
+`locations/index.json` (out of the digest, cache/store.py): each record's shard, offsets and
+content digests, and each sample's id (its file) and dataset. So records moved to other shards,
+or an image renamed, leave the artifact's digest and everything after it unchanged, and every
+record read is checked against the digest recorded when it was written.
+
+Records are safetensors blobs (no pickle):
   latent record: "mean", "std"  (C, h, w) in the encode dtype; the VAE posterior, unscaled
   text record:   "hidden_states" (T, D); SDXL adds "pooled" (D2,)
 """
@@ -12,15 +18,17 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
+from cache.fsutil import write_json_rows
 from cache.samples import RecordLocation, SampleStore
 
 if TYPE_CHECKING:  # torch is imported where records are read or written, not by config loading
     import torch
 
-FORMAT = 1
+FORMAT = 2  # 2: record locations and sample ids moved out of samples.json into locations/index.json
 SAMPLES_FILE = "samples.json"
+LOCATIONS_FILE = "locations/index.json"
 
 
 def encode_record(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dict[str, bytes]:
@@ -33,52 +41,79 @@ def encode_record(tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> dic
     }
 
 
+def write_index(out_dir: Path, header: dict[str, Any], samples: Iterable[dict], sources: list[dict[str, str]],
+                records: dict[str, RecordLocation]) -> None:
+    """samples.json (format, header, samples) and locations/index.json (records by key, each
+    sample's source in the same order)."""
+    write_json_rows(out_dir / SAMPLES_FILE, {"format": FORMAT, **header}, "samples", samples)
+    locations = out_dir / LOCATIONS_FILE
+    locations.parent.mkdir(exist_ok=True)
+    locations.write_text(json.dumps({"records": {key: loc.to_json() for key, loc in records.items()},
+                                     "sources": sources}, sort_keys=True))
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    key: str
+    location: RecordLocation
+
+
 @dataclass(frozen=True, slots=True)
 class Sample:
-    id: str
+    id: str  # its file, as the dataset names it
     split: str  # "train" or "holdout"
     caption: str
     original_size: tuple[int, int]  # (height, width) of the source image
     crop_box: tuple[int, int, int, int]  # (left, top, right, bottom) in resized pixels
     size: tuple[int, int]  # (height, width) of the encoded image
-    latent: RecordLocation
-    text: RecordLocation
+    latent: Record
+    text: Record
     repeats: int = 1  # how many times an epoch should show it (kohya-style dataset repeats)
-    latent_flip: RecordLocation | None = None  # the mirrored image's posterior (encode.flip)
+    latent_flip: Record | None = None  # the mirrored image's posterior (encode.flip)
     dataset: str = ""  # the name of the dataset it came from
     resized: tuple[int, int] | None = None  # (height, width) before the crop; mirrors a flipped crop box
 
+    @property
+    def content_id(self) -> str:
+        """What the sample is, not where its file is: its latent record's key (image bytes, crop,
+        VAE, ...). The batch plan's order and evaluate's noise follow it, so a rename changes neither."""
+        return self.latent.key
+
     @classmethod
-    def from_json(cls, v: dict) -> "Sample":
-        flip = v.get("latent_flip")
+    def from_json(cls, v: dict, source: dict, records: dict[str, Record]) -> "Sample":
         return cls(
-            v["id"], v["split"], v["caption"], tuple(v["original_size"]), tuple(v["crop_box"]),
-            tuple(v["size"]), RecordLocation.from_json(v["latent"]["location"]),
-            RecordLocation.from_json(v["text"]["location"]), v.get("repeats", 1),
-            RecordLocation.from_json(flip["location"]) if flip else None, v.get("dataset", ""),
-            tuple(v["resized"]) if "resized" in v else None,
+            source["id"], v["split"], v["caption"], tuple(v["original_size"]), tuple(v["crop_box"]), tuple(v["size"]),
+            records[v["latent"]], records[v["text"]], v["repeats"],
+            records[v["latent_flip"]] if "latent_flip" in v else None, source["dataset"], tuple(v["resized"]),
         )
 
 
 class EncodedData:
-    """Read-only view of an encode artifact: its index and its records in the sample store."""
+    """Read-only view of an encode artifact: its samples and their records in the sample store.
+    Every record read is checked against its content digest (cache.samples.DamagedRecord if not)."""
 
     def __init__(self, artifact_dir: Path, cache_root: Path):
-        self.index = json.loads((Path(artifact_dir) / SAMPLES_FILE).read_text())
+        artifact_dir = Path(artifact_dir)
+        self.index = json.loads((artifact_dir / SAMPLES_FILE).read_text())
         if self.index.get("format") != FORMAT:
-            raise ValueError(f"{artifact_dir}/{SAMPLES_FILE}: unsupported encoded format {self.index.get('format')}")
+            raise ValueError(f"{artifact_dir}/{SAMPLES_FILE}: encoded format {self.index.get('format')}, this"
+                             f" lorapipe reads {FORMAT}: re-run encode")
+        locations = json.loads((artifact_dir / LOCATIONS_FILE).read_text())
+        records = {k: Record(k, RecordLocation.from_json(v)) for k, v in locations["records"].items()}
         self.store = SampleStore(cache_root)
-        self.samples = [Sample.from_json(s) for s in self.index.pop("samples")]  # not kept twice
+        self.samples = [Sample.from_json(v, source, records)  # not kept twice: popped from the index
+                        for v, source in zip(self.index.pop("samples"), locations["sources"], strict=True)]
+        self.empty = records[self.index["empty_text"]]
         self.family: str = self.index["family"]
         self.models: dict[str, str] = self.index["models"]  # component -> weights digest
 
     def split(self, name: str) -> list[Sample]:
         return [s for s in self.samples if s.split == name]
 
-    def _tensors(self, location: RecordLocation) -> dict[str, torch.Tensor]:
+    def _tensors(self, record: Record) -> dict[str, torch.Tensor]:
         from safetensors.torch import load as load_safetensors
 
-        return load_safetensors(self.store.read(location, "safetensors"))
+        return load_safetensors(self.store.read(record.key, record.location, "safetensors"))
 
     def latent(self, sample: Sample, flipped: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
         """The posterior's mean and std; `flipped`: of the mirrored image (needs encode.flip)."""
@@ -92,7 +127,7 @@ class EncodedData:
 
     def empty_text(self) -> dict[str, torch.Tensor]:
         """The empty prompt's embedding, used for caption dropout and unconditional loss."""
-        return self._tensors(RecordLocation.from_json(self.index["empty_text"]["location"]))
+        return self._tensors(self.empty)
 
     def check_model(self, components: dict[str, str]) -> None:
         """Refuse to use latents or embeddings made by other weights than `components`."""

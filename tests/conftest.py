@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -155,3 +156,27 @@ def sdxl_encoded(tmp_path_factory, sdxl_model) -> EncodedSet:
 
     return _encode_demo_images(tmp_path_factory.mktemp("sdxl-encoded-cache"), sdxl_model, "sdxl",
                                EncodeParams(flip=True))
+
+
+@pytest.fixture
+def encoded_copy(tmp_path, encoded) -> EncodedSet:
+    """A private copy of the encoded set and its sample store, for tests that damage it."""
+    root = tmp_path / "encoded-copy"
+    shutil.copytree(encoded.cache_root, root)
+    return EncodedSet(root / Path(encoded.artifact_dir).relative_to(encoded.cache_root), root, encoded.digest)
+
+
+def _damage_in_place(store, record) -> Path:
+    """Flip one bit inside a record's stored tensors; its shard keeps its size. Returns the shard."""
+    offset, size, _ = record.location.members["safetensors"]
+    shard = store.shard_path(record.location.shard)
+    damaged = bytearray(shard.read_bytes())
+    damaged[offset + size // 2] ^= 0x01
+    shard.write_bytes(bytes(damaged))
+    return shard
+
+
+@pytest.fixture(scope="session")
+def damage_in_place():
+    """damage_in_place(sample_store, record) -> the damaged shard's path."""
+    return _damage_in_place

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from cache.digest import StatCache
-from cache.samples import SampleStore
+from cache.samples import DamagedRecord, SampleStore
 from cache.store import ArtifactStore, Built, StageKey
 
 REPO = Path(__file__).resolve().parent.parent
@@ -48,6 +48,26 @@ def test_digest_ignores_logs_so_identical_data_cuts_off_downstream(tmp_path):
     two, _ = ArtifactStore(tmp_path / "b").build(_key(a=1), _write({"x": b"same", "logs/l": b"2"}), {})
     three, _ = ArtifactStore(tmp_path / "c").build(_key(a=1), _write({"x": b"other"}), {})
     assert one.digest == two.digest != three.digest
+
+
+def test_digest_leaves_out_where_the_data_is_kept_but_a_hit_needs_it(tmp_path):
+    store = ArtifactStore(tmp_path)
+    for name in ("old.bin", "new.bin"):
+        (tmp_path / "shared").mkdir(exist_ok=True)
+        (tmp_path / "shared" / name).write_bytes(b"records k1 k2")
+
+    def build(shared: str):
+        def write(out: Path, work: Path) -> Built:
+            _write({"data.json": b'["k1", "k2"]', "locations/index.json": shared.encode()})(out, work)
+            return Built(refs={f"shared/{shared}": {"size": 13, "digest": "d"}})
+        return write
+
+    before, _ = store.build(_key(a=1), build("old.bin"), {})
+    moved, _ = store.build(_key(a=2), build("new.bin"), {})
+    assert before.digest == moved.digest  # the same records, kept elsewhere
+    (tmp_path / "shared" / "old.bin").unlink()
+    found = store.lookup("demo", before.key)
+    assert not found.hit and "old.bin is missing" in found.reason
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete", "manifest"])
@@ -163,10 +183,48 @@ def test_sample_store_shards_are_deterministic_and_readable_by_offset(tmp_path):
     assert a.shard_path(shard).read_bytes() == b.shard_path(shard).read_bytes()
     fresh = SampleStore(tmp_path / "a")
     assert fresh.missing(["k1", "k9"]) == ["k9"]
-    assert fresh.read(fresh.index()["k3"], "safetensors") == bytes([3]) * 103
+    assert fresh.read("k3", fresh.index()["k3"], "safetensors") == bytes([3]) * 103
     with open(a.shard_path(shard), "r+b") as f:
         f.truncate(512)
     assert SampleStore(tmp_path / "a").missing(["k1"]) == ["k1"]  # a truncated shard's records are gone
+
+
+def test_a_record_damaged_in_place_is_refused_naming_its_shard_and_key(tmp_path):
+    store = SampleStore(tmp_path)
+    shard = store.write_shard({f"k{i}": {"safetensors": bytes([i]) * 600, "json": b"{}"} for i in range(3)})
+    location = store.index()["k1"]
+    offset, size, _ = location.members["safetensors"]
+    with open(store.shard_path(shard), "r+b") as f:  # same size, other bytes: only a digest sees it
+        f.seek(offset + 10)
+        f.write(b"\xff")
+    with pytest.raises(DamagedRecord) as damaged:
+        store.read("k1", location, "safetensors")
+    assert (damaged.value.shard, damaged.value.key) == (shard, "k1")
+    assert str(store.shard_path(shard)) in str(damaged.value) and "\n" not in str(damaged.value)
+    assert store.read("k2", store.index()["k2"], "safetensors") == bytes([2]) * 600
+    import pickle
+
+    assert pickle.loads(pickle.dumps(damaged.value)).to_json() == damaged.value.to_json()
+
+
+def test_shards_written_without_record_digests_get_them_once_checked(tmp_path):
+    store = SampleStore(tmp_path)
+    shards = [store.write_shard({f"{name}{i}": {"safetensors": bytes([i]) * 50} for i in range(2)})
+              for name in ("a", "b")]
+    for shard in shards:  # as an older lorapipe wrote them: offsets and sizes, no digests
+        meta = store.shard_meta(shard)
+        meta["records"] = {k: {e: v[:2] for e, v in m.items()} for k, m in meta["records"].items()}
+        del meta["format"]
+        (store.dir / f"{shard}.json").write_text(json.dumps(meta))
+    damaged = bytearray(store.shard_path(shards[1]).read_bytes())
+    damaged[600] ^= 1
+    store.shard_path(shards[1]).write_bytes(bytes(damaged))
+    old = SampleStore(tmp_path)
+    with pytest.raises(DamagedRecord):  # no digest: never served unchecked
+        old.read("a0", old.index()["a0"], "safetensors")
+    assert old.add_member_digests(["a0", "b1", "zz"]) == (1, [(f"{shards[1]}.tar", "does not match its recorded digest")])
+    assert old.missing(["a0", "a1", "b0", "b1"]) == ["b0", "b1"]
+    assert old.read("a1", old.index()["a1"], "safetensors") == bytes([1]) * 50
 
 
 def test_sample_store_shards_stream_through_webdataset(tmp_path):

@@ -58,7 +58,7 @@ def test_an_image_changed_or_broken_since_preprocess_is_reported_and_the_rest_en
     (data / "coffee.jpg").write_bytes(jpeg[: len(jpeg) // 3])  # a readable header, truncated pixels
     out, built, logs = run_encode(tmp_path, inputs)
     assert built.info["undecodable"] == 1 and built.info["latents_encoded"] == 7
-    assert "changed since preprocess" in json.loads((out / "report.json").read_text())["undecodable"]["coffee.jpg"]
+    assert "changed since preprocess" in json.loads((out / "logs" / "report.json").read_text())["undecodable"]["coffee.jpg"]
     assert any("coffee.jpg" in line for line in logs)
     assert "coffee" not in {s.id for s in EncodedData(out, tmp_path / "cache").samples}
 
@@ -235,8 +235,7 @@ def test_a_damaged_shard_is_found_by_cache_verify_removed_and_re_encoded(tmp_pat
     build = lambda out, work: encode.run(encode.EncodeParams(), inputs, out, work,  # noqa: E731
                                          encode.EncodeOptions(num_workers=0, shard_records=3), lambda m: None)
     artifact, _ = store.build(key, build, {})
-    shard = SampleStore(inputs.cache_root).index()[json.loads((artifact.path / "samples.json").read_text())
-                                                  ["samples"][0]["latent"]["key"]].shard
+    shard = EncodedData(artifact.path, inputs.cache_root).samples[0].latent.location.shard
     tar = SampleStore(inputs.cache_root).shard_path(shard)
     damaged = bytearray(tar.read_bytes())
     damaged[600] ^= 0xFF  # same size: only re-hashing finds it

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -151,7 +152,7 @@ def test_empty_holdout_is_skipped_not_a_crash(tmp_path, tiny_model, lora_dir, en
     for sample in index["samples"]:
         sample["split"] = "train"
     no_holdout = tmp_path / "encoded"
-    no_holdout.mkdir()
+    shutil.copytree(encoded.artifact_dir, no_holdout)
     (no_holdout / "samples.json").write_text(json.dumps(index))
     encoded_all_train = type(encoded)(no_holdout, encoded.cache_root, encoded.digest)
     params = EvalParams(prompts=("a cat",), seeds=(0,), num_inference_steps=1, loss_timesteps=(500,))
@@ -162,6 +163,19 @@ def test_empty_holdout_is_skipped_not_a_crash(tmp_path, tiny_model, lora_dir, en
     checkpoints = json.loads((tmp_path / "out" / "checkpoint_losses.json").read_text())
     assert checkpoints == {"skipped": "the holdout split is empty"}
     assert not (tmp_path / "out" / "checkpoint_loss.png").exists()
+
+
+def test_a_held_out_latent_damaged_in_place_stops_evaluate_naming_its_shard(tmp_path, tiny_model, lora_dir,
+                                                                          encoded_copy, damage_in_place):
+    from cache.samples import DamagedRecord
+    from stages.encoded import EncodedData
+
+    data = EncodedData(encoded_copy.artifact_dir, encoded_copy.cache_root)
+    latent = data.split("holdout")[0].latent
+    shard = damage_in_place(data.store, latent)
+    params = EvalParams(prompts=("a cat",), seeds=(0,), num_inference_steps=1, loss_timesteps=(500,))
+    with pytest.raises(DamagedRecord, match=re.escape(f"{shard}: record {latent.key} does not match")):
+        _evaluate(params, tiny_model, lora_dir, encoded_copy, tmp_path / "out")
 
 
 def test_lora_trained_for_another_prediction_type_is_scored_against_it(tmp_path, tiny_model, lora_dir, encoded):

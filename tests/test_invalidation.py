@@ -17,7 +17,7 @@ pytestmark = pytest.mark.slow
 
 SMALL = {
     "preprocess": {"resolution": 64, "holdout_fraction": 0.25},
-    "encode": {"num_workers": 2, "batch_size": 2},  # decode threads ahead of the VAE
+    "encode": {"num_workers": 2, "batch_size": 2, "shard_records": 3},  # decode threads ahead of the VAE
     "train": {"max_steps": 20, "learning_rate": 2e-3, "checkpoint_every": 10, "keep_checkpoints": 2, "log_every": 10},
     "evaluate": {"prompts": ["a photo of a cat"], "seeds": [0], "num_inference_steps": 2},
 }
@@ -60,10 +60,10 @@ def baseline(tmp_path_factory, tiny_model, demo_images, count_encoder_rows):
     return root
 
 
-def copy_of(baseline: Path, tmp_path: Path, **sections):
+def copy_of(baseline: Path, tmp_path: Path, cache: Path | None = None, **sections):
     shutil.copytree(baseline / "model", tmp_path / "model")
     shutil.copytree(baseline / "data", tmp_path / "data")
-    return make_config(tmp_path, tmp_path / "model", tmp_path / "data", baseline / "cache", **sections)
+    return make_config(tmp_path, tmp_path / "model", tmp_path / "data", cache or baseline / "cache", **sections)
 
 
 def test_unchanged_inputs_moved_and_touched_rerun_nothing(baseline, tmp_path, count_encoder_rows):
@@ -176,3 +176,79 @@ def test_warm_start_continues_from_the_previous_lora_only_when_the_data_changed(
     assert warm.status == "computed"
     lora = previous.path / "pytorch_lora_weights.safetensors"
     assert artifact.manifest["ingredients"]["inputs"]["init_lora"] == digest_file(lora)
+
+
+def private_copy(baseline: Path, tmp_path: Path, **sections):
+    """A config over copies of the baseline's model, data and cache (for tests that damage or force)."""
+    shutil.copytree(baseline / "cache", tmp_path / "cache")
+    return copy_of(baseline, tmp_path, tmp_path / "cache", **sections)
+
+
+def encoded_data(config):
+    from stages.encoded import EncodedData
+
+    ctx = Context(config, log=lambda m: None)
+    try:
+        upstream = {}
+        for stage in STAGES[:2]:
+            _, upstream[stage] = run_stage(ctx, stage, upstream, run=False)
+    finally:
+        ctx.close()
+    return EncodedData(upstream["encode"].path, config.cache_dir), upstream["encode"]
+
+
+def test_a_shard_damaged_in_place_is_re_encoded_when_training_meets_it_and_training_resumes(
+        baseline, tmp_path, count_encoder_rows, damage_in_place):
+    from cache.samples import SampleStore
+
+    from flows.plan import step_for
+    from stages.train.checkpoints import CheckpointDir
+
+    config = private_copy(baseline, tmp_path, train={"max_steps": 50})  # resumes the baseline's training
+    data, encoded = encoded_data(config)
+    ctx = Context(config, log=lambda m: None)
+    work = ctx.store.work_dir("train", step_for("train", ctx, {"encode": encoded}).key.work_key)
+    ctx.close()
+    latest = CheckpointDir(work / "checkpoints").steps()[-1]
+    latent = data.split("train")[0].latent
+    in_shard = len(data.store.shard_meta(latent.location.shard)["records"])
+    shard = damage_in_place(data.store, latent)
+    logs: list[str] = []
+    ctx = Context(config, log=logs.append)
+    upstream, results = {}, {}
+    with count_encoder_rows() as counts:
+        for stage in STAGES[:3]:
+            results[stage], upstream[stage] = run_stage(ctx, stage, upstream)
+    results["evaluate"], _ = run_stage(ctx, "evaluate", upstream)  # renders: its text encoder runs
+    ctx.close()
+    assert any(f"{shard}: record {latent.key} does not match" in line for line in logs)
+    assert counts == {"vae": in_shard, "text": 0}  # the damaged shard's latents, nothing else
+    assert results["train"].status == "computed" and results["train"].info["resumed_from"] == latest
+    assert results["train"].info["steps"] == 50 and results["evaluate"].status == "computed"
+    repaired = ctx.store.lookup("encode", encoded.key).artifact  # rebuilt during train, with the same key
+    assert repaired.digest == encoded.digest  # and the same data: training went on from its checkpoint
+    assert ctx.store.verify(repaired) == [] and SampleStore(config.cache_dir).verify() == []
+
+
+def test_a_repaired_or_compacted_shard_reruns_only_encode(baseline, tmp_path, count_encoder_rows):
+    from cache.samples import SampleStore
+
+    config = private_copy(baseline, tmp_path)
+    data, _ = encoded_data(config)
+    store = SampleStore(config.cache_dir)
+    latent_shards = sorted({s.latent.location.shard for s in data.samples})
+    store.remove(latent_shards[0])  # what `cache verify` does with a damaged shard
+    with count_encoder_rows() as counts:
+        repaired = run_all(config)
+    assert statuses(repaired) == {"preprocess": "hit", "encode": "computed", "train": "hit", "evaluate": "hit"}
+    assert counts["text"] == 0 and 0 < counts["vae"] < 8
+    moved = {key: {ext: store.read(key, where, ext) for ext in where.members}  # compact two shards into one
+             for key, where in store.index().items() if where.shard in latent_shards[1:3]}
+    store.write_shard(moved)
+    for shard in latent_shards[1:3]:
+        store.remove(shard)
+    with count_encoder_rows() as counts:
+        compacted = run_all(config)
+    assert statuses(compacted) == {"preprocess": "hit", "encode": "computed", "train": "hit", "evaluate": "hit"}
+    assert counts == {"vae": 0, "text": 0}
+

@@ -176,6 +176,21 @@ def test_child_failure_is_reported_in_one_line(tmp_path, encoded):
     assert "Traceback" in (tmp_path / "work-bad" / "logs" / "train.log").read_text()  # kept for the log
 
 
+def test_a_latent_damaged_in_place_stops_training_with_one_line_naming_its_shard(tmp_path, tiny_model, encoded_copy,
+                                                                                  damage_in_place):
+    from cache.samples import DamagedRecord
+    from stages.encoded import EncodedData
+
+    data = EncodedData(encoded_copy.artifact_dir, encoded_copy.cache_root)
+    latent = data.split("train")[0].latent
+    shard = damage_in_place(data.store, latent)
+    with pytest.raises(DamagedRecord) as refused:  # raised in the accelerate worker, again in the parent
+        run_train(tmp_path, "damaged", train_inputs(tiny_model, encoded_copy), max_steps=4)
+    assert refused.value.shard == latent.location.shard and refused.value.key == latent.key
+    assert str(refused.value).startswith(f"{shard}: record {latent.key} does not match") and "\n" not in str(refused.value)
+    assert f"error: {shard}: record {latent.key}" in (tmp_path / "work-damaged" / "logs" / "train.log").read_text()
+
+
 def test_batch_plan_deals_equal_disjoint_batches(encoded):
     from stages.encoded import EncodedData
 
@@ -425,10 +440,10 @@ def test_init_lora_is_keyed_by_its_content_not_its_path(tmp_path, tiny_model, de
 
 def test_sdxl_crop_conditioning_is_mirrored_with_a_flipped_latent():
     from cache.samples import RecordLocation
-    from stages.encoded import Sample
+    from stages.encoded import Record, Sample
     from stages.train.data import sdxl_time_ids
 
-    where = RecordLocation("shard", {"safetensors": (0, 1)})
+    where = Record("key", RecordLocation("shard", {"safetensors": (0, 1, "digest")}))
     sample = Sample("a", "train", "cap", (480, 750), (10, 0, 74, 64), (64, 64), where, where, resized=(64, 100))
     assert sdxl_time_ids(sample, flipped=False) == [480, 750, 0, 10, 64, 64]
     assert sdxl_time_ids(sample, flipped=True) == [480, 750, 0, 26, 64, 64]

@@ -2,11 +2,14 @@
 
 Reads:  the preprocess artifact (dataset.json) and the images it names, the model's VAE,
         tokenizer(s) and text encoder(s).
-Writes: samples.json (stages/encoded.py), an index into shards of the sample store; each
-        sample's latent record(s) (and a horizontally flipped one with `flip`) and text record
-        are keyed by what they depend on, so only records that do not exist yet are computed
-        (a caption edit encodes one text record and no latent). Also report.json (undecodable images).
+Writes: samples.json and locations/index.json (stages/encoded.py), an index into shards of the
+        sample store; each sample's latent record(s) (and a horizontally flipped one with `flip`)
+        and text record are keyed by what they depend on, so only records that do not exist yet
+        are computed (a caption edit encodes one text record and no latent). Also
+        logs/report.json (undecodable images).
 Key:    these params + the preprocess artifact's digest + VAE / tokenizer / text-encoder digests.
+Digest: samples.json only: the record keys and what training reads with them, not where the
+        records or the images are (a renamed image or a repaired shard reruns encode alone).
 
 With `num_processes` > 1 the missing records are dealt to that many processes started by
 `accelerate launch` (stages/encode/workers.py); each commits its own shards, the parent then
@@ -24,18 +27,17 @@ from typing import Literal
 from pydantic import Field
 
 from cache.digest import digest_json
-from cache.fsutil import write_json_rows
 from cache.samples import SampleStore
 from cache.store import Built
 
 from ..contract import Frozen, Log, library_majors
-from ..encoded import FORMAT, SAMPLES_FILE
+from ..encoded import write_index
 from ..preprocess import DATASET_FILE
 from ..preprocess.sources import DatasetSource
 from .images import ImageCrops, sample_label
 from .texts import TextEncoder
 
-VERSION = "3"
+VERSION = "4"  # 4: samples.json in record-key order, locations and ids in locations/index.json
 # in record keys: bump when a record's bytes would change for the same inputs
 LATENT_VERSION = "2"  # 2: JPEGs decoded at a reduced scale, resized before turning upright
 TEXT_VERSION = "1"
@@ -113,6 +115,9 @@ class SampleKeys:
                    {s["id"]: text_key(s["caption"], params, inputs) for s in dataset},
                    text_key("", params, inputs))
 
+    def of_sample(self, sample_id: str) -> list[str]:
+        return [table[sample_id] for table in (self.latent, self.latent_flip, self.text) if sample_id in table]
+
     def latents(self) -> set[str]:
         return {*self.latent.values(), *self.latent_flip.values()}
 
@@ -126,7 +131,9 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
 
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
     keys = SampleKeys.of(dataset, params, inputs)
-    missing = set(SampleStore(inputs.cache_root).missing(keys.latents() | keys.texts()))
+    store = SampleStore(inputs.cache_root)
+    _add_member_digests(store, keys, log)
+    missing = set(store.missing(keys.latents() | keys.texts()))
     jobs = EncodeJobs.plan(dataset, keys, missing, inputs.datasets)
     log(f"encode: {len(jobs.latents)} latents and {len(jobs.texts)} text embeddings to encode,"
         f" {jobs.reused_latents} latents reused")
@@ -142,7 +149,8 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
         first = next(iter(undecodable.items()))
         raise ValueError(f"encode: none of the {len(dataset)} images could be decoded; the first, {first[0]}: {first[1]}")
     refs = _write_index(out_dir, usable, keys, SampleStore(inputs.cache_root), params, inputs)
-    (out_dir / "report.json").write_text(json.dumps({"undecodable": undecodable}, indent=1, sort_keys=True))
+    (out_dir / "logs").mkdir()
+    (out_dir / "logs" / "report.json").write_text(json.dumps({"undecodable": undecodable}, indent=1, sort_keys=True))
     counts = {
         "latents_encoded": len(jobs.latents) - failed_jobs, "latents_reused": jobs.reused_latents,
         "texts_encoded": len(jobs.texts), "texts_reused": len(keys.texts()) - len(jobs.texts),
@@ -153,32 +161,39 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     return Built(info={**counts, "sizes": sizes}, refs=refs)
 
 
+def _add_member_digests(store: SampleStore, keys: SampleKeys, log: Log) -> None:
+    """Shards holding needed records but written before record digests existed are checked
+    once and get them (a damaged one is removed, so its records are encoded again)."""
+    completed, removed = store.add_member_digests(keys.latents() | keys.texts())
+    for shard, problem in removed:
+        log(f"encode: shard {shard} {problem}; removed, its records are encoded again")
+    if completed:
+        log(f"encode: recorded the record digests of {completed} shards written by an older lorapipe")
+
+
 def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: SampleStore,
                  params: EncodeParams, inputs: EncodeInputs) -> dict:
-    """Write samples.json; return the shards it points into as artifact refs (size, digest)."""
+    """Write samples.json (in record-key order) and locations/index.json; return the shards they
+    point into as artifact refs (size, digest)."""
     index = store.index()
-    shards = {index[keys.empty].shard}
-
-    def entry(key: str) -> dict:
-        shards.add(index[key].shard)
-        return {"key": key, "location": index[key].to_json()}
+    ordered = sorted(dataset, key=lambda s: (keys.latent[s["id"]], keys.text[s["id"]]))
 
     def sample_entry(s: dict) -> dict:
-        flip = {"latent_flip": entry(keys.latent_flip[s["id"]])} if params.flip else {}
+        flip = {"latent_flip": keys.latent_flip[s["id"]]} if params.flip else {}
         return {
-            "id": s["id"], "split": s["split"], "caption": s["caption"], "original_size": s["original_size"],
+            "split": s["split"], "caption": s["caption"], "original_size": s["original_size"],
             "crop_box": s["crop_box"], "resized": s["resized"], "size": s["size"], "repeats": s["repeats"],
-            "dataset": inputs.datasets[s["source"]].label, "latent": entry(keys.latent[s["id"]]),
-            "text": entry(keys.text[s["id"]]), **flip,
+            "latent": keys.latent[s["id"]], "text": keys.text[s["id"]], **flip,
         }
 
-    write_json_rows(out_dir / SAMPLES_FILE, {
-        "format": FORMAT, "family": inputs.family, "dtype": params.dtype, "models": inputs.model_digests,
-        "vae_scaling_factor": _vae_scaling_factor(inputs.model_path), "empty_text": entry(keys.empty),
-        "flip": params.flip,
-    }, "samples", map(sample_entry, dataset))
+    used = sorted({keys.empty} | {k for s in ordered for k in keys.of_sample(s["id"])})
+    write_index(out_dir, {
+        "family": inputs.family, "dtype": params.dtype, "models": inputs.model_digests,
+        "vae_scaling_factor": _vae_scaling_factor(inputs.model_path), "empty_text": keys.empty, "flip": params.flip,
+    }, map(sample_entry, ordered), [{"id": s["id"], "dataset": inputs.datasets[s["source"]].label} for s in ordered],
+        {key: index[key] for key in used})
     refs = {}
-    for shard in sorted(shards):
+    for shard in sorted({index[key].shard for key in used}):
         meta = store.shard_meta(shard)
         refs[f"samples/{shard}.tar"] = {"size": meta["size"], "digest": meta["digest"]}
     return refs

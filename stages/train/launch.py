@@ -1,7 +1,9 @@
 """The parent side of training: launch the recipe under accelerate, stream its log, publish.
 
 The child processes write only into work_dir; once they succeed, the parent copies the results
-into out_dir. Interrupting the parent (Ctrl-C, a Prefect cancel) terminates every child.
+into out_dir. Interrupting the parent (Ctrl-C, a Prefect cancel) terminates every child. A
+child that meets a damaged record leaves it in work_dir/damaged-record.json and the parent
+raises it as cache.samples.DamagedRecord, which the flow repairs (flows/runner.py).
 """
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import shutil
 import sys
 from pathlib import Path
 
+from cache.samples import DamagedRecord
 from cache.store import Built
 from stages.contract import Log
-from stages.launching import run_streaming, write_accelerate_config
+from stages.launching import WorkerFailed, run_streaming, write_accelerate_config
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
-from stages.train.params import TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
+from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
 
 EXPORTS = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors", "train_config.json")
 
@@ -36,7 +39,14 @@ def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
                "--num_cpu_threads_per_process", str(threads), "-m", "stages.train.recipe", str(job)]
     log(f"train: {params.num_processes} process(es), {params.max_steps} steps, work dir {work_dir}")
-    run_streaming(command, work_dir / "logs" / "train.log", log)
+    damaged = work_dir / DAMAGED_RECORD_FILE
+    damaged.unlink(missing_ok=True)
+    try:
+        run_streaming(command, work_dir / "logs" / "train.log", log)
+    except WorkerFailed as failure:
+        if damaged.is_file():
+            raise DamagedRecord.from_json(json.loads(damaged.read_text())) from failure
+        raise
     return publish(work_dir, out_dir, params.max_steps, log)
 
 

@@ -18,6 +18,7 @@ TARGET_PRESETS: dict[str, tuple[str, ...]] = {
 }
 ALL_LINEAR = "all_linear"  # every nn.Linear of the UNet, resolved against the model in the recipe
 TRACKER_RUN = "tracker"  # accelerate's tracker (TensorBoard, wandb) writes under work_dir/logs/tracker/
+DAMAGED_RECORD_FILE = "damaged-record.json"  # where a worker leaves the DamagedRecord it met, for the parent
 
 
 class TrainParams(Frozen):

@@ -18,9 +18,10 @@ batch is dropped for that epoch. Rank r takes slice r of each global batch, so e
 same number of steps. Micro-batch m = step * gradient_accumulation_steps + j is batch m of the
 plan, and all of its randomness (flipped or plain latent where encode made both, posterior sample,
 caption dropout, noise, timesteps, LoRA dropout) comes from a seed derived from (seed, m, rank):
-resuming from a checkpoint is exact. On CUDA, threads prepare micro-batches ahead of the step
-(stages/train/data.py: read, sample, noise, pin), so the step itself is the copy to the device, the
-UNet and the optimizer (train.loader_workers).
+resuming from a checkpoint is exact. Every record read is checked against its digest: a damaged
+one stops the run (DamagedRecord, which the parent raises again for the flow to repair). On CUDA,
+threads prepare micro-batches ahead of the step (stages/train/data.py: read, sample, noise, pin),
+so the step itself is the copy to the device, the UNet and the optimizer (train.loader_workers).
 
 Logs: loss.jsonl and loss.png, TensorBoard (or wandb) through accelerate's trackers, and a
 progress line with it/s and ETA from the main process.
@@ -41,14 +42,16 @@ import torch
 import torch.nn.functional as F
 
 from cache.errors import UserError
+from cache.fsutil import write_json_atomic
+from cache.samples import DamagedRecord
 from stages.encoded import EncodedData
 from stages.launching import die_with_parent, reporting_errors
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
 from stages.train.data import (Batch, BatchPlan, MicroBatches, UNetInputs, derived_seed, noised_inputs,
                                prepare_micro_batch)
 from stages.train.lora_files import load_diffusers_lora, load_init_lora, write_diffusers_lora, write_kohya_lora
-from stages.train.params import (ALL_LINEAR, TARGET_PRESETS, TRACKER_RUN, VERSION, TrainInputs, TrainOptions,
-                                 TrainParams)
+from stages.train.params import (ALL_LINEAR, DAMAGED_RECORD_FILE, TARGET_PRESETS, TRACKER_RUN, VERSION, TrainInputs,
+                                 TrainOptions, TrainParams)
 
 TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")
 
@@ -390,10 +393,14 @@ def main(argv: list[str]) -> None:
     recipe = LoRATrainingRecipe(TrainParams(**job["params"]), TrainInputs.from_json(job["inputs"]),
                                 TrainOptions(**job["options"]), Path(job["work_dir"]))
     with reporting_errors():  # one line for the user, then the traceback for the log
-        recipe.setup()
-        recipe.train()
-        recipe.export()
-        recipe.cleanup()
+        try:
+            recipe.setup()
+            recipe.train()
+            recipe.export()
+            recipe.cleanup()
+        except DamagedRecord as damage:  # the parent raises it again, typed, so the flow can repair it
+            write_json_atomic(Path(job["work_dir"]) / DAMAGED_RECORD_FILE, damage.to_json())
+            raise
 
 
 if __name__ == "__main__":
