@@ -96,13 +96,14 @@ def test_the_loss_subset_has_a_fixed_size_and_keeps_its_members_as_the_split_gro
 
     from stages.evaluate.losses import loss_subset
 
-    split = [SimpleNamespace(id=f"img{i}.png") for i in range(1000)]
-    chosen = {s.id for s in loss_subset(split, 64, loss_seed=0)}
-    grown = {s.id for s in loss_subset(split + [SimpleNamespace(id=f"new{i}.png") for i in range(10)], 64, 0)}
+    split = [SimpleNamespace(content_id=f"latent{i}") for i in range(1000)]
+    chosen = {s.content_id for s in loss_subset(split, 64, loss_seed=0)}
+    grown = {s.content_id for s in loss_subset(split + [SimpleNamespace(content_id=f"new{i}") for i in range(10)],
+                                               64, 0)}
     assert len(chosen) == len(grown) == 64
     assert len(chosen & grown) >= 54  # only newcomers that hash lower displace a member
     assert loss_subset(split[:10], 64, 0) == split[:10] and loss_subset(split, None, 0) == split
-    assert {s.id for s in loss_subset(split, 64, loss_seed=1)} != chosen
+    assert {s.content_id for s in loss_subset(split, 64, loss_seed=1)} != chosen
 
 
 def test_rerun_gives_identical_bytes(evaluated, tiny_model, lora_dir, encoded):

@@ -252,3 +252,22 @@ def test_a_repaired_or_compacted_shard_reruns_only_encode(baseline, tmp_path, co
     assert statuses(compacted) == {"preprocess": "hit", "encode": "computed", "train": "hit", "evaluate": "hit"}
     assert counts == {"vae": 0, "text": 0}
 
+
+def test_renamed_and_moved_images_rerun_preprocess_and_encode_but_not_training(baseline, tmp_path, count_encoder_rows):
+    config = private_copy(baseline, tmp_path)
+    data = tmp_path / "data"
+    (data / "moved").mkdir()
+    for image in sorted(data.glob("*.jpg")):  # every file gets another name, one another folder too
+        where = data / "moved" if image.stem == "coffee" else data
+        image.rename(where / f"renamed-{image.name}")
+        image.with_suffix(".txt").rename(where / f"renamed-{image.stem}.txt")
+    with count_encoder_rows() as counts:
+        results = run_all(config)
+    assert statuses(results) == {"preprocess": "computed", "encode": "computed", "train": "hit", "evaluate": "hit"}
+    assert counts == {"vae": 0, "text": 0}
+    ctx = Context(config, log=lambda m: None)  # and training on the renamed files trains the same LoRA:
+    upstream = {stage: ctx.store.lookup(stage, results[stage].key).artifact for stage in STAGES[:2]}
+    for stage in ("train", "evaluate"):  # the batch plan, split and evaluate's noise follow content
+        forced, upstream[stage] = run_stage(ctx, stage, upstream, force=True)
+        assert forced.status == "computed" and forced.digest == results[stage].digest, stage
+    ctx.close()

@@ -2,9 +2,10 @@
 
 For each sample the clean latent is the VAE posterior mean times the scaling factor (no sampling,
 so the number does not move between runs), noised at every requested timestep with noise drawn
-from a generator seeded by (loss_seed, sample id), and compared with what the scheduler's
-prediction type asks the UNet to predict. Seeding by id rather than position keeps a sample's
-noise the same when other samples join or leave the split (retraining on a growing dataset).
+from a generator seeded by (loss_seed, the sample's content id), and compared with what the
+scheduler's prediction type asks the UNet to predict. Seeding by content rather than position
+keeps a sample's noise the same when other samples join or leave the split (retraining on a
+growing dataset), and rather than by file name when its file is renamed.
 """
 from __future__ import annotations
 
@@ -21,21 +22,21 @@ if TYPE_CHECKING:
 LossResult = dict[str, Any]  # {"overall": float, "by_timestep": {"<t>": float}}
 
 
-def sample_digest(loss_seed: int, sample_id: str) -> bytes:
-    return hashlib.sha256(f"{loss_seed}:{sample_id}".encode()).digest()
+def sample_digest(loss_seed: int, content_id: str) -> bytes:
+    return hashlib.sha256(f"{loss_seed}:{content_id}".encode()).digest()
 
 
-def fixed_noise(loss_seed: int, sample_id: str, shape: tuple[int, ...]) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(int.from_bytes(sample_digest(loss_seed, sample_id)[:8], "big"))
+def fixed_noise(loss_seed: int, content_id: str, shape: tuple[int, ...]) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(int.from_bytes(sample_digest(loss_seed, content_id)[:8], "big"))
     return torch.randn(shape, generator=generator)
 
 
 def loss_subset(samples: list[Sample], limit: int | None, loss_seed: int) -> list[Sample]:
-    """At most `limit` samples: those whose hash of (loss_seed, id) is smallest, so the subset
-    changes little as the dataset grows and evaluation costs the same at any dataset size."""
+    """At most `limit` samples: those whose hash of (loss_seed, content id) is smallest, so the
+    subset changes little as the dataset grows and evaluation costs the same at any dataset size."""
     if limit is None or len(samples) <= limit:
         return samples
-    return sorted(samples, key=lambda s: sample_digest(loss_seed, s.id))[:limit]
+    return sorted(samples, key=lambda s: sample_digest(loss_seed, s.content_id))[:limit]
 
 
 def _target(
@@ -75,7 +76,7 @@ def denoising_loss(
     for sample in samples:  # one UNet call per sample, batched over timesteps (buckets may differ)
         mean, _ = encoded.latent(sample)
         clean = (mean.float() * scaling).expand(len(timesteps), *mean.shape)
-        noise = fixed_noise(loss_seed, sample.id, tuple(clean.shape))
+        noise = fixed_noise(loss_seed, sample.content_id, tuple(clean.shape))
         noisy = noise_scheduler.add_noise(clean, noise, t)
         text = encoded.text(sample)
         hidden = text["hidden_states"].float().expand(len(timesteps), -1, -1)

@@ -10,7 +10,7 @@ from pydantic import Field, field_validator
 from stages.contract import Frozen
 from stages.train.checkpoints import LORA_FILE
 
-VERSION = "1"
+VERSION = "2"  # 2: fixed noise and loss subset seeded by content, not file name
 LORA_WEIGHTS = LORA_FILE  # what the train stage writes
 
 

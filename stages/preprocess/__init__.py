@@ -19,7 +19,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from blake3 import blake3
 from pydantic import Field, field_validator
 
 from cache.digest import StatCache
@@ -31,7 +30,9 @@ from .crops import generated_buckets, nearest_bucket, place, shrink_to_fit
 from .sources import BadRow, Candidate, DatasetSource, MissingCaption, candidates, fingerprint
 from .validation import ImageInfo, Rejected, inspect_image, summary_lines
 
-VERSION = "3"  # 3: nothing read outside a dataset, metadata row problems reported, .caption fallback, warnings
+# 3: nothing read outside a dataset, metadata row problems reported, .caption fallback, warnings;
+# 4: the held-out split and random crops chosen by image content, not file name
+VERSION = "4"
 MAX_UPSCALE = 2.0  # an image enlarged more than this to cover its target gets a small_image warning
 DATASET_FILE = "dataset.json"
 REPORT_FILE = "report.json"
@@ -108,7 +109,8 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
         where = ", ".join(str(d.path) for d in inputs.datasets)
         raise ValueError(f"no usable image in {where} ({counts or 'no image files'})")
     fixed = {s["id"]: inputs.datasets[s["source"]].split for s in samples}  # a dataset may name its split
-    holdout = _holdout_ids([i for i, split in fixed.items() if split == "auto"], params.holdout_fraction)
+    holdout = _holdout_ids({s["id"]: s["digest"] for s in samples if fixed[s["id"]] == "auto"},
+                           params.holdout_fraction)
     holdout |= {i for i, split in fixed.items() if split == "holdout"}
     for s in samples:
         s["split"] = "holdout" if s["id"] in holdout else "train"
@@ -188,7 +190,7 @@ def _sample(c: Candidate, sample_id: str, info: ImageInfo, caption: str, repeats
         target = shrink_to_fit(info.width, info.height, target)
         if target is None:
             raise Rejected("too_small", f"{info.width}x{info.height} is under 64 px with never_upscale set")
-    resized, box = place(info.width, info.height, target, params.crop == "random", params.seed, sample_id)
+    resized, box = place(info.width, info.height, target, params.crop == "random", params.seed, info.digest)
     sample = {
         "id": sample_id, "source": c.source, "path": c.rel, "digest": info.digest, "caption": caption,
         "repeats": repeats, "original_size": [info.height, info.width], "size": [target[1], target[0]],
@@ -199,9 +201,10 @@ def _sample(c: Candidate, sample_id: str, info: ImageInfo, caption: str, repeats
     return sample
 
 
-def _holdout_ids(ids: list[str], fraction: float) -> set[str]:
-    """The same ids for the same fraction, whatever the folder order: rank by a hash of the id."""
-    if fraction == 0 or len(ids) < 2:
+def _holdout_ids(digests: dict[str, str], fraction: float) -> set[str]:
+    """The ids of the images (id -> content digest) held out: the same images for the same
+    fraction, whatever the folder order or the files' names: those of the smallest digests."""
+    if fraction == 0 or len(digests) < 2:
         return set()
-    k = min(len(ids) - 1, max(1, math.floor(len(ids) * fraction + 0.5)))
-    return set(sorted(ids, key=lambda i: blake3(i.encode()).hexdigest())[:k])
+    k = min(len(digests) - 1, max(1, math.floor(len(digests) * fraction + 0.5)))
+    return set(sorted(digests, key=lambda i: (digests[i], i))[:k])

@@ -1,8 +1,8 @@
 """Where each image lands: its target size (a square, or an aspect-ratio bucket) and crop box.
 
 An image is resized (aspect kept) until it covers its target, then cropped to it. The crop is
-centred, or placed at random once per sample from (seed, sample id): with cached latents a
-random crop is one fixed crop per sample, not a new one each epoch.
+centred, or placed at random once per image from (seed, image digest): with cached latents a
+random crop is one fixed crop per image, not a new one each epoch, and renaming the file keeps it.
 """
 from __future__ import annotations
 
@@ -42,13 +42,13 @@ def shrink_to_fit(width: int, height: int, target: tuple[int, int]) -> tuple[int
 
 
 def place(width: int, height: int, target: tuple[int, int], random_crop: bool, seed: int,
-          sample_id: str) -> tuple[list[int], list[int]]:
+          image_digest: str) -> tuple[list[int], list[int]]:
     """Resize to cover `target` (width, height), then crop: (resized [h, w], box [l, t, r, b])."""
     tw, th = target
     scale = max(tw / width, th / height)
     w, h = max(tw, round(width * scale)), max(th, round(height * scale))
     if random_crop:
-        rng = random.Random(blake3(f"{seed}:{sample_id}".encode()).digest()[:8])
+        rng = random.Random(blake3(f"{seed}:{image_digest}".encode()).digest()[:8])
         left, top = rng.randint(0, w - tw), rng.randint(0, h - th)
     else:
         left, top = (w - tw) // 2, (h - th) // 2

@@ -34,7 +34,7 @@ class BatchPlan:
     def __init__(self, samples: list[Sample], seed: int, batch_size: int, num_processes: int):
         self.seed, self.batch_size, self.global_batch = seed, batch_size, batch_size * num_processes
         buckets: dict[tuple[int, int], list[Sample]] = {}
-        for sample in sorted(samples, key=lambda s: s.id):
+        for sample in sorted(samples, key=lambda s: s.content_id):  # not by file name: a rename changes nothing
             buckets.setdefault(sample.size, []).extend([sample] * sample.repeats)
         self.buckets = [buckets[size] for size in sorted(buckets)]
         self.batches_per_epoch = sum(len(b) // self.global_batch for b in self.buckets)

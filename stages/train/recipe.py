@@ -11,7 +11,8 @@ and launches this module. By hand (JOB.json as `run()` writes it):
     accelerate launch --config_file WORK/accelerate.yaml -m stages.train.recipe WORK/job.json
 
 Data: a deterministic batch plan. For each epoch, a permutation seeded by (seed, epoch) deals the
-train split, bucket by bucket (one encoded size per batch), into global batches of
+train split (ordered by latent record key, never by file name), bucket by bucket (one encoded
+size per batch), into global batches of
 batch_size x num_processes samples; a sample with `repeats` = k is dealt k times per epoch
 (kohya-style), so a batch may hold it twice. A bucket's remainder that does not fill a global
 batch is dropped for that epoch. Rank r takes slice r of each global batch, so every rank runs the
