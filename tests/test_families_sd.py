@@ -127,7 +127,7 @@ def _denoising_loss(family, model: Path, params: ObjectiveParams, unet, data: En
     for sample in samples:
         mean, _ = data.latent(sample)
         clean = normalise.apply(mean.float()).expand(len(steps), *mean.shape)
-        noised = objective.noised(clean, fixed_noise(seed, sample.id, tuple(clean.shape)), t)
+        noised = objective.noised(clean, fixed_noise(seed, sample.content_id, tuple(clean.shape)), t)
         cond = family.conditioning([data.text(sample)], [(sample, False)], ObjectiveParams())
         cond = {k: v.expand(len(steps), *v.shape[1:]) for k, v in cond.items()}
         with torch.inference_mode():
