@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import errno
 import json
+import re
 import shutil
 import sys
 from functools import partial
@@ -16,7 +17,7 @@ from typing import Literal, get_args
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
-from prefect.runtime import flow_run, task_run
+from prefect.runtime import deployment, flow_run, task_run
 from prefect.states import Completed
 
 from cache.gc import record_run
@@ -97,21 +98,33 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
         results.append(result)
         upstream[stage] = result.key
     summary = [r.to_json() for r in results]
-    write_outputs(config, results, summary)
+    out = output_folder(config)
+    write_outputs(out, config, results, summary)
+    get_run_logger().info(f"outputs: {out}")
     record_run(config.cache_dir, config.name, flow_run.name or "unnamed", upstream)
-    publish_run_artifacts(config.name, results)
+    publish_run_artifacts(config.name, results, out)
     return summary
 
 
-def write_outputs(config: PipelineConfig, results: list[StageResult], summary: list[dict]) -> None:
-    out = config.output_dir
+def output_folder(config: PipelineConfig) -> Path:
+    """output_dir itself for a CLI run; output_dir/<deployment name> for a deployment run, so a
+    scheduled retrain never overwrites what a manual run of another deployment made."""
+    name = deployment.name
+    if not name:
+        return config.output_dir
+    return config.output_dir / (re.sub(r"[^\w.-]+", "-", name).strip(".") or "deployment")
+
+
+def write_outputs(out: Path, config: PipelineConfig, results: list[StageResult], summary: list[dict]) -> None:
     out.mkdir(parents=True, exist_ok=True)
     for result in results:
         for name in OUTPUT_FILES.get(result.stage, ()):
             src = Path(result.path) / name
             if src.exists():
                 shutil.copyfile(src, out / name)
-    (out / "run-summary.json").write_text(json.dumps({"pipeline": config.name, "stages": summary}, indent=1))
+    run = {"pipeline": config.name, "output_dir": str(out.resolve()), "deployment": deployment.name,
+           "flow_run": flow_run.name, "stages": summary}
+    (out / "run-summary.json").write_text(json.dumps(run, indent=1))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,19 @@
 """prefect.yaml against a real Prefect server, a real process worker and real runs of the tiny
-demo: deploy without prompts, refuse bad parameters, run, rerun (all Cached), grow the dataset,
-run twice at once, retry and resume after the trainer is killed, cancel during training, and look at the
-run's page in headless Chromium. Everything started here is stopped by PID.
+demo, set up by README.md's step-by-step commands as written: deploy without prompts, refuse bad
+parameters, run, rerun (all Cached), grow the dataset (its own output folder), run twice at once,
+retry and resume after the trainer is killed, watch training's progress live and cancel it, and read
+the report in both Prefect UIs in headless Chromium. Everything started here is stopped by PID.
 
     .venv/bin/python -m pytest tests/test_deployment.py -s    # the tests share one server, in order
 """
 from __future__ import annotations
 
+import base64
 import json
 import os
+import re
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -28,6 +33,8 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
+README = REPO / "README.md"
+WALKTHROUGH = "### Step by step: server, worker, first run"  # the README section the fixture runs
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -96,9 +103,16 @@ class Service:
     env: dict[str, str]
     root: Path
     base: dict[str, Any]  # the demo config as a deployment parameter
+    run_command: list[str]  # README's `prefect deployment run ...`
 
     def config(self, changes: dict | None = None) -> dict:
         return merged(self.base, changes or {})
+
+    def start_as_readme(self, config: dict) -> tuple[UUID, str]:
+        """README's `prefect deployment run` with this config: the flow run's id and the URL it printed."""
+        printed = prefect_cli({**self.env, "COLUMNS": "300"}, *self.run_command[1:], "--params",
+                              json.dumps({"config": config}))
+        return UUID(re.search(r"UUID: (\S+)", printed)[1]), re.search(r"URL: (\S+)", printed)[1]
 
     def start(self, deployment: str, **parameters: Any) -> UUID:
         from prefect.deployments import run_deployment
@@ -154,6 +168,18 @@ class Service:
                 if len(page) < 200:
                     return messages
 
+    def progress(self, run_id: UUID, stage: str, other_than: str | None = None, timeout: float = 60) -> str:
+        """The description of the run's progress artifact for `stage` (its latest log line), once
+        it exists and differs from `other_than`."""
+        deadline = time.time() + timeout
+        while True:
+            found = [a.description for a in self.artifacts(run_id)
+                     if a.type == "progress" and a.description.startswith(f"{stage}:")]
+            if found and found[0] != other_than:
+                return found[0]
+            assert time.time() < deadline, f"{stage} progress: {found or 'none'} after {timeout} s"
+            time.sleep(0.5)
+
     def artifacts(self, run_id: UUID) -> list:
         from prefect.client.orchestration import get_client
         from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterFlowRunId
@@ -162,15 +188,30 @@ class Service:
             return client.read_artifacts(artifact_filter=ArtifactFilter(flow_run_id=ArtifactFilterFlowRunId(any_=[run_id])))
 
 
-def summary(config: dict) -> dict[str, dict]:
-    rows = json.loads((Path(config["output_dir"]) / "run-summary.json").read_text())["stages"]
-    return {row["stage"]: row for row in rows}
+def run_summary(config: dict, deployment: str = "full") -> dict:
+    """The run summary a run of `deployment` wrote into its own output folder."""
+    return json.loads((Path(config["output_dir"]) / deployment / "run-summary.json").read_text())
 
 
-def start_server(root: Path, env: dict[str, str], port: int, stack: ExitStack) -> None:
+def summary(config: dict, deployment: str = "full") -> dict[str, dict]:
+    return {row["stage"]: row for row in run_summary(config, deployment)["stages"]}
+
+
+def walkthrough() -> list[list[str]]:
+    """The commands of README.md's step-by-step walk-through, in order: the code lines of its
+    numbered steps (indented 7 spaces), without comments."""
+    text = README.read_text()
+    assert WALKTHROUGH in text, f"README.md has no {WALKTHROUGH!r} section: the service fixture runs its commands"
+    section = text.split(WALKTHROUGH, 1)[1].split("\n#", 1)[0]
+    code = [line.split("  #")[0].strip() for line in section.splitlines() if line.startswith(" " * 7)]
+    return [shlex.split(line) for line in code if line]
+
+
+def start_server(root: Path, env: dict[str, str], port: int, stack: ExitStack, command: list[str]) -> None:
+    """The server on `port`, moved there by settings: with `--port` alone its UI calls the API on 4200."""
     log = open(root / "server.log", "w")
-    server = subprocess.Popen([PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
-                              env=env, stdout=log, stderr=subprocess.STDOUT)
+    server = subprocess.Popen([PREFECT, *command[1:]], stdout=log, stderr=subprocess.STDOUT,
+                              env={**env, "PREFECT_SERVER_API_HOST": "127.0.0.1", "PREFECT_SERVER_API_PORT": str(port)})
     stack.callback(stop, server, signal.SIGTERM)
     deadline = time.time() + 120
     while time.time() < deadline:
@@ -183,13 +224,36 @@ def start_server(root: Path, env: dict[str, str], port: int, stack: ExitStack) -
     raise AssertionError("the Prefect server did not answer in 120 s")
 
 
-def prefect_cli(env: dict[str, str], *args: str) -> None:
+def prefect_cli(env: dict[str, str], *args: str) -> str:
     done = subprocess.run([PREFECT, *args], cwd=REPO, env=env, text=True, capture_output=True, timeout=300)
     assert done.returncode == 0, f"prefect {' '.join(args)}:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    return done.stdout
+
+
+def start_worker(root: Path, env: dict[str, str], command: list[str], stack: ExitStack) -> None:
+    """Start the worker and wait until it has registered with its pool (or fail with its log)."""
+    log = open(root / "worker.log", "w")
+    worker = subprocess.Popen([PREFECT, *command[1:]], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
+    stack.callback(stop, worker, signal.SIGINT)  # a worker ignores SIGTERM
+    pool = command[command.index("--pool") + 1]
+    deadline = time.time() + 60
+    while time.time() < deadline and worker.poll() is None:
+        request = urllib.request.Request(f"{env.get('PREFECT_API_URL')}/work_pools/{pool}/workers/filter",
+                                         data=b"{}", headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=5) as answer:
+                if json.load(answer):
+                    return
+        except (OSError, ValueError):
+            pass
+        time.sleep(1)
+    raise AssertionError(f"`{shlex.join(command)}` did not join pool {pool}:\n{(root / 'worker.log').read_text()[-2000:]}")
 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
+    """Server, pools, deployments and worker, by running README.md's walk-through as written (on a
+    free port instead of 4200; its `prefect deployment run` is what test_1 runs)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
     from flows.config import load_config
@@ -198,23 +262,43 @@ def service(tmp_path_factory):
     root = tmp_path_factory.mktemp("service")
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    env = {**os.environ, "PREFECT_HOME": str(root / "prefect-home"), "PREFECT_API_URL": f"{url}/api",
-           "PREFECT_SERVER_ANALYTICS_ENABLED": "false", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1",
-           "PREFECT_WORKER_QUERY_SECONDS": "1", "PREFECT_UI_API_URL": f"{url}/api"}
+    env = {name: value for name, value in os.environ.items() if not name.startswith(("PREFECT_API_", "PREFECT_UI_"))}
+    env |= {"PREFECT_HOME": str(root / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
+            "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "PREFECT_WORKER_QUERY_SECONDS": "1"}
     base = load_config(prepare_demo(root / "demo")).model_dump(mode="json")
+    run_command = None
     with ExitStack() as stack:
         started = time.time()
-        start_server(root, env, port, stack)
-        for pool in ("lorapipe-process", "lorapipe-gpu"):  # no GPU here: lorapipe-gpu only gets deployed to
-            prefect_cli(env, "work-pool", "create", pool, "--type", "process", "--overwrite")
-        prefect_cli(env, "--no-prompt", "deploy", "--all")
-        worker_log = open(root / "worker.log", "w")
-        worker = subprocess.Popen([PREFECT, "worker", "start", "--pool", "lorapipe-process"], cwd=root, env=env,
-                                  stdout=worker_log, stderr=subprocess.STDOUT)
-        stack.callback(stop, worker, signal.SIGINT)  # a worker ignores SIGTERM
-        stack.enter_context(temporary_settings(updates={PREFECT_API_URL: f"{url}/api"}))
-        print(f"\nserver, pools, deployments and worker up in {time.time() - started:.0f} s; logs in {root}")
-        yield Service(url, env, root, merged(base, SMALL))
+        for command in walkthrough():
+            if command[0] == "export":
+                name, value = command[1].split("=", 1)
+                env[name] = value.replace("127.0.0.1:4200", f"127.0.0.1:{port}")
+            elif command[:3] == ["prefect", "server", "start"]:
+                start_server(root, env, port, stack, command)
+            elif command[:3] == ["prefect", "worker", "start"]:
+                start_worker(root, env, command, stack)
+            elif command[:3] == ["prefect", "deployment", "run"]:
+                run_command = command
+            else:
+                prefect_cli(env, *command[1:])
+        assert run_command, f"README.md's {WALKTHROUGH!r} starts no run"
+        stack.enter_context(temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}))
+        print(f"\nREADME's walk-through: server, pools, deployments and worker up in {time.time() - started:.0f} s;"
+              f" logs in {root}")
+        yield Service(url, env, root, merged(base, SMALL), run_command)
+
+
+@pytest.fixture(scope="module")
+def chromium() -> Path:
+    """Debian's chromium, installed here (apt-get, as root) when missing: the UI checks never skip."""
+    if not CHROMIUM.exists():
+        if os.geteuid() != 0 or not shutil.which("apt-get"):
+            pytest.fail(f"{CHROMIUM} is missing and this is not root with apt-get: `apt-get install -y chromium`")
+        apt = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+        for step in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", "chromium"]):
+            done = subprocess.run(step, env=apt, capture_output=True, text=True, timeout=900)
+            assert done.returncode == 0, f"`{shlex.join(step)}` failed:\n{done.stdout[-1000:]}{done.stderr[-2000:]}"
+    return CHROMIUM
 
 
 def test_deployments_are_typed_scheduled_and_pull_from_the_repo(service):
@@ -255,19 +339,26 @@ def test_bad_parameters_are_refused_before_a_run_is_created(service):
 
 def test_1_a_deployment_run_completes_with_lora_grid_report_and_artifacts(service):
     config = service.config()
-    run_id = service.run("full", config=config)
-    out = Path(config["output_dir"])
+    run_id, printed_url = service.start_as_readme(config)
+    assert printed_url == f"{service.url}/runs/flow-run/{run_id}"  # README: "open the URL it prints"
+    state = service.wait(run_id)
+    assert state == "Completed", f"run ended {state}:\n{service.logs(run_id)[-3000:]}"
+    out = Path(config["output_dir"]) / "full"  # a deployment run's own folder
     for name in ("pytorch_lora_weights.safetensors", "grid.png", "report.md", "run-summary.json"):
         assert (out / name).is_file(), name
+    assert run_summary(config)["output_dir"] == str(out.resolve())
     assert {s: r["status"] for s, r in summary(config).items()} == dict.fromkeys(STAGES, "computed")
-    expected = [f"{stage}: {what}" for stage in STAGES for what in ("miss (", "computed ")]
+    expected = [f"{stage}: {what}" for stage in STAGES for what in ("miss (", "computed ")] + [f"outputs: {out}"]
     logs = service.logs(run_id, expect=tuple(expected))
     assert all(e in logs for e in expected), [e for e in expected if e not in logs]
     artifacts = service.artifacts(run_id)
     assert {a.key for a in artifacts if a.key} == {"demo-stages", "demo-report"}
-    progress = sorted(a.description for a in artifacts if a.type == "progress" and a.data == 100)
-    assert progress == ["encode progress", "train progress"]
-    assert "| train | computed |" in next(a.data for a in artifacts if a.key == "demo-stages")
+    progress = {a.description.split(":")[0]: a for a in artifacts if a.type == "progress"}
+    assert sorted(progress) == ["encode", "train"] and all(a.data == 100 for a in progress.values())
+    assert re.match(r"encode: latents (\d+)/\1\b", progress["encode"].description), progress["encode"].description
+    assert re.match(r"train: step 6/6 loss \d+\.\d+", progress["train"].description), progress["train"].description
+    stages = next(a.data for a in artifacts if a.key == "demo-stages")
+    assert "| train | computed |" in stages and str(out) in stages
 
 
 def test_2_a_rerun_is_all_cache_hits_and_prepare_selects_two_stages(service):
@@ -290,8 +381,11 @@ def test_3_new_images_are_encoded_alone_then_train_and_evaluate_rerun(service):
         ImageOps.mirror(Image.open(data / f"{name}.jpg")).save(data / f"{name}_mirrored.jpg", quality=95)
         (data / f"{name}_mirrored.txt").write_text((data / f"{name}.txt").read_text().strip() + ", mirrored\n")
     run_id = service.run("retrain", config=config)
-    rows = summary(config)
+    rows = summary(config, "retrain")
     assert {s: r["status"] for s, r in rows.items()} == dict.fromkeys(STAGES, "computed")
+    assert {s: r["status"] for s, r in summary(config, "full").items()} == dict.fromkeys(STAGES, "hit"), \
+        "the retrain overwrote the outputs of test_2's full run"
+    assert run_summary(config, "retrain")["output_dir"] == str((Path(config["output_dir"]) / "retrain").resolve())
     assert rows["encode"]["info"]["latents_encoded"] == 2 and rows["encode"]["info"]["latents_reused"] == 8
     assert rows["encode"]["info"]["texts_encoded"] == 2
     assert "preprocess: miss (changed: inputs." in service.logs(run_id, expect=("preprocess: miss (changed",))
@@ -337,18 +431,35 @@ def test_5_a_killed_trainer_is_retried_by_prefect_and_resumes_from_its_checkpoin
     assert resumed and resumed >= 4 and resumed % 4 == 0
 
 
-def test_6_cancelling_during_training_leaves_no_training_process(service):
+def test_6_training_progress_shows_live_then_cancelling_leaves_no_training_process(service, chromium, tmp_path):
     from prefect.client.orchestration import get_client
     from prefect.states import Cancelling
 
     config = service.config({"train": {"seed": 2, "max_steps": 100_000, "checkpoint_every": 100_000}})
+    browser = Chromium(chromium, tmp_path / "chromium-profile")  # before the run: a cold start is slow on busy cores
     run_id = service.start("full", config=config)
-    deadline = time.time() + 300
-    while not any("accelerate" not in " ".join(p.cmdline()) for p in trainers(service.root)):
-        assert time.time() < deadline, "training did not start in 300 s"
-        time.sleep(0.5)
-    with get_client(sync_client=True) as client:
-        client.set_flow_run_state(run_id, Cancelling())
+    try:  # the page `prefect deployment run` prints, opened before training starts and never reloaded
+        browser.call("Page.navigate", url=f"{service.url}/runs/flow-run/{run_id}")
+        browser.click("#artifacts", "Artifacts")
+        deadline = time.time() + 300
+        while not any("accelerate" not in " ".join(p.cmdline()) for p in trainers(service.root)):
+            assert time.time() < deadline, "training did not start in 300 s"
+            time.sleep(0.5)
+        first = service.progress(run_id, "train")
+        assert re.match(r"train: step \d+/100000 loss \d+\.\d+", first), first
+        assert service.progress(run_id, "train", other_than=first) != first  # moved in the API, mid-run
+        step_shown = "(document.body.innerText.match(/train: step \\d+/) || [null])[0]"
+        shown = browser.wait_for(step_shown)
+        later = browser.wait_for(f"(() => {{ const s = {step_shown}; return s !== {json.dumps(shown)} && s; }})()")
+        screenshot = browser.screenshot(service.root / "ui-live-progress.png")
+        with get_client(sync_client=True) as client:
+            running = client.read_flow_run(run_id).state.is_running()
+    finally:
+        browser.close()
+        with get_client(sync_client=True) as client:
+            client.set_flow_run_state(run_id, Cancelling())
+    print(f"\nthe run page showed {shown!r}, then {later!r} without a reload: {screenshot}")
+    assert running, "the run ended before its page showed the progress move"
     assert service.wait(run_id, timeout=120) == "Cancelled"
     assert_trainers_die(service.root, "the cancelled run")
 
@@ -372,11 +483,12 @@ def test_6b_a_flow_run_process_killed_outright_leaves_no_training_process(servic
 class Chromium:
     """Headless Chromium driven over the DevTools protocol (no browser download, no extra package)."""
 
-    def __init__(self, profile: Path):
-        self.process = subprocess.Popen([str(CHROMIUM), *CHROMIUM_FLAGS, "--window-size=1400,1000",
+    def __init__(self, executable: Path, profile: Path):
+        self.profile = profile
+        self.process = subprocess.Popen([str(executable), *CHROMIUM_FLAGS, "--window-size=1400,2400",
                                          f"--user-data-dir={profile}", "--remote-debugging-port=0", "about:blank"],
                                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        port_file, deadline = profile / "DevToolsActivePort", time.time() + 60
+        port_file, deadline = profile / "DevToolsActivePort", time.time() + 120
         while not port_file.exists() or not port_file.read_text().strip():
             assert time.time() < deadline and self.process.poll() is None, "chromium did not start"
             time.sleep(0.2)
@@ -396,41 +508,81 @@ class Chromium:
                 assert "error" not in message, message
                 return message["result"]
 
-    def wait_for(self, expression: str, timeout: float = 60) -> None:
+    def wait_for(self, expression: str, timeout: float = 120) -> Any:
+        """The expression's first truthy value, evaluated every half second."""
         deadline = time.time() + timeout
-        while not self.call("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value"):
-            assert time.time() < deadline, f"the page never satisfied {expression}"
+        while not (value := self.call("Runtime.evaluate", expression=expression, returnByValue=True)["result"].get("value")):
+            if time.time() > deadline:
+                page = self.call("Runtime.evaluate", returnByValue=True,
+                                 expression="location.href + '\\n' + document.body.innerText.slice(0, 1500)")
+                shot = self.screenshot(self.profile.parent / f"{self.profile.name}-failed.png")
+                raise AssertionError(f"the page never satisfied {expression}; see {shot}; it shows "
+                                     f"{page['result'].get('value')}")
             time.sleep(0.5)
+        return value
+
+    def click(self, selector: str, text: str = "") -> None:
+        """Click, as a mouse does, the first element matching `selector` (and containing `text`)
+        once it exists (some UI widgets answer mouse events only, not element.click())."""
+        x, y = self.wait_for(f"""(() => {{
+            const e = [...document.querySelectorAll({json.dumps(selector)})].find(e => e.innerText.includes({json.dumps(text)}));
+            if (!e) return null;
+            e.scrollIntoView({{block: "center"}});
+            const box = e.getBoundingClientRect();
+            return [box.x + box.width / 2, box.y + box.height / 2]; }})()""")
+        for event in ("mousePressed", "mouseReleased"):
+            self.call("Input.dispatchMouseEvent", type=event, x=x, y=y, button="left", clickCount=1)
+
+    def screenshot(self, path: Path) -> Path:
+        path.write_bytes(base64.b64decode(self.call("Page.captureScreenshot", format="png")["data"]))
+        return path
 
     def close(self) -> None:
         self.socket.close()
         stop(self.process, signal.SIGTERM, grace=10)
 
 
-def test_7_the_run_page_shows_the_report_artifact_in_chromium(service, tmp_path):
-    if not CHROMIUM.exists():
-        pytest.skip(f"{CHROMIUM} is absent: `apt-get install -y chromium` (what .ci/run does) to check the UI")
-    import base64
+REPORT_IN = {  # the element holding a markdown artifact on its page, in each UI
+    "classic": ".artifact-data-markdown",  # what the printed URL (/runs/flow-run/ID) opens
+    "v2": "[data-testid=markdown-display]",  # what http://host:port/ opens by default in Prefect 3.8
+}
 
+
+def report_shown(box: str) -> str:
+    """JavaScript: the report's images (once all loaded), tables and text, or null before."""
+    return f"""(() => {{ const box = document.querySelector({json.dumps(box)});
+        const images = box ? [...box.querySelectorAll("img")] : [];
+        if (!images.length || !images.every(i => i.complete)) return null;
+        return {{images: images.map(i => [i.alt, i.naturalWidth]), tables: box.querySelectorAll("table").length,
+                 text: box.innerText, page: location.pathname}}; }})()"""
+
+
+def test_7_the_report_shows_its_grid_chart_and_tables_in_both_prefect_uis(service, chromium, tmp_path):
     from prefect.client.orchestration import get_client
-    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterState, FlowRunFilterStateName
-    from prefect.client.schemas.sorting import FlowRunSort
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+    from prefect.client.schemas.sorting import ArtifactSort
 
     with get_client(sync_client=True) as client:
-        finished = client.read_flow_runs(
-            flow_run_filter=FlowRunFilter(state=FlowRunFilterState(name=FlowRunFilterStateName(any_=["Completed"]))),
-            sort=FlowRunSort.START_TIME_DESC, limit=1)[0]
-    page = f"{service.url}/runs/flow-run/{finished.id}"
-    browser = Chromium(tmp_path / "chromium-profile")
-    try:
-        browser.call("Page.navigate", url=page)
-        browser.wait_for("document.getElementById('artifacts') !== null")  # the run page's tab bar
-        browser.call("Runtime.evaluate", expression="document.getElementById('artifacts').click()")
-        browser.wait_for("document.body.innerText.includes('demo-report')")
-        browser.wait_for(f"document.body.innerText.includes({finished.name!r})")
-        screenshot = tmp_path / "flow-run-artifacts.png"
-        screenshot.write_bytes(base64.b64decode(browser.call("Page.captureScreenshot", format="png")["data"]))
-    finally:
-        browser.close()
-    print(f"\nscreenshot of {page} (Artifacts tab): {screenshot}")
-    assert screenshot.stat().st_size > 10_000
+        report = client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=["demo-report"])),
+                                       sort=ArtifactSort.CREATED_DESC, limit=1)[0]
+        run = client.read_flow_run(report.flow_run_id)
+        out = Path(run.parameters["config"]["output_dir"]) / client.read_deployment(run.deployment_id).name
+    shown = {}
+    for ui, base in (("classic", service.url), ("v2", f"{service.url}/v2")):
+        browser = Chromium(chromium, tmp_path / f"chromium-{ui}")
+        try:  # as a user: the run's page, its Artifacts tab, the report's card
+            browser.call("Page.navigate", url=f"{base}/runs/flow-run/{run.id}")
+            browser.click("#artifacts, [role=tab]", "Artifacts")
+            browser.click("a", "demo-report")
+            if ui == "v2":  # the card opens every version of the key: pick this run's
+                browser.click(f"a[href$='/artifacts/artifact/{report.id}']")
+            shown[ui] = browser.wait_for(report_shown(REPORT_IN[ui]))
+            screenshot = browser.screenshot(out / f"ui-report-{ui}.png")
+        finally:
+            browser.close()
+        print(f"\nthe report in the {ui} UI: {screenshot}")
+    for ui, page in shown.items():
+        assert page["page"].endswith(f"/artifacts/artifact/{report.id}"), (ui, page["page"])
+        assert [alt for alt, _ in page["images"]] == ["base and LoRA samples", "held-out loss by checkpoint"], ui
+        assert all(width > 0 for _, width in page["images"]), (ui, page["images"])  # no broken image
+        assert page["tables"] >= 3 and "Denoising loss" in page["text"] and "holdout" in page["text"], ui

@@ -265,3 +265,42 @@ def test_fid_and_kid_are_skipped_with_the_reason_when_they_cannot_run(evaluated,
 def test_params_refuse_bad_values(bad):
     with pytest.raises(ValidationError):
         EvalParams(**{"prompts": ("a cat",), **bad})
+
+
+def _inlined(markdown: str) -> list[tuple[str, Image.Image]]:
+    import base64
+    import io
+    import re
+
+    return [(mime, Image.open(io.BytesIO(base64.b64decode(data))))
+            for mime, data in re.findall(r"!\[[^\]]*\]\(data:(image/\w+);base64,([^)]+)\)", markdown)]
+
+
+def test_the_report_for_the_prefect_ui_carries_its_images_inline(evaluated):
+    """The Prefect UI cannot reach files on the worker: every image of the report is inlined, as is."""
+    from stages.evaluate.report import embed_images
+
+    out, _, _ = evaluated
+    inlined = embed_images((out / "report.md").read_text(), out)
+    assert "](grid.png)" not in inlined and "](checkpoint_loss.png)" not in inlined
+    images = _inlined(inlined)
+    assert [mime for mime, _ in images] == ["image/png", "image/png"]
+    for (_, image), name in zip(images, ("grid.png", "checkpoint_loss.png")):
+        with Image.open(out / name) as original:
+            assert ImageChops.difference(image.convert("RGB"), original.convert("RGB")).getbbox() is None, name
+    assert "## Denoising loss" in inlined and "| holdout | lora |" in inlined
+
+
+def test_an_image_too_big_to_inline_is_downscaled_and_a_missing_one_says_so(tmp_path):
+    import numpy as np
+
+    from stages.evaluate.report import EMBED_MAX_BYTES, EMBED_MAX_SIDE, embed_images
+
+    noise = np.random.default_rng(0).integers(0, 256, (3000, 1200, 3), dtype=np.uint8)  # PNG cannot shrink it
+    Image.fromarray(noise).save(tmp_path / "grid.png")
+    inlined = embed_images("![samples](grid.png)\n\n![chart](checkpoint_loss.png)", tmp_path)
+    [(mime, image)] = _inlined(inlined)
+    assert max(image.size) <= EMBED_MAX_SIDE and len(inlined) < 1.4 * EMBED_MAX_BYTES
+    assert image.size[0] / image.size[1] == pytest.approx(1200 / 3000, rel=0.01)
+    assert "full size 1200x3000: grid.png" in inlined
+    assert "*chart: checkpoint_loss.png could not be shown here (" in inlined

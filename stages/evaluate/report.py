@@ -1,8 +1,17 @@
-"""The human-readable outputs: report.md and the checkpoint loss chart."""
+"""The human-readable outputs: report.md, the checkpoint loss chart, and the report with its
+images inlined for viewers that cannot reach the files next to it (the Prefect UI)."""
 from __future__ import annotations
 
+import base64
+import io
+import re
 from pathlib import Path
 from typing import Any
+
+EMBED_MAX_SIDE = 2048  # px: as wide as a screen shows; keeps a grid's prompt labels readable
+EMBED_MAX_BYTES = 1_500_000  # per image before base64: the UI fetches an artifact as one JSON document
+LOCAL_IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s/:]+\.(?:png|jpe?g))\)")  # a file next to the report
+MIME = {"PNG": "image/png", "JPEG": "image/jpeg"}
 
 
 def _loss_rows(split: str, result: dict[str, Any], timesteps: list[int]) -> list[str]:
@@ -70,3 +79,41 @@ def plot_checkpoint_losses(path: Path, checkpoints: dict[str, Any]) -> None:
     axes.legend()
     figure.tight_layout()
     figure.savefig(path, format="png", metadata={"Software": None})
+
+
+def embed_images(markdown: str, folder: Path) -> str:
+    """`markdown` with every image it links from `folder` inlined as a data: URI (downscaled to fit
+    EMBED_MAX_SIDE and EMBED_MAX_BYTES). An image that cannot be read becomes a line saying so."""
+
+    def inline(link: re.Match) -> str:
+        alt, name = link[1], link[2]
+        try:
+            mime, data, note = _embeddable(folder / name)
+        except OSError as error:  # a missing or undecodable file (PIL's UnidentifiedImageError is one)
+            return f"*{alt}: {name} could not be shown here ({error})*"
+        return f"![{alt}](data:{mime};base64,{base64.b64encode(data).decode()}){note}"
+
+    return LOCAL_IMAGE.sub(inline, markdown)
+
+
+def _embeddable(path: Path) -> tuple[str, bytes, str]:
+    """(mime type, bytes, a note when downscaled): the file as is when it fits, else smaller, as
+    PNG if that fits and JPEG otherwise, halving the size until one does."""
+    from PIL import Image
+
+    with Image.open(path) as image:
+        image.load()
+    width, height = image.size
+    if image.format in MIME and max(width, height) <= EMBED_MAX_SIDE and path.stat().st_size <= EMBED_MAX_BYTES:
+        return MIME[image.format], path.read_bytes(), ""
+    scale = min(1.0, EMBED_MAX_SIDE / max(width, height))
+    while True:
+        size = (max(1, round(width * scale)), max(1, round(height * scale)))
+        shown = image.convert("RGB").resize(size, Image.Resampling.LANCZOS)
+        for kind, options in (("PNG", {}), ("JPEG", {"quality": 90})):
+            buffer = io.BytesIO()
+            shown.save(buffer, kind, **options)
+            if buffer.tell() <= EMBED_MAX_BYTES:
+                note = f"\n\n*Shown at {size[0]}x{size[1]} ({kind}); full size {width}x{height}: {path.name}*"
+                return MIME[kind], buffer.getvalue(), note
+        scale /= 2
