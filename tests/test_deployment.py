@@ -230,15 +230,15 @@ def prefect_cli(env: dict[str, str], *args: str) -> str:
     return done.stdout
 
 
-def start_worker(root: Path, env: dict[str, str], command: list[str], stack: ExitStack) -> None:
-    """Start the worker and wait until it has registered with its pool (or fail with its log)."""
+def start_worker(root: Path, env: dict[str, str], api: str, command: list[str], stack: ExitStack) -> None:
+    """Start the worker and wait until the server at `api` lists it in its pool (or fail with its log)."""
     log = open(root / "worker.log", "w")
     worker = subprocess.Popen([PREFECT, *command[1:]], cwd=root, env=env, stdout=log, stderr=subprocess.STDOUT)
     stack.callback(stop, worker, signal.SIGINT)  # a worker ignores SIGTERM
     pool = command[command.index("--pool") + 1]
     deadline = time.time() + 60
     while time.time() < deadline and worker.poll() is None:
-        request = urllib.request.Request(f"{env.get('PREFECT_API_URL')}/work_pools/{pool}/workers/filter",
+        request = urllib.request.Request(f"{api}/work_pools/{pool}/workers/filter",
                                          data=b"{}", headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=5) as answer:
@@ -276,7 +276,7 @@ def service(tmp_path_factory):
             elif command[:3] == ["prefect", "server", "start"]:
                 start_server(root, env, port, stack, command)
             elif command[:3] == ["prefect", "worker", "start"]:
-                start_worker(root, env, command, stack)
+                start_worker(root, env, f"{url}/api", command, stack)
             elif command[:3] == ["prefect", "deployment", "run"]:
                 run_command = command
             else:
