@@ -523,13 +523,16 @@ class Chromium:
 
     def click(self, selector: str, text: str = "") -> None:
         """Click, as a mouse does, the first element matching `selector` (and containing `text`)
-        once it exists (some UI widgets answer mouse events only, not element.click())."""
+        once it exists and has stopped moving: content loading above it shifts it, and a click at its
+        old place misses (some UI widgets answer mouse events only, not element.click())."""
         x, y = self.wait_for(f"""(() => {{
             const e = [...document.querySelectorAll({json.dumps(selector)})].find(e => e.innerText.includes({json.dumps(text)}));
             if (!e) return null;
             e.scrollIntoView({{block: "center"}});
-            const box = e.getBoundingClientRect();
-            return [box.x + box.width / 2, box.y + box.height / 2]; }})()""")
+            const box = e.getBoundingClientRect(), at = [box.x + box.width / 2, box.y + box.height / 2];
+            const settled = JSON.stringify(at) === window.__lastClickTarget;
+            window.__lastClickTarget = JSON.stringify(at);
+            return settled ? at : null; }})()""")
         for event in ("mousePressed", "mouseReleased"):
             self.call("Input.dispatchMouseEvent", type=event, x=x, y=y, button="left", clickCount=1)
 
