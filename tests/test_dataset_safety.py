@@ -85,3 +85,30 @@ def test_strict_run_stops_at_the_first_bad_metadata_row_in_one_line(tmp_path, ti
     error = next(line for line in done.stderr.splitlines() if line.startswith("lorapipe: error:"))
     assert error.startswith(f"lorapipe: error: {tmp_path / 'data' / 'metadata.jsonl'}:2: listed_but_missing:"
                             " file_name 'gone.jpg'") and error.endswith("to leave bad rows out")
+
+
+def test_a_table_row_naming_an_image_outside_the_dataset_is_refused_not_read(tmp_path):
+    """hf / parquet tables may store image paths instead of bytes: a path leading outside the
+    dataset folder (absolute, `../`, or through a link) is refused as `outside_dataset`."""
+    from stages.preprocess.listing import OutsideDataset, named_inside
+    from stages.preprocess.sources import Candidate
+    from stages.preprocess.validation import Rejected, inspect_image
+
+    data, outside = tmp_path / "table", tmp_path / "secret.png"
+    (data / "images").mkdir(parents=True)
+    Image.new("RGB", (64, 64)).save(outside)
+    Image.new("RGB", (64, 64)).save(data / "images" / "in.png")
+    (data / "images" / "link.png").symlink_to(outside)
+    assert named_inside(data, "images/in.png", follow_symlinks=False) == data / "images" / "in.png"
+    for name in (str(outside), "../secret.png", "images/link.png"):
+        with pytest.raises(OutsideDataset, match="outside the dataset folder"):
+            named_inside(data, name, follow_symlinks=False)
+    assert named_inside(data, "images/link.png", follow_symlinks=True).read_bytes() == outside.read_bytes()
+
+    def read_row():
+        return named_inside(data, str(outside), follow_symlinks=False).open("rb")
+
+    row = Candidate(0, "row-0", "row-0", "a caption", "", read_row, lambda: "")
+    with pytest.raises(Rejected) as refused:
+        inspect_image(row, min_side=8)
+    assert refused.value.reason == "outside_dataset"

@@ -30,6 +30,20 @@ def within(real_path: str, real_root: str) -> bool:
     return real_path == real_root or real_path.startswith(real_root.rstrip(os.sep) + os.sep)
 
 
+class OutsideDataset(Exception):
+    """A file a dataset names (a table row's image path) that lies outside the dataset's folder."""
+
+
+def named_inside(root: Path, name: str, follow_symlinks: bool) -> Path:
+    """The file `name` (relative to `root`, or absolute) names, refused when it resolves outside
+    `root` and the dataset does not set `follow_symlinks`."""
+    path = root / name
+    if not (follow_symlinks or within(os.path.realpath(path), os.path.realpath(root))):
+        raise OutsideDataset(f"image path {name!r} is outside the dataset folder (set follow_symlinks: true"
+                             " on this dataset to read it)")
+    return path
+
+
 def list_folder(root: Path, follow_symlinks: bool = False) -> Listing:
     """Every file under `root`, hidden files and folders skipped; links to outside it are
     followed only with `follow_symlinks`. Reads directory entries and link targets only."""

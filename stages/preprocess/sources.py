@@ -23,7 +23,7 @@ from pydantic import Field
 from cache.digest import StatCache, digest_bytes, digest_json
 
 from ..contract import Frozen
-from .listing import Listing, list_folder, within
+from .listing import Listing, list_folder, named_inside, within
 from .metadata import METADATA_FILES, MetadataCaption, RowProblem, metadata_captions
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
@@ -191,7 +191,7 @@ def _table_candidates(source: DatasetSource, index: int, prefix: str) -> list[Ca
             raise ValueError(f"{source.path}: no column {column!r} (columns: {', '.join(table.column_names)})")
     found = []
     for row, caption in enumerate(table[source.caption_column]):
-        read = lambda row=row: row_image_bytes(source.path, source.format, source.image_column, row)  # noqa: E731
+        read = lambda row=row: row_image_bytes(source, row)  # noqa: E731
         text = None if caption is None else str(caption)
         found.append(Candidate(index, f"row-{row}", f"{prefix}row-{row}", text, "no caption in this row",
                                lambda read=read: io.BytesIO(read()), lambda read=read: digest_bytes(read())))
@@ -218,10 +218,10 @@ def load_table(path: Path, fmt: str, image_column: str):
     return table
 
 
-def row_image_bytes(path: Path, fmt: str, image_column: str, row: int) -> bytes:
-    value = load_table(path, fmt, image_column)[row][image_column]
-    if value.get("bytes") is None:
-        return Path(value["path"]).read_bytes()
+def row_image_bytes(source: DatasetSource, row: int) -> bytes:
+    value = load_table(source.path, source.format, source.image_column)[row][source.image_column]
+    if value.get("bytes") is None:  # a table that stores file paths: only those inside the dataset folder
+        return named_inside(source.path, value["path"], source.follow_symlinks).read_bytes()
     return value["bytes"]
 
 
@@ -232,4 +232,4 @@ def read_image_bytes(source: DatasetSource, rel: str) -> bytes:
         if not (source.follow_symlinks or within(os.path.realpath(path), os.path.realpath(source.path))):
             raise OSError(f"{rel} now leads outside the dataset folder (a link?): not read")
         return path.read_bytes()
-    return row_image_bytes(source.path, source.format, source.image_column, int(rel.removeprefix("row-")))
+    return row_image_bytes(source, int(rel.removeprefix("row-")))

@@ -11,6 +11,7 @@ from typing import BinaryIO
 
 from PIL import Image, UnidentifiedImageError
 
+from .listing import OutsideDataset
 from .sources import Candidate
 
 TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
@@ -69,6 +70,8 @@ def inspect_image(candidate: Candidate, min_side: int) -> ImageInfo:
                 width, height, has_alpha, fmt = _header(f)
     except OSError as e:
         raise Rejected("unreadable", f"cannot read the file ({e.strerror or type(e).__name__})") from None
+    except OutsideDataset as e:
+        raise Rejected("outside_dataset", str(e)) from None
     except Unparsable as e:
         raise Rejected("not_an_image", f"not a readable image ({e})") from None
     if not size:
