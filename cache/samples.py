@@ -104,6 +104,20 @@ class SampleStore:
         self.shard_path(shard).unlink(missing_ok=True)
         self._index = None
 
+    def collect(self, live: set[str], before: float) -> tuple[int, int]:
+        """Remove the shards no `live` ref (`samples/<shard>.tar`) names that were committed before
+        `before` (an encode in progress has committed shards nothing references yet). Returns
+        (shards removed, bytes freed)."""
+        count = size = 0
+        for meta_path in sorted(self.dir.glob("*.json")):
+            tar = meta_path.with_suffix(".tar")
+            if f"samples/{tar.name}" in live or meta_path.stat().st_mtime >= before:
+                continue
+            size += tar.stat().st_size if tar.exists() else 0
+            self.remove(meta_path.stem)
+            count += 1
+        return count, size
+
     def add_member_digests(self, keys: Iterable[str]) -> tuple[int, list[tuple[str, str]]]:
         """Record member digests in the index of every shard that holds one of `keys` and was
         written without them, after checking the shard against its own digest (a damaged one is
@@ -112,15 +126,14 @@ class SampleStore:
         old = sorted({index[k].shard for k in keys if k in index and _undigested(index[k])})
         removed = []
         for shard in old:
-            meta, tar = self.shard_meta(shard), self.shard_path(shard)
-            payload = tar.read_bytes()
+            meta, payload = self.shard_meta(shard), self._shard_bytes(shard)
             if digest_bytes(payload) != meta["digest"]:
                 self.remove(shard)
-                removed.append((tar.name, "does not match its recorded digest"))
+                removed.append((f"{shard}.tar", "does not match its recorded digest"))
                 continue
             meta["records"] = {key: {ext: [o, s, digest_bytes(payload[o:o + s])] for ext, (o, s, *_) in members.items()}
                                for key, members in meta["records"].items()}
-            write_json_atomic(self.dir / f"{shard}.json", {**meta, "format": META_FORMAT})
+            self._commit(shard, {**meta, "format": META_FORMAT})
         self._index = None
         return len(old) - len(removed), removed
 
@@ -131,17 +144,18 @@ class SampleStore:
     def read(self, key: str, location: RecordLocation, ext: str) -> bytes:
         """Member `ext` of record `key`, checked against its recorded digest (DamagedRecord if not)."""
         offset, size, digest = location.members[ext]
-        path = self.shard_path(location.shard)
         try:
-            with open(path, "rb") as f:
+            with open(self._readable(location.shard), "rb") as f:
                 f.seek(offset)
                 data = f.read(size)
         except FileNotFoundError:
-            raise DamagedRecord(location.shard, key, path, "is gone: its shard was removed") from None
+            raise DamagedRecord(location.shard, key, self.shard_location(location.shard),
+                                "is gone: its shard was removed") from None
         if len(data) != size:
-            raise DamagedRecord(location.shard, key, path, "is cut short: the shard is truncated")
+            raise DamagedRecord(location.shard, key, self.shard_location(location.shard),
+                                "is cut short: the shard is truncated")
         if digest_bytes(data) != digest:
-            raise DamagedRecord(location.shard, key, path)
+            raise DamagedRecord(location.shard, key, self.shard_location(location.shard))
         return data
 
     def write_shard(self, records: Mapping[str, Blobs]) -> str:
@@ -164,11 +178,27 @@ class SampleStore:
         self._write_durable(self.shard_path(shard), payload)
         meta = {"format": META_FORMAT, "shard": shard, "size": len(payload), "digest": digest_bytes(payload),
                 "records": members}
-        write_json_atomic(self.dir / f"{shard}.json", meta)
+        self._commit(shard, meta)
         if self._index is not None:
             for key, m in members.items():
                 self._index[key] = RecordLocation(shard, m)
         return shard
+
+    # ---- where shards are kept (ObjectSampleStore keeps them on object storage)
+    def shard_location(self, shard: str) -> str:
+        """Where the shard is kept, as messages name it."""
+        return str(self.shard_path(shard))
+
+    def _readable(self, shard: str) -> Path:
+        """A local file holding the shard's bytes (FileNotFoundError when it is gone)."""
+        return self.shard_path(shard)
+
+    def _shard_bytes(self, shard: str) -> bytes:
+        return self.shard_path(shard).read_bytes()
+
+    def _commit(self, shard: str, meta: dict) -> None:
+        """Write a shard's index, which commits it (its tar is durable by now)."""
+        write_json_atomic(self.dir / f"{shard}.json", meta)
 
     def _write_durable(self, path: Path, payload: bytes) -> None:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -30,6 +30,7 @@ import shutil
 import socket
 import time
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -37,12 +38,14 @@ from .digest import canonical_json, digest_file, digest_json
 from .errors import NO_SPACE, CacheRootError, unusable_folder
 from .fsutil import fsync_tree, probe_writable, remove_tree, write_json_atomic
 from .lock import key_lock
+from .samples import SampleStore
 
 MANIFEST = "manifest.json"
 LOG_DIR = "logs"  # files under logs/ and locations/ are listed but left out of the data digest
 LOCATIONS_DIR = "locations"
 UNDIGESTED = (f"{LOG_DIR}/", f"{LOCATIONS_DIR}/")
 FORMAT = 1
+RUNS_DIR = "runs"
 RESERVED = ("work", "locks", "refs", "uses", "samples", "tmp", "runs", "models")  # folders that hold no stage
 
 
@@ -75,8 +78,15 @@ class StageKey:
 class Artifact:
     stage: str
     key: str
-    path: Path
+    location: Path | str  # its folder, or its URL on object storage
     manifest: dict[str, Any]
+    fetch: Callable[[], Path] | None = field(default=None, compare=False, repr=False)
+
+    @cached_property
+    def path(self) -> Path:
+        """A local folder holding its files: the artifact's own, or on object storage this host's
+        verified copy, downloaded on first use."""
+        return self.fetch() if self.fetch else Path(self.location)
 
     @property
     def digest(self) -> str:
@@ -109,9 +119,27 @@ class Built:
     refs: dict[str, dict[str, Any]] = field(default_factory=dict)  # root-relative path -> size, digest
 
 
+@dataclass(frozen=True)
+class WorkDir:
+    """A resumable work directory, as `gc` sees it."""
+
+    stage: str
+    work_key: str
+    modified: float  # the newest change in it
+    bytes: int
+
+
 class ArtifactStore:
+    """Artifacts in a local folder. ObjectArtifactStore (cache/object_store.py) keeps them on object
+    storage behind the same methods."""
+
     def __init__(self, root: Path):
         self.root = Path(root).resolve()
+
+    @property
+    def location(self) -> str:
+        """Where the cache is, as messages name it."""
+        return str(self.root)
 
     # ---- layout
     def artifact_dir(self, stage: str, key: str) -> Path:
@@ -121,8 +149,12 @@ class ArtifactStore:
         return self.root / "work" / stage / work_key
 
     def lock(self, stage: str, work_key: str, on_wait: Callable[[], None] | None = None, wait: bool = True):
-        """The lock of everything built from one work directory (see the module's docstring)."""
+        """The lock of everything built from one work directory (see the module's docstring). As a
+        context manager it yields whether it is held (with wait=False it may not be)."""
         return key_lock(self.root / "locks" / stage / f"{work_key}.lock", on_wait, wait)
+
+    def sample_store(self) -> SampleStore:
+        return SampleStore(self.root)
 
     def ensure_usable(self) -> None:
         """Raise CacheRootError, one line naming the path, unless the root and the folders it
@@ -206,22 +238,22 @@ class ArtifactStore:
         if seen.hit and not force:
             return seen.artifact, False
         wait_msg = f"{stage}: another run is building {key[:12]} (or from its work directory); waiting for it"
-        with self.lock(stage, stage_key.work_key, on_wait=lambda: log(wait_msg)):
+        with self.lock(stage, stage_key.work_key, on_wait=lambda: log(wait_msg)) as held:
             found = self.lookup(stage, key)
             if found.hit and not (force and _same_build(found.artifact, seen.artifact)):
                 return found.artifact, False
             if force:
                 if found.artifact:
-                    remove_tree(found.artifact.path)
-                shutil.rmtree(self.work_dir(stage, stage_key.work_key), ignore_errors=True)
+                    self._discard(found.artifact)
+                self._discard_work(stage, stage_key.work_key)
             try:
-                return self._build_locked(stage_key, build, producer), True
+                return self._build_locked(stage_key, build, producer, held, log), True
             except OSError as error:
                 if error.filename is None and error.errno in NO_SPACE:  # a write (they name no file): all of
                     error.filename = str(self.root)  # a build's writes go into its out and work dirs, in here
                 raise
 
-    def _build_locked(self, stage_key: StageKey, build, producer) -> Artifact:
+    def _build_locked(self, stage_key: StageKey, build, producer, held, log) -> Artifact:
         stage, key = stage_key.stage, stage_key.key
         tmp_root = self.root / "tmp" / stage
         tmp_root.mkdir(parents=True, exist_ok=True)
@@ -241,23 +273,42 @@ class ArtifactStore:
         remove_tree(final)  # a damaged artifact of this key, already reported as a miss
         os.replace(out_dir, final)
         if not stage_key.resumable:  # a resumable stage's work dir serves its extensions (more steps)
-            shutil.rmtree(work_dir, ignore_errors=True)
+            self._discard_work(stage, stage_key.work_key)
         return Artifact(stage, key, final, manifest)
+
+    def _discard(self, artifact: Artifact) -> None:
+        remove_tree(Path(artifact.location))
+
+    def _discard_work(self, stage: str, work_key: str) -> None:
+        shutil.rmtree(self.work_dir(stage, work_key), ignore_errors=True)
 
     def remove(self, artifact: Artifact, wait: bool = True, on_wait: Callable[[], None] | None = None) -> bool:
         """Remove a published artifact under its lock, so that a run building it (or from its work
         directory) finishes first. With wait=False a busy artifact is left alone: returns False."""
         with self.lock(artifact.stage, artifact.work_key, on_wait, wait) as held:
             if held:
-                remove_tree(artifact.path)
-            return held
+                self._discard(artifact)
+            return bool(held)
 
     def remove_work_dir(self, stage: str, work_key: str) -> bool:
         """Remove a work directory unless a run is using it (its lock is held): returns whether it was."""
         with self.lock(stage, work_key, wait=False) as held:
             if held:
-                shutil.rmtree(self.work_dir(stage, work_key), ignore_errors=True)
-            return held
+                self._discard_work(stage, work_key)
+            return bool(held)
+
+    def work_dirs(self) -> list[WorkDir]:
+        found = []
+        for work in sorted((self.root / "work").glob("*/*")):
+            entries = [work, *work.rglob("*")]
+            found.append(WorkDir(work.parent.name, work.name, max(e.stat().st_mtime for e in entries),
+                                 sum(e.stat().st_size for e in entries if e.is_file())))
+        return found
+
+    def sweep(self, before: float) -> None:
+        """Remove what interrupted removals (and, on object storage, uploads older than `before`) left."""
+        for trash in self.root.rglob(".trash-*"):
+            shutil.rmtree(trash, ignore_errors=True)
 
     # ---- what each pipeline last used (for miss reasons, `cache ls` and gc)
     def remember(self, pipeline: str, stage_key: StageKey, artifact: Artifact) -> None:
@@ -278,11 +329,30 @@ class ArtifactStore:
             return None
         return json.loads(refs_path.read_text()).get(stage)
 
+    def pipeline_refs(self) -> dict[str, dict[str, dict[str, Any]]]:
+        """pipeline -> stage -> the key (and its ingredients) of the artifact it used last."""
+        return {path.stem: json.loads(path.read_text()) for path in sorted((self.root / "refs").glob("*.json"))}
+
     def uses(self, artifact: Artifact) -> list[dict[str, Any]]:
         path = self.root / "uses" / artifact.stage / f"{artifact.key}.jsonl"
         if not path.exists():
             return []
         return [json.loads(line) for line in path.read_text().splitlines() if line]
+
+    def record_run(self, pipeline: str, run: str, keys: dict[str, str]) -> None:
+        """Append one completed run (its name and the artifact key of each stage it used)."""
+        path = self.root / RUNS_DIR / f"{pipeline}.jsonl"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a") as f:  # one short O_APPEND write: concurrent runs do not interleave
+            f.write(json.dumps({"run": run, "time": time.time(), "keys": keys}) + "\n")
+
+    def runs(self) -> dict[str, list[dict[str, Any]]]:
+        """pipeline -> its completed runs, oldest first."""
+        runs = {}
+        for path in sorted((self.root / RUNS_DIR).glob("*.jsonl")):
+            rows = [json.loads(line) for line in path.read_text().splitlines() if line]
+            runs[path.stem] = sorted(rows, key=lambda r: r["time"])
+        return runs
 
 
 def _same_build(found: Artifact, seen: Artifact | None) -> bool:

@@ -97,9 +97,9 @@ def _when(timestamp: float | None) -> str:
 
 def cache_rows(store) -> list[dict]:
     """One row per artifact: stage, key, size, created, last used, the runs and pipelines that used it."""
-    from cache.gc import last_used, read_runs
+    from cache.gc import last_used
 
-    runs = [(pipeline, r) for pipeline, rows in read_runs(store.root).items() for r in rows]
+    runs = [(pipeline, r) for pipeline, rows in store.runs().items() for r in rows]
     rows = []
     for a in store.artifacts():
         used_by = [r["run"] for _, r in runs if r["keys"].get(a.stage) == a.key]
@@ -125,14 +125,12 @@ def _cache_ls(store, as_json: bool) -> int:
 def _cache_verify(store) -> int:
     """Re-hash every artifact, then every sample shard; a damaged shard is removed, so the encode
     artifacts that reference it are misses and its records are re-encoded on the next run."""
-    from cache.samples import SampleStore
-
     bad, hashed = 0, {}
     for a in store.artifacts():
         problems = store.verify(a, hashed)
         bad += bool(problems)
         print(f"{a.stage:<11}{a.key[:12]:<14}{'ok' if not problems else 'DAMAGED: ' + problems[0]}")
-    damaged = SampleStore(store.root).verify()
+    damaged = store.sample_store().verify()
     for shard, problem in damaged:
         print(f"{'shard':<11}{shard[:12]:<14}DAMAGED: {problem}; removed, its records are re-encoded on the next run")
     print(f"shards: {len(damaged)} damaged" if damaged else "shards: ok")

@@ -20,7 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import deployment, flow_run, task_run
 from prefect.states import Completed
 
-from cache.gc import record_run
+from cache.store import ArtifactStore
 from stages.launching import WorkerCrashed
 
 from .artifacts import StageProgress, publish_run_artifacts
@@ -101,7 +101,7 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
     out = output_folder(config)
     write_outputs(out, config, results, summary)
     get_run_logger().info(f"outputs: {out}")
-    record_run(config.cache_dir, config.name, flow_run.name or "unnamed", upstream)
+    ArtifactStore(config.cache_dir).record_run(config.name, flow_run.name or "unnamed", upstream)
     publish_run_artifacts(config.name, results, out)
     return summary
 

@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from builders import finished, marker_lines
+
 from cache.gc import collect
 from cache.store import ArtifactStore, StageKey
 from flows.cli import main
@@ -45,35 +47,24 @@ def _builder(tmp_path: Path, name: str, params: dict, force: bool = False, sleep
                             cwd=REPO, stdout=subprocess.PIPE, text=True)
 
 
-def _marker(tmp_path: Path) -> list[str]:
-    path = tmp_path / "marker"
-    return path.read_text().splitlines() if path.exists() else []
-
-
 def _wait_for_line(tmp_path: Path, line: str, timeout: float = 60) -> None:
     deadline = time.time() + timeout
-    while line not in _marker(tmp_path):
+    while line not in marker_lines(tmp_path):
         assert time.time() < deadline, f"{line!r} never appeared"
         time.sleep(0.05)
 
 
-def _finish(process: subprocess.Popen) -> str:
-    out = process.communicate(timeout=60)[0]
-    assert process.returncode == 0, out
-    return out
-
-
 def test_two_forced_rebuilds_at_once_rebuild_once_and_the_second_uses_the_first(tmp_path):
     store = ArtifactStore(tmp_path / "cache")
-    _finish(_builder(tmp_path, "old", {"a": 1}))
+    finished(_builder(tmp_path, "old", {"a": 1}))
     old = store.lookup("demo", _key(a=1).key).artifact
     first = _builder(tmp_path, "first", {"a": 1}, force=True, sleep=2)
     _wait_for_line(tmp_path, "start first")  # the first holds the lock and has discarded the old artifact
     second = _builder(tmp_path, "second", {"a": 1}, force=True)
-    out_first, out_second = _finish(first), _finish(second)
+    out_first, out_second = finished(first), finished(second)
     assert out_first.strip().endswith("computed")
     assert "waiting" in out_second and out_second.strip().endswith("waited")
-    assert _marker(tmp_path) == ["start old", "end old", "start first", "end first"]
+    assert marker_lines(tmp_path) == ["start old", "end old", "start first", "end first"]
     rebuilt = store.lookup("demo", _key(a=1).key).artifact
     assert (rebuilt.path / "x").read_text() == "first" and rebuilt.created > old.created
     assert store.verify(rebuilt) == []
@@ -81,8 +72,8 @@ def test_two_forced_rebuilds_at_once_rebuild_once_and_the_second_uses_the_first(
 
 def test_a_forced_rebuild_after_another_has_finished_rebuilds_again(tmp_path):
     for name in ("old", "first", "second"):
-        _finish(_builder(tmp_path, name, {"a": 1}, force=name != "old"))
-    assert [line for line in _marker(tmp_path) if line.startswith("start")] == ["start old", "start first",
+        finished(_builder(tmp_path, name, {"a": 1}, force=name != "old"))
+    assert [line for line in marker_lines(tmp_path) if line.startswith("start")] == ["start old", "start first",
                                                                                 "start second"]
 
 
@@ -91,26 +82,26 @@ def test_keys_that_share_a_work_directory_build_one_at_a_time(tmp_path):
     first = _builder(tmp_path, "ten", {"a": 1, "steps": 10}, sleep=2)
     _wait_for_line(tmp_path, "start ten")
     second = _builder(tmp_path, "twenty", {"a": 1, "steps": 20})
-    _finish(first)
-    _finish(second)
-    assert _marker(tmp_path) == ["start ten", "end ten", "start twenty", "end twenty"]
+    finished(first)
+    finished(second)
+    assert marker_lines(tmp_path) == ["start ten", "end ten", "start twenty", "end twenty"]
 
 
 def test_cache_rm_waits_for_a_build_from_the_same_work_directory(tmp_path, capsys):
     store = ArtifactStore(tmp_path / "cache")
-    _finish(_builder(tmp_path, "ten", {"a": 1, "steps": 10}))
+    finished(_builder(tmp_path, "ten", {"a": 1, "steps": 10}))
     running = _builder(tmp_path, "twenty", {"a": 1, "steps": 20}, sleep=2)
     _wait_for_line(tmp_path, "start twenty")
     assert main(["cache", "rm", _key(a=1, steps=10).key[:12], "--cache-dir", str(store.root)]) == 0
     assert "waiting for it" in capsys.readouterr().out
-    assert _marker(tmp_path)[-1] == "end twenty"  # rm went on only once the build had finished
-    _finish(running)
+    assert marker_lines(tmp_path)[-1] == "end twenty"  # rm went on only once the build had finished
+    finished(running)
     assert not store.lookup("demo", _key(a=1, steps=10).key).hit and store.lookup("demo", _key(a=1, steps=20).key).hit
 
 
 def test_gc_leaves_alone_what_a_running_build_uses(tmp_path):
     store = ArtifactStore(tmp_path / "cache")
-    _finish(_builder(tmp_path, "ten", {"a": 1, "steps": 10}))  # unreferenced: gc would remove it...
+    finished(_builder(tmp_path, "ten", {"a": 1, "steps": 10}))  # unreferenced: gc would remove it...
     month_ago = time.time() - 30 * 86400
     manifest_path = store.lookup("demo", _key(a=1, steps=10).key).artifact.path / "manifest.json"
     manifest_path.write_text(json.dumps({**json.loads(manifest_path.read_text()), "created": month_ago}))
@@ -123,5 +114,5 @@ def test_gc_leaves_alone_what_a_running_build_uses(tmp_path):
     freed = collect(store, keep_since=time.time())
     assert freed.removed == [] and freed.work_dirs == 0 and (work / "checkpoint").exists()
     assert store.lookup("demo", _key(a=1, steps=10).key).hit
-    _finish(running)
+    finished(running)
     assert "demo/" + _key(a=1, steps=10).key in collect(store, keep_since=time.time()).removed

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from cache.gc import record_run
 from cache.store import ArtifactStore, Built, StageKey
 from flows.cli import main
 
@@ -33,7 +32,7 @@ def _artifact(store: ArtifactStore, stage: str, name: str, size: int, age_days: 
 def _use(store: ArtifactStore, pipeline: str, run: str, keys: list[StageKey]) -> None:
     for key in keys:
         store.remember(pipeline, key, store.lookup(key.stage, key.key).artifact)
-    record_run(store.root, pipeline, run, {key.stage: key.key for key in keys})
+    store.record_run(pipeline, run, {key.stage: key.key for key in keys})
 
 
 @pytest.fixture
