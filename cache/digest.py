@@ -15,6 +15,8 @@ from typing import Any
 
 from blake3 import blake3
 
+from .objects import ObjectFile
+
 CHUNK = 1 << 20
 
 
@@ -54,19 +56,25 @@ class StatCache:
         self._pending: dict[str, tuple] = {}  # rows not yet committed
         self.hashed = 0  # files actually read since this cache was opened
 
-    def digest(self, path: str | Path) -> str:
+    def digest(self, path: str | Path | ObjectFile) -> str:
+        """A file's content digest; an object on object storage is known by (URL, size, ETag)."""
+        if isinstance(path, ObjectFile):
+            return self._cached(path.url, (path.size, 0, path.etag), lambda: digest_bytes(path.read_bytes()))
         path = os.path.abspath(path)
         st = os.stat(path)
+        return self._cached(path, (st.st_size, st.st_mtime_ns, st.st_ino), lambda: digest_file(Path(path)))
+
+    def _cached(self, name: str, version: tuple, compute) -> str:
         with self._lock:
             if self._known is None:
                 self._known = {row[0]: row for row in self._db.execute("SELECT * FROM digests")}
-            row = self._known.get(path)
-        if row and row[1:4] == (st.st_size, st.st_mtime_ns, st.st_ino):
+            row = self._known.get(name)
+        if row and row[1:4] == version:
             return row[4]
-        digest = digest_file(Path(path))
+        digest = compute()
         with self._lock:
             self.hashed += 1
-            self._known[path] = self._pending[path] = (path, st.st_size, st.st_mtime_ns, st.st_ino, digest)
+            self._known[name] = self._pending[name] = (name, *version, digest)
             if len(self._pending) >= 512:
                 self._flush()
         return digest

@@ -63,7 +63,7 @@ def publish_run_artifacts(pipeline: str, results: list[StageResult], out: Path) 
                              key=artifact_key(pipeline, "stages"),
                              description=f"each stage: served from the cache (hit) or computed; outputs in {out}")
     evaluated = [r for r in results if r.stage == "evaluate"]
-    report = Path(evaluated[0].path) / "report.md" if evaluated else None
+    report = Path(evaluated[0].files) / "report.md" if evaluated else None
     if report and report.is_file():
         create_markdown_artifact(embed_images(report.read_text(), report.parent), key=artifact_key(pipeline, "report"),
                                  description=f"evaluation report; its files are in {out}")

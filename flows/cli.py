@@ -53,7 +53,7 @@ def _parser() -> argparse.ArgumentParser:
     cache.add_argument("action", choices=["ls", "verify", "rm", "gc"])
     cache.add_argument("keys", nargs="*", help="rm: artifact keys or key prefixes")
     where = cache.add_mutually_exclusive_group()
-    where.add_argument("--cache-dir", type=Path)
+    where.add_argument("--cache-dir", help="a cache folder, or s3://bucket/prefix")
     where.add_argument("--config", type=Path)
     cache.add_argument("--keep-last", type=int, default=0, metavar="N",
                        help="gc: keep what each pipeline's last N completed runs used")

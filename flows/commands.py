@@ -82,13 +82,21 @@ def status(config_path: Path, overrides: list[str], as_json: bool) -> int:
     return 0
 
 
-def _cache_root(args) -> Path:
+def _open_cache(args):
+    """The store --config or --cache-dir names (a folder or an s3:// URL; default ./demo-run/cache)."""
+    from cache.object_store import open_store
+    from cache.objects import is_url, use_storage_options
+
+    from .plan import object_settings
+
     if args.config:
-        return load_config(args.config).cache_dir
-    root = args.cache_dir or Path("demo-run/cache")
-    if not root.is_dir():
+        config = load_config(args.config)
+        use_storage_options(config.storage_options)
+        return open_store(config.cache_dir, object_settings(config))
+    root = args.cache_dir or "demo-run/cache"
+    if not is_url(root) and not Path(root).is_dir():
         raise UserError(f"cache folder {root} does not exist (pass --cache-dir or --config)")
-    return root
+    return open_store(root)
 
 
 def _when(timestamp: float | None) -> str:
@@ -170,9 +178,8 @@ def gc_cutoff(since: str | None, keep_days: float | None, keep_last: int) -> flo
 
 def cache(args) -> int:
     from cache.gc import collect
-    from cache.store import ArtifactStore
 
-    store = ArtifactStore(_cache_root(args))
+    store = _open_cache(args)
     if args.action in ("rm", "gc"):
         store.ensure_usable()
     if args.action == "ls":

@@ -9,14 +9,19 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
 
 from cache.errors import UserError
+from cache.objects import is_url, local_path
 from stages.encode import EncodeOptions, EncodeParams
 from stages.evaluate import EvalOptions, EvalParams
 from stages.preprocess import DatasetSource, PreprocessParams
 from stages.train import TrainOptions, TrainParams
-from stages.contract import Frozen
+from stages.contract import Frozen, PathOrUrl
+
+SECRET_WORDS = ("secret", "token", "password", "passwd", "key", "credential", "sas", "connection_string",
+                "signature")  # a storage option whose name holds one of these is a secret
+MASK = "**********"
 
 
 class ConfigError(UserError, ValueError):
@@ -34,7 +39,8 @@ class DataConfig(Frozen):
     """Either `path` (one folder) or `datasets` (a list of DatasetSource: path, name, format,
     repeats, caption settings)."""
 
-    path: Path | None = Field(None, description="one image folder: caption sidecars or metadata files")
+    path: PathOrUrl | None = Field(None, description="one image folder (or s3:// URL): caption sidecars or"
+                                   " metadata files")
     datasets: tuple[DatasetSource, ...] = ()
 
     @model_validator(mode="after")
@@ -64,9 +70,25 @@ class EvaluateConfig(EvalParams, EvalOptions):
     pass
 
 
+class ObjectStoreConfig(Frozen):
+    """How this host works with an object-storage cache_dir (s3://...); unused for a local folder."""
+
+    local_dir: Path | None = Field(None, description="this host's side of the cache: the shard cache, copies of"
+                                   " artifacts it read, work directories; default ~/.cache/lorapipe/<bucket>-<id>")
+    shard_cache_gb: float = Field(20, gt=0, description="the most disk the shard cache may take (least recently"
+                                  " used shards go first)")
+    lease_seconds: float = Field(60, gt=0, description="a run that stops renewing its lease of a key (killed, its"
+                                 " host gone) is taken over this long after (x1.25)")
+
+
 class PipelineConfig(Frozen):
     name: str = Field("default", pattern=r"^[\w.-]+$", description="names this pipeline's history in the cache")
-    cache_dir: Path
+    cache_dir: PathOrUrl = Field(description="a local folder, or s3://bucket/prefix")
+    storage_options: dict[str, Any] = Field(
+        default_factory=dict, description="fsspec/s3fs options for every s3:// URL of this config (endpoint_url,"
+        " profile, key, secret, ...); secrets are never passed on as Prefect parameters: give a deployment's"
+        " worker its credentials in its environment (AWS_* variables)")
+    object_store: ObjectStoreConfig = ObjectStoreConfig()
     output_dir: Path
     model: ModelConfig
     data: DataConfig
@@ -74,6 +96,23 @@ class PipelineConfig(Frozen):
     encode: EncodeConfig = EncodeConfig()
     train: TrainConfig
     evaluate: EvaluateConfig
+
+    @field_serializer("storage_options")
+    def _hide_secrets(self, options: dict[str, Any]) -> dict[str, Any]:
+        """Whatever dumps a config (Prefect's parameters, a saved config) gets secrets masked."""
+        return _masked(options)
+
+    @field_validator("storage_options")
+    @classmethod
+    def _drop_masked(cls, options: dict[str, Any]) -> dict[str, Any]:
+        """A masked secret (a config that went through Prefect) is dropped: the environment supplies it."""
+        return {k: cls._drop_masked(v) if isinstance(v, dict) else v for k, v in options.items() if v != MASK}
+
+
+def _masked(value: Any, name: str = "") -> Any:
+    if isinstance(value, dict):
+        return {k: _masked(v, k) for k, v in value.items()}
+    return MASK if any(word in name.lower() for word in SECRET_WORDS) else value
 
 
 def split(section: Frozen, params_cls: type[Frozen], options_cls: type[Frozen] | None):
@@ -98,18 +137,18 @@ def _apply_override(raw: dict, assignment: str, source: str) -> None:
 
 
 def _resolve_paths(raw: dict, base: Path) -> None:
-    for dotted in ("cache_dir", "output_dir", "model.path", "data.path", "evaluate.clip_model",
+    for dotted in ("cache_dir", "object_store.local_dir", "output_dir", "model.path", "data.path", "evaluate.clip_model",
                    "evaluate.fid_reference", "evaluate.inception_weights", "train.init_lora"):
         *parents, leaf = dotted.split(".")
         node = raw
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and isinstance(node.get(leaf), str):
-            node[leaf] = str((base / Path(node[leaf]).expanduser()).resolve())
+        if isinstance(node, dict) and isinstance(node.get(leaf), str) and not is_url(node[leaf]):
+            node[leaf] = str((base / local_path(node[leaf]).expanduser()).resolve())
     datasets = raw.get("data", {}).get("datasets") if isinstance(raw.get("data"), dict) else None
     for entry in datasets if isinstance(datasets, list) else []:
-        if isinstance(entry, dict) and isinstance(entry.get("path"), str):
-            entry["path"] = str((base / Path(entry["path"]).expanduser()).resolve())
+        if isinstance(entry, dict) and isinstance(entry.get("path"), str) and not is_url(entry["path"]):
+            entry["path"] = str((base / local_path(entry["path"]).expanduser()).resolve())
 
 
 def load_config(path: Path, overrides: list[str] = ()) -> PipelineConfig:

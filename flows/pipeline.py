@@ -20,12 +20,12 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import deployment, flow_run, task_run
 from prefect.states import Completed
 
-from cache.store import ArtifactStore
+from cache.object_store import open_store
 from stages.launching import WorkerCrashed
 
 from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config
-from .plan import STAGES, Context, selected_stages
+from .plan import STAGES, Context, object_settings, selected_stages
 from .runner import StageResult, run_stage, run_warm_train
 
 Stage = Literal["preprocess", "encode", "train", "evaluate"]  # typed, so Prefect refuses a misspelt stage
@@ -64,7 +64,9 @@ def stage_task(config: PipelineConfig, stage: str, upstream: dict[str, str], run
     try:
         artifacts = {s: ctx.store.lookup(s, k).artifact for s, k in upstream.items()}
         stage_run = run_warm_train if warm_start else partial(run_stage, stage=stage)
-        result, _ = stage_run(ctx, upstream=artifacts, run=run, force=force)
+        result, artifact = stage_run(ctx, upstream=artifacts, run=run, force=force)
+        if stage in OUTPUT_FILES:  # copied out by the flow: on object storage, fetched to this host once
+            result.files = str(artifact.path)
     finally:
         ctx.close()
     if result.status == "hit":
@@ -101,7 +103,7 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
     out = output_folder(config)
     write_outputs(out, config, results, summary)
     get_run_logger().info(f"outputs: {out}")
-    ArtifactStore(config.cache_dir).record_run(config.name, flow_run.name or "unnamed", upstream)
+    record_run(config, flow_run.name or "unnamed", upstream)
     publish_run_artifacts(config.name, results, out)
     return summary
 
@@ -119,12 +121,17 @@ def write_outputs(out: Path, config: PipelineConfig, results: list[StageResult],
     out.mkdir(parents=True, exist_ok=True)
     for result in results:
         for name in OUTPUT_FILES.get(result.stage, ()):
-            src = Path(result.path) / name
+            src = Path(result.files) / name
             if src.exists():
                 shutil.copyfile(src, out / name)
     run = {"pipeline": config.name, "output_dir": str(out.resolve()), "deployment": deployment.name,
            "flow_run": flow_run.name, "stages": summary}
     (out / "run-summary.json").write_text(json.dumps(run, indent=1))
+
+
+def record_run(config: PipelineConfig, run: str, keys: dict[str, str]) -> None:
+    """Note in the cache which artifacts this completed run used (`cache gc --keep-last`)."""
+    open_store(config.cache_dir, object_settings(config)).record_run(config.name, run, keys)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ from typing import Callable
 
 from cache.digest import StatCache, path_identity
 from cache.errors import UserError
-from cache.store import Artifact, ArtifactStore, Built, StageKey
+from cache.object_store import ObjectSettings, default_local_dir, open_store
+from cache.objects import is_url, use_storage_options
+from cache.store import Artifact, Built, StageKey
 from stages import encode, evaluate, preprocess, train
 from stages.contract import Log, library_majors, library_versions
 from stages.models import component_digests, diffusers_folder, is_single_file, model_family
@@ -43,9 +45,10 @@ class Context:
 
     def __init__(self, config: PipelineConfig, log: Log = print):
         self.config, self.log = config, log
-        self.store = ArtifactStore(config.cache_dir)
+        use_storage_options(config.storage_options)  # for this process and the stages' child processes
+        self.store = open_store(config.cache_dir, object_settings(config))
         self.store.ensure_usable()
-        self.stat_cache = StatCache(self.store.root / "stat-cache.sqlite")
+        self.stat_cache = StatCache(self.store.root / "stat-cache.sqlite")  # on this host, for an object store
 
     @cached_property
     def family(self) -> str:
@@ -79,6 +82,15 @@ class Context:
 
     def close(self) -> None:
         self.stat_cache.close()
+
+
+def object_settings(config: PipelineConfig) -> ObjectSettings | None:
+    """How this host works with an object-storage cache_dir (None for a local folder)."""
+    if not is_url(config.cache_dir):
+        return None
+    o = config.object_store
+    return ObjectSettings(o.local_dir or default_local_dir(config.cache_dir), int(o.shard_cache_gb * (1 << 30)),
+                          o.lease_seconds)
 
 
 def code_digest(stage: str) -> str:

@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from cache.errors import UserError
-from cache.samples import DamagedRecord, SampleStore
+from cache.samples import DamagedRecord
 from cache.store import Artifact, Lookup, StageKey, diff_ingredients
 
 from .plan import STAGES, Context, Step, code_digest, step_for
@@ -27,11 +27,12 @@ class StageResult:
     status: str  # "computed" or "hit"
     key: str
     digest: str
-    path: str
+    path: str  # where the artifact is: its folder, or its URL on object storage
     seconds: float
     reason: str
     info: dict[str, Any] = field(default_factory=dict)
     prefect_state: str | None = None  # the task run's state name, when run by the flow
+    files: str = ""  # a local folder with its files, when the flow reads them (on object storage, this host's copy)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -75,9 +76,9 @@ def run_stage(ctx: Context, stage: str, upstream: dict[str, Artifact], *, run: b
             reason = "built meanwhile by a concurrent run" + (" (forced too: one rebuild serves both)" if force else "")
     ctx.store.remember(ctx.config.name, key, artifact)
     status = "computed" if computed else "hit"
-    ctx.log(f"{stage}: {status} {artifact.path}")
+    ctx.log(f"{stage}: {status} {artifact.location}")
     work_done = artifact.manifest.get("info", {}) if computed else {}  # a hit computed nothing this run
-    result = StageResult(stage, status, key.key, artifact.digest, str(artifact.path),
+    result = StageResult(stage, status, key.key, artifact.digest, str(artifact.location),
                          round(time.time() - started, 3), reason, work_done)
     return result, artifact
 
@@ -99,7 +100,7 @@ def build_repairing(ctx: Context, stage: str, step: Step, upstream: dict[str, Ar
             repaired.add(damage.shard)
             ctx.log(f"{stage}: {damage.path}: record {damage.key} {damage.problem}; dropping the shard and"
                     " encoding its records again")
-            SampleStore(ctx.store.root).remove(damage.shard)
+            ctx.store.sample_store().remove(damage.shard)
             upstream = dict(upstream)
             for earlier in STAGES[STAGES.index("encode"):STAGES.index(stage)]:
                 _, upstream[earlier] = run_stage(ctx, earlier, upstream)
@@ -120,7 +121,7 @@ def explain(ctx: Context, stages: tuple[str, ...]) -> list[dict[str, Any]]:
         if found.hit:
             upstream[stage] = found.artifact
             rows.append({"stage": stage, "status": "hit", "key": key.key, "reason": hit_note(stage, found.artifact),
-                         "path": str(found.artifact.path)})
+                         "path": str(found.artifact.location)})
         else:
             rows.append({"stage": stage, "status": "miss", "key": key.key, "reason": miss_reason(ctx, key, found)})
     return rows
@@ -142,8 +143,8 @@ def run_warm_train(ctx: Context, upstream: dict[str, Artifact], **kwargs) -> tup
     started, previous = time.time(), previous_train(ctx)
     if previous.manifest["ingredients"]["inputs"]["encode"] == upstream["encode"].digest:
         reason = "warm start on unchanged data: the previous LoRA stands"
-        ctx.log(f"train: hit ({reason}) {previous.path}")
-        return StageResult("train", "hit", previous.key, previous.digest, str(previous.path),
+        ctx.log(f"train: hit ({reason}) {previous.location}")
+        return StageResult("train", "hit", previous.key, previous.digest, str(previous.location),
                            round(time.time() - started, 3), reason), previous
     ctx.log(f"train: warm start from {previous.path / LORA_FILE}")
     train = ctx.config.train.model_copy(update={"init_lora": str(previous.path / LORA_FILE)})

@@ -8,11 +8,29 @@ from __future__ import annotations
 
 from functools import cache
 from importlib.metadata import version
-from typing import Callable
+from pathlib import Path
+from typing import Annotated, Callable, Union
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict
+
+from cache.objects import is_url, local_path
 
 Log = Callable[[str], None]
+
+
+def _path_or_url(value: object) -> object:
+    if isinstance(value, str):
+        return value.rstrip("/") if is_url(value) else local_path(value)
+    return value
+
+
+# a local path, or an object-storage URL (`s3://bucket/prefix`, kept as a string); file:// is a path
+PathOrUrl = Annotated[Union[Path, str], BeforeValidator(_path_or_url)]
+
+
+def location_name(location: Path | str) -> str:
+    """The last component of a path or URL (a folder's name)."""
+    return Path(location).name if isinstance(location, Path) else location.rstrip("/").rsplit("/", 1)[-1]
 
 
 class Frozen(BaseModel):

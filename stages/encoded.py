@@ -21,7 +21,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
 from cache.fsutil import write_json_rows
-from cache.samples import RecordLocation, SampleStore
+from cache.object_store import open_sample_store
+from cache.samples import RecordLocation
 
 if TYPE_CHECKING:  # torch is imported where records are read or written, not by config loading
     import torch
@@ -100,7 +101,7 @@ class EncodedData:
                              f" lorapipe reads {FORMAT}: re-run encode")
         locations = json.loads((artifact_dir / LOCATIONS_FILE).read_text())
         records = {k: Record(k, RecordLocation.from_json(v)) for k, v in locations["records"].items()}
-        self.store = SampleStore(cache_root)
+        self.store = open_sample_store(cache_root)  # on object storage: read through this host's shard cache
         self.samples = [Sample.from_json(v, source, records)  # not kept twice: popped from the index
                         for v, source in zip(self.index.pop("samples"), locations["sources"], strict=True)]
         self.empty = records[self.index["empty_text"]]

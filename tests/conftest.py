@@ -176,6 +176,26 @@ def _damage_in_place(store, record) -> Path:
     return shard
 
 
+@dataclass(frozen=True)
+class S3Server:
+    env: dict[str, str]  # the AWS_* variables that reach it (any credentials are accepted)
+    bucket: str
+
+    def url(self, name: str) -> str:
+        """A prefix of the test bucket (give each test its own)."""
+        return f"s3://{self.bucket}/{name}"
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory):
+    """One SeaweedFS for the whole session (benchmarks/seaweed.py); its AWS_* variables are set in
+    this process while it runs, and child processes inherit them."""
+    from benchmarks.seaweed import seaweedfs
+
+    with seaweedfs(tmp_path_factory.mktemp("seaweedfs"), "lorapipe-tests") as env:
+        yield S3Server(env, "lorapipe-tests")
+
+
 @pytest.fixture(scope="session")
 def damage_in_place():
     """damage_in_place(sample_store, record) -> the damaged shard's path."""

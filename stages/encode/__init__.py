@@ -27,6 +27,7 @@ from typing import Literal
 from pydantic import Field
 
 from cache.digest import digest_json
+from cache.object_store import open_sample_store
 from cache.samples import SampleStore
 from cache.store import Built
 
@@ -131,7 +132,7 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
 
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
     keys = SampleKeys.of(dataset, params, inputs)
-    store = SampleStore(inputs.cache_root)
+    store = open_sample_store(inputs.cache_root)
     _add_member_digests(store, keys, log)
     missing = set(store.missing(keys.latents() | keys.texts()))
     jobs = EncodeJobs.plan(dataset, keys, missing, inputs.datasets)
@@ -148,7 +149,7 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     if not usable:
         first = next(iter(undecodable.items()))
         raise ValueError(f"encode: none of the {len(dataset)} images could be decoded; the first, {first[0]}: {first[1]}")
-    refs = _write_index(out_dir, usable, keys, SampleStore(inputs.cache_root), params, inputs)
+    refs = _write_index(out_dir, usable, keys, open_sample_store(inputs.cache_root), params, inputs)
     (out_dir / "logs").mkdir()
     (out_dir / "logs" / "report.json").write_text(json.dumps({"undecodable": undecodable}, indent=1, sort_keys=True))
     counts = {

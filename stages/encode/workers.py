@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cache.fsutil import write_json_atomic
+from cache.object_store import open_sample_store
 from cache.samples import SampleStore
 
 from ..contract import Log
@@ -62,7 +63,7 @@ def encode_jobs(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inp
     mine = jobs.share(rank, world)
     dtype = getattr(torch, params.dtype)
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-    buffer = RecordBuffer(SampleStore(inputs.cache_root), options.shard_records)
+    buffer = RecordBuffer(open_sample_store(inputs.cache_root), options.shard_records)
     encode_texts(mine.texts, lambda: TextEncoder(inputs.model_path, inputs.family, dtype, device), buffer.add,
                  options.batch_size, log)
     share = f" (rank 0's share of {world})" if world > 1 else ""

@@ -153,7 +153,7 @@ def _validate(found: list[Candidate], params: PreprocessParams,
             warnings.append({"path": c.label, "reason": "small_image", "detail": small})
     if uncaptioned:
         c, more = uncaptioned[0], f" (and {len(uncaptioned) - 1} more)" if len(uncaptioned) > 1 else ""
-        raise ValueError(f"{datasets[c.source].path / c.rel}: no caption ({c.caption_problem}){more}; set"
+        raise ValueError(f"{datasets[c.source].path}/{c.rel}: no caption ({c.caption_problem}){more}; set"
                          " missing_caption (preprocess or the dataset's) to skip, filename or empty")
     return samples, rejected, warnings
 

@@ -3,6 +3,11 @@
 A file belongs to a folder when its resolved path lies inside the folder's resolved path. A link
 leading outside is listed as skipped, not followed, unless the caller opts in; a linked folder
 leading back to a folder above it (a loop) is skipped, never walked.
+
+A folder on object storage (`s3://bucket/prefix`) is every object under `prefix/`, listed with
+its size and ETag (no file opened either). Object storage has no links, so nothing can lead
+outside it: every object under the prefix belongs to the dataset and `follow_symlinks` changes
+nothing. Hidden names (a path component starting with ".") are skipped as on disk.
 """
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
+
+from cache.objects import ObjectFile, is_url, list_files
 
 SkipReason = Literal["outside_dataset", "symlink_loop", "unreadable"]
 
@@ -22,7 +29,7 @@ class Skipped:
 
 @dataclass(frozen=True)
 class Listing:
-    files: dict[str, Path]  # by path relative to the folder ("a/b.jpg"), sorted; dangling links included
+    files: dict[str, Path | ObjectFile]  # by path relative to the folder ("a/b.jpg"), sorted; dangling links included
     skipped: dict[str, Skipped]  # by relative path, sorted
 
 
@@ -44,9 +51,11 @@ def named_inside(root: Path, name: str, follow_symlinks: bool) -> Path:
     return path
 
 
-def list_folder(root: Path, follow_symlinks: bool = False) -> Listing:
+def list_folder(root: Path | str, follow_symlinks: bool = False) -> Listing:
     """Every file under `root`, hidden files and folders skipped; links to outside it are
     followed only with `follow_symlinks`. Reads directory entries and link targets only."""
+    if is_url(root):
+        return _list_objects(root)
     if not root.is_dir():
         raise FileNotFoundError(f"dataset folder {root} does not exist")
     real_root = os.path.realpath(root)
@@ -78,6 +87,13 @@ def list_folder(root: Path, follow_symlinks: bool = False) -> Listing:
             elif os.path.isfile(entry.path) or not os.path.exists(entry.path):  # dangling: reported unreadable
                 files.append(rel)
     return Listing({"/".join(parts): root.joinpath(*parts) for parts in sorted(files)}, dict(sorted(skipped.items())))
+
+
+def _list_objects(url: str) -> Listing:
+    files = {rel: f for rel, f in list_files(url).items() if not any(part.startswith(".") for part in rel.split("/"))}
+    if not files:
+        raise FileNotFoundError(f"dataset folder {url} does not exist (no objects under it)")
+    return Listing(files, {})
 
 
 def listed_files(root: Path) -> list[Path]:

@@ -7,6 +7,9 @@ metadata file: stages/preprocess/metadata.py), `hf` (a `datasets.save_to_disk` f
 
 Nothing outside a dataset's folder is read, not even to hash it for the key: links leading
 outside are refused (`outside_dataset`) unless the dataset sets `follow_symlinks`.
+
+A folder dataset may be on object storage (`path: s3://bucket/prefix`, listing.py): its files are
+known by URL, size and ETag, so an unchanged object is never downloaded again to be hashed.
 """
 from __future__ import annotations
 
@@ -18,11 +21,12 @@ from functools import lru_cache
 from pathlib import Path
 from typing import BinaryIO, Callable, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from cache.digest import StatCache, digest_bytes, digest_json
+from cache.objects import ObjectFile, is_url, join, read_url
 
-from ..contract import Frozen
+from ..contract import Frozen, PathOrUrl, location_name
 from .listing import Listing, list_folder, named_inside, within
 from .metadata import METADATA_FILES, MetadataCaption, RowProblem, metadata_captions
 
@@ -40,7 +44,7 @@ SKIPPED_DETAIL = {
 class DatasetSource(Frozen):
     """One dataset of the `data:` section. Caption and row settings left unset use the preprocess section's."""
 
-    path: Path = Field(description="the dataset folder")
+    path: PathOrUrl = Field(description="the dataset folder (or, for the folder format, an s3:// URL)")
     name: str | None = Field(None, pattern=r"^[\w.-]+$", description="prefixes sample ids when there are"
                              " several datasets; default: the folder's name")
     format: Literal["folder", "hf", "parquet"] = "folder"
@@ -57,7 +61,14 @@ class DatasetSource(Frozen):
 
     @property
     def label(self) -> str:
-        return self.name or self.path.name
+        return self.name or location_name(self.path)
+
+    @model_validator(mode="after")
+    def _folder_on_object_storage(self) -> "DatasetSource":
+        if is_url(self.path) and self.format != "folder":
+            raise ValueError(f"{self.path}: only the folder format can be read from object storage; copy the"
+                             f" {self.format} dataset to a local folder")
+        return self
 
     @property
     def caption_exts(self) -> tuple[str, ...]:
@@ -122,11 +133,13 @@ def _offered_name(rel: str) -> bool:
     return rel.lower().endswith(IMAGE_SUFFIXES) or posixpath.basename(rel) in METADATA_FILES
 
 
-def _file_digest(path: Path, stat_cache: StatCache) -> str:
+def _file_digest(path: Path | ObjectFile, stat_cache: StatCache) -> str:
     """Its content digest; an unreadable file gets a marker that changes when it is fixed."""
     try:
         return stat_cache.digest(path)
     except OSError:
+        if isinstance(path, ObjectFile):
+            return f"unreadable:{path.size}:{path.etag}"
         st = path.lstat()
         return f"unreadable:{st.st_mode:o}:{st.st_size}:{st.st_mtime_ns}"
 
@@ -156,14 +169,15 @@ def candidates(source: DatasetSource, index: int, prefix: str, stat_cache: StatC
     for rel, sidecar in scan.images.items():
         path = scan.listing.files[rel]
         caption, problem = _caption(source, captions.get(rel), sidecar and scan.listing.files[sidecar])
-        found.append(Candidate(index, rel, prefix + rel, caption, problem, lambda path=path: open(path, "rb"),
+        found.append(Candidate(index, rel, prefix + rel, caption, problem, lambda path=path: path.open("rb"),
                                lambda path=path: stat_cache.digest(path)))
     refused = [{"path": prefix + rel, "reason": reason, "detail": detail} for rel, reason, detail in scan.refused]
     refused += [{"path": prefix + p.where, "reason": p.reason, "detail": p.detail} for p in problems]
     return Offered(found, refused)
 
 
-def _caption(source: DatasetSource, row: MetadataCaption | None, sidecar: Path | None) -> tuple[str | None, str]:
+def _caption(source: DatasetSource, row: MetadataCaption | None, sidecar: Path | ObjectFile | None
+             ) -> tuple[str | None, str]:
     """(caption, why there is none): the metadata row's, else the sidecar's."""
     if row and row.text is not None:
         return row.text, ""
@@ -227,6 +241,8 @@ def row_image_bytes(source: DatasetSource, row: int) -> bytes:
 
 def read_image_bytes(source: DatasetSource, rel: str) -> bytes:
     """The bytes of a sample's image (what encode decodes)."""
+    if source.format == "folder" and is_url(source.path):
+        return read_url(join(source.path, rel))
     if source.format == "folder":
         path = source.path / rel
         if not (source.follow_symlinks or within(os.path.realpath(path), os.path.realpath(source.path))):

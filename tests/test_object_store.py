@@ -1,0 +1,267 @@
+"""The cache on object storage, against a real S3 server (SeaweedFS, started once per session):
+conditional publish, a writer killed mid-upload, leases taken over from a killed or stalled holder
+along with its work directory, the shard cache, and `lorapipe cache ls|verify|rm|gc`. Builders
+run as real processes; no diffusion involved."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from builders import finished, marker_lines
+
+from cache.gc import collect
+from cache.object_store import ObjectArtifactStore, ObjectSettings
+from cache.objects import ObjectRoot
+from cache.samples import DamagedRecord
+from cache.store import Built, StageKey
+from flows.cli import main
+
+REPO = Path(__file__).resolve().parent.parent
+LEASE = 2.0  # seconds: a killed holder's lease is taken over ~2.5 s after the waiter first sees it
+BUILDER = textwrap.dedent("""
+    import json, sys, time
+    from pathlib import Path
+    from cache.object_store import ObjectArtifactStore, ObjectSettings
+    from cache.store import StageKey
+    url, local, marker, name, sleep, lease, big = sys.argv[1:]
+    def note(line):
+        with open(marker, "a") as f:
+            f.write(line + "\\n")
+    def build(out, work):
+        seen = sorted(p.name for p in work.iterdir() if not p.name.startswith("."))
+        note(f"start {name} found {','.join(seen) or '-'}")
+        (work / f"from-{name}").write_text(name)
+        time.sleep(float(sleep))
+        (out / "x").write_text(name)
+        if int(big):  # uploading this takes a while: long enough to be killed in the middle
+            for i in range(4):
+                (out / f"big-{i}").write_bytes(bytes([i]) * (16 << 20))
+        note(f"end {name}")
+    store = ObjectArtifactStore(url, ObjectSettings(Path(local), 1 << 30, float(lease)))
+    key = StageKey("demo", {"stage": "demo", "n": 1, "steps": 5}, resumable=("steps",))
+    artifact, computed = store.build(key, build, {}, log=lambda m: print(m, flush=True))
+    print("computed" if computed else "waited", (artifact.path / "x").read_text(), flush=True)
+""")
+KEY = StageKey("demo", {"stage": "demo", "n": 1, "steps": 5}, resumable=("steps",))
+
+
+@pytest.fixture
+def root(s3_server, tmp_path) -> str:
+    return s3_server.url(f"store-{uuid.uuid4().hex[:8]}")
+
+
+def _store(root: str, local: Path, lease: float = LEASE, shard_cache: int = 1 << 30) -> ObjectArtifactStore:
+    return ObjectArtifactStore(root, ObjectSettings(local, shard_cache, lease))
+
+
+def _builder(root: str, tmp_path: Path, name: str, sleep: float = 0, big: bool = False) -> subprocess.Popen:
+    """A process (a host of its own: its own local side) building KEY."""
+    return subprocess.Popen([sys.executable, "-c", BUILDER, root, str(tmp_path / f"host-{name}"),
+                             str(tmp_path / "marker"), name, str(sleep), str(LEASE), str(int(big))],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def _wait(what, timeout: float = 60, message: str = "") -> None:
+    deadline = time.time() + timeout
+    while not what():
+        assert time.time() < deadline, message
+        time.sleep(0.02)
+
+
+def test_the_manifest_is_a_conditional_write_a_second_writer_cannot_overwrite(root):
+    objects = ObjectRoot(root)
+    assert objects.put_new("demo/k/manifest.json", b"first")
+    assert not objects.put_new("demo/k/manifest.json", b"second")
+    assert objects.get("demo/k/manifest.json") == b"first"
+
+
+def test_a_writer_killed_mid_upload_leaves_nothing_visible_and_the_rerun_publishes(root, tmp_path, capsys):
+    objects = ObjectRoot(root)
+    writer = _builder(root, tmp_path, "killed", big=True)
+    _wait(lambda: objects.list(f"demo/{KEY.key}/"), message="the upload never started")
+    writer.send_signal(signal.SIGKILL)
+    writer.wait()
+    uploaded = objects.list(f"demo/{KEY.key}/")
+    assert uploaded and "manifest.json" not in uploaded  # part of it is there, without its commit marker
+    store = _store(root, tmp_path / "host-check")
+    assert not store.lookup("demo", KEY.key).hit and list(store.artifacts()) == []
+    assert main(["cache", "ls", "--json", "--cache-dir", root]) == 0
+    assert json.loads(capsys.readouterr().out) == []
+
+    out = finished(_builder(root, tmp_path, "rerun", big=True))
+    assert out.strip().endswith("computed rerun")
+    artifact = store.lookup("demo", KEY.key).artifact
+    assert store.verify(artifact) == [] and (artifact.path / "x").read_text() == "rerun"
+
+
+def test_a_killed_lease_holder_is_taken_over_after_expiry_with_its_work_directory(root, tmp_path):
+    objects = ObjectRoot(root)
+    holder = _builder(root, tmp_path, "dead", sleep=120)
+    _wait(lambda: "from-dead" in objects.list(f"work/demo/{KEY.work_key}/"),
+          message="the holder never pushed its work directory")  # its checkpoints reached the root
+    holder.send_signal(signal.SIGKILL)
+    holder.wait()
+    killed = time.monotonic()
+    out = finished(_builder(root, tmp_path, "taker"))
+    waited = time.monotonic() - killed
+    assert "another run is building" in out and "took over from" in out
+    assert out.strip().endswith("computed taker")
+    assert marker_lines(tmp_path) == ["start dead found -", "start taker found from-dead", "end taker"]
+    assert 1.25 * LEASE <= waited < 30
+    # a resumable stage keeps its work directory, on the root too, for the next extension
+    assert {"from-dead", "from-taker"} <= set(objects.list(f"work/demo/{KEY.work_key}/"))
+
+
+def test_a_stalled_holder_does_not_publish_over_the_run_that_took_its_lease(root, tmp_path):
+    stalled = _builder(root, tmp_path, "stalled", sleep=3)
+    _wait(lambda: "start stalled found -" in marker_lines(tmp_path), message="the first build never started")
+    stalled.send_signal(signal.SIGSTOP)  # no renewals: its lease expires while it sleeps
+    taker = _builder(root, tmp_path, "taker")
+    try:
+        out_taker = finished(taker)
+    finally:
+        stalled.send_signal(signal.SIGCONT)
+    out_stalled = finished(stalled)
+    assert out_taker.strip().endswith("computed taker")
+    assert "another run took over this run's lease" in out_stalled and out_stalled.strip().endswith("taker")
+    store = _store(root, tmp_path / "host-check")
+    artifact = store.lookup("demo", KEY.key).artifact
+    assert (artifact.path / "x").read_text() == "taker" and store.verify(artifact) == []
+
+
+def _write_shards(store: ObjectArtifactStore, count: int) -> dict[str, str]:
+    """`count` shards of 2 records each (about 20 KB); returns record key -> shard."""
+    samples, written = store.sample_store(), {}
+    for i in range(count):
+        records = {f"r{i}a": {"bin": os.urandom(8000)}, f"r{i}b": {"bin": os.urandom(8000)}}
+        shard = samples.write_shard(records)
+        written.update(dict.fromkeys(records, shard))
+    return written
+
+
+def test_records_are_read_through_a_bounded_shard_cache_keyed_by_content(root, tmp_path):
+    writer = _store(root, tmp_path / "writer")
+    written = _write_shards(writer, 6)
+    reader_store = _store(root, tmp_path / "reader", shard_cache=50_000)  # room for 2 of the 6 shards
+    reader = reader_store.sample_store()
+    index = reader.index()
+    assert set(index) == set(written)
+    expected = {key: writer.sample_store().read(key, index[key], "bin") for key in written}
+    for key in sorted(written):  # another host: downloads each shard once, then reads it locally
+        assert reader.read(key, index[key], "bin") == expected[key]
+    cached = list((tmp_path / "reader" / "shards").glob("*.tar"))
+    assert 1 <= len(cached) <= 2 and sum(p.stat().st_size for p in cached) <= 50_000
+    assert all(p.stem in set(written.values()) for p in cached)
+    for path in cached:  # deleting the cache is safe: what is gone is fetched again
+        path.unlink()
+    key = sorted(written)[0]
+    assert reader.read(key, index[key], "bin") == expected[key]
+
+
+def test_a_shard_damaged_on_object_storage_is_never_served_nor_cached(root, tmp_path):
+    writer = _store(root, tmp_path / "writer")
+    written = _write_shards(writer, 1)
+    key, shard = next(iter(written.items()))
+    objects = ObjectRoot(root)
+    damaged = bytearray(objects.get(f"samples/{shard}.tar"))
+    offset, size, _ = writer.sample_store().index()[key].members["bin"]
+    damaged[offset + size // 2] ^= 1
+    objects.put(f"samples/{shard}.tar", bytes(damaged))
+    reader = _store(root, tmp_path / "reader").sample_store()
+    with pytest.raises(DamagedRecord, match=f"{shard}.tar: record {key} does not match"):
+        reader.read(key, reader.index()[key], "bin")
+    assert not (tmp_path / "reader" / "shards" / f"{shard}.tar").exists()
+
+
+def _build(store: ObjectArtifactStore, name: str, refs: dict[str, str] | None = None) -> StageKey:
+    def build(out: Path, work: Path) -> Built:
+        (out / "data.bin").write_bytes(name.encode() * 100)
+        samples = store.sample_store()
+        return Built(refs={f"samples/{s}.tar": {k: samples.shard_meta(s)[k] for k in ("size", "digest")}
+                           for s in (refs or {}).values()})
+
+    key = StageKey("encode", {"stage": "encode", "name": name})
+    store.build(key, build, {})
+    return key
+
+
+def test_cache_ls_verify_rm_and_gc_work_on_an_object_storage_root(root, tmp_path, capsys):
+    store = _store(root, tmp_path / "host")
+    kept_shards, dropped_shards = _write_shards(store, 1), _write_shards(store, 1)
+    kept, dropped = _build(store, "kept", kept_shards), _build(store, "dropped", dropped_shards)
+    doomed = _build(store, "doomed")
+    store.remember("p", kept, store.lookup("encode", kept.key).artifact)
+    store.record_run("p", "run-1", {"encode": kept.key})
+
+    def cache(*args: str) -> tuple[int, str]:
+        code = main(["cache", *args, "--cache-dir", root])
+        return code, capsys.readouterr().out
+
+    code, out = cache("ls", "--json")
+    rows = {r["key"]: r for r in json.loads(out)}
+    assert code == 0 and set(rows) == {kept.key, dropped.key, doomed.key}
+    assert rows[kept.key]["runs"] == ["run-1"] and rows[kept.key]["pipelines"] == ["p"]
+    assert cache("verify")[0] == 0
+
+    code, out = cache("rm", doomed.key[:12])
+    assert code == 0 and f"removed encode {doomed.key}" in out and not store.lookup("encode", doomed.key).hit
+
+    freed = collect(store, keep_last=1, grace=0)  # what no run kept goes, and its shards with it
+    assert freed.removed == [f"encode/{dropped.key}"] and freed.shards == 1
+    assert store.lookup("encode", kept.key).hit and not store.lookup("encode", dropped.key).hit
+    assert set(store.sample_store().index()) == set(kept_shards)
+
+    shard = next(iter(kept_shards.values()))
+    objects = ObjectRoot(root)
+    objects.put(f"samples/{shard}.tar", b"\0" * len(objects.get(f"samples/{shard}.tar")))  # same size
+    code, out = cache("verify")
+    assert code == 1 and "does not match its recorded digest" in out and "removed, its records are re-encoded" in out
+    assert not store.lookup("encode", kept.key).hit  # the shard is gone, so is the artifact that needs it
+
+
+def test_an_unreachable_store_or_an_unsupported_url_is_one_line(tmp_path, capsys):
+    import yaml
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({
+        "cache_dir": "s3://bucket/prefix",
+        "storage_options": {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"},
+        "object_store": {"local_dir": str(tmp_path / "local")}, "output_dir": "out", "model": {"path": "m"},
+        "data": {"path": "d"}, "train": {}, "evaluate": {"prompts": ["x"]}}))
+    assert main(["status", str(config)]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("lorapipe: error: cache_dir s3://bucket/prefix cannot be used: cannot reach the object")
+    assert err.count("\n") == 1
+    assert main(["cache", "ls", "--cache-dir", "gs://bucket/prefix"]) == 1
+    err = capsys.readouterr().err
+    assert "gs://bucket/prefix: only s3:// URLs" in err and err.count("\n") == 1
+
+
+def test_a_deployment_parameter_keeps_an_s3_cache_root_and_never_its_secrets():
+    """What Prefect stores of a run's `config` parameter (its serialized form) has every secret of
+    storage_options masked, and a config read back from Prefect drops them (the worker's
+    environment supplies the credentials) while keeping the URL and the other options."""
+    import yaml
+
+    from flows.pipeline import pipeline
+
+    config = yaml.safe_load((REPO / "prefect.yaml").read_text())["definitions"]["config"]
+    config = {**config, "cache_dir": "s3://team-bucket/lorapipe",
+              "storage_options": {"key": "AKIAEXAMPLE", "secret": "hunter2", "endpoint_url": "http://minio:9000",
+                                  "client_kwargs": {"aws_session_token": "tok", "region_name": "eu-west-1"}}}
+    stored = pipeline.serialize_parameters(pipeline.validate_parameters({"config": config}))
+    assert "hunter2" not in json.dumps(stored) and "AKIAEXAMPLE" not in json.dumps(stored)
+    assert stored["config"]["cache_dir"] == "s3://team-bucket/lorapipe"
+    assert stored["config"]["storage_options"]["endpoint_url"] == "http://minio:9000"
+    received = pipeline.validate_parameters(stored)["config"]  # what a worker's flow run gets
+    assert received.cache_dir == "s3://team-bucket/lorapipe"
+    assert received.storage_options == {"endpoint_url": "http://minio:9000", "client_kwargs": {"region_name": "eu-west-1"}}
