@@ -10,7 +10,10 @@ Expiry needs no agreement between clocks: a waiter times the lease with its own 
 from the moment it first sees a version (an ETag) of it; a version unchanged for its duration plus
 a margin belongs to a holder that stopped renewing (killed, or its host gone), and is taken over.
 A holder whose renewal finds the lease changed has lost it (it stalled past its duration and was
-taken over): `lost` tells the work it guards to stop writing shared state.
+taken over): `lost` tells the work it guards to stop writing shared state. A renewal thread may
+notice that late (a stalled process resumes its work before the thread runs), so a step only the
+holder may take (pushing its work directory, publishing) first calls `confirm`, which renews at
+once: after a confirmed renewal nobody can take the lease over for 1.25 durations.
 """
 from __future__ import annotations
 
@@ -37,6 +40,7 @@ class Lease:
         self.taken_over: dict | None = None  # the expired holder's lease, when this one was taken over
         self.lost = threading.Event()
         self._stop = threading.Event()
+        self._renewing = threading.Lock()  # one renewal at a time: the thread's or `confirm`'s
         self._thread: threading.Thread | None = None
 
     def _body(self, released: bool = False) -> bytes:
@@ -85,20 +89,29 @@ class Lease:
     def _renew_until_stopped(self) -> None:
         last_success = time.monotonic()
         while not self._stop.wait(self.seconds / 3):
-            self.renewals += 1
             try:
-                etag = self.root.replace(self.rel, self._body(), self.etag)
+                if not self.confirm():
+                    return
+                last_success = time.monotonic()
             except Exception:  # an unreachable store: keep trying until the lease would have expired
                 if time.monotonic() - last_success > self.seconds:
                     self.lost.set()
                     return
-                continue
+
+    def confirm(self) -> bool:
+        """Renew the lease now; whether this run still holds it (False once another run took it over)."""
+        with self._renewing:
+            if self.lost.is_set():
+                return False
+            self.renewals += 1
+            etag = self.root.replace(self.rel, self._body(), self.etag)
             if etag is None:
                 etag = self._own_etag()  # our renewal may have landed without its answer reaching us
             if etag is None:
                 self.lost.set()
-                return
-            self.etag, last_success = etag, time.monotonic()
+                return False
+            self.etag = etag
+            return True
 
     def _own_etag(self) -> str | None:
         found = self.root.get_tagged(self.rel)

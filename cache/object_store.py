@@ -223,7 +223,7 @@ class ObjectArtifactStore(ArtifactStore):
             shutil.rmtree(stale, ignore_errors=True)
         out_dir = tmp_root / f"{key}.{os.getpid()}"
         out_dir.mkdir()
-        work = self._work(stage, stage_key.work_key)
+        work = self._work(stage, stage_key.work_key, held.confirm)
         if held.taken_over:
             log(f"{stage}: took over from {held.taken_over.get('host')} (pid {held.taken_over.get('pid')}), whose"
                 f" lease expired; going on from what its work directory holds")
@@ -233,27 +233,31 @@ class ObjectArtifactStore(ArtifactStore):
         try:
             built = build(out_dir, work.local) or Built()
         finally:
-            work.finish(push=not held.lost.is_set())
+            work.finish()
         manifest = _manifest(stage_key, out_dir, built, producer, time.time() - started)
-        if not held.lost.is_set():
-            artifact = self._publish(stage_key, out_dir, manifest, log)
-        else:  # it stalled past its lease and another run took over: publish only under the lease again
+        artifact = self._publish(stage_key, out_dir, manifest, held, log)
+        while artifact is None:  # it stalled past its lease and another run took over: publish only under it again
             log(f"{stage}: another run took over this run's lease on {key[:12]} (this one stalled); waiting for"
                 " the lease to publish, unless that run has published meanwhile")
-            with self.lock(stage, stage_key.work_key):
+            with self.lock(stage, stage_key.work_key) as lease:
                 found = self.lookup(stage, key)
-                artifact = found.artifact if found.hit else self._publish(stage_key, out_dir, manifest, log)
+                artifact = found.artifact if found.hit else self._publish(stage_key, out_dir, manifest, lease, log)
         if not stage_key.resumable:  # a resumable stage's work dir serves its extensions (more steps)
             work.remove()
         return artifact
 
-    def _publish(self, stage_key: StageKey, out_dir: Path, manifest: dict, log) -> Artifact:
-        """Upload the files, then the manifest with If-None-Match: the commit. Called under the lease."""
+    def _publish(self, stage_key: StageKey, out_dir: Path, manifest: dict, lease: Lease, log) -> Artifact | None:
+        """Upload the files, then the manifest with If-None-Match: the commit. Each step that writes
+        under the artifact's keys first confirms the lease; None when it was lost (nothing committed)."""
         stage, key = stage_key.stage, stage_key.key
         prefix = f"{stage}/{key}/"
+        if not lease.confirm():
+            return None
         if self.objects.get(prefix + MANIFEST) is not None:  # a damaged artifact of this key, reported as a miss
             self.objects.delete([prefix + MANIFEST])
         self.objects.upload_many([(out_dir / rel, prefix + rel) for rel in manifest["files"]])
+        if not lease.confirm():
+            return None
         if not self.objects.put_new(prefix + MANIFEST, json.dumps(manifest, indent=1, sort_keys=True).encode()):
             log(f"{stage}: another run published {key[:12]} first; using its artifact")
             shutil.rmtree(out_dir, ignore_errors=True)
@@ -266,8 +270,8 @@ class ObjectArtifactStore(ArtifactStore):
         return Artifact(stage, key, self._url(stage, key), manifest,
                         fetch=partial(self._fetch, stage, key, manifest))
 
-    def _work(self, stage: str, work_key: str) -> WorkSync:
-        return WorkSync(self.objects, f"work/{stage}/{work_key}/", self.work_dir(stage, work_key))
+    def _work(self, stage: str, work_key: str, held: Callable[[], bool] = lambda: True) -> WorkSync:
+        return WorkSync(self.objects, f"work/{stage}/{work_key}/", self.work_dir(stage, work_key), held)
 
     def _discard(self, artifact: Artifact) -> None:
         prefix = f"{artifact.stage}/{artifact.key}/"

@@ -20,6 +20,7 @@ import os
 import shutil
 import threading
 from pathlib import Path
+from typing import Callable
 
 from .objects import ObjectRoot
 
@@ -27,8 +28,9 @@ STATE = ".pushed.json"  # rel -> [size, mtime_ns, etag] of what this host last p
 
 
 class WorkSync:
-    def __init__(self, root: ObjectRoot, prefix: str, local: Path):
-        self.root, self.prefix, self.local = root, prefix.rstrip("/") + "/", Path(local)
+    def __init__(self, root: ObjectRoot, prefix: str, local: Path, held: Callable[[], bool] = lambda: True):
+        """`held` says whether this run still holds the key's lease (Lease.confirm): only then it pushes."""
+        self.root, self.prefix, self.local, self.held = root, prefix.rstrip("/") + "/", Path(local), held
         self.local.mkdir(parents=True, exist_ok=True)
         self.state: dict[str, list] = self._load_state()
         self._lock = threading.Lock()
@@ -55,7 +57,7 @@ class WorkSync:
     def push(self) -> None:
         """Upload what changed here since the last push or pull; delete what was removed here."""
         with self._lock:
-            if self.stopped:
+            if self.stopped or not self.held():
                 return
             local = _files(self.local)
             changed = [rel for rel, stat in local.items() if self.state.get(rel, [None, None])[:2] != list(stat)]
@@ -80,7 +82,7 @@ class WorkSync:
         self._thread.start()
 
     def finish(self, push: bool = True) -> None:
-        """Stop the thread; push a last time unless the lease was lost (another host owns it now)."""
+        """Stop the thread; push a last time (unless the lease was lost: another host owns it now)."""
         self._stop.set()
         if self._thread:
             self._thread.join()
