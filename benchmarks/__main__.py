@@ -11,7 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from . import decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench, noop_rerun, pipeline_noop, train_bench
+from . import (decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench, noop_rerun, object_bench, pipeline_noop,
+               train_bench)
 from .common import ResultsSection
 
 BENCHES = {
@@ -24,6 +25,9 @@ BENCHES = {
     "train_step": lambda root: train_bench.step_times(root),
     "optimizer_step": lambda root: train_bench.optimizer_variants(root),
     "pipeline_noop": lambda root: pipeline_noop.measure(root),
+    "object_noop": lambda root: object_bench.noop(root),
+    "object_incremental": lambda root: object_bench.incremental(root),
+    "object_shard_read": lambda root: object_bench.shard_read(root),
     "gpu": lambda root: gpu_bench.measure(root),
 }
 
