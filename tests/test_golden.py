@@ -1,0 +1,115 @@
+"""Golden numbers: what training and evaluation compute on the tiny models, recorded once and
+compared against, so that moving the numerical code (the family layer) changes no result.
+
+Each variant runs the real stages on the demo photos at 64 px (preprocess, encode, one training
+step, evaluate) through `run_stages`, the config-level entry that survives any refactoring below
+it, and checks:
+- the training loss of step 1: micro-batch 0 of the batch plan (its samples, posterior draws,
+  caption dropout, noise and timesteps all fixed by train.seed), scored before the first update,
+  so by the base model (the LoRA starts at zero);
+- the held-out denoising loss evaluate reports, base and LoRA (fixed timesteps, noise seeded by
+  loss_seed and each sample's content);
+- the first rendered image (base model, first prompt, first seed): a checksum of its pixels.
+
+The numbers are literal, recorded from the code of commit 62e6f5e (main before the stages used the
+family layer).
+Do not recompute them with the code under test: a change here needs a reason in its commit.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import yaml
+from PIL import Image
+
+from flows.plan import STAGES
+from stages.evaluate.render import cell
+
+DEMO_IMAGES = Path(__file__).resolve().parent.parent / "stages" / "assets" / "demo_images"
+RESOLUTION = 64
+
+
+@dataclass(frozen=True)
+class Variant:
+    arch: str  # the tiny model: sd15 or sdxl
+    prediction_type: str | None = None  # written into a copy's scheduler config (SD2-style: v_prediction)
+    train: dict = field(default_factory=dict)
+    encode: dict = field(default_factory=dict)
+
+
+VARIANTS = {
+    "sd15-epsilon": Variant("sd15", train={"caption_dropout": 0.5}),
+    "sd2-v-prediction": Variant("sd15", "v_prediction", train={"snr_gamma": 5.0, "noise_offset": 0.05}),
+    "sdxl": Variant("sdxl", encode={"flip": True}),  # mirrored latents: flips and mirrored crop ids are drawn
+}
+
+
+@dataclass(frozen=True)
+class Golden:
+    train_loss: float  # step 1
+    holdout_base: float
+    holdout_lora: float
+    first_image: str  # sha256 of the RGB pixels, first 16 hex digits
+
+
+GOLDEN = {  # recorded from commit 62e6f5e
+    "sd15-epsilon": Golden(1.0247102975845337, 1.1235224505265553, 1.122534155845642, "b02cdf0ddbd22293"),
+    "sd2-v-prediction": Golden(0.2576902508735657, 0.5291659186283747, 0.5243276841938496, "0653cfcc5b8109a0"),
+    "sdxl": Golden(1.0062557458877563, 1.0830445786317189, 1.077387402455012, "012b4fd399f414bd"),
+}
+
+
+def pixel_checksum(image: Image.Image) -> str:
+    return hashlib.sha256(image.convert("RGB").tobytes()).hexdigest()[:16]
+
+
+def variant_model(variant: Variant, tiny_model: Path, sdxl_model: Path, folder: Path) -> Path:
+    base = sdxl_model if variant.arch == "sdxl" else tiny_model
+    if variant.prediction_type is None:
+        return base
+    model = folder / "model"
+    shutil.copytree(base, model)
+    scheduler = model / "scheduler" / "scheduler_config.json"
+    scheduler.write_text(json.dumps({**json.loads(scheduler.read_text()), "prediction_type": variant.prediction_type}))
+    return model
+
+
+def write_config(folder: Path, model: Path, variant: Variant) -> Path:
+    config = folder / "config.yaml"
+    config.write_text(yaml.safe_dump({
+        "name": "golden", "cache_dir": "cache", "output_dir": "out", "model": {"path": str(model)},
+        "data": {"path": str(DEMO_IMAGES)},
+        "preprocess": {"resolution": RESOLUTION, "holdout_fraction": 0.25},
+        "encode": {"num_workers": 0, **variant.encode},
+        "train": {"max_steps": 1, "batch_size": 3, "learning_rate": 1e-2, "seed": 5, "checkpoint_every": 1,
+                  "log_with": "none", **variant.train},
+        "evaluate": {"prompts": ["a photo of a tabby cat looking to the side"], "seeds": [7], "lora_scales": [1.0],
+                     "num_inference_steps": 3, "loss_timesteps": [100, 500, 900], "resolution": RESOLUTION},
+    }))
+    return config
+
+
+def measure(done: dict) -> Golden:
+    train_dir, eval_dir = (Path(done[stage][1].path) for stage in ("train", "evaluate"))
+    first = json.loads((train_dir / "logs" / "loss.jsonl").read_text().splitlines()[0])
+    holdout = json.loads((eval_dir / "metrics.json").read_text())["loss"]["holdout"]
+    with Image.open(eval_dir / "grid.png") as grid:
+        image = cell(grid, 0, 0, RESOLUTION)
+    return Golden(first["loss"], holdout["base"]["overall"], holdout["lora"]["overall"], pixel_checksum(image))
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_golden_numbers(name, tmp_path, tiny_model, sdxl_model, run_stages):
+    variant = VARIANTS[name]
+    model = variant_model(variant, tiny_model, sdxl_model, tmp_path)
+    measured = measure(run_stages(write_config(tmp_path, model, variant), STAGES))
+    golden = GOLDEN[name]
+    assert measured.train_loss == pytest.approx(golden.train_loss, rel=1e-5), measured
+    assert measured.holdout_base == pytest.approx(golden.holdout_base, rel=1e-5), measured
+    assert measured.holdout_lora == pytest.approx(golden.holdout_lora, rel=1e-5), measured
+    assert measured.first_image == golden.first_image, measured
