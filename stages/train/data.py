@@ -147,11 +147,18 @@ def noised_inputs(scheduler, batch: Batch, rng: torch.Generator, params: TrainPa
     timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), generator=rng)
     noisy = scheduler.add_noise(latents, noise, timesteps)
     prediction_type = scheduler.config.prediction_type
-    target = noise if prediction_type == "epsilon" else scheduler.get_velocity(latents, noise, timesteps)
+    if prediction_type == "epsilon":
+        target = noise
+    elif prediction_type == "v_prediction":
+        target = scheduler.get_velocity(latents, noise, timesteps)
+    else:  # sample: the clean latent, as evaluate scores it
+        target = latents
     weight = None
-    if params.snr_gamma is not None:
+    if params.snr_gamma is not None:  # min-SNR: min(snr, gamma) for the clean latent, / snr for epsilon, / (snr + 1) for v
         snr = compute_snr(scheduler.alphas_cumprod, timesteps)
-        weight = torch.clamp(snr, max=params.snr_gamma) / (snr if prediction_type == "epsilon" else snr + 1)
+        weight = torch.clamp(snr, max=params.snr_gamma)
+        if prediction_type != "sample":
+            weight = weight / (snr if prediction_type == "epsilon" else snr + 1)
     return UNetInputs(noisy, timesteps, batch.hidden_states, batch.added_cond, target, weight)
 
 

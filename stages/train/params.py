@@ -10,7 +10,8 @@ from pydantic import Field, model_validator
 
 from stages.contract import Frozen
 
-VERSION = "3"  # bump by hand when the trained output's semantics change; 3: batch plan in content order
+VERSION = "4"  # bump by hand when the trained output's semantics change; 3: batch plan in content order;
+# 4: sample-prediction models trained against the clean latent (they were trained against v)
 
 TARGET_PRESETS: dict[str, tuple[str, ...]] = {
     "attention": ("to_q", "to_k", "to_v", "to_out.0"),
@@ -49,7 +50,7 @@ class TrainParams(Frozen):
     # ---- diffusion loss
     snr_gamma: float | None = Field(None, gt=0, description="min-SNR weighting; None = plain MSE")
     noise_offset: float = Field(0.0, ge=0)
-    prediction_type: Literal["epsilon", "v_prediction"] | None = None  # None = the scheduler's
+    prediction_type: Literal["epsilon", "v_prediction", "sample"] | None = None  # None = the scheduler's
     caption_dropout: float = Field(0.0, ge=0, le=1)
     seed: int = Field(0, ge=0)
     # ---- checkpoints (their LoRA weights are published, so they are part of the result)
