@@ -16,11 +16,11 @@ if TYPE_CHECKING:
 BATCH = 16
 
 
-def encode_inputs(data: Path, cache: Path, model: Path, family: str = "sd15", resolution: int = 64):
+def encode_inputs(data: Path, cache: Path, model: Path, resolution: int = 64):
     """Preprocess `data` at `resolution` into `cache`/pre (every image in the train split); the
     encode stage's inputs for it."""
     from cache.digest import StatCache
-    from stages import encode, preprocess
+    from stages import encode, families, preprocess
     from stages.models import component_digests
 
     pre, sources = cache / "pre", (preprocess.DatasetSource(path=data),)
@@ -29,8 +29,9 @@ def encode_inputs(data: Path, cache: Path, model: Path, family: str = "sd15", re
     with StatCache(cache / "stat.sqlite") as stats:
         preprocess.run(preprocess.PreprocessParams(resolution=resolution, holdout_fraction=0.0),
                        preprocess.PreprocessInputs(sources, stats), pre, cache, None, lambda m: None)
-        digests = component_digests(model, stats)
-    return encode.EncodeInputs(pre, sources, cache, model, family, digests)
+        family = families.for_model(model)
+        digests = component_digests(model, stats, family)
+    return encode.EncodeInputs(pre, sources, cache, model, family.name, digests)
 
 
 def run_encode(inputs, out: Path, workers: int = 1, batch_size: int = BATCH, dtype: str = "float32"):
@@ -43,26 +44,26 @@ def run_encode(inputs, out: Path, workers: int = 1, batch_size: int = BATCH, dty
 
 
 class Encoders(NamedTuple):
-    vae: torch.nn.Module
-    text: object  # stages.encode.TextEncoder
+    vae: object  # the family's LatentEncoder
+    text: object  # the family's TextEncoder
     device: torch.device
 
 
 def load_encoders(inputs, device: str = "cpu", dtype: torch.dtype | None = None) -> Encoders:
-    """The VAE and text encoder(s) as the encode stage loads them: float32 weights on `device`,
-    text embeddings cast to the record dtype `dtype` (default float32)."""
+    """The family's latent and text encoders as the encode stage loads them: float32 weights on
+    `device`, text records cast to the record dtype `dtype` (default float32)."""
     import torch
-    from diffusers import AutoencoderKL
 
-    from stages.encode import TextEncoder
+    from stages.families import TextOptions
 
-    vae = AutoencoderKL.from_pretrained(inputs.model_path, subfolder="vae").eval().requires_grad_(False).to(device)
-    text = TextEncoder(inputs.model_path, inputs.family, dtype or torch.float32, device)
-    return Encoders(vae, text, torch.device(device))
+    family = inputs.bound_family()
+    settings = family.text_settings(inputs.model_path, TextOptions())
+    text = family.load_text_encoder(inputs.model_path, settings, dtype or torch.float32, device)
+    return Encoders(family.load_latent_encoder(inputs.model_path, device), text, torch.device(device))
 
 
 def bare_forward_seconds(inputs, n: int, encoders: Encoders, batch_size: int = BATCH) -> float:
-    """VAE encode + text encoder on pre-decoded batches: the floor the pipeline can approach."""
+    """The latent encoder + text encoder on pre-decoded batches: the floor the pipeline can approach."""
     import torch
 
     from stages.encode import ImageCrops
@@ -77,7 +78,7 @@ def bare_forward_seconds(inputs, n: int, encoders: Encoders, batch_size: int = B
     started = time.perf_counter()
     with torch.inference_mode():
         for pixels, caps in zip(batches, captions):
-            encoders.vae.encode(pixels.to(encoders.device)).latent_dist.mean.sum()
+            encoders.vae(pixels)  # the posterior's mean and std, on the CPU as the stage keeps them
             encoders.text(caps)
     sync()
     return time.perf_counter() - started

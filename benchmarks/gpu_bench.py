@@ -4,7 +4,7 @@ projections in fp32), each setting in this process (no accelerate launch; nothin
 no Prefect):
 
 1. model:  random weights from the published architecture configs in stages/assets/arch/<arch>/
-           with stages/tiny.py's byte-level tokenizer (checked to fit the text encoders), initialised
+           with stages/families/tiny_sd.py's byte-level tokenizer (checked to fit the text encoders), initialised
            on the GPU from a fixed seed and saved in bf16 under ROOT/models/<arch> (reused after).
 2. encode: N generated noise images through the real encode stage (records in bf16) vs the bare VAE +
            text-encoder forward on the same pre-decoded batches, both loaded as the stage loads them;
@@ -122,10 +122,10 @@ def _random_component(library: str, class_name: str, config_dir: Path, device: t
 
 def random_model(arch: str, out: Path, device: torch.device) -> Path:
     """A diffusers folder of `arch` at its published size: seeded random weights in bf16 from the
-    configs in stages/assets/arch/<arch>/, whose tokenizer folders hold no vocabulary: stages/tiny.py's
+    configs in stages/assets/arch/<arch>/, whose tokenizer folders hold no vocabulary: tiny_sd.py's
     byte-level tokenizer instead."""
-    from stages.models import ARCH_ROOT
-    from stages.tiny import write_tokenizer
+    from stages.families.single_file import ARCH_ROOT
+    from stages.families.tiny_sd import write_tokenizer
 
     arch_dir, staging = ARCH_ROOT / arch, out.with_name(f"{out.name}.partial")
     shutil.rmtree(staging, ignore_errors=True)
@@ -167,7 +167,7 @@ def encode_figures(setting: Setting, mode: Mode, model: Path, root: Path,
     data = generated_images(root / f"images-{n}-{setting.resolution}px", n, setting.resolution)
     cache = root / f"gpu-bench-{setting.arch}"
     shutil.rmtree(cache, ignore_errors=True)
-    inputs = encode_inputs(data, cache, model, setting.arch, setting.resolution)
+    inputs = encode_inputs(data, cache, model, setting.resolution)
     started = time.perf_counter()
     encoders = load_encoders(inputs, str(device), getattr(torch, mode.encode_dtype))
     load_s = time.perf_counter() - started
@@ -197,11 +197,11 @@ def step_flops(recipe: LoRATrainingRecipe) -> int:
     """FLOPs of one forward + backward of the recipe's UNet step (the optimizer's are negligible)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from stages.train.recipe import unet_loss
+    from stages.train.recipe import step_loss
 
     inputs, device = recipe._prepare(0), recipe.accelerator.device
     with FlopCounterMode(display=False) as counter:
-        recipe.accelerator.backward(unet_loss(recipe.unet, inputs, device, recipe.dtype))
+        recipe.accelerator.backward(step_loss(recipe.family, recipe.denoiser, inputs, device, recipe.dtype))
     recipe.optimizer.zero_grad(set_to_none=True)
     return counter.get_total_flops()
 
@@ -212,15 +212,15 @@ def cached_step_variant(recipe: LoRATrainingRecipe, variant: str) -> Iterator[No
     import torch
     from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
 
-    unet, prepared = recipe._lora_unet(), recipe.unet
+    unet, prepared = recipe._lora_denoiser(), recipe.denoiser
     processors = unet.attn_processors
     unet.set_attn_processor(AttnProcessor() if variant.removesuffix(COMPILED) == "classic" else AttnProcessor2_0())
     if variant.endswith(COMPILED):
-        recipe.unet = torch.compile(prepared)
+        recipe.denoiser = torch.compile(prepared)
     try:
         yield
     finally:
-        recipe.unet = prepared
+        recipe.denoiser = prepared
         unet.set_attn_processor(processors)
         if variant.endswith(COMPILED):
             torch._dynamo.reset()  # drops the compiled graphs
@@ -267,11 +267,11 @@ def train_figures(setting: Setting, mode: Mode, inputs: EncodeInputs, encoded: P
         seconds = interleaved(step_calls(recipe, inline, inputs), mode.timing, device_sync(device))
         del inline
         release_memory(device)  # the on-the-fly step's VAE and text encoders, the inline recipe's UNet
-        params = list(recipe._lora_unet().parameters())
+        params = list(recipe._lora_denoiser().parameters())
         gpu, peak = peak_bf16_flops(device)
         yield "train steps", {
             "resolution": setting.resolution, "batch": setting.batch, "mixed_precision": mode.mixed_precision,
-            "lora_rank": LORA_RANK, "unet_params_m": round(sum(p.numel() for p in params) / 1e6, 1),
+            "lora_rank": LORA_RANK, "denoiser_params_m": round(sum(p.numel() for p in params) / 1e6, 1),
             "lora_params_m": round(sum(p.numel() for p in params if p.requires_grad) / 1e6, 2),
             "steps": str(mode.timing), "torch_threads": torch.get_num_threads(), "device": gpu,
             "dense_bf16_peak_tflop_s": peak / 1e12 if peak else None,

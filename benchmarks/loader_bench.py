@@ -51,20 +51,24 @@ def synthetic_encoded(out: Path, setting: str) -> Path:
     size = [side * 8, side * 8]
     samples = [{"split": "train", "caption": "", "original_size": size, "crop_box": [0, 0, *size], "resized": size,
                 "size": size, "repeats": 1, "latent": f"latent{i:04d}", "text": f"text{i:04d}"} for i in range(SAMPLES)]
-    write_index(out, {"family": family, "dtype": dtype, "models": {}, "vae_scaling_factor": 0.18215,
-                      "empty_text": f"text{SAMPLES:04d}", "flip": False}, samples,
+    write_index(out, {"family": family, "dtype": dtype, "models": {}, "text_options": {}, "text": {},
+                      "normalisation": {"kind": "scale_shift", "scale": 0.18215}, "empty_text": f"text{SAMPLES:04d}",
+                      "flip": False}, samples,
                 [{"id": f"s{i:04d}", "dataset": ""} for i in range(SAMPLES)], store.index())
     return out
 
 
-def samples_per_second(encoded: Path, batch: int, workers: int, scheduler) -> float:
+def samples_per_second(encoded: Path, batch: int, workers: int, model: Path) -> float:
+    from stages import families
     from stages.encoded import EncodedData
     from stages.train import TrainParams
     from stages.train.data import BatchPlan, MicroBatches, prepare_micro_batch
 
     data = EncodedData(encoded, encoded / "cache")
     plan, params = BatchPlan(data.split("train"), 0, batch, 1), TrainParams(batch_size=batch)
-    prepare = lambda m: prepare_micro_batch(data, plan, scheduler, params, m, 0)  # noqa: E731
+    family = families.get(data.family)  # the SD families need no binding to a model
+    objective = family.objective(model, params)
+    prepare = lambda m: prepare_micro_batch(data, plan, family, objective, params, m, 0)  # noqa: E731
     batches = MicroBatches(prepare, 0, BATCHES, workers, pin=False)
     started = time.perf_counter()
     for m in range(BATCHES):
@@ -102,16 +106,14 @@ def verify_ms_per_batch(encoded: Path, batch: int) -> float:
 
 
 def throughput(root: Path) -> list[dict]:
-    from diffusers import DDPMScheduler
-
-    scheduler = DDPMScheduler.from_pretrained(tiny_model(root), subfolder="scheduler")
+    model = tiny_model(root)  # its noise schedule: SD's
     rows = []
     for setting, (*_, batch) in SETTINGS.items():
         out = root / f"loader-{setting}"
         shutil.rmtree(out, ignore_errors=True)
         encoded = synthetic_encoded(out, setting)
-        samples_per_second(encoded, batch, 2, scheduler)  # warm the page cache and the allocator
-        rates = {f"workers_{w}": round(samples_per_second(encoded, batch, w, scheduler), 1) for w in (0, 1, 2)}
+        samples_per_second(encoded, batch, 2, model)  # warm the page cache and the allocator
+        rates = {f"workers_{w}": round(samples_per_second(encoded, batch, w, model), 1) for w in (0, 1, 2)}
         verify_ms = min(verify_ms_per_batch(encoded, batch) for _ in range(3))
         rows.append({"setting": setting, "batch": batch, "samples_s": rates,
                      "two_threads_over_inline": round(rates["workers_2"] / rates["workers_0"], 2),

@@ -1,15 +1,15 @@
-"""Train: step time over the cached shards vs an on-the-fly baseline, the bare UNet step, and
+"""Train: step time over the cached shards vs an on-the-fly baseline, the bare denoiser step, and
 how much faster the shards are read than training consumes them.
 
 All use the same tiny SD1.5 model, LoRA, optimizer, batch and resolution, in this process
 (the stage's recipe object, no accelerate launch, no Prefect):
 - cached:     the recipe's own step (its loader threads read records by shard and offset, sample the
-              posterior and noise; the step copies them to the device, runs the UNet forward +
+              posterior and noise; the step copies them to the device, runs the denoiser forward +
               backward and the optimizer step);
 - cached inline: the same with train.loader_workers 0: the step prepares its own micro-batch;
 - on the fly: what diffusers' train_text_to_image_lora.py does every step: decode, resize and crop
               the images, tokenize and run the text encoder(s), run the VAE encoder, then the same step;
-- bare:       the UNet forward + backward + optimizer step on one micro-batch already on the device;
+- bare:       the denoiser forward + backward + optimizer step on one micro-batch already on the device;
 - loader:     `load_batch` alone, in samples/s, as a multiple of what `cached` consumes;
 - verify:     the digest check of every record a micro-batch reads (part of `cached` and `loader`),
               as a share of the cached step.
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from .common import Timing, generated_images, interleaved, tiny_model
-from .encode_bench import encode_inputs, run_encode
+from .encode_bench import encode_inputs, load_encoders, run_encode
 
 if TYPE_CHECKING:
     import torch
@@ -48,7 +48,7 @@ def training_recipe(enc_inputs, encoded_dir: Path, work: Path, batch_size: int =
     options = TrainOptions(log_with="none", loader_workers=loader_workers)
     recipe = LoRATrainingRecipe(params, inputs, options, work)
     recipe.setup()
-    recipe.unet.train()
+    recipe.denoiser.train()
     recipe.batches = recipe.micro_batches()
     return recipe
 
@@ -71,48 +71,43 @@ def cached_step(recipe: LoRATrainingRecipe) -> Callable[[int], None]:
 
 
 def bare_step(recipe: LoRATrainingRecipe) -> Callable[[int], None]:
-    """The recipe's UNet step on its first micro-batch, prepared once and kept on the device."""
-    from stages.train.recipe import unet_loss
+    """The recipe's denoiser step on its first micro-batch, prepared once and kept on the device."""
+    from stages.train.recipe import step_loss
 
     device = recipe.accelerator.device
     inputs = recipe._prepare(0).map_tensors(lambda t: t.to(device))
-    return lambda i: optimizer_step(recipe, unet_loss(recipe.unet, inputs, device, recipe.dtype))
+    return lambda i: optimizer_step(recipe, step_loss(recipe.family, recipe.denoiser, inputs, device, recipe.dtype))
 
 
 def on_the_fly_step(recipe: LoRATrainingRecipe, enc_inputs) -> Callable[[int], None]:
     """A step that encodes its micro-batch from the image files first, as diffusers'
-    train_text_to_image_lora.py does, in the training dtype (the VAE cast to it, the text encoder(s)
-    under autocast)."""
+    train_text_to_image_lora.py does, in the training dtype (the family's VAE and text encoder(s)
+    under autocast), then the recipe's step."""
     import torch
-    from diffusers import AutoencoderKL
 
-    from stages.encode import ImageCrops, TextEncoder
-    from stages.train.data import Batch, sdxl_time_ids
-    from stages.train.recipe import diffusion_loss
+    from stages.encode import ImageCrops
+    from stages.train.data import Batch, step_inputs
+    from stages.train.recipe import step_loss
 
-    device, dtype = recipe.accelerator.device, recipe.dtype
+    device, dtype, family = recipe.accelerator.device, recipe.dtype, recipe.family
     samples = json.loads((enc_inputs.preprocess_dir / "dataset.json").read_text())["samples"]
     row = {s["id"]: i for i, s in enumerate(samples)}
     crops = ImageCrops(enc_inputs.datasets, samples, [False] * len(samples))
-    vae = AutoencoderKL.from_pretrained(enc_inputs.model_path, subfolder="vae", torch_dtype=dtype)
-    vae = vae.eval().requires_grad_(False).to(device)
-    text = TextEncoder(enc_inputs.model_path, enc_inputs.family, dtype, str(device))
+    encoders = load_encoders(enc_inputs, str(device), dtype)
+    autocast = torch.autocast(device.type, dtype, enabled=dtype != torch.float32)
 
     def step(i: int) -> None:
         chosen = recipe.plan.batch(i, 0)
         rng = torch.Generator().manual_seed(i)
-        pixels = torch.stack([crops[row[s.id]][1] for s in chosen]).to(device, dtype)
-        with torch.no_grad(), torch.autocast(device.type, dtype, enabled=dtype != torch.float32):
-            records = text([s.caption for s in chosen])
-            latents = vae.encode(pixels).latent_dist.sample(rng) * vae.config.scaling_factor
-        added_cond = None
-        if enc_inputs.family == "sdxl":
-            added_cond = {"text_embeds": torch.stack([r["pooled"] for r in records]).float().cpu(),
-                          "time_ids": torch.tensor([sdxl_time_ids(s, False) for s in chosen], dtype=torch.float32)}
-        hidden = torch.stack([r["hidden_states"] for r in records]).float().cpu()
-        # diffusion_loss draws the noise on the CPU, as the cached step's loader does
-        batch = Batch(latents.float().cpu(), hidden, added_cond)
-        optimizer_step(recipe, diffusion_loss(recipe.unet, recipe.scheduler, batch, rng, recipe.params, device, dtype))
+        pixels = torch.stack([crops[row[s.id]][1] for s in chosen])
+        with torch.no_grad(), autocast:
+            texts = encoders.text([s.caption for s in chosen])
+            mean, std = encoders.vae(pixels)
+        latents = recipe.data.normalisation.apply(mean.float() + std.float() * torch.randn(mean.shape, generator=rng))
+        # drawn on the CPU, as the cached step's loader does
+        batch = Batch(latents, texts, [(s, False) for s in chosen])
+        inputs = step_inputs(family, recipe.objective, batch, rng, recipe.params)
+        optimizer_step(recipe, step_loss(family, recipe.denoiser, inputs, device, dtype))
 
     return step
 
@@ -141,7 +136,7 @@ def step_figures(seconds: dict[str, float], batch: int) -> dict:
     cached_s, fly_s, bare_s, load_s = (seconds[k] for k in ("cached", "on_the_fly", "bare", "loader"))
     return {
         "cached_step_ms": round(cached_s * 1e3, 2), "cached_it_s": round(1 / cached_s, 2),
-        "bare_unet_step_ms": round(bare_s * 1e3, 2), "cached_over_bare": round(cached_s / bare_s, 3),
+        "bare_step_ms": round(bare_s * 1e3, 2), "cached_over_bare": round(cached_s / bare_s, 3),
         "cached_inline_step_ms": round(seconds["cached_inline"] * 1e3, 2),
         "inline_over_bare": round(seconds["cached_inline"] / bare_s, 3),
         "on_the_fly_step_ms": round(fly_s * 1e3, 2), "on_the_fly_over_cached": round(fly_s / cached_s, 2),
@@ -182,7 +177,7 @@ def optimizer_variants(root: Path) -> dict:
     enc_inputs = encode_inputs(data, cache, tiny_model(root))
     run_encode(enc_inputs, cache / "encoded", workers=0)
     recipe = training_recipe(enc_inputs, cache / "encoded", cache / "work", loader_workers=0)
-    unet, lora = recipe._lora_unet(), [t for t in recipe._lora_unet().parameters() if t.requires_grad]
+    unet, lora = recipe._lora_denoiser(), [t for t in recipe._lora_denoiser().parameters() if t.requires_grad]
     for t in lora:
         t.grad = torch.randn_like(t)
     adamw = {kind: torch.optim.AdamW(lora, lr=1e-6, **{kind: True} if kind != "single_tensor" else {"foreach": False})

@@ -1,10 +1,10 @@
 """The `lorapipe` command line.
 
-    lorapipe demo [--workdir DIR]
+    lorapipe demo [--arch ARCH] [--workdir DIR]
     lorapipe run CONFIG [--only S]... [--from S] [--force S]... [--set key=value]... [--strict] [--json]
     lorapipe status CONFIG [--set key=value]... [--strict] [--json]
     lorapipe cache ls|verify|rm|gc [--cache-dir DIR | --config CONFIG] [--keep-last N] [--keep-days D | --since DATE]
-    lorapipe tiny-model DIR [--arch sd15|sdxl]
+    lorapipe tiny-model DIR [--arch ARCH]            ARCH: a tiny model of the family registry (stages/families)
 
 Every command takes --debug. An error ends the command with one line, `lorapipe: error: ...`, and
 a non-zero exit code (2 for a bad config, 1 otherwise); a run's traceback is in its log file
@@ -31,12 +31,16 @@ PREFECT_DEFAULTS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="lorapipe", description="Cached LoRA fine-tuning for Stable Diffusion")
+    from stages.families import tiny_arches
+
+    arches = list(tiny_arches())
+    p = argparse.ArgumentParser(prog="lorapipe", description="Cached LoRA fine-tuning of diffusion models")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="print tracebacks and everything Prefect logs")
     sub = p.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", parents=[common], help="tiny model + bundled photos through the whole pipeline")
     demo.add_argument("--workdir", type=Path, default=Path("demo-run"))
+    demo.add_argument("--arch", choices=arches, default=arches[0], help="the tiny model to train")
     demo.add_argument("--json", action="store_true")
     run = sub.add_parser("run", parents=[common], help="run a config's pipeline")
     status = sub.add_parser("status", parents=[common], help="per stage: hit or miss and why, without running")
@@ -62,7 +66,7 @@ def _parser() -> argparse.ArgumentParser:
     cache.add_argument("--json", action="store_true")
     tiny = sub.add_parser("tiny-model", parents=[common], help="build a tiny model offline")
     tiny.add_argument("dir", type=Path)
-    tiny.add_argument("--arch", choices=["sd15", "sdxl"], default="sd15")
+    tiny.add_argument("--arch", choices=arches, default=arches[0])
     return p
 
 
@@ -98,7 +102,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from .demo import prepare_demo
 
-        config = prepare_demo(args.workdir)
+        config = prepare_demo(args.workdir, args.arch)
         os.environ.setdefault("PREFECT_HOME", str((args.workdir / "prefect").resolve()))
         return commands.run(config, [], [], None, [], args.json, args.debug)
     if args.command == "run":
@@ -108,7 +112,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return commands.status(args.config, args.overrides + STRICT * args.strict, args.json)
     if args.command == "cache":
         return commands.cache(args)
-    from stages.tiny import build_tiny_model
+    from stages.families import build_tiny_model
 
     print(build_tiny_model(args.dir, args.arch))
     return 0

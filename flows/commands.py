@@ -30,7 +30,7 @@ def preflight(config: PipelineConfig, stage_names: list[str], start: str | None)
     ctx = Context(config, log=lambda line: None)
     try:
         ctx.model_digests  # noqa: B018 (reads the model index, checks every weights file, hashes new ones)
-        ctx.family  # noqa: B018
+        ctx.declared_family  # noqa: B018
     finally:
         ctx.close()
 

@@ -6,15 +6,16 @@ separates them. Relative paths are resolved against the config file's folder.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import yaml
 from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
 
 from cache.errors import UserError
 from cache.objects import is_url, local_path
+from stages import families
 from stages.encode import EncodeOptions, EncodeParams
-from stages.evaluate import EvalOptions, EvalParams
+from stages.evaluate import LOCAL_PATHS, EvalOptions, EvalParams
 from stages.preprocess import DatasetSource, PreprocessParams
 from stages.train import TrainOptions, TrainParams
 from stages.contract import Frozen, PathOrUrl
@@ -31,8 +32,15 @@ class ConfigError(UserError, ValueError):
 class ModelConfig(Frozen):
     path: Path = Field(description="a diffusers-format model folder (model_index.json), or a single-file"
                        " .safetensors checkpoint in the original layout (A1111/ComfyUI)")
-    family: Literal["sd15", "sdxl"] | None = Field(
-        None, description="a single file's family; detected from its tensor names when not given")
+    family: str | None = Field(None, description="a single file's family (stages.families.FAMILIES); detected from"
+                               " its tensor names when not given")
+
+    @field_validator("family")
+    @classmethod
+    def _registered(cls, family: str | None) -> str | None:
+        if family is not None and family not in families.FAMILIES:
+            raise ValueError(f"unknown model family {family!r}: expected one of {', '.join(families.FAMILIES)}")
+        return family
 
 
 class DataConfig(Frozen):
@@ -137,8 +145,8 @@ def _apply_override(raw: dict, assignment: str, source: str) -> None:
 
 
 def _resolve_paths(raw: dict, base: Path) -> None:
-    for dotted in ("cache_dir", "object_store.local_dir", "output_dir", "model.path", "data.path", "evaluate.clip_model",
-                   "evaluate.fid_reference", "evaluate.inception_weights", "train.init_lora"):
+    for dotted in ("cache_dir", "object_store.local_dir", "output_dir", "model.path", "data.path", "train.init_lora",
+                   *(f"evaluate.{name}" for name in LOCAL_PATHS)):
         *parents, leaf = dotted.split(".")
         node = raw
         for part in parents:

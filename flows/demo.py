@@ -1,23 +1,28 @@
-"""`lorapipe demo`: a tiny SD1.x model and the bundled photos, through the whole pipeline."""
+"""`lorapipe demo [--arch ARCH]`: a tiny model of a registered family and the bundled photos,
+through the whole pipeline."""
 from __future__ import annotations
 
 import shutil
 from pathlib import Path
+
+from cache.errors import UserError
 
 REPO = Path(__file__).resolve().parent.parent
 DEMO_CONFIG = REPO / "configs" / "demo.yaml"
 DEMO_IMAGES = REPO / "stages" / "assets" / "demo_images"
 
 
-def prepare_demo(workdir: Path) -> Path:
-    """Build the tiny model and copy the photos into `workdir` (once); return the config path."""
+def prepare_demo(workdir: Path, arch: str) -> Path:
+    """Build the tiny model of `arch` and copy the photos into `workdir` (once); return the config path."""
+    from stages import families
+
     workdir.mkdir(parents=True, exist_ok=True)
     model = workdir / "model"
     if not (model / "model_index.json").exists():
-        from stages.tiny import build_tiny_model
-
-        print(f"demo: building the tiny SD1.x model in {model}")
-        build_tiny_model(model)
+        print(f"demo: building the tiny {arch} model in {model}")
+        families.build_tiny_model(model, arch)
+    elif (built := families.for_model(model).tiny_arch()) != arch:
+        raise UserError(f"{model} holds the tiny {built} model, not {arch}: give another --workdir for the {arch} demo")
     data = workdir / "data"
     data.mkdir(exist_ok=True)
     for src in sorted(DEMO_IMAGES.iterdir()):

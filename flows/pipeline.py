@@ -32,7 +32,8 @@ Stage = Literal["preprocess", "encode", "train", "evaluate"]  # typed, so Prefec
 assert get_args(Stage) == STAGES
 
 OUTPUT_FILES = {  # stage -> files copied next to the run summary for the user
-    "train": ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"),
+    "train": ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
+              "pytorch_lora_weights_comfyui.safetensors"),
     "evaluate": ("grid.png", "metrics.json", "report.md", "checkpoint_loss.png", "checkpoint_losses.json"),
 }
 TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ESTALE, errno.ETIMEDOUT, errno.ECONNRESET,

@@ -18,20 +18,14 @@ from cache.errors import UserError
 from cache.object_store import ObjectSettings, default_local_dir, open_store
 from cache.objects import is_url, use_storage_options
 from cache.store import Artifact, Built, StageKey
-from stages import encode, evaluate, preprocess, train
-from stages.contract import Log, library_majors, library_versions
-from stages.models import component_digests, diffusers_folder, is_single_file, model_family
+from stages import encode, evaluate, families, preprocess, train
+from stages.contract import KEYED_LIBRARIES, Log, library_majors, library_versions
+from stages.models import component_digests
 
 from .config import PipelineConfig, split
 
 STAGES = ("preprocess", "encode", "train", "evaluate")
 MODULES = {"preprocess": preprocess, "encode": encode, "train": train, "evaluate": evaluate}
-MODEL_PARTS = {  # which model components each stage's output depends on
-    "encode": ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"),
-    "train": ("unet", "scheduler"),
-    "evaluate": ("vae", "text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2", "unet", "scheduler"),
-}
-LIBS = ("torch", "diffusers", "transformers")
 
 
 @dataclass(frozen=True)
@@ -51,34 +45,46 @@ class Context:
         self.stat_cache = StatCache(self.store.root / "stat-cache.sqlite")  # on this host, for an object store
 
     @cached_property
-    def family(self) -> str:
-        return model_family(self.config.model.path, self.config.model.family)
+    def declared_family(self) -> families.Family:
+        """The model's family, from its folder's index or a single file's tensor names (or model.family)."""
+        return families.for_model(self.config.model.path, self.config.model.family)
 
     @cached_property
     def model_digests(self) -> dict[str, str]:
-        return component_digests(self.config.model.path, self.stat_cache, self.config.model.family)
+        return component_digests(self.config.model.path, self.stat_cache, self.declared_family)
+
+    @cached_property
+    def identity(self) -> str:
+        """The model's identity (its denoiser's digest): what a LoRA is made for."""
+        return self.declared_family.identity(self.model_digests)
 
     @cached_property
     def model_path(self) -> Path:
         """A diffusers folder: the configured one, or a single-file checkpoint converted once into
         the cache (`<cache>/models/<digest>`)."""
         path = self.config.model.path
-        if not is_single_file(path):
+        if not families.is_single_file(path):
             return path
-        return diffusers_folder(path, self.model_digests["unet"], self.family, self.store.root / "models")
+        return self.declared_family.single_file_folder(path, self.identity, self.store.root / "models")
+
+    @cached_property
+    def family(self) -> families.Family:
+        """The family bound to the model's variant (read from the diffusers folder's configs)."""
+        return families.for_model(self.model_path, self.declared_family.name)
 
     def models_for(self, stage: str) -> dict[str, str]:
-        return {k: v for k, v in self.model_digests.items() if k in MODEL_PARTS.get(stage, ())}
+        parts = self.declared_family.components.for_stage(stage)
+        return {k: v for k, v in self.model_digests.items() if k in parts}
 
     def stage_key(self, stage: str, params, inputs: dict[str, str], resumable: tuple[str, ...] = ()) -> StageKey:
         return StageKey(stage, {
             "stage": stage, "version": MODULES[stage].VERSION, "params": params.model_dump(mode="json"),
-            "inputs": inputs, "models": self.models_for(stage), "libs": library_majors(*LIBS),
+            "inputs": inputs, "models": self.models_for(stage), "libs": library_majors(*KEYED_LIBRARIES),
         }, resumable)
 
     def producer(self, stage: str) -> dict:
         """Provenance recorded in the manifest, not keyed: exact versions and the code's digest."""
-        return {"libs": library_versions(*LIBS), "code": code_digest(stage), "pipeline": self.config.name}
+        return {"libs": library_versions(*KEYED_LIBRARIES), "code": code_digest(stage), "pipeline": self.config.name}
 
     def close(self) -> None:
         self.stat_cache.close()
@@ -114,7 +120,7 @@ def encode_step(ctx: Context, pre: Artifact) -> Step:
     params, options = split(cfg.encode, encode.EncodeParams, encode.EncodeOptions)
 
     def build(out: Path, work: Path) -> Built:
-        inputs = encode.EncodeInputs(pre.path, cfg.data.sources, ctx.store.root, ctx.model_path, ctx.family,
+        inputs = encode.EncodeInputs(pre.path, cfg.data.sources, ctx.store.root, ctx.model_path, ctx.family.name,
                                      ctx.models_for("encode"))
         return encode.run(params, inputs, out, work, options, ctx.log)
 
@@ -133,8 +139,8 @@ def train_step(ctx: Context, enc: Artifact) -> Step:
 
     def build(out: Path, work: Path) -> Built:
         inputs = train.TrainInputs(
-            encoded_dir=enc.path, cache_root=ctx.store.root, model_path=ctx.model_path,
-            base_model_digest=ctx.model_digests["unet"], encoded_digest=enc.digest, init_lora_digest=init_lora,
+            encoded_dir=enc.path, cache_root=ctx.store.root, model_path=ctx.model_path, base_model_digest=ctx.identity,
+            encoded_digest=enc.digest, init_lora_digest=init_lora, model_digests=ctx.model_digests,
         )
         return train.run(params, inputs, out, work, options, ctx.log)
 
@@ -145,14 +151,14 @@ def evaluate_step(ctx: Context, enc: Artifact, trained: Artifact) -> Step:
     cfg = ctx.config
     params, options = split(cfg.evaluate, evaluate.EvalParams, evaluate.EvalOptions)
     local = {name: path_identity(getattr(params, name), ctx.stat_cache)  # their contents, not their paths
-             for name in ("clip_model", "fid_reference", "inception_weights")}
+             for name in evaluate.LOCAL_PATHS}
     keyed = params.model_copy(update=dict.fromkeys(local))
     key = ctx.stage_key("evaluate", keyed, {"encode": enc.digest, "train": trained.digest, **local})
 
     def build(out: Path, work: Path) -> Built:
         inputs = evaluate.EvalInputs(
             model_path=ctx.model_path, train_dir=trained.path, encoded_dir=enc.path, cache_root=ctx.store.root,
-            base_model_digest=ctx.model_digests["unet"], encoded_digest=enc.digest, lora_digest=trained.digest,
+            base_model_digest=ctx.identity, encoded_digest=enc.digest, lora_digest=trained.digest,
         )
         return evaluate.run(params, inputs, out, work, options, ctx.log)
 

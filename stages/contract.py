@@ -16,6 +16,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict
 from cache.objects import is_url, local_path
 
 Log = Callable[[str], None]
+KEYED_LIBRARIES = ("torch", "diffusers", "transformers")  # their major versions are in every stage's key
 
 
 def _path_or_url(value: object) -> object:

@@ -9,9 +9,14 @@ content digests, and each sample's id (its file) and dataset. So records moved t
 or an image renamed, leave the artifact's digest and everything after it unchanged, and every
 record read is checked against the digest recorded when it was written.
 
+The header of samples.json holds the model family, the digests of the components that made the
+records, the text options and the text settings they resolved to, and the latent normalisation
+(stages/families/latents.py) that train and evaluate apply to the unscaled posteriors.
+
 Records are safetensors blobs (no pickle):
   latent record: "mean", "std"  (C, h, w) in the encode dtype; the VAE posterior, unscaled
-  text record:   "hidden_states" (T, D); SDXL adds "pooled" (D2,)
+  text record:   what the family's text encoder returns: "hidden_states" (T, D), and for SDXL and
+                 Flux.1 "pooled" (D2,); variable-length families store (L_i, D) unpadded
 """
 from __future__ import annotations
 
@@ -20,14 +25,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from cache.errors import UserError
 from cache.fsutil import write_json_rows
 from cache.object_store import open_sample_store
 from cache.samples import RecordLocation
+from stages.families import TextOptions
+from stages.families.latents import normalisation_from_json
 
 if TYPE_CHECKING:  # torch is imported where records are read or written, not by config loading
     import torch
 
-FORMAT = 2  # 2: record locations and sample ids moved out of samples.json into locations/index.json
+FORMAT = 3  # 2: record locations and sample ids moved out of samples.json into locations/index.json;
+# 3: the header holds text settings and the latent normalisation (it held SD's vae_scaling_factor)
 SAMPLES_FILE = "samples.json"
 LOCATIONS_FILE = "locations/index.json"
 
@@ -94,7 +103,7 @@ class EncodedData:
     Every record read is checked against its content digest (cache.samples.DamagedRecord if not)."""
 
     def __init__(self, artifact_dir: Path, cache_root: Path):
-        artifact_dir = Path(artifact_dir)
+        artifact_dir = self.path = Path(artifact_dir)
         self.index = json.loads((artifact_dir / SAMPLES_FILE).read_text())
         if self.index.get("format") != FORMAT:
             raise ValueError(f"{artifact_dir}/{SAMPLES_FILE}: encoded format {self.index.get('format')}, this"
@@ -107,6 +116,8 @@ class EncodedData:
         self.empty = records[self.index["empty_text"]]
         self.family: str = self.index["family"]
         self.models: dict[str, str] = self.index["models"]  # component -> weights digest
+        self.normalisation = normalisation_from_json(self.index["normalisation"])
+        self.text_options = TextOptions(**self.index["text_options"])  # what encode resolved into its text settings
 
     def split(self, name: str) -> list[Sample]:
         return [s for s in self.samples if s.split == name]
@@ -130,11 +141,12 @@ class EncodedData:
         """The empty prompt's embedding, used for caption dropout and unconditional loss."""
         return self._tensors(self.empty)
 
-    def check_model(self, components: dict[str, str]) -> None:
-        """Refuse to use latents or embeddings made by other weights than `components`."""
-        for name, digest in components.items():
-            if name in self.models and self.models[name] != digest:
-                raise ValueError(
-                    f"encoded data was made with another {name} ({self.models[name][:12]}) than this model"
-                    f" ({digest[:12]}): re-run encode for this model"
-                )
+    def check_model(self, model: Path, family: str, components: dict[str, str]) -> None:
+        """Refuse to train or evaluate `model` (of `family`, its components' digests) on records
+        another model's encoders made: one line naming both."""
+        made_by = {name: digest for name, digest in self.models.items() if components.get(name, digest) != digest}
+        if family != self.family or made_by:
+            ours = ", ".join(f"{name} {components[name][:12]}" for name in sorted(made_by)) or family
+            theirs = ", ".join(f"{name} {digest[:12]}" for name, digest in sorted(made_by.items())) or self.family
+            raise UserError(f"{self.path}: encoded by another model ({self.family}: {theirs}) than {model}"
+                            f" ({family}: {ours}): re-run encode for this model")

@@ -31,7 +31,8 @@ class EncodedSet:
 
 @contextmanager
 def _count_encoder_rows():
-    """Rows pushed through the VAE encoder and through each text encoder, whatever calls them."""
+    """Rows pushed through the VAE encoder and through each text encoder (CLIP, T5: a Flux.1 caption
+    is two rows), whatever calls them."""
     import torch
 
     counts = {"vae": 0, "text": 0}
@@ -40,7 +41,7 @@ def _count_encoder_rows():
         name = type(module).__name__
         if name == "Encoder" and type(module).__module__.startswith("diffusers"):
             counts["vae"] += args[0].shape[0]
-        elif name in ("CLIPTextModel", "CLIPTextModelWithProjection"):
+        elif name in ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel"):
             ids = args[0] if args else kwargs["input_ids"]
             counts["text"] += ids.shape[0]
 
@@ -57,18 +58,31 @@ def count_encoder_rows():
     return _count_encoder_rows
 
 
+def _tiny(tmp_path_factory, arch: str) -> Path:
+    from stages.families import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{arch}", arch)
+
+
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
-    from stages.tiny import build_tiny_model
-
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sd15")
+    return _tiny(tmp_path_factory, "sd15")
 
 
 @pytest.fixture(scope="session")
 def sdxl_model(tmp_path_factory) -> Path:
-    from stages.tiny import build_tiny_model
+    return _tiny(tmp_path_factory, "sdxl")
 
-    return build_tiny_model(tmp_path_factory.mktemp("models") / "tiny-sdxl", "sdxl")
+
+@pytest.fixture(scope="session")
+def flux_model(tmp_path_factory) -> Path:
+    """The tiny Flux.1 dev (guidance input, 512 T5 tokens)."""
+    return _tiny(tmp_path_factory, "flux1")
+
+
+@pytest.fixture(scope="session")
+def flux_schnell_model(tmp_path_factory) -> Path:
+    return _tiny(tmp_path_factory, "flux1-schnell")
 
 
 @pytest.fixture(scope="session")
@@ -120,11 +134,11 @@ def run_stages():
     return run
 
 
-def _encode_demo_images(root: Path, model: Path, family: str, params) -> EncodedSet:
+def _encode_demo_images(root: Path, model: Path, params) -> EncodedSet:
     """The demo photos at 64 px through the real preprocess and encode stages (6 train, 2 held out)."""
     from cache.digest import StatCache
     from cache.store import ArtifactStore, StageKey
-    from stages import encode, preprocess
+    from stages import encode, families, preprocess
     from stages.models import component_digests
 
     store = ArtifactStore(root)
@@ -134,8 +148,9 @@ def _encode_demo_images(root: Path, model: Path, family: str, params) -> Encoded
         inputs = preprocess.PreprocessInputs(sources, stat_cache)
         pre, _ = store.build(StageKey("preprocess", {"p": pre_params.model_dump()}),
                              lambda out, work: preprocess.run(pre_params, inputs, out, work), {})
-        digests = component_digests(model, stat_cache)
-    enc_inputs = encode.EncodeInputs(pre.path, sources, root, model, family, digests)
+        family = families.for_model(model)
+        digests = component_digests(model, stat_cache, family)
+    enc_inputs = encode.EncodeInputs(pre.path, sources, root, model, family.name, digests)
     enc, _ = store.build(
         StageKey("encode", {"pre": pre.digest}),
         lambda out, work: encode.run(params, enc_inputs, out, work, encode.EncodeOptions(num_workers=0)), {})
@@ -146,7 +161,7 @@ def _encode_demo_images(root: Path, model: Path, family: str, params) -> Encoded
 def encoded(tmp_path_factory, tiny_model) -> EncodedSet:
     from stages.encode import EncodeParams
 
-    return _encode_demo_images(tmp_path_factory.mktemp("encoded-cache"), tiny_model, "sd15", EncodeParams())
+    return _encode_demo_images(tmp_path_factory.mktemp("encoded-cache"), tiny_model, EncodeParams())
 
 
 @pytest.fixture(scope="session")
@@ -154,8 +169,7 @@ def sdxl_encoded(tmp_path_factory, sdxl_model) -> EncodedSet:
     """Through the tiny SDXL model, each image also encoded mirrored (encode.flip)."""
     from stages.encode import EncodeParams
 
-    return _encode_demo_images(tmp_path_factory.mktemp("sdxl-encoded-cache"), sdxl_model, "sdxl",
-                               EncodeParams(flip=True))
+    return _encode_demo_images(tmp_path_factory.mktemp("sdxl-encoded-cache"), sdxl_model, EncodeParams(flip=True))
 
 
 @pytest.fixture

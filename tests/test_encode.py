@@ -16,7 +16,7 @@ import pytest
 
 from cache.digest import StatCache
 from cache.samples import SampleStore
-from stages import encode, preprocess
+from stages import encode, families, preprocess
 from stages.encoded import EncodedData
 from stages.models import component_digests
 
@@ -29,15 +29,16 @@ def prepare(tmp_path: Path, demo_images: Path) -> Path:
     return data
 
 
-def encode_inputs(tmp_path: Path, data: Path, model: Path, family: str = "sd15", **params) -> encode.EncodeInputs:
+def encode_inputs(tmp_path: Path, data: Path, model: Path, **params) -> encode.EncodeInputs:
     pre = tmp_path / "pre"
     pre.mkdir(exist_ok=True)
     sources = (preprocess.DatasetSource(path=data),)
     with StatCache(tmp_path / "stat.sqlite") as cache:
         preprocess.run(preprocess.PreprocessParams(**{"resolution": 64, "holdout_fraction": 0.25, **params}),
                        preprocess.PreprocessInputs(sources, cache), pre, tmp_path, None, lambda m: None)
-        digests = component_digests(model, cache)
-    return encode.EncodeInputs(pre, sources, tmp_path / "cache", model, family, digests)
+        family = families.for_model(model)
+        digests = component_digests(model, cache, family)
+    return encode.EncodeInputs(pre, sources, tmp_path / "cache", model, family.name, digests)
 
 
 def run_encode(tmp_path: Path, inputs: encode.EncodeInputs, params=encode.EncodeParams(), **options):
@@ -216,7 +217,7 @@ def torch_equal(a, b) -> bool:
 
 
 def test_sdxl_records_hold_both_encoders_and_the_pooled_embedding(tmp_path, demo_images, sdxl_model):
-    inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), sdxl_model, "sdxl")
+    inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), sdxl_model)
     out, built, _ = run_encode(tmp_path, inputs, batch_size=8)
     data = EncodedData(out, inputs.cache_root)
     text = data.text(data.samples[0])

@@ -23,13 +23,13 @@ CAPTIONS = ["a photo of a tabby cat looking to the side", "a photo of a rocket o
 
 
 @pytest.fixture(scope="module")
-def flux_dev(tmp_path_factory) -> Path:
-    return families.build_tiny_model(tmp_path_factory.mktemp("flux") / "dev", "flux1")
+def flux_dev(flux_model) -> Path:
+    return flux_model
 
 
 @pytest.fixture(scope="module")
-def flux_schnell(tmp_path_factory) -> Path:
-    return families.build_tiny_model(tmp_path_factory.mktemp("flux") / "schnell", "flux1-schnell")
+def flux_schnell(flux_schnell_model) -> Path:
+    return flux_schnell_model
 
 
 def _pipeline(model: Path):
@@ -180,7 +180,7 @@ def test_objective_refuses_what_does_not_apply(flux_dev, flux_schnell):
     with pytest.raises(ValueError, match="train.snr_gamma: applies to DDPM models"):
         dev.objective(flux_dev, ObjectiveParams(snr_gamma=5.0))
     with pytest.raises(ValueError, match="train.guidance: Flux.1 schnell has no guidance input"):
-        schnell.objective(flux_schnell, ObjectiveParams(guidance=1.0))
+        schnell.objective(flux_schnell, ObjectiveParams(guidance=3.5))
     with pytest.raises(ValueError, match="evaluate.negative_prompt"):
         dev.render_kwargs(dev.text_settings(flux_dev, TextOptions()), 3.5, "blurry")
 

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 RATES = {
     "encode": ("stage_img_s", "bare_img_s", "ratio"),
-    "train steps": ("cached_step_ms", "cached_it_s", "bare_unet_step_ms", "on_the_fly_step_ms", "loader_samples_s",
+    "train steps": ("cached_step_ms", "cached_it_s", "bare_step_ms", "on_the_fly_step_ms", "loader_samples_s",
                     "loader_over_consumption", "cached_over_bare", "on_the_fly_over_cached"),
     "cached step sdpa": ("step_ms", "it_s", "tflop_per_step", "achieved_tflop_s"),
     "cached step classic": ("step_ms", "it_s", "tflop_per_step", "achieved_tflop_s"),

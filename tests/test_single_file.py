@@ -17,8 +17,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from cache.digest import StatCache, digest_file
+from stages import families
 from stages.families.ldm_names import ldm_name, renamed, unet_block_prefixes
-from stages.models import ARCH_ROOT, component_digests, diffusers_folder, model_family
+from stages.families.single_file import ARCH_ROOT
+from stages.models import component_digests
+
+
+def model_family(path: Path, declared: str | None = None) -> str:
+    return families.for_model(path, declared).name
 
 
 def unet_to_ldm(state: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
@@ -90,18 +96,19 @@ def test_single_file_checkpoint_loads_as_the_model_it_came_from(tmp_path, tiny_m
     checkpoint = write_ldm_checkpoint(tiny_model, tmp_path / "tiny.safetensors")
     assert model_family(checkpoint) == "sd15"
     with StatCache(tmp_path / "stat.sqlite") as stats:
-        digests = component_digests(checkpoint, stats)
+        digests = component_digests(checkpoint, stats, families.for_model(checkpoint))
     assert set(digests) == {"scheduler", "text_encoder", "tokenizer", "unet", "vae"}
     assert set(digests.values()) == {digest_file(checkpoint)}  # identity is the file's content
     arch = tmp_path / "arch"  # the tiny architecture's configs and tokenizer, no weights
     shutil.copytree(tiny_model, arch, ignore=shutil.ignore_patterns("*.safetensors"))
-    folder = diffusers_folder(checkpoint, "d1", "sd15", tmp_path / "models", arch_dir=arch)
+    sd15 = families.get("sd15")
+    folder = sd15.single_file_folder(checkpoint, "d1", tmp_path / "models", arch_dir=arch)
     assert folder == tmp_path / "models" / "d1" and model_family(folder) == "sd15"
     for part in ("unet", "vae", "text_encoder"):
         ours, original = (load_file(next((root / part).glob("*.safetensors"))) for root in (folder, tiny_model))
         assert ours.keys() == original.keys(), part
         assert all(torch.equal(ours[k].reshape(original[k].shape), original[k]) for k in ours), part
-    assert diffusers_folder(checkpoint, "d1", "sd15", tmp_path / "models", arch_dir=arch) == folder
+    assert sd15.single_file_folder(checkpoint, "d1", tmp_path / "models", arch_dir=arch) == folder
 
 
 def test_family_detection_and_refusals(tmp_path, tiny_model):
@@ -109,9 +116,9 @@ def test_family_detection_and_refusals(tmp_path, tiny_model):
     assert model_family(tmp_path / "xl.safetensors") == "sdxl"
     assert model_family(tmp_path / "xl.safetensors", "sd15") == "sd15"  # model.family wins
     save_file({"lora_unet_x.alpha": torch.zeros(1)}, tmp_path / "lora.safetensors")
-    with pytest.raises(ValueError, match="not a Stable Diffusion checkpoint"):
+    with pytest.raises(ValueError, match="holds none of the tensors that identify"):
         model_family(tmp_path / "lora.safetensors")
     with pytest.raises(ValueError, match="model.family is sdxl"):
         model_family(tiny_model, "sdxl")
     with pytest.raises(FileNotFoundError, match="no vocab.json/merges.txt"):  # the CLIP vocabulary is not shipped
-        diffusers_folder(tmp_path / "xl.safetensors", "d", "sdxl", tmp_path / "models")
+        families.get("sdxl").single_file_folder(tmp_path / "xl.safetensors", "d", tmp_path / "models")

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -143,7 +144,7 @@ def test_exported_loras_reproduce_the_trained_unet(trained, tiny_model):
     out = trained[0]
     reference = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
     reference.add_adapter(LoraConfig(r=4, lora_alpha=8.0, target_modules=list(TARGETS)))
-    load_diffusers_lora(reference, out / "checkpoints" / f"step-{STEPS:06d}" / "pytorch_lora_weights.safetensors")
+    load_diffusers_lora(reference, out / "checkpoints" / f"step-{STEPS:06d}" / "pytorch_lora_weights.safetensors", "unet")
     g = torch.Generator().manual_seed(0)
     sample, hidden = torch.randn(2, 4, 8, 8, generator=g), torch.randn(2, 77, 32, generator=g)
     timesteps = torch.tensor([10, 700])
@@ -168,11 +169,13 @@ def test_ddp_two_cpu_processes(tmp_path, tiny_model, encoded):
     assert len([line for line in log.splitlines() if line.startswith("step 4/4")]) == 1  # main process only
 
 
-def test_child_failure_is_reported_in_one_line(tmp_path, encoded):
-    inputs = train.TrainInputs(encoded.artifact_dir, encoded.cache_root, tmp_path / "no-such-model", "x", "y")
+def test_child_failure_is_reported_in_one_line(tmp_path, tiny_model, encoded):
+    broken = tmp_path / "no-unet-weights"  # passes the parent's checks, fails where the worker loads the UNet
+    shutil.copytree(tiny_model, broken, ignore=shutil.ignore_patterns("diffusion_pytorch_model.safetensors"))
+    inputs = train.TrainInputs(encoded.artifact_dir, encoded.cache_root, broken, "x", "y")
     with pytest.raises(WorkerFailed) as failure:
         run_train(tmp_path, "bad", inputs, max_steps=2)
-    assert "no-such-model" in str(failure.value) and "\n" not in str(failure.value)
+    assert "no-unet-weights" in str(failure.value) and "\n" not in str(failure.value)
     assert "Traceback" in (tmp_path / "work-bad" / "logs" / "train.log").read_text()  # kept for the log
 
 
@@ -262,7 +265,7 @@ def test_sdxl_lora_loads_into_the_sdxl_pipeline(tmp_path, sdxl_model, sdxl_encod
     assert built.info["steps"] == 6 and json.loads((out / "train_config.json").read_text())["family"] == "sdxl"
     trained = UNet2DConditionModel.from_pretrained(sdxl_model, subfolder="unet")
     trained.add_adapter(LoraConfig(r=4, lora_alpha=8.0, target_modules=list(TARGETS)))
-    load_diffusers_lora(trained, out / "checkpoints" / "step-000006" / "pytorch_lora_weights.safetensors")
+    load_diffusers_lora(trained, out / "checkpoints" / "step-000006" / "pytorch_lora_weights.safetensors", "unet")
     g = torch.Generator().manual_seed(0)
     args = (torch.randn(2, 4, 8, 8, generator=g), torch.tensor([10, 700]), torch.randn(2, 77, 64, generator=g))
     added = {"text_embeds": torch.randn(2, 32, generator=g), "time_ids": torch.tensor([[64., 64, 0, 0, 64, 64]] * 2)}
@@ -293,7 +296,7 @@ def test_flipped_latents_are_drawn_half_the_time(sdxl_encoded):
     mean, std = data.latent(sample, flipped=True)
     rng = torch.Generator().manual_seed(flipped_seed)
     torch.rand((), generator=rng)  # the coin comes before the posterior sample
-    expected = (mean + std * torch.randn(mean.shape, generator=rng)) * data.index["vae_scaling_factor"]
+    expected = (mean + std * torch.randn(mean.shape, generator=rng)) * data.normalisation.scale
     assert torch.equal(batch.latents[0], expected)
 
 
@@ -325,13 +328,14 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tin
 def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded):
     """Step 1's loss is computed before the first update: it must be the init LoRA's loss on the
     plan's first batch, computed here with the recipe's own data and loss functions."""
-    from diffusers import DDPMScheduler, UNet2DConditionModel
+    from diffusers import UNet2DConditionModel
     from peft import LoraConfig
 
+    from stages import families
     from stages.encoded import EncodedData
     from stages.train.lora_files import load_diffusers_lora
-    from stages.train.data import derived_seed, load_batch
-    from stages.train.recipe import diffusion_loss
+    from stages.train.data import derived_seed, load_batch, step_inputs
+    from stages.train.recipe import step_loss
 
     init = trained[0] / "pytorch_lora_weights.safetensors"
     inputs = replace(train_inputs(tiny_model, encoded), init_lora_digest="init-digest")
@@ -340,12 +344,13 @@ def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded)
     data = EncodedData(encoded.artifact_dir, encoded.cache_root)
     unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
     unet.add_adapter(LoraConfig(r=4, lora_alpha=8.0, target_modules=list(TARGETS)))
-    load_diffusers_lora(unet, init)
+    load_diffusers_lora(unet, init, "unet")
     rng = torch.Generator().manual_seed(derived_seed(params.seed, "batch", 0, 0))
     batch = load_batch(data, BatchPlan(data.split("train"), params.seed, 2, 1).batch(0, 0), rng, 0.0)
-    scheduler = DDPMScheduler.from_pretrained(tiny_model, subfolder="scheduler")
+    family = families.for_model(tiny_model)
+    inputs = step_inputs(family, family.objective(tiny_model, params), batch, rng, params)
     with torch.no_grad():
-        expected = diffusion_loss(unet.train(), scheduler, batch, rng, params, torch.device("cpu"), torch.float32)
+        expected = step_loss(family, unet.train(), inputs, torch.device("cpu"), torch.float32)
     first = losses(out)[0]["loss"]
     assert first == pytest.approx(expected.item(), rel=1e-5)
     assert first < 0.5 * losses(trained[0])[0]["loss"]  # not the zero-initialised start
@@ -364,7 +369,7 @@ def test_init_lora_must_match_rank_and_alpha(trained, tiny_model):
     config = LoraConfig(r=4, lora_alpha=4.0, target_modules=list(TARGETS))
     unet.add_adapter(config)
     with pytest.raises(ValueError, match="train.init_lora: .* has alpha 8.0 but train.alpha is 4.0"):
-        load_init_lora(unet, trained[0] / "pytorch_lora_weights.safetensors", config)
+        load_init_lora(unet, trained[0] / "pytorch_lora_weights.safetensors", config, "unet")
 
 
 # Ctrl-C in a terminal; Python leaves SIGINT ignored where its launcher ignored it (a background job)
@@ -440,10 +445,35 @@ def test_init_lora_is_keyed_by_its_content_not_its_path(tmp_path, tiny_model, de
 
 def test_sdxl_crop_conditioning_is_mirrored_with_a_flipped_latent():
     from cache.samples import RecordLocation
+    from stages import families
     from stages.encoded import Record, Sample
-    from stages.train.data import sdxl_time_ids
 
     where = Record("key", RecordLocation("shard", {"safetensors": (0, 1, "digest")}))
     sample = Sample("a", "train", "cap", (480, 750), (10, 0, 74, 64), (64, 64), where, where, resized=(64, 100))
-    assert sdxl_time_ids(sample, flipped=False) == [480, 750, 0, 10, 64, 64]
-    assert sdxl_time_ids(sample, flipped=True) == [480, 750, 0, 26, 64, 64]
+    text = {"hidden_states": torch.zeros(77, 64), "pooled": torch.zeros(32)}
+    time_ids = families.get("sdxl").conditioning([text, text], [(sample, False), (sample, True)],
+                                                   families.ObjectiveParams())["time_ids"]
+    assert time_ids.tolist() == [[480, 750, 0, 10, 64, 64], [480, 750, 0, 26, 64, 64]]
+
+
+def test_encoded_data_of_another_model_is_refused_in_one_line_naming_both(tmp_path, tiny_model, sdxl_model, encoded):
+    """Before anything launches: SD1.x records for an SDXL model, or records another VAE made for a
+    model of the same family (the flow passes the model's component digests)."""
+    from cache.digest import StatCache
+    from stages import families
+    from stages.models import component_digests
+
+    sdxl = train_inputs(sdxl_model, encoded)
+    with pytest.raises(UserError) as refused:
+        run_train(tmp_path, "sdxl", sdxl, max_steps=1)
+    message = str(refused.value)
+    assert "encoded by another model (sd15" in message and f"than {sdxl_model} (sdxl" in message
+    assert "re-run encode" in message and "\n" not in message
+    other_vae = tmp_path / "other-vae"
+    shutil.copytree(tiny_model, other_vae)
+    config = other_vae / "vae" / "config.json"
+    config.write_text(config.read_text().replace('"sample_size": 64', '"sample_size": 32'))
+    with StatCache(tmp_path / "stat.sqlite") as stats:
+        digests = component_digests(other_vae, stats, families.get("sd15"))
+    with pytest.raises(UserError, match=r"encoded by another model \(sd15: vae [0-9a-f]{12}\) than .*other-vae \(sd15: vae"):
+        run_train(tmp_path, "vae", replace(train_inputs(other_vae, encoded), model_digests=digests), max_steps=1)

@@ -1,15 +1,22 @@
-"""Encode: pixels -> VAE posteriors and text-encoder hidden states, as records in the sample store.
+"""Encode: pixels -> VAE posteriors and text-encoder outputs, as records in the sample store.
 
-Reads:  the preprocess artifact (dataset.json) and the images it names, the model's VAE,
-        tokenizer(s) and text encoder(s).
+Reads:  the preprocess artifact (dataset.json) and the images it names, the model's latent encoder
+        (VAE) and text encoder(s), through its family (stages/families).
 Writes: samples.json and locations/index.json (stages/encoded.py), an index into shards of the
         sample store; each sample's latent record(s) (and a horizontally flipped one with `flip`)
         and text record are keyed by what they depend on, so only records that do not exist yet
-        are computed (a caption edit encodes one text record and no latent). Also
-        logs/report.json (undecodable images).
-Key:    these params + the preprocess artifact's digest + VAE / tokenizer / text-encoder digests.
+        are computed (a caption edit encodes one text record and no latent). samples.json's header
+        records the family, the encoder components' digests, the text settings and the latent
+        normalisation train and evaluate apply. Also logs/report.json (undecodable images).
+Key:    these params + the preprocess artifact's digest + the digests of the family's text and
+        latent components.
 Digest: samples.json only: the record keys and what training reads with them, not where the
         records or the images are (a renamed image or a repaired shard reruns encode alone).
+
+A latent record's key: the image's bytes, crop and background, flip, dtype, the VAE's digest. A text
+record's key: the caption, the family, its text components' digests and every text setting
+(encoders, hidden layers, pooled output, max length, padding and template: family.text_settings),
+dtype. Image sides must be multiples of the family's pixel multiple (SD 8, Flux 16).
 
 With `num_processes` > 1 the missing records are dealt to that many processes started by
 `accelerate launch` (stages/encode/workers.py); each commits its own shards, the parent then
@@ -27,27 +34,29 @@ from typing import Literal
 from pydantic import Field
 
 from cache.digest import digest_json
+from cache.errors import UserError
 from cache.object_store import open_sample_store
 from cache.samples import SampleStore
 from cache.store import Built
 
+from .. import families
 from ..contract import Frozen, Log, library_majors
 from ..encoded import write_index
 from ..preprocess import DATASET_FILE
 from ..preprocess.sources import DatasetSource
 from .images import ImageCrops, sample_label
-from .texts import TextEncoder
 
-VERSION = "4"  # 4: samples.json in record-key order, locations and ids in locations/index.json
+VERSION = "5"  # 5: the family, its text settings and latent normalisation in samples.json
 # in record keys: bump when a record's bytes would change for the same inputs
 LATENT_VERSION = "2"  # 2: JPEGs decoded at a reduced scale, resized before turning upright
 TEXT_VERSION = "1"
 
-__all__ = ["VERSION", "EncodeParams", "EncodeOptions", "EncodeInputs", "ImageCrops", "TextEncoder",
-           "latent_key", "text_key", "run"]
+__all__ = ["VERSION", "EncodeParams", "EncodeOptions", "EncodeInputs", "ImageCrops", "latent_key", "text_key", "run"]
 
 
-class EncodeParams(Frozen):
+class EncodeParams(families.TextOptions):
+    """The record dtype, flips, and the text options the family resolves into its text settings."""
+
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     flip: bool = Field(False, description="also encode each image mirrored, as its own latent record")
 
@@ -68,9 +77,12 @@ class EncodeInputs:
     preprocess_dir: Path
     datasets: tuple[DatasetSource, ...]
     cache_root: Path
-    model_path: Path
-    family: str
-    model_digests: dict[str, str]
+    model_path: Path  # a diffusers folder
+    family: str  # its family's name
+    model_digests: dict[str, str]  # of the family's text and latent components
+
+    def bound_family(self) -> families.Family:
+        return families.for_model(self.model_path, self.family)
 
     def to_json(self) -> dict:
         return {"preprocess_dir": str(self.preprocess_dir), "cache_root": str(self.cache_root),
@@ -91,12 +103,16 @@ def latent_key(sample: dict, params: EncodeParams, vae_digest: str, flip: bool =
                         "libs": library_majors("torch", "diffusers")})[:40]
 
 
-def text_key(caption: str, params: EncodeParams, inputs: EncodeInputs) -> str:
-    encoders = {k: v for k, v in inputs.model_digests.items() if k.startswith(("text_encoder", "tokenizer"))}
-    return digest_json({
-        "caption": caption, "encoders": encoders, "family": inputs.family, "dtype": params.dtype,
-        "version": TEXT_VERSION, "libs": library_majors("torch", "transformers"),
-    })[:40]
+def text_ingredients(family: families.Family, settings: Frozen, inputs: EncodeInputs) -> dict:
+    """What every text record's key holds of the model: the family, its text components' digests
+    and its text settings."""
+    return {"family": family.name, "encoders": {k: inputs.model_digests[k] for k in sorted(family.components.text)},
+            "text": settings.model_dump(mode="json")}
+
+
+def text_key(caption: str, params: EncodeParams, ingredients: dict) -> str:
+    return digest_json({"caption": caption, **ingredients, "dtype": params.dtype, "version": TEXT_VERSION,
+                        "libs": library_majors("torch", "transformers")})[:40]
 
 
 @dataclass(frozen=True)
@@ -109,12 +125,12 @@ class SampleKeys:
     empty: str
 
     @classmethod
-    def of(cls, dataset: list[dict], params: EncodeParams, inputs: EncodeInputs) -> "SampleKeys":
-        vae = inputs.model_digests["vae"]
-        return cls({s["id"]: latent_key(s, params, vae) for s in dataset},
-                   {s["id"]: latent_key(s, params, vae, True) for s in dataset} if params.flip else {},
-                   {s["id"]: text_key(s["caption"], params, inputs) for s in dataset},
-                   text_key("", params, inputs))
+    def of(cls, dataset: list[dict], params: EncodeParams, vae_digest: str, text: dict) -> "SampleKeys":
+        """`text`: text_ingredients."""
+        return cls({s["id"]: latent_key(s, params, vae_digest) for s in dataset},
+                   {s["id"]: latent_key(s, params, vae_digest, True) for s in dataset} if params.flip else {},
+                   {s["id"]: text_key(s["caption"], params, text) for s in dataset},
+                   text_key("", params, text))
 
     def of_sample(self, sample_id: str) -> list[str]:
         return [table[sample_id] for table in (self.latent, self.latent_flip, self.text) if sample_id in table]
@@ -131,7 +147,11 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     from .workers import EncodeJobs, encode_jobs, launch_workers
 
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
-    keys = SampleKeys.of(dataset, params, inputs)
+    family = inputs.bound_family()
+    check_sizes(dataset, family.pixel_multiple(inputs.model_path), family.label)
+    settings = family.text_settings(inputs.model_path, params)
+    keys = SampleKeys.of(dataset, params, family.components.latent_digest(inputs.model_digests),
+                         text_ingredients(family, settings, inputs))
     store = open_sample_store(inputs.cache_root)
     _add_member_digests(store, keys, log)
     missing = set(store.missing(keys.latents() | keys.texts()))
@@ -149,7 +169,14 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     if not usable:
         first = next(iter(undecodable.items()))
         raise ValueError(f"encode: none of the {len(dataset)} images could be decoded; the first, {first[0]}: {first[1]}")
-    refs = _write_index(out_dir, usable, keys, open_sample_store(inputs.cache_root), params, inputs)
+    refs = _write_index(out_dir, usable, keys, open_sample_store(inputs.cache_root), inputs.datasets, {
+        "family": family.name, "dtype": params.dtype, "models": inputs.model_digests,
+        "text_options": families.TextOptions(**params.model_dump(include=set(families.TextOptions.model_fields))
+                                             ).model_dump(mode="json"),
+        "text": settings.model_dump(mode="json"),
+        "normalisation": family.latent_normalisation(inputs.model_path).model_dump(mode="json"),
+        "empty_text": keys.empty, "flip": params.flip,
+    })
     (out_dir / "logs").mkdir()
     (out_dir / "logs" / "report.json").write_text(json.dumps({"undecodable": undecodable}, indent=1, sort_keys=True))
     counts = {
@@ -172,15 +199,24 @@ def _add_member_digests(store: SampleStore, keys: SampleKeys, log: Log) -> None:
         log(f"encode: recorded the record digests of {completed} shards written by an older lorapipe")
 
 
+def check_sizes(dataset: list[dict], multiple: int, label: str) -> None:
+    """Refuse image sides the model cannot take (before anything is encoded)."""
+    odd = next((s for s in dataset if s["size"][0] % multiple or s["size"][1] % multiple), None)
+    if odd is not None:
+        raise UserError(f"preprocess.resolution / bucket_sizes: {label} needs image sides that are multiples of"
+                        f" {multiple} px, but images are cropped to {odd['size'][1]}x{odd['size'][0]}: choose"
+                        f" a resolution that is a multiple of {multiple}")
+
+
 def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: SampleStore,
-                 params: EncodeParams, inputs: EncodeInputs) -> dict:
-    """Write samples.json (in record-key order) and locations/index.json; return the shards they
-    point into as artifact refs (size, digest)."""
+                 datasets: tuple[DatasetSource, ...], header: dict) -> dict:
+    """Write samples.json (in record-key order, after `header`) and locations/index.json; return the
+    shards they point into as artifact refs (size, digest)."""
     index = store.index()
     ordered = sorted(dataset, key=lambda s: (keys.latent[s["id"]], keys.text[s["id"]]))
 
     def sample_entry(s: dict) -> dict:
-        flip = {"latent_flip": keys.latent_flip[s["id"]]} if params.flip else {}
+        flip = {"latent_flip": keys.latent_flip[s["id"]]} if header["flip"] else {}
         return {
             "split": s["split"], "caption": s["caption"], "original_size": s["original_size"],
             "crop_box": s["crop_box"], "resized": s["resized"], "size": s["size"], "repeats": s["repeats"],
@@ -188,17 +224,10 @@ def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: Sa
         }
 
     used = sorted({keys.empty} | {k for s in ordered for k in keys.of_sample(s["id"])})
-    write_index(out_dir, {
-        "family": inputs.family, "dtype": params.dtype, "models": inputs.model_digests,
-        "vae_scaling_factor": _vae_scaling_factor(inputs.model_path), "empty_text": keys.empty, "flip": params.flip,
-    }, map(sample_entry, ordered), [{"id": s["id"], "dataset": inputs.datasets[s["source"]].label} for s in ordered],
+    write_index(out_dir, header, map(sample_entry, ordered), [{"id": s["id"], "dataset": datasets[s["source"]].label} for s in ordered],
         {key: index[key] for key in used})
     refs = {}
     for shard in sorted({index[key].shard for key in used}):
         meta = store.shard_meta(shard)
         refs[f"samples/{shard}.tar"] = {"size": meta["size"], "digest": meta["digest"]}
     return refs
-
-
-def _vae_scaling_factor(model_path: Path) -> float:
-    return json.loads((model_path / "vae" / "config.json").read_text()).get("scaling_factor", 0.18215)

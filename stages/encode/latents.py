@@ -1,10 +1,9 @@
-"""Latent records: VAE posteriors of size-grouped batches, decoded in worker threads."""
+"""Latent records: the family's VAE posteriors of size-grouped batches, decoded in worker threads."""
 from __future__ import annotations
 
 import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from ..contract import Log
@@ -14,6 +13,7 @@ from .images import ImageCrops, sample_label, size_batches
 if TYPE_CHECKING:
     import torch
 
+    from ..families.base import LatentEncoder
     from ..preprocess.sources import DatasetSource
 
 T = TypeVar("T")
@@ -71,23 +71,18 @@ def decoded_batches(crops: ImageCrops, batches: list[list[int]], workers: int) -
             yield ahead.popleft().result()
 
 
-def encode_latents(jobs: list[tuple[str, dict, bool]], datasets: tuple[DatasetSource, ...], model_path: Path,
-                   dtype: torch.dtype, device: str, add: Callable[[str, dict[str, bytes]], None],
+def encode_latents(jobs: list[tuple[str, dict, bool]], datasets: tuple[DatasetSource, ...],
+                   encoder: Callable[[], LatentEncoder], dtype: torch.dtype, add: Callable[[str, dict[str, bytes]], None],
                    batch_size: int, num_workers: int, progress: Progress, log: Log) -> dict[str, str]:
-    """jobs: (latent record key, preprocess sample, flipped), grouped by size. Returns the samples
-    whose image could not be decoded: id -> reason."""
+    """jobs: (latent record key, preprocess sample, flipped), grouped by size; `encoder` loads the
+    family's latent encoder (pixels -> posterior mean and std). Returns the samples whose image
+    could not be decoded: id -> reason."""
     failed: dict[str, str] = {}
     if not jobs:
         return failed
     import torch
-    from diffusers import AutoencoderKL
 
-    vae = AutoencoderKL.from_pretrained(model_path, subfolder="vae").eval().requires_grad_(False).to(device)
-
-    def posterior(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        dist = vae.encode(pixels.to(device)).latent_dist
-        return dist.mean.cpu(), dist.std.cpu()
-
+    posterior = encoder()
     batches = size_batches([tuple(s["size"]) for _, s, _ in jobs], batch_size)
     crops = ImageCrops(datasets, [s for _, s, _ in jobs], [f for _, _, f in jobs])
     with torch.inference_mode():

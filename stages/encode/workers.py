@@ -14,19 +14,20 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from cache.fsutil import write_json_atomic
 from cache.object_store import open_sample_store
 from cache.samples import SampleStore
 
 from ..contract import Log
+from ..encoded import encode_record
 from ..launching import die_with_parent, reporting_errors, run_streaming, write_accelerate_config
 from .images import sample_label
 from .latents import Progress, encode_latents
-from .texts import TextEncoder, encode_texts
 
 if TYPE_CHECKING:
+    from ..families.base import TextEncoder
     from ..preprocess.sources import DatasetSource
     from . import EncodeInputs, EncodeOptions, EncodeParams, SampleKeys
 
@@ -63,17 +64,34 @@ def encode_jobs(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inp
     mine = jobs.share(rank, world)
     dtype = getattr(torch, params.dtype)
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    family = inputs.bound_family()
     buffer = RecordBuffer(open_sample_store(inputs.cache_root), options.shard_records)
-    encode_texts(mine.texts, lambda: TextEncoder(inputs.model_path, inputs.family, dtype, device), buffer.add,
+    settings = family.text_settings(inputs.model_path, params)
+    encode_texts(mine.texts, lambda: family.load_text_encoder(inputs.model_path, settings, dtype, device), buffer.add,
                  options.batch_size, log)
     share = f" (rank 0's share of {world})" if world > 1 else ""
     progress = Progress(len(mine.latents), jobs.reused_latents, log if rank == 0 else lambda m: None,
                         options.progress_every, share)
     failed = encode_latents([(key, dataset[i], flip) for key, i, flip in mine.latents], inputs.datasets,
-                            inputs.model_path, dtype, device, buffer.add, options.batch_size, options.num_workers,
-                            progress, log)
+                            lambda: family.load_latent_encoder(inputs.model_path, device), dtype, buffer.add,
+                            options.batch_size, options.num_workers, progress, log)
     buffer.flush()
     return failed
+
+
+def encode_texts(jobs: list[tuple[str, str, str]], encoder: Callable[[], TextEncoder],
+                 add: Callable[[str, dict[str, bytes]], None], batch_size: int, log: Log) -> None:
+    """jobs: (text record key, caption, whose caption) for texts not yet in the store."""
+    if not jobs:
+        return
+    text_encoder = encoder()
+    for _, caption, whose in jobs:
+        if text_encoder.too_long(caption):
+            log(f"encode: warning: the caption of {whose} is longer than the text encoder's window; it is truncated")
+    for start in range(0, len(jobs), batch_size):
+        batch = jobs[start:start + batch_size]
+        for (key, caption, _), tensors in zip(batch, text_encoder([c for _, c, _ in batch])):
+            add(key, encode_record(tensors, {"caption": caption}))
 
 
 class RecordBuffer:

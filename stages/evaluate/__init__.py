@@ -1,8 +1,10 @@
 """Evaluate: sample grid (base vs LoRA), denoising loss on held-out and train data, CLIP score.
 
-Reads:  the base model folder; the train artifact (`pytorch_lora_weights.safetensors`, and
+Reads:  the base model folder (through its family: stages/families); the train artifact (`pytorch_lora_weights.safetensors`, and
         `checkpoints/step-N/pytorch_lora_weights.safetensors` for every retained checkpoint);
         the encode artifact and its sample store (cached latents and text embeddings).
+Renders with the family's pipeline (model_index.json's class), sampler and defaults for steps and
+guidance; scores the loss with the family's objective as the LoRA was trained (train_config.json).
 Writes: grid.png, metrics.json, report.md; with checkpoints, checkpoint_losses.json and
         checkpoint_loss.png. All byte-deterministic for the same inputs and params.
 Key:    VERSION, EvalParams, and the digests of the base model, encode and train artifacts; so
@@ -19,9 +21,9 @@ from pathlib import Path
 from cache.store import Built
 from stages.contract import Log
 
-from .params import LORA_WEIGHTS, VERSION, EvalInputs, EvalOptions, EvalParams
+from .params import LOCAL_PATHS, LORA_WEIGHTS, VERSION, EvalInputs, EvalOptions, EvalParams
 
-__all__ = ["VERSION", "EvalParams", "EvalOptions", "EvalInputs", "run", "LORA_WEIGHTS"]
+__all__ = ["VERSION", "EvalParams", "EvalOptions", "EvalInputs", "run", "LOCAL_PATHS", "LORA_WEIGHTS"]
 
 
 def run(params: EvalParams, inputs: EvalInputs, out_dir: Path, work_dir: Path,

@@ -8,22 +8,26 @@ from typing import TYPE_CHECKING, Any
 import torch
 from PIL import Image
 
+from cache.errors import UserError
 from cache.store import Built
+from stages import families
 from stages.contract import Log
 from stages.encoded import EncodedData, Sample
+from stages.families import ObjectiveParams
 
 from .clip import clip_score, load_clip
 from .fid import fid_kid
-from .losses import LossResult, denoising_loss, loss_subset
+from .losses import LossResult, Scoring, denoising_loss, loss_subset
 from .params import LORA_WEIGHTS, VERSION, EvalInputs, EvalOptions, EvalParams
-from .render import RenderSettings, compose_grid, render_column, use_scheduler
+from .render import RenderSettings, compose_grid, render_column
 from .report import plot_checkpoint_losses, write_report
 
 if TYPE_CHECKING:
-    from diffusers import DDPMScheduler, DiffusionPipeline
+    from diffusers import DiffusionPipeline
 
 LORA_ADAPTER = "lora"
 SPLITS = ("holdout", "train")
+TRAIN_CONFIG = "train_config.json"
 
 
 def run(
@@ -33,30 +37,30 @@ def run(
     """Write the evaluation of inputs.train_dir's LoRA into out_dir (work_dir is not needed)."""
     if not (Path(inputs.train_dir) / LORA_WEIGHTS).is_file():
         raise FileNotFoundError(f"{inputs.train_dir} has no {LORA_WEIGHTS}: it is not a train artifact; re-run train")
+    family = families.for_model(inputs.model_path)
     encoded = EncodedData(inputs.encoded_dir, inputs.cache_root)
+    encoded.check_model(inputs.model_path, family.name, inputs.model_digests)
+    scoring = _scorings(family, inputs.model_path, inputs.train_dir)
     in_split = {name: encoded.split(name) for name in SPLITS}
     splits = {name: loss_subset(samples, params.loss_samples, params.loss_seed) for name, samples in in_split.items()}
-    pipe, noise_scheduler = _load_pipeline(inputs.model_path, params, options)
-    settings = RenderSettings(
-        list(params.prompts), list(params.seeds), params.num_inference_steps, params.guidance_scale,
-        params.negative_prompt, params.resolution, options.render_batch_size,
-    )
+    settings = _render_settings(family, inputs.model_path, encoded, params, options)
+    pipe = _load_pipeline(inputs.model_path, options)
+    denoiser = getattr(pipe, family.components.denoiser)
+    sampler = params.scheduler or family.render_defaults()["sampler"]
 
     log(f"evaluate: base model, {len(params.prompts) * len(params.seeds)} images and losses")
+    family.prepare_pipeline(pipe, sampler, scoring["base"].objective)
     columns = {"base": render_column(pipe, settings)}
-    base = _split_losses(pipe, noise_scheduler, encoded, splits, params)
+    base = _split_losses(denoiser, scoring["base"], encoded, splits, params)
 
     pipe.load_lora_weights(inputs.train_dir, weight_name=LORA_WEIGHTS, adapter_name=LORA_ADAPTER)
-    prediction = {"base": noise_scheduler.config.prediction_type}
-    prediction["lora"] = _trained_prediction_type(inputs.train_dir) or prediction["base"]
-    for scheduler in (pipe.scheduler, noise_scheduler):  # a LoRA trained to predict v is sampled as v
-        scheduler.register_to_config(prediction_type=prediction["lora"])
+    family.prepare_pipeline(pipe, sampler, scoring["lora"].objective)  # a LoRA trained to predict v is sampled as v
     for scale in params.lora_scales:
         log(f"evaluate: LoRA at scale {scale:g}")
         pipe.set_adapters([LORA_ADAPTER], adapter_weights=[scale])
         columns[f"LoRA x{scale:g}"] = render_column(pipe, settings)
     pipe.set_adapters([LORA_ADAPTER], adapter_weights=[1.0])
-    lora = _split_losses(pipe, noise_scheduler, encoded, splits, params)
+    lora = _split_losses(denoiser, scoring["lora"], encoded, splits, params)
 
     rows = [(prompt, seed) for prompt in params.prompts for seed in params.seeds]
     compose_grid(columns, rows, params.resolution).save(out_dir / "grid.png")
@@ -70,14 +74,14 @@ def run(
         "fid_kid": _fid_metrics(params, columns, log),
         "n_samples": {name: len(samples) for name, samples in splits.items()},  # scored for the loss
         "n_samples_in_split": {name: len(samples) for name, samples in in_split.items()},
-        "prediction_type": prediction,
+        "prediction_type": {name: s.objective.prediction for name, s in scoring.items()},
         "provenance": {
             "base_model": inputs.base_model_digest, "encoded": inputs.encoded_digest,
             "lora": inputs.lora_digest, "evaluate_version": VERSION,
         },
     }
     _write_json(out_dir / "metrics.json", metrics)
-    checkpoints = _checkpoint_losses(pipe, noise_scheduler, inputs.train_dir, encoded, splits["holdout"], base, params)
+    checkpoints = _checkpoint_losses(pipe, scoring["lora"], inputs.train_dir, encoded, splits["holdout"], base, params)
     if checkpoints is not None:
         _write_json(out_dir / "checkpoint_losses.json", checkpoints)
         if "skipped" not in checkpoints:
@@ -86,41 +90,52 @@ def run(
     return Built(info=_headline(metrics))
 
 
-def _split_losses(
-    pipe: DiffusionPipeline, noise_scheduler: DDPMScheduler, encoded: EncodedData,
-    splits: dict[str, list[Sample]], params: EvalParams,
-) -> dict[str, LossResult]:
-    """Denoising loss of the pipeline's UNet, as it is now, on every non-empty split."""
+def _scorings(family: families.Family, model_path: Path, train_dir: Path) -> dict[str, Scoring]:
+    """The base model scored as it predicts, the LoRA as it was trained (train_config.json's objective
+    settings: a LoRA trained to predict v against v), both conditioned as training was."""
+    trained = ObjectiveParams()
+    config = Path(train_dir) / TRAIN_CONFIG
+    if config.is_file():
+        recorded = json.loads(config.read_text()).get("params", {})
+        trained = ObjectiveParams(**{k: v for k, v in recorded.items() if k in ObjectiveParams.model_fields})
+    base = trained.model_copy(update={"prediction_type": None})
+    return {"base": Scoring(family, family.objective(model_path, base), trained),
+            "lora": Scoring(family, family.objective(model_path, trained), trained)}
+
+
+def _render_settings(family: families.Family, model_path: Path, encoded: EncodedData, params: EvalParams,
+                     options: EvalOptions) -> RenderSettings:
+    """The prompts rendered as the model renders them (the family's defaults for what is unset),
+    with the text settings the records were encoded with (Flux.1's T5 length)."""
+    multiple = family.pixel_multiple(model_path)
+    if params.resolution % multiple:
+        raise UserError(f"evaluate.resolution: {family.label} renders sides that are multiples of {multiple} px,"
+                        f" not {params.resolution}")
+    defaults = family.render_defaults()
+    guidance = defaults["guidance_scale"] if params.guidance_scale is None else params.guidance_scale
+    text = family.text_settings(model_path, encoded.text_options)
+    return RenderSettings(list(params.prompts), list(params.seeds),
+                          params.num_inference_steps or defaults["num_inference_steps"], params.resolution,
+                          options.render_batch_size, family.render_kwargs(text, guidance, params.negative_prompt))
+
+
+def _split_losses(denoiser: torch.nn.Module, scoring: Scoring, encoded: EncodedData,
+                  splits: dict[str, list[Sample]], params: EvalParams) -> dict[str, LossResult]:
+    """Denoising loss of the pipeline's denoiser, as it is now, on every non-empty split."""
     timesteps = list(params.loss_timesteps)
     return {
-        name: denoising_loss(pipe.unet, noise_scheduler, encoded, samples, timesteps, params.loss_seed)
+        name: denoising_loss(denoiser, scoring, encoded, samples, timesteps, params.loss_seed)
         for name, samples in splits.items() if samples
     }
 
 
-def _load_pipeline(
-    model_path: Path, params: EvalParams, options: EvalOptions
-) -> tuple[DiffusionPipeline, DDPMScheduler]:
-    """The pipeline with the sampler to render with, and the training noise schedule for losses."""
-    from diffusers import DDPMScheduler, DiffusionPipeline
+def _load_pipeline(model_path: Path, options: EvalOptions) -> DiffusionPipeline:
+    from diffusers import DiffusionPipeline
 
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     pipe = DiffusionPipeline.from_pretrained(model_path).to(device)
     pipe.set_progress_bar_config(disable=True)
-    noise_scheduler = DDPMScheduler.from_config(pipe.scheduler.config)
-    limit = noise_scheduler.config.num_train_timesteps
-    if max(params.loss_timesteps) >= limit:
-        raise ValueError(f"loss_timesteps must be below {limit}, the model's number of training timesteps")
-    use_scheduler(pipe, params.scheduler)
-    return pipe, noise_scheduler
-
-
-def _trained_prediction_type(train_dir: Path) -> str | None:
-    """The prediction type the LoRA was trained with, when training overrode the model's."""
-    config = Path(train_dir) / "train_config.json"
-    if not config.is_file():
-        return None
-    return json.loads(config.read_text()).get("params", {}).get("prediction_type")
+    return pipe
 
 
 def _clip_metrics(
@@ -147,7 +162,7 @@ def _fid_metrics(params: EvalParams, columns: dict[str, list[Image.Image]], log:
 
 
 def _checkpoint_losses(
-    pipe: DiffusionPipeline, noise_scheduler: DDPMScheduler, train_dir: Path, encoded: EncodedData,
+    pipe: DiffusionPipeline, scoring: Scoring, train_dir: Path, encoded: EncodedData,
     holdout: list[Sample], base: dict[str, LossResult], params: EvalParams,
 ) -> dict[str, Any] | None:
     """Held-out loss of every retained checkpoint's LoRA; None when the train artifact has none."""
@@ -160,11 +175,12 @@ def _checkpoint_losses(
         return None
     if not holdout:
         return {"skipped": "the holdout split is empty"}
+    denoiser = getattr(pipe, scoring.family.components.denoiser)
     results = []
-    for step, directory in found:  # one adapter at a time: unloading restores the base UNet
+    for step, directory in found:  # one adapter at a time: unloading restores the base denoiser
         pipe.unload_lora_weights()
         pipe.load_lora_weights(directory, weight_name=LORA_WEIGHTS, adapter_name=LORA_ADAPTER)
-        loss = _split_losses(pipe, noise_scheduler, encoded, {"holdout": holdout}, params)["holdout"]
+        loss = _split_losses(denoiser, scoring, encoded, {"holdout": holdout}, params)["holdout"]
         results.append({"step": step, **loss})
     return {"split": "holdout", "base": base["holdout"]["overall"], "checkpoints": results}
 

@@ -1,7 +1,7 @@
 """The evaluate stage's settings and inputs. Imports nothing heavy: flows load this to build keys."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -12,6 +12,7 @@ from stages.train.checkpoints import LORA_FILE
 
 VERSION = "2"  # 2: fixed noise and loss subset seeded by content, not file name
 LORA_WEIGHTS = LORA_FILE  # what the train stage writes
+LOCAL_PATHS = ("clip_model", "fid_reference", "inception_weights")  # keyed by their content, not their paths
 
 
 class EvalParams(Frozen):
@@ -20,11 +21,13 @@ class EvalParams(Frozen):
     prompts: tuple[str, ...] = Field(min_length=1)
     seeds: tuple[int, ...] = Field((0, 1), min_length=1)
     lora_scales: tuple[float, ...] = Field((1.0,), min_length=1)  # base is always shown as well
-    num_inference_steps: int = Field(20, ge=1)
-    guidance_scale: float = 5.0
+    num_inference_steps: int | None = Field(None, ge=1, description="None: the model's (SD 20, Flux.1 dev 28,"
+                                            " schnell 4)")
+    guidance_scale: float | None = Field(None, description="None: the model's (SD 5.0, Flux.1 dev 3.5, schnell 0)")
     negative_prompt: str = ""
     resolution: int = Field(64, gt=0, multiple_of=8)
-    scheduler: Literal["dpm_solver_multistep", "ddim", "euler"] = "dpm_solver_multistep"
+    scheduler: Literal["dpm_solver_multistep", "ddim", "euler", "flow_match_euler"] | None = Field(
+        None, description="None: the model's (SD dpm_solver_multistep; flow-matching models flow_match_euler)")
     loss_timesteps: tuple[int, ...] = Field((100, 300, 500, 700, 900), min_length=1)
     loss_seed: int = 0
     loss_samples: int | None = Field(256, ge=1)  # per split; None: every sample (cost grows with the data)
@@ -75,3 +78,4 @@ class EvalInputs:
     base_model_digest: str
     encoded_digest: str
     lora_digest: str
+    model_digests: dict[str, str] = field(default_factory=dict)  # the model's components: checked against the encoder's

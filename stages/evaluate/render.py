@@ -6,7 +6,7 @@ seed and settings, not on what was rendered before it (batch size: see EvalOptio
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
@@ -14,11 +14,6 @@ from PIL import Image, ImageDraw, ImageFont
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
-SCHEDULERS = {
-    "dpm_solver_multistep": "DPMSolverMultistepScheduler",
-    "ddim": "DDIMScheduler",
-    "euler": "EulerDiscreteScheduler",
-}
 LABEL_WIDTH = 160  # left column of the grid: prompt and seed of each row
 HEADER_HEIGHT = 20  # top row of the grid: base or LoRA scale of each column
 FONT_SIZE = 11
@@ -29,16 +24,10 @@ class RenderSettings:
     prompts: list[str]
     seeds: list[int]
     num_inference_steps: int
-    guidance_scale: float
-    negative_prompt: str
     resolution: int
     batch_size: int
-
-
-def use_scheduler(pipe: DiffusionPipeline, name: str) -> None:
-    import diffusers
-
-    pipe.scheduler = getattr(diffusers, SCHEDULERS[name]).from_config(pipe.scheduler.config)
+    family_kwargs: dict[str, Any]  # the family's pipeline arguments: guidance, negative prompt (one per
+    # prompt, as the pipelines want a list with a list of prompts), text length
 
 
 @torch.inference_mode()
@@ -48,11 +37,11 @@ def render_column(pipe: DiffusionPipeline, settings: RenderSettings) -> list[Ima
     for prompt in settings.prompts:
         for start in range(0, len(settings.seeds), settings.batch_size):
             seeds = settings.seeds[start:start + settings.batch_size]
+            per_prompt = {k: [v] * len(seeds) if k == "negative_prompt" else v for k, v in settings.family_kwargs.items()}
             images += pipe(
-                prompt=[prompt] * len(seeds), negative_prompt=[settings.negative_prompt] * len(seeds),
-                generator=[torch.Generator().manual_seed(seed) for seed in seeds],
-                num_inference_steps=settings.num_inference_steps, guidance_scale=settings.guidance_scale,
-                height=settings.resolution, width=settings.resolution, output_type="pil",
+                prompt=[prompt] * len(seeds), generator=[torch.Generator().manual_seed(seed) for seed in seeds],
+                num_inference_steps=settings.num_inference_steps, height=settings.resolution,
+                width=settings.resolution, output_type="pil", **per_prompt,
             ).images
     return images
 

@@ -10,86 +10,50 @@ families share flow.FlowFamily: variants as data (FlowVariant: render steps and 
 read from the configs, `distilled` and the base to train instead), `family.train_instead()` names
 that base for a distilled checkpoint (Z-Image Turbo, the distilled Klein) so a stage can warn.
 
-The seam (what a stage calls; all model-dependent data is read from the folder's configs):
+The seam (what a stage calls; all model-dependent data is read from the folder's configs), and who calls it:
   identity and loading
     for_model(path, declared) -> Family            registry: folder by pipeline class, single file by markers
+                                                   (flows/plan.py Context, every stage)
     family.components.for_stage(stage) -> names    what a stage's key depends on (encode: text + latent;
-                                                   train: denoiser + scheduler; evaluate: all)
-    family.identity(digests) -> str                the denoiser's digest: the model's identity
-    family.single_file_folder(file, digest, root)  a single-file checkpoint as a diffusers folder, once
-    family.pixel_multiple(path) -> int             image sides must be multiples of it (SD 8, Flux 16)
-  text records
-    family.text_settings(path, TextOptions) -> Frozen    every setting that changes a record, as data
+                                                   train: denoiser + scheduler; evaluate: all) (flows/plan.py)
+    family.components.all(), .latent_digest(digests)   a single file's components (stages/models.py); the
+                                                   latent records' model ingredient (encode)
+    family.identity(digests) -> str                the denoiser's digest: the model's identity (flows/plan.py)
+    family.single_file_folder(file, digest, root)  a single-file checkpoint as a diffusers folder, once (flows)
+    family.pixel_multiple(path) -> int             image sides must be multiples of it (SD 8, Flux 16) (encode,
+                                                   evaluate)
+    family.tiny_arch()                             the --arch name of a (bound) tiny model (the demo)
+  text records (encode)
+    family.text_settings(path, TextOptions) -> Frozen    every setting that changes a record, as data: in the
+                                                   text record's key and samples.json's header
     family.load_text_encoder(path, settings, dtype, device) -> TextEncoder   captions -> records; too_long
-  latent records (unscaled posterior mean/std; the normalisation is data recorded with them)
+  latent records (unscaled posterior mean/std; the normalisation is data recorded with them) (encode)
     family.load_latent_encoder(path, device) -> LatentEncoder   pixels -> (mean, std)
-    family.latent_normalisation(path) -> LatentNormalisation    .apply(z); JSON via model_dump; kinds:
+    family.latent_normalisation(path) -> LatentNormalisation    .apply(z); recorded in samples.json, read back
+      by latents.normalisation_from_json (stages/encoded.py) and applied by train and evaluate; kinds:
       scale_shift, channel_mean_std (Qwen-Image), patched_batch_norm (Flux.2: apply returns the
       2x2-patchified layout, so noise is drawn after apply, in its shape)
   the objective (one definition for train and evaluate) and the denoiser call
+    family.check_objective(ObjectiveParams)        refuses train settings that do not apply (train, before launch)
     family.objective(path, ObjectiveParams) -> Objective
       objective.draw(latents, rng) -> (noise, t)            train: from the micro-batch's generator
       objective.fixed_timesteps(steps) -> t                 evaluate: fixed levels (validates the range)
       objective.noised(latents, noise, t) -> Noised         noisy, timesteps, target, weight: both stages
-    family.load_denoiser(path, dtype) -> nn.Module
+      objective.prediction                                  epsilon, v_prediction, sample or flow (metrics)
+    family.load_denoiser(path, dtype) -> nn.Module          (train; evaluate takes the pipeline's)
     family.conditioning(text records, [(geometry, flipped)], params) -> dict   on the CPU, per batch;
       records arrive as stored, so a family with variable-length records pads them here by its rule
       (base.pad_sequences: zeros to the batch's longest and a bool mask; Qwen-Image drops the mask
       when nothing is padded, as its pipeline does). Every value is a tensor with the batch first.
     family.predict(denoiser, noisy, t, conditioning, dtype) -> float32 prediction in the latent layout
-  LoRA
+  LoRA (train)
     family.lora_target_modules(denoiser, preset or tuple) -> peft target_modules
     family.export_lora(denoiser, out_dir, provenance, kohya_metadata) -> [diffusers file, then the family's
       original-name files: SD kohya + comfyui; Flux.1 and Flux.2 kohya + comfyui; Z-Image, Qwen-Image comfyui]
-  rendering and tests
+    checkpoints: stages/train/lora_files.py write/load_diffusers_lora(..., prefix=components.denoiser)
+  rendering (evaluate) and tests
     family.render_defaults() / render_kwargs(settings, guidance, negative) / prepare_pipeline(pipe, sampler, objective)
-    family.build_tiny(out_dir, arch); build_tiny_model(out_dir, arch); tiny_arches()
-
-Rewiring the stages: today's code -> the family method that replaces it
-  flows/plan.py Context.family (models.model_family)     -> for_model(path, model.family); manifests keep .name
-  flows/plan.py MODEL_PARTS, Context.models_for          -> family.components.for_stage(stage)
-  flows/plan.py model_digests["unet"] (base_model_digest,
-    the single-file folder's digest)                     -> family.identity(digests)
-  stages/models.py FAMILIES/PIPELINES, model_family,
-    single_file_family (SDXL_UNET_KEY, LDM_UNET_KEY)     -> for_model, single_file_family, Family.pipeline_class,
-                                                            Family.single_file_markers; model_index -> folders.py
-  stages/models.py diffusers_folder (SD only)            -> family.single_file_folder(checkpoint, digest, root)
-                                                            (sd.py delegates to it now; Flux.1 refuses)
-  encode text_key "encoders" (text_encoder*/tokenizer*)  -> digests of family.components.text, plus
-                                                            "text": family.text_settings(...).model_dump()
-  encode/texts.py TextEncoder(model_path, family, ...)   -> family.load_text_encoder(path, settings, dtype, device)
-  encode/latents.py AutoencoderKL + posterior()          -> family.load_latent_encoder(path, device)
-  encode _vae_scaling_factor -> samples.json             -> family.latent_normalisation(path).model_dump() in the
-                                                            index; readers: latents.normalisation_from_json
-  train/data.py load_batch: "* scale"                    -> normalisation.apply(mean + std * randn)
-  train/data.py load_batch: hidden stack, sdxl_time_ids,
-    added_cond                                           -> family.conditioning(texts, [(sample, flipped)], params)
-  train/data.py noised_inputs, compute_snr               -> objective.draw + objective.noised (UNetInputs becomes
-                                                            noisy, timesteps, conditioning, target, weight)
-  train/recipe.py unet_loss: the unet(...) call           -> family.predict (the MSE and weighting stay)
-  train/recipe.py _setup_model: DDPMScheduler +
-    prediction_type, UNet2DConditionModel, SDXL check    -> family.objective, family.load_denoiser, family name vs
-                                                            the encode manifest's (EncodedData.check_model)
-  train/recipe.py resolve_target_modules, TARGET_PRESETS -> family.lora_target_modules, family.lora_presets
-  train/recipe.py export (write_diffusers/kohya_lora),
-    kohya_metadata's ss_base_model_version               -> family.export_lora (adds family.kohya_base_model)
-  train/recipe.py checkpoint hooks                       -> write/load_diffusers_lora(..., prefix=components.denoiser)
-  evaluate/losses.py scaling, add_noise, _target         -> normalisation.apply, objective.fixed_timesteps, .noised
-  evaluate/losses.py _added_cond, hidden expand, unet()  -> family.conditioning([text], [(sample, False)]) expanded
-                                                            over the timesteps; family.predict
-  evaluate/evaluation.py _load_pipeline: DDPMScheduler,
-    the loss_timesteps limit, use_scheduler, prediction
-    type registration, pipe.unet, _trained_prediction_type -> family.objective (for the LoRA: ObjectiveParams from
-                                                            train_config.json), fixed_timesteps, prepare_pipeline,
-                                                            getattr(pipe, components.denoiser)
-  evaluate/render.py render_column's guidance/negative,
-    SCHEDULERS, EvalParams' step/guidance defaults       -> family.render_kwargs, sd.SAMPLERS, family.render_defaults
-  stages/tiny.py build_tiny_model, cli --arch choices    -> build_tiny_model, tiny_arches() (SD builders move here)
-  preprocess resolution/bucket multiples                 -> family.pixel_multiple(path)
-  TrainParams prediction_type/snr_gamma/noise_offset     -> ObjectiveParams (TrainParams can inherit it; it adds
-                                                            timestep_sampling, loss_weighting, guidance)
-  EncodeParams                                           -> gains TextOptions (max_sequence_length), keyed
-tests/test_families_sd.py shows the rewired train batch and evaluate loss reproducing today's exactly.
+    family.build_tiny(out_dir, arch); build_tiny_model(out_dir, arch); tiny_arches() (the CLI, the demo, tests)
 
 Adding a family: write stages/families/<family>.py (a Family subclass, or an existing class when the
 new line differs only in data, as SDXL does from SD1.x; its data head first; its text settings model;
@@ -99,7 +63,8 @@ with original_names.derive_original_names from diffusers' convert_<family>_trans
 diffusers; override load_latent_encoder/latent_normalisation when its VAE is not a scale-and-shift
 AutoencoderKL, adding a kind to latents.LatentNormalisation), its tiny builder (tiny_<family>.py:
 inline configs, tokenizer built offline, byte-identical), and register it in FAMILIES. Copy
-tests/test_families_flux1.py: byte-identical tiny build; text record == the pipeline's encode_prompt;
+tests/test_families_flux1.py (and a golden-number variant in tests/test_golden.py, and the family's
+invalidation counts as tests/test_invalidation_flux1.py shows): byte-identical tiny build; text record == the pipeline's encode_prompt;
 normalisation == the pipeline's VAE encode; predict == the pipeline's transformer call (forward hook);
 the objective; presets; each export loaded through diffusers' loaders with fuse_lora's weight change.
 """
@@ -107,29 +72,30 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from cache.errors import UserError
+
 from .base import ALL_LINEAR, Components, Family, TextOptions
 from .flux1 import FLUX1
 from .flux2 import FLUX2_KLEIN
-from .folders import model_index
+from .folders import check_weights_file, is_single_file, model_index
 from .objectives import ObjectiveParams, TimestepSampling
 from .qwenimage import QWEN_IMAGE
 from .sd import SD15, SDXL
 from .zimage import ZIMAGE
 
-# detection order: SDXL's single-file marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's
-# before Flux.1's, whose markers Flux.2 checkpoints also carry
-FAMILIES: dict[str, Family] = {family.name: family for family in (SDXL, SD15, FLUX2_KLEIN, FLUX1, ZIMAGE,
-                                                                                QWEN_IMAGE)}
-SINGLE_FILE_SUFFIX = ".safetensors"
+FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FLUX1, FLUX2_KLEIN, ZIMAGE, QWEN_IMAGE)}
+# single files: SDXL's marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's before Flux.1's,
+# whose markers Flux.2 checkpoints also carry
+SINGLE_FILE_DETECTION = (SDXL, SD15, FLUX2_KLEIN, FLUX1, ZIMAGE, QWEN_IMAGE)
 
 __all__ = ["ALL_LINEAR", "Components", "FAMILIES", "Family", "ObjectiveParams", "TextOptions", "TimestepSampling",
-           "build_tiny_model", "for_model", "get", "tiny_arches"]
+           "build_tiny_model", "for_model", "get", "is_single_file", "tiny_arches"]
 
 
 def get(name: str) -> Family:
     """The registered family `name` (not yet bound to a model's variant: see for_model)."""
     if name not in FAMILIES:
-        raise ValueError(f"unknown model family {name!r}: expected one of {', '.join(sorted(FAMILIES))}")
+        raise ValueError(f"unknown model family {name!r}: expected one of {', '.join(FAMILIES)}")
     return FAMILIES[name]
 
 
@@ -138,13 +104,13 @@ def for_model(model_path: Path, declared: str | None = None) -> Family:
     (declared, or from its tensor names), bound to the model's variant. `declared` is
     model.family: for a folder it must agree."""
     model_path = Path(model_path)
-    if model_path.suffix == SINGLE_FILE_SUFFIX:
+    if is_single_file(model_path):
         return get(declared) if declared else single_file_family(model_path)
     name = model_index(model_path).get("_class_name")
     family = next((f for f in FAMILIES.values() if f.pipeline_class == name), None)
     if family is None:
         supported = ", ".join(f.pipeline_class for f in FAMILIES.values())
-        raise ValueError(f"{model_path}/model_index.json: unsupported pipeline class {name!r} (supported: {supported})")
+        raise UserError(f"{model_path}/model_index.json: unsupported pipeline class {name!r} (supported: {supported})")
     if declared and declared != family.name:
         raise ValueError(f"model.family is {declared} but {model_path}/model_index.json is a {family.name} model")
     return family.for_model(model_path)
@@ -155,10 +121,11 @@ def single_file_family(path: Path) -> Family:
     from safetensors import safe_open
 
     if not Path(path).is_file():
-        raise FileNotFoundError(f"model.path: {path} is not a file")
+        raise UserError(f"model.path: {path} is not a file")
+    check_weights_file(Path(path))
     with safe_open(path, "pt") as f:
         names = set(f.keys())
-    family = next((f for f in FAMILIES.values() if f.is_single_file(names)), None)
+    family = next((f for f in SINGLE_FILE_DETECTION if f.is_single_file(names)), None)
     if family is None:
         raise ValueError(f"model.path: {path} holds none of the tensors that identify a {', '.join(FAMILIES)}"
                          " checkpoint in the original layout; give a diffusers folder, or set model.family")
@@ -166,7 +133,7 @@ def single_file_family(path: Path) -> Family:
 
 
 def tiny_arches() -> dict[str, Family]:
-    """`lorapipe tiny-model --arch` names -> the family that builds them."""
+    """`lorapipe tiny-model --arch` names -> the family that builds them; the first is the default."""
     return {arch: family for family in FAMILIES.values() for arch in family.tiny_arches}
 
 

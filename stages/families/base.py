@@ -45,9 +45,17 @@ class Components:
         parts = {
             "encode": (*self.text, *self.latent),
             "train": (self.denoiser, self.scheduler),
-            "evaluate": (*self.text, *self.latent, self.denoiser, self.scheduler),
+            "evaluate": self.all(),
         }
         return parts.get(stage, ())
+
+    def all(self) -> tuple[str, ...]:
+        return (*self.text, *self.latent, self.denoiser, self.scheduler)
+
+    def latent_digest(self, digests: dict[str, str]) -> str:
+        """What a latent record's key holds of the model: the VAE's weights digest (its components'
+        digests joined, for a family with more than one)."""
+        return "+".join(digests[name] for name in self.latent)
 
 
 class ImageGeometry(Protocol):
@@ -138,11 +146,16 @@ class Family(ABC):
     def is_single_file(self, tensor_names: set[str]) -> bool:
         return any(marker in tensor_names for marker in self.single_file_markers)
 
-    def single_file_folder(self, checkpoint: Path, digest: str, models_root: Path) -> Path:
+    def single_file_folder(self, checkpoint: Path, digest: str, models_root: Path, arch_dir: Path | None = None) -> Path:
         """A single-file checkpoint (ComfyUI/A1111 layout) converted once, offline, into a diffusers
-        folder under models_root that every stage then loads like any other."""
+        folder under models_root that every stage then loads like any other (`arch_dir`: the
+        architecture configs to convert with; default: the ones shipped for the family)."""
         raise ValueError(f"model.path: {checkpoint}: single-file {self.label} checkpoints are not supported yet;"
                          f" give a diffusers-format folder")
+
+    def tiny_arch(self) -> str:
+        """The `lorapipe tiny-model --arch` name of this (bound) family's tiny model."""
+        return self.tiny_arches[0]
 
     def pixel_multiple(self, model_path: Path) -> int:
         """Image sides must be multiples of this: the VAE's downsampling times the latent patch."""
@@ -168,6 +181,11 @@ class Family(ABC):
         return scale_shift_of(model_path, self.components.latent[0])
 
     # ---- the objective and the denoiser
+    @abstractmethod
+    def check_objective(self, params: ObjectiveParams) -> None:
+        """Refuse, naming the train key, a setting that does not apply to this model (no model files
+        read: the flow checks a config with it before anything runs)."""
+
     @abstractmethod
     def objective(self, model_path: Path, params: ObjectiveParams) -> Objective:
         """Timestep sampling, noisy input, target and weight (objectives.py) for this model."""

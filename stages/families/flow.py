@@ -64,6 +64,9 @@ class FlowFamily(Family):
             raise RuntimeError(f"the {self.name} family is not bound to a model: use families.for_model(model_path)")
         return self.variant
 
+    def tiny_arch(self) -> str:
+        return self.bound.tiny_arch
+
     def train_instead(self) -> str | None:
         """The base checkpoint to train on when the bound variant is distilled (None otherwise)."""
         return self.bound.train_instead if self.bound.distilled else None
@@ -74,12 +77,15 @@ class FlowFamily(Family):
         scheduler config alone says (None: as the config says)."""
         return None
 
-    def objective(self, model_path: Path, params: ObjectiveParams) -> FlowMatchingObjective:
+    def check_objective(self, params: ObjectiveParams) -> None:
         why = f"applies to DDPM models; {self.name} is trained by flow matching (see train.timestep_sampling)"
         refused = {"prediction_type": why, "snr_gamma": why}
         if not self.bound.guidance_embeds:
             refused["guidance"] = f"{self.label} {self.bound.name} has no guidance input"
         params.refuse(refused)
+
+    def objective(self, model_path: Path, params: ObjectiveParams) -> FlowMatchingObjective:
+        self.check_objective(params)
         config = component_config(model_path, self.components.scheduler)
         return FlowMatchingObjective.from_scheduler_config(config, params, self.sequence_patch,
                                                            self.model_shift(config))

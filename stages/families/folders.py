@@ -1,4 +1,5 @@
-"""A diffusers model folder: its index, its components' configs, and loading a component offline."""
+"""A diffusers model folder: its index, its components' configs, loading a component offline; and
+whether a single weights file is whole."""
 from __future__ import annotations
 
 import importlib
@@ -6,13 +7,43 @@ import json
 from pathlib import Path
 from typing import Any
 
+from cache.errors import UserError
+
+SINGLE_FILE_SUFFIX = ".safetensors"
+
 
 def model_index(model_path: Path) -> dict:
     index_path = Path(model_path) / "model_index.json"
     if not index_path.is_file():
-        raise FileNotFoundError(f"{index_path} not found: model.path must be a diffusers-format model folder"
-                                " or a single-file .safetensors checkpoint")
-    return json.loads(index_path.read_text())
+        raise UserError(f"{index_path} not found: model.path must be a diffusers-format model folder"
+                        f" or a single-file {SINGLE_FILE_SUFFIX} checkpoint")
+    try:
+        return json.loads(index_path.read_text())
+    except ValueError as e:
+        raise UserError(f"{index_path}: not valid JSON ({e})") from None
+
+
+def is_single_file(model_path: Path) -> bool:
+    return Path(model_path).suffix == SINGLE_FILE_SUFFIX
+
+
+def check_weights_file(path: Path) -> None:
+    """Raise UserError unless `path` is a whole safetensors file: its header parses and its last
+    tensor ends where the file ends (a truncated download or copy does not). Reads the header only."""
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+        try:
+            header = json.loads(f.read(length)) if 0 < length <= size - 8 else None
+        except ValueError:
+            header = None
+    if not isinstance(header, dict):
+        raise UserError(f"{path} is not a readable safetensors file ({size:,} bytes): copy or download it again")
+    end = 8 + length + max((t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"), default=0)
+    if end != size:
+        raise UserError(f"{path} is truncated or damaged: its header describes {end:,} bytes but the file has"
+                        f" {size:,}: copy or download it again")
 
 
 def component_config(model_path: Path, name: str) -> dict:

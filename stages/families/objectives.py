@@ -69,10 +69,15 @@ class ObjectiveParams(Frozen):
                             " embedding's input in training")
 
     def refuse(self, not_applicable: dict[str, str]) -> None:
-        """Raise for the first explicitly set field that does not apply: field -> why."""
+        """Raise for the first field set to other than its default that does not apply: field -> why.
+        (By value, not by `model_fields_set`: a config section passes every field.)"""
         for name, why in not_applicable.items():
-            if name in self.model_fields_set:
+            if getattr(self, name) != ObjectiveParams.model_fields[name].get_default(call_default_factory=True):
                 raise ValueError(f"train.{name}: {why}")
+
+    def objective_only(self) -> ObjectiveParams:
+        """These settings as ObjectiveParams (a subclass's other fields dropped)."""
+        return ObjectiveParams(**{name: getattr(self, name) for name in ObjectiveParams.model_fields})
 
 
 @dataclass(frozen=True)
@@ -99,6 +104,11 @@ class Objective(ABC):
     num_train_timesteps: int
     noise_offset: float
 
+    @property
+    @abstractmethod
+    def prediction(self) -> str:
+        """What the denoiser is trained to predict: epsilon, v_prediction, sample, or flow (noise - x0)."""
+
     def draw(self, latents: torch.Tensor, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """Training's random noise and timesteps for `latents`, drawn from `rng` in a fixed order."""
         noise = draw_noise(tuple(latents.shape), rng, self.noise_offset)
@@ -117,7 +127,7 @@ class Objective(ABC):
 
     def _check_steps(self, steps: list[int]) -> None:
         if max(steps) >= self.num_train_timesteps:
-            raise ValueError(f"loss_timesteps must be below {self.num_train_timesteps},"
+            raise ValueError(f"evaluate.loss_timesteps must be below {self.num_train_timesteps},"
                              " the model's number of training timesteps")
 
 
@@ -131,6 +141,10 @@ class DDPMObjective(Objective):
     @property
     def num_train_timesteps(self) -> int:  # type: ignore[override]
         return self.scheduler.config.num_train_timesteps
+
+    @property
+    def prediction(self) -> str:
+        return self.prediction_type
 
     def sample_timesteps(self, shape: tuple[int, ...], rng: torch.Generator) -> torch.Tensor:
         import torch
@@ -174,6 +188,7 @@ class FlowMatchingObjective(Objective):
     patch_size: int  # latent pixels per image-token side, for the image sequence length
     base_seq_len: int
     max_seq_len: int
+    prediction = "flow"  # the velocity noise - x0
 
     @classmethod
     def from_scheduler_config(cls, config: dict, params: ObjectiveParams, patch_size: int,

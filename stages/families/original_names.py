@@ -132,7 +132,7 @@ def fused_lora(lora: dict[str, torch.Tensor], scale: float, names: OriginalNames
             columns[part] = slice(rank, rank + downs[part].shape[0])
             rank += downs[part].shape[0]
         rows = _original_rows(segments, ups)
-        up = torch.zeros(rows, rank, dtype=ups[parts[0]].dtype)
+        up = torch.zeros(rows, rank, *ups[parts[0]].shape[2:], dtype=ups[parts[0]].dtype)  # a conv's (1, 1) too
         for s in segments:
             if s.module in ups:
                 n = ups[s.module].shape[0]

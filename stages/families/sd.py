@@ -5,9 +5,8 @@ hidden states of two CLIP encoders, concatenated, plus the second one's pooled e
 size conditioning (original size, crop top-left, target size). SD2-style v-prediction and
 `sample` prediction come from the scheduler config (or train.prediction_type).
 
-These reproduce what the stages computed before the family layer, number for number: the same
-records, the same random draws in the same order, the same target (bar `sample` prediction, which
-train used to score as v).
+These reproduce what the stages computed before the family layer, number for number
+(tests/test_golden.py): the same records, the same random draws in the same order, the same target.
 """
 from __future__ import annotations
 
@@ -88,19 +87,41 @@ def size_conditioning(image: ImageGeometry, flipped: bool) -> list[int]:
     return [*image.original_size, top, left, *image.size]
 
 
+def write_kohya_lora(unet: torch.nn.Module, path: Path, alpha: float, metadata: dict[str, str]) -> None:
+    """kohya/A1111/ComfyUI keys (`lora_unet_*`, module names as in diffusers). The `.alpha`
+    tensors carry lora_alpha: loaders ignore `ss_network_alpha` metadata."""
+    import torch
+    from diffusers.utils import convert_state_dict_to_kohya
+
+    from stages.train.lora_files import peft_state_dict, save_safetensors_sorted
+
+    tensors = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in peft_state_dict(unet).items()})
+    tensors = {k: torch.tensor(float(alpha)) if k.endswith(".alpha") else v for k, v in tensors.items()}
+    save_safetensors_sorted(tensors, metadata, path)
+
+
 @dataclass(frozen=True)
 class StableDiffusion(Family):
     text: SDTextSettings = SDTextSettings(encoders=())
     size_conditioning: bool = False  # SDXL's micro-conditioning on sizes and crop
+    single_file_kwargs: dict[str, Any] = field(default_factory=dict)  # the pipeline's from_single_file arguments
     lora_presets: dict[str, tuple[str, ...]] = field(default_factory=lambda: {  # peft target_modules suffixes
         "attention": ("to_q", "to_k", "to_v", "to_out.0"),
         "attention_ff": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
     })
 
-    def single_file_folder(self, checkpoint: Path, digest: str, models_root: Path) -> Path:
-        from stages.models import diffusers_folder
+    def single_file_folder(self, checkpoint: Path, digest: str, models_root: Path, arch_dir: Path | None = None) -> Path:
+        """Converted with the shipped configs (stages/assets/arch/<family>/), whose tokenizer folders
+        lack CLIP's BPE vocabulary: the user copies it in (the error says so)."""
+        from .single_file import ARCH_ROOT, converted_folder
 
-        return diffusers_folder(checkpoint, digest, self.name, models_root)
+        arch_dir = Path(arch_dir or ARCH_ROOT / self.name)
+        for tokenizer in sorted(arch_dir.glob("tokenizer*")):
+            if not any((tokenizer / name).is_file() for name in ("vocab.json", "tokenizer.json")):
+                raise FileNotFoundError(f"{tokenizer}: no vocab.json/merges.txt (the CLIP BPE vocabulary is not"
+                                        f" shipped): copy them from the {self.name} model's {tokenizer.name} folder")
+        return converted_folder(checkpoint, digest, self.pipeline_class, arch_dir, models_root,
+                                **self.single_file_kwargs)
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> SDTextSettings:
@@ -114,12 +135,15 @@ class StableDiffusion(Family):
         return ClipTextEncoder(model_path, settings, dtype, device)
 
     # ---- objective and denoiser
-    def objective(self, model_path: Path, params: ObjectiveParams) -> DDPMObjective:
-        from diffusers import DDPMScheduler
-
+    def check_objective(self, params: ObjectiveParams) -> None:
         why = FLOW_ONLY.format(name=self.name)
         params.refuse({"timestep_sampling": why, "loss_weighting": why,
                        "guidance": f"applies to guidance-distilled models; {self.name} has no guidance input"})
+
+    def objective(self, model_path: Path, params: ObjectiveParams) -> DDPMObjective:
+        from diffusers import DDPMScheduler
+
+        self.check_objective(params)
         scheduler = DDPMScheduler.from_pretrained(model_path, subfolder=self.components.scheduler)
         prediction = params.prediction_type or scheduler.config.prediction_type
         if prediction not in ("epsilon", "v_prediction", "sample"):
@@ -159,8 +183,7 @@ class StableDiffusion(Family):
         """The diffusers file, kohya's `lora_unet_*` file (diffusers module names, `.alpha` tensors)
         and ComfyUI's native one (`diffusion_model.<LDM name>.lora_A/lora_B.weight`, ldm_names.py)."""
         from stages.train.checkpoints import LORA_FILE
-        from stages.train.lora_files import (ADAPTER, peft_state_dict, save_safetensors_sorted,
-                                             write_diffusers_lora, write_kohya_lora)
+        from stages.train.lora_files import ADAPTER, peft_state_dict, save_safetensors_sorted, write_diffusers_lora
 
         from .ldm_names import unet_original_names
         from .original_names import FILES, fused_lora
@@ -195,9 +218,9 @@ class StableDiffusion(Family):
 
     # ---- tiny model
     def build_tiny(self, out_dir: Path, arch: str) -> Path:
-        from stages.tiny import build_tiny_model
+        from .tiny_sd import build_tiny_sd
 
-        return build_tiny_model(out_dir, arch)
+        return build_tiny_sd(out_dir, self.size_conditioning)
 
 
 SD15 = StableDiffusion(
@@ -205,6 +228,7 @@ SD15 = StableDiffusion(
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="unet"),
     kohya_base_model="sd_v1", tiny_arches=("sd15",),
     single_file_markers=("model.diffusion_model.input_blocks.0.0.weight",),
+    single_file_kwargs={"safety_checker": None, "requires_safety_checker": False},
     text=SDTextSettings(encoders=(ClipEncoding(encoder="text_encoder", tokenizer="tokenizer", hidden_layer=None),)),
 )
 SDXL = StableDiffusion(

@@ -91,13 +91,13 @@ def build_tiny_flux1(out_dir: Path, guidance: bool = True) -> Path:
     """Write a tiny Flux.1 dev (guidance input) or schnell into out_dir."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    from stages.tiny import _text_encoder, write_tokenizer
+    from .tiny_sd import clip_text_encoder, write_tokenizer
 
     out_dir = Path(out_dir)
     t5_tok = t5_tokenizer()
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**(DEV_SCHEDULER if guidance else SCHNELL_SCHEDULER)),
-        vae=_vae(), text_encoder=_text_encoder(False), tokenizer=write_tokenizer(out_dir / ".tokenizer-src"),
+        vae=_vae(), text_encoder=clip_text_encoder(False), tokenizer=write_tokenizer(out_dir / ".tokenizer-src"),
         text_encoder_2=_t5(len(t5_tok)), tokenizer_2=t5_tok, transformer=_transformer(guidance),
     )
     pipe.save_pretrained(out_dir, safe_serialization=True)

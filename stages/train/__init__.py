@@ -1,15 +1,18 @@
-"""Train: LoRA fine-tuning of the UNet on the encoded shards, launched with accelerate.
+"""Train: LoRA fine-tuning of the denoiser on the encoded shards, launched with accelerate.
 
 Reads:  the encode artifact (samples.json) and the sample store records it points to; the
-        model's UNet and noise scheduler (never the VAE or text encoders).
+        model's denoiser and noise scheduler (never the VAE or text encoders), through its family.
+        It refuses encoded data another model's encoders made, and objective settings that do not
+        apply to the model's family, in one line before anything starts.
 Writes: out_dir/pytorch_lora_weights.safetensors        diffusers format (load_lora_weights)
-        out_dir/pytorch_lora_weights_kohya.safetensors  kohya/A1111/ComfyUI keys, ss_* metadata
+        out_dir/pytorch_lora_weights_*.safetensors      the family's other formats (SD: kohya and
+                                                        ComfyUI; Flux.1: kohya and ComfyUI), ss_* metadata
         out_dir/train_config.json                       what produced the weights
         out_dir/checkpoints/step-XXXXXX/pytorch_lora_weights.safetensors  every retained checkpoint
         out_dir/logs/{loss.jsonl, train.log, summary.json}  (not part of the artifact digest)
         Both LoRA files carry provenance metadata: base model and encoded data digests, config, steps.
 Key:    TrainParams (less max_steps for the work directory: raising it resumes), the encode
-        artifact's digest, the UNet and scheduler digests, library majors.
+        artifact's digest, the denoiser and scheduler digests, library majors.
 Work:   work_dir/checkpoints/ (LoRA, optimizer, LR scheduler and RNG states; atomic), export/,
         logs/, accelerate.yaml, job.json. Training resumes from the newest intact checkpoint.
 

@@ -2,12 +2,17 @@
 
 A micro-batch m is fully determined by (seed, m, rank): `BatchPlan` says which samples it holds
 and a generator seeded from (seed, m, rank) draws all of its data randomness (plain or mirrored
-latent, posterior sample, caption dropout, noise, timesteps). So micro-batches can be prepared in
-any order, in background threads, and resuming from a checkpoint stays exact.
+latent, posterior sample, caption dropout, then the objective's noise and timesteps). So
+micro-batches can be prepared in any order, in background threads, and resuming from a checkpoint
+stays exact.
+
+The model-specific parts come from the family (stages/families): the latent normalisation recorded
+with the records, the objective (noisy input, target, weight: the one train and evaluate share) and
+the conditioning (SDXL's size ids, Flux's pooled text and guidance, a family's padding rule).
 
 `MicroBatches` prepares them `workers` threads ahead of the step (reading records, sampling,
-noising, pinning on CUDA), leaving only the copy to the device, the UNet and the optimizer on the
-training step's critical path.
+noising, pinning on CUDA), leaving only the copy to the device, the denoiser and the optimizer on
+the training step's critical path.
 """
 from __future__ import annotations
 
@@ -15,12 +20,17 @@ import hashlib
 import queue
 import threading
 from dataclasses import dataclass, fields, replace
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 
 from stages.encoded import EncodedData, Sample
 from stages.train.params import TrainParams
+
+if TYPE_CHECKING:
+    from stages.families import Family
+    from stages.families.base import ImageGeometry, TextRecord
+    from stages.families.objectives import Objective
 
 
 def derived_seed(*parts: object) -> int:
@@ -69,9 +79,11 @@ class BatchPlan:
 
 @dataclass
 class Batch:
-    latents: torch.Tensor  # (B, C, h, w), scaled by the VAE's scaling factor
-    hidden_states: torch.Tensor  # (B, T, D)
-    added_cond: dict[str, torch.Tensor] | None  # SDXL: pooled text embeds and size/crop time ids
+    """A micro-batch's data before the objective: sampled, normalised latents and what conditions them."""
+
+    latents: torch.Tensor  # (B, C, h, w) under the encode artifact's latent normalisation
+    texts: list[TextRecord]  # as stored (a dropped caption: the empty prompt's record)
+    images: list[tuple[ImageGeometry, bool]]  # each sample and whether its latent is the mirrored one
 
 
 def draws_flipped(sample: Sample, rng: torch.Generator) -> bool:
@@ -80,50 +92,33 @@ def draws_flipped(sample: Sample, rng: torch.Generator) -> bool:
     return sample.latent_flip is not None and torch.rand((), generator=rng).item() < 0.5
 
 
-def sdxl_time_ids(sample: Sample, flipped: bool) -> list[int]:
-    """SDXL's size conditioning: original size, crop top-left (mirrored with the latent), target size."""
-    left, top = sample.crop_box[0], sample.crop_box[1]
-    if flipped and sample.resized is not None:
-        left = sample.resized[1] - sample.crop_box[2]
-    return [*sample.original_size, top, left, *sample.size]
-
-
 def load_batch(data: EncodedData, samples: list[Sample], rng: torch.Generator, caption_dropout: float) -> Batch:
-    """Pick plain or mirrored latents, sample each posterior, drop captions (to the cached empty
-    prompt) with probability caption_dropout."""
-    scale = float(data.index["vae_scaling_factor"])
+    """Pick plain or mirrored latents, sample each posterior and normalise it, drop captions (to the
+    cached empty prompt) with probability caption_dropout."""
     empty = data.empty_text()
-    latents, texts, time_ids = [], [], []
+    latents, texts, images = [], [], []
     for sample in samples:
         flipped = draws_flipped(sample, rng)
-        time_ids.append(sdxl_time_ids(sample, flipped))
         mean, std = (t.float() for t in data.latent(sample, flipped))
-        latents.append((mean + std * torch.randn(mean.shape, generator=rng)) * scale)
+        latents.append(data.normalisation.apply((mean + std * torch.randn(mean.shape, generator=rng)).unsqueeze(0)))
         dropped = torch.rand((), generator=rng).item() < caption_dropout
         texts.append(empty if dropped else data.text(sample))
-    added_cond = None
-    if data.family == "sdxl":
-        added_cond = {
-            "text_embeds": torch.stack([t["pooled"].float() for t in texts]),
-            "time_ids": torch.tensor(time_ids, dtype=torch.float32),
-        }
-    hidden = torch.stack([t["hidden_states"].float() for t in texts])
-    return Batch(torch.stack(latents), hidden, added_cond)
+        images.append((sample, flipped))
+    return Batch(torch.cat(latents), texts, images)
 
 
 @dataclass
-class UNetInputs:
-    """One micro-batch as the UNet step takes it; everything but the UNet is already computed."""
+class StepInputs:
+    """One micro-batch as the step takes it; everything but the denoiser's prediction is computed."""
 
     noisy: torch.Tensor
     timesteps: torch.Tensor
-    hidden_states: torch.Tensor
-    added_cond: dict[str, torch.Tensor] | None
+    conditioning: dict[str, torch.Tensor]  # the family's denoiser inputs besides x_t and t
     target: torch.Tensor
-    loss_weight: torch.Tensor | None  # min-SNR weight per sample
+    loss_weight: torch.Tensor | None  # per sample (min-SNR, flow-matching weighting)
 
-    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "UNetInputs":
-        """`fn` applied to every tensor (those of added_cond too)."""
+    def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "StepInputs":
+        """`fn` applied to every tensor (the conditioning's too)."""
         def apply(value):
             if isinstance(value, dict):
                 return {k: fn(t) for k, t in value.items()}
@@ -132,42 +127,21 @@ class UNetInputs:
         return replace(self, **{f.name: apply(getattr(self, f.name)) for f in fields(self)})
 
 
-def compute_snr(alphas_cumprod: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
-    alpha_bar = alphas_cumprod[timesteps].float()
-    return alpha_bar / (1 - alpha_bar)
+def step_inputs(family: Family, objective: Objective, batch: Batch, rng: torch.Generator,
+                params: TrainParams) -> StepInputs:
+    """Noise the batch's latents at timesteps drawn from `rng` (on the CPU): the objective's noisy
+    input, target and weight, and the family's conditioning."""
+    noised = objective.noised(batch.latents, *objective.draw(batch.latents, rng))
+    return StepInputs(noised.noisy, noised.timesteps, family.conditioning(batch.texts, batch.images, params),
+                      noised.target, noised.weight)
 
 
-def noised_inputs(scheduler, batch: Batch, rng: torch.Generator, params: TrainParams) -> UNetInputs:
-    """Noise the latents at random timesteps (on the CPU); the target and min-SNR weight to score
-    the UNet's prediction against."""
-    latents = batch.latents
-    noise = torch.randn(latents.shape, generator=rng)
-    if params.noise_offset:
-        noise += params.noise_offset * torch.randn((*latents.shape[:2], 1, 1), generator=rng)
-    timesteps = torch.randint(0, scheduler.config.num_train_timesteps, (latents.shape[0],), generator=rng)
-    noisy = scheduler.add_noise(latents, noise, timesteps)
-    prediction_type = scheduler.config.prediction_type
-    if prediction_type == "epsilon":
-        target = noise
-    elif prediction_type == "v_prediction":
-        target = scheduler.get_velocity(latents, noise, timesteps)
-    else:  # sample: the clean latent, as evaluate scores it
-        target = latents
-    weight = None
-    if params.snr_gamma is not None:  # min-SNR: min(snr, gamma) for the clean latent, / snr for epsilon, / (snr + 1) for v
-        snr = compute_snr(scheduler.alphas_cumprod, timesteps)
-        weight = torch.clamp(snr, max=params.snr_gamma)
-        if prediction_type != "sample":
-            weight = weight / (snr if prediction_type == "epsilon" else snr + 1)
-    return UNetInputs(noisy, timesteps, batch.hidden_states, batch.added_cond, target, weight)
-
-
-def prepare_micro_batch(data: EncodedData, plan: BatchPlan, scheduler, params: TrainParams, micro_batch: int,
-                        rank: int) -> UNetInputs:
+def prepare_micro_batch(data: EncodedData, plan: BatchPlan, family: Family, objective: Objective, params: TrainParams,
+                        micro_batch: int, rank: int) -> StepInputs:
     """Micro-batch m of `rank`, from the generator seeded by (seed, m, rank) alone."""
     rng = torch.Generator().manual_seed(derived_seed(params.seed, "batch", micro_batch, rank))
     batch = load_batch(data, plan.batch(micro_batch, rank), rng, params.caption_dropout)
-    return noised_inputs(scheduler, batch, rng, params)
+    return step_inputs(family, objective, batch, rng, params)
 
 
 class MicroBatches:
@@ -175,7 +149,7 @@ class MicroBatches:
     (worker w prepares first + w, first + w + workers, ..., up to two in hand); workers=0 prepares
     each one when it is asked for. `get` must be called in order. A worker's error is raised by `get`."""
 
-    def __init__(self, prepare: Callable[[int], UNetInputs], first: int, end: int, workers: int, pin: bool):
+    def __init__(self, prepare: Callable[[int], StepInputs], first: int, end: int, workers: int, pin: bool):
         self.prepare, self.first, self.next = prepare, first, first
         self.pin = pin and workers > 0  # pinning pays off only when a thread does it ahead of the copy
         self.stopping = threading.Event()
@@ -188,7 +162,7 @@ class MicroBatches:
     def _work(self, micro_batches: range, out: queue.Queue) -> None:
         for m in micro_batches:
             try:
-                item: UNetInputs | BaseException = self._prepared(m)
+                item: StepInputs | BaseException = self._prepared(m)
             except BaseException as error:  # raised again in the training thread
                 item = error
             while not self.stopping.is_set():
@@ -200,11 +174,11 @@ class MicroBatches:
             if self.stopping.is_set() or isinstance(item, BaseException):
                 return
 
-    def _prepared(self, m: int) -> UNetInputs:
+    def _prepared(self, m: int) -> StepInputs:
         inputs = self.prepare(m)  # page-locked, the copies to the GPU can overlap the step before
         return inputs.map_tensors(torch.Tensor.pin_memory) if self.pin else inputs
 
-    def get(self, m: int) -> UNetInputs:
+    def get(self, m: int) -> StepInputs:
         if m != self.next:
             raise RuntimeError(f"micro-batch {m} asked for, {self.next} expected")
         self.next += 1

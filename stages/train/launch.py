@@ -15,12 +15,13 @@ from pathlib import Path
 
 from cache.samples import DamagedRecord
 from cache.store import Built
+from stages import families
 from stages.contract import Log
+from stages.encoded import EncodedData
 from stages.launching import WorkerFailed, run_streaming, write_accelerate_config
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
 from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
 
-EXPORTS = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors", "train_config.json")
 
 
 def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
@@ -28,6 +29,7 @@ def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
     """Train (or resume training) in work_dir, then publish the LoRA files into out_dir."""
     options = options or TrainOptions()
     out_dir, work_dir = Path(out_dir), Path(work_dir)
+    check_inputs(params, inputs)
     (work_dir / "logs").mkdir(parents=True, exist_ok=True)
     config = write_accelerate_config(work_dir / "accelerate.yaml", params.num_processes)
     job = work_dir / "job.json"
@@ -50,10 +52,20 @@ def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
     return publish(work_dir, out_dir, params.max_steps, log)
 
 
+def check_inputs(params: TrainParams, inputs: TrainInputs) -> None:
+    """Before anything starts: the encoded data was made by this model's encoders, and every
+    objective setting applies to its family (one line naming the key otherwise)."""
+    family = families.for_model(inputs.model_path)
+    EncodedData(inputs.encoded_dir, inputs.cache_root).check_model(inputs.model_path, family.name,
+                                                                   inputs.model_digests)
+    family.check_objective(params)
+
+
 def publish(work_dir: Path, out_dir: Path, max_steps: int, log: Log) -> Built:
-    """Copy the final files, every retained checkpoint's LoRA weights and the logs into out_dir."""
-    for name in EXPORTS:
-        _copy(work_dir / "export" / name, out_dir / name)
+    """Copy the exported files (the family's LoRA formats, train_config.json), every retained
+    checkpoint's LoRA weights and the logs into out_dir."""
+    for exported in sorted((work_dir / "export").iterdir()):
+        _copy(exported, out_dir / exported.name)
     checkpoints = CheckpointDir(work_dir / "checkpoints")
     for step in checkpoints.steps():
         problem = checkpoints.damage(step)

@@ -1,4 +1,6 @@
-"""LoRA weight files: diffusers format (what `load_lora_weights` reads) and a kohya export.
+"""LoRA weight files: diffusers format (what `load_lora_weights` reads; keys under the denoiser's
+component name, `unet.` or `transformer.`), written and loaded back; the families write the
+other formats (stages/families).
 
 Both carry provenance in their safetensors metadata. Files are byte-deterministic: the
 safetensors library writes metadata keys in a per-process random order, so the header is
@@ -43,49 +45,39 @@ def save_safetensors_sorted(tensors: dict[str, torch.Tensor], metadata: dict[str
     os.replace(tmp, path)
 
 
-def peft_state_dict(unet: torch.nn.Module) -> dict[str, torch.Tensor]:
+def peft_state_dict(denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
     from peft.utils import get_peft_model_state_dict
 
-    return get_peft_model_state_dict(unet, adapter_name=ADAPTER)
+    return get_peft_model_state_dict(denoiser, adapter_name=ADAPTER)
 
 
-def write_diffusers_lora(unet: torch.nn.Module, path: Path, provenance: dict[str, str], prefix: str = "unet") -> None:
+def write_diffusers_lora(denoiser: torch.nn.Module, path: Path, provenance: dict[str, str], prefix: str) -> None:
     """`pytorch_lora_weights.safetensors` for `load_lora_weights`: PEFT keys under `<prefix>.` (the
     denoiser's component name) and the adapter config (without it, alpha != rank loads at the wrong
     strength). Not passed through `convert_state_dict_to_diffusers`: it renames linear layers only,
     and the loader skipped the renamed ones in a file that also held conv LoRA."""
-    tensors = {f"{prefix}.{k}": v for k, v in peft_state_dict(unet).items()}
-    config = json.loads(_json(unet.peft_config[ADAPTER].to_dict()))
+    tensors = {f"{prefix}.{k}": v for k, v in peft_state_dict(denoiser).items()}
+    config = json.loads(_json(denoiser.peft_config[ADAPTER].to_dict()))
     adapter_metadata = {f"{prefix}.{k}": v for k, v in config.items()}
     metadata = {"format": "pt", "lora_adapter_metadata": json.dumps(adapter_metadata, indent=2, sort_keys=True)}
     save_safetensors_sorted(tensors, {**metadata, **provenance}, path)
 
 
-def write_kohya_lora(unet: torch.nn.Module, path: Path, alpha: float, metadata: dict[str, str]) -> None:
-    """kohya/A1111/ComfyUI keys (`lora_unet_*`, module names as in diffusers). The `.alpha`
-    tensors carry lora_alpha: loaders ignore `ss_network_alpha` metadata."""
-    from diffusers.utils import convert_state_dict_to_kohya
-
-    tensors = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in peft_state_dict(unet).items()})
-    tensors = {k: torch.tensor(float(alpha)) if k.endswith(".alpha") else v for k, v in tensors.items()}
-    save_safetensors_sorted(tensors, metadata, path)
-
-
-def load_diffusers_lora(unet: torch.nn.Module, path: Path, prefix: str = "unet") -> None:
+def load_diffusers_lora(denoiser: torch.nn.Module, path: Path, prefix: str) -> None:
     """Load a file written by `write_diffusers_lora` into a denoiser that already has the adapter."""
     from diffusers.utils import convert_unet_state_dict_to_peft
     from peft import set_peft_model_state_dict
 
     tensors = {k.removeprefix(f"{prefix}."): v for k, v in load_file(path).items()}
-    result = set_peft_model_state_dict(unet, convert_unet_state_dict_to_peft(tensors), adapter_name=ADAPTER)
+    result = set_peft_model_state_dict(denoiser, convert_unet_state_dict_to_peft(tensors), adapter_name=ADAPTER)
     unexpected = list(getattr(result, "unexpected_keys", None) or [])
     missing = [k for k in getattr(result, "missing_keys", None) or [] if "lora_" in k]
     if unexpected or missing:
-        raise ValueError(f"{path} does not match this UNet's LoRA layers: unexpected {unexpected[:3]},"
+        raise ValueError(f"{path} does not match this model's LoRA layers: unexpected {unexpected[:3]},"
                          f" missing {missing[:3]}")
 
 
-def load_init_lora(unet: torch.nn.Module, path: Path, config: "LoraConfig") -> None:
+def load_init_lora(denoiser: torch.nn.Module, path: Path, config: "LoraConfig", prefix: str) -> None:
     """Start from an existing diffusers-format LoRA file (its adapter must have this run's rank,
     alpha and target layers: a different alpha would load it at the wrong strength)."""
     from safetensors import safe_open
@@ -95,7 +87,7 @@ def load_init_lora(unet: torch.nn.Module, path: Path, config: "LoraConfig") -> N
     with safe_open(path, "pt") as f:
         recorded = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
     for field, key in (("r", "rank"), ("lora_alpha", "alpha")):
-        value = recorded.get(f"unet.{field}")
+        value = recorded.get(f"{prefix}.{field}")
         if value is not None and float(value) != float(getattr(config, field)):
             raise ValueError(f"train.init_lora: {path} has {key} {value} but train.{key} is {getattr(config, field)}")
-    load_diffusers_lora(unet, path)
+    load_diffusers_lora(denoiser, path, prefix)

@@ -2,35 +2,35 @@
 from __future__ import annotations
 
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, model_validator
 
 from stages.contract import Frozen
+from stages.families import ObjectiveParams
 
 VERSION = "4"  # bump by hand when the trained output's semantics change; 3: batch plan in content order;
 # 4: sample-prediction models trained against the clean latent (they were trained against v)
 
-TARGET_PRESETS: dict[str, tuple[str, ...]] = {
-    "attention": ("to_q", "to_k", "to_v", "to_out.0"),
-    "attention_ff": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
-}
-ALL_LINEAR = "all_linear"  # every nn.Linear of the UNet, resolved against the model in the recipe
 TRACKER_RUN = "tracker"  # accelerate's tracker (TensorBoard, wandb) writes under work_dir/logs/tracker/
 DAMAGED_RECORD_FILE = "damaged-record.json"  # where a worker leaves the DamagedRecord it met, for the parent
 
 
-class TrainParams(Frozen):
+class TrainParams(ObjectiveParams):
     """Exactly the settings that change the trained LoRA (all keyed; max_steps is resumable:
-    the work directory is keyed without it, so raising it continues from the latest checkpoint)."""
+    the work directory is keyed without it, so raising it continues from the latest checkpoint).
+    The diffusion objective's settings (prediction_type, snr_gamma, noise_offset for the DDPM
+    families; timestep_sampling, loss_weighting, guidance for the flow-matching ones) come from
+    ObjectiveParams; the model's family refuses those that do not apply to it."""
 
     # ---- LoRA
     rank: int = Field(4, gt=0)
     alpha: float = Field(4.0, gt=0)
     dropout: float = Field(0.0, ge=0, lt=1)
-    target_modules: Literal["attention", "attention_ff", "all_linear"] | tuple[str, ...] = "attention"
+    target_modules: Literal["attention", "attention_ff", "all_linear"] | tuple[str, ...] = Field(
+        "attention", description="a preset of the model's family (stages/families), or module names")
     init_lora: str | None = Field(None, description="start from this diffusers-format LoRA file instead of"
                                   " zero-initialised adapters (same rank, alpha and targets); keyed by its"
                                   " content, not its path")
@@ -47,10 +47,7 @@ class TrainParams(Frozen):
     mixed_precision: Literal["no", "fp16", "bf16"] = "no"
     weight_decay: float = Field(1e-2, ge=0)
     optimizer: Literal["adamw", "adamw8bit"] = "adamw"  # adamw8bit needs bitsandbytes (a GPU)
-    # ---- diffusion loss
-    snr_gamma: float | None = Field(None, gt=0, description="min-SNR weighting; None = plain MSE")
-    noise_offset: float = Field(0.0, ge=0)
-    prediction_type: Literal["epsilon", "v_prediction", "sample"] | None = None  # None = the scheduler's
+    # ---- data
     caption_dropout: float = Field(0.0, ge=0, le=1)
     seed: int = Field(0, ge=0)
     # ---- checkpoints (their LoRA weights are published, so they are part of the result)
@@ -104,11 +101,12 @@ class TrainInputs:
     base_model_digest: str  # provenance, written into the LoRA files' metadata
     encoded_digest: str
     init_lora_digest: str = "none"  # the content digest of params.init_lora (provenance)
+    model_digests: dict[str, str] = field(default_factory=dict)  # the model's components: checked against the encoder's
 
-    def to_json(self) -> dict[str, str]:
-        return {k: str(v) for k, v in self.__dict__.items()}
+    def to_json(self) -> dict:
+        return {k: v if isinstance(v, dict) else str(v) for k, v in self.__dict__.items()}
 
     @classmethod
-    def from_json(cls, value: dict[str, str]) -> "TrainInputs":
+    def from_json(cls, value: dict) -> "TrainInputs":
         paths = {k: Path(value[k]) for k in ("encoded_dir", "cache_root", "model_path")}
         return cls(**{**value, **paths})

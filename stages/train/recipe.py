@@ -1,4 +1,5 @@
-"""LoRA fine-tuning of a Stable Diffusion UNet on cached latents and text embeddings.
+"""LoRA fine-tuning of a diffusion model's denoiser (SD's UNet, Flux's transformer: stages/families)
+on cached latents and text embeddings.
 
 The train stage's `run()` writes the job file and an accelerate config into the work directory
 and launches this module. By hand (JOB.json as `run()` writes it):
@@ -22,7 +23,9 @@ caption dropout, noise, timesteps, LoRA dropout) comes from a seed derived from 
 resuming from a checkpoint is exact. Every record read is checked against its digest: a damaged
 one stops the run (DamagedRecord, which the parent raises again for the flow to repair). On CUDA,
 threads prepare micro-batches ahead of the step (stages/train/data.py: read, sample, noise, pin),
-so the step itself is the copy to the device, the UNet and the optimizer (train.loader_workers).
+so the step itself is the copy to the device, the denoiser and the optimizer (train.loader_workers).
+What differs between model families (objective, conditioning, the denoiser call, LoRA target
+presets, export formats) comes from the family of the model (stages/families).
 
 Logs: loss.jsonl and loss.png, TensorBoard (or wandb) through accelerate's trackers, and a
 progress line with it/s and ETA from the main process.
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import json
 import math
+import shutil
 import sys
 import time
 from contextlib import nullcontext
@@ -45,49 +49,37 @@ import torch.nn.functional as F
 from cache.errors import UserError
 from cache.fsutil import write_json_atomic
 from cache.samples import DamagedRecord
+from stages import families
 from stages.encoded import EncodedData
 from stages.launching import die_with_parent, reporting_errors
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
-from stages.train.data import (Batch, BatchPlan, MicroBatches, UNetInputs, derived_seed, noised_inputs,
-                               prepare_micro_batch)
-from stages.train.lora_files import load_diffusers_lora, load_init_lora, write_diffusers_lora, write_kohya_lora
-from stages.train.params import (ALL_LINEAR, DAMAGED_RECORD_FILE, TARGET_PRESETS, TRACKER_RUN, VERSION, TrainInputs,
-                                 TrainOptions, TrainParams)
+from stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
+from stages.train.lora_files import load_diffusers_lora, load_init_lora, write_diffusers_lora
+from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, VERSION, TrainInputs, TrainOptions, TrainParams
 
 TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")
 
 
-def unet_loss(unet, inputs: UNetInputs, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Score the UNet's prediction for a prepared micro-batch (MSE, min-SNR weighted if asked)."""
-    to_device = lambda t, dt=None: t.to(device, dt, non_blocking=True)  # noqa: E731
-    added = {k: to_device(v, dtype) for k, v in inputs.added_cond.items()} if inputs.added_cond else None
-    pred = unet(to_device(inputs.noisy, dtype), to_device(inputs.timesteps), to_device(inputs.hidden_states, dtype),
-                added_cond_kwargs=added).sample.float()
-    per_sample = F.mse_loss(pred, to_device(inputs.target), reduction="none").mean(dim=(1, 2, 3))
+def step_loss(family: families.Family, denoiser: torch.nn.Module, inputs: StepInputs, device: torch.device,
+              dtype: torch.dtype) -> torch.Tensor:
+    """Score the denoiser's prediction for a prepared micro-batch (MSE, weighted per sample if asked)."""
+    to_device = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+    conditioning = {k: to_device(v) for k, v in inputs.conditioning.items()}
+    pred = family.predict(denoiser, to_device(inputs.noisy), to_device(inputs.timesteps), conditioning, dtype)
+    per_sample = F.mse_loss(pred, to_device(inputs.target), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
     if inputs.loss_weight is None:
         return per_sample.mean()
     return (per_sample * to_device(inputs.loss_weight)).mean()
 
 
-def diffusion_loss(unet, scheduler, batch: Batch, rng: torch.Generator, params: TrainParams,
-                   device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Noise the latents at random timesteps and score the UNet's prediction."""
-    return unet_loss(unet, noised_inputs(scheduler, batch, rng, params), device, dtype)
-
-
-def resolve_target_modules(unet: torch.nn.Module, spec: str | tuple[str, ...]) -> list[str]:
-    if spec == ALL_LINEAR:
-        return sorted(name for name, m in unet.named_modules() if isinstance(m, torch.nn.Linear))
-    return list(TARGET_PRESETS.get(spec, spec))
-
-
 class LoRATrainingRecipe:
-    """LoRA on the UNet's attention (or any linear) layers; the VAE and text encoders are never
+    """LoRA on the denoiser's attention (or any linear) layers; the VAE and text encoders are never
     loaded: latents and embeddings come from the encode stage, so the text encoder is not trained.
 
-    Features: SD1.x/2.x and SDXL, DDP (gloo on CPU), gradient accumulation, mixed precision
-    (frozen weights in fp16/bf16, LoRA in fp32), min-SNR weighting, noise offset, v-prediction,
-    caption dropout, dataset repeats, mirrored latents, a start from an existing LoRA file,
+    Features: every registered family (SD1.x/2.x, SDXL, Flux.1, ...), DDP (gloo on CPU), gradient
+    accumulation, mixed precision (frozen weights in fp16/bf16, LoRA in fp32), the family's objective
+    (min-SNR weighting, noise offset, epsilon/v/sample prediction; flow matching with timestep
+    sampling, shift and loss weighting, Flux.1 dev's guidance input), caption dropout, dataset repeats, mirrored latents, a start from an existing LoRA file,
     gradient checkpointing (less memory, ~30% slower), exact resume from atomic checkpoints that
     hold only the LoRA, optimizer, LR scheduler and RNG states. A non-finite loss or LoRA weight
     stops the run before it can be checkpointed.
@@ -127,40 +119,35 @@ class LoRATrainingRecipe:
               f" global batches of {self.plan.global_batch} per epoch", flush=True)
 
     def _setup_model(self) -> None:
-        from diffusers import DDPMScheduler, UNet2DConditionModel
         from diffusers.training_utils import cast_training_params
         from peft import LoraConfig
 
         p, model_path = self.params, self.inputs.model_path
         self.dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.mixed_precision]
-        self.scheduler = DDPMScheduler.from_pretrained(model_path, subfolder="scheduler")
-        if p.prediction_type:
-            self.scheduler.register_to_config(prediction_type=p.prediction_type)
-        unet = UNet2DConditionModel.from_pretrained(model_path, subfolder="unet", torch_dtype=self.dtype)
-        is_sdxl = unet.config.addition_embed_type == "text_time"
-        if is_sdxl != (self.data.family == "sdxl"):
-            raise ValueError(f"the encoded data is {self.data.family} but {model_path} is not")
-        unet.requires_grad_(False)
-        unet.to(self.accelerator.device)
+        self.family = families.for_model(model_path)
+        self.objective = self.family.objective(model_path, p)
+        denoiser = self.family.load_denoiser(model_path, self.dtype)
+        denoiser.requires_grad_(False)
+        denoiser.to(self.accelerator.device)
         self.lora_config = LoraConfig(
             r=p.rank, lora_alpha=p.alpha, lora_dropout=p.dropout, init_lora_weights="gaussian",
-            target_modules=resolve_target_modules(unet, p.target_modules),
+            target_modules=self.family.lora_target_modules(denoiser, p.target_modules),
         )
         torch.manual_seed(derived_seed(p.seed, "init"))  # the LoRA's gaussian init
-        unet.add_adapter(self.lora_config)
+        denoiser.add_adapter(self.lora_config)
         if p.init_lora:
-            load_init_lora(unet, Path(p.init_lora), self.lora_config)
-        cast_training_params(unet, dtype=torch.float32)
+            load_init_lora(denoiser, Path(p.init_lora), self.lora_config, self.family.components.denoiser)
+        cast_training_params(denoiser, dtype=torch.float32)
         if self.options.gradient_checkpointing:
-            unet.enable_gradient_checkpointing()
-        self.unet = unet
+            denoiser.enable_gradient_checkpointing()
+        self.denoiser = denoiser
 
     def _setup_optimizer(self) -> None:
         from diffusers.optimization import get_scheduler
 
         p = self.params
-        # the LoRA's tensors, listed once: walking unet.parameters() every step costs more than clipping
-        self.lora_params = [t for t in self.unet.parameters() if t.requires_grad]
+        # the LoRA's tensors, listed once: walking denoiser.parameters() every step costs more than clipping
+        self.lora_params = [t for t in self.denoiser.parameters() if t.requires_grad]
         settings = dict(lr=p.effective_learning_rate, weight_decay=p.weight_decay)
         if p.optimizer == "adamw8bit":
             from bitsandbytes.optim import AdamW8bit
@@ -170,21 +157,22 @@ class LoRATrainingRecipe:
             optimizer = torch.optim.AdamW(self.lora_params, fused=True, **settings)
         self.lr_scheduler = get_scheduler(p.lr_scheduler, optimizer, num_warmup_steps=p.warmup_steps,
                                           num_training_steps=p.max_steps)
-        self.unet, self.optimizer = self.accelerator.prepare(self.unet, optimizer)
+        self.denoiser, self.optimizer = self.accelerator.prepare(self.denoiser, optimizer)
         # not prepare(): a prepared scheduler steps once per process per call
         self.accelerator.register_for_checkpointing(self.lr_scheduler)
 
     def _register_checkpoint_hooks(self) -> None:
-        """Checkpoints hold the LoRA only (save_state would write the whole UNet)."""
+        """Checkpoints hold the LoRA only (save_state would write the whole denoiser)."""
+        prefix = self.family.components.denoiser
 
         def save_hook(models, weights, output_dir):
             weights.clear()
             if self.accelerator.is_main_process:
-                write_diffusers_lora(self._lora_unet(), Path(output_dir) / LORA_FILE, self.provenance())
+                write_diffusers_lora(self._lora_denoiser(), Path(output_dir) / LORA_FILE, self.provenance(), prefix)
 
         def load_hook(models, input_dir):
             models.clear()
-            load_diffusers_lora(self._lora_unet(), Path(input_dir) / LORA_FILE)
+            load_diffusers_lora(self._lora_denoiser(), Path(input_dir) / LORA_FILE, prefix)
 
         self.accelerator.register_save_state_pre_hook(save_hook)
         self.accelerator.register_load_state_pre_hook(load_hook)
@@ -218,7 +206,7 @@ class LoRATrainingRecipe:
 
     # ---- training
     def train(self) -> None:
-        self.unet.train()
+        self.denoiser.train()
         self.batches = self.micro_batches()
         try:
             self._train_loop()
@@ -232,8 +220,9 @@ class LoRATrainingRecipe:
         return MicroBatches(self._prepare, self.step * accumulation, self.params.max_steps * accumulation,
                             workers, pin=cuda)
 
-    def _prepare(self, micro_batch: int) -> UNetInputs:
-        return prepare_micro_batch(self.data, self.plan, self.scheduler, self.params, micro_batch, self.rank)
+    def _prepare(self, micro_batch: int) -> StepInputs:
+        return prepare_micro_batch(self.data, self.plan, self.family, self.objective, self.params, micro_batch,
+                                   self.rank)
 
     def _train_loop(self) -> None:
         p, acc = self.params, self.accelerator
@@ -275,8 +264,8 @@ class LoRATrainingRecipe:
             if p.dropout:  # LoRA dropout draws from the global generator (seeding costs 0.14 ms)
                 torch.manual_seed(derived_seed(p.seed, "dropout", micro_batch, self.rank))
             last = j == p.gradient_accumulation_steps - 1
-            with nullcontext() if last else acc.no_sync(self.unet):
-                loss = unet_loss(self.unet, inputs, acc.device, self.dtype)
+            with nullcontext() if last else acc.no_sync(self.denoiser):
+                loss = step_loss(self.family, self.denoiser, inputs, acc.device, self.dtype)
                 acc.backward(loss / p.gradient_accumulation_steps)
             losses.append(loss.detach())
         acc.clip_grad_norm_(self.lora_params, p.max_grad_norm)
@@ -297,15 +286,14 @@ class LoRATrainingRecipe:
         acc.wait_for_everyone()
 
     def export(self) -> None:
-        """The final LoRA in both formats and the training config, into work_dir/export/."""
+        """The final LoRA in the family's formats (diffusers first) and the training config, into
+        work_dir/export/."""
         if not self.accelerator.is_main_process:
             return
         out = self.work_dir / "export"
-        out.mkdir(parents=True, exist_ok=True)
-        unet, provenance = self._lora_unet(), self.provenance()
-        write_diffusers_lora(unet, out / "pytorch_lora_weights.safetensors", provenance)
-        write_kohya_lora(unet, out / "pytorch_lora_weights_kohya.safetensors", self.params.alpha,
-                         {**provenance, **self.kohya_metadata()})
+        shutil.rmtree(out, ignore_errors=True)  # only this run's files are published
+        out.mkdir(parents=True)
+        self.family.export_lora(self._lora_denoiser(), out, self.provenance(), self.kohya_metadata())
         config = {**self.train_config(), "steps": self.step}
         (out / "train_config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
         (self.work_dir / "logs" / "summary.json").write_text(
@@ -319,7 +307,7 @@ class LoRATrainingRecipe:
             "version": VERSION, "params": self.params.model_dump(mode="json", exclude={"max_steps", "init_lora"}),
             "target_modules": sorted(self.lora_config.target_modules),
             "base_model_digest": self.inputs.base_model_digest, "encoded_digest": self.inputs.encoded_digest,
-            "init_lora_digest": self.inputs.init_lora_digest, "family": self.data.family,
+            "init_lora_digest": self.inputs.init_lora_digest, "family": self.family.name,
         }
 
     def provenance(self) -> dict[str, str]:
@@ -341,7 +329,6 @@ class LoRATrainingRecipe:
             "ss_gradient_accumulation_steps": p.gradient_accumulation_steps, "ss_max_grad_norm": p.max_grad_norm,
             "ss_noise_offset": p.noise_offset, "ss_min_snr_gamma": p.snr_gamma, "ss_caption_dropout_rate": p.caption_dropout,
             "ss_network_train_unet_only": True, "ss_cache_latents": True,
-            "ss_base_model_version": "sdxl_base_v1-0" if self.data.family == "sdxl" else "sd_v1",
             "ss_new_sd_model_hash": self.inputs.base_model_digest,
         }
         return {k: str(v) for k, v in values.items()}
@@ -349,8 +336,8 @@ class LoRATrainingRecipe:
     def cleanup(self) -> None:
         self.accelerator.end_training()
 
-    def _lora_unet(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.unet)
+    def _lora_denoiser(self) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(self.denoiser)
 
     def _truncate_loss_log(self, step: int) -> None:
         """Forget losses logged after `step` by a run that died before its next checkpoint."""

@@ -1,12 +1,14 @@
-"""Tiny Stable Diffusion models built offline from configs, byte-for-byte reproducible.
+"""Tiny Stable Diffusion models built offline from configs, byte-for-byte reproducible:
+`lorapipe tiny-model DIR --arch sd15|sdxl`.
 
-Random weights from a fixed seed and a byte-level CLIP tokenizer written from scratch, saved in
-the diffusers folder layout, so they load through exactly the code path a real model does.
-Usage: `lorapipe tiny-model DIR [--arch sd15|sdxl]`.
+Random weights from a fixed seed and a byte-level CLIP tokenizer written from scratch (also the
+tiny Flux.1's CLIP and the benchmarks' full-size models use it), saved in the diffusers folder
+layout, so they load through exactly the code path a real model does.
 """
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -40,7 +42,7 @@ def write_tokenizer(out_dir: Path):
     return tokenizer
 
 
-def _text_encoder(with_projection: bool):
+def clip_text_encoder(with_projection: bool):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     config = CLIPTextConfig(
@@ -94,27 +96,23 @@ def _scheduler():
     )
 
 
-def build_tiny_model(out_dir: Path, arch: str = "sd15") -> Path:
-    """Write a tiny diffusers-format model of `arch` ("sd15" or "sdxl") into `out_dir`."""
+def build_tiny_sd(out_dir: Path, sdxl: bool) -> Path:
+    """Write a tiny diffusers-format SD1.x (or SDXL) model into `out_dir`."""
     from diffusers import StableDiffusionPipeline, StableDiffusionXLPipeline
 
     out_dir = Path(out_dir)
     tokenizer = write_tokenizer(out_dir / ".tokenizer-src")
-    if arch == "sd15":
-        pipe = StableDiffusionPipeline(
-            vae=_vae(), text_encoder=_text_encoder(False), tokenizer=tokenizer, unet=_unet(False),
-            scheduler=_scheduler(), safety_checker=None, feature_extractor=None,
-            requires_safety_checker=False,
-        )
-    elif arch == "sdxl":
+    if sdxl:
         pipe = StableDiffusionXLPipeline(
-            vae=_vae(), text_encoder=_text_encoder(False), text_encoder_2=_text_encoder(True),
+            vae=_vae(), text_encoder=clip_text_encoder(False), text_encoder_2=clip_text_encoder(True),
             tokenizer=tokenizer, tokenizer_2=tokenizer, unet=_unet(True), scheduler=_scheduler(),
         )
     else:
-        raise ValueError(f"unknown arch {arch!r}: expected sd15 or sdxl")
+        pipe = StableDiffusionPipeline(
+            vae=_vae(), text_encoder=clip_text_encoder(False), tokenizer=tokenizer, unet=_unet(False),
+            scheduler=_scheduler(), safety_checker=None, feature_extractor=None,
+            requires_safety_checker=False,
+        )
     pipe.save_pretrained(out_dir, safe_serialization=True)
-    import shutil
-
     shutil.rmtree(out_dir / ".tokenizer-src")
     return out_dir
