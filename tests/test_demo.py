@@ -68,3 +68,21 @@ def test_status_says_hit_or_miss_and_which_ingredient_changed(demo_runs):
     assert rows["evaluate"]["status"] == "miss" and rows["evaluate"]["key"] is None
     text = lorapipe("status", str(run / "demo.yaml"), "--set", "train.learning_rate=0.001", cwd=run.parent).stdout
     assert "params.learning_rate" in text
+
+
+def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path):
+    """`lorapipe demo --arch flux1`: the same layout and outputs as the SD demo, on the tiny Flux.1 dev
+    (flow matching); a workdir already holding another arch's model is refused in one line."""
+    run = lorapipe("demo", "--arch", "flux1", "--workdir", "flux", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    outputs = tmp_path / "flux" / "outputs"
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
+                 "pytorch_lora_weights_comfyui.safetensors", "grid.png", "metrics.json"):
+        assert (outputs / name).is_file()
+    metrics = json.loads((outputs / "metrics.json").read_text())
+    assert metrics["prediction_type"] == {"base": "flow", "lora": "flow"}
+    assert metrics["loss"]["train"]["lora"]["overall"] < metrics["loss"]["train"]["base"]["overall"]
+    other = lorapipe("demo", "--arch", "sd15", "--workdir", "flux", cwd=tmp_path)
+    assert other.returncode == 1
+    assert other.stderr.strip().splitlines()[-1] == ("lorapipe: error: flux/model holds the tiny flux1 model, not sd15:"
+                                                     " give another --workdir for the sd15 demo")

@@ -38,7 +38,7 @@ RESOLUTION = 64
 
 @dataclass(frozen=True)
 class Variant:
-    arch: str  # the tiny model: sd15 or sdxl
+    arch: str  # the tiny model: sd15, sdxl, flux1 or flux1-schnell
     prediction_type: str | None = None  # written into a copy's scheduler config (SD2-style: v_prediction)
     train: dict = field(default_factory=dict)
     encode: dict = field(default_factory=dict)
@@ -109,13 +109,36 @@ def measure(done: dict) -> Golden:
     return Golden(first["loss"], holdout["base"]["overall"], holdout["lora"]["overall"], pixel_checksum(image))
 
 
-@pytest.mark.parametrize("name", VARIANTS)
-def test_golden_numbers(name, tmp_path, tiny_model, sdxl_model, run_stages):
-    variant = VARIANTS[name]
-    model = variant_model(variant, tiny_model, sdxl_model, tmp_path)
-    measured = measure(run_stages(write_config(tmp_path, model, variant), STAGES))
-    golden = GOLDEN[name]
+def assert_golden(measured: Golden, golden: Golden) -> None:
     assert measured.train_loss == pytest.approx(golden.train_loss, rel=1e-5), measured
     assert measured.holdout_base == pytest.approx(golden.holdout_base, rel=1e-5), measured
     assert measured.holdout_lora == pytest.approx(golden.holdout_lora, rel=1e-5), measured
     assert measured.first_image == golden.first_image, measured
+
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_golden_numbers(name, tmp_path, tiny_model, sdxl_model, run_stages):
+    variant = VARIANTS[name]
+    model = variant_model(variant, tiny_model, sdxl_model, tmp_path)
+    assert_golden(measure(run_stages(write_config(tmp_path, model, variant), STAGES)), GOLDEN[name])
+
+
+FLUX_VARIANTS = {  # the flow-matching objective: x_t = (1 - s) x0 + s noise, target noise - x0
+    "flux1-dev": Variant("flux1"),  # resolution-dependent shift, guidance input 1.0 in training
+    "flux1-schnell": Variant("flux1-schnell", train={"timestep_sampling": {"distribution": "logit_normal"},
+                                                     "loss_weighting": "cosmap"}),
+}
+# Recorded at Flux.1's first run through the stages (commit "Flux.1 end to end"), once
+# tests/test_families_flux1.py had checked its text records, normalisation, transformer call and
+# objective against FluxPipeline: they pin Flux.1's numbers from then on, as GOLDEN does SD's.
+FLUX_GOLDEN = {
+    "flux1-dev": Golden(1.5247539281845093, 1.4049115777015686, 1.4010497530301411, "a329b5faa2ee35e0"),
+    "flux1-schnell": Golden(1.6704908609390259, 1.3416847983996074, 1.3368789354960124, "d1020a43726eaacf"),
+}
+
+
+@pytest.mark.parametrize("name", FLUX_VARIANTS)
+def test_flux_golden_numbers(name, tmp_path, flux_model, flux_schnell_model, run_stages):
+    variant = FLUX_VARIANTS[name]
+    model = flux_model if variant.arch == "flux1" else flux_schnell_model
+    assert_golden(measure(run_stages(write_config(tmp_path, model, variant), STAGES)), FLUX_GOLDEN[name])
