@@ -23,6 +23,7 @@ BENCHES = {
     "loader_full_size": lambda root: loader_bench.throughput(root),
     "decode_camera_jpeg": lambda root: decode_bench.rates(root),
     "train_step": lambda root: train_bench.step_times(root),
+    "train_step_flux1": lambda root: train_bench.step_times(root, "flux1"),
     "optimizer_step": lambda root: train_bench.optimizer_variants(root),
     "pipeline_noop": lambda root: pipeline_noop.measure(root),
     "object_noop": lambda root: object_bench.noop(root),

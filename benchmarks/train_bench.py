@@ -1,7 +1,7 @@
 """Train: step time over the cached shards vs an on-the-fly baseline, the bare denoiser step, and
 how much faster the shards are read than training consumes them.
 
-All use the same tiny SD1.5 model, LoRA, optimizer, batch and resolution, in this process
+All use the same tiny model (SD1.5; `train_step_flux1`: Flux.1 dev), LoRA, optimizer, batch and resolution, in this process
 (the stage's recipe object, no accelerate launch, no Prefect):
 - cached:     the recipe's own step (its loader threads read records by shard and offset, sample the
               posterior and noise; the step copies them to the device, runs the denoiser forward +
@@ -146,13 +146,14 @@ def step_figures(seconds: dict[str, float], batch: int) -> dict:
     }
 
 
-def step_times(root: Path) -> dict:
+def step_times(root: Path, arch: str = "sd15") -> dict:
+    """The variants of the module docstring on the tiny model of `arch` (a registered tiny arch)."""
     import torch
 
     torch.set_num_threads(1)
-    model = tiny_model(root)
+    model = tiny_model(root, arch)
     data = generated_images(root / f"images-{IMAGES}", IMAGES)
-    cache = root / "train-bench"
+    cache = root / f"train-bench-{arch}"
     shutil.rmtree(cache, ignore_errors=True)
     enc_inputs = encode_inputs(data, cache, model)
     run_encode(enc_inputs, cache / "encoded", workers=0)
@@ -160,7 +161,7 @@ def step_times(root: Path) -> dict:
     inline = training_recipe(enc_inputs, cache / "encoded", cache / "work-inline", loader_workers=0)
     seconds = interleaved(step_calls(recipe, inline, enc_inputs), TIMING)
     recipe.batches.close()
-    return {"model": "tiny sd15", "resolution": 64, "batch": BATCH, "steps": str(TIMING),
+    return {"model": f"tiny {arch}", "resolution": 64, "batch": BATCH, "steps": str(TIMING),
             "torch_threads": torch.get_num_threads(), **step_figures(seconds, BATCH)}
 
 
