@@ -166,3 +166,15 @@ def test_comfyui_export_in_original_names_means_what_was_trained(base, tmp_path)
     assert qkv_down.shape[0] == 12 and alpha.item() == 12
     kohya = respelled_as_kohya(comfy, tmp_path / "respelled.safetensors")
     assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", kohya))
+
+
+def test_evaluate_renders_with_guidance_and_no_negative_prompt(base):
+    """evaluate's render call with the family's pipeline arguments: with guidance and no negative
+    prompt (evaluate.negative_prompt unset) the base model renders (it passed [None] as the negative
+    prompts, and the pipeline's chat template failed on it)."""
+    from stages.evaluate.render import RenderSettings, render_column
+
+    family = families.for_model(base)
+    text = family.text_settings(base, TextOptions())
+    settings = RenderSettings(["a photo of a cat"], [0], 1, 32, 1, family.render_kwargs(text, 4.0, ""))
+    assert [image.size for image in render_column(_pipeline(base), settings)] == [(32, 32)]

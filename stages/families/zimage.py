@@ -91,7 +91,7 @@ class ZImage(FlowFamily):
         if negative_prompt and self.bound.distilled:
             raise ValueError(f"evaluate.negative_prompt: Z-Image {self.bound.name} renders without guidance and"
                              " ignores negative prompts; remove it")
-        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt or None,
+        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt,  # "" as the pipeline defaults to
                 "max_sequence_length": settings.max_sequence_length}
 
     # ---- tiny model
