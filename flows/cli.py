@@ -8,7 +8,8 @@
 
 Every command takes --debug. An error ends the command with one line, `lorapipe: error: ...`, and
 a non-zero exit code (2 for a bad config, 1 otherwise); a run's traceback is in its log file
-(flows/runlog.py), and --debug prints it too.
+(flows/runlog.py), and --debug prints it too. Ctrl-C ends it with one line saying what was kept
+(training: the step it reached and the checkpoint a rerun resumes from) and exit code 130.
 """
 from __future__ import annotations
 
@@ -19,8 +20,7 @@ import traceback
 from pathlib import Path
 
 from cache.errors import one_line, user_message
-
-from .config import ConfigError
+from stages.library_notes import quiet_harmless_notes
 
 STRICT = ["preprocess.on_bad_row=error"]  # --strict: a bad metadata row stops the run
 PREFECT_DEFAULTS = {
@@ -74,15 +74,21 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     for name, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(name, value)
+    quiet_harmless_notes()
+    if args.command == "demo":
+        os.environ.setdefault("PREFECT_HOME", str((args.workdir / "prefect").resolve()))
     try:
         return _dispatch(args)
-    except KeyboardInterrupt:
-        print("lorapipe: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as interrupt:  # one line, no traceback; the stage's says how far it got
+        print(f"lorapipe: {interrupt or 'interrupted; run again to resume (finished stages stay cached)'}",
+              file=sys.stderr)
         return 130
     except Exception as error:
         if args.debug:
             traceback.print_exc()
         print(f"lorapipe: error: {error_line(error)}", file=sys.stderr)
+        from .config import ConfigError
+
         return 2 if isinstance(error, ConfigError) else 1
 
 
@@ -97,17 +103,20 @@ def error_line(error: Exception) -> str:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command in ("demo", "run"):
+        from .server import EmbeddedServer
+
+        server = EmbeddedServer.unless_configured()  # its start-up overlaps everything until the flow
     from . import commands
 
     if args.command == "demo":
         from .demo import prepare_demo
 
         config = prepare_demo(args.workdir, args.arch)
-        os.environ.setdefault("PREFECT_HOME", str((args.workdir / "prefect").resolve()))
-        return commands.run(config, [], [], None, [], args.json, args.debug)
+        return commands.run(config, [], [], None, [], args.json, args.debug, server)
     if args.command == "run":
         return commands.run(args.config, args.overrides + STRICT * args.strict, args.only, args.start, args.force,
-                            args.json, args.debug)
+                            args.json, args.debug, server)
     if args.command == "status":
         return commands.status(args.config, args.overrides + STRICT * args.strict, args.json)
     if args.command == "cache":

@@ -2,12 +2,17 @@
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cache.errors import UserError
 
 from .config import PipelineConfig, load_config
+
+if TYPE_CHECKING:
+    from .server import EmbeddedServer
 
 
 def _print_json(value) -> None:
@@ -36,12 +41,18 @@ def preflight(config: PipelineConfig, stage_names: list[str], start: str | None)
 
 
 def run(config_path: Path, overrides: list[str], only: list[str], start: str | None,
-        force: list[str], as_json: bool, debug: bool = False) -> int:
+        force: list[str], as_json: bool, debug: bool = False, server: EmbeddedServer | None = None) -> int:
     config = load_config(config_path, overrides)
+    print(f"lorapipe: running pipeline {config.name!r} ({config_path}): checking the model, then starting Prefect",
+          file=sys.stderr, flush=True)  # with Prefect's log lines; stdout stays the summary (--json)
     preflight(config, only + force, start)
+    if server:
+        server.connect()
     from .pipeline import pipeline
     from .runlog import run_log
 
+    if server:
+        server.wait_ready()
     with run_log(config.output_dir, debug) as log_path:
         summary = pipeline(config, only=only, start=start, force=force)
     if as_json:

@@ -146,7 +146,7 @@ def _apply_override(raw: dict, assignment: str, source: str) -> None:
 
 def _resolve_paths(raw: dict, base: Path) -> None:
     for dotted in ("cache_dir", "object_store.local_dir", "output_dir", "model.path", "data.path", "train.init_lora",
-                   *(f"evaluate.{name}" for name in LOCAL_PATHS)):
+                   "train.accelerate_config", *(f"evaluate.{name}" for name in LOCAL_PATHS)):
         *parents, leaf = dotted.split(".")
         node = raw
         for part in parents:

@@ -22,6 +22,7 @@ from prefect.states import Completed
 
 from cache.object_store import open_store
 from stages.launching import WorkerCrashed
+from stages.library_notes import quiet_harmless_notes
 
 from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config
@@ -88,6 +89,7 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
         force: rebuild these stages, discarding their artifacts and train's checkpoints (`--force`)
         warm_start: start training from this pipeline's previous LoRA instead of from scratch
     """
+    quiet_harmless_notes()  # in a deployment's flow process too
     chosen = selected_stages(only, start)
     results: list[StageResult] = []
     upstream: dict[str, str] = {}

@@ -62,10 +62,13 @@ def run_log(output_dir: Path, debug: bool = False) -> Iterator[Path]:
         console.addFilter(terminal)
     try:
         yield path
-    except BaseException:
-        file_handler.handle(logging.LogRecord("lorapipe", logging.ERROR, __file__, 0, "the run failed", None,
+    except BaseException as error:
+        interrupted = isinstance(error, KeyboardInterrupt)
+        file_handler.handle(logging.LogRecord("lorapipe", logging.ERROR, __file__, 0,
+                                              "the run was interrupted" if interrupted else "the run failed", None,
                                               sys.exc_info()))
-        print(f"lorapipe: the full log of this run: {path}", file=sys.stderr)
+        if not interrupted:  # Ctrl-C: the user knows why, and the command says what was kept
+            print(f"lorapipe: the full log of this run: {path}", file=sys.stderr)
         terminal.closed = True  # stays on the console until the process exits
         consoles = []
         raise

@@ -19,13 +19,17 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cache.errors import UserError, user_message
-from stages.contract import Log
+
+if TYPE_CHECKING:
+    from stages.contract import Log
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 TRACEBACK_START = "Traceback (most recent call last):"
@@ -37,6 +41,10 @@ detail_log = logging.getLogger("lorapipe.detail")  # lines for the log file, not
 
 class WorkerFailed(UserError):
     """A worker process stopped on an exception and reported it in one line."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) stopped a stage; the message says what was kept and how to go on."""
 
 
 class WorkerCrashed(RuntimeError):
@@ -86,19 +94,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_streaming(command: list[str], log_file: Path, log: Log) -> None:
-    """Run `command`, sending each output line to `log_file` and, tracebacks aside, to `log`.
-    Raise WorkerFailed with the first error a worker reported, or WorkerCrashed if none did."""
+def start_worker(command: list[str], env: dict[str, str] | None = None, stdin: bool = False) -> subprocess.Popen:
+    """Start `command` from the repository root, its output (stdout and stderr) to a pipe, dying
+    with this process; `env` adds to the environment; `stdin`: a pipe to send it its job."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",  # every input is a local path
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
-           PARENT_ENV: str(os.getpid())}
+           PARENT_ENV: str(os.getpid()), **(env or {})}
+    return subprocess.Popen(command, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, cwd=REPO_ROOT,
+                            preexec_fn=die_with(os.getpid()))
+
+
+def run_streaming(command: list[str], log_file: Path, log: Log, env: dict[str, str] | None = None) -> None:
+    """Run `command` (see `stream`)."""
+    stream(start_worker(command, env), log_file, log)
+
+
+def stream(process: subprocess.Popen, log_file: Path, log: Log) -> None:
+    """Send each line `process` prints to `log_file`, stamped with the wall time, and, tracebacks
+    aside, to `log`, until it exits; stop it and its children if this is interrupted. Raise
+    WorkerFailed with the first error a worker reported, or WorkerCrashed if none did."""
     errors: list[str] = []
     with open(log_file, "a", buffering=1) as sink:  # line-buffered: the log can be followed live
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                                   bufsize=1, env=env, cwd=REPO_ROOT, preexec_fn=_die_with(os.getpid()))
         try:
             for line, is_detail in _classified(process.stdout, errors):
-                sink.write(line + "\n")
+                sink.write(f"{wall_time()} {line}\n")
                 (detail_log.info if is_detail else log)(line)
             code = process.wait()
         finally:
@@ -109,6 +129,12 @@ def run_streaming(command: list[str], log_file: Path, log: Log) -> None:
     if code != 0:
         raise WorkerCrashed(f"the {name} process died without reporting an error (exit code {code}; killed by a"
                             f" signal or out of memory?); its log: {log_file}")
+
+
+def wall_time() -> str:
+    """Now, as log rows carry it: 2026-11-23 09:11:29.733 (local time)."""
+    now = time.time()
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
 
 
 def _classified(lines: Iterator[str], errors: list[str]) -> Iterator[tuple[str, bool]]:
@@ -129,9 +155,11 @@ def _classified(lines: Iterator[str], errors: list[str]) -> Iterator[tuple[str, 
 @contextmanager
 def reporting_errors() -> Iterator[None]:
     """In a worker's main: report an exception as one ERROR_PREFIX line (the user's line for an
-    error the user can fix), then its traceback, and exit with status 1."""
+    error the user can fix), then its traceback, and exit with status 1; on Ctrl-C exit quietly."""
     try:
         yield
+    except KeyboardInterrupt:  # Ctrl-C reaches the workers too: the parent tells the user, once
+        sys.exit(130)
     except Exception as error:
         line = user_message(error) or f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         print(f"{ERROR_PREFIX}{line}", flush=True)
@@ -140,8 +168,8 @@ def reporting_errors() -> Iterator[None]:
         sys.exit(1)
 
 
-def _die_with(stage_pid: int):
-    """The launcher's preexec hook: SIGTERM when the stage process exits, even by SIGKILL. It runs
+def die_with(parent_pid: int):
+    """A child's preexec hook: SIGTERM when its parent `parent_pid` exits, even by SIGKILL. It runs
     between fork and exec, so it only calls the prctl resolved here and os.getppid."""
     prctl = _prctl()
     if prctl is None:
@@ -149,7 +177,7 @@ def _die_with(stage_pid: int):
 
     def hook() -> None:
         prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
-        if os.getppid() != stage_pid:  # the stage died between fork and prctl
+        if os.getppid() != parent_pid:  # the parent died between fork and prctl
             os._exit(1)
 
     return hook

@@ -199,7 +199,7 @@ def test_buckets_and_flips_are_encoded_by_size_as_their_own_records(tmp_path, ti
         out, built, logs = run_encode(tmp_path, inputs, encode.EncodeParams(flip=True), batch_size=4)
     assert counts["vae"] == 12 and built.info["latents_encoded"] == 12
     assert built.info["sizes"] == {"128x64": 3, "64x128": 1, "64x64": 2}
-    assert any("images/s" in line and "reused" in line for line in logs)
+    assert any("img/s]" in line and "reused" in line for line in logs)
     data_ = EncodedData(out, inputs.cache_root)
     for sample in data_.samples:
         (mean, _), (flipped, _) = data_.latent(sample), data_.latent(sample, flipped=True)

@@ -1,5 +1,6 @@
 """The train stage on the tiny SD1.5 and SDXL models and the encoded demo photos (6 train samples),
-CPU only, every run a real `accelerate launch`.
+CPU only, every run a real training subprocess (the recipe directly for one process, `accelerate launch`
+for DDP or a user's accelerate config).
 
 One 120-step training (`trained`) is shared: its files, its loss curve, exact resume against it,
 that its exported LoRA files reproduce the trained UNet, and a start from its LoRA (init_lora).
@@ -10,12 +11,14 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import time
 from dataclasses import replace
+from datetime import datetime
 from pathlib import Path
 
 import pytest
@@ -58,6 +61,11 @@ def losses(out: Path) -> list[dict]:
     return [json.loads(line) for line in (out / "logs" / "loss.jsonl").read_text().splitlines()]
 
 
+def trajectory(out: Path) -> list[tuple[int, float, float]]:
+    """(step, loss, lr) per row of loss.jsonl: what a resumed run must reproduce (not the wall times)."""
+    return [(e["step"], e["loss"], e["lr"]) for e in losses(out)]
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory, tiny_model, encoded):
     tmp = tmp_path_factory.mktemp("train")
@@ -82,8 +90,38 @@ def test_run_writes_lora_files_and_rotates_checkpoints(trained):
     assert [e["step"] for e in losses(out)] == list(range(1, STEPS + 1))
     assert (out / "logs" / "loss.png").read_bytes().startswith(b"\x89PNG")
     assert list((out / "logs" / "tracker").glob("events.out.tfevents.*"))  # TensorBoard, the default tracker
-    progress = [line for line in (out / "logs" / "train.log").read_text().splitlines() if line.startswith("step ")]
-    assert len(progress) == STEPS // 20 and all(" it/s ETA " in line for line in progress)
+
+
+def train_log(out: Path) -> list[tuple[datetime, str]]:
+    """train.log's lines: (the wall time it was written, the line)."""
+    rows = [line.split(" ", 2) for line in (out / "logs" / "train.log").read_text().splitlines()]
+    return [(datetime.strptime(f"{day} {clock}", "%Y-%m-%d %H:%M:%S.%f"), text) for day, clock, text in rows]
+
+
+def test_progress_shows_from_the_first_step_as_a_bar_with_rate_and_eta(trained):
+    progress = [text for _, text in train_log(trained[0]) if text.startswith("step ")]
+    assert [int(text.split()[1].split("/")[0]) for text in progress] == [1, *range(20, STEPS + 1, 20)]
+    assert all(re.search(r"\|[# 0-9]{20}\| +\d+% \[\d\d:\d\d<\d\d:\d\d, +[\d.]+it/s\]$", text)
+               for text in progress), progress
+
+
+def test_loss_rows_and_log_lines_carry_wall_time(trained):
+    out, _ = trained
+    rows, lines = losses(out), train_log(out)
+    started = lines[0][0].timestamp()
+    assert started <= rows[0]["time"] <= rows[-1]["time"] <= lines[-1][0].timestamp() + 1
+    assert all(a["time"] <= b["time"] for a, b in zip(rows, rows[1:]))
+    assert all(0 < row["seconds"] < 60 for row in rows)
+    assert sum(row["seconds"] for row in rows) <= rows[-1]["time"] - started
+
+
+def test_training_leaves_one_core_to_the_rest_unless_told(trained, tmp_path, tiny_model, encoded):
+    threads = re.compile(r"rank 0/1: .*, (\d+) torch threads")
+    first_line = next(threads.search(text) for _, text in train_log(trained[0]) if threads.search(text))
+    assert int(first_line[1]) == max(1, len(os.sched_getaffinity(0)) - 1)
+    out, _ = run_train(tmp_path, "threads", train_inputs(tiny_model, encoded), max_steps=1, options={"cpu_threads": 2})
+    told = next(threads.search(text) for _, text in train_log(out) if threads.search(text))
+    assert int(told[1]) == min(2, len(os.sched_getaffinity(0)))  # torch takes no more threads than cores
 
 
 def test_loss_goes_down(trained):
@@ -97,7 +135,7 @@ def test_resume_is_exact(trained, tmp_path, tiny_model, encoded):
     run_train(tmp_path, "first-half", inputs, work, max_steps=STEPS // 2)
     out, built = run_train(tmp_path, "resumed", inputs, work)
     assert built.info["resumed_from"] == STEPS // 2
-    assert losses(out) == losses(trained[0])  # bit-exact: the same floats, printed the same
+    assert trajectory(out) == trajectory(trained[0])  # bit-exact: the same floats, printed the same
     ours, straight = load_file(out / "pytorch_lora_weights.safetensors"), load_file(trained[0] / "pytorch_lora_weights.safetensors")
     assert ours.keys() == straight.keys()
     assert all(torch.equal(ours[k], straight[k]) for k in ours)
@@ -111,13 +149,13 @@ def test_resume_with_lora_dropout_is_exact(tmp_path, tiny_model, encoded):
     straight, _ = run_train(tmp_path, "straight", inputs, max_steps=20, **dropout)
     run_train(tmp_path, "half", inputs, tmp_path / "work", max_steps=10, **dropout)
     resumed, built = run_train(tmp_path, "resumed", inputs, tmp_path / "work", max_steps=20, **dropout)
-    assert built.info["resumed_from"] == 10 and losses(resumed) == losses(straight)
+    assert built.info["resumed_from"] == 10 and trajectory(resumed) == trajectory(straight)
 
 
 def test_loader_threads_train_what_the_step_would_prepare_itself(trained, tmp_path, tiny_model, encoded):
     out, _ = run_train(tmp_path, "threads", train_inputs(tiny_model, encoded), options={"loader_workers": 2},
                        max_steps=40)
-    assert losses(out) == losses(trained[0])[:40]  # trained prepared them in the step (the CPU default)
+    assert trajectory(out) == trajectory(trained[0])[:40]  # trained prepared them in the step (the CPU default)
 
 
 def test_micro_batches_come_in_order_and_raise_a_workers_error():
@@ -477,3 +515,26 @@ def test_encoded_data_of_another_model_is_refused_in_one_line_naming_both(tmp_pa
         digests = component_digests(other_vae, stats, families.get("sd15"))
     with pytest.raises(UserError, match=r"encoded by another model \(sd15: vae [0-9a-f]{12}\) than .*other-vae \(sd15: vae"):
         run_train(tmp_path, "vae", replace(train_inputs(other_vae, encoded), model_digests=digests), max_steps=1)
+
+
+def test_a_users_accelerate_config_launches_training_and_a_missing_one_is_named(tmp_path, tiny_model, encoded,
+                                                                                   monkeypatch):
+    """`accelerate config`'s default file (under HF_HOME) is used when there is one; one named by
+    train.accelerate_config must exist."""
+    import yaml
+
+    default = tmp_path / "hf" / "accelerate" / "default_config.yaml"
+    default.parent.mkdir(parents=True)
+    default.write_text(yaml.safe_dump({"compute_environment": "LOCAL_MACHINE", "distributed_type": "NO",
+                                       "num_processes": 1, "num_machines": 1, "use_cpu": True}))
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
+    said, out = [], tmp_path / "out"
+    out.mkdir()
+    built = train.run(train.TrainParams(**{**PARAMS, "max_steps": 1}), train_inputs(tiny_model, encoded), out,
+                      tmp_path / "work", train.TrainOptions(log_with="none"), log=said.append)
+    assert built.info["steps"] == 1
+    assert f"with accelerate config {default}" in said[0]
+    missing = tmp_path / "mine.yaml"
+    with pytest.raises(UserError, match=rf"train.accelerate_config: {missing} is not a file"):
+        train.run(train.TrainParams(**PARAMS), train_inputs(tiny_model, encoded), out, tmp_path / "work2",
+                  train.TrainOptions(accelerate_config=str(missing)))

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from ..contract import Log
 from ..encoded import encode_record
+from ..progress import progress_line
 from .images import ImageCrops, sample_label, size_batches
 
 if TYPE_CHECKING:
@@ -20,7 +21,8 @@ T = TypeVar("T")
 
 
 class Progress:
-    """A progress line at most every `every` seconds (and at the end): images/s, ETA, reuse."""
+    """A progress line at most every `every` seconds (and at the first and last batch): a bar,
+    images/s, ETA, reuse."""
 
     def __init__(self, total: int, reused: int, log: Log, every: float, what: str = ""):
         self.total, self.reused, self.log, self.every, self.what = total, reused, log, every, what
@@ -32,10 +34,8 @@ class Progress:
         if now - self.last < self.every and self.done < self.total:
             return
         self.last = now
-        rate = self.done / max(now - self.started, 1e-9)
-        eta = (self.total - self.done) / rate if rate else float("inf")
-        self.log(f"encode: latents {self.done}/{self.total}{self.what}, {rate:.1f} images/s, ETA {eta:.0f} s;"
-                 f" {self.reused} reused, {self.done} encoded")
+        bar = progress_line("encode: latents", self.done, self.total, now - self.started, unit="img", note=self.what)
+        self.log(f"{bar}; {self.reused} reused")
 
 
 def halve_on_oom(fn: Callable[[torch.Tensor], T], batch: torch.Tensor, log: Log) -> list[T]:

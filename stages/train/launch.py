@@ -13,12 +13,13 @@ import shutil
 import sys
 from pathlib import Path
 
+from cache.errors import UserError
 from cache.samples import DamagedRecord
 from cache.store import Built
 from stages import families
 from stages.contract import Log
 from stages.encoded import EncodedData
-from stages.launching import WorkerFailed, run_streaming, write_accelerate_config
+from stages.launching import Interrupted, WorkerFailed, run_streaming, write_accelerate_config
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
 from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
 
@@ -31,24 +32,25 @@ def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
     out_dir, work_dir = Path(out_dir), Path(work_dir)
     check_inputs(params, inputs)
     (work_dir / "logs").mkdir(parents=True, exist_ok=True)
-    config = write_accelerate_config(work_dir / "accelerate.yaml", params.num_processes)
     job = work_dir / "job.json"
     job.write_text(json.dumps({
         "params": params.model_dump(mode="json"), "inputs": inputs.to_json(),
         "options": options.model_dump(mode="json"), "work_dir": str(work_dir.resolve()),
     }, indent=1, sort_keys=True))
-    threads = max(1, (os.cpu_count() or 1) // params.num_processes)
-    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-               "--num_cpu_threads_per_process", str(threads), "-m", "stages.train.recipe", str(job)]
-    log(f"train: {params.num_processes} process(es), {params.max_steps} steps, work dir {work_dir}")
+    threads = options.cpu_threads or cpu_threads(params.num_processes)
+    command, how = launch_command(job, params.num_processes, threads, options.accelerate_config, work_dir)
+    log(f"train: {params.num_processes} process(es) of {threads} thread(s) {how}, {params.max_steps} steps,"
+        f" work dir {work_dir}")
     damaged = work_dir / DAMAGED_RECORD_FILE
     damaged.unlink(missing_ok=True)
     try:
-        run_streaming(command, work_dir / "logs" / "train.log", log)
+        run_streaming(command, work_dir / "logs" / "train.log", log, {"OMP_NUM_THREADS": str(threads)})
     except WorkerFailed as failure:
         if damaged.is_file():
             raise DamagedRecord.from_json(json.loads(damaged.read_text())) from failure
         raise
+    except KeyboardInterrupt:
+        raise Interrupted(interrupted_at(work_dir)) from None
     return publish(work_dir, out_dir, params.max_steps, log)
 
 
@@ -59,6 +61,57 @@ def check_inputs(params: TrainParams, inputs: TrainInputs) -> None:
     EncodedData(inputs.encoded_dir, inputs.cache_root).check_model(inputs.model_path, family.name,
                                                                    inputs.model_digests)
     family.check_objective(params)
+
+
+def interrupted_at(work_dir: Path) -> str:
+    """How far an interrupted training got, and where a rerun resumes (checkpoints are committed
+    atomically, so the last one stands whenever the interrupt came)."""
+    loss_log = work_dir / "logs" / "loss.jsonl"
+    lines = loss_log.read_text().splitlines() if loss_log.is_file() else []
+    step = next((row["step"] for row in map(_json_or_none, reversed(lines)) if row), 0)
+    checkpoints = CheckpointDir(work_dir / "checkpoints").steps()
+    resume = f"from its last checkpoint, {step_name(checkpoints[-1])}" if checkpoints else "(no checkpoint yet: from the start)"
+    return f"training interrupted at step {step}; run again to resume {resume}"
+
+
+def _json_or_none(line: str) -> dict | None:
+    try:
+        return json.loads(line)
+    except ValueError:  # the line the interrupt cut short
+        return None
+
+
+def cpu_threads(processes: int) -> int:
+    """Torch threads per process: the cores this process may use, less one left to the data loader
+    and the pipeline's own process, shared among the training processes."""
+    return max(1, (len(os.sched_getaffinity(0)) - 1) // processes)
+
+
+def launch_command(job: Path, processes: int, threads: int, accelerate_config: str | None,
+                   work_dir: Path) -> tuple[list[str], str]:
+    """The command that runs the recipe, and how it launches: under the user's accelerate config
+    (`train.accelerate_config`, else `accelerate config`'s default file when there is one), or
+    one written here for DDP; a single process without one runs the recipe directly, sparing the
+    launcher's own interpreter and imports (BENCHMARKS.md, start-up)."""
+    config = Path(accelerate_config) if accelerate_config else default_accelerate_config()
+    if config is not None and not config.is_file():
+        raise UserError(f"train.accelerate_config: {config} is not a file; write one with `accelerate config"
+                        f" --config_file {config}` or leave the key out")
+    if config is None and processes == 1:
+        return [sys.executable, "-m", "stages.train.recipe", str(job)], "(no launcher)"
+    how = f"with accelerate config {config}" if config else "under accelerate launch"
+    config = config or write_accelerate_config(work_dir / "accelerate.yaml", processes)
+    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
+            str(processes), "--num_cpu_threads_per_process", str(threads), "-m", "stages.train.recipe",
+            str(job)], how
+
+
+def default_accelerate_config() -> Path | None:
+    """`accelerate config`'s default file, if it exists, where accelerate looks for it
+    (accelerate.commands.config.config_args, not imported here: it loads torch)."""
+    home = os.environ.get("HF_HOME", os.path.join(os.environ.get("XDG_CACHE_HOME", "~/.cache"), "huggingface"))
+    default = Path(home).expanduser() / "accelerate" / "default_config.yaml"
+    return default if default.is_file() else None
 
 
 def publish(work_dir: Path, out_dir: Path, max_steps: int, log: Log) -> Built:

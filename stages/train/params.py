@@ -84,6 +84,11 @@ class TrainOptions(Frozen):
                                        " CPU (where the threads' share of the GIL slowed the step, benchmarks/)")
     log_with: Literal["tensorboard", "wandb", "none"] = Field(
         "tensorboard", description="accelerate tracker for loss and lr (files under the work dir's logs/)")
+    cpu_threads: int | None = Field(None, gt=0, description="torch threads per training process; default: the"
+                                    " cores less one (left to the loader and the pipeline), shared among the processes")
+    accelerate_config: str | None = Field(None, description="an `accelerate config` file to launch training with;"
+                                          " default: accelerate's own default file when it exists, else one written"
+                                          " by the stage (one process runs without accelerate's launcher)")
 
     @model_validator(mode="after")
     def _tracker_installed(self) -> "TrainOptions":

@@ -4,11 +4,11 @@ on cached latents and text embeddings.
 The train stage's `run()` writes the job file and an accelerate config into the work directory
 and launches this module. By hand (JOB.json as `run()` writes it):
 
-    # one process (CPU or one GPU)
-    accelerate launch --num_processes 1 -m stages.train.recipe WORK/job.json
+    # one process (CPU or one GPU), as the stage runs it when no accelerate config is given
+    python -m stages.train.recipe WORK/job.json
     # DDP: two GPUs, or two CPU processes over gloo (`--cpu` would start only one)
     accelerate launch --multi_gpu --num_processes 2 -m stages.train.recipe WORK/job.json
-    # the exact launch the stage uses
+    # the launch the stage uses for DDP (or with train.accelerate_config: that file)
     accelerate launch --config_file WORK/accelerate.yaml -m stages.train.recipe WORK/job.json
 
 Data: a deterministic batch plan. For each epoch, a permutation seeded by (seed, epoch) deals the
@@ -27,8 +27,9 @@ so the step itself is the copy to the device, the denoiser and the optimizer (tr
 What differs between model families (objective, conditioning, the denoiser call, LoRA target
 presets, export formats) comes from the family of the model (stages/families).
 
-Logs: loss.jsonl and loss.png, TensorBoard (or wandb) through accelerate's trackers, and a
-progress line with it/s and ETA from the main process.
+Logs: loss.jsonl (step, loss, lr, wall-clock time, the step's seconds) and loss.png, TensorBoard
+(or wandb) through accelerate's trackers, and a progress line (tqdm's bar, it/s, ETA, loss) from the
+main process at the first step, every log_every steps and the last.
 
 Writes only into the work directory: checkpoints/ (see checkpoints.py), export/ (the final LoRA
 files and train_config.json) and logs/loss.jsonl.
@@ -52,6 +53,7 @@ from cache.samples import DamagedRecord
 from stages import families
 from stages.encoded import EncodedData
 from stages.launching import die_with_parent, reporting_errors
+from stages.progress import progress_line
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
 from stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
 from stages.train.lora_files import load_diffusers_lora, load_init_lora, write_diffusers_lora
@@ -116,7 +118,8 @@ class LoRATrainingRecipe:
         train = self.data.split("train")
         self.plan = BatchPlan(train, self.params.seed, self.params.batch_size, self.world)
         print(f"rank {self.rank}/{self.world}: {len(train)} train samples, {self.plan.batches_per_epoch}"
-              f" global batches of {self.plan.global_batch} per epoch", flush=True)
+              f" global batches of {self.plan.global_batch} per epoch, {torch.get_num_threads()} torch threads",
+              flush=True)
 
     def _setup_model(self) -> None:
         from diffusers.training_utils import cast_training_params
@@ -229,19 +232,20 @@ class LoRATrainingRecipe:
         started, started_step = time.perf_counter(), self.step
         while self.step < p.max_steps:
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
+            step_started = time.perf_counter()
             loss = self._train_step()
             self.step += 1
             if not torch.isfinite(loss):
                 self._stop(f"loss is {loss.item()} at step {self.step}")
             if acc.is_main_process:
+                row = {"step": self.step, "loss": loss.item(), "lr": lr, "time": round(time.time(), 3),
+                       "seconds": round(time.perf_counter() - step_started, 4)}  # wall clock; the step's duration
                 with open(self.loss_log, "a") as f:
-                    f.write(json.dumps({"step": self.step, "loss": loss.item(), "lr": lr}) + "\n")
+                    f.write(json.dumps(row) + "\n")
             acc.log({"loss": loss.item(), "lr": lr}, step=self.step)
-            if self.step % self.options.log_every == 0 or self.step == p.max_steps:
-                rate = (self.step - started_step) / (time.perf_counter() - started)
-                eta = time.strftime("%H:%M:%S", time.gmtime((p.max_steps - self.step) / rate))
-                acc.print(f"step {self.step}/{p.max_steps} loss {loss.item():.5f} lr {lr:.3e} {rate:.2f} it/s"
-                          f" ETA {eta}", flush=True)
+            if self.step in (started_step + 1, p.max_steps) or self.step % self.options.log_every == 0:
+                acc.print(progress_line("step", self.step, p.max_steps, time.perf_counter() - started, started_step,
+                                        note=f" loss {loss.item():.5f} lr {lr:.3e}"), flush=True)
             if self.step % p.checkpoint_every == 0 or self.step == p.max_steps:
                 if not all(torch.isfinite(t).all() for t in self.lora_params):
                     self._stop(f"the LoRA weights are not finite after step {self.step}")

@@ -1,0 +1,115 @@
+"""Prefect's temporary server for a command that runs a flow without a configured API, started in
+the command's first moments so that its start-up overlaps the command's own.
+
+Prefect starts the same server itself (prefect.server.api.server.SubprocessASGIServer in 3.8.8)
+when a flow first needs an API: after the command has imported prefect, and after importing the
+whole server package into the command's process too (3-4 s on two cores) just to launch it. Here
+the server process is launched before prefect is imported, with the command line and environment
+Prefect gives its own, and PREFECT_API_URL then points Prefect at it. An API configured in the
+environment or in the active Prefect profile is used as is (the server started here is stopped),
+as is a profile that does not allow the temporary server.
+
+The server runs in its own session, so a Ctrl-C in the terminal reaches the command alone, which
+can still record the interrupted run; it dies with the command (PR_SET_PDEATHSIG), and is stopped
+at exit after Prefect's own exit handlers have sent their last logs and events.
+"""
+from __future__ import annotations
+
+import atexit
+import importlib.util
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+from stages.launching import die_with, free_port
+
+START_ATTEMPTS = 3  # uvicorn exits with 3 when it cannot start, e.g. when another process took the port
+SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
+
+
+class EmbeddedServer:
+    """A Prefect API server process on 127.0.0.1 at a free port, for this command only."""
+
+    def __init__(self) -> None:
+        self.output = tempfile.TemporaryFile()  # shown only if the server fails to start
+        self.attempts = 0
+        self.process: subprocess.Popen | None = None
+        self._launch()
+        atexit.register(self.stop)  # registered before prefect's: runs after theirs
+
+    @classmethod
+    def unless_configured(cls) -> EmbeddedServer | None:
+        """A server started now, or None when PREFECT_API_URL is set in the environment."""
+        return None if os.environ.get("PREFECT_API_URL") else cls()
+
+    @property
+    def api_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/api"
+
+    def _launch(self) -> None:
+        self.attempts += 1
+        self.port = free_port()
+        site = Path(importlib.util.find_spec("prefect").origin).parent.parent
+        command = [sys.executable, "-m", "uvicorn", "--app-dir", str(site), "--factory",
+                   "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--log-level", "error", "--lifespan", "on"]
+        self.process = subprocess.Popen(command, env={**os.environ, **SERVER_ENV}, stdin=subprocess.DEVNULL,
+                                        stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True,
+                                        preexec_fn=die_with(os.getpid()))
+
+    def connect(self) -> bool:
+        """Point Prefect at this server, unless the active profile names an API or does not allow a
+        temporary server: then stop it. Returns whether the flow will use it."""
+        from prefect.context import refresh_global_settings_context
+        from prefect.settings import get_current_settings
+
+        settings = get_current_settings()
+        if settings.api.url or not settings.server.ephemeral.enabled:
+            self.stop()
+            return False
+        os.environ["PREFECT_API_URL"] = self.api_url
+        refresh_global_settings_context()
+        return True
+
+    def wait_ready(self) -> None:
+        """Block until the server answers its health check (relaunched on another port if it could
+        not start, up to START_ATTEMPTS times)."""
+        deadline = time.monotonic() + float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 90))
+        while not self._healthy():
+            if self.process.poll() is not None:
+                if self.attempts >= START_ATTEMPTS:
+                    raise RuntimeError(f"Prefect's temporary server did not start (exit code"
+                                       f" {self.process.returncode}): {self._output_tail()}")
+                self._launch()
+                self.connect()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"Prefect's temporary server did not answer within the start-up timeout"
+                                   f" (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS): {self._output_tail()}")
+            time.sleep(0.05)
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response:
+                return response.status == 200
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def _output_tail(self) -> str:
+        self.output.seek(0)
+        lines = self.output.read().decode(errors="replace").strip().splitlines()
+        return " | ".join(lines[-5:]) or "it printed nothing"
+
+    def stop(self) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()

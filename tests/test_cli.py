@@ -1,0 +1,67 @@
+"""`lorapipe run` as a user at a terminal meets it: what it says first, Ctrl-C during training
+(SIGINT to the whole foreground process group, as a terminal sends it), and which library notes it shows."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.slow
+def test_ctrl_c_in_training_is_one_line_exit_130_and_keeps_the_checkpoint(tmp_path, tiny_config):
+    config_path = tiny_config(tmp_path, "interrupted", max_steps=100000, checkpoint_every=5, keep_checkpoints=2)
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config_path)], cwd=REPO, env=env,
+                           start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    checkpoints = tmp_path / "cache" / "work" / "train"
+    deadline = time.time() + 600
+    try:
+        while max((int(p.name[5:]) for p in checkpoints.glob("*/checkpoints/step-*")), default=0) < 10:
+            assert run.poll() is None, "the run ended before it could be interrupted"
+            assert time.time() < deadline, "training never wrote its second checkpoint"
+            time.sleep(0.2)
+        os.killpg(run.pid, signal.SIGINT)
+        stdout, stderr = run.communicate(timeout=120)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+
+    assert run.returncode == 130, stderr
+    assert "Traceback" not in stdout + stderr
+    last = stderr.strip().splitlines()[-1]
+    found = re.fullmatch(r"lorapipe: training interrupted at step (\d+); run again to resume from its last"
+                         r" checkpoint, (step-\d{6})", last)
+    assert found, stderr[-2000:]
+    kept = sorted(p.name for p in checkpoints.glob("*/checkpoints/step-*"))
+    assert found[2] == kept[-1] and int(found[1]) >= int(found[2][5:]) >= 10
+    assert "lorapipe: error" not in stderr and "the full log of this run" not in stderr
+    # before anything else, the command says what it is about to do
+    assert stderr.splitlines()[0].startswith("lorapipe: running pipeline 'interrupted'"), stderr[:500]
+
+
+NOTES = """
+import logging
+from stages.library_notes import quiet_harmless_notes
+quiet_harmless_notes()
+from transformers import CLIPImageProcessor  # without torchvision: a note that it falls back to PIL
+peft = logging.getLogger("diffusers.loaders.peft")  # what diffusers says loading a denoiser-only LoRA into a pipeline
+peft.warning("No LoRA keys associated to CLIPTextModel found with the prefix='text_encoder'. This is safe to ignore")
+peft.warning("No LoRA keys associated to T5EncoderModel found with the prefix='text_encoder_2'. This is safe")
+peft.warning("No LoRA keys associated to FluxTransformer2DModel found with the prefix='transformer'. a LoRA that loaded nothing")
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torchvision") is not None, reason="torchvision's note needs it absent")
+def test_harmless_library_notes_are_dropped_and_other_warnings_shown():
+    shown = subprocess.run([sys.executable, "-c", NOTES], cwd=REPO, capture_output=True, text=True, check=True).stderr
+    assert "torchvision" not in shown and "text_encoder" not in shown
+    assert "a LoRA that loaded nothing" in shown  # the denoiser's: that one matters
