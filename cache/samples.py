@@ -12,7 +12,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -159,20 +158,25 @@ class SampleStore:
         return data
 
     def write_shard(self, records: Mapping[str, Blobs]) -> str:
-        """Write records (in key order) as one shard; return its name. Idempotent."""
+        """Write records (in key order) as one shard; return its name. Idempotent.
+
+        webdataset's TarWriter writes the tar in memory, one member per call so that each
+        member's data offset is known as it is written; its fixed mtime, owner and mode make
+        the bytes (and so the shard's name) depend on the records alone. The durable write and
+        atomic rename stay ours: TarWriter and ShardWriter write in place."""
+        from webdataset import TarWriter  # imports torch: only processes that encode pay for it
+
         buffer = io.BytesIO()
         members: dict[str, dict[str, tuple[int, int, str]]] = {}
-        with tarfile.open(fileobj=buffer, mode="w", format=tarfile.USTAR_FORMAT) as tar:
+        with TarWriter(buffer, user="", group="", mode=0o644, mtime=0, encoder=False) as tar:
             for key in sorted(records):
                 if "." in key:
                     raise ValueError(f"record key {key!r} contains a dot")
                 members[key] = {}
                 for ext in sorted(records[key]):
                     data = records[key][ext]
-                    info = tarfile.TarInfo(f"{key}.{ext}")
-                    info.size, info.mtime, info.mode = len(data), 0, 0o644
-                    tar.addfile(info, io.BytesIO(data))
-                    members[key][ext] = (tar.offset - _padded(len(data)), len(data), digest_bytes(data))
+                    tar.write({"__key__": key, ext: data})
+                    members[key][ext] = (tar.tarstream.offset - _padded(len(data)), len(data), digest_bytes(data))
         payload = buffer.getvalue()
         shard = digest_bytes(payload)[:32]
         self._write_durable(self.shard_path(shard), payload)
