@@ -94,20 +94,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_worker(command: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+def start_worker(command: list[str], env: dict[str, str] | None = None, stdin: bool = False) -> subprocess.Popen:
     """Start `command` from the repository root, its output (stdout and stderr) to a pipe, dying
-    with this process; `env` adds to the environment."""
+    with this process; `env` adds to the environment; `stdin`: a pipe to send it its job."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",  # every input is a local path
            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
            PARENT_ENV: str(os.getpid()), **(env or {})}
-    return subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+    return subprocess.Popen(command, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, cwd=REPO_ROOT,
                             preexec_fn=die_with(os.getpid()))
 
 
-def run_streaming(command: list[str], log_file: Path, log: Log, env: dict[str, str] | None = None) -> None:
+def run_streaming(command: list[str], log_file: Path, log: Log) -> None:
     """Run `command` (see `stream`)."""
-    stream(start_worker(command, env), log_file, log)
+    stream(start_worker(command), log_file, log)
 
 
 def stream(process: subprocess.Popen, log_file: Path, log: Log) -> None:

@@ -65,3 +65,17 @@ def test_harmless_library_notes_are_dropped_and_other_warnings_shown():
     shown = subprocess.run([sys.executable, "-c", NOTES], cwd=REPO, capture_output=True, text=True, check=True).stderr
     assert "torchvision" not in shown and "text_encoder" not in shown
     assert "a LoRA that loaded nothing" in shown  # the denoiser's: that one matters
+
+
+def test_training_starts_ahead_only_when_the_run_will_train(tmp_path, tiny_config, run_stages):
+    from flows.commands import will_train
+    from flows.config import load_config
+
+    config_path = tiny_config(tmp_path, "ahead", max_steps=2, checkpoint_every=2)
+    assert will_train(load_config(config_path), [], None, [])  # nothing cached yet
+    run_stages(config_path, ("preprocess", "encode", "train"))
+    config = load_config(config_path)
+    assert not will_train(config, [], None, [])  # a no-op rerun starts no training process
+    assert will_train(config, [], None, ["train"])
+    assert will_train(load_config(config_path, ["train.learning_rate=0.5"]), [], None, [])
+    assert not will_train(load_config(config_path, ["train.learning_rate=0.5"]), ["encode"], None, [])

@@ -37,7 +37,8 @@ def lorapipe_run(workspace: Path, *args: str) -> subprocess.Popen:
 
 
 def training_processes(run: subprocess.Popen, timeout: float = 300) -> list[psutil.Process]:
-    """The run's training process (one process runs without a launcher), once it has started."""
+    """The run's training process, once it has started (`lorapipe run` starts it ahead of its job:
+    suspended, it holds the training that the stage hands it)."""
     deadline = time.time() + timeout
     while True:
         assert run.poll() is None, run.communicate()[1][-3000:]
@@ -59,6 +60,9 @@ def test_two_runs_forcing_train_at_once_both_succeed_and_train_once(workspace):
     paused = training_processes(first)
     for process in paused:  # hold the first run mid-training until the second reaches train
         process.suspend()
+    for line in first.stderr:  # the process was started ahead: wait until the first run's stage holds train
+        if "train: 1 process(es)" in line:
+            break
     second = lorapipe_run(workspace, "--set", "train.seed=1", "--only", "train", "--force", "train")
     try:
         for line in second.stderr:

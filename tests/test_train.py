@@ -204,7 +204,7 @@ def test_ddp_two_cpu_processes(tmp_path, tiny_model, encoded):
     log = (out / "logs" / "train.log").read_text()
     assert "rank 0/2" in log and "rank 1/2" in log
     assert built.info["steps"] == 4 and (out / "pytorch_lora_weights.safetensors").is_file()
-    assert len([line for line in log.splitlines() if line.startswith("step 4/4")]) == 1  # main process only
+    assert len([text for _, text in train_log(out) if text.startswith("step 4/4")]) == 1  # main process only
 
 
 def test_child_failure_is_reported_in_one_line(tmp_path, tiny_model, encoded):
@@ -538,3 +538,17 @@ def test_a_users_accelerate_config_launches_training_and_a_missing_one_is_named(
     with pytest.raises(UserError, match=rf"train.accelerate_config: {missing} is not a file"):
         train.run(train.TrainParams(**PARAMS), train_inputs(tiny_model, encoded), out, tmp_path / "work2",
                   train.TrainOptions(accelerate_config=str(missing)))
+
+
+def test_a_process_started_ahead_takes_the_job_and_trains_as_a_fresh_one(trained, tmp_path, tiny_model, encoded):
+    """`lorapipe run` starts the training process while the stages before train run; the stage then
+    hands it the job instead of starting one, and the result is the same."""
+    from stages.train.launch import start_ahead
+
+    params, options = train.TrainParams(**{**PARAMS, "max_steps": 40}), train.TrainOptions(log_every=20)
+    start_ahead(params, options)
+    said, out = [], tmp_path / "out"
+    out.mkdir()
+    train.run(params, train_inputs(tiny_model, encoded), out, tmp_path / "work", options, log=said.append)
+    assert "started ahead" in said[0]
+    assert trajectory(out) == trajectory(trained[0])[:40]

@@ -19,7 +19,8 @@ from cache.store import Built
 from stages import families
 from stages.contract import Log
 from stages.encoded import EncodedData
-from stages.launching import Interrupted, WorkerFailed, run_streaming, write_accelerate_config
+from stages.launching import Interrupted, WorkerFailed, start_worker, stream, write_accelerate_config
+from stages.train import ahead
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
 from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
 
@@ -37,14 +38,15 @@ def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
         "params": params.model_dump(mode="json"), "inputs": inputs.to_json(),
         "options": options.model_dump(mode="json"), "work_dir": str(work_dir.resolve()),
     }, indent=1, sort_keys=True))
-    threads = options.cpu_threads or cpu_threads(params.num_processes)
+    threads = threads_per_process(params, options)
     command, how = launch_command(job, params.num_processes, threads, options.accelerate_config, work_dir)
-    log(f"train: {params.num_processes} process(es) of {threads} thread(s) {how}, {params.max_steps} steps,"
-        f" work dir {work_dir}")
+    process = ahead.take(threads, job) if command == ahead.direct_command(job) else None
+    log(f"train: {params.num_processes} process(es) of {threads} thread(s) {how}"
+        f"{', started ahead' if process else ''}, {params.max_steps} steps, work dir {work_dir}")
     damaged = work_dir / DAMAGED_RECORD_FILE
     damaged.unlink(missing_ok=True)
     try:
-        run_streaming(command, work_dir / "logs" / "train.log", log, {"OMP_NUM_THREADS": str(threads)})
+        stream(process or start_worker(command, {"OMP_NUM_THREADS": str(threads)}), work_dir / "logs" / "train.log", log)
     except WorkerFailed as failure:
         if damaged.is_file():
             raise DamagedRecord.from_json(json.loads(damaged.read_text())) from failure
@@ -81,10 +83,17 @@ def _json_or_none(line: str) -> dict | None:
         return None
 
 
-def cpu_threads(processes: int) -> int:
-    """Torch threads per process: the cores this process may use, less one left to the data loader
-    and the pipeline's own process, shared among the training processes."""
-    return max(1, (len(os.sched_getaffinity(0)) - 1) // processes)
+def threads_per_process(params: TrainParams, options: TrainOptions) -> int:
+    """Torch threads per training process: train.cpu_threads, else the cores this process may use
+    less one (left to the data loader and the pipeline's own process), shared among the processes."""
+    return options.cpu_threads or max(1, (len(os.sched_getaffinity(0)) - 1) // params.num_processes)
+
+
+def start_ahead(params: TrainParams, options: TrainOptions) -> None:
+    """Start the training process now, to be handed its job when the stage runs, where the stage
+    would run one process without a launcher (stages/train/ahead.py)."""
+    if params.num_processes == 1 and user_accelerate_config(options.accelerate_config) is None:
+        ahead.start_ahead(threads_per_process(params, options))
 
 
 def launch_command(job: Path, processes: int, threads: int, accelerate_config: str | None,
@@ -93,17 +102,23 @@ def launch_command(job: Path, processes: int, threads: int, accelerate_config: s
     (`train.accelerate_config`, else `accelerate config`'s default file when there is one), or
     one written here for DDP; a single process without one runs the recipe directly, sparing the
     launcher's own interpreter and imports (BENCHMARKS.md, start-up)."""
-    config = Path(accelerate_config) if accelerate_config else default_accelerate_config()
-    if config is not None and not config.is_file():
-        raise UserError(f"train.accelerate_config: {config} is not a file; write one with `accelerate config"
-                        f" --config_file {config}` or leave the key out")
+    config = user_accelerate_config(accelerate_config)
     if config is None and processes == 1:
-        return [sys.executable, "-m", "stages.train.recipe", str(job)], "(no launcher)"
+        return ahead.direct_command(job), "(no launcher)"
     how = f"with accelerate config {config}" if config else "under accelerate launch"
     config = config or write_accelerate_config(work_dir / "accelerate.yaml", processes)
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
             str(processes), "--num_cpu_threads_per_process", str(threads), "-m", "stages.train.recipe",
             str(job)], how
+
+
+def user_accelerate_config(accelerate_config: str | None) -> Path | None:
+    """train.accelerate_config (which must exist), else accelerate's default file if there is one."""
+    config = Path(accelerate_config) if accelerate_config else default_accelerate_config()
+    if config is not None and not config.is_file():
+        raise UserError(f"train.accelerate_config: {config} is not a file; write one with `accelerate config"
+                        f" --config_file {config}` or leave the key out")
+    return config
 
 
 def default_accelerate_config() -> Path | None:

@@ -54,6 +54,7 @@ from stages import families
 from stages.encoded import EncodedData
 from stages.launching import die_with_parent, reporting_errors
 from stages.progress import progress_line
+from stages.train.ahead import WAIT_FOR_JOB, wait_for_job
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
 from stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
 from stages.train.lora_files import load_diffusers_lora, load_init_lora, write_diffusers_lora
@@ -381,7 +382,10 @@ def plot_losses(loss_log: Path, png: Path) -> None:
 
 def main(argv: list[str]) -> None:
     die_with_parent()
-    job = json.loads(Path(argv[1]).read_text())
+    job_path = wait_for_job() if argv[1] == WAIT_FOR_JOB else Path(argv[1])
+    if job_path is None:
+        return
+    job = json.loads(job_path.read_text())
     recipe = LoRATrainingRecipe(TrainParams(**job["params"]), TrainInputs.from_json(job["inputs"]),
                                 TrainOptions(**job["options"]), Path(job["work_dir"]))
     with reporting_errors():  # one line for the user, then the traceback for the log
