@@ -78,7 +78,8 @@ def respelled_as_kohya(file: Path, out: Path) -> Path:
     """The same tensors under kohya's spelling of the same original names (`diffusion_model.a.b.lora_A
     .weight` -> `lora_unet_a_b.lora_down.weight`): ComfyUI's key map registers both spellings for
     every weight, and some diffusers converters read only this one."""
-    spelling = {".lora_A.weight": ".lora_down.weight", ".lora_B.weight": ".lora_up.weight", ".alpha": ".alpha"}
+    spelling = {".lora_A.weight": ".lora_down.weight", ".lora_B.weight": ".lora_up.weight", ".alpha": ".alpha",
+                ".dora_scale": ".dora_scale"}
     renamed = {}
     for key, value in load_file(file).items():
         suffix = next(s for s in spelling if key.endswith(s))

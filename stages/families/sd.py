@@ -19,6 +19,7 @@ from stages.contract import Frozen
 from .base import ALL_LINEAR, Components, Conditioning, Family, ImageGeometry, TextOptions, TextRecord, stack
 from .folders import load_component
 from .objectives import DDPMObjective, ObjectiveParams
+from .original_names import OriginalNames
 
 if TYPE_CHECKING:
     import torch
@@ -185,7 +186,6 @@ class StableDiffusion(Family):
         from stages.train.checkpoints import LORA_FILE
         from stages.train.lora_files import ADAPTER, peft_state_dict, save_safetensors_sorted, write_diffusers_lora
 
-        from .ldm_names import unet_original_names
         from .original_names import FILES, fused_lora
 
         diffusers_file, kohya_file, comfyui_file = (Path(out_dir) / f for f in (LORA_FILE, *FILES.values()))
@@ -193,12 +193,16 @@ class StableDiffusion(Family):
         metadata = {**provenance, **kohya_metadata, "ss_base_model_version": self.kohya_base_model}
         adapter = unet.peft_config[ADAPTER]
         write_kohya_lora(unet, kohya_file, adapter.lora_alpha, metadata)
-        lora = peft_state_dict(unet)
-        modules = sorted({k.removesuffix(".lora_A.weight") for k in lora if k.endswith(".lora_A.weight")})
-        names = unet_original_names(dict(unet.config), modules)
-        save_safetensors_sorted(fused_lora(lora, adapter.lora_alpha / adapter.r, names, "comfyui"), metadata,
-                                comfyui_file)
+        save_safetensors_sorted(fused_lora(peft_state_dict(unet), adapter.lora_alpha / adapter.r,
+                                           self.original_names(unet), "comfyui"), metadata, comfyui_file)
         return [diffusers_file, kohya_file, comfyui_file]
+
+    def original_names(self, unet: torch.nn.Module) -> OriginalNames:
+        """The LDM name of each UNet module that carries an adapter (ldm_names.py)."""
+        from .ldm_names import unet_original_names
+        from .lycoris import adapted_modules
+
+        return unet_original_names(dict(unet.config), adapted_modules(unet))
 
     # ---- rendering
     def render_defaults(self) -> dict[str, Any]:

@@ -1,0 +1,152 @@
+"""DoRA, LoKr and LoHa in the LyCORIS keys ComfyUI reads, under the family's original module names
+(ComfyUI's native spelling, as original_names.py writes a LoRA: `diffusion_model.<original>.<key>`).
+
+peft names a LoKr's and a LoHa's tensors as LyCORIS does (`lokr_w1`, `lokr_w2_a`, `hada_w1_a`, ...)
+and computes the same update: LoKr kron(w1, w2) and LoHa (w1_a w1_b) * (w2_a w2_b), each w = a b
+when decomposed, times peft's scale. ComfyUI's loaders scale by `alpha / dim`, dim the rank of a
+decomposed factor, and a LoKr with no decomposed factor ignores alpha; so, as the LoRA export does,
+the scale is folded into the first factor and `.alpha` is the rank (alpha / dim = 1 for every loader).
+A DoRA is its LoRA (original_names.fused_lora) plus `.dora_scale`: peft's magnitude, one per output
+row, shaped (rows, 1, ...) so that it broadcasts over a row as LyCORIS's output-axis DoRA does
+(W' = dora_scale * (W + dW) / ||W + dW|| per row).
+
+Modules that the original layout fuses (Flux's q/k/v in `qkv`, `linear1` = q|k|v|mlp): a LoHa fuses
+like a LoRA, its two pairs each concatenated along the rank with the up factors block-diagonal (the
+Hadamard product of two block-diagonal products keeps each part's rows); a DoRA fuses its LoRA so
+and concatenates the magnitudes, taking a part without an adapter at its own row norms (so those
+rows stay as they are); a Kronecker product cannot be split by rows, so a LoKr on a fused module is
+refused with the module's name. Why peft and not lycoris-lora, and how ComfyUI versions read
+`dora_scale`: docs/adapters.md.
+"""
+from __future__ import annotations
+
+from fractions import Fraction
+from typing import TYPE_CHECKING, Callable
+
+from .original_names import OriginalNames, fused_lora
+
+if TYPE_CHECKING:
+    import torch
+
+PREFIX = "diffusion_model."
+FIRST_FACTOR = {"lokr": ("lokr_w1", "lokr_w1_a"), "loha": ("hada_w1_a",)}  # where the scale is folded
+LOHA_PAIRS = (("hada_w1_a", "hada_w1_b"), ("hada_w2_a", "hada_w2_b"))  # (up, down) of each low-rank pair
+DORA_MAGNITUDE = ".lora_magnitude_vector"  # peft's state-dict name of a DoRA's magnitude
+
+
+def adapter_kind(config) -> str:
+    """lora, dora, lokr or loha, from a peft config."""
+    kind = str(getattr(config.peft_type, "value", config.peft_type)).lower()
+    return "dora" if kind == "lora" and config.use_dora else kind
+
+
+def adapted_modules(denoiser: torch.nn.Module) -> list[str]:
+    """Names of the modules peft put an adapter on."""
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    return sorted(name for name, m in denoiser.named_modules() if isinstance(m, BaseTunerLayer))
+
+
+def lycoris_state_dict(denoiser: torch.nn.Module, names: OriginalNames) -> dict[str, torch.Tensor]:
+    """The denoiser's DoRA, LoKr or LoHa in ComfyUI's native LyCORIS keys under `names`."""
+    from stages.train.lora_files import ADAPTER, peft_state_dict
+
+    kind = adapter_kind(denoiser.peft_config[ADAPTER])
+    state = peft_state_dict(denoiser)
+    scales = {name: denoiser.get_submodule(name).scaling[ADAPTER] for name in adapted_modules(denoiser)}
+    if kind == "dora":
+        return _dora(state, scales, names, lambda m: _row_norms(denoiser.get_submodule(m).weight))
+    if kind == "loha":
+        return _loha(state, scales, names)
+    if kind == "lokr":
+        return _lokr(state, scales, names, denoiser.peft_config[ADAPTER].r)
+    raise ValueError(f"{kind}: a plain LoRA is written by original_names.fused_lora")
+
+
+def _folded(state: dict, scales: dict[str, float], kind: str) -> dict[str, torch.Tensor]:
+    """The state dict with each module's scale multiplied into its first factor."""
+    out = dict(state)
+    for module, scale in scales.items():
+        key = next(f"{module}.{k}" for k in FIRST_FACTOR[kind] if f"{module}.{k}" in state)
+        out[key] = state[key] * scale
+    return out
+
+
+def _lokr(state: dict, scales: dict[str, float], names: OriginalNames, rank: int) -> dict[str, torch.Tensor]:
+    import torch
+
+    folded, out = _folded(state, scales, "lokr"), {}
+    whole = (Fraction(0), Fraction(1))
+    for original, segments in names.items():
+        adapted = [s for s in segments if s.module in scales]
+        if not adapted:
+            continue
+        if len(segments) > 1 or (segments[0].start, segments[0].end) != whole \
+                or (segments[0].part_start, segments[0].part_end) != whole:
+            raise ValueError(f"{adapted[0].module}: a LoKr cannot be written on {original}, which the original"
+                             " layout fuses with other modules; leave it out of target_modules or use the diffusers file")
+        module = adapted[0].module
+        for key, value in folded.items():
+            if key.startswith(f"{module}.") and key.count(".") == module.count(".") + 1:
+                out[f"{PREFIX}{original}.{key.removeprefix(module + '.')}"] = value
+        out[f"{PREFIX}{original}.alpha"] = torch.tensor(float(rank))
+    _check_placed(scales, names)
+    return out
+
+
+def _loha(state: dict, scales: dict[str, float], names: OriginalNames) -> dict[str, torch.Tensor]:
+    """Each pair as a LoRA (down = w_b, up = w_a) through fused_lora, so fused modules fuse alike;
+    the alpha it writes is the pair's (fused) rank, as ComfyUI's alpha / w1_b rows needs."""
+    folded, out = _folded(state, scales, "loha"), {}
+    for up, down in LOHA_PAIRS:
+        as_lora = {}
+        for module in scales:
+            as_lora[f"{module}.lora_A.weight"] = folded[f"{module}.{down}"]
+            as_lora[f"{module}.lora_B.weight"] = folded[f"{module}.{up}"]
+        for key, value in fused_lora(as_lora, 1.0, names, "comfyui").items():
+            key = key.replace(".lora_A.weight", f".{down}").replace(".lora_B.weight", f".{up}")
+            out[key] = value  # both pairs write the same `.alpha` (their fused ranks are equal)
+    return out
+
+
+def _dora(state: dict, scales: dict[str, float], names: OriginalNames,
+          row_norms: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+    import torch
+
+    lora = {k: v for k, v in state.items() if not k.endswith(DORA_MAGNITUDE)}
+    scale = _one_scale(scales)
+    out = fused_lora(lora, scale, names, "comfyui")
+    for original, segments in names.items():
+        if not any(s.module in scales for s in segments):
+            continue
+        up = out[f"{PREFIX}{original}.lora_B.weight"]
+        rows = up.shape[0]
+        magnitude = torch.empty(rows, dtype=up.dtype)
+        for s in segments:
+            whole = state.get(f"{s.module}{DORA_MAGNITUDE}")
+            if whole is None:
+                whole = row_norms(s.module)
+            n = whole.shape[0]
+            magnitude[int(s.start * rows):int(s.end * rows)] = whole[int(s.part_start * n):int(s.part_end * n)]
+        out[f"{PREFIX}{original}.dora_scale"] = magnitude.reshape(rows, *[1] * (up.dim() - 1))
+    return out
+
+
+def _one_scale(scales: dict[str, float]) -> float:
+    distinct = set(scales.values())
+    if len(distinct) != 1:
+        raise ValueError(f"the adapter's modules have different scales {sorted(distinct)}: not written")
+    return distinct.pop()
+
+
+def _row_norms(weight: torch.Tensor) -> torch.Tensor:
+    """A weight's norm per output row (peft's DoRA magnitude at initialisation)."""
+    return weight.detach().reshape(weight.shape[0], -1).float().norm(dim=1).to(weight.dtype)
+
+
+def _check_placed(scales: dict[str, float], names: OriginalNames) -> None:
+    placed = {s.module for segments in names.values() for s in segments}
+    unplaced = sorted(set(scales) - placed)
+    if unplaced:
+        raise ValueError(f"no original module name for {unplaced[:3]}: this adapter cannot be written in the"
+                         " original layout (train other target_modules, or use the diffusers file)")

@@ -1,0 +1,105 @@
+"""The adapter a run trains (`train.adapter`): LoRA, DoRA, LoKr or LoHa, built with peft's own
+configs (LoraConfig, with use_dora for DoRA; LoKrConfig; LoHaConfig), plus rsLoRA scaling and
+PiSSA/OLoRA initialisation, which peft offers for LoRA only. Imports nothing heavy at module
+level: flows build train keys from AdapterParams.
+
+Every adapter starts as a no-op on the base model except PiSSA and OLoRA: they move the top of the
+base weights' spectrum (PiSSA: SVD; OLoRA: QR) into the adapter and subtract it from the frozen
+base. A file of the trained adapter alone would then apply to a base nobody else has, so the
+export turns it into a plain LoRA on the original base (`as_plain_lora`: rank 2r, peft's
+subtract_mutated_init rule), which needs the adapter's initial weights.
+
+Why peft and not lycoris-lora, and what each type exports to: docs/adapters.md.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Literal
+
+from pydantic import Field, model_validator
+
+from stages.contract import Frozen
+
+if TYPE_CHECKING:
+    import torch
+    from peft import PeftConfig
+
+AdapterKind = Literal["lora", "dora", "lokr", "loha"]
+LORA_KINDS = ("lora", "dora")  # peft's LoraConfig: rsLoRA, dropout and the SVD/QR initialisations apply
+MUTATING_INITS = ("pissa", "olora")  # initialisations that change the frozen base weights
+
+
+class AdapterParams(Frozen):
+    """The adapter's type, size and initialisation: all change the trained weights (keyed)."""
+
+    adapter: AdapterKind = Field("lora", description="lora, dora (LoRA with a learned per-row magnitude), lokr"
+                                 " (Kronecker product) or loha (Hadamard product of two low-rank pairs)")
+    rank: int = Field(4, gt=0)
+    alpha: float = Field(4.0, gt=0, description="the update is scaled by alpha / rank (alpha / sqrt(rank) with"
+                         " rslora)")
+    dropout: float = Field(0.0, ge=0, lt=1, description="lora/dora: dropout on the adapter's input")
+    rslora: bool = Field(False, description="lora/dora: rank-stabilised scaling alpha / sqrt(rank)")
+    init: Literal["default", "pissa", "olora"] = Field(
+        "default", description="lora: start from the base weights' principal components (pissa: SVD; olora:"
+        " QR) instead of a zero update; default: a zero update (LoRA/DoRA's down weights gaussian)")
+    lokr_factor: int = Field(-1, description="lokr: the Kronecker factor's size; -1 makes the factors as"
+                             " square as possible")
+
+    @model_validator(mode="after")
+    def _applies(self) -> "AdapterParams":
+        applies = {"dropout": LORA_KINDS, "rslora": LORA_KINDS, "init": ("lora",), "lokr_factor": ("lokr",)}
+        changed = {"dropout": self.dropout != 0, "rslora": self.rslora, "init": self.init != "default",
+                   "lokr_factor": self.lokr_factor != -1}
+        for key, kinds in applies.items():
+            if changed[key] and self.adapter not in kinds:
+                raise ValueError(f"train.{key} applies to adapter {' and '.join(kinds)}, not {self.adapter}:"
+                                 " remove it")
+        if self.lokr_factor == 0 or self.lokr_factor < -1:
+            raise ValueError(f"train.lokr_factor: a positive factor, or -1; not {self.lokr_factor}")
+        return self
+
+    @property
+    def mutates_base(self) -> bool:
+        return self.init in MUTATING_INITS
+
+    @property
+    def scale(self) -> float:
+        """What the adapter's raw product is multiplied by (peft's `scaling`)."""
+        return self.alpha / (math.sqrt(self.rank) if self.rslora else self.rank)
+
+
+def peft_config(params: AdapterParams, target_modules: list[str]) -> PeftConfig:
+    """peft's config for `params` on `target_modules` (as the family resolved them)."""
+    from peft import LoHaConfig, LoKrConfig, LoraConfig
+
+    targets = list(target_modules)
+    if params.adapter in LORA_KINDS:
+        return LoraConfig(r=params.rank, lora_alpha=params.alpha, lora_dropout=params.dropout,
+                          use_dora=params.adapter == "dora", use_rslora=params.rslora, target_modules=targets,
+                          init_lora_weights="gaussian" if params.init == "default" else params.init)
+    if params.adapter == "lokr":
+        return LoKrConfig(r=params.rank, alpha=params.alpha, decompose_factor=params.lokr_factor,
+                          target_modules=targets)
+    return LoHaConfig(r=params.rank, alpha=params.alpha, target_modules=targets)
+
+
+def as_plain_lora(trained: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A PiSSA/OLoRA adapter (peft state dict) as a LoRA on the original base: W + s(BA - B0A0) =
+    W + s[B | -B0][A ; A0], rank 2r at the same scale s (so alpha doubles, or grows by sqrt 2 with
+    rslora: `plain_lora_alpha`)."""
+    import torch
+
+    plain = {}
+    for key, value in trained.items():
+        if key.endswith(".lora_A.weight"):
+            plain[key] = torch.cat([value, initial[key]], dim=0)
+        elif key.endswith(".lora_B.weight"):
+            plain[key] = torch.cat([value, -initial[key]], dim=1)
+        else:
+            raise ValueError(f"{key}: only a plain LoRA's weights can be converted from PiSSA/OLoRA")
+    return plain
+
+
+def plain_lora_alpha(params: AdapterParams) -> float:
+    """The alpha that keeps `params.scale` at rank 2r."""
+    return params.alpha * (math.sqrt(2) if params.rslora else 2)

@@ -1,0 +1,307 @@
+"""train.adapter: LoRA, DoRA, LoKr and LoHa through peft's configs, and the files each exports, on
+the tiny SD1.x and Flux.1 models. A file is checked by what it does to the weights: loaded (through
+diffusers where it can load the format, else by the format's documented rules, recomputed here from
+the file's tensors) it must give every weight the in-memory peft model's merged value."""
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from family_checks import respelled_as_kohya
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import stages.families as families
+from stages.families.lycoris import adapted_modules, lycoris_state_dict
+from stages.families.original_names import OriginalNames
+from stages.train.adapter import AdapterParams, as_plain_lora, peft_config, plain_lora_alpha
+from stages.train.lora_files import ADAPTER, peft_state_dict, save_safetensors_sorted, write_diffusers_lora
+
+ADAPTER_KEYS = ("lora_", "lokr_", "hada_")  # peft's adapter parameters carry one of these
+
+
+@pytest.fixture(scope="module")
+def flux_dev(tmp_path_factory) -> Path:
+    return families.build_tiny_model(tmp_path_factory.mktemp("flux") / "dev", "flux1")
+
+
+def trained_adapter(family, model: Path, params: AdapterParams, targets: str | tuple[str, ...]):
+    """The tiny denoiser with `params`' adapter, every adapter weight moved off its initial value (as
+    after training: no factor zero, DoRA's magnitude no longer the row norms)."""
+    denoiser = family.load_denoiser(model, torch.float32)
+    targets = family.lora_target_modules(denoiser, targets)
+    torch.manual_seed(0)
+    denoiser.add_adapter(peft_config(params, targets))
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, param in denoiser.named_parameters():
+            if any(k in name for k in ADAPTER_KEYS):
+                param.add_(torch.randn(param.shape, generator=generator) * 0.1)
+    return denoiser
+
+
+def merged(denoiser) -> torch.nn.Module:
+    """A copy of the denoiser with peft's own merge of its adapter into every adapted weight."""
+    copied = copy.deepcopy(denoiser)
+    for name in adapted_modules(copied):
+        copied.get_submodule(name).merge()
+    return copied
+
+
+def weight(denoiser, module: str) -> torch.Tensor:
+    layer = denoiser.get_submodule(module)
+    return getattr(layer, "base_layer", layer).weight.detach()
+
+
+def in_original_layout(denoiser, segments) -> torch.Tensor:
+    """An original module's weight, assembled from the diffusers modules' rows it is made of."""
+    parts = [(s, weight(denoiser, s.module)) for s in segments]
+    rows = sum(int((s.part_end - s.part_start) * w.shape[0]) for s, w in parts)
+    out = torch.empty(rows, *parts[0][1].shape[1:])
+    for s, w in parts:
+        n = w.shape[0]
+        out[int(s.start * rows):int(s.end * rows)] = w[int(s.part_start * n):int(s.part_end * n)]
+    return out
+
+
+def comfyui_weight(base: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The weight a LyCORIS/ComfyUI loader makes of `base` and one module's tensors `t` (keys without
+    the module prefix), written from the formats' documented rules, not from our exporter."""
+    alpha = t["alpha"].item()
+    if "lora_A.weight" in t:
+        down, up = t["lora_A.weight"], t["lora_B.weight"]
+        diff = (up.flatten(1) @ down.flatten(1)) * alpha / down.shape[0]
+    elif "hada_w1_a" in t:
+        diff = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"]) * alpha / t["hada_w1_b"].shape[0]
+    else:
+        dims = [t[f"lokr_{w}_b"].shape[0] for w in ("w1", "w2") if f"lokr_{w}_b" in t]
+        w1, w2 = (t[f"lokr_{w}"] if f"lokr_{w}" in t else t[f"lokr_{w}_a"] @ t[f"lokr_{w}_b"] for w in ("w1", "w2"))
+        diff = torch.kron(w1, w2) * (alpha / dims[-1] if dims else 1.0)
+    new = base + diff.reshape(base.shape)
+    if "dora_scale" in t:  # LyCORIS's output-axis DoRA: scale each row to dora_scale
+        norm = new.reshape(new.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (new.dim() - 1))
+        new = t["dora_scale"] * new / norm
+    return new
+
+
+def assert_file_means_the_merged_model(file: Path, denoiser, names: OriginalNames) -> None:
+    """Every original module in the file, recomputed from its tensors on the base weights, equals
+    peft's merged weights; every adapted module is in the file."""
+    by_module = per_module(load_file(file))
+    adapted = set(adapted_modules(denoiser))
+    assert set(by_module) == {o for o, segments in names.items() if any(s.module in adapted for s in segments)}
+    after = merged(denoiser)
+    for original, t in by_module.items():
+        expected = in_original_layout(after, names[original])
+        got = comfyui_weight(in_original_layout(denoiser, names[original]), t)
+        assert torch.allclose(got, expected, atol=1e-5), original
+
+
+def per_module(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
+    """original module -> its tensors, by the key after the module name."""
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in tensors.items():
+        original, suffix = _split(key)
+        out.setdefault(original, {})[suffix] = value
+    return out
+
+
+def _split(key: str) -> tuple[str, str]:
+    name = key.removeprefix("diffusion_model.")
+    for suffix in ("lora_A.weight", "lora_B.weight"):
+        if name.endswith("." + suffix):
+            return name.removesuffix("." + suffix), suffix
+    original, suffix = name.rsplit(".", 1)
+    return original, suffix
+
+
+def documented_keys(kind: str, t: dict[str, torch.Tensor]) -> set[str]:
+    """The LyCORIS key set ComfyUI reads for a module (comfy/weight_adapter/{lora,lokr,loha}.py)."""
+    if kind == "dora":
+        return {"lora_A.weight", "lora_B.weight", "alpha", "dora_scale"}
+    if kind == "loha":
+        return {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}
+    return {f"lokr_{w}" if f"lokr_{w}" in t else f"lokr_{w}_{ab}" for w in ("w1", "w2") for ab in "ab"} | {"alpha"}
+
+
+# ---- the spec and peft's configs
+
+@pytest.mark.parametrize("settings, key", [
+    ({"adapter": "lokr", "rslora": True}, "train.rslora applies to adapter lora and dora, not lokr"),
+    ({"adapter": "loha", "dropout": 0.1}, "train.dropout applies to adapter lora and dora, not loha"),
+    ({"adapter": "dora", "init": "pissa"}, "train.init applies to adapter lora, not dora"),
+    ({"adapter": "lora", "lokr_factor": 4}, "train.lokr_factor applies to adapter lokr, not lora"),
+    ({"adapter": "lokr", "lokr_factor": 0}, "train.lokr_factor: a positive factor, or -1"),
+])
+def test_settings_that_do_not_apply_are_refused_by_name(settings, key):
+    with pytest.raises(ValueError, match=key):
+        AdapterParams(**settings)
+
+
+@pytest.mark.parametrize("settings", [
+    {"adapter": "lora"}, {"adapter": "lora", "rslora": True, "rank": 8, "alpha": 4}, {"adapter": "dora"},
+    {"adapter": "lokr", "rank": 2, "alpha": 3}, {"adapter": "loha", "rank": 2, "alpha": 3},
+])
+def test_peft_builds_the_adapter_at_the_params_scale(settings, tiny_model):
+    params = AdapterParams(**settings)
+    family = families.for_model(tiny_model)
+    denoiser = family.load_denoiser(tiny_model, torch.float32)
+    targets = family.lora_target_modules(denoiser, "attention")
+    expected = sorted(n for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Linear)
+                      and n.endswith(tuple(f".{t}" for t in targets)))
+    denoiser.add_adapter(peft_config(params, targets))
+    layers = adapted_modules(denoiser)
+    assert layers == expected and len(layers) == 32  # q/k/v/out of attn1 and attn2 in 4 transformer blocks
+    assert [denoiser.get_submodule(m).scaling[ADAPTER] for m in layers] == pytest.approx([params.scale] * 32)
+    kind = {"lora": "LoraLayer", "dora": "LoraLayer", "lokr": "LoKrLayer", "loha": "LoHaLayer"}[params.adapter]
+    assert all(kind in [c.__name__ for c in type(denoiser.get_submodule(m)).__mro__] for m in layers)
+    assert denoiser.peft_config[ADAPTER].to_dict().get("use_dora", False) == (params.adapter == "dora")
+
+
+# ---- the diffusers/peft file
+
+@pytest.mark.parametrize("kind", ["lora", "dora"])
+def test_diffusers_file_loads_in_diffusers_and_means_the_merged_model(kind, tiny_model, tmp_path):
+    """DoRA's magnitude travels in the diffusers file (`lora_magnitude_vector`, use_dora in the
+    adapter metadata) and diffusers applies it: fuse_lora gives peft's merged weights."""
+    from diffusers import StableDiffusionPipeline
+
+    family = families.for_model(tiny_model)
+    unet = trained_adapter(family, tiny_model, AdapterParams(adapter=kind, alpha=3), "attention")
+    file = tmp_path / "pytorch_lora_weights.safetensors"
+    write_diffusers_lora(unet, file, {}, "unet")
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    pipe.load_lora_weights(tmp_path, weight_name=file.name)
+    pipe.fuse_lora()
+    after = merged(unet)
+    for name in adapted_modules(unet):
+        assert torch.allclose(pipe.unet.get_submodule(name).weight, weight(after, name), atol=1e-6), name
+
+
+@pytest.mark.parametrize("kind", ["lokr", "loha"])
+def test_lycoris_types_load_through_peft_not_diffusers(kind, tiny_model, tmp_path):
+    """diffusers' load_lora_weights reads LoRA (and DoRA) only: it refuses a LoKr/LoHa file. The file
+    is peft's state dict with peft's config in its metadata, which peft loads into a fresh UNet."""
+    from diffusers import StableDiffusionPipeline
+    from peft import set_peft_model_state_dict
+    from peft.config import PeftConfig
+
+    family = families.for_model(tiny_model)
+    unet = trained_adapter(family, tiny_model, AdapterParams(adapter=kind, rank=2, alpha=3), "attention")
+    file = tmp_path / "pytorch_lora_weights.safetensors"
+    write_diffusers_lora(unet, file, {}, "unet")
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    with pytest.raises(ValueError, match="Invalid LoRA checkpoint"):
+        pipe.load_lora_weights(tmp_path, weight_name=file.name)
+    with safe_open(file, "pt") as f:
+        recorded = json.loads(f.metadata()["lora_adapter_metadata"])
+    config = PeftConfig.from_peft_type(**{k.removeprefix("unet."): v for k, v in recorded.items()})
+    fresh = family.load_denoiser(tiny_model, torch.float32)
+    fresh.add_adapter(config)
+    result = set_peft_model_state_dict(fresh, {k.removeprefix("unet."): v for k, v in load_file(file).items()})
+    assert not result.unexpected_keys
+    loaded, after = merged(fresh), merged(unet)
+    for name in adapted_modules(unet):
+        assert torch.allclose(weight(loaded, name), weight(after, name), atol=1e-6), name
+
+
+# ---- the ComfyUI (LyCORIS) file
+
+@pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
+def test_sd_comfyui_file_has_the_lycoris_keys_and_means_the_merged_model(kind, tiny_model, tmp_path):
+    family = families.for_model(tiny_model)
+    unet = trained_adapter(family, tiny_model, AdapterParams(adapter=kind, rank=2, alpha=3), "all_linear")
+    names = family.original_names(unet)
+    file = tmp_path / "comfyui.safetensors"
+    save_safetensors_sorted(lycoris_state_dict(unet, names), {}, file)
+    modules = per_module(load_file(file))
+    assert "middle_block.1.transformer_blocks.0.attn2.to_k" in modules and len(modules) == len(names)
+    for original, t in modules.items():
+        assert set(t) == documented_keys(kind, t), original
+    assert_file_means_the_merged_model(file, unet, names)
+
+
+def test_sd_dora_comfyui_file_through_diffusers_drops_the_magnitude(tiny_model, tmp_path):
+    """diffusers' kohya/SGM converter reads the DoRA file's LoRA part and drops `dora_scale` (with a
+    warning): it cannot load a DoRA in this format, which is why the test above recomputes it."""
+    from diffusers import DiffusionPipeline
+
+    family = families.for_model(tiny_model)
+    unet = trained_adapter(family, tiny_model, AdapterParams(adapter="dora", rank=2, alpha=3), "attention")
+    file = tmp_path / "comfyui.safetensors"
+    save_safetensors_sorted(lycoris_state_dict(unet, family.original_names(unet)), {}, file)
+    pipe = DiffusionPipeline.from_pretrained(tiny_model)
+    converted, _ = pipe.lora_state_dict(respelled_as_kohya(file, tmp_path / "kohya.safetensors"),
+                                        unet_config=pipe.unet.config)
+    assert converted and not any("dora" in k or "magnitude" in k for k in converted)
+
+
+@pytest.mark.parametrize("kind", ["dora", "loha"])
+def test_flux_comfyui_file_fuses_qkv_and_means_the_merged_model(kind, flux_dev, tmp_path):
+    """Attention: double blocks' q/k/v fuse into img_attn.qkv, single blocks' into linear1 next to
+    the MLP input, which has no adapter (its DoRA magnitude rows are its own row norms)."""
+    family = families.for_model(flux_dev)
+    transformer = trained_adapter(family, flux_dev, AdapterParams(adapter=kind, rank=2, alpha=3), "attention")
+    names = family.original_names(transformer)
+    file = tmp_path / "comfyui.safetensors"
+    save_safetensors_sorted(lycoris_state_dict(transformer, names), {}, file)
+    tensors = load_file(file)
+    fused_rank = {"dora": "lora_A.weight", "loha": "hada_w1_b"}[kind]
+    assert tensors[f"diffusion_model.double_blocks.0.img_attn.qkv.{fused_rank}"].shape[0] == 3 * 2
+    assert tensors["diffusion_model.double_blocks.0.img_attn.qkv.alpha"].item() == 3 * 2
+    assert "diffusion_model.single_blocks.0.linear1.alpha" in tensors
+    assert_file_means_the_merged_model(file, transformer, names)
+
+
+def test_flux_lokr_on_whole_modules_and_refused_on_fused_ones(flux_dev, tmp_path):
+    family = families.for_model(flux_dev)
+    whole = ("transformer_blocks.0.attn.to_out.0", "transformer_blocks.0.ff.net.2", "single_transformer_blocks.0.proj_out")
+    params = AdapterParams(adapter="lokr", rank=2, alpha=3)
+    transformer = trained_adapter(family, flux_dev, params, "attention")
+    with pytest.raises(ValueError, match=r"transformer_blocks\.0\.attn\.\w+: a LoKr cannot be written on"
+                                         r" double_blocks\.0\.\w+_attn\.qkv"):
+        lycoris_state_dict(transformer, family.original_names(transformer))
+    transformer = trained_adapter(family, flux_dev, params, whole)
+    names = family.original_names(transformer)
+    file = tmp_path / "comfyui.safetensors"
+    save_safetensors_sorted(lycoris_state_dict(transformer, names), {}, file)
+    assert {_split(k)[0] for k in load_file(file)} == {"double_blocks.0.img_attn.proj", "double_blocks.0.img_mlp.2",
+                                                       "single_blocks.0.linear2"}
+    assert_file_means_the_merged_model(file, transformer, names)
+
+
+# ---- PiSSA / OLoRA
+
+@pytest.mark.parametrize("init, rslora", [("pissa", False), ("olora", False), ("pissa", True)])
+def test_svd_initialised_lora_exports_as_a_plain_lora_on_the_original_base(init, rslora, tiny_model, tmp_path):
+    """PiSSA/OLoRA subtract the adapter's start from the base weights; the export is a rank-2r LoRA
+    on the original base, and diffusers' fuse_lora of it gives the trained model's weights."""
+    from diffusers import StableDiffusionPipeline
+
+    family = families.for_model(tiny_model)
+    params = AdapterParams(init=init, rslora=rslora, rank=2, alpha=3)
+    original = family.load_denoiser(tiny_model, torch.float32)
+    unet = family.load_denoiser(tiny_model, torch.float32)
+    unet.add_adapter(peft_config(params, family.lora_target_modules(unet, "attention")))
+    initial = {k: v.clone() for k, v in peft_state_dict(unet).items()}
+    with torch.no_grad():  # training moves the adapter only
+        for name, param in unet.named_parameters():
+            if "lora_" in name:
+                param.add_(torch.randn_like(param) * 0.05)
+    plain = as_plain_lora(peft_state_dict(unet), initial)
+    file = tmp_path / "pytorch_lora_weights.safetensors"
+    config = {"r": 2 * params.rank, "lora_alpha": plain_lora_alpha(params), "use_rslora": rslora,
+              "target_modules": sorted(unet.peft_config[ADAPTER].target_modules)}
+    save_safetensors_sorted({f"unet.{k}": v for k, v in plain.items()},
+                            {"format": "pt", "lora_adapter_metadata": json.dumps({f"unet.{k}": v for k, v in config.items()})},
+                            file)
+    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    pipe.load_lora_weights(tmp_path, weight_name=file.name)
+    pipe.fuse_lora()
+    after = merged(unet)
+    for name in adapted_modules(unet):
+        assert not torch.allclose(weight(unet, name), original.get_submodule(name).weight)  # the base was moved
+        assert torch.allclose(pipe.unet.get_submodule(name).weight, weight(after, name), atol=1e-5), name
