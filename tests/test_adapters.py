@@ -15,7 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import stages.families as families
-from stages.families.lycoris import adapted_modules, lycoris_state_dict
+from stages.families.lycoris import adapted_modules
 from stages.families.original_names import OriginalNames
 from stages.train.adapter import AdapterParams, as_plain_lora, peft_config, plain_lora_alpha
 from stages.train.lora_files import ADAPTER, peft_state_dict, save_safetensors_sorted, write_diffusers_lora
@@ -41,6 +41,15 @@ def trained_adapter(family, model: Path, params: AdapterParams, targets: str | t
             if any(k in name for k in ADAPTER_KEYS):
                 param.add_(torch.randn(param.shape, generator=generator) * 0.1)
     return denoiser
+
+
+def exported_comfyui_file(family, denoiser, out_dir: Path) -> Path:
+    """The family's export of a DoRA/LoKr/LoHa: the diffusers file, then ComfyUI's."""
+    written = family.export_lora(denoiser, out_dir, {"lorapipe.steps": "1"}, {})
+    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
+    with safe_open(written[1], "pt") as f:
+        assert f.metadata()["ss_base_model_version"] == family.kohya_base_model
+    return written[1]
 
 
 def merged(denoiser) -> torch.nn.Module:
@@ -215,8 +224,7 @@ def test_sd_comfyui_file_has_the_lycoris_keys_and_means_the_merged_model(kind, t
     family = families.for_model(tiny_model)
     unet = trained_adapter(family, tiny_model, AdapterParams(adapter=kind, rank=2, alpha=3), "all_linear")
     names = family.original_names(unet)
-    file = tmp_path / "comfyui.safetensors"
-    save_safetensors_sorted(lycoris_state_dict(unet, names), {}, file)
+    file = exported_comfyui_file(family, unet, tmp_path)
     modules = per_module(load_file(file))
     assert "middle_block.1.transformer_blocks.0.attn2.to_k" in modules and len(modules) == len(names)
     for original, t in modules.items():
@@ -231,8 +239,7 @@ def test_sd_dora_comfyui_file_through_diffusers_drops_the_magnitude(tiny_model, 
 
     family = families.for_model(tiny_model)
     unet = trained_adapter(family, tiny_model, AdapterParams(adapter="dora", rank=2, alpha=3), "attention")
-    file = tmp_path / "comfyui.safetensors"
-    save_safetensors_sorted(lycoris_state_dict(unet, family.original_names(unet)), {}, file)
+    file = exported_comfyui_file(family, unet, tmp_path)
     pipe = DiffusionPipeline.from_pretrained(tiny_model)
     converted, _ = pipe.lora_state_dict(respelled_as_kohya(file, tmp_path / "kohya.safetensors"),
                                         unet_config=pipe.unet.config)
@@ -246,8 +253,7 @@ def test_flux_comfyui_file_fuses_qkv_and_means_the_merged_model(kind, flux_dev, 
     family = families.for_model(flux_dev)
     transformer = trained_adapter(family, flux_dev, AdapterParams(adapter=kind, rank=2, alpha=3), "attention")
     names = family.original_names(transformer)
-    file = tmp_path / "comfyui.safetensors"
-    save_safetensors_sorted(lycoris_state_dict(transformer, names), {}, file)
+    file = exported_comfyui_file(family, transformer, tmp_path)
     tensors = load_file(file)
     fused_rank = {"dora": "lora_A.weight", "loha": "hada_w1_b"}[kind]
     assert tensors[f"diffusion_model.double_blocks.0.img_attn.qkv.{fused_rank}"].shape[0] == 3 * 2
@@ -263,11 +269,10 @@ def test_flux_lokr_on_whole_modules_and_refused_on_fused_ones(flux_dev, tmp_path
     transformer = trained_adapter(family, flux_dev, params, "attention")
     with pytest.raises(ValueError, match=r"transformer_blocks\.0\.attn\.\w+: a LoKr cannot be written on"
                                          r" double_blocks\.0\.\w+_attn\.qkv"):
-        lycoris_state_dict(transformer, family.original_names(transformer))
+        family.export_lora(transformer, tmp_path, {}, {})
     transformer = trained_adapter(family, flux_dev, params, whole)
     names = family.original_names(transformer)
-    file = tmp_path / "comfyui.safetensors"
-    save_safetensors_sorted(lycoris_state_dict(transformer, names), {}, file)
+    file = exported_comfyui_file(family, transformer, tmp_path)
     assert {_split(k)[0] for k in load_file(file)} == {"double_blocks.0.img_attn.proj", "double_blocks.0.img_mlp.2",
                                                        "single_blocks.0.linear2"}
     assert_file_means_the_merged_model(file, transformer, names)

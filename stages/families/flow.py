@@ -106,10 +106,15 @@ class FlowFamily(Family):
         from stages.train.checkpoints import LORA_FILE
         from stages.train.lora_files import ADAPTER, peft_state_dict, save_safetensors_sorted, write_diffusers_lora
 
+        from .lycoris import write_lycoris
+
         written = [Path(out_dir) / LORA_FILE]
         write_diffusers_lora(transformer, written[0], provenance, self.components.denoiser)
         adapter, names, lora = transformer.peft_config[ADAPTER], self.original_names(transformer), None
         metadata = {**provenance, **kohya_metadata, "ss_base_model_version": self.kohya_base_model}
+        lycoris = write_lycoris(transformer, names, out_dir, metadata)  # a DoRA, LoKr or LoHa: ComfyUI's file only
+        if lycoris:
+            return [*written, lycoris]
         for style in self.original_formats:
             lora = lora or peft_state_dict(transformer)
             written.append(Path(out_dir) / FILES[style])

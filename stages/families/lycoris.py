@@ -21,9 +21,10 @@ refused with the module's name. Why peft and not lycoris-lora, and how ComfyUI v
 from __future__ import annotations
 
 from fractions import Fraction
+from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .original_names import OriginalNames, fused_lora
+from .original_names import FILES, OriginalNames, fused_lora
 
 if TYPE_CHECKING:
     import torch
@@ -61,6 +62,17 @@ def lycoris_state_dict(denoiser: torch.nn.Module, names: OriginalNames) -> dict[
     if kind == "lokr":
         return _lokr(state, scales, names, denoiser.peft_config[ADAPTER].r)
     raise ValueError(f"{kind}: a plain LoRA is written by original_names.fused_lora")
+
+
+def write_lycoris(denoiser: torch.nn.Module, names: OriginalNames, out_dir: Path, metadata: dict[str, str]) -> Path | None:
+    """The ComfyUI file of a DoRA, LoKr or LoHa (None for a plain LoRA: original_names.fused_lora)."""
+    from stages.train.lora_files import ADAPTER, save_safetensors_sorted
+
+    if adapter_kind(denoiser.peft_config[ADAPTER]) == "lora":
+        return None
+    path = Path(out_dir) / FILES["comfyui"]
+    save_safetensors_sorted(lycoris_state_dict(denoiser, names), metadata, path)
+    return path
 
 
 def _folded(state: dict, scales: dict[str, float], kind: str) -> dict[str, torch.Tensor]:
