@@ -219,14 +219,18 @@ def test_lycoris_types_load_through_peft_not_diffusers(kind, tiny_model, tmp_pat
 
 # ---- the ComfyUI (LyCORIS) file
 
-@pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
-def test_sd_comfyui_file_has_the_lycoris_keys_and_means_the_merged_model(kind, tiny_model, tmp_path):
-    family = families.for_model(tiny_model)
-    unet = trained_adapter(family, tiny_model, AdapterParams(adapter=kind, rank=2, alpha=3), "all_linear")
+@pytest.mark.parametrize("kind, arch", [("dora", "sd15"), ("lokr", "sd15"), ("loha", "sd15"), ("lokr", "sdxl")])
+def test_sd_comfyui_file_has_the_lycoris_keys_and_means_the_merged_model(kind, arch, tiny_model, sdxl_model,
+                                                                          tmp_path):
+    """Every Linear of the UNet (SDXL: with its size embedding, label_emb) under its LDM name."""
+    model = tiny_model if arch == "sd15" else sdxl_model
+    family = families.for_model(model)
+    unet = trained_adapter(family, model, AdapterParams(adapter=kind, rank=2, alpha=3), "all_linear")
     names = family.original_names(unet)
     file = exported_comfyui_file(family, unet, tmp_path)
     modules = per_module(load_file(file))
     assert "middle_block.1.transformer_blocks.0.attn2.to_k" in modules and len(modules) == len(names)
+    assert ("label_emb.0.0" in modules) == (arch == "sdxl")
     for original, t in modules.items():
         assert set(t) == documented_keys(kind, t), original
     assert_file_means_the_merged_model(file, unet, names)

@@ -136,8 +136,7 @@ def _dora(state: dict, scales: dict[str, float], names: OriginalNames,
         magnitude = torch.empty(rows, dtype=up.dtype)
         for s in segments:
             whole = state.get(f"{s.module}{DORA_MAGNITUDE}")
-            if whole is None:
-                whole = row_norms(s.module)
+            whole = row_norms(s.module) if whole is None else whole.reshape(-1)  # a conv's is (1, out, 1, 1)
             n = whole.shape[0]
             magnitude[int(s.start * rows):int(s.end * rows)] = whole[int(s.part_start * n):int(s.part_end * n)]
         out[f"{PREFIX}{original}.dora_scale"] = magnitude.reshape(rows, *[1] * (up.dim() - 1))
