@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 import stages.families as families
 from stages.families.lycoris import adapted_modules
 from stages.families.original_names import OriginalNames
-from stages.train.adapter import AdapterParams, as_plain_lora, peft_config, plain_lora_alpha
-from stages.train.lora_files import ADAPTER, peft_state_dict, save_safetensors_sorted, write_diffusers_lora
+from stages.train.adapter import AdapterParams, peft_config, plain_lora_alpha, plain_lora_swapped_in
+from stages.train.lora_files import ADAPTER, peft_state_dict, write_diffusers_lora
 
 ADAPTER_KEYS = ("lora_", "lokr_", "hada_")  # peft's adapter parameters carry one of these
 
@@ -286,8 +286,9 @@ def test_flux_lokr_on_whole_modules_and_refused_on_fused_ones(flux_dev, tmp_path
 
 @pytest.mark.parametrize("init, rslora", [("pissa", False), ("olora", False), ("pissa", True)])
 def test_svd_initialised_lora_exports_as_a_plain_lora_on_the_original_base(init, rslora, tiny_model, tmp_path):
-    """PiSSA/OLoRA subtract the adapter's start from the base weights; the export is a rank-2r LoRA
-    on the original base, and diffusers' fuse_lora of it gives the trained model's weights."""
+    """PiSSA/OLoRA subtract the adapter's start from the base weights; the family's export, shown the
+    plain-LoRA form, writes a rank-2r LoRA for the original base, and diffusers' fuse_lora of it on
+    the original model gives the trained model's weights; the trained adapter is back afterwards."""
     from diffusers import StableDiffusionPipeline
 
     family = families.for_model(tiny_model)
@@ -300,15 +301,17 @@ def test_svd_initialised_lora_exports_as_a_plain_lora_on_the_original_base(init,
         for name, param in unet.named_parameters():
             if "lora_" in name:
                 param.add_(torch.randn_like(param) * 0.05)
-    plain = as_plain_lora(peft_state_dict(unet), initial)
-    file = tmp_path / "pytorch_lora_weights.safetensors"
-    config = {"r": 2 * params.rank, "lora_alpha": plain_lora_alpha(params), "use_rslora": rslora,
-              "target_modules": sorted(unet.peft_config[ADAPTER].target_modules)}
-    save_safetensors_sorted({f"unet.{k}": v for k, v in plain.items()},
-                            {"format": "pt", "lora_adapter_metadata": json.dumps({f"unet.{k}": v for k, v in config.items()})},
-                            file)
+    trained = {k: v.clone() for k, v in peft_state_dict(unet).items()}
+    with plain_lora_swapped_in(unet, initial, params):
+        written = family.export_lora(unet, tmp_path, {}, {})
+    assert peft_state_dict(unet).keys() == trained.keys()
+    assert all(torch.equal(peft_state_dict(unet)[k], v) for k, v in trained.items())
+    with safe_open(written[0], "pt") as f:
+        recorded = json.loads(f.metadata()["lora_adapter_metadata"])
+        down = f.get_tensor("unet.mid_block.attentions.0.transformer_blocks.0.attn1.to_q.lora_A.weight")
+    assert (recorded["unet.r"], recorded["unet.lora_alpha"], down.shape[0]) == (4, plain_lora_alpha(params), 4)
     pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
-    pipe.load_lora_weights(tmp_path, weight_name=file.name)
+    pipe.load_lora_weights(tmp_path, weight_name=written[0].name)
     pipe.fuse_lora()
     after = merged(unet)
     for name in adapted_modules(unet):

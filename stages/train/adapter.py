@@ -7,14 +7,16 @@ Every adapter starts as a no-op on the base model except PiSSA and OLoRA: they m
 base weights' spectrum (PiSSA: SVD; OLoRA: QR) into the adapter and subtract it from the frozen
 base. A file of the trained adapter alone would then apply to a base nobody else has, so the
 export turns it into a plain LoRA on the original base (`as_plain_lora`: rank 2r, peft's
-subtract_mutated_init rule), which needs the adapter's initial weights.
+subtract_mutated_init rule), which needs the adapter's initial weights: `plain_lora_swapped_in`
+shows the model so to the family's export.
 
 Why peft and not lycoris-lora, and what each type exports to: docs/adapters.md.
 """
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Literal
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Iterator, Literal
 
 from pydantic import Field, model_validator
 
@@ -103,3 +105,39 @@ def as_plain_lora(trained: dict[str, torch.Tensor], initial: dict[str, torch.Ten
 def plain_lora_alpha(params: AdapterParams) -> float:
     """The alpha that keeps `params.scale` at rank 2r."""
     return params.alpha * (math.sqrt(2) if params.rslora else 2)
+
+
+@contextmanager
+def plain_lora_swapped_in(denoiser: torch.nn.Module, initial: dict[str, torch.Tensor],
+                          params: AdapterParams) -> Iterator[None]:
+    """Inside the block the denoiser's adapter is the plain-LoRA form of its PiSSA/OLoRA adapter
+    (rank 2r, `plain_lora_alpha`, for the original base), as the exports read it (its state dict
+    and peft config); the trained adapter is back after. The frozen base weights are not touched:
+    exports do not read them."""
+    import dataclasses
+
+    import torch
+
+    from stages.families.lycoris import adapted_modules
+    from stages.train.lora_files import ADAPTER, peft_state_dict
+
+    plain = as_plain_lora(peft_state_dict(denoiser), initial)
+    config, trained = denoiser.peft_config[ADAPTER], []
+    for name in adapted_modules(denoiser):
+        layer = denoiser.get_submodule(name)
+        trained.append((layer, layer.lora_A[ADAPTER], layer.lora_B[ADAPTER], layer.r[ADAPTER]))
+        for part in ("lora_A", "lora_B"):
+            weight = plain[f"{name}.{part}.weight"]
+            linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=False, device=weight.device,
+                                     dtype=weight.dtype)
+            linear.weight = torch.nn.Parameter(weight, requires_grad=False)
+            getattr(layer, part)[ADAPTER] = linear
+        layer.r[ADAPTER] = 2 * params.rank
+    denoiser.peft_config[ADAPTER] = dataclasses.replace(config, r=2 * params.rank, lora_alpha=plain_lora_alpha(params),
+                                                        init_lora_weights=True)
+    try:
+        yield
+    finally:
+        denoiser.peft_config[ADAPTER] = config
+        for layer, down, up, rank in trained:
+            layer.lora_A[ADAPTER], layer.lora_B[ADAPTER], layer.r[ADAPTER] = down, up, rank
