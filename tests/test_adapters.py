@@ -217,6 +217,23 @@ def test_lycoris_types_load_through_peft_not_diffusers(kind, tiny_model, tmp_pat
         assert torch.allclose(weight(loaded, name), weight(after, name), atol=1e-6), name
 
 
+@pytest.mark.parametrize("kind", ["lora", "dora", "lokr", "loha"])
+def test_checkpoint_file_restores_every_adapter_type_exactly(kind, tiny_model, tmp_path):
+    """What training's checkpoint hooks do (write_diffusers_lora, then load_diffusers_lora into a fresh
+    denoiser given the same adapter): every adapter tensor comes back bit for bit."""
+    from stages.train.lora_files import load_diffusers_lora
+
+    family = families.for_model(tiny_model)
+    params = AdapterParams(adapter=kind, rank=2, alpha=3)
+    unet = trained_adapter(family, tiny_model, params, "attention")
+    write_diffusers_lora(unet, tmp_path / "checkpoint.safetensors", {}, "unet")
+    fresh = family.load_denoiser(tiny_model, torch.float32)
+    fresh.add_adapter(peft_config(params, family.lora_target_modules(fresh, "attention")))
+    load_diffusers_lora(fresh, tmp_path / "checkpoint.safetensors", "unet")
+    saved, restored = peft_state_dict(unet), peft_state_dict(fresh)
+    assert saved.keys() == restored.keys() and all(torch.equal(saved[k], restored[k]) for k in saved)
+
+
 # ---- the ComfyUI (LyCORIS) file
 
 @pytest.mark.parametrize("kind, arch", [("dora", "sd15"), ("lokr", "sd15"), ("loha", "sd15"), ("lokr", "sdxl")])
