@@ -28,7 +28,6 @@ if TYPE_CHECKING:
 
 AdapterKind = Literal["lora", "dora", "lokr", "loha"]
 LORA_KINDS = ("lora", "dora")  # peft's LoraConfig: rsLoRA, dropout and the SVD/QR initialisations apply
-MUTATING_INITS = ("pissa", "olora")  # initialisations that change the frozen base weights
 
 
 class AdapterParams(Frozen):
@@ -59,10 +58,6 @@ class AdapterParams(Frozen):
         if self.lokr_factor == 0 or self.lokr_factor < -1:
             raise ValueError(f"train.lokr_factor: a positive factor, or -1; not {self.lokr_factor}")
         return self
-
-    @property
-    def mutates_base(self) -> bool:
-        return self.init in MUTATING_INITS
 
     @property
     def scale(self) -> float:
@@ -104,7 +99,8 @@ def as_plain_lora(trained: dict[str, torch.Tensor], initial: dict[str, torch.Ten
 
 def plain_lora_alpha(params: AdapterParams) -> float:
     """The alpha that keeps `params.scale` at rank 2r."""
-    return params.alpha * (math.sqrt(2) if params.rslora else 2)
+    rank = 2 * params.rank
+    return params.scale * (math.sqrt(rank) if params.rslora else rank)
 
 
 @contextmanager
