@@ -54,6 +54,7 @@ class FlowFamily(Family):
     variants: tuple[FlowVariant, ...] = ()  # detection order: the first whose markers match
     sequence_patch: int = 2  # normalised-latent pixels per image token side (the objective's token count)
     original_formats: tuple[KeyStyle, ...] = ("comfyui",)  # exported besides the diffusers file
+    comfyui_slice_prefix: str | None = None  # ComfyUI maps <prefix><diffusers module> to its rows of a fused weight
 
     def for_model(self, model_path: Path) -> FlowFamily:
         return replace(self, variant=next(v for v in self.variants if v.matches(model_path)))
@@ -112,7 +113,7 @@ class FlowFamily(Family):
         write_diffusers_lora(transformer, written[0], provenance, self.components.denoiser)
         adapter, names, lora = transformer.peft_config[ADAPTER], self.original_names(transformer), None
         metadata = {**provenance, **kohya_metadata, "ss_base_model_version": self.kohya_base_model}
-        lycoris = write_lycoris(transformer, names, out_dir, metadata)  # a DoRA, LoKr or LoHa: ComfyUI's file only
+        lycoris = write_lycoris(transformer, names, out_dir, metadata, self.comfyui_slice_prefix)  # DoRA, LoKr, LoHa
         if lycoris:
             return [*written, lycoris]
         for style in self.original_formats:

@@ -162,7 +162,7 @@ FLUX1 = Flux1(
     components=Components(text=("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"), latent=("vae",),
                           denoiser="transformer"),
     kohya_base_model="flux1", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
-    original_formats=("kohya", "comfyui"),
+    original_formats=("kohya", "comfyui"), comfyui_slice_prefix="transformer.",
     single_file_markers=("double_blocks.0.img_attn.qkv.weight",  # BFL's, bare or under ComfyUI's prefix
                          "model.diffusion_model.double_blocks.0.img_attn.qkv.weight"),
 )

@@ -15,7 +15,9 @@ like a LoRA, its two pairs each concatenated along the rank with the up factors 
 Hadamard product of two block-diagonal products keeps each part's rows); a DoRA fuses its LoRA so
 and concatenates the magnitudes, taking a part without an adapter at its own row norms (so those
 rows stay as they are); a Kronecker product cannot be split by rows, so a LoKr on a fused module is
-refused with the module's name. Why peft and not lycoris-lora, and how ComfyUI versions read
+written under the diffusers module's name where ComfyUI maps such names to their rows of the fused
+weight (Flux.1's `transformer.<module>`: `slice_prefix`), and refused with the module's name
+elsewhere. Why peft and not lycoris-lora, and how ComfyUI versions read
 `dora_scale`: docs/adapters.md.
 """
 from __future__ import annotations
@@ -48,8 +50,10 @@ def adapted_modules(denoiser: torch.nn.Module) -> list[str]:
     return sorted(name for name, m in denoiser.named_modules() if isinstance(m, BaseTunerLayer))
 
 
-def lycoris_state_dict(denoiser: torch.nn.Module, names: OriginalNames) -> dict[str, torch.Tensor]:
-    """The denoiser's DoRA, LoKr or LoHa in ComfyUI's native LyCORIS keys under `names`."""
+def lycoris_state_dict(denoiser: torch.nn.Module, names: OriginalNames,
+                       slice_prefix: str | None = None) -> dict[str, torch.Tensor]:
+    """The denoiser's DoRA, LoKr or LoHa in ComfyUI's native LyCORIS keys under `names` (a LoKr on a
+    fused module under `slice_prefix` + its diffusers name, when the family's ComfyUI loader maps it)."""
     from stages.train.lora_files import ADAPTER, peft_state_dict
 
     kind = adapter_kind(denoiser.peft_config[ADAPTER])
@@ -60,18 +64,19 @@ def lycoris_state_dict(denoiser: torch.nn.Module, names: OriginalNames) -> dict[
     if kind == "loha":
         return _loha(state, scales, names)
     if kind == "lokr":
-        return _lokr(state, scales, names, denoiser.peft_config[ADAPTER].r)
+        return _lokr(state, scales, names, denoiser.peft_config[ADAPTER].r, slice_prefix)
     raise ValueError(f"{kind}: a plain LoRA is written by original_names.fused_lora")
 
 
-def write_lycoris(denoiser: torch.nn.Module, names: OriginalNames, out_dir: Path, metadata: dict[str, str]) -> Path | None:
+def write_lycoris(denoiser: torch.nn.Module, names: OriginalNames, out_dir: Path, metadata: dict[str, str],
+                  slice_prefix: str | None = None) -> Path | None:
     """The ComfyUI file of a DoRA, LoKr or LoHa (None for a plain LoRA: original_names.fused_lora)."""
     from stages.train.lora_files import ADAPTER, save_safetensors_sorted
 
     if adapter_kind(denoiser.peft_config[ADAPTER]) == "lora":
         return None
     path = Path(out_dir) / FILES["comfyui"]
-    save_safetensors_sorted(lycoris_state_dict(denoiser, names), metadata, path)
+    save_safetensors_sorted(lycoris_state_dict(denoiser, names, slice_prefix), metadata, path)
     return path
 
 
@@ -84,7 +89,8 @@ def _folded(state: dict, scales: dict[str, float], kind: str) -> dict[str, torch
     return out
 
 
-def _lokr(state: dict, scales: dict[str, float], names: OriginalNames, rank: int) -> dict[str, torch.Tensor]:
+def _lokr(state: dict, scales: dict[str, float], names: OriginalNames, rank: int,
+          slice_prefix: str | None) -> dict[str, torch.Tensor]:
     import torch
 
     folded, out = _folded(state, scales, "lokr"), {}
@@ -93,15 +99,18 @@ def _lokr(state: dict, scales: dict[str, float], names: OriginalNames, rank: int
         adapted = [s for s in segments if s.module in scales]
         if not adapted:
             continue
-        if len(segments) > 1 or (segments[0].start, segments[0].end) != whole \
-                or (segments[0].part_start, segments[0].part_end) != whole:
+        fused = len(segments) > 1 or (segments[0].start, segments[0].end) != whole \
+            or (segments[0].part_start, segments[0].part_end) != whole
+        if fused and slice_prefix is None:
             raise ValueError(f"{adapted[0].module}: a LoKr cannot be written on {original}, which the original"
-                             " layout fuses with other modules; leave it out of target_modules or use the diffusers file")
-        module = adapted[0].module
-        for key, value in folded.items():
-            if key.startswith(f"{module}.") and key.count(".") == module.count(".") + 1:
-                out[f"{PREFIX}{original}.{key.removeprefix(module + '.')}"] = value
-        out[f"{PREFIX}{original}.alpha"] = torch.tensor(float(rank))
+                             " layout fuses with other modules; leave it out of target_modules or use the"
+                             " diffusers file")
+        for s in adapted:
+            name = f"{slice_prefix}{s.module}" if fused else f"{PREFIX}{original}"
+            for key, value in folded.items():
+                if key.startswith(f"{s.module}.") and key.count(".") == s.module.count(".") + 1:
+                    out[f"{name}.{key.removeprefix(s.module + '.')}"] = value
+            out[f"{name}.alpha"] = torch.tensor(float(rank))
     _check_placed(scales, names)
     return out
 
