@@ -178,48 +178,55 @@ def test_peft_builds_the_adapter_at_the_params_scale(settings, tiny_model):
 
 # ---- the diffusers/peft file
 
-@pytest.mark.parametrize("kind", ["lora", "dora"])
-def test_diffusers_file_loads_in_diffusers_and_means_the_merged_model(kind, tiny_model, tmp_path):
+def _model(arch: str, tiny_model: Path, flux_dev: Path) -> Path:
+    return tiny_model if arch == "sd15" else flux_dev
+
+
+def _pipeline(model: Path):
+    from diffusers import DiffusionPipeline
+
+    return DiffusionPipeline.from_pretrained(model)
+
+
+@pytest.mark.parametrize("kind, arch", [("lora", "sd15"), ("dora", "sd15"), ("dora", "flux1")])
+def test_diffusers_file_loads_in_diffusers_and_means_the_merged_model(kind, arch, tiny_model, flux_dev, tmp_path):
     """DoRA's magnitude travels in the diffusers file (`lora_magnitude_vector`, use_dora in the
     adapter metadata) and diffusers applies it: fuse_lora gives peft's merged weights."""
-    from diffusers import StableDiffusionPipeline
-
-    family = families.for_model(tiny_model)
-    unet = trained_adapter(family, tiny_model, AdapterParams(adapter=kind, alpha=3), "attention")
-    file = tmp_path / "pytorch_lora_weights.safetensors"
-    write_diffusers_lora(unet, file, {}, "unet")
-    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    model = _model(arch, tiny_model, flux_dev)
+    family = families.for_model(model)
+    denoiser = trained_adapter(family, model, AdapterParams(adapter=kind, alpha=3), "attention")
+    file = family.export_lora(denoiser, tmp_path, {}, {})[0]
+    pipe = _pipeline(model)
     pipe.load_lora_weights(tmp_path, weight_name=file.name)
     pipe.fuse_lora()
-    after = merged(unet)
-    for name in adapted_modules(unet):
-        assert torch.allclose(pipe.unet.get_submodule(name).weight, weight(after, name), atol=1e-6), name
+    loaded, after = getattr(pipe, family.components.denoiser), merged(denoiser)
+    for name in adapted_modules(denoiser):
+        assert torch.allclose(loaded.get_submodule(name).weight, weight(after, name), atol=1e-6), name
 
 
-@pytest.mark.parametrize("kind", ["lokr", "loha"])
-def test_lycoris_types_load_through_peft_not_diffusers(kind, tiny_model, tmp_path):
+@pytest.mark.parametrize("kind, arch", [("lokr", "sd15"), ("loha", "sd15"), ("lokr", "flux1"), ("loha", "flux1")])
+def test_lycoris_types_load_through_peft_not_diffusers(kind, arch, tiny_model, flux_dev, tmp_path):
     """diffusers' load_lora_weights reads LoRA (and DoRA) only: it refuses a LoKr/LoHa file. The file
-    is peft's state dict with peft's config in its metadata, which peft loads into a fresh UNet."""
-    from diffusers import StableDiffusionPipeline
+    is peft's state dict with peft's config in its metadata, which peft loads into a fresh denoiser."""
     from peft import set_peft_model_state_dict
     from peft.config import PeftConfig
 
-    family = families.for_model(tiny_model)
-    unet = trained_adapter(family, tiny_model, AdapterParams(adapter=kind, rank=2, alpha=3), "attention")
-    file = tmp_path / "pytorch_lora_weights.safetensors"
-    write_diffusers_lora(unet, file, {}, "unet")
-    pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+    model = _model(arch, tiny_model, flux_dev)
+    family = families.for_model(model)
+    prefix = f"{family.components.denoiser}."
+    denoiser = trained_adapter(family, model, AdapterParams(adapter=kind, rank=2, alpha=3), "attention")
+    file = family.export_lora(denoiser, tmp_path, {}, {})[0]
     with pytest.raises(ValueError, match="Invalid LoRA checkpoint"):
-        pipe.load_lora_weights(tmp_path, weight_name=file.name)
+        _pipeline(model).load_lora_weights(tmp_path, weight_name=file.name)
     with safe_open(file, "pt") as f:
         recorded = json.loads(f.metadata()["lora_adapter_metadata"])
-    config = PeftConfig.from_peft_type(**{k.removeprefix("unet."): v for k, v in recorded.items()})
-    fresh = family.load_denoiser(tiny_model, torch.float32)
+    config = PeftConfig.from_peft_type(**{k.removeprefix(prefix): v for k, v in recorded.items()})
+    fresh = family.load_denoiser(model, torch.float32)
     fresh.add_adapter(config)
-    result = set_peft_model_state_dict(fresh, {k.removeprefix("unet."): v for k, v in load_file(file).items()})
+    result = set_peft_model_state_dict(fresh, {k.removeprefix(prefix): v for k, v in load_file(file).items()})
     assert not result.unexpected_keys
-    loaded, after = merged(fresh), merged(unet)
-    for name in adapted_modules(unet):
+    loaded, after = merged(fresh), merged(denoiser)
+    for name in adapted_modules(denoiser):
         assert torch.allclose(weight(loaded, name), weight(after, name), atol=1e-6), name
 
 
