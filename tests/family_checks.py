@@ -4,12 +4,14 @@ diffusers' own loaders into a fresh pipeline, fused, and its weight change compa
 in-memory model's)."""
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
 import stages.families as families
+from stages.families.lycoris import adapted_modules
 from stages.families.original_names import kohya_name
 
 
@@ -86,3 +88,17 @@ def respelled_as_kohya(file: Path, out: Path) -> Path:
         renamed[kohya_name(key.removeprefix("diffusion_model.").removesuffix(suffix)) + spelling[suffix]] = value
     save_file(renamed, out)
     return out
+
+
+def merged(denoiser) -> torch.nn.Module:
+    """A copy of the denoiser with peft's own merge of its adapter into every adapted weight."""
+    copied = copy.deepcopy(denoiser)
+    for name in adapted_modules(copied):
+        copied.get_submodule(name).merge()
+    return copied
+
+
+def weight(denoiser, module: str) -> torch.Tensor:
+    """A module's (base) weight, whether or not it carries an adapter."""
+    layer = denoiser.get_submodule(module)
+    return getattr(layer, "base_layer", layer).weight.detach()

@@ -4,13 +4,12 @@ diffusers where it can load the format, else by the format's documented rules, r
 the file's tensors) it must give every weight the in-memory peft model's merged value."""
 from __future__ import annotations
 
-import copy
 import json
 from pathlib import Path
 
 import pytest
 import torch
-from family_checks import respelled_as_kohya
+from family_checks import merged, respelled_as_kohya, weight
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -50,19 +49,6 @@ def exported_comfyui_file(family, denoiser, out_dir: Path) -> Path:
     with safe_open(written[1], "pt") as f:
         assert f.metadata()["ss_base_model_version"] == family.kohya_base_model
     return written[1]
-
-
-def merged(denoiser) -> torch.nn.Module:
-    """A copy of the denoiser with peft's own merge of its adapter into every adapted weight."""
-    copied = copy.deepcopy(denoiser)
-    for name in adapted_modules(copied):
-        copied.get_submodule(name).merge()
-    return copied
-
-
-def weight(denoiser, module: str) -> torch.Tensor:
-    layer = denoiser.get_submodule(module)
-    return getattr(layer, "base_layer", layer).weight.detach()
 
 
 def in_original_layout(denoiser, segments) -> torch.Tensor:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_checks import merged, weight
 from safetensors.torch import load_file
 
 import stages.families as families
@@ -93,3 +94,35 @@ def test_export_inside_swapped_in_writes_the_average_and_restores_the_weights(ti
         key = "unet." + name.replace(".default", "")
         assert torch.equal(exported[key], average) and not torch.equal(average, trained[name]), key
     assert all(torch.equal(p, trained[n]) for n, p in unet.named_parameters() if p.requires_grad)
+
+
+def test_export_writes_the_trained_and_the_averaged_pissa_adapter_for_the_original_base(tiny_model, tmp_path):
+    """export_adapter: the trained adapter's files, and the EMA's in ema/; a PiSSA adapter in its
+    plain-LoRA form, so diffusers' fuse_lora on the original model gives each one's merged weights."""
+    from diffusers import StableDiffusionPipeline
+
+    from stages.families.lycoris import adapted_modules
+    from stages.train.exports import export_adapter
+    from stages.train.lora_files import peft_state_dict
+
+    family = families.for_model(tiny_model)
+    params = AdapterParams(init="pissa", rank=2, alpha=3)
+    unet = family.load_denoiser(tiny_model, torch.float32)
+    unet.requires_grad_(False)
+    unet.add_adapter(peft_config(params, family.lora_target_modules(unet, "attention")))
+    initial = {k: v.clone() for k, v in peft_state_dict(unet).items()}
+    ema = AdapterEMA(unet, EMAParams(ema_decay=0.5))
+    for step in range(1, 4):
+        _step(unet, step)
+        ema.update(step)
+    written = export_adapter(family, unet, tmp_path, {}, {}, params, initial, ema)
+    names = [f"pytorch_lora_weights{kind}.safetensors" for kind in ("", "_kohya", "_comfyui")]
+    assert [str(p.relative_to(tmp_path)) for p in written] == names + [f"ema/{name}" for name in names]
+    with ema.swapped_in():
+        averaged = merged(unet)
+    for lora, expected in ((written[0], merged(unet)), (written[3], averaged)):
+        pipe = StableDiffusionPipeline.from_pretrained(tiny_model, safety_checker=None)
+        pipe.load_lora_weights(lora.parent, weight_name=lora.name)
+        pipe.fuse_lora()
+        for name in adapted_modules(unet):
+            assert torch.allclose(pipe.unet.get_submodule(name).weight, weight(expected, name), atol=1e-5), name
