@@ -144,7 +144,8 @@ def test_settings_that_do_not_apply_are_refused_by_name(settings, key):
 
 @pytest.mark.parametrize("settings", [
     {"adapter": "lora"}, {"adapter": "lora", "rslora": True, "rank": 8, "alpha": 4}, {"adapter": "dora"},
-    {"adapter": "lokr", "rank": 2, "alpha": 3}, {"adapter": "loha", "rank": 2, "alpha": 3},
+    {"adapter": "lokr", "rank": 2, "alpha": 3}, {"adapter": "lokr", "lokr_factor": 4},
+    {"adapter": "loha", "rank": 2, "alpha": 3},
 ])
 def test_peft_builds_the_adapter_at_the_params_scale(settings, tiny_model):
     params = AdapterParams(**settings)
@@ -160,6 +161,8 @@ def test_peft_builds_the_adapter_at_the_params_scale(settings, tiny_model):
     kind = {"lora": "LoraLayer", "dora": "LoraLayer", "lokr": "LoKrLayer", "loha": "LoHaLayer"}[params.adapter]
     assert all(kind in [c.__name__ for c in type(denoiser.get_submodule(m)).__mro__] for m in layers)
     assert denoiser.peft_config[ADAPTER].to_dict().get("use_dora", False) == (params.adapter == "dora")
+    if params.lokr_factor != -1:  # the Kronecker factor's side is the factor (w1 is factor x factor)
+        assert {tuple(v.shape) for k, v in peft_state_dict(denoiser).items() if k.endswith("lokr_w1")} == {(4, 4)}
 
 
 # ---- the diffusers/peft file

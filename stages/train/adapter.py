@@ -1,6 +1,6 @@
 """The adapter a run trains (`train.adapter`): LoRA, DoRA, LoKr or LoHa, built with peft's own
 configs (LoraConfig, with use_dora for DoRA; LoKrConfig; LoHaConfig), plus rsLoRA scaling and
-PiSSA/OLoRA initialisation, which peft offers for LoRA only. Imports nothing heavy at module
+PiSSA/OLoRA initialisation, which peft's LoraConfig offers. Imports nothing heavy at module
 level: flows build train keys from AdapterParams.
 
 Every adapter starts as a no-op on the base model except PiSSA and OLoRA: they move the top of the
