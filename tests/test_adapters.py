@@ -238,18 +238,22 @@ def test_checkpoint_file_restores_every_adapter_type_exactly(kind, tiny_model, t
 
 # ---- the ComfyUI (LyCORIS) file
 
-@pytest.mark.parametrize("kind, arch", [("dora", "sd15"), ("lokr", "sd15"), ("loha", "sd15"), ("lokr", "sdxl")])
-def test_sd_comfyui_file_has_the_lycoris_keys_and_means_the_merged_model(kind, arch, tiny_model, sdxl_model,
+@pytest.mark.parametrize("kind, arch, rank", [("dora", "sd15", 2), ("lokr", "sd15", 2), ("lokr", "sd15", 8),
+                                             ("loha", "sd15", 2), ("lokr", "sdxl", 2)])
+def test_sd_comfyui_file_has_the_lycoris_keys_and_means_the_merged_model(kind, arch, rank, tiny_model, sdxl_model,
                                                                           tmp_path):
-    """Every Linear of the UNet (SDXL: with its size embedding, label_emb) under its LDM name."""
+    """Every Linear of the UNet (SDXL: with its size embedding, label_emb) under its LDM name. A LoKr
+    of rank 8 keeps its factors whole (no `_a/_b`), where ComfyUI ignores alpha."""
     model = tiny_model if arch == "sd15" else sdxl_model
     family = families.for_model(model)
-    unet = trained_adapter(family, model, AdapterParams(adapter=kind, rank=2, alpha=3), "all_linear")
+    unet = trained_adapter(family, model, AdapterParams(adapter=kind, rank=rank, alpha=3), "all_linear")
     names = family.original_names(unet)
     file = exported_comfyui_file(family, unet, tmp_path)
     modules = per_module(load_file(file))
     assert "middle_block.1.transformer_blocks.0.attn2.to_k" in modules and len(modules) == len(names)
     assert ("label_emb.0.0" in modules) == (arch == "sdxl")
+    if kind == "lokr":
+        assert any("lokr_w2" in t for t in modules.values()) == (rank == 8)  # some factors whole
     for original, t in modules.items():
         assert set(t) == documented_keys(kind, t), original
     assert_file_means_the_merged_model(file, unet, names)
