@@ -1,45 +1,60 @@
-"""GPU: encode and train at full size on one GPU: SD1.5 at 512 px batch 8 and SDXL at 1024 px batch
-4, mixed precision bf16 as the train stage runs it (frozen UNet in bf16, LoRA rank 16 on the attention
-projections in fp32), each setting in this process (no accelerate launch; nothing from flows/, so
-no Prefect):
+"""GPU: encode and train at full size on one GPU, mixed precision bf16 as the train stage runs it
+(frozen denoiser in bf16, LoRA rank 16 on the family's default preset in fp32), each setting in this
+process (no accelerate launch; nothing from flows/, so no Prefect). Settings (`--only NAME`):
+
+    sd15                    SD1.5 at 512 px, batch 8
+    sdxl                    SDXL at 1024 px, batch 4
+    flux1                   Flux.1-dev at 1024 px, batch 1, gradient checkpointing on
+    flux1-no-checkpointing  the same, gradient checkpointing off (same model folder and images)
+    flux2-klein             Flux.2-klein base 4B at 1024 px, batch 1
+    z-image                 Z-Image (base) at 1024 px, batch 1
+
+Nothing here knows a family: every setting names an architecture folder, and its model, encoders,
+step and LoRA come through the family layer (stages/families) as the stages get them.
 
 1. model:  random weights from the published architecture configs in stages/assets/arch/<arch>/
-           with stages/families/tiny_sd.py's byte-level tokenizer (checked to fit the text encoders), initialised
-           on the GPU from a fixed seed and saved in bf16 under ROOT/models/<arch> (reused after).
-2. encode: N generated noise images through the real encode stage (records in bf16) vs the bare VAE +
-           text-encoder forward on the same pre-decoded batches, both loaded as the stage loads them;
-           ratio = bare / stage time (goal >= 0.9), also without the encoders' load time.
+           (full-size text encoders included: CLIP, T5-XXL, Qwen3-4B) with the tokenizers of the
+           family's tiny model (built offline; checked to fit the text encoders' vocabularies),
+           initialised on the GPU in bf16 from a fixed seed and saved under ROOT/models/<arch>
+           (reused after; about 2, 7, 34, 16 and 20 GB for sd15, sdxl, flux1, flux2-klein, z-image).
+2. encode: N generated noise images through the real encode stage (records in bf16) vs the bare
+           latent + text encoders' forward on the same pre-decoded batches, both loaded as the stage
+           loads them; ratio = bare / stage time (goal >= 0.9), also without the encoders' load time.
 3. train steps, train_bench's variants in interleaved rounds (fastest round kept, the GPU
            synchronised around each round): cached (the recipe's own step over the encoded shards;
            cached inline: with train.loader_workers 0, the micro-batch prepared in the step),
-           bare (UNet forward + backward + optimizer on a micro-batch already on the GPU), on the fly
-           (VAE + text encoder(s) every step, then the same step) and the loader (`load_batch` alone).
-           Goals: cached within 5% of bare; the loader >= 10x the samples/s the step consumes.
-4. cached step variants: SDPA (diffusers' default AttnProcessor2_0), the classic AttnProcessor, SDPA
-           + torch.compile(unet). Each reports its peak GPU memory and MFU: the FLOPs one forward +
-           backward executes (torch.utils.flop_counter; about 1.8x the forward, as the frozen weights
-           get no gradients) / step time / the GPU's dense bf16 peak (null for a GPU not in
-           PEAK_BF16_FLOPS). first_step_s is the variant's first step alone: for a compiled variant
-           its compilation, which is not in its step time. A variant that fails (compile error, out
-           of memory) reports its error and the run goes on.
+           bare (denoiser forward + backward + optimizer on a micro-batch already on the GPU), on the
+           fly (VAE + text encoder(s) every step, then the same step) and the loader (`load_batch`
+           alone). Goals: cached within 5% of bare; the loader >= 10x the samples/s the step consumes.
+4. cached step variants: sdpa (the denoiser's own attention processors: diffusers' scaled-dot-product
+           ones), classic (diffusers' AttnProcessor, for the UNets), sdpa + torch.compile(denoiser).
+           Each reports its peak GPU memory and MFU: the FLOPs one forward + backward executes
+           (torch.utils.flop_counter; about 1.8x the forward, as the frozen weights get no gradients;
+           with gradient checkpointing the recomputed forward too) / step time / the GPU's dense bf16
+           peak (null for a GPU not in PEAK_BF16_FLOPS). first_step_s is the variant's first step
+           alone: for a compiled variant its compilation, which is not in its step time. A variant
+           that fails (compile error, out of memory) reports its error and the run goes on.
 
 Prints one JSON line per measurement, and appends each as it comes to a dated section of the
 BENCHMARKS.md beside this folder (a run cut short keeps what it measured; on a remote copy of the
-checkout, bring that file back). Planned to take 6-8 minutes on an H100 (not yet run on one), most
-of it the two compilations and SDXL's weights (about 7 GB, written once under ROOT/models); where a
-command's time is limited, run the two settings as two commands:
+checkout, bring that file back). Not yet run on a GPU (any setting). SD1.5 and SDXL were planned at
+6-8 minutes together on an H100, most of it the two compilations and SDXL's weights; each flow
+setting writes its model once (minutes for Flux.1's 34 GB) and takes fewer, longer steps
+(FLOW_TIMING). Where a command's time is limited, run one setting per command; on a 64 GiB disk
+delete ROOT/models/<arch> before the next family's:
 
-    python -m benchmarks.gpu_bench [--root DIR] [--only sd15|sdxl]
+    python -m benchmarks.gpu_bench [--root DIR] [--only NAME ...]
 
-It needs torch, transformers, accelerate, peft, safetensors, diffusers, webdataset, pydantic, blake3
-and pillow (not prefect); where some are missing and there is no network, install their wheels and
-those of their own dependencies first, e.g.
+It needs torch, transformers, accelerate, peft, safetensors, diffusers, webdataset, pydantic, blake3,
+pillow and tokenizers (not prefect); where some are missing and there is no network, install their
+wheels and those of their own dependencies first, e.g.
 `pip install --no-index --no-deps --target /tmp/site WHEELS && export PYTHONPATH=/tmp/site`.
 
-    python -m benchmarks.gpu_bench --smoke [--root DIR]
+    python -m benchmarks.gpu_bench --smoke [--root DIR] [--only NAME ...]
 
-runs the same code on the tiny test models at 64 px in fp32 (on the GPU if there is one), shorter,
-without the compiled variant, and prints only: tests/test_gpu_bench.py runs it on the CPU.
+runs the same code, every setting, on the tiny model of its family at 64 px in fp32 (on the GPU if
+there is one), shorter, without the compiled variant, and prints only: tests/test_gpu_bench.py runs
+it on the CPU.
 """
 from __future__ import annotations
 
@@ -73,38 +88,78 @@ PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12)
 
 @dataclass(frozen=True)
 class Setting:
-    arch: str  # sd15 | sdxl, also the model family
+    arch: str  # a folder of stages/assets/arch/ (smoke: the tiny model of its family)
     resolution: int
     batch: int  # training micro-batch
     images: int  # encoded, then trained on
     encode_batch: int
     variants: tuple[str, ...]  # of the cached step: "sdpa" or "classic" attention, + COMPILED to compile
+    gradient_checkpointing: bool = False
+    timing: Timing | None = None  # None: the mode's
 
 
 @dataclass(frozen=True)
 class Mode:
     full_size: bool  # random weights at the published sizes, else the tiny test models
-    settings: dict[str, Setting]
+    settings: dict[str, Setting]  # by the name measurements are printed under (--only)
     timing: Timing
     encode_dtype: str  # the encode stage's record dtype
     mixed_precision: str  # the recipe's
     encode_workers: int  # the encode stage's decode threads
 
 
-# images: enough that loading the encoders (seconds, also in the stage's time) does not swamp the encode rate
-GPU = Mode(True, {"sd15": Setting("sd15", 512, 8, 256, 16, ("sdpa", "classic", "sdpa" + COMPILED)),
-                  "sdxl": Setting("sdxl", 1024, 4, 128, 8, ("sdpa", "sdpa" + COMPILED))},
-           Timing(warmup=3, rounds=3, steps=10), "bfloat16", "bf16", 4)
-SMOKE = Mode(False, {arch: Setting(arch, 64, 2, 8, 4, ("sdpa", "classic")) for arch in ("sd15", "sdxl")},
-             Timing(warmup=1, rounds=2, steps=2), "float32", "no", 0)
+# images: enough that loading the encoders (seconds, also in the stage's time) does not swamp the encode rate;
+# the flow-matching transformers' steps take seconds: fewer of them, so that a setting fits a 10-minute command
+FLOW_TIMING = Timing(warmup=2, rounds=2, steps=5)
+GPU = Mode(True, {
+    "sd15": Setting("sd15", 512, 8, 256, 16, ("sdpa", "classic", "sdpa" + COMPILED)),
+    "sdxl": Setting("sdxl", 1024, 4, 128, 8, ("sdpa", "sdpa" + COMPILED)),
+    "flux1": Setting("flux1", 1024, 1, 32, 4, ("sdpa", "sdpa" + COMPILED), True, FLOW_TIMING),
+    "flux1-no-checkpointing": Setting("flux1", 1024, 1, 32, 4, ("sdpa",), False, FLOW_TIMING),
+    "flux2-klein": Setting("flux2-klein", 1024, 1, 32, 4, ("sdpa", "sdpa" + COMPILED), False, FLOW_TIMING),
+    "z-image": Setting("z-image", 1024, 1, 32, 4, ("sdpa", "sdpa" + COMPILED), False, FLOW_TIMING),
+}, Timing(warmup=3, rounds=3, steps=10), "bfloat16", "bf16", 4)
+SMOKE = Mode(False, {  # each GPU setting on the tiny model of its arch's family, its checkpointing kept
+    name: Setting(setting.arch, 64, 2, 8, 4, tuple(v for v in setting.variants if not v.endswith(COMPILED)),
+                  setting.gradient_checkpointing)
+    for name, setting in GPU.settings.items()
+}, Timing(warmup=1, rounds=2, steps=2), "float32", "no", 0)
 
 
 # ---- 1. model
+def arch_folder(arch: str) -> Path:
+    from stages.families.single_file import ARCH_ROOT
+
+    return ARCH_ROOT / arch
+
+
+def tiny_arch(arch: str) -> str:
+    """The tiny model of the family (and variant) of stages/assets/arch/<arch>/."""
+    from stages.families import for_model
+
+    return for_model(arch_folder(arch)).tiny_arch()
+
+
 def _check_tokenizer(tokenizer, text_encoder_dir: Path) -> None:
-    config = json.loads((text_encoder_dir / "config.json").read_text())
-    if tokenizer.model_max_length != config["max_position_embeddings"] or len(tokenizer) > config["vocab_size"]:
-        raise ValueError(f"the byte-level tokenizer ({tokenizer.model_max_length} tokens, vocabulary of"
-                         f" {len(tokenizer)}) does not fit {text_encoder_dir}/config.json")
+    vocab_size = json.loads((text_encoder_dir / "config.json").read_text())["vocab_size"]
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"the tiny model's tokenizer (vocabulary of {len(tokenizer)}) does not fit"
+                         f" {text_encoder_dir}/config.json's vocab_size {vocab_size}")
+
+
+@contextmanager
+def _created_in(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Modules created in this block are initialised on `device` in `dtype`: seconds on a GPU
+    (minutes for SDXL on a CPU), and half the memory of float32 (Flux.1's transformer: 24 GB)."""
+    import torch
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(default)
 
 
 def _random_component(library: str, class_name: str, config_dir: Path, device: torch.device) -> torch.nn.Module:
@@ -112,7 +167,7 @@ def _random_component(library: str, class_name: str, config_dir: Path, device: t
 
     cls = getattr(importlib.import_module(library), class_name)
     torch.manual_seed(SEED)
-    with torch.device(device):  # initialised where it is created: seconds on a GPU, minutes for SDXL on a CPU
+    with _created_in(device, torch.bfloat16):
         if library == "diffusers":
             model = cls.from_config(cls.load_config(config_dir))
         else:
@@ -122,50 +177,65 @@ def _random_component(library: str, class_name: str, config_dir: Path, device: t
 
 def random_model(arch: str, out: Path, device: torch.device) -> Path:
     """A diffusers folder of `arch` at its published size: seeded random weights in bf16 from the
-    configs in stages/assets/arch/<arch>/, whose tokenizer folders hold no vocabulary: tiny_sd.py's
-    byte-level tokenizer instead."""
-    from stages.families.single_file import ARCH_ROOT
-    from stages.families.tiny_sd import write_tokenizer
+    configs in stages/assets/arch/<arch>/, whose tokenizer folders hold no vocabulary: the
+    tokenizers of the family's tiny model (built offline) instead."""
+    from stages.families.folders import load_component
 
-    arch_dir, staging = ARCH_ROOT / arch, out.with_name(f"{out.name}.partial")
+    arch_dir, staging = arch_folder(arch), out.with_name(f"{out.name}.partial")
+    tiny = tiny_model(out.parent, tiny_arch(arch))
     shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    shutil.copy(arch_dir / "model_index.json", staging)
     for name, spec in json.loads((arch_dir / "model_index.json").read_text()).items():
         if not isinstance(spec, list) or spec[0] is None:
             continue
         if name.startswith("tokenizer"):
-            _check_tokenizer(write_tokenizer(staging / name), arch_dir / name.replace("tokenizer", "text_encoder"))
+            shutil.copytree(tiny / name, staging / name)
+            _check_tokenizer(load_component(staging, name), arch_dir / name.replace("tokenizer", "text_encoder"))
         elif name == "scheduler":
             shutil.copytree(arch_dir / name, staging / name)
         else:
             _random_component(*spec, arch_dir / name, device).save_pretrained(staging / name, safe_serialization=True)
-    shutil.copy(arch_dir / "model_index.json", staging)
+            release_memory(device)
     staging.rename(out)
     return out
 
 
-def model_figures(arch: str, mode: Mode, root: Path, device: torch.device) -> tuple[dict, Path]:
-    """Figures (built_s null: reused) and the model folder."""
+def model_figures(setting: Setting, mode: Mode, root: Path, device: torch.device) -> tuple[dict, Path]:
+    """Figures (built_s null: reused) and the model folder (one per arch, shared by its settings)."""
     if not mode.full_size:
-        return {"weights": "tiny test model"}, tiny_model(root / "models", arch)
-    model, built_s = root / "models" / arch, None
+        arch = tiny_arch(setting.arch)
+        return {"weights": "tiny test model", "arch": arch}, tiny_model(root / "models", arch)
+    model, built_s = root / "models" / setting.arch, None
     if not (model / "model_index.json").exists():
         started = time.perf_counter()
-        random_model(arch, model, device)
+        random_model(setting.arch, model, device)
         built_s = round(time.perf_counter() - started, 1)
-    return {"weights": "random, published architecture", "built_s": built_s}, model
+    return {"weights": "random, published architecture", "arch": setting.arch, "built_s": built_s}, model
 
 
 # ---- 2. encode
-def encode_figures(setting: Setting, mode: Mode, model: Path, root: Path,
+def import_encoder_classes(model: Path) -> None:
+    """Import the classes of the model's encode components, so that the encoders' load time leaves
+    the imports out."""
+    from stages.families import for_model
+    from stages.families.folders import model_index
+
+    index = model_index(model)
+    for name in for_model(model).components.for_stage("encode"):
+        library, class_name = index[name]
+        getattr(importlib.import_module(library), class_name)
+
+
+def encode_figures(name: str, setting: Setting, mode: Mode, model: Path, root: Path,
                    device: torch.device) -> tuple[dict, EncodeInputs, Path]:
     """Figures, the encode inputs, and the encode artifact's folder."""
     import torch
-    from diffusers import AutoencoderKL  # noqa: F401  (imported before the encoders' load is timed)
-    from transformers import CLIPTextModel  # noqa: F401
 
+    import_encoder_classes(model)
     n = setting.images
     data = generated_images(root / f"images-{n}-{setting.resolution}px", n, setting.resolution)
-    cache = root / f"gpu-bench-{setting.arch}"
+    cache = root / f"gpu-bench-{name}"
     shutil.rmtree(cache, ignore_errors=True)
     inputs = encode_inputs(data, cache, model, setting.resolution)
     started = time.perf_counter()
@@ -194,7 +264,8 @@ def peak_bf16_flops(device: torch.device) -> tuple[str, float | None]:
 
 
 def step_flops(recipe: LoRATrainingRecipe) -> int:
-    """FLOPs of one forward + backward of the recipe's UNet step (the optimizer's are negligible)."""
+    """FLOPs of one forward + backward of the recipe's denoiser step (the optimizer's are negligible;
+    with gradient checkpointing, the recomputed forward is counted)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from stages.train.recipe import step_loss
@@ -208,20 +279,25 @@ def step_flops(recipe: LoRATrainingRecipe) -> int:
 
 @contextmanager
 def cached_step_variant(recipe: LoRATrainingRecipe, variant: str) -> Iterator[None]:
-    """The recipe's UNet with the variant's attention processor, compiled for COMPILED; as it was after."""
+    """The recipe's denoiser with the variant's attention: "sdpa" its own processors (diffusers'
+    scaled-dot-product ones), "classic" diffusers' AttnProcessor (for the UNets' Attention modules
+    only); compiled for COMPILED; as it was after."""
     import torch
-    from diffusers.models.attention_processor import AttnProcessor, AttnProcessor2_0
+    from diffusers.models.attention_processor import AttnProcessor
 
-    unet, prepared = recipe._lora_denoiser(), recipe.denoiser
-    processors = unet.attn_processors
-    unet.set_attn_processor(AttnProcessor() if variant.removesuffix(COMPILED) == "classic" else AttnProcessor2_0())
+    denoiser, prepared = recipe._lora_denoiser(), recipe.denoiser
+    classic = variant.removesuffix(COMPILED) == "classic"
+    processors = denoiser.attn_processors if classic else None
+    if classic:
+        denoiser.set_attn_processor(AttnProcessor())
     if variant.endswith(COMPILED):
         recipe.denoiser = torch.compile(prepared)
     try:
         yield
     finally:
         recipe.denoiser = prepared
-        unet.set_attn_processor(processors)
+        if classic:
+            denoiser.set_attn_processor(processors)
         if variant.endswith(COMPILED):
             torch._dynamo.reset()  # drops the compiled graphs
 
@@ -259,28 +335,30 @@ def train_figures(setting: Setting, mode: Mode, inputs: EncodeInputs, encoded: P
                   device: torch.device) -> Iterator[tuple[str, dict]]:
     import torch
 
+    timing, checkpointing = setting.timing or mode.timing, setting.gradient_checkpointing
     recipe = training_recipe(inputs, encoded, encoded.parent / "work", setting.batch, mode.mixed_precision,
-                             LORA_RANK)
+                             LORA_RANK, gradient_checkpointing=checkpointing)
     inline = training_recipe(inputs, encoded, encoded.parent / "work-inline", setting.batch, mode.mixed_precision,
-                             LORA_RANK, loader_workers=0)
+                             LORA_RANK, loader_workers=0, gradient_checkpointing=checkpointing)
     try:
-        seconds = interleaved(step_calls(recipe, inline, inputs), mode.timing, device_sync(device))
+        seconds = interleaved(step_calls(recipe, inline, inputs), timing, device_sync(device))
         del inline
-        release_memory(device)  # the on-the-fly step's VAE and text encoders, the inline recipe's UNet
+        release_memory(device)  # the on-the-fly step's VAE and text encoders, the inline recipe's denoiser
         params = list(recipe._lora_denoiser().parameters())
         gpu, peak = peak_bf16_flops(device)
         yield "train steps", {
             "resolution": setting.resolution, "batch": setting.batch, "mixed_precision": mode.mixed_precision,
-            "lora_rank": LORA_RANK, "denoiser_params_m": round(sum(p.numel() for p in params) / 1e6, 1),
+            "gradient_checkpointing": checkpointing, "lora_rank": LORA_RANK,
+            "denoiser_params_m": round(sum(p.numel() for p in params) / 1e6, 1),
             "lora_params_m": round(sum(p.numel() for p in params if p.requires_grad) / 1e6, 2),
-            "steps": str(mode.timing), "torch_threads": torch.get_num_threads(), "device": gpu,
+            "steps": str(timing), "torch_threads": torch.get_num_threads(), "device": gpu,
             "dense_bf16_peak_tflop_s": peak / 1e12 if peak else None,
             **({} if peak else {"mfu_note": f"mfu is null: no dense bf16 peak known for {gpu}"}),
             **step_figures(seconds, setting.batch),
         }
         flops = step_flops(recipe)
         for variant in setting.variants:
-            yield f"cached step {variant}", _variant_or_error(recipe, variant, mode.timing, flops, device)
+            yield f"cached step {variant}", _variant_or_error(recipe, variant, timing, flops, device)
     finally:
         recipe.batches.close()
 
@@ -306,7 +384,7 @@ def release_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def measurements(mode: Mode, archs: list[str], root: Path) -> Iterator[tuple[str, dict]]:
+def measurements(mode: Mode, names: list[str], root: Path) -> Iterator[tuple[str, dict]]:
     """(name, figures) of every measurement, each yielded as soon as it is taken."""
     import torch
 
@@ -315,14 +393,14 @@ def measurements(mode: Mode, archs: list[str], root: Path) -> Iterator[tuple[str
         torch.ones(1, device=device)  # the CUDA context now, not inside the first timing
     else:
         torch.set_num_threads(1)  # as train_bench: on shared cores a two-thread step was up to 10x slower
-    for arch in archs:
-        setting = mode.settings[arch]
-        figures, model = model_figures(arch, mode, root, device)
-        yield f"{arch} model", figures
-        figures, inputs, encoded = encode_figures(setting, mode, model, root, device)
-        yield f"{arch} encode", figures
-        for name, figures in train_figures(setting, mode, inputs, encoded, device):
-            yield f"{arch} {name}", figures
+    for name in names:
+        setting = mode.settings[name]
+        figures, model = model_figures(setting, mode, root, device)
+        yield f"{name} model", figures
+        figures, inputs, encoded = encode_figures(name, setting, mode, model, root, device)
+        yield f"{name} encode", figures
+        for measured, figures in train_figures(setting, mode, inputs, encoded, device):
+            yield f"{name} {measured}", figures
         release_memory(device)
 
 
@@ -341,15 +419,16 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_bench", description=__doc__.split("\n\n")[0])
     parser.add_argument("--root", type=Path, default=Path("bench-run"))
     parser.add_argument("--smoke", action="store_true", help="tiny models at 64 px in fp32; prints only")
-    parser.add_argument("--only", choices=["sd15", "sdxl"])
+    parser.add_argument("--only", choices=list(GPU.settings), action="append",
+                        help="this setting only (repeatable); default: every setting")
     args = parser.parse_args(argv)
     if not args.smoke and not torch.cuda.is_available():
         parser.error("no CUDA device: --smoke runs the same code on the tiny models on the CPU")
-    mode, archs = (SMOKE if args.smoke else GPU), [args.only] if args.only else ["sd15", "sdxl"]
+    mode, names = (SMOKE if args.smoke else GPU), args.only or list(GPU.settings)
     args.root.mkdir(parents=True, exist_ok=True)
     section = None if args.smoke else ResultsSection(
-        " ".join(["python -m benchmarks.gpu_bench", *(["--only", args.only] if args.only else [])]))
-    for name, figures in measurements(mode, archs, args.root.resolve()):
+        " ".join(["python -m benchmarks.gpu_bench", *(f"--only {name}" for name in args.only or [])]))
+    for name, figures in measurements(mode, names, args.root.resolve()):
         print(json.dumps({"measurement": name, **figures}), flush=True)
         if section:
             section.add(name, figures)

@@ -1,6 +1,7 @@
-"""benchmarks/gpu_bench.py's smoke mode: the GPU benchmark's code on the tiny SD1.5 and SDXL models
-on the CPU, so that the script a lent GPU will run is known to work. It prints its figures and
-must leave BENCHMARKS.md alone."""
+"""benchmarks/gpu_bench.py's smoke mode: the GPU benchmark's code, every setting (SD1.5, SDXL,
+Flux.1 with and without gradient checkpointing, Flux.2-klein, Z-Image) on the tiny model of its
+family on the CPU, so that the script a lent GPU will run is known to work. It prints its figures
+and must leave BENCHMARKS.md alone."""
 from __future__ import annotations
 
 import json
@@ -14,16 +15,19 @@ import pytest
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
+SETTINGS = {  # setting -> the cached-step variants its smoke run measures
+    "sd15": ("sdpa", "classic"), "sdxl": ("sdpa",), "flux1": ("sdpa",),
+    "flux1-no-checkpointing": ("sdpa",), "flux2-klein": ("sdpa",), "z-image": ("sdpa",),
+}
 RATES = {
     "encode": ("stage_img_s", "bare_img_s", "ratio"),
     "train steps": ("cached_step_ms", "cached_it_s", "bare_step_ms", "on_the_fly_step_ms", "loader_samples_s",
                     "loader_over_consumption", "cached_over_bare", "on_the_fly_over_cached"),
-    "cached step sdpa": ("step_ms", "it_s", "tflop_per_step", "achieved_tflop_s"),
-    "cached step classic": ("step_ms", "it_s", "tflop_per_step", "achieved_tflop_s"),
 }
+VARIANT_RATES = ("step_ms", "it_s", "tflop_per_step", "achieved_tflop_s")
 
 
-def test_smoke_prints_every_figure_for_both_archs_and_leaves_benchmarks_md_alone(tmp_path):
+def test_smoke_prints_every_figure_for_every_setting_and_leaves_benchmarks_md_alone(tmp_path):
     benchmarks_md = REPO / "BENCHMARKS.md"
     before = benchmarks_md.read_bytes()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -32,11 +36,31 @@ def test_smoke_prints_every_figure_for_both_archs_and_leaves_benchmarks_md_alone
     assert run.returncode == 0, run.stderr[-3000:]
     printed = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"measurement"')]
     figures = {p.pop("measurement"): p for p in printed}
-    expected = {f"{arch} {what}" for arch in ("sd15", "sdxl") for what in ("model", *RATES)}
+    expected = {f"{name} {what}" for name, variants in SETTINGS.items()
+                for what in ("model", *RATES, *(f"cached step {v}" for v in variants))}
     assert set(figures) == expected
-    for arch in ("sd15", "sdxl"):
+    for name, variants in SETTINGS.items():
         for what, keys in RATES.items():
-            assert all(figures[f"{arch} {what}"][key] > 0 for key in keys), (arch, what, figures[f"{arch} {what}"])
-        assert figures[f"{arch} cached step sdpa"]["mfu"] is None  # no bf16 peak is known for a CPU
-        assert "mfu_note" in figures[f"{arch} train steps"]
+            assert all(figures[f"{name} {what}"][key] > 0 for key in keys), (name, what, figures[f"{name} {what}"])
+        for variant in variants:
+            step = figures[f"{name} cached step {variant}"]
+            assert all(step[key] > 0 for key in VARIANT_RATES), (name, variant, step)
+            assert step["mfu"] is None  # no bf16 peak is known for a CPU
+        assert "mfu_note" in figures[f"{name} train steps"]
+    # Flux.1 with and without gradient checkpointing: the same tiny model, and the checkpointed step
+    # recomputes its forward in the backward
+    assert figures["flux1 model"]["arch"] == figures["flux1-no-checkpointing model"]["arch"] == "flux1"
+    checkpointed, plain = figures["flux1 train steps"], figures["flux1-no-checkpointing train steps"]
+    assert checkpointed["gradient_checkpointing"] and not plain["gradient_checkpointing"]
+    assert (figures["flux1 cached step sdpa"]["tflop_per_step"]
+            > figures["flux1-no-checkpointing cached step sdpa"]["tflop_per_step"])
     assert benchmarks_md.read_bytes() == before
+
+
+def test_only_runs_the_named_settings(tmp_path):
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_bench", "--smoke", "--root", str(tmp_path),
+                          "--only", "z-image"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    printed = [json.loads(line)["measurement"] for line in run.stdout.splitlines() if line.startswith('{"measurement"')]
+    assert printed == ["z-image model", "z-image encode", "z-image train steps", "z-image cached step sdpa"]
