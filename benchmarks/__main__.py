@@ -2,7 +2,7 @@
 
     python -m benchmarks [--root DIR] [--only NAME]...     (make bench)
 
-`gpu` (full-size SD1.5 and SDXL, benchmarks/gpu_bench.py) is skipped without a CUDA device; on
+`gpu` (every full-size setting of benchmarks/gpu_bench.py) is skipped without a CUDA device; on
 its own, with a line per measurement: python -m benchmarks.gpu_bench
 """
 from __future__ import annotations

@@ -1,7 +1,8 @@
-"""benchmarks/gpu_bench.py's smoke mode: the GPU benchmark's code, every setting (SD1.5, SDXL,
-Flux.1 with and without gradient checkpointing, Flux.2-klein, Z-Image) on the tiny model of its
-family on the CPU, so that the script a lent GPU will run is known to work. It prints its figures
-and must leave BENCHMARKS.md alone."""
+"""benchmarks/gpu_bench.py: the full-size architecture configs it builds the flow-matching models
+from, and its smoke mode: the GPU benchmark's code, every setting (SD1.5, SDXL, Flux.1 with and
+without gradient checkpointing, Flux.2-klein, Z-Image) on the tiny model of its family on the CPU, so
+that the script a lent GPU will run is known to work. It prints its figures and must leave
+BENCHMARKS.md alone."""
 from __future__ import annotations
 
 import json
@@ -12,7 +13,9 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+from stages import families
+from stages.families.folders import model_index
+from stages.families.single_file import ARCH_ROOT
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {  # setting -> the cached-step variants its smoke run measures
@@ -25,13 +28,44 @@ RATES = {
                     "loader_over_consumption", "cached_over_bare", "on_the_fly_over_cached"),
 }
 VARIANT_RATES = ("step_ms", "it_s", "tflop_per_step", "achieved_tflop_s")
+PUBLISHED = {  # arch folder -> (family, variant), parameters by component (Flux.1-dev 12B with T5-XXL;
+    # Flux.2-klein base 4B with Qwen3-4B; Z-Image 6B with Qwen3-4B; Flux.1's VAE for both)
+    "flux1": (("flux1", "dev"), {"transformer": 11_901_408_320, "text_encoder_2": 4_762_310_656,
+                                 "text_encoder": 123_060_480, "vae": 83_819_683}),
+    "flux2-klein": (("flux2-klein", "base"), {"transformer": 3_875_544_576, "text_encoder": 4_022_468_096,
+                                              "vae": 84_046_115}),
+    "z-image": (("z-image", "base"), {"transformer": 6_154_908_736, "text_encoder": 4_022_468_096,
+                                      "vae": 83_819_683}),
+}
 
 
+@pytest.mark.parametrize("arch", PUBLISHED)
+def test_shipped_flow_architectures_have_the_published_sizes_and_variants(arch):
+    import importlib
+
+    import torch
+
+    (family, variant), sizes = PUBLISHED[arch]
+    bound = families.for_model(ARCH_ROOT / arch)
+    assert (bound.name, bound.bound.name) == (family, variant)
+    counted = {}
+    for name, size in sizes.items():
+        library, class_name = model_index(ARCH_ROOT / arch)[name]
+        cls, config = getattr(importlib.import_module(library), class_name), ARCH_ROOT / arch / name
+        with torch.device("meta"):  # accelerate's init_empty_weights unties T5's shared embedding
+            model = cls.from_config(cls.load_config(config)) if library == "diffusers" else cls(
+                cls.config_class.from_pretrained(config))
+        counted[name] = sum(p.numel() for p in model.parameters())
+    assert counted == sizes
+
+
+@pytest.mark.slow
 def test_smoke_prints_every_figure_for_every_setting_and_leaves_benchmarks_md_alone(tmp_path):
     benchmarks_md = REPO / "BENCHMARKS.md"
     before = benchmarks_md.read_bytes()
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_bench", "--smoke", "--root", str(tmp_path)],
+    only = [arg for name in SETTINGS for arg in ("--only", name)]  # every setting, each named as --only takes it
+    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_bench", "--smoke", "--root", str(tmp_path), *only],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     printed = [json.loads(line) for line in run.stdout.splitlines() if line.startswith('{"measurement"')]
@@ -55,12 +89,3 @@ def test_smoke_prints_every_figure_for_every_setting_and_leaves_benchmarks_md_al
     assert (figures["flux1 cached step sdpa"]["tflop_per_step"]
             > figures["flux1-no-checkpointing cached step sdpa"]["tflop_per_step"])
     assert benchmarks_md.read_bytes() == before
-
-
-def test_only_runs_the_named_settings(tmp_path):
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": ""}
-    run = subprocess.run([sys.executable, "-m", "benchmarks.gpu_bench", "--smoke", "--root", str(tmp_path),
-                          "--only", "z-image"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    printed = [json.loads(line)["measurement"] for line in run.stdout.splitlines() if line.startswith('{"measurement"')]
-    assert printed == ["z-image model", "z-image encode", "z-image train steps", "z-image cached step sdpa"]
