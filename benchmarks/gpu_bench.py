@@ -33,7 +33,9 @@ step and LoRA come through the family layer (stages/families) as the stages get 
            with gradient checkpointing the recomputed forward too) / step time / the GPU's dense bf16
            peak (null for a GPU not in PEAK_BF16_FLOPS). first_step_s is the variant's first step
            alone: for a compiled variant its compilation, which is not in its step time. A variant
-           that fails (compile error, out of memory) reports its error and the run goes on.
+           that fails (compile error, out of memory) reports its error and the run goes on; so does a
+           setting that fails (as "<setting> error", e.g. the on-the-fly step's encoders beside an
+           uncheckpointed transformer running out of memory): the next settings still run.
 
 Prints one JSON line per measurement, and appends each as it comes to a dated section of the
 BENCHMARKS.md beside this folder (a run cut short keeps what it measured; on a remote copy of the
@@ -371,8 +373,11 @@ def _variant_or_error(recipe: LoRATrainingRecipe, variant: str, timing: Timing, 
         recipe.batches.close()  # a failed step took its micro-batch without counting the step
         recipe.batches = recipe.micro_batches()
         release_memory(device)
-        first_line = next(iter(str(error).strip().splitlines()), "")
-        return {"variant": variant, "error": f"{type(error).__name__}: {first_line}"}
+        return {"variant": variant, "error": error_line(error)}
+
+
+def error_line(error: Exception) -> str:
+    return f"{type(error).__name__}: {next(iter(str(error).strip().splitlines()), '')}"
 
 
 # ---- the run
@@ -394,14 +399,21 @@ def measurements(mode: Mode, names: list[str], root: Path) -> Iterator[tuple[str
     else:
         torch.set_num_threads(1)  # as train_bench: on shared cores a two-thread step was up to 10x slower
     for name in names:
-        setting = mode.settings[name]
-        figures, model = model_figures(setting, mode, root, device)
-        yield f"{name} model", figures
-        figures, inputs, encoded = encode_figures(name, setting, mode, model, root, device)
-        yield f"{name} encode", figures
-        for measured, figures in train_figures(setting, mode, inputs, encoded, device):
-            yield f"{name} {measured}", figures
+        try:
+            yield from setting_measurements(name, mode.settings[name], mode, root, device)
+        except Exception as error:  # out of memory at full size: reported, the next settings still run
+            yield f"{name} error", {"error": error_line(error)}
         release_memory(device)
+
+
+def setting_measurements(name: str, setting: Setting, mode: Mode, root: Path,
+                         device: torch.device) -> Iterator[tuple[str, dict]]:
+    figures, model = model_figures(setting, mode, root, device)
+    yield f"{name} model", figures
+    figures, inputs, encoded = encode_figures(name, setting, mode, model, root, device)
+    yield f"{name} encode", figures
+    for measured, figures in train_figures(setting, mode, inputs, encoded, device):
+        yield f"{name} {measured}", figures
 
 
 def measure(root: Path) -> dict | str:

@@ -89,3 +89,21 @@ def test_smoke_prints_every_figure_for_every_setting_and_leaves_benchmarks_md_al
     assert (figures["flux1 cached step sdpa"]["tflop_per_step"]
             > figures["flux1-no-checkpointing cached step sdpa"]["tflop_per_step"])
     assert benchmarks_md.read_bytes() == before
+
+
+def test_a_failing_setting_is_reported_in_one_line_and_the_next_settings_still_run(tmp_path):
+    import dataclasses
+
+    import torch
+
+    from benchmarks import gpu_bench
+
+    missing = gpu_bench.Setting("no-such-arch", 64, 2, 8, 4, ("sdpa",))
+    mode = dataclasses.replace(gpu_bench.SMOKE, settings={"first": missing, "second": missing})
+    threads = torch.get_num_threads()
+    try:
+        printed = list(gpu_bench.measurements(mode, ["first", "second"], tmp_path))
+    finally:
+        torch.set_num_threads(threads)  # measurements runs the CPU on one thread
+    assert [name for name, _ in printed] == ["first error", "second error"]
+    assert "no-such-arch/model_index.json not found" in printed[0][1]["error"]
