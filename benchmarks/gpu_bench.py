@@ -179,8 +179,8 @@ def _random_component(library: str, class_name: str, config_dir: Path, device: t
 
 def random_model(arch: str, out: Path, device: torch.device) -> Path:
     """A diffusers folder of `arch` at its published size: seeded random weights in bf16 from the
-    configs in stages/assets/arch/<arch>/, whose tokenizer folders hold no vocabulary: the
-    tokenizers of the family's tiny model (built offline) instead."""
+    configs in stages/assets/arch/<arch>/, which hold no tokenizer vocabularies: the tokenizers of
+    the family's tiny model (built offline) instead, checked to fit the text encoders' embeddings."""
     from stages.families.folders import load_component
 
     arch_dir, staging = arch_folder(arch), out.with_name(f"{out.name}.partial")
