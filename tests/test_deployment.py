@@ -265,7 +265,7 @@ def service(tmp_path_factory):
     env = {name: value for name, value in os.environ.items() if not name.startswith(("PREFECT_API_", "PREFECT_UI_"))}
     env |= {"PREFECT_HOME": str(root / "prefect-home"), "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
             "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "PREFECT_WORKER_QUERY_SECONDS": "1"}
-    base = load_config(prepare_demo(root / "demo")).model_dump(mode="json")
+    base = load_config(prepare_demo(root / "demo", "sd15")).model_dump(mode="json")
     run_command = None
     with ExitStack() as stack:
         started = time.time()
