@@ -76,11 +76,14 @@ class Context:
         parts = self.declared_family.components.for_stage(stage)
         return {k: v for k, v in self.model_digests.items() if k in parts}
 
-    def stage_key(self, stage: str, params, inputs: dict[str, str], resumable: tuple[str, ...] = ()) -> StageKey:
-        return StageKey(stage, {
+    def stage_key(self, stage: str, params, inputs: dict[str, str], resumable: tuple[str, ...] = (),
+                  resolved: dict | None = None) -> StageKey:
+        """`resolved`: what the family derives from the params and the model (encode's text settings)."""
+        ingredients = {
             "stage": stage, "version": MODULES[stage].VERSION, "params": params.model_dump(mode="json"),
             "inputs": inputs, "models": self.models_for(stage), "libs": library_majors(*KEYED_LIBRARIES),
-        }, resumable)
+        }
+        return StageKey(stage, {**ingredients, "resolved": resolved} if resolved else ingredients, resumable)
 
     def producer(self, stage: str) -> dict:
         """Provenance recorded in the manifest, not keyed: exact versions and the code's digest."""
@@ -124,7 +127,8 @@ def encode_step(ctx: Context, pre: Artifact) -> Step:
                                      ctx.models_for("encode"))
         return encode.run(params, inputs, out, work, options, ctx.log)
 
-    return Step(ctx.stage_key("encode", params, {"preprocess": pre.digest}), build)
+    resolved = encode.resolved_settings(ctx.family, ctx.model_path, params)
+    return Step(ctx.stage_key("encode", params, {"preprocess": pre.digest}, resolved=resolved), build)
 
 
 def train_step(ctx: Context, enc: Artifact) -> Step:

@@ -32,7 +32,7 @@ class EncodedSet:
 @contextmanager
 def _count_encoder_rows():
     """Rows pushed through the VAE encoder and through each text encoder (CLIP, T5: a Flux.1 caption
-    is two rows), whatever calls them."""
+    is two rows; Qwen3: Z-Image, Flux.2-klein), whatever calls them."""
     import torch
 
     counts = {"vae": 0, "text": 0}
@@ -41,7 +41,7 @@ def _count_encoder_rows():
         name = type(module).__name__
         if name == "Encoder" and type(module).__module__.startswith("diffusers"):
             counts["vae"] += args[0].shape[0]
-        elif name in ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel"):
+        elif name in ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel", "Qwen3Model"):
             ids = args[0] if args else kwargs["input_ids"]
             counts["text"] += ids.shape[0]
 
@@ -83,6 +83,18 @@ def flux_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def flux_schnell_model(tmp_path_factory) -> Path:
     return _tiny(tmp_path_factory, "flux1-schnell")
+
+
+@pytest.fixture(scope="session")
+def zimage_model(tmp_path_factory) -> Path:
+    """The tiny Z-Image base (the model to train on)."""
+    return _tiny(tmp_path_factory, "z-image")
+
+
+@pytest.fixture(scope="session")
+def zimage_turbo_model(tmp_path_factory) -> Path:
+    """The tiny Z-Image Turbo (step-distilled: render with it, train on the base)."""
+    return _tiny(tmp_path_factory, "z-image-turbo")
 
 
 @pytest.fixture(scope="session")

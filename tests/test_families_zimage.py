@@ -20,13 +20,13 @@ CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return families.build_tiny_model(tmp_path_factory.mktemp("zimage") / "base", "z-image")
+def base(zimage_model) -> Path:
+    return zimage_model
 
 
 @pytest.fixture(scope="module")
-def turbo(tmp_path_factory) -> Path:
-    return families.build_tiny_model(tmp_path_factory.mktemp("zimage") / "turbo", "z-image-turbo")
+def turbo(zimage_turbo_model) -> Path:
+    return zimage_turbo_model
 
 
 def _pipeline(model: Path):

@@ -9,7 +9,8 @@ Writes: samples.json and locations/index.json (stages/encoded.py), an index into
         records the family, the encoder components' digests, the text settings and the latent
         normalisation train and evaluate apply. Also logs/report.json (undecodable images).
 Key:    these params + the preprocess artifact's digest + the digests of the family's text and
-        latent components.
+        latent components + what the family resolves from them (resolved_settings: text settings,
+        latent normalisation), so a family that changes its hidden layer is a miss, not a stale hit.
 Digest: samples.json only: the record keys and what training reads with them, not where the
         records or the images are (a renamed image or a repaired shard reruns encode alone).
 
@@ -51,7 +52,8 @@ VERSION = "5"  # 5: the family, its text settings and latent normalisation in sa
 LATENT_VERSION = "2"  # 2: JPEGs decoded at a reduced scale, resized before turning upright
 TEXT_VERSION = "1"
 
-__all__ = ["VERSION", "EncodeParams", "EncodeOptions", "EncodeInputs", "ImageCrops", "latent_key", "text_key", "run"]
+__all__ = ["VERSION", "EncodeParams", "EncodeOptions", "EncodeInputs", "ImageCrops", "latent_key", "resolved_settings",
+           "text_key", "run"]
 
 
 class EncodeParams(families.TextOptions):
@@ -101,6 +103,14 @@ def latent_key(sample: dict, params: EncodeParams, vae_digest: str, flip: bool =
         pixels["background"] = sample["background"]
     return digest_json({**pixels, "dtype": params.dtype, "vae": vae_digest, "version": LATENT_VERSION,
                         "libs": library_majors("torch", "diffusers")})[:40]
+
+
+def resolved_settings(family: families.Family, model_path: Path, params: EncodeParams) -> dict:
+    """What the family resolves from the model and the params for every record (its text settings,
+    its latent normalisation): in the encode stage's key, so that a family whose hidden layer,
+    template or normalisation changes is a miss even with the same params, and in samples.json."""
+    return {"text": family.text_settings(model_path, params).model_dump(mode="json"),
+            "normalisation": family.latent_normalisation(model_path).model_dump(mode="json")}
 
 
 def text_ingredients(family: families.Family, settings: Frozen, inputs: EncodeInputs) -> dict:
@@ -173,8 +183,7 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
         "family": family.name, "dtype": params.dtype, "models": inputs.model_digests,
         "text_options": families.TextOptions(**params.model_dump(include=set(families.TextOptions.model_fields))
                                              ).model_dump(mode="json"),
-        "text": settings.model_dump(mode="json"),
-        "normalisation": family.latent_normalisation(inputs.model_path).model_dump(mode="json"),
+        **resolved_settings(family, inputs.model_path, params),
         "empty_text": keys.empty, "flip": params.flip,
     })
     (out_dir / "logs").mkdir()
