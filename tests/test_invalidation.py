@@ -29,8 +29,8 @@ def make_config(tmp: Path, model: Path, data: Path, cache: Path, **sections):
     return validate_config(raw, "test")
 
 
-def run_all(config, stages=STAGES) -> dict:
-    ctx = Context(config, log=lambda m: None)
+def run_all(config, stages=STAGES, log=lambda line: None) -> dict:
+    ctx = Context(config, log=log)
     upstream, results = {}, {}
     try:
         for stage in stages:

@@ -43,22 +43,20 @@ def run(
     scoring = _scorings(family, inputs.model_path, inputs.train_dir)
     in_split = {name: encoded.split(name) for name in SPLITS}
     splits = {name: loss_subset(samples, params.loss_samples, params.loss_seed) for name, samples in in_split.items()}
-    settings = _render_settings(family, inputs.model_path, encoded, params, options)
+    renderer = _renderer(family, inputs, params)
+    columns = None
+    if renderer is not None:  # rendered first and released, so one pipeline is in memory at a time
+        columns = _render_grid(_load_pipeline(renderer[1], options), *renderer, encoded, params, options,
+                               inputs.train_dir, log)
     pipe = _load_pipeline(inputs.model_path, options)
     denoiser = getattr(pipe, family.components.denoiser)
-    sampler = params.scheduler or family.render_defaults()["sampler"]
 
-    log(f"evaluate: base model, {len(params.prompts) * len(params.seeds)} images and losses")
-    family.prepare_pipeline(pipe, sampler, scoring["base"].objective)
-    columns = {"base": render_column(pipe, settings)}
+    log(f"evaluate: base model, {len(splits['holdout'])} held-out losses")
     base = _split_losses(denoiser, scoring["base"], encoded, splits, params)
-
-    pipe.load_lora_weights(inputs.train_dir, weight_name=LORA_WEIGHTS, adapter_name=LORA_ADAPTER)
-    family.prepare_pipeline(pipe, sampler, scoring["lora"].objective)  # a LoRA trained to predict v is sampled as v
-    for scale in params.lora_scales:
-        log(f"evaluate: LoRA at scale {scale:g}")
-        pipe.set_adapters([LORA_ADAPTER], adapter_weights=[scale])
-        columns[f"LoRA x{scale:g}"] = render_column(pipe, settings)
+    if columns is None:
+        columns = _render_grid(pipe, family, inputs.model_path, encoded, params, options, inputs.train_dir, log)
+    else:
+        pipe.load_lora_weights(inputs.train_dir, weight_name=LORA_WEIGHTS, adapter_name=LORA_ADAPTER)
     pipe.set_adapters([LORA_ADAPTER], adapter_weights=[1.0])
     lora = _split_losses(denoiser, scoring["lora"], encoded, splits, params)
 
@@ -101,6 +99,39 @@ def _scorings(family: families.Family, model_path: Path, train_dir: Path) -> dic
     base = trained.model_copy(update={"prediction_type": None})
     return {"base": Scoring(family, family.objective(model_path, base), trained),
             "lora": Scoring(family, family.objective(model_path, trained), trained)}
+
+
+def _renderer(family: families.Family, inputs: EvalInputs, params: EvalParams) -> tuple[families.Family, Path] | None:
+    """evaluate.render_model's family (bound to its variant) and folder; None: the training model renders."""
+    if params.render_model is None:
+        return None
+    path = Path(params.render_model)
+    if not (path / "model_index.json").is_file():
+        raise UserError(f"evaluate.render_model: {path} is not a diffusers model folder (no model_index.json)")
+    renderer = families.for_model(path)
+    if renderer.name != family.name:
+        raise UserError(f"evaluate.render_model: {path} is a {renderer.label} model, but the LoRA is trained on"
+                        f" {family.label} ({inputs.model_path}); give a checkpoint of the same family")
+    return renderer, path
+
+
+def _render_grid(pipe: DiffusionPipeline, family: families.Family, model_path: Path, encoded: EncodedData,
+                 params: EvalParams, options: EvalOptions, train_dir: Path, log: Log) -> dict[str, list[Image.Image]]:
+    """The grid's columns: `pipe` without the LoRA, then with it at each scale (the adapter stays loaded)."""
+    settings = _render_settings(family, model_path, encoded, params, options)
+    sampler = params.scheduler or family.render_defaults()["sampler"]
+    scoring = _scorings(family, model_path, train_dir)  # a LoRA trained to predict v is sampled as v
+    log(f"evaluate: {family.label} {model_path.name} renders {len(params.prompts) * len(params.seeds)} images"
+        f" per column, {settings.num_inference_steps} steps")
+    family.prepare_pipeline(pipe, sampler, scoring["base"].objective)
+    columns = {"base": render_column(pipe, settings)}
+    pipe.load_lora_weights(train_dir, weight_name=LORA_WEIGHTS, adapter_name=LORA_ADAPTER)
+    family.prepare_pipeline(pipe, sampler, scoring["lora"].objective)
+    for scale in params.lora_scales:
+        log(f"evaluate: LoRA at scale {scale:g}")
+        pipe.set_adapters([LORA_ADAPTER], adapter_weights=[scale])
+        columns[f"LoRA x{scale:g}"] = render_column(pipe, settings)
+    return columns
 
 
 def _render_settings(family: families.Family, model_path: Path, encoded: EncodedData, params: EvalParams,

@@ -12,7 +12,7 @@ from stages.train.checkpoints import LORA_FILE
 
 VERSION = "2"  # 2: fixed noise and loss subset seeded by content, not file name
 LORA_WEIGHTS = LORA_FILE  # what the train stage writes
-LOCAL_PATHS = ("clip_model", "fid_reference", "inception_weights")  # keyed by their content, not their paths
+LOCAL_PATHS = ("clip_model", "fid_reference", "inception_weights", "render_model")  # keyed by content, not path
 
 
 class EvalParams(Frozen):
@@ -21,9 +21,10 @@ class EvalParams(Frozen):
     prompts: tuple[str, ...] = Field(min_length=1)
     seeds: tuple[int, ...] = Field((0, 1), min_length=1)
     lora_scales: tuple[float, ...] = Field((1.0,), min_length=1)  # base is always shown as well
-    num_inference_steps: int | None = Field(None, ge=1, description="None: the model's (SD 20, Flux.1 dev 28,"
-                                            " schnell 4)")
-    guidance_scale: float | None = Field(None, description="None: the model's (SD 5.0, Flux.1 dev 3.5, schnell 0)")
+    num_inference_steps: int | None = Field(None, ge=1, description="None: the rendering model's (SD 20, Flux.1 dev"
+                                            " 28, schnell 4, Z-Image Turbo 9)")
+    guidance_scale: float | None = Field(None, description="None: the rendering model's (SD 5.0, Flux.1 dev 3.5,"
+                                         " schnell 0, Z-Image Turbo 0)")
     negative_prompt: str = ""
     resolution: int = Field(64, gt=0, multiple_of=8)
     scheduler: Literal["dpm_solver_multistep", "ddim", "euler", "flow_match_euler"] | None = Field(
@@ -34,6 +35,9 @@ class EvalParams(Frozen):
     clip_model: str | None = None  # a local CLIP folder; without one the CLIP score is skipped
     fid_reference: str | None = None  # a folder of reference images for FID/KID
     inception_weights: str | None = None  # local Inception-v3 weights; without them FID/KID are skipped
+    render_model: str | None = Field(None, description="a diffusers folder of another checkpoint of the same family"
+                                     " (Z-Image Turbo, the distilled Klein) that renders the grid with its own"
+                                     " steps and guidance; the losses stay on the training model")
 
     @field_validator("prompts")
     @classmethod

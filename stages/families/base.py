@@ -157,6 +157,10 @@ class Family(ABC):
         """The `lorapipe tiny-model --arch` name of this (bound) family's tiny model."""
         return self.tiny_arches[0]
 
+    def train_instead(self) -> str | None:
+        """The base checkpoint to train on when the bound model is a known distilled one (None otherwise)."""
+        return None
+
     def pixel_multiple(self, model_path: Path) -> int:
         """Image sides must be multiples of this: the VAE's downsampling times the latent patch."""
         return vae_scale_factor(model_path, self.components.latent[0]) * self.latent_patch

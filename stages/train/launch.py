@@ -31,7 +31,7 @@ def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
     """Train (or resume training) in work_dir, then publish the LoRA files into out_dir."""
     options = options or TrainOptions()
     out_dir, work_dir = Path(out_dir), Path(work_dir)
-    check_inputs(params, inputs)
+    warn_if_distilled(check_inputs(params, inputs), inputs.model_path, log)
     (work_dir / "logs").mkdir(parents=True, exist_ok=True)
     job = work_dir / "job.json"
     job.write_text(json.dumps({
@@ -56,13 +56,24 @@ def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
     return publish(work_dir, out_dir, params.max_steps, log)
 
 
-def check_inputs(params: TrainParams, inputs: TrainInputs) -> None:
+def check_inputs(params: TrainParams, inputs: TrainInputs) -> families.Family:
     """Before anything starts: the encoded data was made by this model's encoders, and every
-    objective setting applies to its family (one line naming the key otherwise)."""
+    objective setting applies to its family (one line naming the key otherwise). Returns the family."""
     family = families.for_model(inputs.model_path)
     EncodedData(inputs.encoded_dir, inputs.cache_root).check_model(inputs.model_path, family.name,
                                                                    inputs.model_digests)
     family.check_objective(params)
+    return family
+
+
+def warn_if_distilled(family: families.Family, model_path: Path, log: Log) -> None:
+    """Once per run, in the launching process: a LoRA trained on a step-distilled checkpoint breaks
+    its distillation (the images collapse); the family names the base to train on instead."""
+    base = family.train_instead()
+    if base:
+        log(f"train: warning: {model_path} is a distilled {family.label} checkpoint; a LoRA trained on it undoes"
+            f" the distillation and its images collapse: train on the base model, {base}, and preview on this one"
+            " with evaluate.render_model")
 
 
 def interrupted_at(work_dir: Path) -> str:
