@@ -86,3 +86,16 @@ def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path):
     assert other.returncode == 1
     assert other.stderr.strip().splitlines()[-1] == ("lorapipe: error: flux/model holds the tiny flux1 model, not sd15:"
                                                      " give another --workdir for the sd15 demo")
+
+
+def test_zimage_demo_trains_the_tiny_zimage_base_and_its_lora_beats_the_base(tmp_path):
+    """`lorapipe demo --arch z-image`, one 2026 family end to end through Prefect (the others' stages are
+    the same calls through their family modules): variable-length text records, the ComfyUI export."""
+    run = lorapipe("demo", "--arch", "z-image", "--workdir", "zimage", cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    outputs = tmp_path / "zimage" / "outputs"
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors", "grid.png"):
+        assert (outputs / name).is_file()
+    metrics = json.loads((outputs / "metrics.json").read_text())
+    assert metrics["prediction_type"] == {"base": "flow", "lora": "flow"}
+    assert metrics["loss"]["train"]["lora"]["overall"] < metrics["loss"]["train"]["base"]["overall"]
