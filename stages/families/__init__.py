@@ -8,7 +8,7 @@ functions below. `for_model(path)` detects a model's family and binds it to its 
 dev or schnell, read from the transformer config); stages call the bound family. The flow-matching
 families share flow.FlowFamily: variants as data (FlowVariant: render steps and guidance, markers
 read from the configs, `distilled` and the base to train instead), `family.train_instead()` names
-that base for a distilled checkpoint (Z-Image Turbo, the distilled Klein) so a stage can warn.
+that base for a distilled checkpoint (Z-Image Turbo, the distilled Klein): train warns once with it.
 
 The seam (what a stage calls; all model-dependent data is read from the folder's configs), and who calls it:
   identity and loading
@@ -35,6 +35,8 @@ The seam (what a stage calls; all model-dependent data is read from the folder's
       2x2-patchified layout, so noise is drawn after apply, in its shape)
   the objective (one definition for train and evaluate) and the denoiser call
     family.check_objective(ObjectiveParams)        refuses train settings that do not apply (train, before launch)
+    family.train_instead() -> str | None           the base to train on for a known distilled checkpoint (train:
+                                                   one warning); evaluate.render_model previews on the distilled one
     family.objective(path, ObjectiveParams) -> Objective
       objective.draw(latents, rng) -> (noise, t)            train: from the micro-batch's generator
       objective.fixed_timesteps(steps) -> t                 evaluate: fixed levels (validates the range)
