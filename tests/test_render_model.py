@@ -49,17 +49,21 @@ def test_turbo_renders_the_grid_with_its_steps_and_the_losses_stay_on_the_base(
     config = config_rendering_with(root, zimage_model, zimage_turbo_model)
     row = next(r for r in explain(Context(config), STAGES) if r["stage"] == "evaluate")
     assert row["status"] == "miss" and "render_model" in row["reason"]
-    calls = []
-    hook = torch.nn.modules.module.register_module_forward_hook(
-        lambda module, args, output: calls.append(id(module)) if type(module).__name__ == "ZImageTransformer2DModel"
-        else None)
+    calls = []  # the folder of each transformer call's weights
+
+    def hook(module, args, output):
+        if type(module).__name__ == "ZImageTransformer2DModel":
+            calls.append(Path(module.config._name_or_path).parent)
+
+    handle = torch.nn.modules.module.register_module_forward_hook(hook)
     try:
         results = run_all(config)
     finally:
-        hook.remove()
+        handle.remove()
     assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "hit", "evaluate": "computed"}
-    renderer = calls[0]  # loaded first: the base column and the LoRA column, one call a step (no guidance)
-    assert calls[:2 * TURBO_STEPS] == [renderer] * (2 * TURBO_STEPS) and calls.count(renderer) == 2 * TURBO_STEPS
+    # Turbo first: the base column and the LoRA column, one call a step (no guidance); then only the base
+    assert calls[:2 * TURBO_STEPS] == [zimage_turbo_model] * (2 * TURBO_STEPS)
+    assert set(calls[2 * TURBO_STEPS:]) == {zimage_model}
     metrics = json.loads((Path(results["evaluate"].path) / "metrics.json").read_text())
     assert metrics["loss"] == rendered_by_base["loss"]
 
