@@ -43,10 +43,11 @@ def run(
     scoring = _scorings(family, inputs.model_path, inputs.train_dir)
     in_split = {name: encoded.split(name) for name in SPLITS}
     splits = {name: loss_subset(samples, params.loss_samples, params.loss_seed) for name, samples in in_split.items()}
-    renderer = _renderer(family, inputs, params)
+    render_family, render_path = _renderer(family, inputs, params)
+    settings = _render_settings(render_family, render_path, encoded, params, options)  # bad settings: before loading
     columns = None
-    if renderer is not None:  # rendered first and released, so one pipeline is in memory at a time
-        columns = _render_grid(_load_pipeline(renderer[1], options), *renderer, encoded, params, options,
+    if render_path != inputs.model_path:  # rendered first and released, so one pipeline is in memory at a time
+        columns = _render_grid(_load_pipeline(render_path, options), render_family, render_path, settings, params,
                                inputs.train_dir, log)
     pipe = _load_pipeline(inputs.model_path, options)
     denoiser = getattr(pipe, family.components.denoiser)
@@ -54,7 +55,7 @@ def run(
     log(f"evaluate: base model, {len(splits['holdout'])} held-out losses")
     base = _split_losses(denoiser, scoring["base"], encoded, splits, params)
     if columns is None:
-        columns = _render_grid(pipe, family, inputs.model_path, encoded, params, options, inputs.train_dir, log)
+        columns = _render_grid(pipe, family, inputs.model_path, settings, params, inputs.train_dir, log)
     else:
         pipe.load_lora_weights(inputs.train_dir, weight_name=LORA_WEIGHTS, adapter_name=LORA_ADAPTER)
     pipe.set_adapters([LORA_ADAPTER], adapter_weights=[1.0])
@@ -101,10 +102,11 @@ def _scorings(family: families.Family, model_path: Path, train_dir: Path) -> dic
             "lora": Scoring(family, family.objective(model_path, trained), trained)}
 
 
-def _renderer(family: families.Family, inputs: EvalInputs, params: EvalParams) -> tuple[families.Family, Path] | None:
-    """evaluate.render_model's family (bound to its variant) and folder; None: the training model renders."""
+def _renderer(family: families.Family, inputs: EvalInputs, params: EvalParams) -> tuple[families.Family, Path]:
+    """The family (bound to its variant) and folder of the model that renders the grid: evaluate.render_model,
+    else the training model."""
     if params.render_model is None:
-        return None
+        return family, inputs.model_path
     path = Path(params.render_model)
     if not (path / "model_index.json").is_file():
         raise UserError(f"evaluate.render_model: {path} is not a diffusers model folder (no model_index.json)")
@@ -115,10 +117,9 @@ def _renderer(family: families.Family, inputs: EvalInputs, params: EvalParams) -
     return renderer, path
 
 
-def _render_grid(pipe: DiffusionPipeline, family: families.Family, model_path: Path, encoded: EncodedData,
-                 params: EvalParams, options: EvalOptions, train_dir: Path, log: Log) -> dict[str, list[Image.Image]]:
+def _render_grid(pipe: DiffusionPipeline, family: families.Family, model_path: Path, settings: RenderSettings,
+                 params: EvalParams, train_dir: Path, log: Log) -> dict[str, list[Image.Image]]:
     """The grid's columns: `pipe` without the LoRA, then with it at each scale (the adapter stays loaded)."""
-    settings = _render_settings(family, model_path, encoded, params, options)
     sampler = params.scheduler or family.render_defaults()["sampler"]
     scoring = _scorings(family, model_path, train_dir)  # a LoRA trained to predict v is sampled as v
     log(f"evaluate: {family.label} {model_path.name} renders {len(params.prompts) * len(params.seeds)} images"
