@@ -76,7 +76,7 @@ KILLABLE = textwrap.dedent("""
     import pickle, sys, time
     from stages import encode
     inputs, out = pickle.load(open(sys.argv[1], "rb"))
-    slow = lambda message: time.sleep(0.5) if "images/s" in message else None  # time to be killed
+    slow = lambda message: time.sleep(0.5) if message.startswith("encode: latents") else None  # time to be killed
     encode.run(encode.EncodeParams(), inputs, out, out, encode.EncodeOptions(num_workers=0, batch_size=2,
                shard_records=2, progress_every=0), slow)
 """)
