@@ -88,12 +88,13 @@ def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path):
                                                      " give another --workdir for the sd15 demo")
 
 
-def test_zimage_demo_trains_the_tiny_zimage_base_and_its_lora_beats_the_base(tmp_path):
-    """`lorapipe demo --arch z-image`, one 2026 family end to end through Prefect (the others' stages are
-    the same calls through their family modules): variable-length text records, the ComfyUI export."""
-    run = lorapipe("demo", "--arch", "z-image", "--workdir", "zimage", cwd=tmp_path)
+@pytest.mark.parametrize("arch", ["z-image", "flux2-klein", "qwen-image"])
+def test_2026_family_demo_trains_its_tiny_base_and_its_lora_beats_the_base(tmp_path, arch):
+    """`lorapipe demo --arch X` for each 2026 family end to end through Prefect: variable-length or
+    stacked-layer text records, per-family latent normalisation, the ComfyUI export."""
+    run = lorapipe("demo", "--arch", arch, "--workdir", "run", cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
-    outputs = tmp_path / "zimage" / "outputs"
+    outputs = tmp_path / "run" / "outputs"
     for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors", "grid.png"):
         assert (outputs / name).is_file()
     metrics = json.loads((outputs / "metrics.json").read_text())
