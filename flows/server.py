@@ -26,6 +26,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
+from cache.errors import UserError, unusable_folder
 from stages.launching import die_with, free_port
 
 START_ATTEMPTS = 3  # uvicorn exits with 3 when it cannot start, e.g. when another process took the port
@@ -45,7 +46,10 @@ class EmbeddedServer:
     @classmethod
     def unless_configured(cls) -> EmbeddedServer | None:
         """A server started now, or None when PREFECT_API_URL is set in the environment."""
-        return None if os.environ.get("PREFECT_API_URL") else cls()
+        if os.environ.get("PREFECT_API_URL"):
+            return None
+        make_prefect_home()
+        return cls()
 
     @property
     def api_url(self) -> str:
@@ -113,3 +117,16 @@ class EmbeddedServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def make_prefect_home() -> None:
+    """Create PREFECT_HOME with its parents (the server's database lives there). Prefect creates
+    only the last folder, so a home inside a folder not made yet (the demo's fresh workdir, made by
+    the command only after the server starts) failed the server with 'unable to open database file'."""
+    home = os.environ.get("PREFECT_HOME")
+    if home:
+        folder = Path(home).expanduser()
+        try:
+            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as error:
+            raise UserError(unusable_folder("PREFECT_HOME", folder, error)) from error

@@ -13,8 +13,8 @@ import pytest
 pytestmark = pytest.mark.slow
 
 
-def lorapipe(*args: str, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PREFECT_HOME": str(cwd / "prefect-home")}
+def lorapipe(*args: str, cwd: Path, prefect_home: Path | None = None) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PREFECT_HOME": str(prefect_home or cwd / "prefect-home")}
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, text=True,
                           capture_output=True, timeout=900)
 
@@ -54,6 +54,17 @@ def test_second_demo_run_is_all_cached(demo_runs):
     assert sum(s["seconds"] for s in second["stages"]) < 10
     assert all(s["info"] == {} for s in second["stages"])  # a hit encodes and trains nothing
     assert first["stages"][1]["info"]["latents_encoded"] == 8
+
+
+def test_a_prefect_home_inside_folders_not_made_yet_is_created(demo_runs):
+    """Prefect makes only the last folder of its home, and its server's database lives there: a home
+    two folders deep (as the demo's own is, in a fresh workdir) once failed the run with 'unable to
+    open database file'."""
+    run = demo_runs[0]
+    home = run.parent / "not-yet" / "made" / "prefect"
+    rerun = lorapipe("demo", "--workdir", "run", cwd=run.parent, prefect_home=home)
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert (home / "prefect.db").is_file()
 
 
 def test_status_says_hit_or_miss_and_which_ingredient_changed(demo_runs):
