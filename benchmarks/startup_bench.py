@@ -5,7 +5,9 @@ The demo job (the tiny SD1.x model, the 8 bundled photos, 64 px, batch 4, 200 st
 
 - fresh: an empty cache: preprocess, encode and train computed;
 - train: `--force train` with encode cached: the start-up a user waits through when retraining;
-- noop: the same again with nothing to do.
+- noop: the same again with nothing to do;
+- with `--kept-server`, train and noop again with a Prefect server kept running between commands
+  (`prefect server start`, PREFECT_API_URL pointing at it), as README's "Fast repeated runs" says.
 
 Each output line (stdout and stderr of the whole process tree) is stamped when it arrives, and the
 phases are the gaps between lines every version prints (`phases_of`), so a slow moment of this shared
@@ -16,7 +18,7 @@ the same model and photos: BENCHMARKS.md has the exact command), its first step 
 bar. `{model}`, `{images}` and `{out}` in CMD are replaced by the tiny model, an imagefolder copy of
 the photos (metadata.jsonl) and an empty output folder.
 
-    python -m benchmarks.startup_bench [--rounds 3] [--steps 200] [--baseline DIR] [--compare CMD]
+    python -m benchmarks.startup_bench [--rounds 3] [--steps 200] [--baseline DIR] [--compare CMD] [--kept-server]
 """
 from __future__ import annotations
 
@@ -27,12 +29,14 @@ import re
 import select
 import shlex
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from .common import ResultsSection
 
@@ -127,10 +131,11 @@ class Job:
                     "PREFECT_HOME": str(root / "prefect")}
         self.env.pop("PREFECT_API_URL", None)  # Prefect's embedded server, as a plain `lorapipe run`
 
-    def run(self, *extra: str, ends: tuple | None = None) -> dict[str, float]:
+    def run(self, *extra: str, ends: tuple | None = None, api_url: str | None = None) -> dict[str, float]:
         command = [sys.executable, "-m", "flows.cli", "run", str(self.config), *run_args(self.steps), *extra]
+        env = {**self.env, "PREFECT_API_URL": api_url} if api_url else self.env
         started = time.time()
-        lines, total, code = stamped_lines(command, self.code, self.env, {STEP_1: lambda: self._stepped(started)})
+        lines, total, code = stamped_lines(command, self.code, env, {STEP_1: lambda: self._stepped(started)})
         if code != 0:
             raise RuntimeError(f"{shlex.join(command)} exited with {code}:\n" + "\n".join(l for _, l in lines[-20:]))
         return phases(lines, total, ends or phases_of(self.steps))
@@ -143,6 +148,29 @@ class Job:
         for name in ("cache", "outputs"):
             shutil.rmtree(self.root / name, ignore_errors=True)
         return self.run()
+
+
+@contextmanager
+def kept_server(job: Job) -> Iterator[str]:
+    """A Prefect server on 127.0.0.1 for the whole measurement, in the job's PREFECT_HOME; its API URL."""
+    from flows.server import api_answers
+    from stages.launching import free_port
+
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",
+                               "--port", str(port), "--no-ui"], env=job.env, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.DEVNULL, start_new_session=True)
+    url = f"http://127.0.0.1:{port}/api"
+    try:
+        deadline = time.monotonic() + 120
+        while not api_answers(url):
+            if server.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"prefect server start on port {port} did not answer")
+            time.sleep(0.2)
+        yield url
+    finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(timeout=30)
 
 
 def imagefolder(root: Path) -> Path:
@@ -173,19 +201,24 @@ def medians(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def measure(root: Path, rounds: int = 3, baseline: Path | None = None, compare: str | None = None,
-            steps: int = STEPS) -> dict:
+            steps: int = STEPS, kept: bool = False) -> dict:
     """Per code version and scenario, the median of each phase over `rounds` interleaved rounds."""
     jobs = {"this": Job(root / "startup-this", REPO, steps)}
     if baseline:
         jobs["baseline"] = Job(root / "startup-baseline", baseline.resolve(), steps)
     rows: dict[str, list[dict]] = {}
-    for _ in range(rounds):
-        for name, job in jobs.items():
-            rows.setdefault(f"{name}_fresh", []).append(job.fresh())
-            rows.setdefault(f"{name}_train", []).append(job.run("--force", "train"))
-            rows.setdefault(f"{name}_noop", []).append(job.run(ends=NOOP_PHASES))
-        if compare:
-            rows.setdefault("compare", []).append(compare_run(compare, root, jobs["this"].root / "model", steps))
+    with kept_server(jobs["this"]) if kept else nullcontext() as api_url:
+        for _ in range(rounds):
+            for name, job in jobs.items():
+                rows.setdefault(f"{name}_fresh", []).append(job.fresh())
+                rows.setdefault(f"{name}_train", []).append(job.run("--force", "train"))
+                rows.setdefault(f"{name}_noop", []).append(job.run(ends=NOOP_PHASES))
+            if kept:
+                this = jobs["this"]
+                rows.setdefault("this_kept_server_train", []).append(this.run("--force", "train", api_url=api_url))
+                rows.setdefault("this_kept_server_noop", []).append(this.run(ends=NOOP_PHASES, api_url=api_url))
+            if compare:
+                rows.setdefault("compare", []).append(compare_run(compare, root, jobs["this"].root / "model", steps))
     return {"job": f"demo, {steps} steps, stops after train", "rounds": rounds,
             **{name: medians(r) for name, r in rows.items()}}
 
@@ -197,11 +230,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=STEPS, help="training steps (start-up does not depend on them)")
     parser.add_argument("--baseline", type=Path, help="another checkout, run in the same rounds")
     parser.add_argument("--compare", help="a command run in the same rounds ({model} {images} {out})")
+    parser.add_argument("--kept-server", action="store_true", help="also train and noop with a Prefect server"
+                        " kept running between commands")
     parser.add_argument("--note", default="", help="written after the result's name in BENCHMARKS.md")
     args = parser.parse_args()
     args.root.mkdir(parents=True, exist_ok=True)
     command = " ".join(["python -m benchmarks.startup_bench", *sys.argv[1:]])
-    result = measure(args.root.resolve(), args.rounds, args.baseline, args.compare, args.steps)
+    result = measure(args.root.resolve(), args.rounds, args.baseline, args.compare, args.steps, args.kept_server)
     print(json.dumps(result, indent=1))
     ResultsSection(command).add("startup" + (f" ({args.note})" if args.note else ""), result)
 

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tomllib
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -45,8 +46,9 @@ class EmbeddedServer:
 
     @classmethod
     def unless_configured(cls) -> EmbeddedServer | None:
-        """A server started now, or None when PREFECT_API_URL is set in the environment."""
-        if os.environ.get("PREFECT_API_URL"):
+        """A server started now, or None when PREFECT_API_URL is set in the environment or in the
+        active profile (a server kept running: see README, "Fast repeated runs")."""
+        if os.environ.get("PREFECT_API_URL") or profile_api_url():
             return None
         make_prefect_home()
         return cls()
@@ -97,11 +99,7 @@ class EmbeddedServer:
             time.sleep(0.05)
 
     def _healthy(self) -> bool:
-        try:
-            with urllib.request.urlopen(f"{self.api_url}/health", timeout=2) as response:
-                return response.status == 200
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            return False
+        return api_answers(self.api_url)
 
     def _output_tail(self) -> str:
         self.output.seek(0)
@@ -117,6 +115,30 @@ class EmbeddedServer:
         except subprocess.TimeoutExpired:
             self.process.kill()
             self.process.wait()
+
+
+def api_answers(api_url: str) -> bool:
+    """Whether the Prefect API at `api_url` answers its health check."""
+    try:
+        with urllib.request.urlopen(f"{api_url}/health", timeout=2) as response:
+            return response.status == 200
+    except (urllib.error.URLError, ConnectionError, TimeoutError):
+        return False
+
+
+def profile_api_url() -> str | None:
+    """PREFECT_API_URL as the active Prefect profile sets it, read from the profiles file without
+    importing prefect (which would delay the server this module starts early). Only an optimisation:
+    connect() asks Prefect's own settings, and stops the early server for any other source too."""
+    home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
+    path = Path(os.environ.get("PREFECT_PROFILES_PATH", home / "profiles.toml")).expanduser()
+    try:
+        profiles = tomllib.loads(path.read_text())
+    except (OSError, tomllib.TOMLDecodeError):
+        return None  # no profiles file, or one Prefect will name in its own error
+    active = os.environ.get("PREFECT_PROFILE") or profiles.get("active")
+    profile = profiles.get("profiles", {}).get(active, {})
+    return profile.get("PREFECT_API_URL") if isinstance(profile, dict) else None
 
 
 def make_prefect_home() -> None:
