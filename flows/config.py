@@ -125,9 +125,9 @@ def _masked(value: Any, name: str = "") -> Any:
 
 def split(section: Frozen, params_cls: type[Frozen], options_cls: type[Frozen] | None):
     """(keyed params, unkeyed options) of a stage section."""
-    values = section.model_dump()
-    params = params_cls(**{k: values[k] for k in params_cls.model_fields})
-    options = options_cls(**{k: values[k] for k in options_cls.model_fields}) if options_cls else None
+    values = section.model_dump()  # without the settings a model leaves out at their default
+    params = params_cls(**{k: values[k] for k in params_cls.model_fields if k in values})
+    options = options_cls(**{k: values[k] for k in options_cls.model_fields if k in values}) if options_cls else None
     return params, options
 
 

@@ -6,6 +6,7 @@ dataclass, and `run(params, inputs, out_dir, work_dir, options, log) -> Built | 
 """
 from __future__ import annotations
 
+import hashlib
 from functools import cache
 from importlib.metadata import version
 from pathlib import Path
@@ -51,3 +52,10 @@ def library_versions(*names: str) -> dict[str, str]:
 @cache
 def _version(name: str) -> str:  # reading package metadata costs ~2 ms; record keys ask per sample
     return version(name)
+
+
+def derived_seed(*parts: object) -> int:
+    """A 63-bit seed from `parts` (their str joined by ':'): the same in every process, on every
+    machine and Python (never Python's salted hash)."""
+    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

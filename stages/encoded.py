@@ -3,7 +3,8 @@
 An encode artifact holds what training sees in `samples.json` (in its digest): for every sample
 its split, caption, original size, crop box, size (samples of different buckets differ: batch by
 size) and repeats, and the keys of its latent (and, with encode.flip, mirrored `latent_flip`) and
-text records, ordered by record keys. Where those records are kept lives in
+text records, ordered by record keys. With encode.caption_variants K > 1 a training sample also has
+`text_variants` (K keys, `text` is the first) and `caption_variants` (their captions, to read). Where those records are kept lives in
 `locations/index.json` (out of the digest, cache/store.py): each record's shard, offsets and
 content digests, and each sample's id (its file) and dataset. So records moved to other shards,
 or an image renamed, leave the artifact's digest and everything after it unchanged, and every
@@ -82,6 +83,8 @@ class Sample:
     latent_flip: Record | None = None  # the mirrored image's posterior (encode.flip)
     dataset: str = ""  # the name of the dataset it came from
     resized: tuple[int, int] | None = None  # (height, width) before the crop; mirrors a flipped crop box
+    text_variants: tuple[Record, ...] = ()  # encode.caption_variants > 1: every variant's (`text` is the first,
+    # and in a batch plan's draw the one drawn: stages/train/data.py)
 
     @property
     def content_id(self) -> str:
@@ -95,6 +98,7 @@ class Sample:
             source["id"], v["split"], v["caption"], tuple(v["original_size"]), tuple(v["crop_box"]), tuple(v["size"]),
             records[v["latent"]], records[v["text"]], v["repeats"],
             records[v["latent_flip"]] if "latent_flip" in v else None, source["dataset"], tuple(v["resized"]),
+            tuple(records[key] for key in v.get("text_variants", ())),
         )
 
 

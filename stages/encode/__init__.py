@@ -4,8 +4,9 @@ Reads:  the preprocess artifact (dataset.json) and the images it names, the mode
         (VAE) and text encoder(s), through its family (stages/families).
 Writes: samples.json and locations/index.json (stages/encoded.py), an index into shards of the
         sample store; each sample's latent record(s) (and a horizontally flipped one with `flip`)
-        and text record are keyed by what they depend on, so only records that do not exist yet
-        are computed (a caption edit encodes one text record and no latent). samples.json's header
+        and text record(s) are keyed by what they depend on, so only records that do not exist yet
+        are computed (a caption edit encodes one text record, or that sample's caption_variants, and
+        no latent). samples.json's header
         records the family, the encoder components' digests, the text settings and the latent
         normalisation train and evaluate apply. Also logs/report.json (undecodable images).
 Key:    these params + the preprocess artifact's digest + the digests of the family's text and
@@ -17,7 +18,10 @@ Digest: samples.json only: the record keys and what training reads with them, no
 A latent record's key: the image's bytes, crop and background, flip, dtype, the VAE's digest. A text
 record's key: the caption, the family, its text components' digests and every text setting
 (encoders, hidden layers, pooled output, max length, padding and template: family.text_settings),
-dtype. Image sides must be multiples of the family's pixel multiple (SD 8, Flux 16).
+dtype. Image sides must be multiples of the family's pixel multiple (SD 8, Flux 16). With
+caption_variants K > 1 (stages/encode/captions.py) a training sample has K text records, each keyed
+by its variant caption's text like any caption: the augmentation settings are in the stage's key
+(which variants exist), not in the records' keys (what a text encodes to).
 
 With `num_processes` > 1 the missing records are dealt to that many processes started by
 `accelerate launch` (stages/encode/workers.py); each commits its own shards, the parent then
@@ -45,6 +49,7 @@ from ..contract import Frozen, Log, library_majors
 from ..encoded import write_index
 from ..preprocess import DATASET_FILE
 from ..preprocess.sources import DatasetSource
+from .captions import CaptionAugmentation
 from .images import ImageCrops, sample_label
 
 VERSION = "5"  # 5: the family, its text settings and latent normalisation in samples.json
@@ -56,8 +61,9 @@ __all__ = ["VERSION", "EncodeParams", "EncodeOptions", "EncodeInputs", "ImageCro
            "text_key", "run"]
 
 
-class EncodeParams(families.TextOptions):
-    """The record dtype, flips, and the text options the family resolves into its text settings."""
+class EncodeParams(families.TextOptions, CaptionAugmentation):
+    """The record dtype, flips, the text options the family resolves into its text settings, and the
+    caption variants of training samples."""
 
     dtype: Literal["float32", "float16", "bfloat16"] = "float32"
     flip: bool = Field(False, description="also encode each image mirrored, as its own latent record")
@@ -131,25 +137,33 @@ class SampleKeys:
 
     latent: dict[str, str]
     latent_flip: dict[str, str]
-    text: dict[str, str]
+    text: dict[str, tuple[str, ...]]  # its caption's record, or a training sample's caption variants'
+    captions: dict[str, str]  # text record key -> the caption it encodes
     empty: str
 
     @classmethod
     def of(cls, dataset: list[dict], params: EncodeParams, vae_digest: str, text: dict) -> "SampleKeys":
         """`text`: text_ingredients."""
+        captions, texts = {}, {}
+        for s in dataset:
+            variants = params.captions(s["caption"], s["digest"]) if s["split"] == "train" else (s["caption"],)
+            keys = tuple(text_key(caption, params, text) for caption in variants)
+            captions.update(zip(keys, variants))
+            texts[s["id"]] = keys
+        empty = text_key("", params, text)
         return cls({s["id"]: latent_key(s, params, vae_digest) for s in dataset},
                    {s["id"]: latent_key(s, params, vae_digest, True) for s in dataset} if params.flip else {},
-                   {s["id"]: text_key(s["caption"], params, text) for s in dataset},
-                   text_key("", params, text))
+                   texts, {**captions, empty: ""}, empty)
 
     def of_sample(self, sample_id: str) -> list[str]:
-        return [table[sample_id] for table in (self.latent, self.latent_flip, self.text) if sample_id in table]
+        return [*(table[sample_id] for table in (self.latent, self.latent_flip) if sample_id in table),
+                *self.text[sample_id]]
 
     def latents(self) -> set[str]:
         return {*self.latent.values(), *self.latent_flip.values()}
 
     def texts(self) -> set[str]:
-        return {*self.text.values(), self.empty}
+        return {*(key for keys in self.text.values() for key in keys), self.empty}
 
 
 def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Path,
@@ -222,14 +236,17 @@ def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: Sa
     """Write samples.json (in record-key order, after `header`) and locations/index.json; return the
     shards they point into as artifact refs (size, digest)."""
     index = store.index()
-    ordered = sorted(dataset, key=lambda s: (keys.latent[s["id"]], keys.text[s["id"]]))
+    ordered = sorted(dataset, key=lambda s: (keys.latent[s["id"]], keys.text[s["id"]][0]))
 
     def sample_entry(s: dict) -> dict:
         flip = {"latent_flip": keys.latent_flip[s["id"]]} if header["flip"] else {}
+        texts = keys.text[s["id"]]
+        variants = {"text_variants": list(texts), "caption_variants": [keys.captions[k] for k in texts]
+                    } if len(texts) > 1 else {}
         return {
             "split": s["split"], "caption": s["caption"], "original_size": s["original_size"],
             "crop_box": s["crop_box"], "resized": s["resized"], "size": s["size"], "repeats": s["repeats"],
-            "latent": keys.latent[s["id"]], "text": keys.text[s["id"]], **flip,
+            "latent": keys.latent[s["id"]], "text": texts[0], **variants, **flip,
         }
 
     used = sorted({keys.empty} | {k for s in ordered for k in keys.of_sample(s["id"])})

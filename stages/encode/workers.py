@@ -41,8 +41,10 @@ class EncodeJobs:
     @classmethod
     def plan(cls, dataset: list[dict], keys: SampleKeys, missing: set[str],
              datasets: tuple[DatasetSource, ...]) -> "EncodeJobs":
-        texts = {keys.text[s["id"]]: (s["caption"], sample_label(s, datasets)) for s in dataset}
-        texts[keys.empty] = ("", "the empty prompt")
+        texts = {keys.empty: ("", "the empty prompt")}
+        for s in dataset:
+            for key in keys.text[s["id"]]:
+                texts.setdefault(key, (keys.captions[key], sample_label(s, datasets)))
         latents = {}
         for i, s in enumerate(dataset):
             for flip, table in ((False, keys.latent), (True, keys.latent_flip)):

@@ -2,7 +2,8 @@
 
 A micro-batch m is fully determined by (seed, m, rank): `BatchPlan` says which samples it holds
 and a generator seeded from (seed, m, rank) draws all of its data randomness (plain or mirrored
-latent, posterior sample, caption dropout, then the objective's noise and timesteps). So
+latent, posterior sample, caption dropout, then the objective's noise and timesteps); a sample's
+caption variant (encode.caption_variants) is the plan's, from (seed, epoch, sample, its copy). So
 micro-batches can be prepared in any order, in background threads, and resuming from a checkpoint
 stays exact.
 
@@ -16,7 +17,6 @@ the training step's critical path.
 """
 from __future__ import annotations
 
-import hashlib
 import queue
 import threading
 from dataclasses import dataclass, fields, replace
@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from stages.contract import derived_seed
 from stages.encoded import EncodedData, Sample
 from stages.train.params import TrainParams
 
@@ -33,19 +34,14 @@ if TYPE_CHECKING:
     from stages.families.objectives import Objective
 
 
-def derived_seed(*parts: object) -> int:
-    digest = hashlib.sha256(":".join(map(str, parts)).encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 class BatchPlan:
     """Which samples micro-batch m gives to each rank (see stages/train/recipe.py's docstring)."""
 
     def __init__(self, samples: list[Sample], seed: int, batch_size: int, num_processes: int):
         self.seed, self.batch_size, self.global_batch = seed, batch_size, batch_size * num_processes
-        buckets: dict[tuple[int, int], list[Sample]] = {}
+        buckets: dict[tuple[int, int], list[tuple[Sample, int]]] = {}  # each sample once per repeat (its copy)
         for sample in sorted(samples, key=lambda s: s.content_id):  # not by file name: a rename changes nothing
-            buckets.setdefault(sample.size, []).extend([sample] * sample.repeats)
+            buckets.setdefault(sample.size, []).extend((sample, copy) for copy in range(sample.repeats))
         self.buckets = [buckets[size] for size in sorted(buckets)]
         self.batches_per_epoch = sum(len(b) // self.global_batch for b in self.buckets)
         if self.batches_per_epoch == 0:
@@ -69,8 +65,21 @@ class BatchPlan:
         for bucket in self.buckets:
             order = torch.randperm(len(bucket), generator=rng).tolist()
             usable = len(bucket) // self.global_batch * self.global_batch
-            batches += [[bucket[i] for i in order[j : j + self.global_batch]] for j in range(0, usable, self.global_batch)]
+            batches += [[self._drawn(*bucket[i], epoch) for i in order[j : j + self.global_batch]]
+                        for j in range(0, usable, self.global_batch)]
         return [batches[i] for i in torch.randperm(len(batches), generator=rng).tolist()]
+
+    def _drawn(self, sample: Sample, copy: int, epoch: int) -> Sample:
+        """The sample as this draw shows it: with caption variants, its text is the variant drawn.
+        A sample's draws (epoch by epoch, copy by copy) go in runs of K, each run showing every one
+        of its K variants once, in an order seeded by (seed, sample, run)."""
+        variants = sample.text_variants
+        if not variants:
+            return sample
+        run, position = divmod(epoch * sample.repeats + copy, len(variants))
+        order = sorted(range(len(variants)),
+                       key=lambda v: derived_seed(self.seed, "caption", sample.content_id, run, v))
+        return replace(sample, text=variants[order[position]])
 
     def batch(self, micro_batch: int, rank: int) -> list[Sample]:
         epoch, index = divmod(micro_batch, self.batches_per_epoch)

@@ -19,7 +19,8 @@ batch_size x num_processes samples; a sample with `repeats` = k is dealt k times
 batch is dropped for that epoch. Rank r takes slice r of each global batch, so every rank runs the
 same number of steps. Micro-batch m = step * gradient_accumulation_steps + j is batch m of the
 plan, and all of its randomness (flipped or plain latent where encode made both, posterior sample,
-caption dropout, noise, timesteps, LoRA dropout) comes from a seed derived from (seed, m, rank):
+caption dropout, noise, timesteps, LoRA dropout) comes from a seed derived from (seed, m, rank),
+and a training sample's caption variant (encode.caption_variants) from (seed, epoch, sample, copy):
 resuming from a checkpoint is exact. Every record read is checked against its digest: a damaged
 one stops the run (DamagedRecord, which the parent raises again for the flow to repair). On CUDA,
 threads prepare micro-batches ahead of the step (stages/train/data.py: read, sample, noise, pin),
