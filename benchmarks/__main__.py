@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from . import (decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench, noop_rerun, object_bench, pipeline_noop,
+from . import (caption_bench, decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench, noop_rerun, object_bench, pipeline_noop,
                train_bench)
 from .common import ResultsSection
 
@@ -29,6 +29,7 @@ BENCHES = {
     "object_noop": lambda root: object_bench.noop(root),
     "object_incremental": lambda root: object_bench.incremental(root),
     "object_shard_read": lambda root: object_bench.shard_read(root),
+    "text_record_size": lambda root: caption_bench.record_sizes(root),
     "gpu": lambda root: gpu_bench.measure(root),
 }
 
