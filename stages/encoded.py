@@ -11,8 +11,9 @@ or an image renamed, leave the artifact's digest and everything after it unchang
 record read is checked against the digest recorded when it was written.
 
 The header of samples.json holds the model family, the digests of the components that made the
-records, the text options and the text settings they resolved to, and the latent normalisation
-(stages/families/latents.py) that train and evaluate apply to the unscaled posteriors.
+records, the text options and the text settings they resolved to, the latent normalisation
+(stages/families/latents.py) that train and evaluate apply to the unscaled posteriors, and with
+caption variants the caption settings that made them (`caption_augmentation`).
 
 Records are safetensors blobs (no pickle):
   latent record: "mean", "std"  (C, h, w) in the encode dtype; the VAE posterior, unscaled
@@ -122,6 +123,7 @@ class EncodedData:
         self.models: dict[str, str] = self.index["models"]  # component -> weights digest
         self.normalisation = normalisation_from_json(self.index["normalisation"])
         self.text_options = TextOptions(**self.index["text_options"])  # what encode resolved into its text settings
+        self.caption_augmentation: dict = self.index.get("caption_augmentation", {})  # encode.caption_variants > 1
 
     def split(self, name: str) -> list[Sample]:
         return [s for s in self.samples if s.split == name]

@@ -199,12 +199,16 @@ def test_the_batch_plan_shows_each_variant_once_in_every_k_draws_of_a_sample(var
 
 
 @pytest.mark.slow
-def test_training_over_variants_conditions_on_them_and_resumes_exactly(variants_baseline, tmp_path):
+def test_training_over_variants_conditions_on_them_resumes_exactly_and_says_so_in_kohya_metadata(
+        variants_baseline, tmp_path):
+    from safetensors import safe_open
+
     from stages import train
 
     root, before, after, _ = variants_baseline
 
     def trained(name: str, encoded, steps: int, work: Path | None = None) -> list[tuple]:
+        """(step, loss, lr) of each step"""
         inputs = train.TrainInputs(encoded_dir=Path(encoded.path), cache_root=root / "cache",
                                    model_path=root / "model", base_model_digest="base", encoded_digest=encoded.digest)
         params = train.TrainParams(rank=4, learning_rate=1e-2, batch_size=2, max_steps=steps, checkpoint_every=6,
@@ -220,3 +224,11 @@ def test_training_over_variants_conditions_on_them_and_resumes_exactly(variants_
     trained("half", after["encode"], 6, tmp_path / "work")
     assert trained("resumed", after["encode"], 12, tmp_path / "work") == straight
     assert trained("as-written", before["encode"], 12) != straight  # the same batches, other captions
+
+    def kohya(name: str) -> dict:
+        with safe_open(tmp_path / f"out-{name}" / "pytorch_lora_weights_kohya.safetensors", "pt") as f:
+            return f.metadata()
+
+    assert {k: kohya("resumed")[k] for k in ("ss_shuffle_caption", "ss_keep_tokens", "ss_caption_tag_dropout_rate")
+            } == {"ss_shuffle_caption": "True", "ss_keep_tokens": "1", "ss_caption_tag_dropout_rate": "0.1"}
+    assert "ss_shuffle_caption" not in kohya("as-written")

@@ -198,7 +198,7 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
         "text_options": families.TextOptions(**params.model_dump(include=set(families.TextOptions.model_fields))
                                              ).model_dump(mode="json"),
         **resolved_settings(family, inputs.model_path, params),
-        "empty_text": keys.empty, "flip": params.flip,
+        "empty_text": keys.empty, "flip": params.flip, **_caption_header(params),
     })
     (out_dir / "logs").mkdir()
     (out_dir / "logs" / "report.json").write_text(json.dumps({"undecodable": undecodable}, indent=1, sort_keys=True))
@@ -210,6 +210,13 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     log("encode: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     sizes = dict(sorted(Counter(f"{s['size'][1]}x{s['size'][0]}" for s in usable).items()))
     return Built(info={**counts, "sizes": sizes}, refs=refs)
+
+
+def _caption_header(params: EncodeParams) -> dict:
+    """The caption settings for samples.json's header, where they made variants (absent otherwise,
+    so an encode without them writes what it wrote before they existed)."""
+    settings = {name: getattr(params, name) for name in CaptionAugmentation.model_fields}  # defaults too
+    return {"caption_augmentation": settings} if params.caption_variants > 1 else {}
 
 
 def _add_member_digests(store: SampleStore, keys: SampleKeys, log: Log) -> None:

@@ -335,9 +335,15 @@ class LoRATrainingRecipe:
             "ss_gradient_accumulation_steps": p.gradient_accumulation_steps, "ss_max_grad_norm": p.max_grad_norm,
             "ss_noise_offset": p.noise_offset, "ss_min_snr_gamma": p.snr_gamma, "ss_caption_dropout_rate": p.caption_dropout,
             "ss_network_train_unet_only": True, "ss_cache_latents": True,
-            "ss_new_sd_model_hash": self.inputs.base_model_digest,
+            "ss_new_sd_model_hash": self.inputs.base_model_digest, **self._kohya_caption_metadata(),
         }
         return {k: str(v) for k, v in values.items()}
+
+    def _kohya_caption_metadata(self) -> dict:
+        """kohya's names for the caption augmentation encode made variants with (none without)."""
+        captions = self.data.caption_augmentation
+        return {"ss_shuffle_caption": captions["shuffle_tags"], "ss_keep_tokens": captions["keep_tokens"],
+                "ss_caption_tag_dropout_rate": captions["tag_dropout"]} if captions else {}
 
     def cleanup(self) -> None:
         self.accelerator.end_training()
