@@ -6,9 +6,9 @@ Writes: samples.json and locations/index.json (stages/encoded.py), an index into
         sample store; each sample's latent record(s) (and a horizontally flipped one with `flip`)
         and text record(s) are keyed by what they depend on, so only records that do not exist yet
         are computed (a caption edit encodes one text record, or that sample's caption_variants, and
-        no latent). samples.json's header
-        records the family, the encoder components' digests, the text settings and the latent
-        normalisation train and evaluate apply. Also logs/report.json (undecodable images).
+        no latent). samples.json's header records the family, the encoder components' digests, the
+        text settings and the latent normalisation train and evaluate apply. Also logs/report.json
+        (undecodable images).
 Key:    these params + the preprocess artifact's digest + the digests of the family's text and
         latent components + what the family resolves from them (resolved_settings: text settings,
         latent normalisation), so a family that changes its hidden layer is a miss, not a stale hit.
