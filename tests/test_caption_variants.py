@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from test_invalidation import make_config, run_all, statuses
 
+from flows.config import validate_config
 from flows.plan import STAGES, Context
 from flows.runner import explain
 from stages.encode import EncodeParams
@@ -67,6 +68,9 @@ def test_settings_that_would_change_nothing_or_be_fixed_forever_are_refused():
         EncodeParams(shuffle_tags=True)
     with pytest.raises(ValueError, match="keep_tokens keeps"):
         EncodeParams(keep_tokens=1)
+    with pytest.raises(ValueError, match=r"^demo.yaml: encode: .*caption_variants: 2 would be identical captions"):
+        validate_config({"cache_dir": "c", "output_dir": "o", "model": {"path": "m"}, "data": {"path": "d"},
+                         "encode": {"caption_variants": 2}, "train": {}, "evaluate": {}}, "demo.yaml")
     assert EncodeParams().model_dump() == EncodeParams(caption_variants=1, tag_dropout=0.0).model_dump()
     assert not any("caption" in k or "tag" in k for k in EncodeParams().model_dump())  # encode's key as before
 
