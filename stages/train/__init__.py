@@ -15,13 +15,16 @@ Key:    TrainParams (less max_steps for the work directory: raising it resumes),
         artifact's digest, the denoiser and scheduler digests, library majors.
 Work:   work_dir/checkpoints/ (LoRA, optimizer, LR scheduler and RNG states; atomic), export/,
         logs/, accelerate.yaml, job.json. Training resumes from the newest intact checkpoint.
+Across machines (train.num_machines): machine rank 0 runs `run` (it alone reads and writes the
+        work directory and publishes); every other machine runs `follow`, whose processes join
+        rank 0's and keep only their job and log in a private folder.
 
 The text encoder is not trained (its embeddings are cached), and caption dropout uses the cached
 empty-prompt embedding. The recipe itself is `stages/train/recipe.py`.
 """
-from stages.train.launch import run
+from stages.train.launch import follow, machines, run
 from stages.train.params import VERSION, TrainInputs, TrainOptions, TrainParams
 
 RESUMABLE = ("max_steps",)  # TrainParams fields left out of the work directory's key
 
-__all__ = ["VERSION", "RESUMABLE", "TrainParams", "TrainOptions", "TrainInputs", "run"]
+__all__ = ["VERSION", "RESUMABLE", "TrainParams", "TrainOptions", "TrainInputs", "run", "follow", "machines"]

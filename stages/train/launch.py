@@ -11,7 +11,11 @@ import json
 import os
 import shutil
 import sys
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
+
+import yaml
 
 from cache.errors import UserError
 from cache.samples import DamagedRecord
@@ -28,18 +32,41 @@ from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, TrainInputs, T
 
 def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
         options: TrainOptions | None = None, log: Log = print) -> Built:
-    """Train (or resume training) in work_dir, then publish the LoRA files into out_dir."""
+    """Train (or resume training) in work_dir, then publish the LoRA files into out_dir. On
+    several machines this is machine rank 0's part; the others run `follow`."""
     options = options or TrainOptions()
     out_dir, work_dir = Path(out_dir), Path(work_dir)
+    if machines(params, options).rank:
+        raise RuntimeError("only machine rank 0 publishes: the other machines run stages.train.launch.follow")
     warn_if_distilled(check_inputs(params, inputs), inputs.model_path, log)
+    launch(params, inputs, work_dir, options, log, lambda: interrupted_at(work_dir))
+    return publish(work_dir, out_dir, params.max_steps, log)
+
+
+def follow(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: TrainOptions, log: Log = print) -> None:
+    """Machine rank > 0's part of a training across machines: run this machine's processes (they
+    join rank 0's, read the encoded data from the same cache and receive a resumed state from rank 0);
+    work_dir, private to this machine, holds only their job and log. Rank 0 checkpoints and publishes."""
+    nodes = machines(params, options)
+    check_inputs(params, inputs)
+    launch(params, inputs, Path(work_dir), options, log,
+           lambda: f"training interrupted on machine rank {nodes.rank}: machine rank 0's checkpoints say where"
+                   " a rerun (on every machine) resumes")
+    log(f"train: machine rank {nodes.rank} of {nodes.count} done; machine rank 0 publishes the LoRA and evaluates it")
+
+
+def launch(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: TrainOptions, log: Log,
+           interrupted: Callable[[], str]) -> None:
+    """Write the job into work_dir and run this machine's training processes to the end,
+    streaming their log. `interrupted` says what Ctrl-C leaves."""
     (work_dir / "logs").mkdir(parents=True, exist_ok=True)
     job = work_dir / "job.json"
     job.write_text(json.dumps({
         "params": params.model_dump(mode="json"), "inputs": inputs.to_json(),
         "options": options.model_dump(mode="json"), "work_dir": str(work_dir.resolve()),
     }, indent=1, sort_keys=True))
-    threads = threads_per_process(params, options)
-    command, how = launch_command(job, params.num_processes, threads, options.accelerate_config, work_dir)
+    nodes, threads = machines(params, options), threads_per_process(params, options)
+    command, how = launch_command(job, params.num_processes, threads, options.accelerate_config, work_dir, nodes)
     process = ahead.take(threads, job) if command == ahead.direct_command(job) else None
     log(f"train: {params.num_processes} process(es) of {threads} thread(s) {how}"
         f"{', started ahead' if process else ''}, {params.max_steps} steps, work dir {work_dir}")
@@ -52,8 +79,7 @@ def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
             raise DamagedRecord.from_json(json.loads(damaged.read_text())) from failure
         raise
     except KeyboardInterrupt:
-        raise Interrupted(interrupted_at(work_dir)) from None
-    return publish(work_dir, out_dir, params.max_steps, log)
+        raise Interrupted(interrupted()) from None
 
 
 def check_inputs(params: TrainParams, inputs: TrainInputs) -> families.Family:
@@ -96,8 +122,9 @@ def _json_or_none(line: str) -> dict | None:
 
 def threads_per_process(params: TrainParams, options: TrainOptions) -> int:
     """Torch threads per training process: train.cpu_threads, else the cores this process may use
-    less one (left to the data loader and the pipeline's own process), shared among the processes."""
-    return options.cpu_threads or max(1, (len(os.sched_getaffinity(0)) - 1) // params.num_processes)
+    less one (left to the data loader and the pipeline's own process), shared among this machine's processes."""
+    local = params.num_processes // machines(params, options).count
+    return options.cpu_threads or max(1, (len(os.sched_getaffinity(0)) - 1) // local)
 
 
 def start_ahead(params: TrainParams, options: TrainOptions) -> None:
@@ -107,20 +134,53 @@ def start_ahead(params: TrainParams, options: TrainOptions) -> None:
         ahead.start_ahead(threads_per_process(params, options))
 
 
+@dataclass(frozen=True)
+class Machines:
+    """The machines a training runs on: how many, this one's rank, and the launcher's arguments
+    that say so (none when the user's accelerate config says it)."""
+
+    count: int = 1
+    rank: int = 0
+    launch_args: tuple[str, ...] = ()
+
+
+def machines(params: TrainParams, options: TrainOptions) -> Machines:
+    """train.num_machines > 1 with its machine_rank, main_process_ip and main_process_port, else what
+    the user's accelerate config says (accelerate reads it too), else one machine. num_processes
+    counts the processes of every machine, so it must be a multiple of their number."""
+    if options.num_machines > 1:
+        found = Machines(options.num_machines, options.machine_rank, (
+            "--num_machines", str(options.num_machines), "--machine_rank", str(options.machine_rank),
+            "--main_process_ip", str(options.main_process_ip), "--main_process_port", str(options.main_process_port)))
+        where = "train.num_machines"
+    else:
+        config = user_accelerate_config(options.accelerate_config)
+        values = (yaml.safe_load(config.read_text()) or {}) if config else {}
+        found = Machines(int(values.get("num_machines") or 1), int(values.get("machine_rank") or 0))
+        where = f"num_machines in {config}"
+    if params.num_processes % found.count:
+        raise UserError(f"train.num_processes: {params.num_processes} processes cannot be spread evenly over"
+                        f" {found.count} machines ({where}): use a multiple of {found.count}")
+    return found
+
+
 def launch_command(job: Path, processes: int, threads: int, accelerate_config: str | None,
-                   work_dir: Path) -> tuple[list[str], str]:
+                   work_dir: Path, nodes: Machines = Machines()) -> tuple[list[str], str]:
     """The command that runs the recipe, and how it launches: under the user's accelerate config
     (`train.accelerate_config`, else `accelerate config`'s default file when there is one), or
     one written here for DDP; a single process without one runs the recipe directly, sparing the
-    launcher's own interpreter and imports (BENCHMARKS.md, start-up)."""
+    launcher's own interpreter and imports (BENCHMARKS.md, start-up). On several machines
+    `processes` counts all of them (accelerate's --num_processes)."""
     config = user_accelerate_config(accelerate_config)
     if config is None and processes == 1:
         return ahead.direct_command(job), "(no launcher)"
     how = f"with accelerate config {config}" if config else "under accelerate launch"
+    if nodes.count > 1:
+        how += f" as machine rank {nodes.rank} of {nodes.count}"
     config = config or write_accelerate_config(work_dir / "accelerate.yaml", processes)
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-            str(processes), "--num_cpu_threads_per_process", str(threads), "-m", "stages.train.recipe",
-            str(job)], how
+            str(processes), *nodes.launch_args, "--num_cpu_threads_per_process", str(threads), "-m",
+            "stages.train.recipe", str(job)], how
 
 
 def user_accelerate_config(accelerate_config: str | None) -> Path | None:

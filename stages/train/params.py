@@ -89,12 +89,26 @@ class TrainOptions(Frozen):
     accelerate_config: str | None = Field(None, description="an `accelerate config` file to launch training with;"
                                           " default: accelerate's own default file when it exists, else one written"
                                           " by the stage (one process runs without accelerate's launcher)")
+    # ---- several machines (README "Training across nodes"): where the processes run, not what they compute
+    num_machines: int = Field(1, gt=0, description="machines training together; num_processes counts the"
+                              " processes of all of them")
+    machine_rank: int = Field(0, ge=0, description="this machine's rank; 0 checkpoints and publishes")
+    main_process_ip: str | None = Field(None, description="the address of machine rank 0, reachable from every one")
+    main_process_port: int = Field(29500, gt=0, lt=65536, description="a free port on machine rank 0")
 
     @model_validator(mode="after")
     def _tracker_installed(self) -> "TrainOptions":
         if self.log_with != "none" and importlib.util.find_spec(self.log_with) is None:
             raise ValueError(f"log_with: {self.log_with} is not installed (pip install {self.log_with}),"
                              " or set log_with: none")
+        return self
+
+    @model_validator(mode="after")
+    def _machines(self) -> "TrainOptions":
+        if self.machine_rank >= self.num_machines:
+            raise ValueError(f"machine_rank: {self.machine_rank} is not below num_machines ({self.num_machines})")
+        if self.num_machines > 1 and not self.main_process_ip:
+            raise ValueError("main_process_ip: set it to the address of machine rank 0 when num_machines > 1")
         return self
 
 

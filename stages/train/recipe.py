@@ -47,6 +47,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate.utils import broadcast_object_list, send_to_device
 
 from cache.errors import UserError
 from cache.fsutil import write_json_atomic
@@ -183,31 +184,69 @@ class LoRATrainingRecipe:
         self.accelerator.register_load_state_pre_hook(load_hook)
 
     def _resume(self) -> None:
-        if self.accelerator.is_main_process:
-            self.checkpoints.remove_staging()
-            self.loss_log.parent.mkdir(parents=True, exist_ok=True)
-        self.accelerator.wait_for_everyone()
-        latest = self.checkpoints.latest_intact(warn=self.accelerator.print)
+        """Resume from the newest intact checkpoint. Only rank 0 reads checkpoints (on several
+        machines the work directory is machine rank 0's); the other ranks receive what it loaded."""
+        acc = self.accelerator
+        found = self._find_checkpoint() if acc.is_main_process else None
+        latest, problem = broadcast_object_list([found])[0]
+        if problem:  # every rank stops on it, none waits for the others
+            raise UserError(problem)
         if latest is None:
-            if self.accelerator.is_main_process:
+            if acc.is_main_process:
                 self._truncate_loss_log(0)
             return
-        if latest > self.params.max_steps:
-            raise UserError(f"{self.checkpoints.path(latest)} is past train.max_steps={self.params.max_steps}:"
-                            " raise max_steps, or train from scratch with --force train")
-        self.accelerator.load_state(str(self.checkpoints.path(latest)))
+        if acc.is_main_process:
+            acc.load_state(str(self.checkpoints.path(latest)))
+        self._receive_state_from_rank_0()
         self.step = self.resumed_from = latest
-        previous_total = self.checkpoints.max_steps_of(latest)
-        if previous_total != self.params.max_steps and self.params.lr_scheduler in TOTAL_DEPENDENT_SCHEDULES:
-            self.accelerator.print(f"lr schedule '{self.params.lr_scheduler}' recomputed for max_steps"
-                                   f" {self.params.max_steps} (the checkpoint was made for {previous_total})")
+        previous_total = self.checkpoints.max_steps_of(latest) if acc.is_main_process else None
+        if acc.is_main_process and previous_total != self.params.max_steps \
+                and self.params.lr_scheduler in TOTAL_DEPENDENT_SCHEDULES:
+            acc.print(f"lr schedule '{self.params.lr_scheduler}' recomputed for max_steps"
+                      f" {self.params.max_steps} (the checkpoint was made for {previous_total})")
         # the optimizer's saved lr follows the old total; the scheduler's lambda follows the new one
         s = self.lr_scheduler
         for group, base_lr, fn in zip(self.optimizer.param_groups, s.base_lrs, s.lr_lambdas):
             group["lr"] = base_lr * fn(s.last_epoch)
-        if self.accelerator.is_main_process:
+        if acc.is_main_process:
             self._truncate_loss_log(latest)
-        self.accelerator.print(f"resumed from {step_name(latest)}")
+        acc.print(f"resumed from {step_name(latest)}")
+
+    def _find_checkpoint(self) -> tuple[int | None, str | None]:
+        """On rank 0: (the newest intact checkpoint's step or None, the user's error or None)."""
+        self.checkpoints.remove_staging()
+        self.loss_log.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            latest = self.checkpoints.latest_intact(warn=self.accelerator.print)
+        except UserError as error:
+            return None, str(error)
+        if latest is not None and latest > self.params.max_steps:
+            return None, (f"{self.checkpoints.path(latest)} is past train.max_steps={self.params.max_steps}:"
+                          " raise max_steps, or train from scratch with --force train")
+        return latest, None
+
+    def _receive_state_from_rank_0(self) -> None:
+        """The LoRA, optimizer, LR scheduler (and loss scaler) state rank 0 loaded, on every rank.
+        Per-rank RNG states are not needed: every draw is seeded by (seed, micro-batch, rank)."""
+        acc = self.accelerator
+        if acc.num_processes == 1:
+            return
+        state = None
+        if acc.is_main_process:
+            state = send_to_device({
+                "lora": [t.detach() for t in self.lora_params], "optimizer": self.optimizer.state_dict(),
+                "lr_scheduler": self.lr_scheduler.state_dict(),
+                "scaler": acc.scaler.state_dict() if acc.scaler is not None else None}, "cpu")
+        state = broadcast_object_list([state])[0]
+        if acc.is_main_process:
+            return
+        with torch.no_grad():
+            for tensor, value in zip(self.lora_params, state["lora"]):
+                tensor.copy_(value)
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        if acc.scaler is not None:
+            acc.scaler.load_state_dict(state["scaler"])
 
     # ---- training
     def train(self) -> None:
@@ -282,11 +321,11 @@ class LoRATrainingRecipe:
 
     # ---- checkpoints and outputs
     def save_checkpoint(self) -> None:
-        """Stage, seal and commit step-XXXXXX, then drop the checkpoints no longer kept."""
-        acc, staging = self.accelerator, self.checkpoints.staging(self.step)
-        acc.save_state(str(staging))
-        acc.wait_for_everyone()
+        """On rank 0 only (the other ranks hold the same LoRA, optimizer and scheduler state): stage,
+        seal and commit step-XXXXXX, then drop the checkpoints no longer kept."""
+        acc = self.accelerator
         if acc.is_main_process:
+            acc.save_state(str(self.checkpoints.staging(self.step)))
             self.checkpoints.commit(self.step, self.params.max_steps)
             self.checkpoints.rotate(self.step, self.params.checkpoint_every, self.params.keep_checkpoints)
         acc.wait_for_everyone()
