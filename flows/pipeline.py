@@ -20,6 +20,7 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import deployment, flow_run, task_run
 from prefect.states import Completed
 
+from cache.errors import UserError
 from cache.object_store import open_store
 from stages.launching import WorkerCrashed
 from stages.library_notes import quiet_harmless_notes
@@ -27,7 +28,7 @@ from stages.library_notes import quiet_harmless_notes
 from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config
 from .plan import STAGES, Context, object_settings, selected_stages
-from .runner import StageResult, run_stage, run_warm_train
+from .runner import StageResult, follow_train, machine_rank, run_stage, run_warm_train
 
 Stage = Literal["preprocess", "encode", "train", "evaluate"]  # typed, so Prefect refuses a misspelt stage
 assert get_args(Stage) == STAGES
@@ -65,9 +66,12 @@ def stage_task(config: PipelineConfig, stage: str, upstream: dict[str, str], run
     ctx = Context(config, log=log)
     try:
         artifacts = {s: ctx.store.lookup(s, k).artifact for s, k in upstream.items()}
-        stage_run = run_warm_train if warm_start else partial(run_stage, stage=stage)
+        following = stage == "train" and machine_rank(config) > 0
+        if following and warm_start:
+            raise UserError("warm_start: not supported with train.machine_rank > 0; start the runs without it")
+        stage_run = follow_train if following else run_warm_train if warm_start else partial(run_stage, stage=stage)
         result, artifact = stage_run(ctx, upstream=artifacts, run=run, force=force)
-        if stage in OUTPUT_FILES:  # copied out by the flow: on object storage, fetched to this host once
+        if stage in OUTPUT_FILES and artifact:  # copied out by the flow: on object storage, fetched to this host once
             result.files = str(artifact.path)
     finally:
         ctx.close()
@@ -94,6 +98,8 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
     results: list[StageResult] = []
     upstream: dict[str, str] = {}
     last = max(STAGES.index(s) for s in chosen)
+    if machine_rank(config) > 0:  # this machine only joins the training: rank 0 publishes and evaluates
+        last = min(last, STAGES.index("train"))
     for stage in STAGES[: last + 1]:  # stages before a chosen one must be cache hits
         state = stage_task.with_options(name=stage)(
             config, stage, dict(upstream), stage in chosen, stage in force,
@@ -106,7 +112,8 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
     out = output_folder(config)
     write_outputs(out, config, results, summary)
     get_run_logger().info(f"outputs: {out}")
-    record_run(config, flow_run.name or "unnamed", upstream)
+    if machine_rank(config) == 0:  # the run that published what it used
+        record_run(config, flow_run.name or "unnamed", upstream)
     publish_run_artifacts(config.name, results, out)
     return summary
 
@@ -125,7 +132,7 @@ def write_outputs(out: Path, config: PipelineConfig, results: list[StageResult],
     for result in results:
         for name in OUTPUT_FILES.get(result.stage, ()):
             src = Path(result.files) / name
-            if src.exists():
+            if result.files and src.exists():
                 shutil.copyfile(src, out / name)
     run = {"pipeline": config.name, "output_dir": str(out.resolve()), "deployment": deployment.name,
            "flow_run": flow_run.name, "stages": summary}

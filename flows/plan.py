@@ -32,6 +32,7 @@ MODULES = {"preprocess": preprocess, "encode": encode, "train": train, "evaluate
 class Step:
     key: StageKey
     build: Callable[[Path, Path], Built | None]
+    follow: Callable[[Path], None] | None = None  # train on machine rank > 0: join rank 0's build (a private work dir)
 
 
 class Context:
@@ -141,14 +142,14 @@ def train_step(ctx: Context, enc: Artifact) -> Step:
     key = ctx.stage_key("train", keyed, {"encode": enc.digest, "init_lora": init_lora},
                         resumable=("params.max_steps",))
 
-    def build(out: Path, work: Path) -> Built:
-        inputs = train.TrainInputs(
+    def inputs() -> train.TrainInputs:
+        return train.TrainInputs(
             encoded_dir=enc.path, cache_root=ctx.store.root, model_path=ctx.model_path, base_model_digest=ctx.identity,
             encoded_digest=enc.digest, init_lora_digest=init_lora, model_digests=ctx.model_digests,
         )
-        return train.run(params, inputs, out, work, options, ctx.log)
 
-    return Step(key, build)
+    return Step(key, lambda out, work: train.run(params, inputs(), out, work, options, ctx.log),
+                lambda work: train.follow(params, inputs(), work, options, ctx.log))
 
 
 def evaluate_step(ctx: Context, enc: Artifact, trained: Artifact) -> Step:

@@ -11,7 +11,9 @@ from typing import Any
 from cache.errors import UserError
 from cache.samples import DamagedRecord
 from cache.store import Artifact, Lookup, StageKey, diff_ingredients
+from stages import train
 
+from .config import PipelineConfig, split
 from .plan import STAGES, Context, Step, code_digest, step_for
 
 LORA_FILE = "pytorch_lora_weights.safetensors"
@@ -24,7 +26,7 @@ class StageNotCached(UserError):
 @dataclass
 class StageResult:
     stage: str
-    status: str  # "computed" or "hit"
+    status: str  # "computed" or "hit"; "joined" for train on machine rank > 0 (rank 0 publishes)
     key: str
     digest: str
     path: str  # where the artifact is: its folder, or its URL on object storage
@@ -105,6 +107,28 @@ def build_repairing(ctx: Context, stage: str, step: Step, upstream: dict[str, Ar
             for earlier in STAGES[STAGES.index("encode"):STAGES.index(stage)]:
                 _, upstream[earlier] = run_stage(ctx, earlier, upstream)
             step, force = step_for(stage, ctx, upstream), False
+
+
+def machine_rank(config: PipelineConfig) -> int:
+    """This machine's rank in a training across machines (0 on one machine)."""
+    return train.machines(*split(config.train, train.TrainParams, train.TrainOptions)).rank
+
+
+def follow_train(ctx: Context, upstream: dict[str, Artifact], run: bool = True,
+                 force: bool = False) -> tuple[StageResult, None]:
+    """Train on machine rank > 0: this machine's processes join rank 0's training. Rank 0 holds the
+    work directory's lock, checkpoints and publishes, so this takes no lock, reads no checkpoint
+    and publishes nothing (--force matters on rank 0 only); its job and log go into
+    output_dir/train-machine-N/."""
+    if not run:
+        raise UserError("train.machine_rank > 0 only joins a training: select train (drop --only/--from that skip it)")
+    started, step = time.time(), step_for("train", ctx, upstream)
+    rank = machine_rank(ctx.config)
+    ctx.log(f"train: machine rank {rank} joins machine rank 0's training of {step.key.key[:12]}")
+    step.follow(ctx.config.output_dir / f"train-machine-{rank}")
+    result = StageResult("train", "joined", step.key.key, "", "(published by machine rank 0)",
+                         round(time.time() - started, 3), f"machine rank {rank}: rank 0 publishes and evaluates")
+    return result, None
 
 
 def explain(ctx: Context, stages: tuple[str, ...]) -> list[dict[str, Any]]:

@@ -21,12 +21,14 @@ STEPS = dict(max_steps=4, checkpoint_every=2, keep_checkpoints=2)
 ONE_THREAD = {"cpu_threads": 1}  # the same torch threads per process however the processes are spread
 
 
-def two_machines(tmp: Path, name: str, inputs: train.TrainInputs, **overrides) -> tuple[Path, Path, list[str]]:
+def two_machines(tmp: Path, name: str, inputs: train.TrainInputs, rank_1_params: dict | None = None,
+                 **overrides) -> tuple[Path, Path, list[str]]:
     """Machine rank 1 (`follow`, in a thread) and machine rank 0 (`run`, which publishes) of one
-    training, 1 process each. Returns rank 0's out dir, rank 1's private work dir and rank 1's log."""
+    training, 1 process each (rank 1's params changed by `rank_1_params`). Returns rank 0's out dir,
+    rank 1's private work dir and rank 1's log."""
     port, follower_log, failures = free_port(), [], []
     options = dict(ONE_THREAD, log_with="none", num_machines=2, main_process_ip="127.0.0.1", main_process_port=port)
-    params = train.TrainParams(**{**PARAMS, **STEPS, "num_processes": 2, **overrides})
+    params = train.TrainParams(**{**PARAMS, **STEPS, "num_processes": 2, **overrides, **(rank_1_params or {})})
     rank_1_dir = tmp / f"machine-1-{name}"
 
     def rank_1() -> None:
@@ -91,6 +93,13 @@ def test_only_rank_0_writes_checkpoints(one_machine):
         assert "random_states_0.pkl" in names and not any(n.startswith("random_states_1") for n in names), names
 
 
+@pytest.mark.slow
+def test_a_machine_started_with_other_settings_stops_every_machine_in_one_line(tmp_path, tiny_model, encoded):
+    with pytest.raises(UserError, match=r"^train: process 1 was started with other train settings or data than"
+                                        r" machine rank 0's: run the same config on every machine"):
+        two_machines(tmp_path, "mismatch", train_inputs(tiny_model, encoded), rank_1_params={"seed": 4})
+
+
 def test_machines_that_cannot_share_the_processes_are_refused_naming_the_key(tmp_path):
     params = train.TrainParams(**{**PARAMS, "num_processes": 3})
     options = train.TrainOptions(num_machines=2, main_process_ip="10.0.0.1")
@@ -108,3 +117,42 @@ def test_a_users_accelerate_config_says_which_machine_this_is(tmp_path):
     params = train.TrainParams(**{**PARAMS, "num_processes": 4})
     found = train.machines(params, train.TrainOptions(accelerate_config=str(config)))
     assert (found.count, found.rank, found.launch_args) == (2, 1, ())  # accelerate reads the rest from the file
+
+
+@pytest.mark.slow
+def test_lorapipe_run_on_each_machine_rank_0_publishes_and_evaluates(tmp_path, tiny_config, run_stages):
+    """`lorapipe run CONFIG --set train.machine_rank=N` on each "machine" (one host, one cache, two
+    output folders): rank 1 joins the training without waiting on rank 0's lock, publishes and
+    evaluates nothing, and ends with exit code 0; rank 0 publishes the LoRA and evaluates it."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from flows.plan import STAGES
+
+    config = tiny_config(tmp_path, "machines", max_steps=2, checkpoint_every=2, batch_size=2, num_processes=2,
+                         cpu_threads=1, log_with="none", num_machines=2, main_process_ip="127.0.0.1",
+                         main_process_port=free_port())
+    run_stages(config, STAGES[:2])  # preprocess and encode cached (each machine would serve them from the cache)
+
+    def lorapipe_run(rank: int) -> subprocess.Popen:
+        env = {**os.environ, "PREFECT_HOME": str(tmp_path / f"prefect-home-{rank}")}
+        return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--json", "--set",
+                                 f"train.machine_rank={rank}", "--set", f"output_dir=out-{rank}"],
+                                cwd=Path(__file__).resolve().parent.parent, env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+
+    runs = [lorapipe_run(1), lorapipe_run(0)]
+    done = [run.communicate(timeout=600) for run in runs]
+    for run, (_, err) in zip(runs, done):
+        assert run.returncode == 0, err[-3000:]
+    rank_1, rank_0 = ({row["stage"]: row for row in json.loads(out)["stages"]} for out, _ in done)
+    assert [rank_1[s]["status"] for s in STAGES if s in rank_1] == ["hit", "hit", "joined"]
+    assert [rank_0[s]["status"] for s in STAGES] == ["hit", "hit", "computed", "computed"]
+    assert rank_1["train"]["key"] == rank_0["train"]["key"]
+    assert "machine rank 0 publishes the LoRA and evaluates it" in done[0][1]
+    assert (tmp_path / "out-0" / "pytorch_lora_weights.safetensors").is_file()
+    assert not (tmp_path / "out-1" / "pytorch_lora_weights.safetensors").exists()
+    assert sorted(p.name for p in (tmp_path / "out-1" / "train-machine-1").iterdir()) == \
+        ["accelerate.yaml", "job.json", "logs"]

@@ -47,7 +47,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-from accelerate.utils import broadcast_object_list, send_to_device
+from accelerate.utils import broadcast_object_list, gather_object, send_to_device
 
 from cache.errors import UserError
 from cache.fsutil import write_json_atomic
@@ -108,6 +108,7 @@ class LoRATrainingRecipe:
         self.rank, self.world = self.accelerator.process_index, self.accelerator.num_processes
         if self.world != p.num_processes:
             raise RuntimeError(f"launched with {self.world} processes but num_processes is {p.num_processes}")
+        self._check_same_job()
         self._setup_data()
         self._setup_model()
         self._setup_optimizer()
@@ -115,6 +116,17 @@ class LoRATrainingRecipe:
         self._resume()
         if self.options.log_with != "none":
             self.accelerator.init_trackers(TRACKER_RUN, config=tracker_config(self.params))
+
+    def _check_same_job(self) -> None:
+        """Every process trains the same job: a machine started with other train settings or data
+        than machine rank 0's stops them all, rather than train a plan nobody asked for."""
+        job = json.dumps([self.params.model_dump(mode="json"), self.inputs.encoded_digest,
+                          self.inputs.base_model_digest], sort_keys=True)
+        jobs = gather_object([job])
+        other = next((rank for rank, theirs in enumerate(jobs) if theirs != jobs[0]), None)
+        if other is not None:
+            raise UserError(f"process {other} was started with other train settings or data than machine rank"
+                            " 0's: run the same config on every machine (only train.machine_rank differs)")
 
     def _setup_data(self) -> None:
         self.data = EncodedData(self.inputs.encoded_dir, self.inputs.cache_root)
