@@ -10,6 +10,7 @@ from pydantic import Field, model_validator
 
 from stages.contract import Frozen
 from stages.families import ObjectiveParams
+from stages.train.quantization import BaseQuantization, check_available
 
 VERSION = "4"  # bump by hand when the trained output's semantics change; 3: batch plan in content order;
 # 4: sample-prediction models trained against the clean latent (they were trained against v)
@@ -34,6 +35,10 @@ class TrainParams(ObjectiveParams):
     init_lora: str | None = Field(None, description="start from this diffusers-format LoRA file instead of"
                                   " zero-initialised adapters (same rank, alpha and targets); keyed by its"
                                   " content, not its path")
+    # ---- the frozen base
+    base_quantization: BaseQuantization = Field(
+        "none", description="store the frozen base's Linear weights as int8 or fp8 (torchao) or nf4 (bitsandbytes)"
+        " to fit a big model on a small card; the adapter trains in full precision (stages/train/quantization.py)")
     # ---- optimisation (AdamW)
     learning_rate: float = Field(1e-4, gt=0)
     scale_lr: bool = False  # multiply learning_rate by the global batch
@@ -58,6 +63,7 @@ class TrainParams(ObjectiveParams):
     def _check(self) -> "TrainParams":
         if isinstance(self.target_modules, tuple) and not self.target_modules:
             raise ValueError("target_modules: give a preset name or at least one module name")
+        check_available(self.base_quantization)
         if self.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError("optimizer: adamw8bit needs bitsandbytes (pip install bitsandbytes), or use adamw")
         if self.warmup_steps and self.lr_scheduler == "constant":

@@ -61,6 +61,7 @@ from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
 from stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
 from stages.train.lora_files import load_diffusers_lora, load_init_lora, write_diffusers_lora
 from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, VERSION, TrainInputs, TrainOptions, TrainParams
+from stages.train.quantization import quantize_base
 
 TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")
 
@@ -146,6 +147,7 @@ class LoRATrainingRecipe:
         self.objective = self.family.objective(model_path, p)
         denoiser = self.family.load_denoiser(model_path, self.dtype)
         denoiser.requires_grad_(False)
+        quantize_base(denoiser, p.base_quantization, self.accelerator.device)
         denoiser.to(self.accelerator.device)
         self.lora_config = LoraConfig(
             r=p.rank, lora_alpha=p.alpha, lora_dropout=p.dropout, init_lora_weights="gaussian",

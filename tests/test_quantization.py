@@ -1,0 +1,115 @@
+"""A quantised frozen base (train.base_quantization) through the real stages on the tiny SD1.x and
+Flux.1 models: int8 trains, its loss curve stays close to the unquantised one on the same seed
+without being equal to it, the setting reruns train and not encode, and the LoRA it exports has the
+unquantised run's tensor names and shapes and loads through the pipeline's load_lora_weights."""
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from family_checks import assert_means_what_was_trained, fused_change
+from safetensors.torch import load_file
+from test_invalidation import make_config, run_all, statuses
+from test_train_flux1 import double_block_targets
+
+from flows.config import ConfigError, validate_config
+from flows.plan import STAGES
+from stages import families
+
+pytestmark = pytest.mark.slow
+
+STEPS = 6
+# int8 rounds each weight to one of 255 levels per output channel (an error of at most 0.4% of the
+# channel's largest weight, random in sign across weights), and both runs see identical batches,
+# noise and timesteps: measured, each step's loss moved by at most 0.025% (SD1.x and Flux.1, 6 steps).
+# 0.5% leaves 20x that margin, and is still far below what a base quantised wrongly (or an adapter
+# quantised too) does to the loss.
+RELATIVE_TOLERANCE = 0.005
+
+
+def losses(result) -> list[float]:
+    log = Path(result.path) / "logs" / "loss.jsonl"
+    return [json.loads(line)["loss"] for line in log.read_text().splitlines() if line]
+
+
+def run_both(tmp_path: Path, model: Path, demo_images: Path, count_encoder_rows, train: dict) -> tuple[dict, dict, dict]:
+    """Unquantised, then int8 over the same cache; the int8 run's encoder rows counted."""
+    shutil.copytree(demo_images, tmp_path / "data")
+    configs = {q: make_config(tmp_path / q, model, tmp_path / "data", tmp_path / "cache",
+                              train={**train, "max_steps": STEPS, "checkpoint_every": STEPS, "base_quantization": q})
+               for q in ("none", "int8")}
+    plain = run_all(configs["none"], STAGES[:3])
+    with count_encoder_rows() as counts:
+        int8 = run_all(configs["int8"], STAGES[:3])
+    return plain, int8, counts
+
+
+def assert_close_not_equal(plain: list[float], int8: list[float]) -> None:
+    assert len(plain) == len(int8) == STEPS
+    assert plain != int8  # the base really was quantised
+    for a, b in zip(plain, int8):
+        assert abs(a - b) <= RELATIVE_TOLERANCE * a, (plain, int8)
+
+
+def assert_same_lora_format(plain_dir: Path, int8_dir: Path, name: str) -> None:
+    plain, int8 = load_file(plain_dir / name), load_file(int8_dir / name)
+    assert {k: v.shape for k, v in plain.items()} == {k: v.shape for k, v in int8.items()}, name
+    assert all(v.dtype == torch.float32 for v in int8.values())  # the adapter stayed in full precision
+
+
+def test_int8_base_trains_sd_close_to_the_unquantised_run_and_reruns_only_train(
+        tmp_path, tiny_model, demo_images, count_encoder_rows):
+    from diffusers import StableDiffusionPipeline
+
+    plain, int8, counts = run_both(tmp_path, tiny_model, demo_images, count_encoder_rows, {"learning_rate": 1e-2})
+    assert statuses(int8) == {"preprocess": "hit", "encode": "hit", "train": "computed"}
+    assert counts == {"vae": 0, "text": 0}
+    assert_close_not_equal(losses(plain["train"]), losses(int8["train"]))
+    out = Path(int8["train"].path)
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors"):
+        assert_same_lora_format(Path(plain["train"].path), out, name)
+    _assert_loads_as_trained(StableDiffusionPipeline.from_pretrained(tiny_model), tiny_model, out, "attention")
+
+
+def test_int8_base_trains_flux1_close_to_the_unquantised_run(tmp_path, flux_model, demo_images, count_encoder_rows):
+    from diffusers import FluxPipeline
+
+    targets = tuple(double_block_targets(flux_model))
+    plain, int8, counts = run_both(tmp_path, flux_model, demo_images, count_encoder_rows,
+                                   {"learning_rate": 1e-2, "batch_size": 2, "target_modules": targets})
+    assert counts == {"vae": 0, "text": 0} and int8["train"].status == "computed"
+    assert_close_not_equal(losses(plain["train"]), losses(int8["train"]))
+    _assert_loads_as_trained(FluxPipeline.from_pretrained(flux_model), flux_model, Path(int8["train"].path), targets)
+
+
+def _assert_loads_as_trained(pipe, model: Path, out: Path, targets) -> None:
+    """The diffusers file, through load_lora_weights and fuse_lora, changes each adapted weight of
+    the full-precision base by the trained B @ A x scale."""
+    from peft import LoraConfig
+
+    from stages.train.lora_files import load_diffusers_lora
+
+    family = families.for_model(model)
+    trained = family.load_denoiser(model, torch.float32)
+    names = family.lora_target_modules(trained, targets)
+    config = json.loads((out / "train_config.json").read_text())["params"]
+    trained.add_adapter(LoraConfig(r=config["rank"], lora_alpha=config["alpha"], target_modules=names))
+    load_diffusers_lora(trained, out / "pytorch_lora_weights.safetensors", family.components.denoiser)
+    adapted = [name for name, module in trained.named_modules() if hasattr(module, "lora_A")]
+    change = fused_change(pipe, family.components.denoiser, out / "pytorch_lora_weights.safetensors")
+    assert all(change[name].abs().max() > 0 for name in adapted)
+    assert_means_what_was_trained(trained, adapted, change)
+
+
+def test_a_quantisation_whose_library_is_missing_is_refused_in_one_line(tmp_path, tiny_model, monkeypatch):
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what find_spec sees when it is not installed
+    raw = {"name": "t", "cache_dir": tmp_path, "output_dir": tmp_path, "model": {"path": tiny_model},
+           "data": {"path": tmp_path}, "train": {"base_quantization": "nf4"}}
+    with pytest.raises(ConfigError) as err:
+        validate_config(raw, "config.yaml")
+    message = str(err.value)
+    assert "\n" not in message and "train.base_quantization: nf4 needs bitsandbytes" in message
