@@ -11,8 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from . import (caption_bench, decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench, noop_rerun, object_bench, pipeline_noop,
-               train_bench)
+from . import (caption_bench, decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench, noop_rerun, object_bench,
+               pipeline_noop, quant_memory_bench, train_bench)
 from .common import ResultsSection
 
 BENCHES = {
@@ -20,6 +20,7 @@ BENCHES = {
     "encode_throughput": lambda root: encode_bench.throughput(root),
     "encode_incremental": lambda root: encode_bench.incremental(root),
     "stage_peak_memory": lambda root: memory_bench.stage_peaks(root),
+    "quant_memory": lambda root: quant_memory_bench.measure(root),
     "loader_full_size": lambda root: loader_bench.throughput(root),
     "decode_camera_jpeg": lambda root: decode_bench.rates(root),
     "train_step": lambda root: train_bench.step_times(root),

@@ -6,17 +6,22 @@ process (no accelerate launch; nothing from flows/, so no Prefect). Settings (`-
     sdxl                    SDXL at 1024 px, batch 4
     flux1                   Flux.1-dev at 1024 px, batch 1, gradient checkpointing on
     flux1-no-checkpointing  the same, gradient checkpointing off (same model folder and images)
+    flux1-int8, -fp8, -nf4  flux1 with train.base_quantization int8, fp8, nf4 (issue 16's goal: under
+                            24 GB peak at >= 0.7x flux1's it/s)
     flux2-klein             Flux.2-klein base 4B at 1024 px, batch 1
+    flux2-klein-9b          Flux.2-klein base 9B at 1024 px, batch 1, gradient checkpointing on,
+      -int8, -fp8, -nf4     and with each base_quantization
     z-image                 Z-Image (base) at 1024 px, batch 1
 
 Nothing here knows a family: every setting names an architecture folder, and its model, encoders,
 step and LoRA come through the family layer (stages/families) as the stages get them.
 
 1. model:  random weights from the published architecture configs in stages/assets/arch/<arch>/
-           (full-size text encoders included: CLIP, T5-XXL, Qwen3-4B) with the tokenizers of the
+           (full-size text encoders included: CLIP, T5-XXL, Qwen3-4B, Qwen3-8B) with the tokenizers of the
            family's tiny model (built offline; checked to fit the text encoders' vocabularies),
            initialised on the GPU in bf16 from a fixed seed and saved under ROOT/models/<arch>
-           (reused after; about 2, 7, 34, 16 and 20 GB for sd15, sdxl, flux1, flux2-klein, z-image).
+           (reused after; about 2, 7, 34, 16, 35 and 20 GB for sd15, sdxl, flux1, flux2-klein, flux2-klein-9b,
+           z-image).
 2. encode: N generated noise images through the real encode stage (records in bf16) vs the bare
            latent + text encoders' forward on the same pre-decoded batches, both loaded as the stage
            loads them; ratio = bare / stage time (goal >= 0.9), also without the encoders' load time.
@@ -36,6 +41,9 @@ step and LoRA come through the family layer (stages/families) as the stages get 
            that fails (compile error, out of memory) reports its error and the run goes on; so does a
            setting that fails (as "<setting> error", e.g. the on-the-fly step's encoders beside an
            uncheckpointed transformer running out of memory): the next settings still run.
+           sdpa+offload (last, as it stays applied): diffusers' group offloading of the denoiser
+           (block level, one block per group, CUDA streams) in the training step; the README says
+           why it is not expected to survive the backward pass: this variant settles it on a GPU.
 
 Prints one JSON line per measurement, and appends each as it comes to a dated section of the
 BENCHMARKS.md beside this folder (a run cut short keeps what it measured; on a remote copy of the
@@ -82,7 +90,8 @@ if TYPE_CHECKING:
     from stages.train.recipe import LoRATrainingRecipe
 
 SEED, LORA_RANK = 0, 16
-COMPILED = "+compile"
+COMPILED, OFFLOADED = "+compile", "+offload"
+QUANTISED = ("int8", "fp8", "nf4")  # train.base_quantization settings beside each bf16 flow setting
 # dense (no sparsity) bf16 tensor-core peaks, FLOP/s, by the first name part torch.cuda.get_device_name() contains
 PEAK_BF16_FLOPS = (("H100 PCIe", 756e12), ("H100 NVL", 835e12), ("H100", 989e12), ("H200", 989e12),
                    ("A100", 312e12))
@@ -98,6 +107,7 @@ class Setting:
     variants: tuple[str, ...]  # of the cached step: "sdpa" or "classic" attention, + COMPILED to compile
     gradient_checkpointing: bool = False
     timing: Timing | None = None  # None: the mode's
+    base_quantization: str = "none"  # train.base_quantization
 
 
 @dataclass(frozen=True)
@@ -116,14 +126,19 @@ FLOW_TIMING = Timing(warmup=2, rounds=2, steps=5)
 GPU = Mode(True, {
     "sd15": Setting("sd15", 512, 8, 256, 16, ("sdpa", "classic", "sdpa" + COMPILED)),
     "sdxl": Setting("sdxl", 1024, 4, 128, 8, ("sdpa", "sdpa" + COMPILED)),
-    "flux1": Setting("flux1", 1024, 1, 32, 4, ("sdpa", "sdpa" + COMPILED), True, FLOW_TIMING),
+    "flux1": Setting("flux1", 1024, 1, 32, 4, ("sdpa", "sdpa" + COMPILED, "sdpa" + OFFLOADED), True, FLOW_TIMING),
+    **{f"flux1-{q}": Setting("flux1", 1024, 1, 32, 4, ("sdpa", "sdpa" + OFFLOADED), True, FLOW_TIMING, q)
+       for q in QUANTISED},
     "flux1-no-checkpointing": Setting("flux1", 1024, 1, 32, 4, ("sdpa",), False, FLOW_TIMING),
     "flux2-klein": Setting("flux2-klein", 1024, 1, 32, 4, ("sdpa", "sdpa" + COMPILED), False, FLOW_TIMING),
+    **{"flux2-klein-9b" + ("" if q == "none" else f"-{q}"):
+       Setting("flux2-klein-9b", 1024, 1, 32, 4, ("sdpa", "sdpa" + OFFLOADED), True, FLOW_TIMING, q)
+       for q in ("none", *QUANTISED)},
     "z-image": Setting("z-image", 1024, 1, 32, 4, ("sdpa", "sdpa" + COMPILED), False, FLOW_TIMING),
 }, Timing(warmup=3, rounds=3, steps=10), "bfloat16", "bf16", 4)
 SMOKE = Mode(False, {  # each GPU setting on the tiny model of its arch's family, its checkpointing kept
     name: Setting(setting.arch, 64, 2, 8, 4, tuple(v for v in setting.variants if not v.endswith(COMPILED)),
-                  setting.gradient_checkpointing)
+                  setting.gradient_checkpointing, base_quantization=setting.base_quantization)
     for name, setting in GPU.settings.items()
 }, Timing(warmup=1, rounds=2, steps=2), "float32", "no", 0)
 
@@ -283,7 +298,7 @@ def step_flops(recipe: LoRATrainingRecipe) -> int:
 def cached_step_variant(recipe: LoRATrainingRecipe, variant: str) -> Iterator[None]:
     """The recipe's denoiser with the variant's attention: "sdpa" its own processors (diffusers'
     scaled-dot-product ones), "classic" diffusers' AttnProcessor (for the UNets' Attention modules
-    only); compiled for COMPILED; as it was after."""
+    only); compiled for COMPILED; as it was after, except OFFLOADED's group offloading, which stays."""
     import torch
     from diffusers.models.attention_processor import AttnProcessor
 
@@ -292,6 +307,10 @@ def cached_step_variant(recipe: LoRATrainingRecipe, variant: str) -> Iterator[No
     processors = denoiser.attn_processors if classic else None
     if classic:
         denoiser.set_attn_processor(AttnProcessor())
+    if variant.endswith(OFFLOADED):
+        device = recipe.accelerator.device
+        denoiser.enable_group_offload(device, torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1,
+                                      use_stream=device.type == "cuda")
     if variant.endswith(COMPILED):
         recipe.denoiser = torch.compile(prepared)
     try:
@@ -338,10 +357,12 @@ def train_figures(setting: Setting, mode: Mode, inputs: EncodeInputs, encoded: P
     import torch
 
     timing, checkpointing = setting.timing or mode.timing, setting.gradient_checkpointing
+    quantization = setting.base_quantization
     recipe = training_recipe(inputs, encoded, encoded.parent / "work", setting.batch, mode.mixed_precision,
-                             LORA_RANK, gradient_checkpointing=checkpointing)
+                             LORA_RANK, gradient_checkpointing=checkpointing, base_quantization=quantization)
     inline = training_recipe(inputs, encoded, encoded.parent / "work-inline", setting.batch, mode.mixed_precision,
-                             LORA_RANK, loader_workers=0, gradient_checkpointing=checkpointing)
+                             LORA_RANK, loader_workers=0, gradient_checkpointing=checkpointing,
+                             base_quantization=quantization)
     try:
         seconds = interleaved(step_calls(recipe, inline, inputs), timing, device_sync(device))
         del inline
@@ -350,7 +371,7 @@ def train_figures(setting: Setting, mode: Mode, inputs: EncodeInputs, encoded: P
         gpu, peak = peak_bf16_flops(device)
         yield "train steps", {
             "resolution": setting.resolution, "batch": setting.batch, "mixed_precision": mode.mixed_precision,
-            "gradient_checkpointing": checkpointing, "lora_rank": LORA_RANK,
+            "gradient_checkpointing": checkpointing, "base_quantization": quantization, "lora_rank": LORA_RANK,
             "denoiser_params_m": round(sum(p.numel() for p in params) / 1e6, 1),
             "lora_params_m": round(sum(p.numel() for p in params if p.requires_grad) / 1e6, 2),
             "steps": str(timing), "torch_threads": torch.get_num_threads(), "device": gpu,
