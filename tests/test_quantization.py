@@ -96,6 +96,15 @@ def test_int8_base_trains_flux1_close_to_the_unquantised_run(tmp_path, flux_mode
     _assert_loads_as_trained(FluxPipeline.from_pretrained(flux_model), flux_model, Path(int8.path), targets)
 
 
+def test_an_int8_base_trains_under_ddp(tmp_path, tiny_model, demo_images):
+    """DDP's start-up broadcast cannot copy a quantised tensor: only the adapter is synchronised."""
+    shutil.copytree(demo_images, tmp_path / "data")
+    config = make_config(tmp_path, tiny_model, tmp_path / "data", tmp_path / "cache", train={
+        "max_steps": 2, "checkpoint_every": 2, "num_processes": 2, "batch_size": 2, "base_quantization": "int8"})
+    train = run_all(config, STAGES[:3])["train"]
+    assert train.status == "computed" and len(losses(train)) == 2
+
+
 def _assert_loads_as_trained(pipe, model: Path, out: Path, targets) -> None:
     """The diffusers file, through load_lora_weights and fuse_lora, changes each adapted weight of
     the full-precision base by the trained B @ A x scale."""

@@ -11,7 +11,9 @@ plain lora.Linear, whose forward calls the quantised layer and adds the adapter.
 tensors, and so the exported LoRA files, have the same names and shapes as without quantisation.
 
 Every Linear layer of the denoiser is quantised, one at a time, on its way to the device, so the
-device never holds the full-precision model (the host does, once, at the training dtype).
+device never holds the full-precision model (the host does, once, at the training dtype). Under
+DDP, the base's tensors are left out of DDP's start-up broadcast (which cannot copy a quantised
+tensor, and need not: every rank loads and quantises the same weights the same way).
 Quantisation changes the result, so the setting is keyed (TrainParams.base_quantization).
 Imports nothing heavy at module level: TrainParams checks availability with `check_available`.
 """
@@ -43,13 +45,24 @@ def quantize_base(denoiser: torch.nn.Module, setting: BaseQuantization, device: 
         return
     if setting == "nf4":
         _replace_with_nf4(denoiser, device)
-        return
-    from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
+    else:
+        from torchao.quantization import Float8WeightOnlyConfig, Int8WeightOnlyConfig, quantize_
 
-    # peft warns that merge() needs torchao's re-quantisation recipe; training never merges
-    warnings.filterwarnings("ignore", message=".*instantiated without `get_apply_tensor_subclass`")
-    config = Int8WeightOnlyConfig() if setting == "int8" else Float8WeightOnlyConfig()
-    quantize_(denoiser, config, device=device)
+        # peft warns that merge() needs torchao's re-quantisation recipe; training never merges
+        warnings.filterwarnings("ignore", message=".*instantiated without `get_apply_tensor_subclass`")
+        quantize_(denoiser, Int8WeightOnlyConfig() if setting == "int8" else Float8WeightOnlyConfig(), device=device)
+
+
+def keep_base_out_of_ddp_sync(denoiser: torch.nn.Module, setting: BaseQuantization) -> None:
+    """With a quantised base, DDP (when the model is prepared for it) synchronises the adapter only:
+    every frozen parameter and buffer is left to each rank as it loaded it."""
+    if setting == "none":
+        return
+    from torch.nn.parallel import DistributedDataParallel
+
+    frozen = [name for name, tensor in denoiser.named_parameters() if not tensor.requires_grad]
+    names = frozen + [name for name, _ in denoiser.named_buffers()]
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(denoiser, names)
 
 
 def _replace_with_nf4(denoiser: torch.nn.Module, device: torch.device) -> None:

@@ -61,7 +61,7 @@ from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
 from stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
 from stages.train.lora_files import load_diffusers_lora, load_init_lora, write_diffusers_lora
 from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, VERSION, TrainInputs, TrainOptions, TrainParams
-from stages.train.quantization import quantize_base
+from stages.train.quantization import keep_base_out_of_ddp_sync, quantize_base
 
 TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")
 
@@ -158,6 +158,7 @@ class LoRATrainingRecipe:
         if p.init_lora:
             load_init_lora(denoiser, Path(p.init_lora), self.lora_config, self.family.components.denoiser)
         cast_training_params(denoiser, dtype=torch.float32)
+        keep_base_out_of_ddp_sync(denoiser, p.base_quantization)
         if self.options.gradient_checkpointing:
             denoiser.enable_gradient_checkpointing()
         self.denoiser = denoiser
