@@ -26,6 +26,8 @@ by its variant caption's text like any caption: the augmentation settings are in
 With `num_processes` > 1 the missing records are dealt to that many processes started by
 `accelerate launch` (stages/encode/workers.py); each commits its own shards, the parent then
 writes the one samples.json. Each record is encoded exactly once.
+With `executor: dask` they are encoded as shard-sized chunks on a Dask cluster (dask_executor.py):
+the same shards, so the same samples.json and index, as in one process.
 """
 from __future__ import annotations
 
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from cache.digest import digest_json
 from cache.errors import UserError
@@ -78,6 +80,20 @@ class EncodeOptions(Frozen):
     num_processes: int = Field(1, ge=1, description="encode processes under accelerate launch (one per GPU),"
                                " used when more than one batch of latents is missing")
     progress_every: float = Field(10.0, ge=0, description="seconds between progress lines")
+    executor: Literal["local", "dask"] = Field("local", description="local: this process (or num_processes under"
+                                               " accelerate); dask: shard-sized chunks as tasks on a Dask cluster")
+    dask_address: str | None = Field(None, description="the Dask scheduler to use (tcp://host:8786); default: a"
+                                     " local cluster of dask_workers processes, started and stopped by the stage")
+    dask_workers: int = Field(2, ge=1, description="worker processes of the local Dask cluster (one thread each)")
+
+    @model_validator(mode="after")
+    def _one_executor(self) -> "EncodeOptions":
+        if self.executor != "dask" and self.dask_address:
+            raise ValueError("dask_address is set but executor is local: set executor: dask, or remove dask_address")
+        if self.executor == "dask" and self.num_processes > 1:
+            raise ValueError("num_processes > 1 runs accelerate processes, executor: dask runs Dask workers:"
+                             " choose one (num_processes: 1, or executor: local)")
+        return self
 
 
 @dataclass(frozen=True)
@@ -183,7 +199,11 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     log(f"encode: {len(jobs.latents)} latents and {len(jobs.texts)} text embeddings to encode,"
         f" {jobs.reused_latents} latents reused")
     processes = options.num_processes if len(jobs.latents) > options.batch_size else 1  # else not worth starting
-    if processes > 1:
+    if options.executor == "dask" and (jobs.latents or jobs.texts):
+        from .dask_executor import run_on_dask
+
+        failed = run_on_dask(jobs, dataset, params, inputs, options, log)
+    elif processes > 1:
         failed = launch_workers(jobs, params, inputs, options, work_dir, log)
     else:
         failed = encode_jobs(jobs, dataset, params, inputs, options, 0, 1, log)

@@ -81,9 +81,10 @@ class ImageCrops:
         return i, pixels.view(im.height, im.width, 3).permute(2, 0, 1).float() / 127.5 - 1.0, ""
 
 
-def size_batches(sizes: list[tuple[int, int]], batch_size: int) -> list[list[int]]:
-    """Index batches of at most `batch_size`, each of one size (one VAE call per batch).
-    Expects indices already grouped by size, as the latent jobs are (sorted by size, then key)."""
+def size_batches(sizes: list[tuple[int, ...]], batch_size: int) -> list[list[int]]:
+    """Index batches of at most `batch_size`, each of one size (one VAE call per batch; a size may
+    carry a leading group, which batches do not cross either). Expects indices already grouped by
+    size, as the latent jobs are (sorted by size, then key)."""
     batches: list[list[int]] = []
     for i, size in enumerate(sizes):
         if batches and sizes[batches[-1][0]] == size and len(batches[-1]) < batch_size:

@@ -73,17 +73,21 @@ def decoded_batches(crops: ImageCrops, batches: list[list[int]], workers: int) -
 
 def encode_latents(jobs: list[tuple[str, dict, bool]], datasets: tuple[DatasetSource, ...],
                    encoder: Callable[[], LatentEncoder], dtype: torch.dtype, add: Callable[[str, dict[str, bytes]], None],
-                   batch_size: int, num_workers: int, progress: Progress, log: Log) -> dict[str, str]:
+                   batch_size: int, num_workers: int, progress: Progress, log: Log,
+                   chunks: list[int] | None = None) -> dict[str, str]:
     """jobs: (latent record key, preprocess sample, flipped), grouped by size; `encoder` loads the
-    family's latent encoder (pixels -> posterior mean and std). Returns the samples whose image
-    could not be decoded: id -> reason."""
+    family's latent encoder (pixels -> posterior mean and std). `chunks`: each job's chunk, where
+    no batch crosses a chunk's end (a record's bytes depend on its batch: the same batches
+    whichever executor encodes the chunks). Returns the samples whose image could not be
+    decoded: id -> reason."""
     failed: dict[str, str] = {}
     if not jobs:
         return failed
     import torch
 
     posterior = encoder()
-    batches = size_batches([tuple(s["size"]) for _, s, _ in jobs], batch_size)
+    groups = chunks or [0] * len(jobs)
+    batches = size_batches([(g, *s["size"]) for g, (_, s, _) in zip(groups, jobs)], batch_size)
     crops = ImageCrops(datasets, [s for _, s, _ in jobs], [f for _, _, f in jobs])
     with torch.inference_mode():
         for batch in decoded_batches(crops, batches, num_workers):

@@ -6,6 +6,9 @@
 Rank r takes every N-th job of the sorted lists, so the split is deterministic and no two
 processes encode the same record; each commits its own shards (named by their content digest)
 and writes `failed-<rank>.json`. No collective communication is needed.
+
+Whoever encodes (this process, a rank, a Dask worker: dask_executor.py) cuts its jobs into
+shard-sized chunks in plan order (EncodeJobs.chunks) and commits each chunk as one shard.
 """
 from __future__ import annotations
 
@@ -14,7 +17,7 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
 from cache.fsutil import write_json_atomic
 from cache.object_store import open_sample_store
@@ -30,6 +33,10 @@ if TYPE_CHECKING:
     from ..families.base import TextEncoder
     from ..preprocess.sources import DatasetSource
     from . import EncodeInputs, EncodeOptions, EncodeParams, SampleKeys
+
+T = TypeVar("T")
+Loader = Callable[[tuple, Callable[[], T]], T]  # ((kind, what identifies the model...), how to load it) -> it
+
 
 
 @dataclass(frozen=True)
@@ -57,26 +64,53 @@ class EncodeJobs:
     def share(self, rank: int, world: int) -> "EncodeJobs":
         return EncodeJobs(self.texts[rank::world], self.latents[rank::world], self.reused_latents)
 
+    def chunks(self, size: int) -> list["EncodeJobs"]:
+        """Consecutive runs of `size` jobs in plan order (texts, then latents): each becomes one
+        shard, whichever executor encodes it, so the shards and the index do not depend on it."""
+        skip = len(self.texts)
+        return [EncodeJobs(self.texts[start:start + size],
+                           self.latents[max(0, start - skip):max(0, start + size - skip)], 0)
+                for start in range(0, skip + len(self.latents), size)]
+
+    def keys(self) -> list[str]:
+        return [key for key, _, _ in self.texts] + [key for key, _, _ in self.latents]
+
+    def only(self, keys: set[str]) -> "EncodeJobs":
+        return EncodeJobs([t for t in self.texts if t[0] in keys], [j for j in self.latents if j[0] in keys],
+                          self.reused_latents)
+
 
 def encode_jobs(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inputs: EncodeInputs,
                 options: EncodeOptions, rank: int, world: int, log: Log) -> dict[str, str]:
     """Encode this rank's share of the jobs into the sample store; return undecodable sample ids."""
-    import torch
-
     mine = jobs.share(rank, world)
-    dtype = getattr(torch, params.dtype)
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
-    family = inputs.bound_family()
-    buffer = RecordBuffer(open_sample_store(inputs.cache_root), options.shard_records)
-    settings = family.text_settings(inputs.model_path, params)
-    encode_texts(mine.texts, lambda: family.load_text_encoder(inputs.model_path, settings, dtype, device), buffer.add,
-                 options.batch_size, log)
     share = f" (rank 0's share of {world})" if world > 1 else ""
     progress = Progress(len(mine.latents), jobs.reused_latents, log if rank == 0 else lambda m: None,
                         options.progress_every, share)
-    failed = encode_latents([(key, dataset[i], flip) for key, i, flip in mine.latents], inputs.datasets,
-                            lambda: family.load_latent_encoder(inputs.model_path, device), dtype, buffer.add,
-                            options.batch_size, options.num_workers, progress, log)
+    return encode_chunks(mine.chunks(options.shard_records), dataset, params, inputs, options, progress, log)
+
+
+def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[dict] | Mapping[int, dict], params: EncodeParams,
+                  inputs: EncodeInputs, options: EncodeOptions, progress: Progress, log: Log,
+                  loaded: Loader = lambda _, load: load()) -> dict[str, str]:
+    """Encode the chunks' jobs, one shard per chunk; `dataset[i]` is the sample of latent job i.
+    `loaded` may keep the encoders between calls (a Dask worker loads them once)."""
+    import torch
+
+    dtype = getattr(torch, params.dtype)
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    family = inputs.bound_family()
+    buffer = RecordBuffer(open_sample_store(inputs.cache_root), chunks)
+    settings = family.text_settings(inputs.model_path, params)
+    model = (str(inputs.model_path), inputs.family, tuple(sorted(inputs.model_digests.items())), device)
+    text_model = ("text", *model, settings.model_dump_json(), params.dtype)
+    encode_texts([t for c in chunks for t in c.texts],
+                 lambda: loaded(text_model, lambda: family.load_text_encoder(inputs.model_path, settings, dtype, device)),
+                 buffer.add, options.batch_size, log)
+    failed = encode_latents([(key, dataset[i], flip) for c in chunks for key, i, flip in c.latents], inputs.datasets,
+                            lambda: loaded(("latent", *model), lambda: family.load_latent_encoder(inputs.model_path, device)),
+                            dtype, buffer.add, options.batch_size, options.num_workers, progress, log,
+                            [n for n, c in enumerate(chunks) for _ in c.latents])
     buffer.flush()
     return failed
 
@@ -97,14 +131,21 @@ def encode_texts(jobs: list[tuple[str, str, str]], encoder: Callable[[], TextEnc
 
 
 class RecordBuffer:
-    """Collects new records and commits them to the sample store shard by shard."""
+    """Collects new records and commits each chunk's records as one shard (EncodeJobs.chunks):
+    records arrive in plan order, so a record of the next chunk, or the last record of this
+    one, closes it (an undecodable image's record never arrives)."""
 
-    def __init__(self, store: SampleStore, shard_records: int):
-        self.store, self.shard_records, self.pending = store, shard_records, {}
+    def __init__(self, store: SampleStore, chunks: list[EncodeJobs]):
+        self.store, self.pending, self.current = store, {}, -1
+        self.chunk_of = {key: n for n, chunk in enumerate(chunks) for key in chunk.keys()}
+        self.sizes = [len(chunk.keys()) for chunk in chunks]
 
     def add(self, key: str, record: dict[str, bytes]) -> None:
+        if self.chunk_of[key] != self.current:
+            self.flush()
+            self.current = self.chunk_of[key]
         self.pending[key] = record
-        if len(self.pending) >= self.shard_records:
+        if len(self.pending) == self.sizes[self.current]:
             self.flush()
 
     def flush(self) -> None:

@@ -1,0 +1,130 @@
+"""encode.executor: dask on a local cluster of 2 worker processes: the same records, shards and
+index as the local executor, and a worker killed mid-chunk costs a retry, never a duplicate."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from cache.samples import SampleStore
+from stages import encode
+from stages.encode.dask_executor import encode_chunk
+from stages.encode.workers import EncodeJobs
+
+from test_encode import encode_inputs, prepare, run_encode
+
+CHUNKED = {"batch_size": 2, "shard_records": 2}  # 17 records (8 latents, 9 texts) -> 9 chunks
+
+
+def artifact_files(out: Path) -> dict[str, bytes]:
+    """The encode artifact's data files (what its digest covers), by path."""
+    return {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*"))
+            if p.is_file() and not p.relative_to(out).as_posix().startswith("logs/")}
+
+
+def stored_keys(cache_root: Path) -> list[str]:
+    """Every record key in every committed shard of the sample store, duplicates kept."""
+    return [key for meta in SampleStore(cache_root).dir.glob("*.json") for key in json.loads(meta.read_text())["records"]]
+
+
+@pytest.fixture(scope="module")
+def local_reference(tmp_path_factory, demo_images, tiny_model):
+    """The local executor's artifact files, counts and refs for the demo images, chunked as the tests
+    chunk, on one thread as each worker runs (CPU kernels' float sums depend on the thread count)."""
+    import torch
+
+    root, threads = tmp_path_factory.mktemp("local"), torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        out, built, _ = run_encode(root, encode_inputs(root, prepare(root, demo_images), tiny_model), **CHUNKED)
+    finally:
+        torch.set_num_threads(threads)
+    return artifact_files(out), built
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    from distributed import LocalCluster
+
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as c:
+        yield c
+
+
+def same_as_local(out: Path, built, reference) -> None:
+    files, local = reference
+    assert built.info["latents_encoded"] == local.info["latents_encoded"] == 8
+    assert built.info["texts_encoded"] == local.info["texts_encoded"] == 9
+    assert artifact_files(out) == files and built.refs == local.refs
+
+
+@pytest.mark.slow
+def test_a_local_dask_cluster_encodes_the_same_records_and_index_as_one_process(tmp_path, demo_images, tiny_model,
+                                                                                local_reference):
+    inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), tiny_model)
+    out, built, logs = run_encode(tmp_path, inputs, executor="dask", dask_workers=2, **CHUNKED)
+    assert "encode: 9 chunks of up to 2 records on 2 Dask workers" in logs
+    same_as_local(out, built, local_reference)
+    keys = stored_keys(inputs.cache_root)
+    assert len(keys) == len(set(keys)) == 17
+
+
+@pytest.mark.slow
+def test_a_worker_killed_mid_chunk_has_its_chunk_redone_and_nothing_duplicated(tmp_path, demo_images, tiny_model,
+                                                                               local_reference, cluster):
+    from distributed import Client
+
+    inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), tiny_model)
+    with Client(cluster) as client:
+        killed, done = [], threading.Event()
+        killer = threading.Thread(target=lambda: killed.append(kill_a_worker_mid_chunk(client, done)), daemon=True)
+        killer.start()
+        try:
+            out, built, _ = run_encode(tmp_path, inputs, executor="dask", dask_address=cluster.scheduler_address,
+                                       **CHUNKED)
+        finally:
+            done.set()
+            killer.join()
+    assert killed == [True], "no worker was caught in the middle of a chunk"
+    same_as_local(out, built, local_reference)
+    keys = stored_keys(inputs.cache_root)
+    assert len(keys) == len(set(keys)) == 17
+
+
+def kill_a_worker_mid_chunk(client, done: threading.Event) -> bool:
+    """SIGKILL the process of the first worker seen executing an encode chunk; whether one was.
+    A fresh worker's first chunk loads the encoders (seconds), so the kill lands mid-chunk."""
+    while not done.is_set():
+        busy = {addr: keys for addr, keys in client.processing().items()
+                if any(str(k).startswith("encode-chunk-") for k in keys)}
+        executing = client.run(lambda dask_worker: (os.getpid(), [str(ts.key) for ts in dask_worker.state.executing]),
+                               workers=list(busy)) if busy else {}
+        victim = next((pid for pid, keys in executing.values() if any(k.startswith("encode-chunk-") for k in keys)), None)
+        if victim:
+            os.kill(victim, signal.SIGKILL)
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def test_a_retried_chunk_encodes_only_what_its_killed_attempt_did_not_commit(tmp_path, demo_images, tiny_model,
+                                                                             count_encoder_rows):
+    inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), tiny_model)
+    dataset = json.loads((inputs.preprocess_dir / "dataset.json").read_text())["samples"]
+    keys = encode.SampleKeys.of(dataset, encode.EncodeParams(), inputs.model_digests["vae"],
+                                encode.text_ingredients(inputs.bound_family(), inputs.bound_family().text_settings(
+                                    inputs.model_path, encode.EncodeParams()), inputs))
+    chunk = EncodeJobs.plan(dataset, keys, keys.latents(), inputs.datasets).chunks(4)[0]  # 4 latents, no text
+    samples = {i: dataset[i] for _, i, _ in chunk.latents}
+    options = encode.EncodeOptions(num_workers=0, batch_size=2, shard_records=4)
+    with count_encoder_rows() as first:
+        encode_chunk(chunk, samples, encode.EncodeParams(), inputs, options)
+    with count_encoder_rows() as retried:
+        result = encode_chunk(chunk, samples, encode.EncodeParams(), inputs, options)
+    assert first == {"vae": 4, "text": 0} and retried == {"vae": 0, "text": 0}
+    assert result.latents == 4 and result.failed == {}
+    assert sorted(stored_keys(inputs.cache_root)) == sorted(chunk.keys())
