@@ -51,7 +51,7 @@ def local_reference(tmp_path_factory, demo_images, tiny_model):
 def cluster():
     from distributed import LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None) as c:
+    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as c:
         yield c
 
 
@@ -128,3 +128,20 @@ def test_a_retried_chunk_encodes_only_what_its_killed_attempt_did_not_commit(tmp
     assert first == {"vae": 4, "text": 0} and retried == {"vae": 0, "text": 0}
     assert result.latents == 4 and result.failed == {}
     assert sorted(stored_keys(inputs.cache_root)) == sorted(chunk.keys())
+
+
+@pytest.mark.slow
+def test_a_local_dask_cluster_encodes_into_an_s3_cache_once_each(tmp_path, demo_images, tiny_model, s3_server,
+                                                                 local_reference):
+    from cache.object_store import ObjectSettings, open_store
+
+    store = open_store(s3_server.url("dask-encode"), ObjectSettings(tmp_path / "local-side", 1 << 30, 60.0))
+    remote = store.sample_store()  # the local side now names the bucket: stages are given store.root
+    inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), tiny_model)
+    inputs = encode.EncodeInputs(inputs.preprocess_dir, inputs.datasets, store.root, inputs.model_path,
+                                 inputs.family, inputs.model_digests)
+    out, built, _ = run_encode(tmp_path, inputs, executor="dask", dask_workers=2, **CHUNKED)
+    same_as_local(out, built, local_reference)
+    shards = remote.committed()  # read from the bucket
+    keys = [key for meta in shards.values() for key in meta["records"]]
+    assert len(keys) == len(set(keys)) == 17 and len(shards) == 9

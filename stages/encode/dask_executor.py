@@ -103,6 +103,6 @@ def _client(options: EncodeOptions, log: Log) -> Iterator[Client]:
         return
     log(f"encode: starting a local Dask cluster of {options.dask_workers} worker processes")
     with LocalCluster(n_workers=options.dask_workers, threads_per_worker=1, processes=True,
-                      dashboard_address=None) as cluster, Client(cluster) as client:
+                      dashboard_address=":0") as cluster, Client(cluster) as client:
         yield client
 
