@@ -33,6 +33,8 @@ def test_relative_paths_resolve_against_the_config_file(tmp_path):
     ("train.rnak=4", "train.rnak"),
     ("preprocess.resolution=65", "preprocess.resolution"),
     ("evaluate.prompts=[]", "evaluate.prompts"),
+    ("encode.executor=ray", "encode.executor"),
+    ("encode.dask_address=tcp://127.0.0.1:8786", "dask_address is set but executor is local"),
 ])
 def test_a_bad_value_is_one_line_naming_the_key(override, key):
     with pytest.raises(ConfigError) as err:
