@@ -19,6 +19,7 @@ BENCHES = {
     "noop_rerun": lambda root: noop_rerun.measure(root),
     "encode_throughput": lambda root: encode_bench.throughput(root),
     "encode_incremental": lambda root: encode_bench.incremental(root),
+    "encode_dask_workers": lambda root: encode_bench.dask_workers(root),
     "stage_peak_memory": lambda root: memory_bench.stage_peaks(root),
     "quant_memory": lambda root: quant_memory_bench.measure(root),
     "loader_full_size": lambda root: loader_bench.throughput(root),

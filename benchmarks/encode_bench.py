@@ -34,13 +34,13 @@ def encode_inputs(data: Path, cache: Path, model: Path, resolution: int = 64):
     return encode.EncodeInputs(pre, sources, cache, model, family.name, digests)
 
 
-def run_encode(inputs, out: Path, workers: int = 1, batch_size: int = BATCH, dtype: str = "float32"):
+def run_encode(inputs, out: Path, workers: int = 1, batch_size: int = BATCH, dtype: str = "float32", **options):
     from stages import encode
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
     return encode.run(encode.EncodeParams(dtype=dtype), inputs, out, out,
-                      encode.EncodeOptions(batch_size=batch_size, num_workers=workers), lambda m: None)
+                      encode.EncodeOptions(batch_size=batch_size, num_workers=workers, **options), lambda m: None)
 
 
 class Encoders(NamedTuple):
@@ -113,3 +113,33 @@ def incremental(root: Path, n: int = 10000) -> dict:
     return {"images_before": n, "images_added": n // 100, "first_latents_encoded": first.info["latents_encoded"],
             "second_latents_encoded": second.info["latents_encoded"],
             "second_latents_reused": second.info["latents_reused"]}
+
+
+def dask_workers(root: Path, n: int = 2048, rounds: int = 3) -> dict:
+    """encode.executor: dask with 1 vs 2 local worker processes (one thread each), and the local
+    executor, on the same images: the fastest of `rounds` alternating runs, each into an empty
+    sample store. The clusters are started and warmed (imports, encoders loaded) before timing."""
+    from distributed import LocalCluster
+
+    model = tiny_model(root)
+    data = generated_images(root / f"images-{n}", n)
+    clusters = {w: LocalCluster(n_workers=w, threads_per_worker=1, processes=True, dashboard_address=":0")
+                for w in (1, 2)}
+    runs = {"local": {}, **{f"dask_{w}": {"executor": "dask", "dask_address": c.scheduler_address}
+                            for w, c in clusters.items()}}
+    best = dict.fromkeys(runs, float("inf"))
+    try:
+        for r in range(rounds + 1):  # round 0 warms the workers up
+            for name, options in runs.items():
+                cache = root / "enc-dask"
+                shutil.rmtree(cache, ignore_errors=True)
+                inputs = encode_inputs(data, cache, model)
+                started = time.perf_counter()
+                run_encode(inputs, cache / "out", **options)
+                if r:
+                    best[name] = min(best[name], time.perf_counter() - started)
+    finally:
+        for cluster in clusters.values():
+            cluster.close()
+    return {"images": n, "rounds": rounds, **{f"{name}_img_s": round(n / t, 1) for name, t in best.items()},
+            "speedup_2_vs_1_workers": round(best["dask_1"] / best["dask_2"], 3)}
