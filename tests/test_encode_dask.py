@@ -48,7 +48,8 @@ def local_reference(tmp_path_factory, demo_images, tiny_model):
 
 
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(s3_server):
+    """Two worker processes, started after s3_server set the AWS_* variables they inherit."""
     from distributed import LocalCluster
 
     with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as c:
@@ -131,8 +132,8 @@ def test_a_retried_chunk_encodes_only_what_its_killed_attempt_did_not_commit(tmp
 
 
 @pytest.mark.slow
-def test_a_local_dask_cluster_encodes_into_an_s3_cache_once_each(tmp_path, demo_images, tiny_model, s3_server,
-                                                                 local_reference):
+def test_dask_workers_encode_into_an_s3_cache_once_each(tmp_path, demo_images, tiny_model, s3_server,
+                                                        local_reference, cluster):
     from cache.object_store import ObjectSettings, open_store
 
     store = open_store(s3_server.url("dask-encode"), ObjectSettings(tmp_path / "local-side", 1 << 30, 60.0))
@@ -140,7 +141,7 @@ def test_a_local_dask_cluster_encodes_into_an_s3_cache_once_each(tmp_path, demo_
     inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), tiny_model)
     inputs = encode.EncodeInputs(inputs.preprocess_dir, inputs.datasets, store.root, inputs.model_path,
                                  inputs.family, inputs.model_digests)
-    out, built, _ = run_encode(tmp_path, inputs, executor="dask", dask_workers=2, **CHUNKED)
+    out, built, _ = run_encode(tmp_path, inputs, executor="dask", dask_address=cluster.scheduler_address, **CHUNKED)
     same_as_local(out, built, local_reference)
     shards = remote.committed()  # read from the bucket
     keys = [key for meta in shards.values() for key in meta["records"]]
