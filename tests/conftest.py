@@ -226,3 +226,11 @@ def s3_server(tmp_path_factory):
 def damage_in_place():
     """damage_in_place(sample_store, record) -> the damaged shard's path."""
     return _damage_in_place
+
+
+@pytest.fixture(scope="session")
+def flux_encoded(tmp_path_factory, flux_model) -> EncodedSet:
+    """The demo photos at 64 px through the tiny Flux.1 dev."""
+    from stages.encode import EncodeParams
+
+    return _encode_demo_images(tmp_path_factory.mktemp("flux-encoded-cache"), flux_model, EncodeParams())

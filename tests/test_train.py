@@ -399,15 +399,15 @@ def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded)
 
 def test_init_lora_must_match_rank_and_alpha(trained, tiny_model):
     from diffusers import UNet2DConditionModel
-    from peft import LoraConfig
 
+    from stages.train.adapter import peft_config
     from stages.train.lora_files import load_init_lora
 
     unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
-    config = LoraConfig(r=4, lora_alpha=4.0, target_modules=list(TARGETS))
-    unet.add_adapter(config)
+    params = train.TrainParams(rank=4, alpha=4.0)
+    unet.add_adapter(peft_config(params, list(TARGETS)))
     with pytest.raises(ValueError, match="train.init_lora: .* has alpha 8.0 but train.alpha is 4.0"):
-        load_init_lora(unet, trained[0] / "pytorch_lora_weights.safetensors", config, "unet")
+        load_init_lora(unet, trained[0] / "pytorch_lora_weights.safetensors", params, "unet")
 
 
 # Ctrl-C in a terminal; Python leaves SIGINT ignored where its launcher ignored it (a background job)

@@ -105,7 +105,8 @@ class FlowFamily(Family):
     def export_lora(self, transformer: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
                     kohya_metadata: dict[str, str]) -> list[Path]:
         from stages.train.checkpoints import LORA_FILE
-        from stages.train.lora_files import ADAPTER, peft_state_dict, save_safetensors_sorted, write_diffusers_lora
+        from stages.train.lora_files import (ADAPTER, lora_scale, peft_state_dict, save_safetensors_sorted,
+                                             write_diffusers_lora)
 
         from .lycoris import write_lycoris
 
@@ -119,8 +120,7 @@ class FlowFamily(Family):
         for style in self.original_formats:
             lora = lora or peft_state_dict(transformer)
             written.append(Path(out_dir) / FILES[style])
-            save_safetensors_sorted(fused_lora(lora, adapter.lora_alpha / adapter.r, names, style), metadata,
-                                    written[-1])
+            save_safetensors_sorted(fused_lora(lora, lora_scale(adapter), names, style), metadata, written[-1])
         return written
 
     # ---- rendering

@@ -10,6 +10,7 @@ These reproduce what the stages computed before the family layer, number for num
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -185,7 +186,8 @@ class StableDiffusion(Family):
         and ComfyUI's native one (`diffusion_model.<LDM name>.lora_A/lora_B.weight`, ldm_names.py);
         a DoRA, LoKr or LoHa: the diffusers file and the ComfyUI one in LyCORIS keys (lycoris.py)."""
         from stages.train.checkpoints import LORA_FILE
-        from stages.train.lora_files import ADAPTER, peft_state_dict, save_safetensors_sorted, write_diffusers_lora
+        from stages.train.lora_files import (ADAPTER, lora_scale, peft_state_dict, save_safetensors_sorted,
+                                             write_diffusers_lora)
 
         from .lycoris import write_lycoris
         from .original_names import FILES, fused_lora
@@ -197,9 +199,10 @@ class StableDiffusion(Family):
         if lycoris:
             return [diffusers_file, lycoris]
         adapter = unet.peft_config[ADAPTER]
-        write_kohya_lora(unet, kohya_file, adapter.lora_alpha, metadata)
-        save_safetensors_sorted(fused_lora(peft_state_dict(unet), adapter.lora_alpha / adapter.r,
-                                           self.original_names(unet), "comfyui"), metadata, comfyui_file)
+        alpha = adapter.lora_alpha * (math.sqrt(adapter.r) if adapter.use_rslora else 1)  # read as alpha / rank
+        write_kohya_lora(unet, kohya_file, alpha, metadata)
+        save_safetensors_sorted(fused_lora(peft_state_dict(unet), lora_scale(adapter), self.original_names(unet),
+                                           "comfyui"), metadata, comfyui_file)
         return [diffusers_file, kohya_file, comfyui_file]
 
     def original_names(self, unet: torch.nn.Module) -> OriginalNames:

@@ -7,13 +7,15 @@ Reads:  the encode artifact (samples.json) and the sample store records it point
 Writes: out_dir/pytorch_lora_weights.safetensors        diffusers format (load_lora_weights)
         out_dir/pytorch_lora_weights_*.safetensors      the family's other formats (SD: kohya and
                                                         ComfyUI; Flux.1: kohya and ComfyUI), ss_* metadata
+        out_dir/ema/pytorch_lora_weights*.safetensors   with train.ema_decay: the same files of the EMA
         out_dir/train_config.json                       what produced the weights
         out_dir/checkpoints/step-XXXXXX/pytorch_lora_weights.safetensors  every retained checkpoint
         out_dir/logs/{loss.jsonl, train.log, summary.json}  (not part of the artifact digest)
         Both LoRA files carry provenance metadata: base model and encoded data digests, config, steps.
 Key:    TrainParams (less max_steps for the work directory: raising it resumes), the encode
         artifact's digest, the denoiser and scheduler digests, library majors.
-Work:   work_dir/checkpoints/ (LoRA, optimizer, LR scheduler and RNG states; atomic), export/,
+Work:   work_dir/checkpoints/ (adapter, PiSSA/OLoRA start, EMA, optimizer, LR scheduler and RNG states;
+        atomic: stages/train/trained_adapter.py), export/,
         logs/, accelerate.yaml, job.json. Training resumes from the newest intact checkpoint.
 Across machines (train.num_machines): machine rank 0 runs `run` (it alone reads and writes the
         work directory and publishes); every other machine runs `follow`, whose processes join

@@ -33,17 +33,19 @@ LORA_KINDS = ("lora", "dora")  # peft's LoraConfig: rsLoRA, dropout and the SVD/
 class AdapterParams(Frozen):
     """The adapter's type, size and initialisation: all change the trained weights (keyed)."""
 
-    adapter: AdapterKind = Field("lora", description="lora, dora (LoRA with a learned per-row magnitude), lokr"
+    # each setting added after runs were keyed stays out of the dump at its default (exclude_if), so a
+    # plain LoRA keeps the train key and train_config.json it had
+    adapter: AdapterKind = Field("lora", exclude_if=lambda v: v == "lora", description="lora, dora (LoRA with a learned per-row magnitude), lokr"
                                  " (Kronecker product) or loha (Hadamard product of two low-rank pairs)")
     rank: int = Field(4, gt=0)
     alpha: float = Field(4.0, gt=0, description="the update is scaled by alpha / rank (alpha / sqrt(rank) with"
                          " rslora)")
     dropout: float = Field(0.0, ge=0, lt=1, description="lora/dora: dropout on the adapter's input")
-    rslora: bool = Field(False, description="lora/dora: rank-stabilised scaling alpha / sqrt(rank)")
+    rslora: bool = Field(False, exclude_if=lambda v: not v, description="lora/dora: rank-stabilised scaling alpha / sqrt(rank)")
     init: Literal["default", "pissa", "olora"] = Field(
-        "default", description="lora: start from the base weights' principal components (pissa: SVD; olora:"
+        "default", exclude_if=lambda v: v == "default", description="lora: start from the base weights' principal components (pissa: SVD; olora:"
         " QR) instead of a zero update; default: a zero update (LoRA/DoRA's down weights gaussian)")
-    lokr_factor: int = Field(-1, description="lokr: the Kronecker factor's size; -1 makes the factors as"
+    lokr_factor: int = Field(-1, exclude_if=lambda v: v == -1, description="lokr: the Kronecker factor's size; -1 makes the factors as"
                              " square as possible")
 
     @model_validator(mode="after")
@@ -101,6 +103,29 @@ def plain_lora_alpha(params: AdapterParams) -> float:
     """The alpha that keeps `params.scale` at rank 2r."""
     rank = 2 * params.rank
     return params.scale * (math.sqrt(rank) if params.rslora else rank)
+
+
+def restore_svd_init(denoiser: torch.nn.Module, initial: dict[str, torch.Tensor]) -> None:
+    """Put a PiSSA/OLoRA start back on a denoiser given a LoRA of the same config with the default
+    init: each adapted base weight loses scale * B0 A0, computed as peft's init computes it, and the
+    adapter holds `initial` (a resumed run; the saved start, not a new SVD, whose result may differ
+    between devices)."""
+    import torch
+    from peft.utils import transpose
+
+    from stages.families.lycoris import adapted_modules
+    from stages.train.lora_files import ADAPTER
+
+    with torch.no_grad():
+        for name in adapted_modules(denoiser):
+            layer = denoiser.get_submodule(name)
+            down, up = initial[f"{name}.lora_A.weight"], initial[f"{name}.lora_B.weight"]
+            base = layer.get_base_layer()
+            weight = transpose(base.weight.to(torch.float32), layer.fan_in_fan_out)
+            weight = weight.data - layer.scaling[ADAPTER] * up.to(weight.device) @ down.to(weight.device)
+            base.weight.data = transpose(weight.to(base.weight.dtype), layer.fan_in_fan_out)
+            layer.lora_A[ADAPTER].weight.data = down.to(layer.lora_A[ADAPTER].weight, copy=True)  # trained in place
+            layer.lora_B[ADAPTER].weight.data = up.to(layer.lora_B[ADAPTER].weight, copy=True)
 
 
 @contextmanager

@@ -12,7 +12,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from stages.contract import Frozen
 
@@ -26,11 +26,19 @@ class EMAParams(Frozen):
     """Keyed: the EMA weights are part of the result (the device too: CPU and accelerator arithmetic
     can differ in the last bit)."""
 
-    ema_decay: float | None = Field(None, gt=0, lt=1, description="keep an EMA of the adapter weights with this"
+    # out of the dump at their defaults (no EMA), so runs keyed before the EMA existed keep their keys
+    ema_decay: float | None = Field(None, gt=0, lt=1, exclude_if=lambda v: v is None, description="keep an EMA of the adapter weights with this"
                                     " decay per update (e.g. 0.999) and export it as its own files; None: no EMA")
-    ema_every: int = Field(1, gt=0, description="update the EMA every N optimiser steps")
-    ema_device: Literal["cpu", "device"] = Field("cpu", description="where the EMA lives: cpu (no accelerator"
+    ema_every: int = Field(1, gt=0, exclude_if=lambda v: v == 1, description="update the EMA every N optimiser steps")
+    ema_device: Literal["cpu", "device"] = Field("cpu", exclude_if=lambda v: v == "cpu", description="where the EMA lives: cpu (no accelerator"
                                                  " memory) or the training device (no copy per update)")
+
+    @model_validator(mode="after")
+    def _needs_decay(self) -> "EMAParams":
+        for key in ("ema_every", "ema_device"):
+            if self.ema_decay is None and getattr(self, key) != EMAParams.model_fields[key].default:
+                raise ValueError(f"train.{key} applies with train.ema_decay: set ema_decay, or remove {key}")
+        return self
 
 
 class AdapterEMA:

@@ -201,10 +201,11 @@ def default_accelerate_config() -> Path | None:
 
 
 def publish(work_dir: Path, out_dir: Path, max_steps: int, log: Log) -> Built:
-    """Copy the exported files (the family's LoRA formats, train_config.json), every retained
+    """Copy the exported files (the family's LoRA formats, with an EMA also in ema/; train_config.json), every retained
     checkpoint's LoRA weights and the logs into out_dir."""
-    for exported in sorted((work_dir / "export").iterdir()):
-        _copy(exported, out_dir / exported.name)
+    export = work_dir / "export"
+    for exported in sorted(f for f in export.rglob("*") if f.is_file()):  # ema/: the averaged adapter's files
+        _copy(exported, out_dir / exported.relative_to(export))
     checkpoints = CheckpointDir(work_dir / "checkpoints")
     for step in checkpoints.steps():
         problem = checkpoints.damage(step)

@@ -9,6 +9,7 @@ rewritten here with sorted keys.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save
 
 if TYPE_CHECKING:
-    from peft import LoraConfig
+    from stages.train.adapter import AdapterParams
 
 ADAPTER = "default"
 
@@ -43,6 +44,12 @@ def save_safetensors_sorted(tensors: dict[str, torch.Tensor], metadata: dict[str
         os.fsync(f.fileno())
     os.chmod(tmp, 0o644)
     os.replace(tmp, path)
+
+
+def lora_scale(config: Any) -> float:
+    """What a LoRA's product B A is multiplied by: alpha / rank, or alpha / sqrt(rank) with rsLoRA.
+    Files in the kohya and ComfyUI formats must carry it as their loaders read it (alpha / rank)."""
+    return config.lora_alpha / (math.sqrt(config.r) if config.use_rslora else config.r)
 
 
 def peft_state_dict(denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -77,17 +84,47 @@ def load_diffusers_lora(denoiser: torch.nn.Module, path: Path, prefix: str) -> N
                          f" missing {missing[:3]}")
 
 
-def load_init_lora(denoiser: torch.nn.Module, path: Path, config: "LoraConfig", prefix: str) -> None:
-    """Start from an existing diffusers-format LoRA file (its adapter must have this run's rank,
-    alpha and target layers: a different alpha would load it at the wrong strength)."""
+def recorded_adapter(path: Path, prefix: str) -> dict[str, Any]:
+    """The peft config a file written by `write_diffusers_lora` records (keys without `<prefix>.`)."""
     from safetensors import safe_open
 
-    if not path.is_file():
-        raise FileNotFoundError(f"train.init_lora: {path} is not a file")
     with safe_open(path, "pt") as f:
         recorded = json.loads((f.metadata() or {}).get("lora_adapter_metadata", "{}"))
-    for field, key in (("r", "rank"), ("lora_alpha", "alpha")):
-        value = recorded.get(f"{prefix}.{field}")
-        if value is not None and float(value) != float(getattr(config, field)):
-            raise ValueError(f"train.init_lora: {path} has {key} {value} but train.{key} is {getattr(config, field)}")
+    return {k.removeprefix(f"{prefix}."): v for k, v in recorded.items()}
+
+
+def adapter_kind(config: dict[str, Any]) -> str:
+    """lora, dora, lokr or loha, from a recorded peft config (a file without one holds a LoRA)."""
+    kind = str(config.get("peft_type", "LORA")).removeprefix("PeftType.").lower()
+    return "dora" if kind == "lora" and config.get("use_dora") else kind
+
+
+def load_init_lora(denoiser: torch.nn.Module, path: Path, params: "AdapterParams", prefix: str) -> None:
+    """Start from an existing diffusers-format adapter file (its adapter must have this run's type,
+    rank, alpha and target layers: a different alpha would load it at the wrong strength)."""
+    if not path.is_file():
+        raise FileNotFoundError(f"train.init_lora: {path} is not a file")
+    if params.init != "default":
+        raise ValueError(f"train.init_lora: a {params.init} adapter starts from the base weights' principal"
+                         f" components, not from {path}: set train.init: default, or leave init_lora out")
+    recorded = recorded_adapter(path, prefix)
+    if adapter_kind(recorded) != params.adapter:
+        raise ValueError(f"train.init_lora: {path} holds a {adapter_kind(recorded)} adapter but train.adapter is"
+                         f" {params.adapter}")
+    for key, value in (("rank", recorded.get("r")), ("alpha", recorded.get("lora_alpha", recorded.get("alpha")))):
+        if value is not None and float(value) != float(getattr(params, key)):
+            raise ValueError(f"train.init_lora: {path} has {key} {value} but train.{key} is {getattr(params, key)}")
     load_diffusers_lora(denoiser, path, prefix)
+
+
+def add_adapter_from_file(denoiser: torch.nn.Module, path: Path, prefix: str, adapter_name: str) -> None:
+    """Add the adapter a `write_diffusers_lora` file holds (any peft type: LoKr and LoHa files, which
+    diffusers' load_lora_weights refuses) to `denoiser` as `adapter_name`, with its recorded config."""
+    from peft import set_peft_model_state_dict
+    from peft.config import PeftConfig
+
+    denoiser.add_adapter(PeftConfig.from_peft_type(**recorded_adapter(path, prefix)), adapter_name=adapter_name)
+    tensors = {k.removeprefix(f"{prefix}."): v for k, v in load_file(path).items()}
+    result = set_peft_model_state_dict(denoiser, tensors, adapter_name=adapter_name)
+    if getattr(result, "unexpected_keys", None):
+        raise ValueError(f"{path} does not match this model's adapter layers: unexpected {result.unexpected_keys[:3]}")

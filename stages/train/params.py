@@ -10,6 +10,8 @@ from pydantic import Field, model_validator
 
 from stages.contract import Frozen
 from stages.families import ObjectiveParams
+from stages.train.adapter import AdapterParams
+from stages.train.ema import EMAParams
 from stages.train.quantization import BaseQuantization, check_available
 
 VERSION = "4"  # bump by hand when the trained output's semantics change; 3: batch plan in content order;
@@ -19,17 +21,15 @@ TRACKER_RUN = "tracker"  # accelerate's tracker (TensorBoard, wandb) writes unde
 DAMAGED_RECORD_FILE = "damaged-record.json"  # where a worker leaves the DamagedRecord it met, for the parent
 
 
-class TrainParams(ObjectiveParams):
+class TrainParams(ObjectiveParams, AdapterParams, EMAParams):
     """Exactly the settings that change the trained LoRA (all keyed; max_steps is resumable:
     the work directory is keyed without it, so raising it continues from the latest checkpoint).
     The diffusion objective's settings (prediction_type, snr_gamma, noise_offset for the DDPM
     families; timestep_sampling, loss_weighting, guidance for the flow-matching ones) come from
-    ObjectiveParams; the model's family refuses those that do not apply to it."""
+    ObjectiveParams; the model's family refuses those that do not apply to it. The adapter (type,
+    rank, alpha, dropout, rslora, init, lokr_factor) comes from AdapterParams, the EMA from EMAParams."""
 
-    # ---- LoRA
-    rank: int = Field(4, gt=0)
-    alpha: float = Field(4.0, gt=0)
-    dropout: float = Field(0.0, ge=0, lt=1)
+    # ---- the adapter's modules (its type and size: AdapterParams)
     target_modules: Literal["attention", "attention_ff", "all_linear"] | tuple[str, ...] = Field(
         "attention", description="a preset of the model's family (stages/families), or module names")
     init_lora: str | None = Field(None, description="start from this diffusers-format LoRA file instead of"
@@ -64,11 +64,19 @@ class TrainParams(ObjectiveParams):
         if isinstance(self.target_modules, tuple) and not self.target_modules:
             raise ValueError("target_modules: give a preset name or at least one module name")
         check_available(self.base_quantization)
+        if self.init != "default" and self.base_quantization != "none":
+            raise ValueError(f"train.init {self.init} subtracts the adapter's start from the base weights, which"
+                             f" train.base_quantization {self.base_quantization} keeps quantised: use init default")
         if self.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError("optimizer: adamw8bit needs bitsandbytes (pip install bitsandbytes), or use adamw")
         if self.warmup_steps and self.lr_scheduler == "constant":
             raise ValueError("warmup_steps is ignored by lr_scheduler 'constant': use 'constant_with_warmup'")
         return self
+
+    @property
+    def ema(self) -> EMAParams | None:
+        """The EMA settings, None without train.ema_decay."""
+        return EMAParams(**{k: getattr(self, k) for k in EMAParams.model_fields}) if self.ema_decay else None
 
     @property
     def global_batch(self) -> int:

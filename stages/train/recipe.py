@@ -57,13 +57,15 @@ from stages.encoded import EncodedData
 from stages.launching import die_with_parent, reporting_errors
 from stages.progress import progress_line
 from stages.train.ahead import WAIT_FOR_JOB, wait_for_job
-from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
+from stages.train.checkpoints import CheckpointDir, step_name
 from stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
-from stages.train.lora_files import load_diffusers_lora, load_init_lora, write_diffusers_lora
+from stages.train.lora_files import load_init_lora
 from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, VERSION, TrainInputs, TrainOptions, TrainParams
 from stages.train.quantization import keep_base_out_of_ddp_sync, quantize_base
+from stages.train.trained_adapter import TrainedAdapter
 
 TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")
+LYCORIS_NETWORK_ARGS = {"dora": {"algo": "lora", "dora_wd": "True"}, "lokr": {"algo": "lokr"}, "loha": {"algo": "loha"}}
 
 
 def step_loss(family: families.Family, denoiser: torch.nn.Module, inputs: StepInputs, device: torch.device,
@@ -79,15 +81,17 @@ def step_loss(family: families.Family, denoiser: torch.nn.Module, inputs: StepIn
 
 
 class LoRATrainingRecipe:
-    """LoRA on the denoiser's attention (or any linear) layers; the VAE and text encoders are never
-    loaded: latents and embeddings come from the encode stage, so the text encoder is not trained.
+    """An adapter (LoRA, DoRA, LoKr or LoHa; rsLoRA, PiSSA/OLoRA init: stages/train/trained_adapter.py)
+    on the denoiser's attention (or any linear) layers, with an optional EMA of its weights; the VAE
+    and text encoders are never loaded: latents and embeddings come from the encode stage, so the
+    text encoder is not trained.
 
     Features: every registered family (SD1.x/2.x, SDXL, Flux.1, ...), DDP (gloo on CPU), gradient
     accumulation, mixed precision (frozen weights in fp16/bf16, LoRA in fp32), the family's objective
     (min-SNR weighting, noise offset, epsilon/v/sample prediction; flow matching with timestep
     sampling, shift and loss weighting, Flux.1 dev's guidance input), caption dropout, dataset repeats, mirrored latents, a start from an existing LoRA file,
     gradient checkpointing (less memory, ~30% slower), exact resume from atomic checkpoints that
-    hold only the LoRA, optimizer, LR scheduler and RNG states. A non-finite loss or LoRA weight
+    hold only the adapter (with its PiSSA/OLoRA start and its EMA), optimizer, LR scheduler and RNG states. A non-finite loss or LoRA weight
     stops the run before it can be checkpointed.
     """
 
@@ -111,10 +115,11 @@ class LoRATrainingRecipe:
             raise RuntimeError(f"launched with {self.world} processes but num_processes is {p.num_processes}")
         self._check_same_job()
         self._setup_data()
-        self._setup_model()
+        latest = self._checkpoint_to_resume()
+        self._setup_model(latest)
         self._setup_optimizer()
         self._register_checkpoint_hooks()
-        self._resume()
+        self._resume(latest)
         if self.options.log_with != "none":
             self.accelerator.init_trackers(TRACKER_RUN, config=tracker_config(self.params))
 
@@ -137,9 +142,8 @@ class LoRATrainingRecipe:
               f" global batches of {self.plan.global_batch} per epoch, {torch.get_num_threads()} torch threads",
               flush=True)
 
-    def _setup_model(self) -> None:
+    def _setup_model(self, latest: int | None) -> None:
         from diffusers.training_utils import cast_training_params
-        from peft import LoraConfig
 
         p, model_path = self.params, self.inputs.model_path
         self.dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.mixed_precision]
@@ -149,16 +153,15 @@ class LoRATrainingRecipe:
         denoiser.requires_grad_(False)
         quantize_base(denoiser, p.base_quantization, self.accelerator.device)
         denoiser.to(self.accelerator.device)
-        self.lora_config = LoraConfig(
-            r=p.rank, lora_alpha=p.alpha, lora_dropout=p.dropout, init_lora_weights="gaussian",
-            target_modules=self.family.lora_target_modules(denoiser, p.target_modules),
-        )
-        torch.manual_seed(derived_seed(p.seed, "init"))  # the LoRA's gaussian init
-        denoiser.add_adapter(self.lora_config)
+        self.adapter = TrainedAdapter(p, self.family, self.family.lora_target_modules(denoiser, p.target_modules))
+        torch.manual_seed(derived_seed(p.seed, "init"))  # the adapter's random init
+        self.adapter.add_to(denoiser, self._saved_start(latest))
         if p.init_lora:
-            load_init_lora(denoiser, Path(p.init_lora), self.lora_config, self.family.components.denoiser)
+            load_init_lora(denoiser, Path(p.init_lora), p, self.family.components.denoiser)
         cast_training_params(denoiser, dtype=torch.float32)
         keep_base_out_of_ddp_sync(denoiser, p.base_quantization)
+        if self.accelerator.is_main_process:  # rank 0 alone saves and exports the EMA
+            self.adapter.start_ema(denoiser)
         if self.options.gradient_checkpointing:
             denoiser.enable_gradient_checkpointing()
         self.denoiser = denoiser
@@ -183,29 +186,32 @@ class LoRATrainingRecipe:
         self.accelerator.register_for_checkpointing(self.lr_scheduler)
 
     def _register_checkpoint_hooks(self) -> None:
-        """Checkpoints hold the LoRA only (save_state would write the whole denoiser)."""
-        prefix = self.family.components.denoiser
+        """Checkpoints hold the adapter only (save_state would write the whole denoiser)."""
 
         def save_hook(models, weights, output_dir):
             weights.clear()
             if self.accelerator.is_main_process:
-                write_diffusers_lora(self._lora_denoiser(), Path(output_dir) / LORA_FILE, self.provenance(), prefix)
+                self.adapter.save(self._lora_denoiser(), Path(output_dir), self.provenance())
 
         def load_hook(models, input_dir):
             models.clear()
-            load_diffusers_lora(self._lora_denoiser(), Path(input_dir) / LORA_FILE, prefix)
+            self.adapter.load(self._lora_denoiser(), Path(input_dir))
 
         self.accelerator.register_save_state_pre_hook(save_hook)
         self.accelerator.register_load_state_pre_hook(load_hook)
 
-    def _resume(self) -> None:
-        """Resume from the newest intact checkpoint. Only rank 0 reads checkpoints (on several
-        machines the work directory is machine rank 0's); the other ranks receive what it loaded."""
-        acc = self.accelerator
-        found = self._find_checkpoint() if acc.is_main_process else None
+    def _checkpoint_to_resume(self) -> int | None:
+        """The newest intact checkpoint's step (None: start afresh). Only rank 0 reads checkpoints (on
+        several machines the work directory is machine rank 0's); the other ranks are told."""
+        found = self._find_checkpoint() if self.accelerator.is_main_process else None
         latest, problem = broadcast_object_list([found])[0]
         if problem:  # every rank stops on it, none waits for the others
             raise UserError(problem)
+        return latest
+
+    def _resume(self, latest: int | None) -> None:
+        """Resume from `latest`: rank 0 loads it, the other ranks receive what it loaded."""
+        acc = self.accelerator
         if latest is None:
             if acc.is_main_process:
                 self._truncate_loss_log(0)
@@ -239,6 +245,13 @@ class LoRATrainingRecipe:
             return None, (f"{self.checkpoints.path(latest)} is past train.max_steps={self.params.max_steps}:"
                           " raise max_steps, or train from scratch with --force train")
         return latest, None
+
+    def _saved_start(self, latest: int | None) -> dict[str, torch.Tensor] | None:
+        """A resumed PiSSA/OLoRA run's initial adapter, read by rank 0 and sent to the others."""
+        if latest is None or self.params.init == "default":
+            return None
+        start = self.adapter.saved_start(self.checkpoints.path(latest)) if self.accelerator.is_main_process else None
+        return broadcast_object_list([start])[0] if self.world > 1 else start
 
     def _receive_state_from_rank_0(self) -> None:
         """The LoRA, optimizer, LR scheduler (and loss scaler) state rank 0 loaded, on every rank.
@@ -293,6 +306,7 @@ class LoRATrainingRecipe:
             self.step += 1
             if not torch.isfinite(loss):
                 self._stop(f"loss is {loss.item()} at step {self.step}")
+            self.adapter.update_ema(self.step)
             if acc.is_main_process:
                 row = {"step": self.step, "loss": loss.item(), "lr": lr, "time": round(time.time(), 3),
                        "seconds": round(time.perf_counter() - step_started, 4)}  # wall clock; the step's duration
@@ -353,7 +367,7 @@ class LoRATrainingRecipe:
         out = self.work_dir / "export"
         shutil.rmtree(out, ignore_errors=True)  # only this run's files are published
         out.mkdir(parents=True)
-        self.family.export_lora(self._lora_denoiser(), out, self.provenance(), self.kohya_metadata())
+        self.adapter.export(self._lora_denoiser(), out, self.provenance(), self.kohya_metadata())
         config = {**self.train_config(), "steps": self.step}
         (out / "train_config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
         (self.work_dir / "logs" / "summary.json").write_text(
@@ -365,7 +379,7 @@ class LoRATrainingRecipe:
         checkpoint's bytes do not depend on the max_steps of the run that wrote it."""
         return {
             "version": VERSION, "params": self.params.model_dump(mode="json", exclude={"max_steps", "init_lora"}),
-            "target_modules": sorted(self.lora_config.target_modules),
+            "target_modules": sorted(self.adapter.config.target_modules),
             "base_model_digest": self.inputs.base_model_digest, "encoded_digest": self.inputs.encoded_digest,
             "init_lora_digest": self.inputs.init_lora_digest, "family": self.family.name,
         }
@@ -391,6 +405,8 @@ class LoRATrainingRecipe:
             "ss_network_train_unet_only": True, "ss_cache_latents": True,
             "ss_new_sd_model_hash": self.inputs.base_model_digest, **self._kohya_caption_metadata(),
         }
+        if p.adapter in LYCORIS_NETWORK_ARGS:
+            values.update(ss_network_module="lycoris.kohya", ss_network_args=json.dumps(LYCORIS_NETWORK_ARGS[p.adapter]))
         return {k: str(v) for k, v in values.items()}
 
     def _kohya_caption_metadata(self) -> dict:

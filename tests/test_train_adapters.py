@@ -1,0 +1,136 @@
+"""train.adapter and the EMA through the real train stage (a training subprocess per run) on the tiny
+SD1.x and Flux.1 models: each adapter type trains with an EMA, a run stopped and resumed publishes
+the same files byte for byte as one that ran straight, and the published files mean the trained
+adapter (the ComfyUI file recomputed by the LyCORIS rules, the diffusers file through diffusers'
+loader where it reads the type, and for SD its kohya file). init_lora is refused in one line for what cannot load."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from family_checks import merged, weight
+from safetensors import safe_open
+from safetensors.torch import load_file
+from test_adapters import assert_file_means_the_merged_model
+
+from stages import families, train
+from stages.families.lycoris import adapted_modules
+from stages.train.lora_files import add_adapter_from_file
+
+STEPS = 4
+PARAMS = dict(rank=2, alpha=3.0, target_modules="attention", learning_rate=1e-2, batch_size=2, max_steps=STEPS,
+              checkpoint_every=2, keep_checkpoints=2, seed=1, ema_decay=0.5)
+ADAPTERS = {"lora": {}, "dora": {"adapter": "dora"}, "lokr": {"adapter": "lokr"}, "loha": {"adapter": "loha"},
+            "pissa": {"init": "pissa"}, "olora": {"init": "olora", "rslora": True}}
+FILES = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors")
+
+
+def run_train(tmp: Path, name: str, model: Path, encoded, work: Path, **overrides) -> Path:
+    out = tmp / f"out-{name}"
+    out.mkdir()
+    inputs = train.TrainInputs(encoded_dir=encoded.artifact_dir, cache_root=encoded.cache_root, model_path=model,
+                               base_model_digest="base", encoded_digest=encoded.digest)
+    train.run(train.TrainParams(**{**PARAMS, **overrides}), inputs, out, work,
+              train.TrainOptions(log_with="none"), log=lambda line: None)
+    return out
+
+
+def published(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*.safetensors"))}
+
+
+def assert_files_mean_the_adapter(out: Path, model: Path) -> None:
+    """The diffusers file, loaded through peft with its recorded config, is the reference: the ComfyUI
+    file recomputed by the LyCORIS rules, and (LoRA, DoRA) diffusers' own load + fuse, give its merged
+    weights."""
+    from diffusers import DiffusionPipeline
+
+    family = families.for_model(model)
+    prefix = family.components.denoiser
+    for folder in (out, out / "ema"):
+        adapter = family.load_denoiser(model, torch.float32)
+        add_adapter_from_file(adapter, folder / FILES[0], prefix, "default")
+        comfyui = [p for p in folder.glob("*comfyui.safetensors")]
+        assert len(comfyui) == 1
+        assert_file_means_the_merged_model(comfyui[0], adapter, family.original_names(adapter), f"{prefix}.")
+        with safe_open(folder / FILES[0], "pt") as f:
+            config = json.loads(f.metadata()["lora_adapter_metadata"])
+        if config[f"{prefix}.peft_type"] != "LORA":
+            continue
+        # diffusers' kohya converter reads tiny SD files (Flux.1's splits single blocks at full-size widths)
+        for file in [FILES[0], *(["pytorch_lora_weights_kohya.safetensors"] if prefix == "unet" else [])]:
+            pipe = DiffusionPipeline.from_pretrained(model)
+            pipe.load_lora_weights(folder, weight_name=file)
+            pipe.fuse_lora()
+            after = merged(adapter)
+            for name in adapted_modules(adapter):
+                assert torch.allclose(getattr(pipe, prefix).get_submodule(name).weight, weight(after, name),
+                                      atol=1e-5), (file, name)
+
+
+def check_adapter_run(tmp_path: Path, model: Path, encoded, settings: dict) -> None:
+    straight = run_train(tmp_path, "straight", model, encoded, tmp_path / "work-straight", **settings)
+    run_train(tmp_path, "stopped", model, encoded, tmp_path / "work", **settings, max_steps=STEPS // 2)
+    resumed = run_train(tmp_path, "resumed", model, encoded, tmp_path / "work", **settings)
+    assert json.loads((resumed / "logs" / "summary.json").read_text())["resumed_from"] == STEPS // 2
+    files = published(straight)
+    assert {*FILES, *(f"ema/{f}" for f in FILES)} <= set(files)
+    assert published(resumed) == files  # the same weights (and EMA) bit for bit
+    raw, ema = load_file(straight / FILES[0]), load_file(straight / "ema" / FILES[0])
+    assert raw.keys() == ema.keys() and any(not torch.equal(raw[k], ema[k]) for k in raw)
+    checkpoint = tmp_path / "work" / "checkpoints" / f"step-{STEPS:06d}"
+    with safe_open(checkpoint / "ema.safetensors", "pt") as f:
+        assert f.metadata()["updates"] == str(STEPS)
+    assert_files_mean_the_adapter(straight, model)
+
+
+@pytest.mark.parametrize("kind", list(ADAPTERS))
+def test_sd_adapter_trains_with_ema_resumes_exactly_and_exports(kind, tmp_path, tiny_model, encoded):
+    check_adapter_run(tmp_path, tiny_model, encoded, ADAPTERS[kind])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["dora", "lokr", "loha", "olora"])
+def test_flux_adapter_trains_with_ema_resumes_exactly_and_exports(kind, tmp_path, flux_model, flux_encoded):
+    check_adapter_run(tmp_path, flux_model, flux_encoded, ADAPTERS[kind])
+
+
+def test_a_plain_lora_keeps_its_train_key():
+    """The adapter and EMA settings at their defaults are left out of the keyed dump, so every run
+    made before them keeps its key; set, they are keyed."""
+    plain = train.TrainParams().model_dump(mode="json")
+    assert not {"adapter", "rslora", "init", "lokr_factor", "ema_decay", "ema_every", "ema_device"} & set(plain)
+    assert train.TrainParams(adapter="lokr").model_dump(mode="json")["adapter"] == "lokr"
+    assert train.TrainParams(ema_decay=0.9, ema_every=2).model_dump(mode="json")["ema_every"] == 2
+
+
+@pytest.mark.parametrize("settings, file_kind, message", [
+    ({"adapter": "lokr"}, "lora", r"train.init_lora: .* holds a lora adapter but train.adapter is lokr"),
+    ({"init": "pissa"}, "lora", r"train.init_lora: a pissa adapter starts from the base weights' principal"),
+    ({"adapter": "loha", "alpha": 2.0}, "loha", r"train.init_lora: .* has alpha 3.0 but train.alpha is 2.0"),
+])
+def test_init_lora_that_cannot_load_is_refused_by_name(settings, file_kind, message, tmp_path, tiny_model):
+    from stages.train.adapter import AdapterParams, peft_config
+    from stages.train.lora_files import load_init_lora, write_diffusers_lora
+
+    family = families.for_model(tiny_model)
+    written = family.load_denoiser(tiny_model, torch.float32)
+    targets = family.lora_target_modules(written, "attention")
+    written.add_adapter(peft_config(AdapterParams(adapter=file_kind, rank=2, alpha=3.0), targets))
+    write_diffusers_lora(written, tmp_path / "init.safetensors", {}, "unet")
+    params = train.TrainParams(**{"rank": 2, "alpha": 3.0, **settings})
+    unet = family.load_denoiser(tiny_model, torch.float32)
+    unet.add_adapter(peft_config(params, targets))
+    with pytest.raises(ValueError, match=message):
+        load_init_lora(unet, tmp_path / "init.safetensors", params, "unet")
+
+
+def test_init_lora_starts_a_lokr_from_a_lokr_file(tmp_path, tiny_model, encoded):
+    first = run_train(tmp_path, "first", tiny_model, encoded, tmp_path / "w1", adapter="lokr", max_steps=2)
+    again = run_train(tmp_path, "again", tiny_model, encoded, tmp_path / "w2", adapter="lokr", max_steps=2,
+                      init_lora=str(first / FILES[0]))
+    losses = [[json.loads(line)["loss"] for line in (out / "logs" / "loss.jsonl").read_text().splitlines()]
+              for out in (first, again)]
+    assert losses[1][0] != losses[0][0]  # step 1 scored the loaded adapter, not a fresh one
