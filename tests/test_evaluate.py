@@ -304,3 +304,31 @@ def test_an_image_too_big_to_inline_is_downscaled_and_a_missing_one_says_so(tmp_
     assert image.size[0] / image.size[1] == pytest.approx(1200 / 3000, rel=0.01)
     assert "full size 1200x3000: grid.png" in inlined
     assert "*chart: checkpoint_loss.png could not be shown here (" in inlined
+
+
+def test_a_lokr_with_an_ema_is_scored_and_rendered_beside_its_ema(tmp_path, tiny_model, encoded):
+    """A real train artifact of a LoKr (which diffusers' loader refuses) trained with an EMA: evaluate
+    scores both, renders an EMA column per scale, and scores each checkpoint."""
+    from stages import train
+
+    trained = tmp_path / "train"
+    trained.mkdir()
+    inputs = train.TrainInputs(encoded_dir=encoded.artifact_dir, cache_root=encoded.cache_root, model_path=tiny_model,
+                               base_model_digest="base", encoded_digest=encoded.digest)
+    train.run(train.TrainParams(adapter="lokr", rank=2, learning_rate=1e-2, batch_size=2, max_steps=4,
+                                checkpoint_every=2, ema_decay=0.5), inputs, trained, tmp_path / "train-work",
+              train.TrainOptions(log_with="none"), log=lambda line: None)
+    params = EvalParams(**{**FAST, "prompts": ("a rocket",), "seeds": (0,)})
+    info = _evaluate(params, tiny_model, trained, encoded, tmp_path / "evaluated").info
+    out = tmp_path / "evaluated"
+    with Image.open(out / "grid.png") as grid:
+        assert grid.size == (LABEL_WIDTH + (1 + 2 * len(params.lora_scales)) * 64, HEADER_HEIGHT + 64)
+    metrics = json.loads((out / "metrics.json").read_text())
+    for split in ("holdout", "train"):
+        losses = {model: metrics["loss"][split][model]["overall"] for model in ("base", "lora", "ema")}
+        assert len(set(losses.values())) == 3, losses  # the EMA is not the trained adapter, nor the base
+        assert info[f"{split}_loss_ema"] == losses["ema"]
+    checkpoints = json.loads((out / "checkpoint_losses.json").read_text())["checkpoints"]
+    assert [c["step"] for c in checkpoints] == [2, 4]
+    assert checkpoints[-1]["overall"] == metrics["loss"]["holdout"]["lora"]["overall"]
+    assert "| holdout | ema |" in (out / "report.md").read_text()

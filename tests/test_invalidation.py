@@ -3,6 +3,7 @@ the flow only wraps these same calls in tasks). Encodes are counted by hooking t
 and text encoders' forward calls, not by trusting the stage's own counters."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 from pathlib import Path
@@ -82,6 +83,31 @@ def test_learning_rate_reruns_only_train_and_evaluate(baseline, tmp_path):
     assert rows["train"]["status"] == "miss" and "params.learning_rate" in rows["train"]["reason"]
     results = run_all(config)
     assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed", "evaluate": "computed"}
+
+
+def test_adapter_type_and_ema_rerun_train_and_evaluate_but_encode_nothing(baseline, tmp_path, count_encoder_rows):
+    """A LoKr with an EMA: train and evaluate rerun, nothing is encoded; the run's checkpoints hold the
+    EMA, and evaluate scores and renders it beside the trained adapter (one more grid column)."""
+    from PIL import Image
+
+    config = copy_of(baseline, tmp_path, train={"adapter": "lokr", "ema_decay": 0.9})
+    rows = {r["stage"]: r for r in explain(Context(config), STAGES)}
+    assert rows["train"]["status"] == "miss" and "params.adapter" in rows["train"]["reason"]
+    with count_encoder_rows() as counts:  # evaluate's renders encode their prompts: count the stages before
+        encoded = run_all(config, STAGES[:2])
+    assert statuses(encoded) == {"preprocess": "hit", "encode": "hit"} and counts == {"vae": 0, "text": 0}
+    results = run_all(config)
+    assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed", "evaluate": "computed"}
+    trained, evaluated = Path(results["train"].path), Path(results["evaluate"].path)
+    assert (trained / "ema" / "pytorch_lora_weights.safetensors").is_file()
+    work = baseline / "cache" / "work" / "train"
+    assert any(work.glob("*/checkpoints/step-000020/ema.safetensors"))
+    metrics = json.loads((evaluated / "metrics.json").read_text())
+    assert set(metrics["loss"]["holdout"]) == {"base", "lora", "ema"}
+    assert metrics["loss"]["holdout"]["ema"] != metrics["loss"]["holdout"]["lora"]
+    base_run = run_all(copy_of(baseline, tmp_path / "plain"))["evaluate"]
+    widths = [Image.open(Path(r.path) / "grid.png").width for r in (base_run, results["evaluate"])]
+    assert widths[1] > widths[0]  # base, LoRA x1, EMA x1
 
 
 def test_evaluation_prompt_reruns_only_evaluate(baseline, tmp_path):

@@ -14,6 +14,8 @@ from stages import families
 from stages.contract import Log
 from stages.encoded import EncodedData, Sample
 from stages.families import ObjectiveParams
+from stages.train.exports import EMA_DIR
+from stages.train.lora_files import add_adapter_from_file, adapter_kind, recorded_adapter
 
 from .clip import clip_score, load_clip
 from .fid import fid_kid
@@ -26,6 +28,8 @@ if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
 
 LORA_ADAPTER = "lora"
+EMA_ADAPTER = "ema"  # the EMA of the trained adapter, when train.ema_decay was set
+COLUMN = {LORA_ADAPTER: "LoRA", EMA_ADAPTER: "EMA"}  # the grid's column label of each adapter
 SPLITS = ("holdout", "train")
 TRAIN_CONFIG = "train_config.json"
 
@@ -57,15 +61,17 @@ def run(
     if columns is None:
         columns = _render_grid(pipe, family, inputs.model_path, settings, params, inputs.train_dir, log)
     else:
-        pipe.load_lora_weights(inputs.train_dir, weight_name=LORA_WEIGHTS, adapter_name=LORA_ADAPTER)
-    pipe.set_adapters([LORA_ADAPTER], adapter_weights=[1.0])
-    lora = _split_losses(denoiser, scoring["lora"], encoded, splits, params)
+        _load_adapters(pipe, family, inputs.train_dir)
+    adapters = {}
+    for name in _adapter_files(inputs.train_dir):
+        pipe.set_adapters([name], adapter_weights=[1.0])
+        adapters[name] = _split_losses(denoiser, scoring["lora"], encoded, splits, params)
 
     rows = [(prompt, seed) for prompt in params.prompts for seed in params.seeds]
     compose_grid(columns, rows, params.resolution).save(out_dir / "grid.png")
     metrics = {
         "loss": {
-            name: {"base": base[name], "lora": lora[name]} if name in base
+            name: {"base": base[name], **{adapter: losses[name] for adapter, losses in adapters.items()}} if name in base
             else {"skipped": f"the {name} split is empty"}
             for name in SPLITS
         },
@@ -117,21 +123,45 @@ def _renderer(family: families.Family, inputs: EvalInputs, params: EvalParams) -
     return renderer, path
 
 
+def _adapter_files(train_dir: Path) -> dict[str, Path]:
+    """The train artifact's adapters: the trained one, and its EMA when the run kept one."""
+    files = {LORA_ADAPTER: Path(train_dir) / LORA_WEIGHTS, EMA_ADAPTER: Path(train_dir) / EMA_DIR / LORA_WEIGHTS}
+    return {name: file for name, file in files.items() if file.is_file()}
+
+
+def _load_adapter(pipe: DiffusionPipeline, family: families.Family, file: Path, name: str) -> None:
+    """A LoRA or DoRA file through diffusers' own loader (as a user loads it); LoKr and LoHa, which it
+    refuses, through peft with the config the file records."""
+    prefix = family.components.denoiser
+    if adapter_kind(recorded_adapter(file, prefix)) in ("lora", "dora"):
+        pipe.load_lora_weights(file.parent, weight_name=file.name, adapter_name=name)
+    else:
+        add_adapter_from_file(getattr(pipe, prefix), file, prefix, name)
+
+
+def _load_adapters(pipe: DiffusionPipeline, family: families.Family, train_dir: Path) -> dict[str, Path]:
+    files = _adapter_files(train_dir)
+    for name, file in files.items():
+        _load_adapter(pipe, family, file, name)
+    return files
+
+
 def _render_grid(pipe: DiffusionPipeline, family: families.Family, model_path: Path, settings: RenderSettings,
                  params: EvalParams, train_dir: Path, log: Log) -> dict[str, list[Image.Image]]:
-    """The grid's columns: `pipe` without the LoRA, then with it at each scale (the adapter stays loaded)."""
+    """The grid's columns: `pipe` without the LoRA, then with it at each scale, then its EMA at each
+    scale when there is one (the adapters stay loaded)."""
     sampler = params.scheduler or family.render_defaults()["sampler"]
     scoring = _scorings(family, model_path, train_dir)  # a LoRA trained to predict v is sampled as v
     log(f"evaluate: {family.label} {model_path.name} renders {len(params.prompts) * len(params.seeds)} images"
         f" per column, {settings.num_inference_steps} steps")
     family.prepare_pipeline(pipe, sampler, scoring["base"].objective)
     columns = {"base": render_column(pipe, settings)}
-    pipe.load_lora_weights(train_dir, weight_name=LORA_WEIGHTS, adapter_name=LORA_ADAPTER)
     family.prepare_pipeline(pipe, sampler, scoring["lora"].objective)
-    for scale in params.lora_scales:
-        log(f"evaluate: LoRA at scale {scale:g}")
-        pipe.set_adapters([LORA_ADAPTER], adapter_weights=[scale])
-        columns[f"LoRA x{scale:g}"] = render_column(pipe, settings)
+    for name in _load_adapters(pipe, family, train_dir):
+        for scale in params.lora_scales:
+            log(f"evaluate: {COLUMN[name]} at scale {scale:g}")
+            pipe.set_adapters([name], adapter_weights=[scale])
+            columns[f"{COLUMN[name]} x{scale:g}"] = render_column(pipe, settings)
     return columns
 
 
@@ -180,10 +210,9 @@ def _clip_metrics(
     model, processor = loaded
     model.to(device)
     scores = {label: clip_score(model, processor, images, prompts) for label, images in columns.items()}
-    return {
-        "base": scores.pop("base"),
-        "lora": {str(float(s)): scores[f"LoRA x{s:g}"] for s in params.lora_scales},
-    }
+    return {"base": scores.pop("base"), **{
+        name: {str(float(s)): scores[f"{label} x{s:g}"] for s in params.lora_scales}
+        for name, label in COLUMN.items() if f"{label} x{params.lora_scales[0]:g}" in scores}}
 
 
 def _fid_metrics(params: EvalParams, columns: dict[str, list[Image.Image]], log: Log) -> dict[str, Any]:
@@ -211,7 +240,7 @@ def _checkpoint_losses(
     results = []
     for step, directory in found:  # one adapter at a time: unloading restores the base denoiser
         pipe.unload_lora_weights()
-        pipe.load_lora_weights(directory, weight_name=LORA_WEIGHTS, adapter_name=LORA_ADAPTER)
+        _load_adapter(pipe, scoring.family, directory / LORA_WEIGHTS, LORA_ADAPTER)
         loss = _split_losses(denoiser, scoring, encoded, {"holdout": holdout}, params)["holdout"]
         results.append({"step": step, **loss})
     return {"split": "holdout", "base": base["holdout"]["overall"], "checkpoints": results}
@@ -220,13 +249,15 @@ def _checkpoint_losses(
 def _headline(metrics: dict[str, Any]) -> dict[str, Any]:
     info: dict[str, Any] = {"n_samples": metrics["n_samples"]}
     for split, result in metrics["loss"].items():
-        for model in ("base", "lora"):
+        for model in ("base", LORA_ADAPTER, EMA_ADAPTER):
             if model in result:
                 info[f"{split}_loss_{model}"] = result[model]["overall"]
     clip = metrics["clip_score"]
     if "skipped" not in clip:
         info["clip_score_base"] = clip["base"]
         info["clip_score_lora"] = clip["lora"]
+        if EMA_ADAPTER in clip:
+            info["clip_score_ema"] = clip[EMA_ADAPTER]
     return info
 
 

@@ -18,7 +18,7 @@ def _loss_rows(split: str, result: dict[str, Any], timesteps: list[int]) -> list
     if "skipped" in result:
         return [f"| {split} | - | {result['skipped']} |" + " |" * len(timesteps)]
     rows = []
-    for model in ("base", "lora"):
+    for model in [m for m in ("base", "lora", "ema") if m in result]:
         loss = result[model]
         cells = [f"{loss['by_timestep'][str(t)]:.5f}" for t in timesteps]
         rows.append(f"| {split} | {model} | {loss['overall']:.5f} | " + " | ".join(cells) + " |")
@@ -37,7 +37,9 @@ def write_report(
     lines += ["", "Samples scored: " + ", ".join(
         f"{scored[name]} {label}" + (f" (a fixed subset of {total[name]})" if scored[name] < total[name] else "")
         for name, label in (("train", "train"), ("holdout", "held out")))]
-    lines.append("LoRA losses are measured at scale 1, the strength it was trained at.")
+    lines.append("LoRA losses are measured at scale 1, the strength it was trained at"
+                 + ("; ema is the average of its weights (train.ema_decay)." if "ema" in metrics["loss"]["holdout"]
+                    else "."))
     prediction = metrics["prediction_type"]
     if prediction["lora"] != prediction["base"]:
         lines.append(f"The LoRA was trained to predict {prediction['lora']} (the base model predicts"
@@ -47,7 +49,9 @@ def write_report(
     if "skipped" in clip:
         lines.append(f"Skipped: {clip['skipped']}")
     else:
-        lines.append(f"base {clip['base']:.3f}; " + "; ".join(f"LoRA x{s} {v:.3f}" for s, v in clip["lora"].items()))
+        lines.append(f"base {clip['base']:.3f}; " + "; ".join(f"{label} x{s} {v:.3f}" for model, label in
+                                                             (("lora", "LoRA"), ("ema", "EMA")) if model in clip
+                                                             for s, v in clip[model].items()))
     lines += ["", "## Samples", "", "![base and LoRA samples](grid.png)", ""]
     if checkpoints is not None:
         lines += ["## Held-out loss by checkpoint", ""]
