@@ -71,7 +71,8 @@ def run(
     compose_grid(columns, rows, params.resolution).save(out_dir / "grid.png")
     metrics = {
         "loss": {
-            name: {"base": base[name], **{adapter: losses[name] for adapter, losses in adapters.items()}} if name in base
+            name: {"base": base[name], **{adapter: scored[name] for adapter, scored in adapters.items()}}
+            if name in base
             else {"skipped": f"the {name} split is empty"}
             for name in SPLITS
         },

@@ -35,18 +35,21 @@ class AdapterParams(Frozen):
 
     # each setting added after runs were keyed stays out of the dump at its default (exclude_if), so a
     # plain LoRA keeps the train key and train_config.json it had
-    adapter: AdapterKind = Field("lora", exclude_if=lambda v: v == "lora", description="lora, dora (LoRA with a learned per-row magnitude), lokr"
-                                 " (Kronecker product) or loha (Hadamard product of two low-rank pairs)")
+    adapter: AdapterKind = Field("lora", exclude_if=lambda v: v == "lora",
+                                 description="lora, dora (LoRA with a learned per-row magnitude), lokr (Kronecker"
+                                 " product) or loha (Hadamard product of two low-rank pairs)")
     rank: int = Field(4, gt=0)
     alpha: float = Field(4.0, gt=0, description="the update is scaled by alpha / rank (alpha / sqrt(rank) with"
                          " rslora)")
     dropout: float = Field(0.0, ge=0, lt=1, description="lora/dora: dropout on the adapter's input")
-    rslora: bool = Field(False, exclude_if=lambda v: not v, description="lora/dora: rank-stabilised scaling alpha / sqrt(rank)")
+    rslora: bool = Field(False, exclude_if=lambda v: not v,
+                         description="lora/dora: rank-stabilised scaling alpha / sqrt(rank)")
     init: Literal["default", "pissa", "olora"] = Field(
-        "default", exclude_if=lambda v: v == "default", description="lora: start from the base weights' principal components (pissa: SVD; olora:"
-        " QR) instead of a zero update; default: a zero update (LoRA/DoRA's down weights gaussian)")
-    lokr_factor: int = Field(-1, exclude_if=lambda v: v == -1, description="lokr: the Kronecker factor's size; -1 makes the factors as"
-                             " square as possible")
+        "default", exclude_if=lambda v: v == "default", description="lora: start from the base weights' principal"
+        " components (pissa: SVD; olora: QR) instead of a zero update; default: a zero update (LoRA/DoRA's down"
+        " weights gaussian)")
+    lokr_factor: int = Field(-1, exclude_if=lambda v: v == -1,
+                             description="lokr: the Kronecker factor's size; -1 makes the factors as square as possible")
 
     @model_validator(mode="after")
     def _applies(self) -> "AdapterParams":

@@ -91,8 +91,8 @@ class LoRATrainingRecipe:
     (min-SNR weighting, noise offset, epsilon/v/sample prediction; flow matching with timestep
     sampling, shift and loss weighting, Flux.1 dev's guidance input), caption dropout, dataset repeats, mirrored latents, a start from an existing LoRA file,
     gradient checkpointing (less memory, ~30% slower), exact resume from atomic checkpoints that
-    hold only the adapter (with its PiSSA/OLoRA start and its EMA), optimizer, LR scheduler and RNG states. A non-finite loss or LoRA weight
-    stops the run before it can be checkpointed.
+    hold only the adapter (with its PiSSA/OLoRA start and its EMA), optimizer, LR scheduler and RNG
+    states. A non-finite loss or LoRA weight stops the run before it can be checkpointed.
     """
 
     def __init__(self, params: TrainParams, inputs: TrainInputs, options: TrainOptions, work_dir: Path):
@@ -406,7 +406,8 @@ class LoRATrainingRecipe:
             "ss_new_sd_model_hash": self.inputs.base_model_digest, **self._kohya_caption_metadata(),
         }
         if p.adapter in LYCORIS_NETWORK_ARGS:
-            values.update(ss_network_module="lycoris.kohya", ss_network_args=json.dumps(LYCORIS_NETWORK_ARGS[p.adapter]))
+            values.update(ss_network_module="lycoris.kohya",
+                          ss_network_args=json.dumps(LYCORIS_NETWORK_ARGS[p.adapter]))
         return {k: str(v) for k, v in values.items()}
 
     def _kohya_caption_metadata(self) -> dict:

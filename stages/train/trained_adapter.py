@@ -42,7 +42,8 @@ class TrainedAdapter:
             if self.params.init != "default":
                 self.initial = {k: v.detach().clone() for k, v in peft_state_dict(denoiser).items()}
             return
-        denoiser.add_adapter(peft_config(self.params.model_copy(update={"init": "default"}), self.config.target_modules))
+        plain = self.params.model_copy(update={"init": "default"})  # no SVD: the saved start replaces it
+        denoiser.add_adapter(peft_config(plain, self.config.target_modules))
         denoiser.peft_config[ADAPTER] = self.config
         self.initial = saved_start
         restore_svd_init(denoiser, self.initial)
