@@ -102,11 +102,22 @@ def test_flux_adapter_trains_with_ema_resumes_exactly_and_exports(kind, tmp_path
     check_adapter_run(tmp_path, flux_model, flux_encoded, ADAPTERS[kind])
 
 
+KEYED_BEFORE_ISSUE_16 = {  # TrainParams().model_dump(mode="json") at ef5559f, before issue 16's settings
+    "alpha": 4.0, "batch_size": 4, "caption_dropout": 0.0, "checkpoint_every": 100, "dropout": 0.0,
+    "gradient_accumulation_steps": 1, "guidance": 1.0, "init_lora": None, "keep_checkpoints": 2,
+    "learning_rate": 0.0001, "loss_weighting": "none", "lr_scheduler": "constant", "max_grad_norm": 1.0,
+    "max_steps": 1000, "mixed_precision": "no", "noise_offset": 0.0, "num_processes": 1, "optimizer": "adamw",
+    "prediction_type": None, "rank": 4, "scale_lr": False, "seed": 0, "snr_gamma": None,
+    "target_modules": "attention", "timestep_sampling": {
+        "base_shift": None, "distribution": "uniform", "logit_mean": 0.0, "logit_std": 1.0, "max_shift": None,
+        "mode_scale": 1.29, "shift": "model", "shift_steps": None, "shift_value": None, "sigmoid_scale": 1.0},
+    "warmup_steps": 0, "weight_decay": 0.01}
+
+
 def test_a_plain_lora_keeps_its_train_key():
-    """The adapter and EMA settings at their defaults are left out of the keyed dump, so every run
-    made before them keeps its key; set, they are keyed."""
-    plain = train.TrainParams().model_dump(mode="json")
-    assert not {"adapter", "rslora", "init", "lokr_factor", "ema_decay", "ema_every", "ema_device"} & set(plain)
+    """Every setting added since (adapter, EMA, quantised base, loss options) is left out of the keyed
+    dump at its default, so every run made before them keeps its key; set, they are keyed."""
+    assert train.TrainParams().model_dump(mode="json") == KEYED_BEFORE_ISSUE_16
     assert train.TrainParams(adapter="lokr").model_dump(mode="json")["adapter"] == "lokr"
     assert train.TrainParams(ema_decay=0.9, ema_every=2).model_dump(mode="json")["ema_every"] == 2
 

@@ -37,7 +37,7 @@ class TrainParams(ObjectiveParams, AdapterParams, EMAParams):
                                   " content, not its path")
     # ---- the frozen base
     base_quantization: BaseQuantization = Field(
-        "none", description="store the frozen base's Linear weights as int8 or fp8 (torchao) or nf4 (bitsandbytes)"
+        "none", exclude_if=lambda v: v == "none", description="store the frozen base's Linear weights as int8 or fp8 (torchao) or nf4 (bitsandbytes)"
         " to fit a big model on a small card; the adapter trains in full precision (stages/train/quantization.py)")
     # ---- optimisation (AdamW)
     learning_rate: float = Field(1e-4, gt=0)
