@@ -289,7 +289,7 @@ def step_flops(recipe: LoRATrainingRecipe) -> int:
 
     inputs, device = recipe._prepare(0), recipe.accelerator.device
     with FlopCounterMode(display=False) as counter:
-        recipe.accelerator.backward(step_loss(recipe.family, recipe.denoiser, inputs, device, recipe.dtype))
+        recipe.accelerator.backward(step_loss(recipe.family, recipe.objective, recipe.denoiser, inputs, device, recipe.dtype))
     recipe.optimizer.zero_grad(set_to_none=True)
     return counter.get_total_flops()
 

@@ -78,7 +78,7 @@ def bare_step(recipe: LoRATrainingRecipe) -> Callable[[int], None]:
 
     device = recipe.accelerator.device
     inputs = recipe._prepare(0).map_tensors(lambda t: t.to(device))
-    return lambda i: optimizer_step(recipe, step_loss(recipe.family, recipe.denoiser, inputs, device, recipe.dtype))
+    return lambda i: optimizer_step(recipe, step_loss(recipe.family, recipe.objective, recipe.denoiser, inputs, device, recipe.dtype))
 
 
 def on_the_fly_step(recipe: LoRATrainingRecipe, enc_inputs) -> Callable[[int], None]:
@@ -109,7 +109,7 @@ def on_the_fly_step(recipe: LoRATrainingRecipe, enc_inputs) -> Callable[[int], N
         # drawn on the CPU, as the cached step's loader does
         batch = Batch(latents, texts, [(s, False) for s in chosen])
         inputs = step_inputs(family, recipe.objective, batch, rng, recipe.params)
-        optimizer_step(recipe, step_loss(family, recipe.denoiser, inputs, device, dtype))
+        optimizer_step(recipe, step_loss(family, recipe.objective, recipe.denoiser, inputs, device, dtype))
 
     return step
 

@@ -121,7 +121,7 @@ def test_flow_matching_objective(flux_dev, flux_schnell):
     dev = families.for_model(flux_dev)
     objective = dev.objective(flux_dev, ObjectiveParams())
     x0 = torch.randn(3, 16, 8, 8, generator=torch.Generator().manual_seed(1))
-    noise, sigmas = objective.draw(x0, torch.Generator().manual_seed(2))
+    noise, sigmas, _ = objective.draw(x0, torch.Generator().manual_seed(2))
     again = objective.draw(x0, torch.Generator().manual_seed(2))
     assert torch.equal(noise, again[0]) and torch.equal(sigmas, again[1])
     assert sigmas.shape == (3,) and bool(((sigmas > 0) & (sigmas < 1)).all())

@@ -39,7 +39,7 @@ def test_the_objective_targets_and_min_snr_weights(prediction, snr_weight, model
     model = models["sd15"][0]
     objective = families.for_model(model).objective(model, ObjectiveParams(prediction_type=prediction, snr_gamma=5.0))
     clean = torch.randn(4, 4, 8, 8, generator=torch.Generator().manual_seed(0))
-    noise, t = objective.draw(clean, torch.Generator().manual_seed(1))
+    noise, t, _ = objective.draw(clean, torch.Generator().manual_seed(1))
     noised = objective.noised(clean, noise, t)
     scheduler = DDPMScheduler.from_pretrained(model, subfolder="scheduler")
     assert torch.equal(noised.noisy, scheduler.add_noise(clean, noise, t))

@@ -386,9 +386,10 @@ def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded)
     rng = torch.Generator().manual_seed(derived_seed(params.seed, "batch", 0, 0))
     batch = load_batch(data, BatchPlan(data.split("train"), params.seed, 2, 1).batch(0, 0), rng, 0.0)
     family = families.for_model(tiny_model)
-    inputs = step_inputs(family, family.objective(tiny_model, params), batch, rng, params)
+    objective = family.objective(tiny_model, params)
+    inputs = step_inputs(family, objective, batch, rng, params)
     with torch.no_grad():
-        expected = step_loss(family, unet.train(), inputs, torch.device("cpu"), torch.float32)
+        expected = step_loss(family, objective, unet.train(), inputs, torch.device("cpu"), torch.float32)
     first = losses(out)[0]["loss"]
     assert first == pytest.approx(expected.item(), rel=1e-5)
     assert first < 0.5 * losses(trained[0])[0]["loss"]  # not the zero-initialised start

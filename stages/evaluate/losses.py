@@ -7,6 +7,10 @@ scored against the target of the family's objective: the one definition training
 and evaluate cannot disagree on what the model predicts. Seeding by content rather than position
 keeps a sample's noise the same when other samples join or leave the split (retraining on a
 growing dataset), and rather than by file name when its file is renamed.
+
+The score is always the plain, unweighted mean squared error over every latent element, whatever the
+training loss was (train.loss_type, min-SNR or debiased weights, loss masks): so held-out losses
+compare across runs with different loss settings, and the base model is scored the same way.
 """
 from __future__ import annotations
 
@@ -17,12 +21,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from stages.encoded import EncodedData, Sample
+from stages.families.objectives import LossFunction
 
 if TYPE_CHECKING:
     from stages.families import Family, ObjectiveParams
     from stages.families.objectives import Objective
 
 LossResult = dict[str, Any]  # {"overall": float, "by_timestep": {"<t>": float}}
+MSE = LossFunction("mse")  # whatever train.loss_type was: a number comparable across runs and with the base
 
 
 def sample_digest(loss_seed: int, content_id: str) -> bytes:
@@ -55,7 +61,7 @@ class Scoring:
 @torch.inference_mode()
 def denoising_loss(denoiser: torch.nn.Module, scoring: Scoring, encoded: EncodedData, samples: list[Sample],
                    timesteps: list[int], loss_seed: int) -> LossResult:
-    """Mean squared error of `denoiser` over `samples` at each of `timesteps`, and their mean."""
+    """Mean squared error (unweighted) of `denoiser` over `samples` at each of `timesteps`, and their mean."""
     family, objective = scoring.family, scoring.objective
     device, dtype, n = denoiser.device, denoiser.dtype, len(timesteps)
     t = objective.fixed_timesteps(timesteps)
@@ -68,8 +74,7 @@ def denoising_loss(denoiser: torch.nn.Module, scoring: Scoring, encoded: Encoded
         conditioning = family.conditioning([encoded.text(sample)], [(sample, False)], scoring.params)
         conditioning = {k: v.expand(n, *v.shape[1:]).to(device) for k, v in conditioning.items()}
         pred = family.predict(denoiser, noised.noisy.to(device), noised.timesteps.to(device), conditioning, dtype)
-        error = (pred.cpu() - noised.target) ** 2
-        total += error.mean(dim=tuple(range(1, error.ndim))).double()
+        total += MSE.per_sample(pred.cpu(), noised.target).double()
     per_t = total / len(samples)
     return {
         "overall": per_t.mean().item(),

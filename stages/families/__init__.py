@@ -22,6 +22,7 @@ The seam (what a stage calls; all model-dependent data is read from the folder's
     family.single_file_folder(file, digest, root)  a single-file checkpoint as a diffusers folder, once (flows)
     family.pixel_multiple(path) -> int             image sides must be multiples of it (SD 8, Flux 16) (encode,
                                                    evaluate)
+    family.latent_downsampling(path) -> int        image pixels per latent record pixel (encode: loss masks)
     family.tiny_arch()                             the --arch name of a (bound) tiny model (the demo)
   text records (encode)
     family.text_settings(path, TextOptions) -> Frozen    every setting that changes a record, as data: in the
@@ -38,9 +39,10 @@ The seam (what a stage calls; all model-dependent data is read from the folder's
     family.train_instead() -> str | None           the base to train on for a known distilled checkpoint (train:
                                                    one warning); evaluate.render_model previews on the distilled one
     family.objective(path, ObjectiveParams) -> Objective
-      objective.draw(latents, rng) -> (noise, t)            train: from the micro-batch's generator
+      objective.draw(latents, rng) -> (noise, t, input_noise)  train: from the micro-batch's generator
       objective.fixed_timesteps(steps) -> t                 evaluate: fixed levels (validates the range)
-      objective.noised(latents, noise, t) -> Noised         noisy, timesteps, target, weight: both stages
+      objective.noised(latents, noise, t[, input_noise]) -> Noised  noisy, timesteps, target, weight: both stages
+      objective.loss(pred, target, weight[, mask]) -> loss  train's loss (evaluate scores plain MSE)
       objective.prediction                                  epsilon, v_prediction, sample or flow (metrics)
     family.load_denoiser(path, dtype) -> nn.Module          (train; evaluate takes the pipeline's)
     family.conditioning(text records, [(geometry, flipped)], params) -> dict   on the CPU, per batch;

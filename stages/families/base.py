@@ -163,7 +163,11 @@ class Family(ABC):
 
     def pixel_multiple(self, model_path: Path) -> int:
         """Image sides must be multiples of this: the VAE's downsampling times the latent patch."""
-        return vae_scale_factor(model_path, self.components.latent[0]) * self.latent_patch
+        return self.latent_downsampling(model_path) * self.latent_patch
+
+    def latent_downsampling(self, model_path: Path) -> int:
+        """Image pixels per latent record pixel, along each side (the VAE's downsampling)."""
+        return vae_scale_factor(model_path, self.components.latent[0])
 
     # ---- text records
     @abstractmethod

@@ -80,7 +80,7 @@ class FlowFamily(Family):
 
     def check_objective(self, params: ObjectiveParams) -> None:
         why = f"applies to DDPM models; {self.name} is trained by flow matching (see train.timestep_sampling)"
-        refused = {"prediction_type": why, "snr_gamma": why}
+        refused = {"prediction_type": why, "snr_gamma": why, "debiased_estimation": why}
         if not self.bound.guidance_embeds:
             refused["guidance"] = f"{self.label} {self.bound.name} has no guidance input"
         params.refuse(refused)

@@ -15,6 +15,11 @@ model against v).
   unless the family says its pipeline samples otherwise; weighting as diffusers'
   `compute_loss_weighting_for_sd3`. Sigma is what `noised` returns as the timestep: a family whose
   transformer reads another convention (Z-Image: 1 - sigma) converts in its `predict`.
+
+Both: input perturbation (Ning et al. 2023, as diffusers' train_text_to_image applies it) noises the
+input with noise + gamma * randn while the target keeps the plain noise; `Objective.loss` scores a
+prediction with the training loss (`LossFunction`: MSE, or the pseudo-Huber losses kohya and
+diffusers call huber and smooth_l1), per latent pixel weighted by a mask, per sample by the weight.
 """
 from __future__ import annotations
 
@@ -67,6 +72,15 @@ class ObjectiveParams(Frozen):
         "none", description="flow-matching families: diffusers' compute_loss_weighting_for_sd3")
     guidance: float = Field(1.0, ge=0, description="guidance-distilled models (Flux.1 dev): the guidance"
                             " embedding's input in training")
+    loss_type: Literal["mse", "huber", "smooth_l1"] = Field(
+        "mse", description="the training loss per latent element, d = prediction - target: mse d^2;"
+        " huber 2c(sqrt(d^2 + c^2) - c); smooth_l1 2(sqrt(d^2 + c^2) - c), c = huber_c (kohya's and diffusers')")
+    huber_c: float = Field(0.1, gt=0, description="the pseudo-Huber losses' c: quadratic below it, linear above")
+    debiased_estimation: bool = Field(
+        False, description="DDPM epsilon/v models: weight each sample by 1/sqrt(snr) (epsilon) or 1/(snr + 1)"
+        " (v), snr capped at 1000 (kohya's debiased estimation); multiplies a min-SNR weight")
+    input_perturbation: float = Field(0.0, ge=0, description="gamma: the noisy input is made with noise +"
+                                      " gamma * randn, the target with the noise alone (0: off)")
 
     def refuse(self, not_applicable: dict[str, str]) -> None:
         """Raise for the first field set to other than its default that does not apply: field -> why.
@@ -78,6 +92,46 @@ class ObjectiveParams(Frozen):
     def objective_only(self) -> ObjectiveParams:
         """These settings as ObjectiveParams (a subclass's other fields dropped)."""
         return ObjectiveParams(**{name: getattr(self, name) for name in ObjectiveParams.model_fields})
+
+
+@dataclass(frozen=True)
+class LossFunction:
+    """The training loss per latent element (ObjectiveParams.loss_type, huber_c)."""
+
+    loss_type: str = "mse"
+    huber_c: float = 0.1
+
+    @classmethod
+    def of(cls, params: ObjectiveParams) -> LossFunction:
+        return cls(params.loss_type, params.huber_c)
+
+    def elementwise(self, pred: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        import torch.nn.functional as F
+
+        if self.loss_type == "mse":
+            return F.mse_loss(pred, target, reduction="none")
+        c = self.huber_c
+        pseudo_huber = 2 * (((pred - target) ** 2 + c * c).sqrt() - c)
+        return c * pseudo_huber if self.loss_type == "huber" else pseudo_huber
+
+    def per_sample(self, pred: torch.Tensor, target: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
+        """(B,) the mean over each sample's elements; a mask (B, 1, h, w) in [0, 1] weights each
+        latent pixel (its zeros drop the pixel; the mean is still over every pixel, as kohya's)."""
+        error = self.elementwise(pred, target)
+        if mask is not None:
+            error = error * fitted(mask, error)
+        return error.mean(dim=tuple(range(1, error.ndim)))
+
+
+def fitted(mask: torch.Tensor, error: torch.Tensor) -> torch.Tensor:
+    """A (B, 1, h, w) mask at the error's spatial size (averaged over each cell where the family's
+    latent layout is coarser than the latent record: Flux.2's patchified latents) and
+    broadcastable to the error's shape (Qwen-Image's 5-D latents)."""
+    import torch.nn.functional as F
+
+    if mask.shape[-2:] != error.shape[-2:]:
+        mask = F.adaptive_avg_pool2d(mask, error.shape[-2:])
+    return mask.view(mask.shape[0], *[1] * (error.ndim - 3), *mask.shape[-2:])
 
 
 @dataclass(frozen=True)
@@ -103,23 +157,40 @@ def draw_noise(shape: tuple[int, ...], rng: torch.Generator, offset: float) -> t
 class Objective(ABC):
     num_train_timesteps: int
     noise_offset: float
+    input_perturbation: float
+    loss_function: LossFunction
 
     @property
     @abstractmethod
     def prediction(self) -> str:
         """What the denoiser is trained to predict: epsilon, v_prediction, sample, or flow (noise - x0)."""
 
-    def draw(self, latents: torch.Tensor, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-        """Training's random noise and timesteps for `latents`, drawn from `rng` in a fixed order."""
+    def draw(self, latents: torch.Tensor, rng: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Training's random noise, timesteps and input noise (the noise, perturbed when
+        input_perturbation is set) for `latents`, drawn from `rng` in a fixed order."""
+        import torch
+
         noise = draw_noise(tuple(latents.shape), rng, self.noise_offset)
-        return noise, self.sample_timesteps(tuple(latents.shape), rng)
+        timesteps = self.sample_timesteps(tuple(latents.shape), rng)
+        if not self.input_perturbation:  # no draw: the random stream stays as without it
+            return noise, timesteps, noise
+        return noise, timesteps, noise + self.input_perturbation * torch.randn(noise.shape, generator=rng)
+
+    def loss(self, pred: torch.Tensor, target: torch.Tensor, weight: torch.Tensor | None,
+             mask: torch.Tensor | None = None) -> torch.Tensor:
+        """The training loss of `pred` against a Noised target: per sample (mask-weighted per latent
+        pixel), then weighted per sample by the Noised weight, averaged over the batch."""
+        per_sample = self.loss_function.per_sample(pred, target, mask)
+        return per_sample.mean() if weight is None else (per_sample * weight).mean()
 
     @abstractmethod
     def sample_timesteps(self, shape: tuple[int, ...], rng: torch.Generator) -> torch.Tensor: ...
 
     @abstractmethod
-    def noised(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> Noised:
-        """The noisy input, target and weight for clean `latents` (the one definition)."""
+    def noised(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+               input_noise: torch.Tensor | None = None) -> Noised:
+        """The noisy input (made with `input_noise`, default `noise`), target and weight for clean
+        `latents` (the one definition)."""
 
     @abstractmethod
     def fixed_timesteps(self, steps: list[int]) -> torch.Tensor:
@@ -137,6 +208,20 @@ class DDPMObjective(Objective):
     prediction_type: PredictionType
     snr_gamma: float | None
     noise_offset: float
+    debiased_estimation: bool = False
+    input_perturbation: float = 0.0
+    loss_function: LossFunction = LossFunction()
+
+    def __post_init__(self) -> None:
+        if self.debiased_estimation and self.prediction_type == "sample":
+            raise ValueError("train.debiased_estimation: applies to epsilon and v_prediction models;"
+                             " this one is trained to predict the clean sample")
+
+    @classmethod
+    def from_params(cls, scheduler: DDPMScheduler, prediction_type: PredictionType,
+                    params: ObjectiveParams) -> DDPMObjective:
+        return cls(scheduler, prediction_type, params.snr_gamma, params.noise_offset, params.debiased_estimation,
+                   params.input_perturbation, LossFunction.of(params))
 
     @property
     def num_train_timesteps(self) -> int:  # type: ignore[override]
@@ -151,26 +236,35 @@ class DDPMObjective(Objective):
 
         return torch.randint(0, self.num_train_timesteps, (shape[0],), generator=rng)
 
-    def noised(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> Noised:
-        import torch
-
-        noisy = self.scheduler.add_noise(latents, noise, timesteps)
+    def noised(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+               input_noise: torch.Tensor | None = None) -> Noised:
+        noisy = self.scheduler.add_noise(latents, noise if input_noise is None else input_noise, timesteps)
         if self.prediction_type == "epsilon":
             target = noise
         elif self.prediction_type == "v_prediction":
             target = self.scheduler.get_velocity(latents, noise, timesteps)
         else:
             target = latents
+        return Noised(noisy, timesteps, target, self.weight(timesteps))
+
+    def weight(self, timesteps: torch.Tensor) -> torch.Tensor | None:
+        """Per-sample loss weight: min-SNR, debiased estimation, their product, or None."""
+        import torch
+
         weight = None
+        alpha_bar = self.scheduler.alphas_cumprod[timesteps].float()
+        snr = alpha_bar / (1 - alpha_bar)
         if self.snr_gamma is not None:  # min-SNR (Hang et al. 2023) for each prediction type
-            alpha_bar = self.scheduler.alphas_cumprod[timesteps].float()
-            snr = alpha_bar / (1 - alpha_bar)
             weight = torch.clamp(snr, max=self.snr_gamma)  # x0-prediction's weight; epsilon's and v's:
             if self.prediction_type == "epsilon":
                 weight = weight / snr
             elif self.prediction_type == "v_prediction":
                 weight = weight / (snr + 1)
-        return Noised(noisy, timesteps, target, weight)
+        if self.debiased_estimation:  # capped: snr is infinite where alpha_bar reaches 1
+            capped = torch.clamp(snr, max=1000.0)
+            debiased = 1 / (capped + 1) if self.prediction_type == "v_prediction" else capped.rsqrt()
+            weight = debiased if weight is None else weight * debiased
+        return weight
 
     def fixed_timesteps(self, steps: list[int]) -> torch.Tensor:
         import torch
@@ -188,6 +282,8 @@ class FlowMatchingObjective(Objective):
     patch_size: int  # latent pixels per image-token side, for the image sequence length
     base_seq_len: int
     max_seq_len: int
+    input_perturbation: float = 0.0
+    loss_function: LossFunction = LossFunction()
     prediction = "flow"  # the velocity noise - x0
 
     @classmethod
@@ -213,7 +309,8 @@ class FlowMatchingObjective(Objective):
             "shift_steps": steps,
         })
         return cls(resolved, params.loss_weighting, params.noise_offset, config.get("num_train_timesteps", 1000),
-                   patch_size, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096))
+                   patch_size, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
+                   params.input_perturbation, LossFunction.of(params))
 
     def sample_timesteps(self, shape: tuple[int, ...], rng: torch.Generator) -> torch.Tensor:
         from diffusers.training_utils import compute_density_for_timestep_sampling
@@ -244,11 +341,12 @@ class FlowMatchingObjective(Objective):
             return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
         return u
 
-    def noised(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> Noised:
+    def noised(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
+               input_noise: torch.Tensor | None = None) -> Noised:
         from diffusers.training_utils import compute_loss_weighting_for_sd3
 
         sigma = timesteps.view(-1, *[1] * (latents.ndim - 1))
-        noisy = (1 - sigma) * latents + sigma * noise
+        noisy = (1 - sigma) * latents + sigma * (noise if input_noise is None else input_noise)
         weight = None
         if self.loss_weighting != "none":
             weight = compute_loss_weighting_for_sd3(self.loss_weighting, timesteps)

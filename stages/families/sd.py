@@ -151,7 +151,7 @@ class StableDiffusion(Family):
         if prediction not in ("epsilon", "v_prediction", "sample"):
             raise ValueError(f"{model_path}/{self.components.scheduler}: prediction_type {prediction!r} is not"
                              " supported: expected epsilon, v_prediction or sample")
-        return DDPMObjective(scheduler, prediction, params.snr_gamma, params.noise_offset)
+        return DDPMObjective.from_params(scheduler, prediction, params)
 
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
                      params: ObjectiveParams) -> Conditioning:

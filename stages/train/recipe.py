@@ -46,7 +46,6 @@ from contextlib import nullcontext
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from accelerate.utils import broadcast_object_list, gather_object, send_to_device
 
 from cache.errors import UserError
@@ -54,6 +53,7 @@ from cache.fsutil import write_json_atomic
 from cache.samples import DamagedRecord
 from stages import families
 from stages.encoded import EncodedData
+from stages.families.objectives import Objective
 from stages.launching import die_with_parent, reporting_errors
 from stages.progress import progress_line
 from stages.train.ahead import WAIT_FOR_JOB, wait_for_job
@@ -68,16 +68,13 @@ TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")
 LYCORIS_NETWORK_ARGS = {"dora": {"algo": "lora", "dora_wd": "True"}, "lokr": {"algo": "lokr"}, "loha": {"algo": "loha"}}
 
 
-def step_loss(family: families.Family, denoiser: torch.nn.Module, inputs: StepInputs, device: torch.device,
-              dtype: torch.dtype) -> torch.Tensor:
-    """Score the denoiser's prediction for a prepared micro-batch (MSE, weighted per sample if asked)."""
-    to_device = lambda t: t.to(device, non_blocking=True)  # noqa: E731
+def step_loss(family: families.Family, objective: Objective, denoiser: torch.nn.Module, inputs: StepInputs,
+              device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """Score the denoiser's prediction for a prepared micro-batch with the objective's training loss."""
+    to_device = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
     conditioning = {k: to_device(v) for k, v in inputs.conditioning.items()}
     pred = family.predict(denoiser, to_device(inputs.noisy), to_device(inputs.timesteps), conditioning, dtype)
-    per_sample = F.mse_loss(pred, to_device(inputs.target), reduction="none").mean(dim=tuple(range(1, pred.ndim)))
-    if inputs.loss_weight is None:
-        return per_sample.mean()
-    return (per_sample * to_device(inputs.loss_weight)).mean()
+    return objective.loss(pred, to_device(inputs.target), to_device(inputs.loss_weight))
 
 
 class LoRATrainingRecipe:
@@ -339,7 +336,7 @@ class LoRATrainingRecipe:
                 torch.manual_seed(derived_seed(p.seed, "dropout", micro_batch, self.rank))
             last = j == p.gradient_accumulation_steps - 1
             with nullcontext() if last else acc.no_sync(self.denoiser):
-                loss = step_loss(self.family, self.denoiser, inputs, acc.device, self.dtype)
+                loss = step_loss(self.family, self.objective, self.denoiser, inputs, acc.device, self.dtype)
                 acc.backward(loss / p.gradient_accumulation_steps)
             losses.append(loss.detach())
         acc.clip_grad_norm_(self.lora_params, p.max_grad_norm)
