@@ -19,6 +19,8 @@ Records are safetensors blobs (no pickle):
   latent record: "mean", "std"  (C, h, w) in the encode dtype; the VAE posterior, unscaled
   text record:   what the family's text encoder returns: "hidden_states" (T, D), and for SDXL and
                  Flux.1 "pooled" (D2,); variable-length families store (L_i, D) unpadded
+  mask record:   "mask" (1, h, w) float32 loss weights at the latent record's h, w: only samples
+                 with a loss mask have one (`mask`, and `mask_flip` with encode.flip)
 """
 from __future__ import annotations
 
@@ -86,6 +88,8 @@ class Sample:
     resized: tuple[int, int] | None = None  # (height, width) before the crop; mirrors a flipped crop box
     text_variants: tuple[Record, ...] = ()  # encode.caption_variants > 1: every variant's (`text` is the first,
     # and in a batch plan's draw the one drawn: stages/train/data.py)
+    mask: Record | None = None  # its loss mask (None: weight 1 everywhere)
+    mask_flip: Record | None = None  # the mirrored image's loss mask (encode.flip)
 
     @property
     def content_id(self) -> str:
@@ -100,6 +104,7 @@ class Sample:
             records[v["latent"]], records[v["text"]], v["repeats"],
             records[v["latent_flip"]] if "latent_flip" in v else None, source["dataset"], tuple(v["resized"]),
             tuple(records[key] for key in v.get("text_variants", ())),
+            *(records[v[name]] if name in v else None for name in ("mask", "mask_flip")),
         )
 
 
@@ -139,6 +144,11 @@ class EncodedData:
             raise ValueError(f"sample {sample.id} has no flipped latent: encode with encode.flip: true")
         t = self._tensors(sample.latent_flip if flipped else sample.latent)
         return t["mean"], t["std"]
+
+    def mask(self, sample: Sample, flipped: bool = False) -> torch.Tensor | None:
+        """The loss weights (1, h, w) of the (mirrored) latent, or None where the sample has no mask."""
+        record = sample.mask_flip if flipped else sample.mask
+        return None if record is None else self._tensors(record)["mask"]
 
     def text(self, sample: Sample) -> dict[str, torch.Tensor]:
         return self._tensors(sample.text)

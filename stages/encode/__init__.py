@@ -6,16 +6,18 @@ Writes: samples.json and locations/index.json (stages/encoded.py), an index into
         sample store; each sample's latent record(s) (and a horizontally flipped one with `flip`)
         and text record(s) are keyed by what they depend on, so only records that do not exist yet
         are computed (a caption edit encodes one text record, or that sample's caption_variants, and
-        no latent). samples.json's header records the family, the encoder components' digests, the
-        text settings and the latent normalisation train and evaluate apply. Also logs/report.json
-        (undecodable images).
+        no latent). A sample with a loss mask (preprocess's `mask`) also gets a mask record (and a
+        mirrored one with `flip`) at latent resolution (stages/encode/masks.py). samples.json's
+        header records the family, the encoder components' digests, the text settings and the
+        latent normalisation train and evaluate apply. Also logs/report.json (undecodable images).
 Key:    these params + the preprocess artifact's digest + the digests of the family's text and
         latent components + what the family resolves from them (resolved_settings: text settings,
         latent normalisation), so a family that changes its hidden layer is a miss, not a stale hit.
 Digest: samples.json only: the record keys and what training reads with them, not where the
         records or the images are (a renamed image or a repaired shard reruns encode alone).
 
-A latent record's key: the image's bytes, crop and background, flip, dtype, the VAE's digest. A text
+A latent record's key: the image's bytes, crop and background, flip, dtype, the VAE's digest. A mask
+record's key: the mask's bytes, the image's resize and crop, flip, the VAE's downsampling. A text
 record's key: the caption, the family, its text components' digests and every text setting
 (encoders, hidden layers, pooled output, max length, padding and template: family.text_settings),
 dtype. Image sides must be multiples of the family's pixel multiple (SD 8, Flux 16). With
@@ -34,7 +36,7 @@ from __future__ import annotations
 import json
 import os
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
@@ -53,6 +55,7 @@ from ..preprocess import DATASET_FILE
 from ..preprocess.sources import DatasetSource
 from .captions import CaptionAugmentation
 from .images import ImageCrops, sample_label
+from .masks import mask_key
 
 VERSION = "5"  # 5: the family, its text settings and latent normalisation in samples.json
 # in record keys: bump when a record's bytes would change for the same inputs
@@ -149,17 +152,20 @@ def text_key(caption: str, params: EncodeParams, ingredients: dict) -> str:
 
 @dataclass(frozen=True)
 class SampleKeys:
-    """Every record key the encode artifact points to, per sample id."""
+    """Every record key the encode artifact points to, per sample id (masks: masked samples only)."""
 
     latent: dict[str, str]
     latent_flip: dict[str, str]
     text: dict[str, tuple[str, ...]]  # its caption's record, or a training sample's caption variants'
     captions: dict[str, str]  # text record key -> the caption it encodes
     empty: str
+    mask: dict[str, str] = field(default_factory=dict)
+    mask_flip: dict[str, str] = field(default_factory=dict)
 
     @classmethod
-    def of(cls, dataset: list[dict], params: EncodeParams, vae_digest: str, text: dict) -> "SampleKeys":
-        """`text`: text_ingredients."""
+    def of(cls, dataset: list[dict], params: EncodeParams, vae_digest: str, text: dict,
+           mask_factor: int) -> "SampleKeys":
+        """`text`: text_ingredients; `mask_factor`: image pixels per latent pixel."""
         captions, texts = {}, {}
         for s in dataset:
             variants = params.captions(s["caption"], s["digest"]) if s["split"] == "train" else (s["caption"],)
@@ -167,19 +173,28 @@ class SampleKeys:
             captions.update(zip(keys, variants))
             texts[s["id"]] = keys
         empty = text_key("", params, text)
+        masked = [s for s in dataset if "mask" in s]
         return cls({s["id"]: latent_key(s, params, vae_digest) for s in dataset},
                    {s["id"]: latent_key(s, params, vae_digest, True) for s in dataset} if params.flip else {},
-                   texts, {**captions, empty: ""}, empty)
+                   texts, {**captions, empty: ""}, empty,
+                   {s["id"]: mask_key(s, mask_factor) for s in masked},
+                   {s["id"]: mask_key(s, mask_factor, True) for s in masked} if params.flip else {})
 
     def of_sample(self, sample_id: str) -> list[str]:
-        return [*(table[sample_id] for table in (self.latent, self.latent_flip) if sample_id in table),
-                *self.text[sample_id]]
+        return [*(table[sample_id] for table in (self.latent, self.latent_flip, self.mask, self.mask_flip)
+                  if sample_id in table), *self.text[sample_id]]
 
     def latents(self) -> set[str]:
         return {*self.latent.values(), *self.latent_flip.values()}
 
     def texts(self) -> set[str]:
         return {*(key for keys in self.text.values() for key in keys), self.empty}
+
+    def masks(self) -> set[str]:
+        return {*self.mask.values(), *self.mask_flip.values()}
+
+    def all(self) -> set[str]:
+        return self.latents() | self.texts() | self.masks()
 
 
 def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Path,
@@ -191,12 +206,13 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     check_sizes(dataset, family.pixel_multiple(inputs.model_path), family.label)
     settings = family.text_settings(inputs.model_path, params)
     keys = SampleKeys.of(dataset, params, family.components.latent_digest(inputs.model_digests),
-                         text_ingredients(family, settings, inputs))
+                         text_ingredients(family, settings, inputs), family.latent_downsampling(inputs.model_path))
     store = open_sample_store(inputs.cache_root)
     _add_member_digests(store, keys, log)
-    missing = set(store.missing(keys.latents() | keys.texts()))
+    missing = set(store.missing(keys.all()))
     jobs = EncodeJobs.plan(dataset, keys, missing, inputs.datasets)
-    log(f"encode: {len(jobs.latents)} latents and {len(jobs.texts)} text embeddings to encode,"
+    masks = f", {len(jobs.masks)} loss masks" if jobs.masks else ""
+    log(f"encode: {len(jobs.latents)} latents and {len(jobs.texts)} text embeddings{masks} to encode,"
         f" {jobs.reused_latents} latents reused")
     processes = options.num_processes if len(jobs.latents) > options.batch_size else 1  # else not worth starting
     if options.executor == "dask" and (jobs.latents or jobs.texts):
@@ -225,6 +241,8 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     counts = {
         "latents_encoded": len(jobs.latents) - failed_jobs, "latents_reused": jobs.reused_latents,
         "texts_encoded": len(jobs.texts), "texts_reused": len(keys.texts()) - len(jobs.texts),
+        "masks_encoded": sum(1 for _, i, _ in jobs.masks if dataset[i]["id"] not in failed),
+        "masks_reused": len(keys.masks()) - len(jobs.masks),
         "undecodable": len(failed), "processes": processes,
     }
     log("encode: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
@@ -242,7 +260,7 @@ def _caption_header(params: EncodeParams) -> dict:
 def _add_member_digests(store: SampleStore, keys: SampleKeys, log: Log) -> None:
     """Shards holding needed records but written before record digests existed are checked
     once and get them (a damaged one is removed, so its records are encoded again)."""
-    completed, removed = store.add_member_digests(keys.latents() | keys.texts())
+    completed, removed = store.add_member_digests(keys.all())
     for shard, problem in removed:
         log(f"encode: shard {shard} {problem}; removed, its records are encoded again")
     if completed:
@@ -270,10 +288,12 @@ def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: Sa
         texts = keys.text[s["id"]]
         variants = {"text_variants": list(texts), "caption_variants": [keys.captions[k] for k in texts]
                     } if len(texts) > 1 else {}
+        masks = {name: table[s["id"]] for name, table in (("mask", keys.mask), ("mask_flip", keys.mask_flip))
+                 if s["id"] in table}
         return {
             "split": s["split"], "caption": s["caption"], "original_size": s["original_size"],
             "crop_box": s["crop_box"], "resized": s["resized"], "size": s["size"], "repeats": s["repeats"],
-            "latent": keys.latent[s["id"]], "text": texts[0], **variants, **flip,
+            "latent": keys.latent[s["id"]], "text": texts[0], **variants, **flip, **masks,
         }
 
     used = sorted({keys.empty} | {k for s in ordered for k in keys.of_sample(s["id"])})

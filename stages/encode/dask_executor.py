@@ -47,7 +47,8 @@ def run_on_dask(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inp
         log(f"encode: {len(chunks)} chunks of up to {options.shard_records} records on {workers} Dask workers")
         progress = Progress(len(jobs.latents), jobs.reused_latents, log, options.progress_every,
                             f" ({workers} Dask workers)")
-        futures = [client.submit(encode_chunk, chunk, {i: dataset[i] for _, i, _ in chunk.latents}, params, inputs,
+        futures = [client.submit(encode_chunk, chunk, {i: dataset[i] for _, i, _ in [*chunk.latents, *chunk.masks]},
+                                 params, inputs,
                                  options, key=f"encode-chunk-{n:06d}-{digest_json(chunk.keys())[:16]}", pure=False)
                    for n, chunk in enumerate(chunks)]
         return _gather(client, futures, progress, log)

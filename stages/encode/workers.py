@@ -28,6 +28,7 @@ from ..encoded import encode_record
 from ..launching import die_with_parent, reporting_errors, run_streaming, write_accelerate_config
 from .images import sample_label
 from .latents import Progress, encode_latents
+from .masks import encode_masks
 
 if TYPE_CHECKING:
     from ..families.base import TextEncoder
@@ -44,6 +45,7 @@ class EncodeJobs:
     texts: list[tuple[str, str, str]]  # (text record key, caption, whose caption), sorted by key
     latents: list[tuple[str, int, bool]]  # (latent record key, dataset.json index, flipped), by size then key
     reused_latents: int
+    masks: list[tuple[str, int, bool]] = ()  # (mask record key, dataset.json index, flipped), by key
 
     @classmethod
     def plan(cls, dataset: list[dict], keys: SampleKeys, missing: set[str],
@@ -58,26 +60,31 @@ class EncodeJobs:
                 if s["id"] in table:
                     latents[table[s["id"]]] = (tuple(s["size"]), i, flip)
         todo = sorted((size, key, i, flip) for key, (size, i, flip) in latents.items() if key in missing)
+        masks = {table[s["id"]]: (i, flip) for i, s in enumerate(dataset)
+                 for flip, table in ((False, keys.mask), (True, keys.mask_flip)) if s["id"] in table}
         return cls(sorted((k, c, w) for k, (c, w) in texts.items() if k in missing),
-                   [(key, i, flip) for _, key, i, flip in todo], len(latents) - len(todo))
+                   [(key, i, flip) for _, key, i, flip in todo], len(latents) - len(todo),
+                   sorted((key, i, flip) for key, (i, flip) in masks.items() if key in missing))
 
     def share(self, rank: int, world: int) -> "EncodeJobs":
-        return EncodeJobs(self.texts[rank::world], self.latents[rank::world], self.reused_latents)
+        return EncodeJobs(self.texts[rank::world], self.latents[rank::world], self.reused_latents,
+                          self.masks[rank::world])
 
     def chunks(self, size: int) -> list["EncodeJobs"]:
-        """Consecutive runs of `size` jobs in plan order (texts, then latents): each becomes one
-        shard, whichever executor encodes it, so the shards and the index do not depend on it."""
-        skip = len(self.texts)
+        """Consecutive runs of `size` jobs in plan order (texts, then latents, then masks): each
+        becomes one shard, whichever executor encodes it, so the shards and the index do not depend on it."""
+        skip, skip_masks = len(self.texts), len(self.texts) + len(self.latents)
         return [EncodeJobs(self.texts[start:start + size],
-                           self.latents[max(0, start - skip):max(0, start + size - skip)], 0)
-                for start in range(0, skip + len(self.latents), size)]
+                           self.latents[max(0, start - skip):max(0, start + size - skip)], 0,
+                           self.masks[max(0, start - skip_masks):max(0, start + size - skip_masks)])
+                for start in range(0, skip_masks + len(self.masks), size)]
 
     def keys(self) -> list[str]:
-        return [key for key, _, _ in self.texts] + [key for key, _, _ in self.latents]
+        return [key for jobs in (self.texts, self.latents, self.masks) for key, _, _ in jobs]
 
     def only(self, keys: set[str]) -> "EncodeJobs":
         return EncodeJobs([t for t in self.texts if t[0] in keys], [j for j in self.latents if j[0] in keys],
-                          self.reused_latents)
+                          self.reused_latents, [j for j in self.masks if j[0] in keys])
 
 
 def encode_jobs(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inputs: EncodeInputs,
@@ -111,6 +118,8 @@ def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[dict] | Mapping[in
                             lambda: loaded(("latent", *model), lambda: family.load_latent_encoder(inputs.model_path, device)),
                             dtype, buffer.add, options.batch_size, options.num_workers, progress, log,
                             [n for n, c in enumerate(chunks) for _ in c.latents])
+    failed |= encode_masks([(key, dataset[i], flip) for c in chunks for key, i, flip in c.masks], inputs.datasets,
+                           family.latent_downsampling(inputs.model_path), buffer.add, log)
     buffer.flush()
     return failed
 
@@ -164,6 +173,7 @@ def launch_workers(jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs,
     job.write_text(json.dumps({
         "params": params.model_dump(mode="json"), "options": options.model_dump(mode="json"),
         "inputs": inputs.to_json(), "texts": jobs.texts, "latents": jobs.latents, "reused": jobs.reused_latents,
+        "masks": jobs.masks,
     }, sort_keys=True))
     config = write_accelerate_config(work_dir / "accelerate.yaml", options.num_processes)
     threads = max(1, (os.cpu_count() or 1) // options.num_processes)
@@ -185,7 +195,8 @@ def main(job_path: Path) -> None:
     job = json.loads(job_path.read_text())
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     inputs = EncodeInputs.from_json(job["inputs"])
-    jobs = EncodeJobs([tuple(t) for t in job["texts"]], [tuple(t) for t in job["latents"]], job["reused"])
+    jobs = EncodeJobs([tuple(t) for t in job["texts"]], [tuple(t) for t in job["latents"]], job["reused"],
+                      [tuple(t) for t in job["masks"]])
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
     log = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: print(f"[rank {rank}] {m}", flush=True))
     share = jobs.share(rank, world)

@@ -5,8 +5,10 @@ Reads:  one or more datasets (stages/preprocess/sources.py): nested image folder
         sidecars, imagefolder metadata.jsonl / metadata.csv, saved `datasets` folders or parquet.
 Writes: dataset.json: per sample id, dataset index (`source`), relative path, content digest,
         caption, repeats, original size, target size (a square or a bucket), resized size, crop
-        box, split, and `background` for images with alpha; report.json: every rejected file or
-        metadata row, its reason and detail, counts per reason, and warnings (`small_image`).
+        box, split, `background` for images with alpha, and `mask` for images with a loss mask
+        (a sidecar's path and digest, or the alpha channel: the dataset's `mask` setting);
+        report.json: every rejected file or metadata row, its reason and detail, counts per
+        reason, and warnings (`small_image`).
 Key:    these params + per dataset its settings and a fingerprint of its files (relative paths and
         content digests, stat-cached, and what it refuses) — never a folder's location.
 """
@@ -28,7 +30,7 @@ from cache.store import Built
 from ..contract import Frozen, Log
 from .crops import generated_buckets, nearest_bucket, place, shrink_to_fit
 from .sources import BadRow, Candidate, DatasetSource, MissingCaption, candidates, fingerprint
-from .validation import ImageInfo, Rejected, inspect_image, summary_lines
+from .validation import ImageInfo, Rejected, inspect_image, mask_entry, summary_lines
 
 # 3: nothing read outside a dataset, metadata row problems reported, .caption fallback, warnings;
 # 4: the held-out split and random crops chosen by image content, not file name
@@ -144,8 +146,11 @@ def _validate(found: list[Candidate], params: PreprocessParams,
             for seen, what in ((info.digest, "same bytes as"), (sample_id, "same name (so the same id) as")):
                 if seen in first_of:
                     raise Rejected("duplicate", f"{what} {first_of[seen]}")
+            mask = mask_entry(c, info, source)
             first_of.update({info.digest: c.label, sample_id: c.label})
             samples.append(_sample(c, sample_id, info, caption, source.repeats, params))
+            if mask:
+                samples[-1]["mask"] = mask
         except Rejected as r:
             rejected.append({"path": c.label, "reason": r.reason, "detail": r.detail})
             continue

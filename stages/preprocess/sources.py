@@ -31,6 +31,7 @@ from .listing import Listing, list_folder, named_inside, within
 from .metadata import METADATA_FILES, MetadataCaption, RowProblem, metadata_captions
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+MASK_SUFFIX = ".mask.png"  # <image stem>.mask.png: that image's loss mask, never an image itself
 DEFAULT_CAPTION_EXTS = (".txt", ".caption")  # caption_ext unset: kohya's .caption where no .txt exists
 MissingCaption = Literal["error", "skip", "filename", "empty"]
 BadRow = Literal["skip", "error"]
@@ -58,6 +59,10 @@ class DatasetSource(Frozen):
     follow_symlinks: bool = Field(False, description="use links to files and folders outside the dataset folder")
     split: Literal["auto", "train", "holdout"] = Field("auto", description="holdout: a separate validation"
                                                         " set; auto: preprocess.holdout_fraction decides")
+    mask: Literal["sidecar", "alpha", "none"] = Field(
+        "sidecar", description="per-pixel training loss weights (white 1, black 0): sidecar: <image stem>.mask.png"
+        " where one exists; alpha: the image's alpha channel where it has one; none: no masks. An image"
+        " without a mask is weighted 1 everywhere")
 
     @property
     def label(self) -> str:
@@ -81,6 +86,15 @@ class DatasetSource(Frozen):
 
 
 @dataclass(frozen=True)
+class MaskFile:
+    """A sidecar mask (MASK_SUFFIX) of one image."""
+
+    rel: str  # relative to the dataset folder
+    open: Callable[[], BinaryIO]
+    digest: Callable[[], str]
+
+
+@dataclass(frozen=True)
 class Candidate:
     """One image a dataset offers, before validation."""
 
@@ -91,6 +105,7 @@ class Candidate:
     caption_problem: str  # why there is no caption (when caption is None)
     open: Callable[[], BinaryIO]  # the image file, opened for reading (OSError when unreadable)
     digest: Callable[[], str]  # content digest of those bytes (stat-cached for files)
+    mask: MaskFile | None = None  # its sidecar mask (a folder dataset with mask: sidecar)
 
 
 @dataclass(frozen=True)
@@ -107,6 +122,7 @@ class FolderScan:
 
     listing: Listing
     images: dict[str, str | None]  # image -> the caption sidecar it would use, by relative path
+    masks: dict[str, str]  # image -> its sidecar mask (mask: sidecar), by relative path
     metadata: tuple[str, ...]  # metadata files, by relative path
     refused: tuple[tuple[str, str, str], ...]  # (relative path, reason, detail)
 
@@ -115,9 +131,11 @@ def scan_folder(source: DatasetSource) -> FolderScan:
     listing = list_folder(source.path, source.follow_symlinks)
     refused = [(rel, skip.reason, SKIPPED_DETAIL[skip.reason]) for rel, skip in listing.skipped.items()
                if skip.folder or _offered_name(rel)]
-    images = {}
-    for rel in (r for r in listing.files if r.lower().endswith(IMAGE_SUFFIXES)):
+    images, masks = {}, {}
+    for rel in (r for r in listing.files if _image_name(r)):
         stem = rel.rsplit(".", 1)[0]
+        if source.mask == "sidecar" and stem + MASK_SUFFIX in listing.files:
+            masks[rel] = stem + MASK_SUFFIX
         sidecar = next((s for s in (stem + ext for ext in source.caption_exts)
                         if s in listing.files or s in listing.skipped), None)
         if sidecar in listing.skipped:
@@ -126,11 +144,15 @@ def scan_folder(source: DatasetSource) -> FolderScan:
         else:
             images[rel] = sidecar
     metadata = tuple(r for r in listing.files if posixpath.basename(r) in METADATA_FILES)
-    return FolderScan(listing, images, metadata, tuple(refused))
+    return FolderScan(listing, images, masks, metadata, tuple(refused))
+
+
+def _image_name(rel: str) -> bool:
+    return rel.lower().endswith(IMAGE_SUFFIXES) and not rel.lower().endswith(MASK_SUFFIX)
 
 
 def _offered_name(rel: str) -> bool:
-    return rel.lower().endswith(IMAGE_SUFFIXES) or posixpath.basename(rel) in METADATA_FILES
+    return _image_name(rel) or posixpath.basename(rel) in METADATA_FILES
 
 
 def _file_digest(path: Path | ObjectFile, stat_cache: StatCache) -> str:
@@ -151,7 +173,7 @@ def fingerprint(source: DatasetSource, stat_cache: StatCache) -> str:
         files = list_folder(source.path, source.follow_symlinks).files
         return digest_json([[rel, _file_digest(path, stat_cache)] for rel, path in files.items()])
     scan = scan_folder(source)
-    used = sorted({*scan.images, *filter(None, scan.images.values()), *scan.metadata})
+    used = sorted({*scan.images, *filter(None, scan.images.values()), *scan.masks.values(), *scan.metadata})
     return digest_json({"files": [[rel, _file_digest(scan.listing.files[rel], stat_cache)] for rel in used],
                         "refused": scan.refused})
 
@@ -161,7 +183,7 @@ def candidates(source: DatasetSource, index: int, prefix: str, stat_cache: StatC
     if source.format != "folder":
         return Offered(_table_candidates(source, index, prefix), [])
     scan = scan_folder(source)
-    offered = {rel for rel in (*scan.listing.files, *scan.listing.skipped) if rel.lower().endswith(IMAGE_SUFFIXES)}
+    offered = {rel for rel in (*scan.listing.files, *scan.listing.skipped) if _image_name(rel)}
     captions, problems = metadata_captions(scan.listing, offered, source.caption_column)
     if problems and source.on_bad_row == "error":
         raise ValueError(_bad_row_error(source, problems))
@@ -170,10 +192,17 @@ def candidates(source: DatasetSource, index: int, prefix: str, stat_cache: StatC
         path = scan.listing.files[rel]
         caption, problem = _caption(source, captions.get(rel), sidecar and scan.listing.files[sidecar])
         found.append(Candidate(index, rel, prefix + rel, caption, problem, lambda path=path: path.open("rb"),
-                               lambda path=path: stat_cache.digest(path)))
+                               lambda path=path: stat_cache.digest(path), _mask_file(scan, rel, stat_cache)))
     refused = [{"path": prefix + rel, "reason": reason, "detail": detail} for rel, reason, detail in scan.refused]
     refused += [{"path": prefix + p.where, "reason": p.reason, "detail": p.detail} for p in problems]
     return Offered(found, refused)
+
+
+def _mask_file(scan: FolderScan, image: str, stat_cache: StatCache) -> MaskFile | None:
+    if image not in scan.masks:
+        return None
+    path = scan.listing.files[scan.masks[image]]
+    return MaskFile(scan.masks[image], lambda: path.open("rb"), lambda: stat_cache.digest(path))
 
 
 def _caption(source: DatasetSource, row: MetadataCaption | None, sidecar: Path | ObjectFile | None

@@ -12,7 +12,7 @@ from typing import BinaryIO
 from PIL import Image, UnidentifiedImageError
 
 from .listing import OutsideDataset
-from .sources import Candidate
+from .sources import Candidate, DatasetSource
 
 TRANSPOSED = (5, 6, 7, 8)  # EXIF orientations that swap width and height
 SHOWN_PER_REASON = 3
@@ -81,6 +81,24 @@ def inspect_image(candidate: Candidate, min_side: int) -> ImageInfo:
     if min(width, height) < min_side:
         raise Rejected("too_small", f"{width}x{height} is below preprocess.min_side {min_side}")
     return ImageInfo(width, height, has_alpha, candidate.digest())
+
+
+def mask_entry(candidate: Candidate, info: ImageInfo, source: DatasetSource) -> dict | None:
+    """What the sample's loss mask is made from (dataset.json's `mask`), or None (weight 1): a
+    sidecar must be a readable image of the image's size as shown (after EXIF orientation)."""
+    if source.mask == "alpha" and info.has_alpha:
+        return {"from": "alpha"}
+    if candidate.mask is None:
+        return None
+    try:
+        with candidate.mask.open() as f:
+            width, height, _, _ = _header(f)
+    except (OSError, Unparsable) as e:
+        raise Rejected("bad_mask", f"its mask {candidate.mask.rel} is not a readable image ({e})") from None
+    if (width, height) != (info.width, info.height):
+        raise Rejected("bad_mask", f"its mask {candidate.mask.rel} is {width}x{height}, the image {info.width}x"
+                       f"{info.height}: a mask must have its image's size (or set mask: none on the dataset)")
+    return {"from": "sidecar", "path": candidate.mask.rel, "digest": candidate.mask.digest()}
 
 
 def truncated(head: bytes, tail: bytes, size: int, fmt: str | None) -> bool:

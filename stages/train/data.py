@@ -93,6 +93,8 @@ class Batch:
     latents: torch.Tensor  # (B, C, h, w) under the encode artifact's latent normalisation
     texts: list[TextRecord]  # as stored (a dropped caption: the empty prompt's record)
     images: list[tuple[ImageGeometry, bool]]  # each sample and whether its latent is the mirrored one
+    masks: torch.Tensor | None = None  # (B, 1, h, w) loss weights at the latent records' size; None: no
+    # sample of the batch has a mask (one without gets weight 1)
 
 
 def draws_flipped(sample: Sample, rng: torch.Generator) -> bool:
@@ -103,9 +105,9 @@ def draws_flipped(sample: Sample, rng: torch.Generator) -> bool:
 
 def load_batch(data: EncodedData, samples: list[Sample], rng: torch.Generator, caption_dropout: float) -> Batch:
     """Pick plain or mirrored latents, sample each posterior and normalise it, drop captions (to the
-    cached empty prompt) with probability caption_dropout."""
+    cached empty prompt) with probability caption_dropout; the loss masks of the latents picked."""
     empty = data.empty_text()
-    latents, texts, images = [], [], []
+    latents, texts, images, masks = [], [], [], []
     for sample in samples:
         flipped = draws_flipped(sample, rng)
         mean, std = (t.float() for t in data.latent(sample, flipped))
@@ -113,7 +115,15 @@ def load_batch(data: EncodedData, samples: list[Sample], rng: torch.Generator, c
         dropped = torch.rand((), generator=rng).item() < caption_dropout
         texts.append(empty if dropped else data.text(sample))
         images.append((sample, flipped))
-    return Batch(torch.cat(latents), texts, images)
+        masks.append(data.mask(sample, flipped))
+    return Batch(torch.cat(latents), texts, images, batch_masks(masks, latents[0].shape[-2:]))
+
+
+def batch_masks(masks: list[torch.Tensor | None], size: torch.Size) -> torch.Tensor | None:
+    """The masks stacked (B, 1, h, w), ones for a sample without one; None when none has one."""
+    if all(m is None for m in masks):
+        return None
+    return torch.stack([torch.ones(1, *size) if m is None else m.float() for m in masks])
 
 
 @dataclass
@@ -125,6 +135,7 @@ class StepInputs:
     conditioning: dict[str, torch.Tensor]  # the family's denoiser inputs besides x_t and t
     target: torch.Tensor
     loss_weight: torch.Tensor | None  # per sample (min-SNR, flow-matching weighting)
+    loss_mask: torch.Tensor | None = None  # per latent pixel (B, 1, h, w): Batch.masks
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "StepInputs":
         """`fn` applied to every tensor (the conditioning's too)."""
@@ -142,7 +153,7 @@ def step_inputs(family: Family, objective: Objective, batch: Batch, rng: torch.G
     input, target and weight, and the family's conditioning."""
     noised = objective.noised(batch.latents, *objective.draw(batch.latents, rng))
     return StepInputs(noised.noisy, noised.timesteps, family.conditioning(batch.texts, batch.images, params),
-                      noised.target, noised.weight)
+                      noised.target, noised.weight, batch.masks)
 
 
 def prepare_micro_batch(data: EncodedData, plan: BatchPlan, family: Family, objective: Objective, params: TrainParams,

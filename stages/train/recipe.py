@@ -74,7 +74,7 @@ def step_loss(family: families.Family, objective: Objective, denoiser: torch.nn.
     to_device = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
     conditioning = {k: to_device(v) for k, v in inputs.conditioning.items()}
     pred = family.predict(denoiser, to_device(inputs.noisy), to_device(inputs.timesteps), conditioning, dtype)
-    return objective.loss(pred, to_device(inputs.target), to_device(inputs.loss_weight))
+    return objective.loss(pred, to_device(inputs.target), to_device(inputs.loss_weight), to_device(inputs.loss_mask))
 
 
 class LoRATrainingRecipe:
