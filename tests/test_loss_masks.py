@@ -191,3 +191,20 @@ def test_editing_a_mask_re_encodes_that_mask_alone_and_retrains(unmasked_run, tm
     assert counts == {"vae": 0, "text": 0} and len(new) == 1
     results, counts, new = run_counted(config, count_encoder_rows, tmp_path / "cache")
     assert statuses(results) == dict.fromkeys(STAGES[:3], "hit") and counts == {"vae": 0, "text": 0} and not new
+
+
+def test_a_mask_fits_each_family_layout():
+    """A latent-resolution mask weights a coarser layout (Flux.2's 2x2-patchified latents) by each
+    cell's mean, and a 5-D one (Qwen-Image's frame axis) per pixel: left half 1, right half 0."""
+    from stages.families.objectives import LossFunction
+
+    mask = torch.zeros(1, 1, 4, 4)
+    mask[..., :2] = 1
+    patched = LossFunction().per_sample(torch.ones(1, 8, 2, 2), torch.zeros(1, 8, 2, 2), mask)
+    assert patched.item() == 0.5  # cells [[1, 0], [1, 0]] of squared error 1
+    half = torch.zeros(1, 1, 4, 4)
+    half[..., :1] = 1  # a quarter of the columns: cells [[0.5, 0], [0.5, 0]]
+    assert LossFunction().per_sample(torch.ones(1, 8, 2, 2), torch.zeros(1, 8, 2, 2), half).item() == 0.25
+    two = torch.cat([mask, torch.ones(1, 1, 4, 4)])  # each sample its own mask
+    frames = LossFunction().per_sample(torch.ones(2, 16, 1, 4, 4), torch.zeros(2, 16, 1, 4, 4), two)
+    assert frames.tolist() == [0.5, 1.0]
