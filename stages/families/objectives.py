@@ -72,14 +72,15 @@ class ObjectiveParams(Frozen):
         "none", description="flow-matching families: diffusers' compute_loss_weighting_for_sd3")
     guidance: float = Field(1.0, ge=0, description="guidance-distilled models (Flux.1 dev): the guidance"
                             " embedding's input in training")
+    # the loss settings at their defaults stay out of the train key (LoRAs made before them stay hits)
     loss_type: Literal["mse", "huber", "smooth_l1"] = Field(
-        "mse", description="the training loss per latent element, d = prediction - target: mse d^2;"
+        "mse", exclude_if=lambda v: v == "mse", description="the training loss per latent element, d = prediction - target: mse d^2;"
         " huber 2c(sqrt(d^2 + c^2) - c); smooth_l1 2(sqrt(d^2 + c^2) - c), c = huber_c (kohya's and diffusers')")
-    huber_c: float = Field(0.1, gt=0, description="the pseudo-Huber losses' c: quadratic below it, linear above")
+    huber_c: float = Field(0.1, gt=0, exclude_if=lambda v: v == 0.1, description="the pseudo-Huber losses' c: quadratic below it, linear above")
     debiased_estimation: bool = Field(
-        False, description="DDPM epsilon/v models: weight each sample by 1/sqrt(snr) (epsilon) or 1/(snr + 1)"
+        False, exclude_if=lambda v: not v, description="DDPM epsilon/v models: weight each sample by 1/sqrt(snr) (epsilon) or 1/(snr + 1)"
         " (v), snr capped at 1000 (kohya's debiased estimation); multiplies a min-SNR weight")
-    input_perturbation: float = Field(0.0, ge=0, description="gamma: the noisy input is made with noise +"
+    input_perturbation: float = Field(0.0, ge=0, exclude_if=lambda v: v == 0, description="gamma: the noisy input is made with noise +"
                                       " gamma * randn, the target with the noise alone (0: off)")
 
     def refuse(self, not_applicable: dict[str, str]) -> None:

@@ -59,8 +59,8 @@ class DatasetSource(Frozen):
     follow_symlinks: bool = Field(False, description="use links to files and folders outside the dataset folder")
     split: Literal["auto", "train", "holdout"] = Field("auto", description="holdout: a separate validation"
                                                         " set; auto: preprocess.holdout_fraction decides")
-    mask: Literal["sidecar", "alpha", "none"] = Field(
-        "sidecar", description="per-pixel training loss weights (white 1, black 0): sidecar: <image stem>.mask.png"
+    mask: Literal["sidecar", "alpha", "none"] = Field(  # at its default out of the preprocess key
+        "sidecar", exclude_if=lambda v: v == "sidecar", description="per-pixel training loss weights (white 1, black 0): sidecar: <image stem>.mask.png"
         " where one exists; alpha: the image's alpha channel where it has one; none: no masks. An image"
         " without a mask is weighted 1 everywhere")
 
