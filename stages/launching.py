@@ -88,6 +88,20 @@ def write_accelerate_config(path: Path, num_processes: int) -> Path:
     return path
 
 
+@contextmanager
+def environment_kept() -> Iterator[None]:
+    """Put this process's environment back as it was when the block ends. Dask's nanny writes its
+    pre-spawn variables (OMP_NUM_THREADS=1, MKL_NUM_THREADS=1, ...) into its parent's os.environ
+    each time it starts a worker, so every process started afterwards, training included, ran on one
+    torch thread."""
+    before = dict(os.environ)
+    try:
+        yield
+    finally:
+        os.environ.clear()
+        os.environ.update(before)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -14,6 +14,7 @@ import pytest
 from cache.samples import SampleStore
 from stages import encode
 from stages.encode.dask_executor import encode_chunk
+from stages.launching import environment_kept
 from stages.encode.workers import EncodeJobs
 
 from test_encode import encode_inputs, prepare, run_encode
@@ -52,7 +53,8 @@ def cluster(s3_server):
     """Two worker processes, started after s3_server set the AWS_* variables they inherit."""
     from distributed import LocalCluster
 
-    with LocalCluster(n_workers=2, threads_per_worker=1, processes=True, dashboard_address=":0") as c:
+    with environment_kept(), LocalCluster(n_workers=2, threads_per_worker=1, processes=True,
+                                          dashboard_address=":0") as c:
         yield c
 
 
@@ -67,7 +69,9 @@ def same_as_local(out: Path, built, reference) -> None:
 def test_a_local_dask_cluster_encodes_the_same_records_and_index_as_one_process(tmp_path, demo_images, tiny_model,
                                                                                 local_reference):
     inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), tiny_model)
+    environment = dict(os.environ)
     out, built, logs = run_encode(tmp_path, inputs, executor="dask", dask_workers=2, **CHUNKED)
+    assert dict(os.environ) == environment  # Dask's nanny left OMP_NUM_THREADS=1: training ran on one thread
     assert "encode: 9 chunks of up to 2 records on 2 Dask workers" in logs
     same_as_local(out, built, local_reference)
     keys = stored_keys(inputs.cache_root)

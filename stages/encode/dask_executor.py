@@ -18,6 +18,7 @@ from cache.errors import UserError
 from cache.object_store import open_sample_store
 
 from ..contract import Log
+from ..launching import environment_kept
 from .latents import Progress
 from .workers import EncodeJobs, encode_chunks
 
@@ -103,7 +104,7 @@ def _client(options: EncodeOptions, log: Log) -> Iterator[Client]:
             yield client
         return
     log(f"encode: starting a local Dask cluster of {options.dask_workers} worker processes")
-    with LocalCluster(n_workers=options.dask_workers, threads_per_worker=1, processes=True,
-                      dashboard_address=":0") as cluster, Client(cluster) as client:
+    with environment_kept(), LocalCluster(n_workers=options.dask_workers, threads_per_worker=1, processes=True,
+                                          dashboard_address=":0") as cluster, Client(cluster) as client:
         yield client
 
