@@ -50,6 +50,16 @@ def encode_row(config) -> dict:
     return next(r for r in explain(Context(config), STAGES) if r["stage"] == "encode")
 
 
+def assert_every_text_record_and_no_latent_re_encoded(config, reason: str, count_encoder_rows) -> None:
+    """status names `reason` for the encode miss; the run re-encodes every caption and no image."""
+    row = encode_row(config)
+    assert row["status"] == "miss" and reason in row["reason"]
+    results, counts = encode_counted(config, count_encoder_rows)
+    assert statuses(results) == {"preprocess": "hit", "encode": "computed"}
+    assert counts == {"vae": 0, "text": CAPTIONS}
+    assert results["encode"].info["latents_encoded"] == 0
+
+
 def test_zimage_caption_edit_encodes_one_text_record_and_no_latent(zimage_baseline, tmp_path, count_encoder_rows):
     config = zimage_copy(zimage_baseline, tmp_path)
     (tmp_path / "data" / "coffee.txt").write_text("a photo of an espresso\n")
@@ -63,12 +73,7 @@ def test_zimage_chat_template_change_re_encodes_text_records_only(zimage_baselin
     config = zimage_copy(zimage_baseline, tmp_path)
     template = tmp_path / "model" / "tokenizer" / "chat_template.jinja"
     template.write_text("{{- '<|im_start|>system\\nDraw it.<|im_end|>\\n' }}" + template.read_text())
-    row = encode_row(config)
-    assert row["status"] == "miss" and "models.tokenizer" in row["reason"]
-    results, counts = encode_counted(config, count_encoder_rows)
-    assert statuses(results) == {"preprocess": "hit", "encode": "computed"}
-    assert counts == {"vae": 0, "text": CAPTIONS}
-    assert results["encode"].info["latents_encoded"] == 0
+    assert_every_text_record_and_no_latent_re_encoded(config, "models.tokenizer", count_encoder_rows)
 
 
 def test_zimage_hidden_layer_change_re_encodes_text_records_only(zimage_baseline, tmp_path, count_encoder_rows,
@@ -79,21 +84,12 @@ def test_zimage_hidden_layer_change_re_encodes_text_records_only(zimage_baseline
     monkeypatch.setattr(ZImage, "text_settings", lambda self, model_path, options: released(
         self, model_path, options).model_copy(update={"hidden_layers": (-3,)}))
     config = zimage_copy(zimage_baseline, tmp_path)
-    row = encode_row(config)
-    assert row["status"] == "miss" and "resolved.text.hidden_layers" in row["reason"]
-    results, counts = encode_counted(config, count_encoder_rows)
-    assert statuses(results) == {"preprocess": "hit", "encode": "computed"}
-    assert counts == {"vae": 0, "text": CAPTIONS}
-    assert results["encode"].info["latents_encoded"] == 0
+    assert_every_text_record_and_no_latent_re_encoded(config, "resolved.text.hidden_layers", count_encoder_rows)
 
 
 def test_zimage_max_sequence_length_re_encodes_text_records_only(zimage_baseline, tmp_path, count_encoder_rows):
     config = zimage_copy(zimage_baseline, tmp_path, encode={"max_sequence_length": 64})
-    row = encode_row(config)
-    assert row["status"] == "miss" and "params.max_sequence_length" in row["reason"]
-    results, counts = encode_counted(config, count_encoder_rows)
-    assert counts == {"vae": 0, "text": CAPTIONS}
-    assert results["encode"].info["latents_encoded"] == 0
+    assert_every_text_record_and_no_latent_re_encoded(config, "params.max_sequence_length", count_encoder_rows)
 
 
 def test_zimage_new_vae_weights_re_encode_latents_but_no_text(zimage_baseline, tmp_path, count_encoder_rows):
