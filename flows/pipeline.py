@@ -97,8 +97,8 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
     chosen = selected_stages(only, start)
     results: list[StageResult] = []
     upstream: dict[str, str] = {}
-    last = max(STAGES.index(s) for s in chosen)
-    if machine_rank(config) > 0:  # this machine only joins the training: rank 0 publishes and evaluates
+    last, rank = max(STAGES.index(s) for s in chosen), machine_rank(config)
+    if rank > 0:  # this machine only joins the training: rank 0 publishes and evaluates
         last = min(last, STAGES.index("train"))
     for stage in STAGES[: last + 1]:  # stages before a chosen one must be cache hits
         state = stage_task.with_options(name=stage)(
@@ -112,7 +112,7 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
     out = output_folder(config)
     write_outputs(out, config, results, summary)
     get_run_logger().info(f"outputs: {out}")
-    if machine_rank(config) == 0:  # the run that published what it used
+    if rank == 0:  # the run that published what it used
         record_run(config, flow_run.name or "unnamed", upstream)
     publish_run_artifacts(config.name, results, out)
     return summary
