@@ -2,8 +2,8 @@
 
 An encode artifact holds what training sees in `samples.json` (in its digest): for every sample
 its split, caption, original size, crop box, size (samples of different buckets differ: batch by
-size) and repeats, and the keys of its latent (and, with encode.flip, mirrored `latent_flip`) and
-text records, ordered by record keys. With encode.caption_variants K > 1 a training sample also has
+size), repeats, `role: prior` for a prior dataset's sample (no role: train), and the keys of its
+latent (and, with encode.flip, mirrored `latent_flip`) and text records, ordered by record keys. With encode.caption_variants K > 1 a training sample also has
 `text_variants` (K keys, `text` is the first) and `caption_variants` (their captions, to read). Where those records are kept lives in
 `locations/index.json` (out of the digest, cache/store.py): each record's shard, offsets and
 content digests, and each sample's id (its file) and dataset. So records moved to other shards,
@@ -90,6 +90,7 @@ class Sample:
     # and in a batch plan's draw the one drawn: stages/train/data.py)
     mask: Record | None = None  # its loss mask (None: weight 1 everywhere)
     mask_flip: Record | None = None  # the mirrored image's loss mask (encode.flip)
+    role: str = "train"  # "prior": a regularisation image of a dataset with role: prior (train.prior_loss_weight)
 
     @property
     def content_id(self) -> str:
@@ -104,7 +105,7 @@ class Sample:
             records[v["latent"]], records[v["text"]], v["repeats"],
             records[v["latent_flip"]] if "latent_flip" in v else None, source["dataset"], tuple(v["resized"]),
             tuple(records[key] for key in v.get("text_variants", ())),
-            *(records[v[name]] if name in v else None for name in ("mask", "mask_flip")),
+            *(records[v[name]] if name in v else None for name in ("mask", "mask_flip")), v.get("role", "train"),
         )
 
 

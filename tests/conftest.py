@@ -146,8 +146,9 @@ def run_stages():
     return run
 
 
-def _encode_demo_images(root: Path, model: Path, params) -> EncodedSet:
-    """The demo photos at 64 px through the real preprocess and encode stages (6 train, 2 held out)."""
+def _encode_demo_images(root: Path, model: Path, params, sources: tuple | None = None) -> EncodedSet:
+    """The demo photos (or these DatasetSources) at 64 px through the real preprocess and encode
+    stages (the demo photos: 6 train, 2 held out)."""
     from cache.digest import StatCache
     from cache.store import ArtifactStore, StageKey
     from stages import encode, families, preprocess
@@ -156,9 +157,10 @@ def _encode_demo_images(root: Path, model: Path, params) -> EncodedSet:
     store = ArtifactStore(root)
     with StatCache(root / "stat.sqlite") as stat_cache:
         pre_params = preprocess.PreprocessParams(resolution=64, holdout_fraction=0.25)
-        sources = (preprocess.DatasetSource(path=DEMO_IMAGES),)
+        sources = sources or (preprocess.DatasetSource(path=DEMO_IMAGES),)
         inputs = preprocess.PreprocessInputs(sources, stat_cache)
-        pre, _ = store.build(StageKey("preprocess", {"p": pre_params.model_dump()}),
+        ingredients = preprocess.dataset_ingredients(sources, pre_params, stat_cache)
+        pre, _ = store.build(StageKey("preprocess", {"p": pre_params.model_dump(), "data": ingredients}),
                              lambda out, work: preprocess.run(pre_params, inputs, out, work), {})
         family = families.for_model(model)
         digests = component_digests(model, stat_cache, family)

@@ -294,6 +294,7 @@ def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: Sa
             "split": s["split"], "caption": s["caption"], "original_size": s["original_size"],
             "crop_box": s["crop_box"], "resized": s["resized"], "size": s["size"], "repeats": s["repeats"],
             "latent": keys.latent[s["id"]], "text": texts[0], **variants, **flip, **masks,
+            **({"role": s["role"]} if "role" in s else {}),  # a prior sample's (absent: train, as before)
         }
 
     used = sorted({keys.empty} | {k for s in ordered for k in keys.of_sample(s["id"])})

@@ -45,7 +45,8 @@ def run(
     encoded = EncodedData(inputs.encoded_dir, inputs.cache_root)
     encoded.check_model(inputs.model_path, family.name, inputs.model_digests)
     scoring = _scorings(family, inputs.model_path, inputs.train_dir)
-    in_split = {name: encoded.split(name) for name in SPLITS}
+    # the subject's samples: a prior dataset's images (train.prior_loss_weight) are not what the LoRA learns
+    in_split = {name: [s for s in encoded.split(name) if s.role == "train"] for name in SPLITS}
     splits = {name: loss_subset(samples, params.loss_samples, params.loss_seed) for name, samples in in_split.items()}
     render_family, render_path = _renderer(family, inputs, params)
     settings = _render_settings(render_family, render_path, encoded, params, options)  # bad settings: before loading

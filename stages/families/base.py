@@ -205,7 +205,8 @@ class Family(ABC):
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
                      params: ObjectiveParams) -> Conditioning:
         """A batch's conditioning on the CPU, from its text records (padded by the family's rule when
-        they vary in length) and each image's geometry and whether its latent is the mirrored one."""
+        they vary in length) and each image's geometry and whether its latent is the mirrored one.
+        Every tensor is batch-first: training selects rows of it (train.prior_target base_output)."""
 
     @abstractmethod
     def predict(self, denoiser: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,

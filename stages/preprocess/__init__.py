@@ -6,7 +6,8 @@ Reads:  one or more datasets (stages/preprocess/sources.py): nested image folder
 Writes: dataset.json: per sample id, dataset index (`source`), relative path, content digest,
         caption, repeats, original size, target size (a square or a bucket), resized size, crop
         box, split, `background` for images with alpha, and `mask` for images with a loss mask
-        (a sidecar's path and digest, or the alpha channel: the dataset's `mask` setting);
+        (a sidecar's path and digest, or the alpha channel: the dataset's `mask` setting), and
+        `role: prior` for images of a prior dataset (never held out);
         report.json: every rejected file or metadata row, its reason and detail, counts per
         reason, and warnings (`small_image`).
 Key:    these params + per dataset its settings and a fingerprint of its files (relative paths and
@@ -110,7 +111,7 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
         counts = ", ".join(f"{n} {r}" for r, n in sorted(Counter(r["reason"] for r in rejected).items()))
         where = ", ".join(str(d.path) for d in inputs.datasets)
         raise ValueError(f"no usable image in {where} ({counts or 'no image files'})")
-    fixed = {s["id"]: inputs.datasets[s["source"]].split for s in samples}  # a dataset may name its split
+    fixed = {s["id"]: _fixed_split(inputs.datasets[s["source"]]) for s in samples}  # a dataset may name its split
     holdout = _holdout_ids({s["id"]: s["digest"] for s in samples if fixed[s["id"]] == "auto"},
                            params.holdout_fraction)
     holdout |= {i for i, split in fixed.items() if split == "holdout"}
@@ -123,7 +124,8 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
                                                   indent=1, sort_keys=True))
     for line in summary_lines(rejected, "rejected") + summary_lines(warnings, "warning:"):
         log(line)
-    log(f"preprocess: {len(samples)} images ({len(holdout)} held out) from {len(inputs.datasets)} dataset(s),"
+    prior = sum(s.get("role") == "prior" for s in samples)
+    log(f"preprocess: {len(samples)} images ({len(holdout)} held out{f', {prior} prior' if prior else ''}) from {len(inputs.datasets)} dataset(s),"
         f" {len(rejected)} rejected, {len(warnings)} warnings; sizes (WxH): {buckets}")
     return Built(info={"images": len(samples), "holdout": len(holdout), "rejected": len(rejected),
                        "rejected_by_reason": counts, "warnings": len(warnings), "sizes": buckets})
@@ -148,7 +150,7 @@ def _validate(found: list[Candidate], params: PreprocessParams,
                     raise Rejected("duplicate", f"{what} {first_of[seen]}")
             mask = mask_entry(c, info, source)
             first_of.update({info.digest: c.label, sample_id: c.label})
-            samples.append(_sample(c, sample_id, info, caption, source.repeats, params))
+            samples.append(_sample(c, sample_id, info, caption, source, params))
             if mask:
                 samples[-1]["mask"] = mask
         except Rejected as r:
@@ -184,7 +186,13 @@ def _caption(c: Candidate, policy: str) -> str | None:
             "empty": ""}[policy]
 
 
-def _sample(c: Candidate, sample_id: str, info: ImageInfo, caption: str, repeats: int,
+def _fixed_split(source: DatasetSource) -> str:
+    """The split a dataset's samples go to: its `split`, and a prior dataset's always train (its images
+    regularise the subject's training; they are not the subject's evaluation data)."""
+    return "train" if source.role == "prior" else source.split
+
+
+def _sample(c: Candidate, sample_id: str, info: ImageInfo, caption: str, source: DatasetSource,
             params: PreprocessParams) -> dict:
     if params.buckets:
         target = nearest_bucket(info.width, info.height, list(params.bucket_sizes)
@@ -198,11 +206,13 @@ def _sample(c: Candidate, sample_id: str, info: ImageInfo, caption: str, repeats
     resized, box = place(info.width, info.height, target, params.crop == "random", params.seed, info.digest)
     sample = {
         "id": sample_id, "source": c.source, "path": c.rel, "digest": info.digest, "caption": caption,
-        "repeats": repeats, "original_size": [info.height, info.width], "size": [target[1], target[0]],
+        "repeats": source.repeats, "original_size": [info.height, info.width], "size": [target[1], target[0]],
         "resized": resized, "crop_box": box,
     }
     if info.has_alpha:
         sample["background"] = list(params.background)
+    if source.role == "prior":  # only then: a dataset without prior images writes what it wrote before
+        sample["role"] = "prior"
     return sample
 
 

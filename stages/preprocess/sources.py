@@ -63,10 +63,21 @@ class DatasetSource(Frozen):
         "sidecar", exclude_if=lambda v: v == "sidecar", description="per-pixel training loss weights (white 1, black 0): sidecar: <image stem>.mask.png"
         " where one exists; alpha: the image's alpha channel where it has one; none: no masks. An image"
         " without a mask is weighted 1 everywhere")
+    role: Literal["train", "prior"] = Field(  # at its default out of the preprocess key
+        "train", exclude_if=lambda v: v == "train", description="train: the subject; prior: regularisation"
+        " images of its class (DreamBooth prior preservation): trained on with train.prior_loss_weight (and"
+        " train.prior_target), never held out for evaluation")
 
     @property
     def label(self) -> str:
         return self.name or location_name(self.path)
+
+    @model_validator(mode="after")
+    def _prior_not_held_out(self) -> "DatasetSource":
+        if self.role == "prior" and self.split == "holdout":
+            raise ValueError("split: holdout with role: prior: prior images are not the subject's evaluation data;"
+                             " leave split at auto (a prior dataset is never held out)")
+        return self
 
     @model_validator(mode="after")
     def _folder_on_object_storage(self) -> "DatasetSource":

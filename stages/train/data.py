@@ -9,7 +9,9 @@ stays exact.
 
 The model-specific parts come from the family (stages/families): the latent normalisation recorded
 with the records, the objective (noisy input, target, weight: the one train and evaluate share) and
-the conditioning (SDXL's size ids, Flux's pooled text and guidance, a family's padding rule).
+the conditioning (SDXL's size ids, Flux's pooled text and guidance, a family's padding rule). A
+prior sample (a `role: prior` dataset's) has its weight multiplied by train.prior_loss_weight and
+is marked in `StepInputs.prior` (train.prior_target base_output replaces its target in the step).
 
 `MicroBatches` prepares them `workers` threads ahead of the step (reading records, sampling,
 noising, pinning on CUDA), leaving only the copy to the device, the denoiser and the optimizer on
@@ -95,6 +97,8 @@ class Batch:
     images: list[tuple[ImageGeometry, bool]]  # each sample and whether its latent is the mirrored one
     masks: torch.Tensor | None = None  # (B, 1, h, w) loss weights at the latent records' size; None: no
     # sample of the batch has a mask (one without gets weight 1)
+    priors: torch.Tensor | None = None  # (B,) bool: which samples come from a dataset with role: prior;
+    # None: none of the batch's
 
 
 def draws_flipped(sample: Sample, rng: torch.Generator) -> bool:
@@ -116,7 +120,9 @@ def load_batch(data: EncodedData, samples: list[Sample], rng: torch.Generator, c
         texts.append(empty if dropped else data.text(sample))
         images.append((sample, flipped))
         masks.append(data.mask(sample, flipped))
-    return Batch(torch.cat(latents), texts, images, batch_masks(masks, latents[0].shape[-2:]))
+    priors = [sample.role == "prior" for sample in samples]
+    return Batch(torch.cat(latents), texts, images, batch_masks(masks, latents[0].shape[-2:]),
+                 torch.tensor(priors) if any(priors) else None)
 
 
 def batch_masks(masks: list[torch.Tensor | None], size: torch.Size) -> torch.Tensor | None:
@@ -134,8 +140,9 @@ class StepInputs:
     timesteps: torch.Tensor
     conditioning: dict[str, torch.Tensor]  # the family's denoiser inputs besides x_t and t
     target: torch.Tensor
-    loss_weight: torch.Tensor | None  # per sample (min-SNR, flow-matching weighting)
+    loss_weight: torch.Tensor | None  # per sample (min-SNR, flow-matching weighting, prior_loss_weight)
     loss_mask: torch.Tensor | None = None  # per latent pixel (B, 1, h, w): Batch.masks
+    prior: torch.Tensor | None = None  # (B,) bool: the prior samples (Batch.priors)
 
     def map_tensors(self, fn: Callable[[torch.Tensor], torch.Tensor]) -> "StepInputs":
         """`fn` applied to every tensor (the conditioning's too)."""
@@ -146,6 +153,10 @@ class StepInputs:
 
         return replace(self, **{f.name: apply(getattr(self, f.name)) for f in fields(self)})
 
+    def rows(self, index: torch.Tensor) -> "StepInputs":
+        """The micro-batch's samples at `index` (every tensor is batch-first, the conditioning's too)."""
+        return self.map_tensors(lambda t: t[index])
+
 
 def step_inputs(family: Family, objective: Objective, batch: Batch, rng: torch.Generator,
                 params: TrainParams) -> StepInputs:
@@ -153,7 +164,18 @@ def step_inputs(family: Family, objective: Objective, batch: Batch, rng: torch.G
     input, target and weight, and the family's conditioning."""
     noised = objective.noised(batch.latents, *objective.draw(batch.latents, rng))
     return StepInputs(noised.noisy, noised.timesteps, family.conditioning(batch.texts, batch.images, params),
-                      noised.target, noised.weight, batch.masks)
+                      noised.target, prior_weighted(noised.weight, batch.priors, params.prior_loss_weight),
+                      batch.masks, batch.priors)
+
+
+def prior_weighted(weight: torch.Tensor | None, priors: torch.Tensor | None,
+                   prior_loss_weight: float) -> torch.Tensor | None:
+    """The per-sample loss weight with each prior sample's multiplied by prior_loss_weight (kohya's
+    per-sample form of DreamBooth's prior loss); unchanged without prior samples or at weight 1."""
+    if priors is None or prior_loss_weight == 1.0:
+        return weight
+    factor = torch.where(priors, prior_loss_weight, 1.0)
+    return factor if weight is None else weight * factor
 
 
 def prepare_micro_batch(data: EncodedData, plan: BatchPlan, family: Family, objective: Objective, params: TrainParams,

@@ -84,12 +84,23 @@ def launch(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: Tr
 
 def check_inputs(params: TrainParams, inputs: TrainInputs) -> families.Family:
     """Before anything starts: the encoded data was made by this model's encoders, and every
-    objective setting applies to its family (one line naming the key otherwise). Returns the family."""
+    objective setting applies to its family, and prior settings have prior samples to apply to (one
+    line naming the key otherwise). Returns the family."""
     family = families.for_model(inputs.model_path)
-    EncodedData(inputs.encoded_dir, inputs.cache_root).check_model(inputs.model_path, family.name,
-                                                                   inputs.model_digests)
+    data = EncodedData(inputs.encoded_dir, inputs.cache_root)
+    data.check_model(inputs.model_path, family.name, inputs.model_digests)
     family.check_objective(params)
+    check_prior_settings(params, data)
     return family
+
+
+def check_prior_settings(params: TrainParams, data: EncodedData) -> None:
+    """A prior setting changed from its default with no prior sample to train on would be keyed yet do nothing."""
+    changed = [name for name in ("prior_loss_weight", "prior_target")
+               if getattr(params, name) != TrainParams.model_fields[name].default]
+    if changed and not any(sample.role == "prior" for sample in data.split("train")):
+        raise UserError(f"train.{changed[0]}: no training image comes from a dataset with role: prior; add one"
+                        " (data.datasets: [..., {path: ..., role: prior}]) or leave the setting out")
 
 
 def warn_if_distilled(family: families.Family, model_path: Path, log: Log) -> None:

@@ -17,6 +17,7 @@ from stages.train.quantization import BaseQuantization, check_available
 VERSION = "4"  # bump by hand when the trained output's semantics change; 3: batch plan in content order;
 # 4: sample-prediction models trained against the clean latent (they were trained against v)
 
+PriorTarget = Literal["data", "base_output"]
 TRACKER_RUN = "tracker"  # accelerate's tracker (TensorBoard, wandb) writes under work_dir/logs/tracker/
 DAMAGED_RECORD_FILE = "damaged-record.json"  # where a worker leaves the DamagedRecord it met, for the parent
 
@@ -55,6 +56,14 @@ class TrainParams(ObjectiveParams, AdapterParams, EMAParams):
     # ---- data
     caption_dropout: float = Field(0.0, ge=0, le=1)
     seed: int = Field(0, ge=0)
+    # ---- prior preservation: samples of datasets with role: prior (at their defaults out of the train key)
+    prior_loss_weight: float = Field(1.0, gt=0, exclude_if=lambda v: v == 1.0, description="the loss weight of each"
+                                     " prior sample (a subject sample's is 1), as kohya's and diffusers' DreamBooth")
+    prior_target: PriorTarget = Field(
+        "data", exclude_if=lambda v: v == "data", description="what a prior sample's prediction is scored against:"
+        " data: the objective's target from its image (DreamBooth prior preservation); base_output: the frozen"
+        " base model's prediction on the same noisy input, text and timestep (differential output preservation:"
+        " one extra forward without the adapter over a batch's prior samples)")
     # ---- checkpoints (their LoRA weights are published, so they are part of the result)
     checkpoint_every: int = Field(100, gt=0)
     keep_checkpoints: int = Field(2, gt=0)

@@ -61,6 +61,7 @@ from stages.train.checkpoints import CheckpointDir, step_name
 from stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
 from stages.train.lora_files import load_init_lora
 from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, VERSION, TrainInputs, TrainOptions, TrainParams
+from stages.train.prior import base_output_target
 from stages.train.quantization import keep_base_out_of_ddp_sync, quantize_base
 from stages.train.trained_adapter import TrainedAdapter
 
@@ -69,12 +70,16 @@ LYCORIS_NETWORK_ARGS = {"dora": {"algo": "lora", "dora_wd": "True"}, "lokr": {"a
 
 
 def step_loss(family: families.Family, objective: Objective, denoiser: torch.nn.Module, inputs: StepInputs,
-              device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Score the denoiser's prediction for a prepared micro-batch with the objective's training loss."""
-    to_device = lambda t: None if t is None else t.to(device, non_blocking=True)  # noqa: E731
-    conditioning = {k: to_device(v) for k, v in inputs.conditioning.items()}
-    pred = family.predict(denoiser, to_device(inputs.noisy), to_device(inputs.timesteps), conditioning, dtype)
-    return objective.loss(pred, to_device(inputs.target), to_device(inputs.loss_weight), to_device(inputs.loss_mask))
+              device: torch.device, dtype: torch.dtype, base_output_of: torch.nn.Module | None = None) -> torch.Tensor:
+    """Score the denoiser's prediction for a prepared micro-batch with the objective's training loss.
+    `base_output_of` (train.prior_target base_output): the unwrapped denoiser, whose prediction with
+    its adapter off is the prior samples' target."""
+    inputs = inputs.map_tensors(lambda t: t.to(device, non_blocking=True))
+    target = inputs.target
+    if base_output_of is not None and inputs.prior is not None:
+        target = base_output_target(family, base_output_of, inputs, dtype)
+    pred = family.predict(denoiser, inputs.noisy, inputs.timesteps, inputs.conditioning, dtype)
+    return objective.loss(pred, target, inputs.loss_weight, inputs.loss_mask)
 
 
 class LoRATrainingRecipe:
@@ -87,6 +92,9 @@ class LoRATrainingRecipe:
     accumulation, mixed precision (frozen weights in fp16/bf16, LoRA in fp32), the family's objective
     (min-SNR weighting, noise offset, epsilon/v/sample prediction; flow matching with timestep
     sampling, shift and loss weighting, Flux.1 dev's guidance input), caption dropout, dataset repeats, mirrored latents, a start from an existing LoRA file,
+    prior preservation (a `role: prior` dataset's samples weighted by prior_loss_weight, or scored
+    against the base model's prediction with prior_target base_output: one extra no-grad forward over
+    a micro-batch's prior samples, stages/train/prior.py),
     gradient checkpointing (less memory, ~30% slower), exact resume from atomic checkpoints that
     hold only the adapter (with its PiSSA/OLoRA start and its EMA), optimizer, LR scheduler and RNG
     states. A non-finite loss or LoRA weight stops the run before it can be checkpointed.
@@ -135,7 +143,9 @@ class LoRATrainingRecipe:
         self.data = EncodedData(self.inputs.encoded_dir, self.inputs.cache_root)
         train = self.data.split("train")
         self.plan = BatchPlan(train, self.params.seed, self.params.batch_size, self.world)
-        print(f"rank {self.rank}/{self.world}: {len(train)} train samples, {self.plan.batches_per_epoch}"
+        prior = sum(sample.role == "prior" for sample in train)
+        print(f"rank {self.rank}/{self.world}: {len(train)} train samples{f' ({prior} prior)' if prior else ''},"
+              f" {self.plan.batches_per_epoch}"
               f" global batches of {self.plan.global_batch} per epoch, {torch.get_num_threads()} torch threads",
               flush=True)
 
@@ -179,6 +189,8 @@ class LoRATrainingRecipe:
         self.lr_scheduler = get_scheduler(p.lr_scheduler, optimizer, num_warmup_steps=p.warmup_steps,
                                           num_training_steps=p.max_steps)
         self.denoiser, self.optimizer = self.accelerator.prepare(self.denoiser, optimizer)
+        # train.prior_target base_output: the prior samples' target is this model's output with its adapter off
+        self._base_output_of = self._lora_denoiser() if p.prior_target == "base_output" else None
         # not prepare(): a prepared scheduler steps once per process per call
         self.accelerator.register_for_checkpointing(self.lr_scheduler)
 
@@ -336,7 +348,8 @@ class LoRATrainingRecipe:
                 torch.manual_seed(derived_seed(p.seed, "dropout", micro_batch, self.rank))
             last = j == p.gradient_accumulation_steps - 1
             with nullcontext() if last else acc.no_sync(self.denoiser):
-                loss = step_loss(self.family, self.objective, self.denoiser, inputs, acc.device, self.dtype)
+                loss = step_loss(self.family, self.objective, self.denoiser, inputs, acc.device, self.dtype,
+                                 self._base_output_of)
                 acc.backward(loss / p.gradient_accumulation_steps)
             losses.append(loss.detach())
         acc.clip_grad_norm_(self.lora_params, p.max_grad_norm)
