@@ -24,9 +24,11 @@ SMALL = {
 }
 
 
-def make_config(tmp: Path, model: Path, data: Path, cache: Path, **sections):
+def make_config(tmp: Path, model: Path, data: Path | dict, cache: Path, **sections):
+    """`data`: one folder, or the data section itself."""
     raw = {"name": "t", "cache_dir": cache, "output_dir": tmp / "out", "model": {"path": model},
-           "data": {"path": data}, **{k: {**v, **sections.get(k, {})} for k, v in SMALL.items()}}
+           "data": data if isinstance(data, dict) else {"path": data},
+           **{k: {**v, **sections.get(k, {})} for k, v in SMALL.items()}}
     return validate_config(raw, "test")
 
 
@@ -297,3 +299,40 @@ def test_renamed_and_moved_images_rerun_preprocess_and_encode_but_not_training(b
         forced, upstream[stage] = run_stage(ctx, stage, upstream, force=True)
         assert forced.status == "computed" and forced.digest == results[stage].digest, stage
     ctx.close()
+
+
+def test_a_prior_dataset_its_weight_and_target_rerun_training_but_encode_nothing(baseline, tmp_path, count_encoder_rows):
+    """Four photos made a prior dataset: preprocess reruns (its manifest: no pixels), encode writes a
+    new index and encodes nothing, train and evaluate rerun (evaluate scores the subject's samples
+    only); then train.prior_loss_weight and train.prior_target rerun train alone."""
+    copy_of(baseline, tmp_path)
+    data = tmp_path / "data"
+    for folder in ("subject", "prior"):
+        (data / folder).mkdir()
+    for image in sorted(data.glob("*.jpg")):
+        folder = data / ("prior" if image.stem in ("hubble_deep_field", "immunohistochemistry", "retina", "rocket")
+                         else "subject")
+        for file in (image, image.with_suffix(".txt")):
+            file.rename(folder / file.name)
+
+    def config(role: str, **train):
+        section = {"datasets": [{"path": data / "subject"}, {"path": data / "prior", "role": role}]}
+        return make_config(tmp_path, tmp_path / "model", section, baseline / "cache",
+                           train={"max_steps": 4, "checkpoint_every": 2, **train})
+
+    with count_encoder_rows() as counts:
+        assert statuses(run_all(config("train"), STAGES[:2])) == {"preprocess": "computed", "encode": "computed"}
+        rows = {r["stage"]: r for r in explain(Context(config("prior")), STAGES)}
+        assert rows["preprocess"]["status"] == "miss" and "role" in rows["preprocess"]["reason"]
+        trained = run_all(config("prior"), STAGES[:3])
+    assert counts == {"vae": 0, "text": 0}  # (evaluate's renders encode their prompts: not counted)
+    assert statuses(trained) == dict.fromkeys(STAGES[:3], "computed")
+    prior = run_all(config("prior"))
+    assert statuses(prior) == {"preprocess": "hit", "encode": "hit", "train": "hit", "evaluate": "computed"}
+    metrics = json.loads((Path(prior["evaluate"].path) / "metrics.json").read_text())
+    assert metrics["n_samples_in_split"] == {"holdout": 1, "train": 3}  # the subject's four, one held out
+    for setting in ("prior_loss_weight", "prior_target"):
+        results = run_all(config("prior", **{setting: {"prior_loss_weight": 0.5, "prior_target": "base_output"}[setting]}),
+                          STAGES[:3])
+        assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed"}
+        assert f"params.{setting}" in results["train"].reason
