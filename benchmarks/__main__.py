@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from . import (caption_bench, decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench, noop_rerun, object_bench,
-               pipeline_noop, quant_memory_bench, train_bench)
+               pipeline_noop, prior_bench, quant_memory_bench, train_bench)
 from .common import ResultsSection
 
 BENCHES = {
@@ -27,6 +27,7 @@ BENCHES = {
     "train_step": lambda root: train_bench.step_times(root),
     "train_step_flux1": lambda root: train_bench.step_times(root, "flux1"),
     "optimizer_step": lambda root: train_bench.optimizer_variants(root),
+    "prior_base_output_step": lambda root: prior_bench.measure(root),
     "pipeline_noop": lambda root: pipeline_noop.measure(root),
     "object_noop": lambda root: object_bench.noop(root),
     "object_incremental": lambda root: object_bench.incremental(root),

@@ -16,14 +16,14 @@ if TYPE_CHECKING:
 BATCH = 16
 
 
-def encode_inputs(data: Path, cache: Path, model: Path, resolution: int = 64):
-    """Preprocess `data` at `resolution` into `cache`/pre (every image in the train split); the
-    encode stage's inputs for it."""
+def encode_inputs(data: Path, cache: Path, model: Path, resolution: int = 64, role: str = "train"):
+    """Preprocess `data` (a dataset of this `role`) at `resolution` into `cache`/pre (every image in
+    the train split); the encode stage's inputs for it."""
     from cache.digest import StatCache
     from stages import encode, families, preprocess
     from stages.models import component_digests
 
-    pre, sources = cache / "pre", (preprocess.DatasetSource(path=data),)
+    pre, sources = cache / "pre", (preprocess.DatasetSource(path=data, role=role),)
     shutil.rmtree(pre, ignore_errors=True)
     pre.mkdir(parents=True)
     with StatCache(cache / "stat.sqlite") as stats:

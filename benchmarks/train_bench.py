@@ -38,13 +38,15 @@ TIMING = Timing(warmup=3, rounds=10, steps=10)
 
 def training_recipe(enc_inputs, encoded_dir: Path, work: Path, batch_size: int = BATCH,
                     mixed_precision: str = "no", rank: int = 4, loader_workers: int = 2,
-                    gradient_checkpointing: bool = False, base_quantization: str = "none") -> LoRATrainingRecipe:
+                    gradient_checkpointing: bool = False, base_quantization: str = "none",
+                    prior_target: str = "data") -> LoRATrainingRecipe:
     """The train stage's recipe, set up in this process over the encoded shards (LoRA alpha = rank)."""
     from stages.train import TrainInputs, TrainOptions, TrainParams
     from stages.train.recipe import LoRATrainingRecipe
 
     params = TrainParams(batch_size=batch_size, max_steps=10**6, learning_rate=1e-4, rank=rank, alpha=rank,
-                         mixed_precision=mixed_precision, base_quantization=base_quantization)
+                         mixed_precision=mixed_precision, base_quantization=base_quantization,
+                         prior_target=prior_target)
     inputs = TrainInputs(encoded_dir, enc_inputs.cache_root, enc_inputs.model_path, "bench", "bench")
     options = TrainOptions(log_with="none", loader_workers=loader_workers,
                            gradient_checkpointing=gradient_checkpointing)

@@ -125,8 +125,8 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
     for line in summary_lines(rejected, "rejected") + summary_lines(warnings, "warning:"):
         log(line)
     prior = sum(s.get("role") == "prior" for s in samples)
-    log(f"preprocess: {len(samples)} images ({len(holdout)} held out{f', {prior} prior' if prior else ''}) from {len(inputs.datasets)} dataset(s),"
-        f" {len(rejected)} rejected, {len(warnings)} warnings; sizes (WxH): {buckets}")
+    log(f"preprocess: {len(samples)} images ({len(holdout)} held out{f', {prior} prior' if prior else ''}) from"
+        f" {len(inputs.datasets)} dataset(s), {len(rejected)} rejected, {len(warnings)} warnings; sizes (WxH): {buckets}")
     return Built(info={"images": len(samples), "holdout": len(holdout), "rejected": len(rejected),
                        "rejected_by_reason": counts, "warnings": len(warnings), "sizes": buckets})
 
