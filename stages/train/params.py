@@ -76,6 +76,9 @@ class TrainParams(ObjectiveParams, AdapterParams, EMAParams):
         if self.init != "default" and self.base_quantization != "none":
             raise ValueError(f"train.init {self.init} subtracts the adapter's start from the base weights, which"
                              f" train.base_quantization {self.base_quantization} keeps quantised: use init default")
+        if self.init != "default" and self.prior_target == "base_output":
+            raise ValueError(f"train.prior_target: base_output needs the adapter switched off to leave the base, but"
+                             f" train.init {self.init} moves the base's principal components into it: use init default")
         if self.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
             raise ValueError("optimizer: adamw8bit needs bitsandbytes (pip install bitsandbytes), or use adamw")
         if self.warmup_steps and self.lr_scheduler == "constant":
