@@ -98,6 +98,17 @@ def zimage_turbo_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def flux2_model(tmp_path_factory) -> Path:
+    """The tiny Flux.2-klein base (the model to train on)."""
+    return _tiny(tmp_path_factory, "flux2-klein")
+
+
+@pytest.fixture(scope="session")
+def qwenimage_model(tmp_path_factory) -> Path:
+    return _tiny(tmp_path_factory, "qwen-image")
+
+
+@pytest.fixture(scope="session")
 def demo_images() -> Path:
     return DEMO_IMAGES
 
@@ -236,3 +247,21 @@ def flux_encoded(tmp_path_factory, flux_model) -> EncodedSet:
     from stages.encode import EncodeParams
 
     return _encode_demo_images(tmp_path_factory.mktemp("flux-encoded-cache"), flux_model, EncodeParams())
+
+
+def _demo_encoded(model_fixture: str, label: str):
+    """A session fixture: the demo photos at 64 px through the tiny model `model_fixture` returns."""
+    @pytest.fixture(scope="session")
+    def encoded_set(tmp_path_factory, request) -> EncodedSet:
+        from stages.encode import EncodeParams
+
+        model = request.getfixturevalue(model_fixture)
+        return _encode_demo_images(tmp_path_factory.mktemp(f"{model_fixture}-encoded-cache"), model, EncodeParams())
+
+    encoded_set.__doc__ = f"The demo photos at 64 px through the tiny {label}."
+    return encoded_set
+
+
+flux2_encoded = _demo_encoded("flux2_model", "Flux.2-klein base")
+zimage_encoded = _demo_encoded("zimage_model", "Z-Image base")
+qwenimage_encoded = _demo_encoded("qwenimage_model", "Qwen-Image")

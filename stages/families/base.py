@@ -224,6 +224,10 @@ class Family(ABC):
                     kohya_metadata: dict[str, str]) -> list[Path]:
         """Write every LoRA file the family exports (diffusers format first) into out_dir."""
 
+    def check_adapter(self, denoiser: torch.nn.Module) -> None:
+        """Refuse, before training starts, an adapter that export_lora could not write (one line
+        naming the config key); every adapter on every target is writable unless a family says not."""
+
     # ---- rendering
     @abstractmethod
     def render_defaults(self) -> dict[str, Any]:

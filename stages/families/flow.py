@@ -102,6 +102,11 @@ class FlowFamily(Family):
         """The original (non-diffusers) module names of this transformer's Linear layers, and which
         rows of each the diffusers modules are (original_names.derive_original_names)."""
 
+    def check_adapter(self, transformer: torch.nn.Module) -> None:
+        from .lycoris import check_writable
+
+        check_writable(transformer, self.original_names(transformer), self.comfyui_slice_prefix)
+
     def export_lora(self, transformer: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
                     kohya_metadata: dict[str, str]) -> list[Path]:
         from stages.train.checkpoints import LORA_FILE

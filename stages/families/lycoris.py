@@ -68,6 +68,35 @@ def lycoris_state_dict(denoiser: torch.nn.Module, names: OriginalNames,
     raise ValueError(f"{kind}: a plain LoRA is written by original_names.fused_lora")
 
 
+def check_writable(denoiser: torch.nn.Module, names: OriginalNames, slice_prefix: str | None = None) -> None:
+    """Refuse, before training, an adapter the ComfyUI file could not hold (a LoKr on a module the
+    original layout fuses, where ComfyUI has no name for its rows)."""
+    from stages.train.lora_files import ADAPTER
+
+    if adapter_kind(denoiser.peft_config[ADAPTER]) == "lokr":
+        refuse_lokr_on_fused(set(adapted_modules(denoiser)), names, slice_prefix)
+
+
+def refuse_lokr_on_fused(adapted: set[str], names: OriginalNames, slice_prefix: str | None) -> None:
+    """A Kronecker product cannot be split by rows: a LoKr on part of a fused original module is
+    written under `slice_prefix` + its diffusers name, or refused in one line naming the module."""
+    if slice_prefix is not None:
+        return
+    for original, segments in names.items():
+        part = next((s.module for s in segments if s.module in adapted), None)
+        if part and _fused(segments):
+            raise ValueError(f"train.target_modules: {part}: a LoKr cannot be written on {original}, which the"
+                             " original layout fuses with other modules; leave it out of train.target_modules, or"
+                             " train lora, dora or loha")
+
+
+def _fused(segments: tuple) -> bool:
+    """Whether an original module is more (or less) than one whole diffusers module."""
+    whole = (Fraction(0), Fraction(1))
+    return len(segments) > 1 or (segments[0].start, segments[0].end) != whole \
+        or (segments[0].part_start, segments[0].part_end) != whole
+
+
 def write_lycoris(denoiser: torch.nn.Module, names: OriginalNames, out_dir: Path, metadata: dict[str, str],
                   slice_prefix: str | None = None) -> Path | None:
     """The ComfyUI file of a DoRA, LoKr or LoHa (None for a plain LoRA: original_names.fused_lora)."""
@@ -93,20 +122,14 @@ def _lokr(state: dict, scales: dict[str, float], names: OriginalNames, rank: int
           slice_prefix: str | None) -> dict[str, torch.Tensor]:
     import torch
 
+    refuse_lokr_on_fused(set(scales), names, slice_prefix)
     folded, out = _folded(state, scales, "lokr"), {}
-    whole = (Fraction(0), Fraction(1))
     for original, segments in names.items():
         adapted = [s for s in segments if s.module in scales]
         if not adapted:
             continue
-        fused = len(segments) > 1 or (segments[0].start, segments[0].end) != whole \
-            or (segments[0].part_start, segments[0].part_end) != whole
-        if fused and slice_prefix is None:
-            raise ValueError(f"{adapted[0].module}: a LoKr cannot be written on {original}, which the original"
-                             " layout fuses with other modules; leave it out of target_modules or use the"
-                             " diffusers file")
         for s in adapted:
-            name = f"{slice_prefix}{s.module}" if fused else f"{PREFIX}{original}"
+            name = f"{slice_prefix}{s.module}" if _fused(segments) else f"{PREFIX}{original}"
             for key, value in folded.items():
                 if key.startswith(f"{s.module}.") and key.count(".") == s.module.count(".") + 1:
                     out[f"{name}.{key.removeprefix(s.module + '.')}"] = value

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from stages.train.adapter import AdapterParams
 
 ADAPTER = "default"
+PEFT_KEY_PARTS = ("lora_A.", "lora_B.", "lora_magnitude_vector", "lokr_", "hada_")  # what peft names adapter tensors
 
 
 def _json(value: Any) -> str:
@@ -76,7 +77,11 @@ def load_diffusers_lora(denoiser: torch.nn.Module, path: Path, prefix: str) -> N
     from peft import set_peft_model_state_dict
 
     tensors = {k.removeprefix(f"{prefix}."): v for k, v in load_file(path).items()}
-    result = set_peft_model_state_dict(denoiser, convert_unet_state_dict_to_peft(tensors), adapter_name=ADAPTER)
+    if not all(any(part in k for part in PEFT_KEY_PARTS) for k in tensors):
+        # an older diffusers spelling (`to_q_lora.down`); never convert PEFT keys: the conversion
+        # renames `to_out.lora_magnitude_vector` to `to_out.0.`, which Flux.2's single blocks lack
+        tensors = convert_unet_state_dict_to_peft(tensors)
+    result = set_peft_model_state_dict(denoiser, tensors, adapter_name=ADAPTER)
     unexpected = list(getattr(result, "unexpected_keys", None) or [])
     missing = [k for k in getattr(result, "missing_keys", None) or [] if "lora_" in k]
     if unexpected or missing:

@@ -163,6 +163,7 @@ class LoRATrainingRecipe:
         self.adapter = TrainedAdapter(p, self.family, self.family.lora_target_modules(denoiser, p.target_modules))
         torch.manual_seed(derived_seed(p.seed, "init"))  # the adapter's random init
         self.adapter.add_to(denoiser, self._saved_start(latest))
+        self.family.check_adapter(denoiser)  # before a step is spent on what export would refuse
         if p.init_lora:
             load_init_lora(denoiser, Path(p.init_lora), p, self.family.components.denoiser)
         cast_training_params(denoiser, dtype=torch.float32)

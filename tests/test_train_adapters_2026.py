@@ -1,0 +1,229 @@
+"""train.adapter and the EMA through the real train stage on the tiny Flux.2-klein, Z-Image and
+Qwen-Image models, as tests/test_train_adapters.py does for SD1.x and Flux.1: each adapter type trains
+with an EMA, a run resumed from the halfway checkpoint publishes the same files byte for byte, and
+every published file (trained and EMA) means the trained adapter. The reference is the model as
+training left it, rebuilt from the last checkpoint as a resumed run rebuilds it (a PiSSA/OLoRA base
+minus its saved start); a file's effect on the weights must equal that model's merged weights:
+loaded by diffusers' own loader (load_lora_weights + fuse_lora) where diffusers reads the format,
+else by peft (LoKr/LoHa diffusers files) or recomputed by the LyCORIS rules ComfyUI applies (DoRA,
+LoKr, LoHa ComfyUI files, whose key set is checked too).
+
+One run per (family, adapter) is trained once per module and shared by its tests; 2 steps with a
+checkpoint after each."""
+from __future__ import annotations
+
+import copy
+import json
+import re
+import shutil
+from contextlib import ExitStack
+from pathlib import Path
+
+import pytest
+import torch
+from family_checks import fused_change, merged, respelled_as_kohya, weight
+from safetensors import safe_open
+from safetensors.torch import load_file
+from test_adapters import assert_file_means_the_merged_model, documented_keys, per_module
+
+from stages import families, train
+from stages.families.lycoris import adapted_modules, lycoris_state_dict
+from stages.train.adapter import AdapterParams, peft_config
+from stages.train.lora_files import add_adapter_from_file
+from stages.train.trained_adapter import INITIAL_FILE, TrainedAdapter
+
+STEPS = 2
+PARAMS = dict(rank=2, alpha=3.0, learning_rate=1e-2, batch_size=2, max_steps=STEPS, checkpoint_every=1,
+              keep_checkpoints=2, seed=1, ema_decay=0.5)
+ADAPTERS = {"lora": {}, "dora": {"adapter": "dora", "rslora": True}, "lokr": {"adapter": "lokr"},
+            "loha": {"adapter": "loha"}, "pissa": {"init": "pissa"}, "olora": {"init": "olora", "rslora": True}}
+# a LoKr cannot be split by rows: on Flux.2 and Z-Image, where q/k/v are fused in the original layout,
+# it trains on whole modules (the attention preset is refused: test_lokr_on_fused_modules_is_refused...)
+WHOLE_MODULES = {"flux2-klein": ("attn.to_out.0", "attn.to_add_out", "attn.to_qkv_mlp_proj"),
+                 "z-image": ("attention.to_out.0",), "qwen-image": "attention"}
+# where diffusers 0.42.1's load_lora_weights reads a LoKr/LoHa: the diffusers file of a LoKr on Flux.2 and
+# Z-Image, and Flux.2's ComfyUI LoKr file (it reads no LoHa, and Z-Image's converter leaves a LoKr's original
+# names unmapped); a DoRA ComfyUI file loads with its dora_scale dropped, so it is recomputed instead
+DIFFUSERS_READS = {("flux2-klein", "lokr"), ("z-image", "lokr")}
+DIFFUSERS_READS_COMFYUI = {("flux2-klein", "lokr")}
+FAMILIES = ("flux2-klein", "z-image", "qwen-image")
+LORA_FILE, COMFYUI_FILE, KOHYA_FILE = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors",
+                                       "pytorch_lora_weights_kohya.safetensors")
+
+
+@pytest.fixture(scope="module")
+def models(request) -> dict:
+    """family -> (tiny model, encoded set), built when a test first asks for the family."""
+    fixtures = {"flux2-klein": ("flux2_model", "flux2_encoded"), "z-image": ("zimage_model", "zimage_encoded"),
+                "qwen-image": ("qwenimage_model", "qwenimage_encoded")}
+    return {name: (lambda m=m, e=e: (request.getfixturevalue(m), request.getfixturevalue(e)))
+            for name, (m, e) in fixtures.items()}
+
+
+def settings(family: str, kind: str) -> dict:
+    return {**ADAPTERS[kind], "target_modules": WHOLE_MODULES[family] if kind == "lokr" else "attention"}
+
+
+def run_train(root: Path, name: str, model: Path, encoded, **overrides) -> Path:
+    out, work = root / f"out-{name}", root / f"work-{name}"
+    out.mkdir()
+    inputs = train.TrainInputs(encoded_dir=encoded.artifact_dir, cache_root=encoded.cache_root, model_path=model,
+                               base_model_digest="base", encoded_digest=encoded.digest)
+    train.run(train.TrainParams(**{**PARAMS, **overrides}), inputs, out, work,
+              train.TrainOptions(log_with="none"), log=lambda line: None)
+    return out
+
+
+def published(out: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*.safetensors"))}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory, models):
+    """(family, adapter) -> (model, straight run's output, its work dir, resumed run's output), trained
+    once: straight for STEPS steps, then resumed from its halfway checkpoint in a fresh work dir."""
+    done = {}
+
+    def get(family: str, kind: str):
+        if (family, kind) not in done:
+            model, encoded = models[family]()
+            root = tmp_path_factory.mktemp(f"{family}-{kind}")
+            straight = run_train(root, "straight", model, encoded, **settings(family, kind))
+            halfway = f"checkpoints/step-{STEPS // 2:06d}"
+            shutil.copytree(root / "work-straight" / halfway, root / "work-resumed" / halfway)
+            resumed = run_train(root, "resumed", model, encoded, **settings(family, kind))
+            done[family, kind] = model, straight, root / "work-straight", resumed
+        return done[family, kind]
+
+    return get
+
+
+def trained_model(model: Path, work: Path, family: str, kind: str, ema: bool) -> torch.nn.Module:
+    """The denoiser with its adapter as training left it (the EMA's weights if `ema`), rebuilt from the
+    last checkpoint as a resumed run rebuilds it."""
+    fam = families.for_model(model)
+    params = train.TrainParams(**{**PARAMS, **settings(family, kind)})
+    checkpoint = work / "checkpoints" / f"step-{STEPS:06d}"
+    denoiser = fam.load_denoiser(model, torch.float32)
+    adapter = TrainedAdapter(params, fam, fam.lora_target_modules(denoiser, params.target_modules))
+    adapter.add_to(denoiser, TrainedAdapter.saved_start(checkpoint) if params.init != "default" else None)
+    adapter.start_ema(denoiser)
+    adapter.load(denoiser, checkpoint)
+    with ExitStack() as stack:
+        if ema:
+            stack.enter_context(adapter.ema.swapped_in())
+        return copy.deepcopy(denoiser)
+
+
+def _pipeline(model: Path):
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def assert_fused_means(model: Path, lora: Path | dict, expected: torch.nn.Module, adapted: list[str]) -> None:
+    """diffusers' load_lora_weights + fuse_lora of `lora` in a fresh pipeline gives every adapted
+    module the expected (merged) weight and leaves every other Linear as it was."""
+    pipe = _pipeline(model)
+    base = {n: m.weight.detach().clone() for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
+    for name, delta in fused_change(pipe, "transformer", lora).items():
+        want = weight(expected, name) if name in adapted else base[name]
+        assert torch.allclose(base[name] + delta, want, atol=1e-5), name
+
+
+def comfyui_lora_for_diffusers(family: str, file: Path, tmp: Path) -> Path | dict:
+    """A plain LoRA's ComfyUI file as diffusers' converter for the family reads it: Flux.2's
+    (ai-toolkit's) reads no `.alpha`, which the file sets to the rank (the scale is in lora_B); Z-Image's
+    splits a fused qkv only in kohya's spelling of the same names; Qwen-Image's reads it as it is."""
+    if family == "flux2-klein":
+        tensors = load_file(file)
+        alphas = {k for k in tensors if k.endswith(".alpha")}
+        for key in alphas:
+            assert tensors[key].item() == tensors[key.removesuffix(".alpha") + ".lora_A.weight"].shape[0], key
+        return {k: v for k, v in tensors.items() if k not in alphas}
+    if family == "z-image":
+        return respelled_as_kohya(file, tmp / "respelled.safetensors")
+    return file
+
+
+CASES = [pytest.param(f, k, id=f"{f}-{k}", marks=[] if (f, k) in {("flux2-klein", "lokr"), ("z-image", "pissa"),
+                                                                   ("qwen-image", "dora")} else [pytest.mark.slow])
+         for f in FAMILIES for k in ADAPTERS]
+
+
+@pytest.mark.parametrize("family, kind", CASES)
+def test_adapter_trains_with_ema_and_resumes_to_the_same_files(family, kind, runs):
+    _, straight, work, resumed = runs(family, kind)
+    assert json.loads((resumed / "logs" / "summary.json").read_text())["resumed_from"] == STEPS // 2
+    files = published(straight)
+    assert {LORA_FILE, COMFYUI_FILE, f"ema/{LORA_FILE}", f"ema/{COMFYUI_FILE}"} <= set(files)
+    assert published(resumed) == files  # the same weights (and EMA) bit for bit
+    raw, ema = load_file(straight / LORA_FILE), load_file(straight / "ema" / LORA_FILE)
+    assert raw.keys() == ema.keys() and any(not torch.equal(raw[k], ema[k]) for k in raw)
+    with safe_open(work / "checkpoints" / f"step-{STEPS:06d}" / "ema.safetensors", "pt") as f:
+        assert f.metadata()["updates"] == str(STEPS)
+    assert (work / "checkpoints" / f"step-{STEPS:06d}" / INITIAL_FILE).is_file() == (kind in ("pissa", "olora"))
+
+
+@pytest.mark.parametrize("family, kind", CASES)
+@pytest.mark.parametrize("ema", [False, True], ids=["trained", "ema"])
+def test_every_exported_file_means_the_trained_model(family, kind, ema, runs, tmp_path):
+    model, straight, work, _ = runs(family, kind)
+    folder = straight / "ema" if ema else straight
+    trained = trained_model(model, work, family, kind, ema)
+    expected, adapted = merged(trained), adapted_modules(trained)
+    # the diffusers file: diffusers' own loader where it reads the type (PiSSA/OLoRA as their plain LoRA), else peft
+    if kind not in ("lokr", "loha") or (family, kind) in DIFFUSERS_READS:
+        assert_fused_means(model, folder / LORA_FILE, expected, adapted)
+    else:
+        with pytest.raises(ValueError, match=r"Invalid (LoRA|adapter) checkpoint"):
+            _pipeline(model).load_lora_weights(folder, weight_name=LORA_FILE)
+        fresh = families.for_model(model).load_denoiser(model, torch.float32)
+        add_adapter_from_file(fresh, folder / LORA_FILE, "transformer", "default")
+        loaded = merged(fresh)
+        for name in adapted:
+            assert torch.allclose(weight(loaded, name), weight(expected, name), atol=1e-5), name
+    # the ComfyUI file (and Flux.2's kohya file): diffusers' converter for a plain LoRA; DoRA, LoKr and
+    # LoHa recomputed by the LyCORIS rules, with the documented key set
+    comfyui = folder / COMFYUI_FILE
+    if kind in ("lora", "pissa", "olora"):
+        assert_fused_means(model, comfyui_lora_for_diffusers(family, comfyui, tmp_path), expected, adapted)
+        if (folder / KOHYA_FILE).is_file():
+            assert_fused_means(model, folder / KOHYA_FILE, expected, adapted)
+    else:
+        if (family, kind) in DIFFUSERS_READS_COMFYUI:
+            assert_fused_means(model, comfyui, expected, adapted)
+        for original, t in per_module(load_file(comfyui)).items():
+            assert set(t) == documented_keys(kind, t), original
+        assert_file_means_the_merged_model(comfyui, trained, families.for_model(model).original_names(trained))
+
+
+def test_lokr_on_fused_modules_is_refused_before_training_in_one_line(models, tmp_path):
+    """Flux.2 fuses q/k/v (double_blocks.N.img_attn.qkv) and ComfyUI has no name for a part of it: a
+    LoKr there is refused by the train stage before its first step, in one line naming the key and
+    the module (Qwen-Image's modules are whole: its LoKr trains on the attention preset above)."""
+    from stages.launching import WorkerFailed
+
+    model, encoded = models["flux2-klein"]()
+    with pytest.raises(WorkerFailed) as refused:
+        run_train(tmp_path, "lokr", model, encoded, adapter="lokr", target_modules="attention")
+    message = str(refused.value)
+    assert "\n" not in message
+    assert re.search(r"train\.target_modules: transformer_blocks\.0\.attn\.to_q: a LoKr cannot be written on"
+                     r" double_blocks\.0\.img_attn\.qkv", message), message
+    assert not (tmp_path / "work-lokr" / "logs" / "loss.jsonl").exists()  # not a step spent
+
+
+def test_zimage_lokr_on_fused_qkv_is_refused_by_name(zimage_model):
+    """Z-Image fuses q/k/v in attention.qkv: the check training runs first, and the export, refuse it."""
+    family = families.for_model(zimage_model)
+    transformer = family.load_denoiser(zimage_model, torch.float32)
+    transformer.add_adapter(peft_config(AdapterParams(adapter="lokr", rank=2), family.lora_target_modules(
+        transformer, "attention")))
+    pattern = r"^train\.target_modules: \S+\.attention\.to_q: a LoKr cannot be written on \S+\.attention\.qkv, "
+    with pytest.raises(ValueError, match=pattern):
+        family.check_adapter(transformer)
+    with pytest.raises(ValueError, match=pattern):
+        lycoris_state_dict(transformer, family.original_names(transformer))
