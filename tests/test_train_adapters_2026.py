@@ -200,6 +200,22 @@ def test_every_exported_file_means_the_trained_model(family, kind, ema, runs, tm
         assert_file_means_the_merged_model(comfyui, trained, families.for_model(model).original_names(trained))
 
 
+@pytest.mark.parametrize("family, kind", [c for c in CASES if c.values[1] in ("dora", "pissa", "olora")])
+def test_kohya_metadata_states_the_exported_rank_and_scale(family, kind, runs):
+    """ss_network_dim is the rank the files hold (2r: PiSSA/OLoRA export as a plain LoRA of rank 2r) and
+    ss_network_alpha / ss_network_dim is the trained scale (alpha / sqrt(rank) with rsLoRA, which
+    kohya's loaders do not know)."""
+    _, straight, _, _ = runs(family, kind)
+    settings = ADAPTERS[kind]
+    scale = PARAMS["alpha"] / (PARAMS["rank"] ** 0.5 if settings.get("rslora") else PARAMS["rank"])
+    with safe_open(straight / LORA_FILE, "pt") as f:
+        rank = next(f.get_tensor(k).shape[0] for k in f.keys() if k.endswith("lora_A.weight"))
+    with safe_open(straight / COMFYUI_FILE, "pt") as f:
+        metadata = f.metadata()
+    assert int(metadata["ss_network_dim"]) == rank == PARAMS["rank"] * (2 if "init" in settings else 1)
+    assert float(metadata["ss_network_alpha"]) / rank == pytest.approx(scale, rel=1e-9)
+
+
 def test_lokr_on_fused_modules_is_refused_before_training_in_one_line(models, tmp_path):
     """Flux.2 fuses q/k/v (double_blocks.N.img_attn.qkv) and ComfyUI has no name for a part of it: a
     LoKr there is refused by the train stage before its first step, in one line naming the key and

@@ -108,6 +108,14 @@ def plain_lora_alpha(params: AdapterParams) -> float:
     return params.scale * (math.sqrt(rank) if params.rslora else rank)
 
 
+def kohya_network_dim_alpha(params: AdapterParams) -> tuple[int, float]:
+    """kohya's `ss_network_dim` and `ss_network_alpha` for the exported files: the rank they hold (2r:
+    PiSSA/OLoRA export as a plain LoRA of rank 2r) and the alpha whose alpha / dim, the scale kohya's
+    loaders apply (they know no rsLoRA), is the trained scale."""
+    dim = params.rank if params.init == "default" else 2 * params.rank
+    return dim, params.scale * dim
+
+
 def restore_svd_init(denoiser: torch.nn.Module, initial: dict[str, torch.Tensor]) -> None:
     """Put a PiSSA/OLoRA start back on a denoiser given a LoRA of the same config with the default
     init: each adapted base weight loses scale * B0 A0, computed as peft's init computes it, and the

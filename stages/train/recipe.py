@@ -57,6 +57,7 @@ from stages.families.objectives import Objective
 from stages.launching import die_with_parent, reporting_errors
 from stages.progress import progress_line
 from stages.train.ahead import WAIT_FOR_JOB, wait_for_job
+from stages.train.adapter import kohya_network_dim_alpha
 from stages.train.checkpoints import CheckpointDir, step_name
 from stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
 from stages.train.lora_files import load_init_lora
@@ -405,8 +406,9 @@ class LoRATrainingRecipe:
 
     def kohya_metadata(self) -> dict[str, str]:
         p = self.params
+        dim, alpha = kohya_network_dim_alpha(p)
         values = {
-            "ss_network_module": "networks.lora", "ss_network_dim": p.rank, "ss_network_alpha": p.alpha,
+            "ss_network_module": "networks.lora", "ss_network_dim": dim, "ss_network_alpha": alpha,
             "ss_network_dropout": p.dropout, "ss_learning_rate": p.effective_learning_rate,
             "ss_unet_lr": p.effective_learning_rate, "ss_text_encoder_lr": 0, "ss_lr_scheduler": p.lr_scheduler,
             "ss_lr_warmup_steps": p.warmup_steps, "ss_max_train_steps": p.max_steps, "ss_steps": self.step,
