@@ -553,3 +553,18 @@ def test_a_process_started_ahead_takes_the_job_and_trains_as_a_fresh_one(trained
     train.run(params, train_inputs(tiny_model, encoded), out, tmp_path / "work", options, log=said.append)
     assert "started ahead" in said[0]
     assert trajectory(out) == trajectory(trained[0])[:40]
+
+
+def test_a_training_process_loads_only_the_quantisation_library_its_job_uses():
+    """diffusers imports bitsandbytes and torchao whenever they are installed (about a quarter of a
+    training process's imports, BENCHMARKS.md); a training process hides the ones its job does not
+    use before diffusers is imported, and loads the one it does (nf4: bitsandbytes)."""
+    from stages.launching import start_worker
+    from stages.train.launch import worker_env
+
+    probe = ("import stages.train.recipe, diffusers.training_utils, peft, sys;"
+             " print(sorted(name for name in ('bitsandbytes', 'torchao') if sys.modules.get(name)))")
+    for setting, loaded in (("none", "[]"), ("nf4", "['bitsandbytes']")):
+        params = train.TrainParams(**{**PARAMS, "base_quantization": setting})
+        output, _ = start_worker([sys.executable, "-c", probe], worker_env(params, 1)).communicate()
+        assert output.strip().splitlines()[-1] == loaded, output

@@ -4,7 +4,8 @@ overlap the stages that run before training.
 
 `lorapipe run` starts one when it sees that training will run (flows/commands.py); the train stage
 hands it the job file's path on its stdin (`take`) instead of starting a process, when it would have
-started the same one: a single process without accelerate's launcher, with the same thread count.
+started the same one: a single process without accelerate's launcher, with the same environment
+(thread count, hidden libraries: stages/train/optional_libraries.py).
 A process nobody takes reads end-of-file when the command exits, and ends; like every worker it
 also dies with its parent (stages/launching.py).
 """
@@ -17,7 +18,7 @@ from pathlib import Path
 from stages.launching import start_worker
 
 WAIT_FOR_JOB = "--job-on-stdin"  # the recipe's argument instead of a job path
-_waiting: dict[int, subprocess.Popen] = {}  # torch threads -> a process waiting for its job
+_waiting: dict[tuple, subprocess.Popen] = {}  # its added environment -> a process waiting for its job
 
 
 def direct_command(job: Path | str) -> list[str]:
@@ -25,15 +26,16 @@ def direct_command(job: Path | str) -> list[str]:
     return [sys.executable, "-m", "stages.train.recipe", str(job)]
 
 
-def start_ahead(threads: int) -> None:
-    if threads not in _waiting:
-        _waiting[threads] = start_worker(direct_command(WAIT_FOR_JOB), {"OMP_NUM_THREADS": str(threads)}, stdin=True)
+def start_ahead(env: dict[str, str]) -> None:
+    """Start the recipe waiting for its job, with `env` added to its environment."""
+    if _key(env) not in _waiting:
+        _waiting[_key(env)] = start_worker(direct_command(WAIT_FOR_JOB), env, stdin=True)
 
 
-def take(threads: int, job: Path) -> subprocess.Popen | None:
-    """The process started ahead with `threads` torch threads, now running `job`; None if there is
+def take(env: dict[str, str], job: Path) -> subprocess.Popen | None:
+    """The process started ahead with the environment `env`, now running `job`; None if there is
     none or it is gone."""
-    process = _waiting.pop(threads, None)
+    process = _waiting.pop(_key(env), None)
     if process is None or process.poll() is not None:
         return None
     try:
@@ -42,6 +44,10 @@ def take(threads: int, job: Path) -> subprocess.Popen | None:
     except BrokenPipeError:  # it died just now
         return None
     return process
+
+
+def _key(env: dict[str, str]) -> tuple:
+    return tuple(sorted(env.items()))
 
 
 def wait_for_job() -> Path | None:

@@ -26,6 +26,7 @@ from stages.encoded import EncodedData
 from stages.launching import Interrupted, WorkerFailed, start_worker, stream, write_accelerate_config
 from stages.train import ahead
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
+from stages.train.optional_libraries import hiding
 from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
 
 
@@ -67,13 +68,14 @@ def launch(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: Tr
     }, indent=1, sort_keys=True))
     nodes, threads = machines(params, options), threads_per_process(params, options)
     command, how = launch_command(job, params.num_processes, threads, options.accelerate_config, work_dir, nodes)
-    process = ahead.take(threads, job) if command == ahead.direct_command(job) else None
+    env = worker_env(params, threads)
+    process = ahead.take(env, job) if command == ahead.direct_command(job) else None
     log(f"train: {params.num_processes} process(es) of {threads} thread(s) {how}"
         f"{', started ahead' if process else ''}, {params.max_steps} steps, work dir {work_dir}")
     damaged = work_dir / DAMAGED_RECORD_FILE
     damaged.unlink(missing_ok=True)
     try:
-        stream(process or start_worker(command, {"OMP_NUM_THREADS": str(threads)}), work_dir / "logs" / "train.log", log)
+        stream(process or start_worker(command, env), work_dir / "logs" / "train.log", log)
     except WorkerFailed as failure:
         if damaged.is_file():
             raise DamagedRecord.from_json(json.loads(damaged.read_text())) from failure
@@ -138,11 +140,16 @@ def threads_per_process(params: TrainParams, options: TrainOptions) -> int:
     return options.cpu_threads or max(1, (len(os.sched_getaffinity(0)) - 1) // local)
 
 
+def worker_env(params: TrainParams, threads: int) -> dict[str, str]:
+    """What a training process's environment adds: its torch threads, the libraries it hides."""
+    return {"OMP_NUM_THREADS": str(threads), **hiding(params)}
+
+
 def start_ahead(params: TrainParams, options: TrainOptions) -> None:
     """Start the training process now, to be handed its job when the stage runs, where the stage
     would run one process without a launcher (stages/train/ahead.py)."""
     if params.num_processes == 1 and user_accelerate_config(options.accelerate_config) is None:
-        ahead.start_ahead(threads_per_process(params, options))
+        ahead.start_ahead(worker_env(params, threads_per_process(params, options)))
 
 
 @dataclass(frozen=True)

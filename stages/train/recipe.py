@@ -45,26 +45,31 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-import torch
-from accelerate.utils import broadcast_object_list, gather_object, send_to_device
+from stages.train.optional_libraries import hide_unused
 
-from cache.errors import UserError
-from cache.fsutil import write_json_atomic
-from cache.samples import DamagedRecord
-from stages import families
-from stages.encoded import EncodedData
-from stages.families.objectives import Objective
-from stages.launching import die_with_parent, reporting_errors
-from stages.progress import progress_line
-from stages.train.ahead import WAIT_FOR_JOB, wait_for_job
-from stages.train.adapter import kohya_network_dim_alpha
-from stages.train.checkpoints import CheckpointDir, step_name
-from stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
-from stages.train.lora_files import load_init_lora
-from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, VERSION, TrainInputs, TrainOptions, TrainParams
-from stages.train.prior import base_output_target
-from stages.train.quantization import keep_base_out_of_ddp_sync, quantize_base
-from stages.train.trained_adapter import TrainedAdapter
+hide_unused()  # first: before torch, accelerate or diffusers is imported
+
+import torch  # noqa: E402
+from accelerate.utils import broadcast_object_list, gather_object, send_to_device  # noqa: E402
+
+from cache.errors import UserError  # noqa: E402
+from cache.fsutil import write_json_atomic  # noqa: E402
+from cache.samples import DamagedRecord  # noqa: E402
+from stages import families  # noqa: E402
+from stages.encoded import EncodedData  # noqa: E402
+from stages.families.objectives import Objective  # noqa: E402
+from stages.launching import die_with_parent, reporting_errors  # noqa: E402
+from stages.progress import progress_line  # noqa: E402
+from stages.train.ahead import WAIT_FOR_JOB, wait_for_job  # noqa: E402
+from stages.train.adapter import kohya_network_dim_alpha  # noqa: E402
+from stages.train.checkpoints import CheckpointDir, step_name  # noqa: E402
+from stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch  # noqa: E402
+from stages.train.lora_files import load_init_lora  # noqa: E402
+from stages.train.params import (DAMAGED_RECORD_FILE, TRACKER_RUN, VERSION, TrainInputs,  # noqa: E402
+                                 TrainOptions, TrainParams)
+from stages.train.prior import base_output_target  # noqa: E402
+from stages.train.quantization import keep_base_out_of_ddp_sync, quantize_base  # noqa: E402
+from stages.train.trained_adapter import TrainedAdapter  # noqa: E402
 
 TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")
 LYCORIS_NETWORK_ARGS = {"dora": {"algo": "lora", "dora_wd": "True"}, "lokr": {"algo": "lokr"}, "loha": {"algo": "loha"}}
