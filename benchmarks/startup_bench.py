@@ -6,8 +6,9 @@ The demo job (the tiny SD1.x model, the 8 bundled photos, 64 px, batch 4, 200 st
 - fresh: an empty cache: preprocess, encode and train computed;
 - train: `--force train` with encode cached: the start-up a user waits through when retraining;
 - noop: the same again with nothing to do;
-- with `--kept-server`, train and noop again with a Prefect server kept running between commands
-  (`prefect server start`, PREFECT_API_URL pointing at it), as README's "Fast repeated runs" says.
+- with `--kept-server`, train and noop again (every version) with a Prefect server kept running
+  between commands (`prefect server start`, PREFECT_API_URL pointing at it), as README's "Fast
+  repeated runs" says.
 
 Each output line (stdout and stderr of the whole process tree) is stamped when it arrives, and the
 phases are the gaps between lines every version prints (`phases_of`), so a slow moment of this shared
@@ -213,10 +214,9 @@ def measure(root: Path, rounds: int = 3, baseline: Path | None = None, compare: 
                 rows.setdefault(f"{name}_fresh", []).append(job.fresh())
                 rows.setdefault(f"{name}_train", []).append(job.run("--force", "train"))
                 rows.setdefault(f"{name}_noop", []).append(job.run(ends=NOOP_PHASES))
-            if kept:
-                this = jobs["this"]
-                rows.setdefault("this_kept_server_train", []).append(this.run("--force", "train", api_url=api_url))
-                rows.setdefault("this_kept_server_noop", []).append(this.run(ends=NOOP_PHASES, api_url=api_url))
+            for name, job in jobs.items() if kept else ():
+                rows.setdefault(f"{name}_kept_server_train", []).append(job.run("--force", "train", api_url=api_url))
+                rows.setdefault(f"{name}_kept_server_noop", []).append(job.run(ends=NOOP_PHASES, api_url=api_url))
             if compare:
                 rows.setdefault("compare", []).append(compare_run(compare, root, jobs["this"].root / "model", steps))
     return {"job": f"demo, {steps} steps, stops after train", "rounds": rounds,
