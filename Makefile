@@ -16,7 +16,7 @@ demo: $(VENV_STAMP)
 	HF_HUB_OFFLINE=1 .venv/bin/lorapipe demo
 
 test: $(VENV_STAMP)
-	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -ra
+	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -ra --durations=25
 
 test-fast: $(VENV_STAMP)
 	HF_HUB_OFFLINE=1 $(PY) -m pytest -q -m "not slow"
