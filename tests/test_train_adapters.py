@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from family_checks import merged, weight
+from parallel import case_by_test, selected, started
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_adapters import assert_file_means_the_merged_model
@@ -26,6 +29,11 @@ PARAMS = dict(rank=2, alpha=3.0, target_modules="attention", learning_rate=1e-2,
 ADAPTERS = {"lora": {}, "dora": {"adapter": "dora"}, "lokr": {"adapter": "lokr"}, "loha": {"adapter": "loha"},
             "pissa": {"init": "pissa"}, "olora": {"init": "olora", "rslora": True}}
 FILES = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors")
+FAMILIES = {"sd": ("tiny_model", "encoded"), "flux": ("flux_model", "flux_encoded")}  # the model and encoded set fixtures
+CASE_TESTS = {  # the tests of adapter_runs: a test's parameters -> its (family, kind)
+    "test_sd_adapter_trains_with_ema_resumes_exactly_and_exports": lambda params: ("sd", params["kind"]),
+    "test_flux_adapter_trains_with_ema_resumes_exactly_and_exports": lambda params: ("flux", params["kind"]),
+    "test_init_lora_starts_a_lokr_from_a_lokr_file": lambda params: ("sd", "lokr")}
 
 
 def run_train(tmp: Path, name: str, model: Path, encoded, work: Path, **overrides) -> Path:
@@ -34,8 +42,36 @@ def run_train(tmp: Path, name: str, model: Path, encoded, work: Path, **override
     inputs = train.TrainInputs(encoded_dir=encoded.artifact_dir, cache_root=encoded.cache_root, model_path=model,
                                base_model_digest="base", encoded_digest=encoded.digest)
     train.run(train.TrainParams(**{**PARAMS, **overrides}), inputs, out, work,
-              train.TrainOptions(log_with="none"), log=lambda line: None)
+              train.TrainOptions(log_with="none", cpu_threads=1), log=lambda line: None)
     return out
+
+
+@dataclass(frozen=True)
+class AdapterRun:
+    tmp: Path  # holds out-straight, out-resumed, work-straight and the resumed run's work
+    straight: Path
+    resumed: Path
+
+
+def train_straight_and_resumed(tmp: Path, model: Path, encoded, settings: dict) -> AdapterRun:
+    """A run straight through, and one resumed from what a run killed after its first checkpoint
+    leaves: that checkpoint (committed atomically), copied from the straight run's work dir."""
+    straight = run_train(tmp, "straight", model, encoded, tmp / "work-straight", **settings)
+    halfway = f"checkpoints/step-{STEPS // 2:06d}"
+    shutil.copytree(tmp / "work-straight" / halfway, tmp / "work" / halfway)
+    return AdapterRun(tmp, straight, run_train(tmp, "resumed", model, encoded, tmp / "work", **settings))
+
+
+@pytest.fixture(scope="module")
+def adapter_runs(request, tmp_path_factory):
+    """(family, kind) -> its AdapterRun, for every case of the adapter tests this session runs. The
+    trainings start when the module does, AT_ONCE at a time (parallel.py) in case order (each case's two
+    in turn), so the tests wait on their own case's while the next ones train."""
+    cases = selected(request, case_by_test(CASE_TESTS))
+    inputs = {family: tuple(request.getfixturevalue(name) for name in FAMILIES[family]) for family in dict(cases)}
+    with started({(family, kind): partial(train_straight_and_resumed, tmp_path_factory.mktemp(f"{family}-{kind}"),
+                                          *inputs[family], ADAPTERS[kind]) for family, kind in cases}) as result:
+        yield lambda family, kind: result((family, kind))
 
 
 def published(out: Path) -> dict[str, bytes]:
@@ -72,19 +108,15 @@ def assert_files_mean_the_adapter(out: Path, model: Path) -> None:
                                       atol=1e-5), (file, name)
 
 
-def check_adapter_run(tmp_path: Path, model: Path, encoded, settings: dict) -> None:
-    straight = run_train(tmp_path, "straight", model, encoded, tmp_path / "work-straight", **settings)
-    # what a run killed after its first checkpoint leaves: that checkpoint (committed atomically)
-    halfway = f"checkpoints/step-{STEPS // 2:06d}"
-    shutil.copytree(tmp_path / "work-straight" / halfway, tmp_path / "work" / halfway)
-    resumed = run_train(tmp_path, "resumed", model, encoded, tmp_path / "work", **settings)
+def check_adapter_run(run: AdapterRun, model: Path) -> None:
+    straight, resumed = run.straight, run.resumed
     assert json.loads((resumed / "logs" / "summary.json").read_text())["resumed_from"] == STEPS // 2
     files = published(straight)
     assert {*FILES, *(f"ema/{f}" for f in FILES)} <= set(files)
     assert published(resumed) == files  # the same weights (and EMA) bit for bit
     raw, ema = load_file(straight / FILES[0]), load_file(straight / "ema" / FILES[0])
     assert raw.keys() == ema.keys() and any(not torch.equal(raw[k], ema[k]) for k in raw)
-    checkpoint = tmp_path / "work" / "checkpoints" / f"step-{STEPS:06d}"
+    checkpoint = run.tmp / "work" / "checkpoints" / f"step-{STEPS:06d}"
     with safe_open(checkpoint / "ema.safetensors", "pt") as f:
         assert f.metadata()["updates"] == str(STEPS)
     assert_files_mean_the_adapter(straight, model)
@@ -92,14 +124,14 @@ def check_adapter_run(tmp_path: Path, model: Path, encoded, settings: dict) -> N
 
 @pytest.mark.parametrize("kind", [k if k in ("lokr", "pissa") else pytest.param(k, marks=pytest.mark.slow)
                                   for k in ADAPTERS])  # lora's resume is also in test_train.py
-def test_sd_adapter_trains_with_ema_resumes_exactly_and_exports(kind, tmp_path, tiny_model, encoded):
-    check_adapter_run(tmp_path, tiny_model, encoded, ADAPTERS[kind])
+def test_sd_adapter_trains_with_ema_resumes_exactly_and_exports(kind, adapter_runs, tiny_model):
+    check_adapter_run(adapter_runs("sd", kind), tiny_model)
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["dora", "lokr", "loha", "olora"])
-def test_flux_adapter_trains_with_ema_resumes_exactly_and_exports(kind, tmp_path, flux_model, flux_encoded):
-    check_adapter_run(tmp_path, flux_model, flux_encoded, ADAPTERS[kind])
+def test_flux_adapter_trains_with_ema_resumes_exactly_and_exports(kind, adapter_runs, flux_model):
+    check_adapter_run(adapter_runs("flux", kind), flux_model)
 
 
 KEYED_BEFORE_ISSUE_16 = {  # TrainParams().model_dump(mode="json") at ef5559f, before issue 16's settings
@@ -143,8 +175,8 @@ def test_init_lora_that_cannot_load_is_refused_by_name(settings, file_kind, mess
         load_init_lora(unet, tmp_path / "init.safetensors", params, "unet")
 
 
-def test_init_lora_starts_a_lokr_from_a_lokr_file(tmp_path, tiny_model, encoded):
-    first = run_train(tmp_path, "first", tiny_model, encoded, tmp_path / "w1", adapter="lokr", max_steps=2)
+def test_init_lora_starts_a_lokr_from_a_lokr_file(adapter_runs, tmp_path, tiny_model, encoded):
+    first = adapter_runs("sd", "lokr").straight
     again = run_train(tmp_path, "again", tiny_model, encoded, tmp_path / "w2", adapter="lokr", max_steps=2,
                       init_lora=str(first / FILES[0]))
     losses = [[json.loads(line)["loss"] for line in (out / "logs" / "loss.jsonl").read_text().splitlines()]
