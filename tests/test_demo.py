@@ -51,7 +51,6 @@ def test_second_demo_run_is_all_cached(demo_runs):
     assert [s["status"] for s in second["stages"]] == ["hit"] * 4
     assert [s["prefect_state"] for s in second["stages"]] == ["Cached"] * 4
     assert [s["key"] for s in second["stages"]] == [s["key"] for s in first["stages"]]
-    assert sum(s["seconds"] for s in second["stages"]) < 10
     assert all(s["info"] == {} for s in second["stages"])  # a hit encodes and trains nothing
     assert first["stages"][1]["info"]["latents_encoded"] == 8
 
