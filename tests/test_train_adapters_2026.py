@@ -9,7 +9,9 @@ else by peft (LoKr/LoHa diffusers files) or recomputed by the LyCORIS rules Comf
 LoKr, LoHa ComfyUI files, whose key set is checked too).
 
 One run per (family, adapter) is trained once per module and shared by its tests; 2 steps with a
-checkpoint after each."""
+checkpoint after each. A resumed run (a second launch) is trained for two types per family
+(REAL_RESUME); every type's halfway checkpoint also goes through what a resume does with it, in
+process (test_checkpoint_round_trips_bit_for_bit)."""
 from __future__ import annotations
 
 import copy
@@ -17,11 +19,14 @@ import json
 import re
 import shutil
 from contextlib import ExitStack
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import pytest
 import torch
 from family_checks import fused_change, merged, respelled_as_kohya, weight
+from parallel import case_by_test, selected, started
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_adapters import assert_file_means_the_merged_model, documented_keys, per_module
@@ -47,6 +52,12 @@ WHOLE_MODULES = {"flux2-klein": ("attn.to_out.0", "attn.to_add_out", "attn.to_qk
 DIFFUSERS_READS = {("flux2-klein", "lokr"), ("z-image", "lokr")}
 DIFFUSERS_READS_COMFYUI = {("flux2-klein", "lokr")}
 FAMILIES = ("flux2-klein", "z-image", "qwen-image")
+# the cases whose halfway checkpoint a second launch resumes (the others' resume runs in process): each
+# type once, where its checkpoint's names are least usual: Flux.2's DoRA (a magnitude on the single
+# blocks' bare to_out) and LoKr (on the fused to_qkv_mlp_proj), Z-Image's PiSSA (the saved start, on
+# separate q/k/v of a fused original) and LoHa, Qwen-Image's OLoRA with rsLoRA and plain LoRA
+REAL_RESUME = {("flux2-klein", "dora"), ("flux2-klein", "lokr"), ("z-image", "pissa"), ("z-image", "loha"),
+               ("qwen-image", "olora"), ("qwen-image", "lora")}
 LORA_FILE, COMFYUI_FILE, KOHYA_FILE = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors",
                                        "pytorch_lora_weights_kohya.safetensors")
 
@@ -70,7 +81,7 @@ def run_train(root: Path, name: str, model: Path, encoded, **overrides) -> Path:
     inputs = train.TrainInputs(encoded_dir=encoded.artifact_dir, cache_root=encoded.cache_root, model_path=model,
                                base_model_digest="base", encoded_digest=encoded.digest)
     train.run(train.TrainParams(**{**PARAMS, **overrides}), inputs, out, work,
-              train.TrainOptions(log_with="none"), log=lambda line: None)
+              train.TrainOptions(log_with="none", cpu_threads=1), log=lambda line: None)
     return out
 
 
@@ -78,37 +89,64 @@ def published(out: Path) -> dict[str, bytes]:
     return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*.safetensors"))}
 
 
+def checkpoint(work: Path, step: int) -> Path:
+    return work / "checkpoints" / f"step-{step:06d}"
+
+
+@dataclass(frozen=True)
+class Run:
+    model: Path
+    straight: Path  # the straight run's output
+    work: Path  # the straight run's work dir
+    resumed: Path | None  # the resumed run's output (REAL_RESUME cases)
+
+
+def train_case(root: Path, model: Path, encoded, family: str, kind: str) -> Run:
+    """Straight for STEPS steps; for REAL_RESUME, also resumed from its halfway checkpoint in a fresh
+    work dir (what a run killed after that checkpoint leaves)."""
+    straight = run_train(root, "straight", model, encoded, **settings(family, kind))
+    resumed = None
+    if (family, kind) in REAL_RESUME:
+        shutil.copytree(checkpoint(root / "work-straight", STEPS // 2), checkpoint(root / "work-resumed", STEPS // 2))
+        resumed = run_train(root, "resumed", model, encoded, **settings(family, kind))
+    return Run(model, straight, root / "work-straight", resumed)
+
+
+CASE_TESTS = dict.fromkeys(  # the tests that take a run: their parameters -> its (family, kind)
+    ("test_adapter_trains_with_an_ema", "test_resumed_run_publishes_the_same_files",
+     "test_checkpoint_round_trips_bit_for_bit", "test_every_exported_file_means_the_trained_model",
+     "test_kohya_metadata_states_the_exported_rank_and_scale"), lambda params: (params["family"], params["kind"]))
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, models):
-    """(family, adapter) -> (model, straight run's output, its work dir, resumed run's output), trained
-    once: straight for STEPS steps, then resumed from its halfway checkpoint in a fresh work dir."""
-    done = {}
+def runs(request, tmp_path_factory, models):
+    """(family, adapter) -> its Run, for every case this session's tests need: the trainings start
+    with the module, two at a time (parallel.py), in case order, so a test waits on its own case's
+    while the next ones train."""
+    cases = selected(request, case_by_test(CASE_TESTS))
+    inputs = {family: models[family]() for family in dict(cases)}
+    with started({(family, kind): partial(train_case, tmp_path_factory.mktemp(f"{family}-{kind}"),
+                                          *inputs[family], family, kind) for family, kind in cases}) as result:
+        yield lambda family, kind: result((family, kind))
 
-    def get(family: str, kind: str):
-        if (family, kind) not in done:
-            model, encoded = models[family]()
-            root = tmp_path_factory.mktemp(f"{family}-{kind}")
-            straight = run_train(root, "straight", model, encoded, **settings(family, kind))
-            halfway = f"checkpoints/step-{STEPS // 2:06d}"
-            shutil.copytree(root / "work-straight" / halfway, root / "work-resumed" / halfway)
-            resumed = run_train(root, "resumed", model, encoded, **settings(family, kind))
-            done[family, kind] = model, straight, root / "work-straight", resumed
-        return done[family, kind]
 
-    return get
+def resumed_model(model: Path, family: str, kind: str, saved: Path) -> tuple[torch.nn.Module, TrainedAdapter]:
+    """The denoiser and its adapter (with its EMA) rebuilt from checkpoint `saved` as a resumed run
+    rebuilds them (stages/train/recipe.py: add_to with a PiSSA/OLoRA start, start_ema, load)."""
+    fam = families.for_model(model)
+    params = train.TrainParams(**{**PARAMS, **settings(family, kind)})
+    denoiser = fam.load_denoiser(model, torch.float32)
+    adapter = TrainedAdapter(params, fam, fam.lora_target_modules(denoiser, params.target_modules))
+    adapter.add_to(denoiser, TrainedAdapter.saved_start(saved) if params.init != "default" else None)
+    adapter.start_ema(denoiser)
+    adapter.load(denoiser, saved)
+    return denoiser, adapter
 
 
 def trained_model(model: Path, work: Path, family: str, kind: str, ema: bool) -> torch.nn.Module:
     """The denoiser with its adapter as training left it (the EMA's weights if `ema`), rebuilt from the
     last checkpoint as a resumed run rebuilds it."""
-    fam = families.for_model(model)
-    params = train.TrainParams(**{**PARAMS, **settings(family, kind)})
-    checkpoint = work / "checkpoints" / f"step-{STEPS:06d}"
-    denoiser = fam.load_denoiser(model, torch.float32)
-    adapter = TrainedAdapter(params, fam, fam.lora_target_modules(denoiser, params.target_modules))
-    adapter.add_to(denoiser, TrainedAdapter.saved_start(checkpoint) if params.init != "default" else None)
-    adapter.start_ema(denoiser)
-    adapter.load(denoiser, checkpoint)
+    denoiser, adapter = resumed_model(model, family, kind, checkpoint(work, STEPS))
     with ExitStack() as stack:
         if ema:
             stack.enter_context(adapter.ema.swapped_in())
@@ -154,23 +192,48 @@ CASES = [pytest.param(f, k, id=f"{f}-{k}", marks=[] if (f, k) in {("flux2-klein"
 
 
 @pytest.mark.parametrize("family, kind", CASES)
-def test_adapter_trains_with_ema_and_resumes_to_the_same_files(family, kind, runs):
-    _, straight, work, resumed = runs(family, kind)
-    assert json.loads((resumed / "logs" / "summary.json").read_text())["resumed_from"] == STEPS // 2
-    files = published(straight)
+def test_adapter_trains_with_an_ema(family, kind, runs):
+    run = runs(family, kind)
+    files = published(run.straight)
     assert {LORA_FILE, COMFYUI_FILE, f"ema/{LORA_FILE}", f"ema/{COMFYUI_FILE}"} <= set(files)
-    assert published(resumed) == files  # the same weights (and EMA) bit for bit
-    raw, ema = load_file(straight / LORA_FILE), load_file(straight / "ema" / LORA_FILE)
+    raw, ema = load_file(run.straight / LORA_FILE), load_file(run.straight / "ema" / LORA_FILE)
     assert raw.keys() == ema.keys() and any(not torch.equal(raw[k], ema[k]) for k in raw)
-    with safe_open(work / "checkpoints" / f"step-{STEPS:06d}" / "ema.safetensors", "pt") as f:
+    with safe_open(checkpoint(run.work, STEPS) / "ema.safetensors", "pt") as f:
         assert f.metadata()["updates"] == str(STEPS)
-    assert (work / "checkpoints" / f"step-{STEPS:06d}" / INITIAL_FILE).is_file() == (kind in ("pissa", "olora"))
+    assert (checkpoint(run.work, STEPS) / INITIAL_FILE).is_file() == (kind in ("pissa", "olora"))
+
+
+@pytest.mark.parametrize("family, kind", [c for c in CASES if tuple(c.values) in REAL_RESUME])
+def test_resumed_run_publishes_the_same_files(family, kind, runs):
+    run = runs(family, kind)
+    assert json.loads((run.resumed / "logs" / "summary.json").read_text())["resumed_from"] == STEPS // 2
+    assert published(run.resumed) == published(run.straight)  # the same weights (and EMA) bit for bit
+
+
+@pytest.mark.parametrize("family, kind", CASES)
+def test_checkpoint_round_trips_bit_for_bit(family, kind, runs, tmp_path):
+    """What a resume does with a checkpoint, in process: the model rebuilt from the halfway checkpoint
+    as a resumed run rebuilds it saves that checkpoint's files again byte for byte (nothing loaded was
+    dropped or renamed), and a fresh denoiser loading those holds every tensor (and the EMA) bit for bit."""
+    run = runs(family, kind)
+    halfway = checkpoint(run.work, STEPS // 2)
+    denoiser, adapter = resumed_model(run.model, family, kind, halfway)
+    with safe_open(halfway / LORA_FILE, "pt") as f:
+        provenance = {k: v for k, v in f.metadata().items() if k.startswith("lorapipe.")}
+    adapter.save(denoiser, tmp_path, provenance)
+    assert published(tmp_path) == published(halfway)
+    again, adapter_again = resumed_model(run.model, family, kind, tmp_path)
+    want, got = denoiser.state_dict(), again.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert adapter_again.ema.updates == adapter.ema.updates == STEPS // 2
+    assert all(torch.equal(adapter.ema.average[k], adapter_again.ema.average[k]) for k in adapter.ema.average)
 
 
 @pytest.mark.parametrize("family, kind", CASES)
 @pytest.mark.parametrize("ema", [False, True], ids=["trained", "ema"])
 def test_every_exported_file_means_the_trained_model(family, kind, ema, runs, tmp_path):
-    model, straight, work, _ = runs(family, kind)
+    run = runs(family, kind)
+    model, straight, work = run.model, run.straight, run.work
     folder = straight / "ema" if ema else straight
     trained = trained_model(model, work, family, kind, ema)
     expected, adapted = merged(trained), adapted_modules(trained)
@@ -205,7 +268,7 @@ def test_kohya_metadata_states_the_exported_rank_and_scale(family, kind, runs):
     """ss_network_dim is the rank the files hold (2r: PiSSA/OLoRA export as a plain LoRA of rank 2r) and
     ss_network_alpha / ss_network_dim is the trained scale (alpha / sqrt(rank) with rsLoRA, which
     kohya's loaders do not know)."""
-    _, straight, _, _ = runs(family, kind)
+    straight = runs(family, kind).straight
     settings = ADAPTERS[kind]
     scale = PARAMS["alpha"] / (PARAMS["rank"] ** 0.5 if settings.get("rslora") else PARAMS["rank"])
     with safe_open(straight / LORA_FILE, "pt") as f:
