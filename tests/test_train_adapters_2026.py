@@ -30,6 +30,7 @@ from parallel import case_by_test, selected, started
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_adapters import assert_file_means_the_merged_model, documented_keys, per_module
+from test_train_adapters import published, run_train as train_once
 
 from stages import families, train
 from stages.families.lycoris import adapted_modules, lycoris_state_dict
@@ -76,17 +77,7 @@ def settings(family: str, kind: str) -> dict:
 
 
 def run_train(root: Path, name: str, model: Path, encoded, **overrides) -> Path:
-    out, work = root / f"out-{name}", root / f"work-{name}"
-    out.mkdir()
-    inputs = train.TrainInputs(encoded_dir=encoded.artifact_dir, cache_root=encoded.cache_root, model_path=model,
-                               base_model_digest="base", encoded_digest=encoded.digest)
-    train.run(train.TrainParams(**{**PARAMS, **overrides}), inputs, out, work,
-              train.TrainOptions(log_with="none", cpu_threads=1), log=lambda line: None)
-    return out
-
-
-def published(out: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(out)): p.read_bytes() for p in sorted(out.rglob("*.safetensors"))}
+    return train_once(root, name, model, encoded, root / f"work-{name}", **{**PARAMS, **overrides})
 
 
 def checkpoint(work: Path, step: int) -> Path:
