@@ -46,6 +46,34 @@ def tiny_model(root: Path, arch: str = "sd15") -> Path:
     return model
 
 
+def full_size_sd15(root: Path) -> Path:
+    """SD1.5 at its published size with random weights (stages/assets/arch/sd15), built once under ROOT/models/sd15."""
+    import torch
+
+    from .gpu_bench import random_model
+
+    model = root / "models" / "sd15"
+    if not (model / "model_index.json").exists():
+        random_model("sd15", model, torch.device("cpu"))
+    return model
+
+
+def full_size_cli(module: str, description: str, result_name: str, measure: Callable[[Path, bool], dict]) -> None:
+    """The command line of a benchmark over the tiny models or, with --full-size, full_size_sd15:
+    print `measure(root, full_size)` and append it to BENCHMARKS.md under the command that made it."""
+    import argparse
+
+    prog = f"python -m {module}"
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--root", type=Path, default=Path("bench-run"))
+    parser.add_argument("--full-size", action="store_true", help="SD1.5 at its published size, not the tiny models")
+    args = parser.parse_args()
+    args.root.mkdir(parents=True, exist_ok=True)
+    result = measure(args.root.resolve(), args.full_size)
+    print(json.dumps(result, indent=1))
+    ResultsSection(prog + (" --full-size" if args.full_size else "")).add(result_name, result)
+
+
 def pipeline_config(root: Path, folder: str, images: int, train: dict, evaluate: dict) -> Path:
     """root/folder, emptied, holding a config.yaml that runs the tiny SD1.5 model on `images`
     generated images (64 px, 1% held out), its cache and outputs inside the folder."""

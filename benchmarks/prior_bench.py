@@ -9,18 +9,16 @@ samples runs it over those alone). The two variants are the same recipe, model a
 base_output model switched off for the `data` calls, taken in turn by rounds on one torch thread.
 64 px images, batch 4, LoRA rank 4 on attention, float32. The tiny SD1.5 and Flux.1 dev, and with
 `--full-size` SD1.5 at its published size (random weights, built once under ROOT/models/sd15 as
-benchmarks/quant_memory_bench.py builds it).
+benchmarks/common.py builds it).
 
     python -m benchmarks.prior_bench [--root DIR] [--full-size]
 """
 from __future__ import annotations
 
-import argparse
-import json
 import shutil
 from pathlib import Path
 
-from .common import ResultsSection, Timing, generated_images, interleaved, tiny_model
+from .common import Timing, full_size_cli, full_size_sd15, generated_images, interleaved, tiny_model
 from .encode_bench import encode_inputs, run_encode
 from .train_bench import cached_step, training_recipe
 
@@ -57,23 +55,13 @@ def step_ratio(root: Path, model: Path, name: str, timing: Timing) -> dict:
 
 def measure(root: Path, full_size: bool = False) -> dict:
     if full_size:
-        from .quant_memory_bench import _full_size_sd15
-
-        return {"sd15_full_size": step_ratio(root, _full_size_sd15(root), "SD1.5 at full size, random weights",
+        return {"sd15_full_size": step_ratio(root, full_size_sd15(root), "SD1.5 at full size, random weights",
                                              FULL_SIZE_TIMING)}
     return {arch: step_ratio(root, tiny_model(root, arch), f"tiny {arch}", TIMING) for arch in ("sd15", "flux1")}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.prior_bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", type=Path, default=Path("bench-run"))
-    parser.add_argument("--full-size", action="store_true", help="SD1.5 at its published size, not the tiny models")
-    args = parser.parse_args()
-    args.root.mkdir(parents=True, exist_ok=True)
-    result = measure(args.root.resolve(), args.full_size)
-    print(json.dumps(result, indent=1))
-    ResultsSection("python -m benchmarks.prior_bench" + (" --full-size" if args.full_size else "")).add(
-        "prior_base_output_step", result)
+    full_size_cli("benchmarks.prior_bench", __doc__.split("\n\n")[0], "prior_base_output_step", measure)
 
 
 if __name__ == "__main__":

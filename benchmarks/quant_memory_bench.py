@@ -20,7 +20,6 @@ The tiny denoiser holds 3 MB of weights, so its process's memory is mostly the l
 """
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import shutil
@@ -28,7 +27,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from .common import ResultsSection, generated_images, tiny_model
+from .common import full_size_cli, full_size_sd15, generated_images, tiny_model
 
 REPO = Path(__file__).resolve().parent.parent
 IMAGES = 16
@@ -94,7 +93,7 @@ def measure(root: Path, full_size: bool = False) -> dict:
     from .encode_bench import encode_inputs, run_encode
 
     if full_size:
-        model, steps, settings = _full_size_sd15(root), 2, FULL_SIZE_SETTINGS
+        model, steps, settings = full_size_sd15(root), 2, FULL_SIZE_SETTINGS
     else:
         model, steps, settings = tiny_model(root), 8, SETTINGS
     cache = root / "quant-memory"
@@ -116,28 +115,8 @@ def measure(root: Path, full_size: bool = False) -> dict:
     return {"model": name, "resolution": 64, "batch": 4, "steps": steps, "torch_threads": 1, **rows}
 
 
-def _full_size_sd15(root: Path) -> Path:
-    import torch
-
-    from .gpu_bench import random_model
-
-    model = root / "models" / "sd15"
-    if not (model / "model_index.json").exists():
-        random_model("sd15", model, torch.device("cpu"))
-    return model
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(prog="python -m benchmarks.quant_memory_bench",
-                                     description=__doc__.split("\n\n")[0])
-    parser.add_argument("--root", type=Path, default=Path("bench-run"))
-    parser.add_argument("--full-size", action="store_true", help="SD1.5 at its published size, not the tiny model")
-    args = parser.parse_args()
-    args.root.mkdir(parents=True, exist_ok=True)
-    result = measure(args.root.resolve(), args.full_size)
-    print(json.dumps(result, indent=1))
-    command = "python -m benchmarks.quant_memory_bench" + (" --full-size" if args.full_size else "")
-    ResultsSection(command).add("quant_memory", result)
+    full_size_cli("benchmarks.quant_memory_bench", __doc__.split("\n\n")[0], "quant_memory", measure)
 
 
 if __name__ == "__main__":
