@@ -57,7 +57,7 @@ def train_straight_and_resumed(tmp: Path, model: Path, encoded, settings: dict) 
     """A run straight through, and one resumed from what a run killed after its first checkpoint
     leaves: that checkpoint (committed atomically), copied from the straight run's work dir."""
     straight = run_train(tmp, "straight", model, encoded, tmp / "work-straight", **settings)
-    halfway = f"checkpoints/step-{STEPS // 2:06d}"
+    halfway = f"checkpoints/step-{settings.get('max_steps', STEPS) // 2:06d}"
     shutil.copytree(tmp / "work-straight" / halfway, tmp / "work" / halfway)
     return AdapterRun(tmp, straight, run_train(tmp, "resumed", model, encoded, tmp / "work", **settings))
 

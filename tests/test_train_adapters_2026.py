@@ -17,7 +17,6 @@ from __future__ import annotations
 import copy
 import json
 import re
-import shutil
 from contextlib import ExitStack
 from dataclasses import dataclass
 from functools import partial
@@ -30,7 +29,8 @@ from parallel import case_by_test, selected, started
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_adapters import assert_file_means_the_merged_model, documented_keys, per_module
-from test_train_adapters import published, run_train as train_once
+from test_train_adapters import published, train_straight_and_resumed
+from test_train_adapters import run_train as train_once
 
 from stages import families, train
 from stages.families.lycoris import adapted_modules, lycoris_state_dict
@@ -95,12 +95,10 @@ class Run:
 def train_case(root: Path, model: Path, encoded, family: str, kind: str) -> Run:
     """Straight for STEPS steps; for REAL_RESUME, also resumed from its halfway checkpoint in a fresh
     work dir (what a run killed after that checkpoint leaves)."""
-    straight = run_train(root, "straight", model, encoded, **settings(family, kind))
-    resumed = None
     if (family, kind) in REAL_RESUME:
-        shutil.copytree(checkpoint(root / "work-straight", STEPS // 2), checkpoint(root / "work-resumed", STEPS // 2))
-        resumed = run_train(root, "resumed", model, encoded, **settings(family, kind))
-    return Run(model, straight, root / "work-straight", resumed)
+        both = train_straight_and_resumed(root, model, encoded, {**PARAMS, **settings(family, kind)})
+        return Run(model, both.straight, root / "work-straight", both.resumed)
+    return Run(model, run_train(root, "straight", model, encoded, **settings(family, kind)), root / "work-straight", None)
 
 
 CASE_TESTS = dict.fromkeys(  # the tests that take a run: their parameters -> its (family, kind)
