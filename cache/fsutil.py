@@ -9,6 +9,11 @@ from pathlib import Path
 from typing import Any
 
 
+def user_cache_dir() -> Path:
+    """lorapipe's folder in the user's cache: ~/.cache/lorapipe (XDG_CACHE_HOME is honoured)."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lorapipe"
+
+
 def fsync_dir(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -36,7 +36,7 @@ from typing import Any, Callable, Iterator
 
 from .digest import digest_bytes, digest_file
 from .errors import CacheRootError, unusable_folder
-from .fsutil import probe_writable, remove_tree
+from .fsutil import probe_writable, remove_tree, user_cache_dir
 from .lease import Lease, lease_lock
 from .lock import key_lock
 from .object_samples import ObjectSampleStore, ShardCache
@@ -57,9 +57,8 @@ class ObjectSettings:
 
 def default_local_dir(url: str) -> Path:
     """~/.cache/lorapipe/<bucket>-<digest of the URL> (XDG_CACHE_HOME is honoured)."""
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "lorapipe"
     bucket = url.split("://", 1)[1].split("/", 1)[0]
-    return base / f"{bucket}-{digest_bytes(url.rstrip('/').encode())[:12]}"
+    return user_cache_dir() / f"{bucket}-{digest_bytes(url.rstrip('/').encode())[:12]}"
 
 
 def open_store(cache_dir: str | Path, settings: ObjectSettings | None = None) -> ArtifactStore:

@@ -9,6 +9,11 @@ Prefect gives its own, and PREFECT_API_URL then points Prefect at it. An API con
 environment or in the active Prefect profile is used as is (the server started here is stopped),
 as is a profile that does not allow the temporary server.
 
+On a PREFECT_HOME with no database yet, the server would create it and run every migration (about
+7 s more on two cores): the home gets a copy of an empty, migrated database kept per Prefect version
+in the user's cache folder, and the first server that had to migrate leaves its database, once it
+answers, as that copy (flows/prefect_db.py).
+
 The server runs in its own session, so a Ctrl-C in the terminal reaches the command alone, which
 can still record the interrupted run; it dies with the command (PR_SET_PDEATHSIG), and is stopped
 at exit after Prefect's own exit handlers have sent their last logs and events.
@@ -30,6 +35,8 @@ from pathlib import Path
 from cache.errors import UserError, unusable_folder
 from stages.launching import die_with, free_port
 
+from .prefect_db import DatabaseTemplate
+
 START_ATTEMPTS = 3  # uvicorn exits with 3 when it cannot start, e.g. when another process took the port
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
 
@@ -37,21 +44,24 @@ SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREF
 class EmbeddedServer:
     """A Prefect API server process on 127.0.0.1 at a free port, for this command only."""
 
-    def __init__(self) -> None:
+    def __init__(self, unsaved_template: DatabaseTemplate | None = None) -> None:
         self.output = tempfile.TemporaryFile()  # shown only if the server fails to start
         self.attempts = 0
         self.process: subprocess.Popen | None = None
+        self.unsaved_template = unsaved_template  # saved from the home's database once the server answers
         self._launch()
         atexit.register(self.stop)  # registered before prefect's: runs after theirs
 
     @classmethod
     def unless_configured(cls) -> EmbeddedServer | None:
-        """A server started now, or None when PREFECT_API_URL is set in the environment or in the
-        active profile (a server kept running: see README, "Fast repeated runs")."""
-        if os.environ.get("PREFECT_API_URL") or profile_api_url():
+        """A server started now, on a new home from the database template when there is one, or
+        None when PREFECT_API_URL is set in the environment or in the active profile (a server kept
+        running: see README, "Fast repeated runs")."""
+        profile = active_profile()
+        if os.environ.get("PREFECT_API_URL") or profile.get("PREFECT_API_URL"):
             return None
-        make_prefect_home()
-        return cls()
+        template = DatabaseTemplate.for_new_home(make_prefect_home(), profile)
+        return cls(template if template and not template.seed() else None)
 
     @property
     def api_url(self) -> str:
@@ -97,6 +107,9 @@ class EmbeddedServer:
                 raise RuntimeError(f"Prefect's temporary server did not answer within the start-up timeout"
                                    f" (PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS): {self._output_tail()}")
             time.sleep(0.05)
+        if self.unsaved_template:
+            self.unsaved_template.save()  # before the flow writes its run
+            self.unsaved_template = None
 
     def _healthy(self) -> bool:
         return api_answers(self.api_url)
@@ -126,29 +139,31 @@ def api_answers(api_url: str) -> bool:
         return False
 
 
-def profile_api_url() -> str | None:
-    """PREFECT_API_URL as the active Prefect profile sets it, read from the profiles file without
-    importing prefect (which would delay the server this module starts early). Only an optimisation:
-    connect() asks Prefect's own settings, and stops the early server for any other source too."""
-    home = Path(os.environ.get("PREFECT_HOME", "~/.prefect")).expanduser()
-    path = Path(os.environ.get("PREFECT_PROFILES_PATH", home / "profiles.toml")).expanduser()
+def active_profile() -> dict:
+    """The settings of the active Prefect profile, read from the profiles file without importing
+    prefect (which would delay the server this module starts early). Only an optimisation:
+    connect() asks Prefect's own settings, and stops the early server for any other API source."""
+    path = Path(os.environ.get("PREFECT_PROFILES_PATH", prefect_home() / "profiles.toml")).expanduser()
     try:
         profiles = tomllib.loads(path.read_text())
     except (OSError, tomllib.TOMLDecodeError):
-        return None  # no profiles file, or one Prefect will name in its own error
+        return {}  # no profiles file, or one Prefect will name in its own error
     active = os.environ.get("PREFECT_PROFILE") or profiles.get("active")
     profile = profiles.get("profiles", {}).get(active, {})
-    return profile.get("PREFECT_API_URL") if isinstance(profile, dict) else None
+    return profile if isinstance(profile, dict) else {}
 
 
-def make_prefect_home() -> None:
-    """Create PREFECT_HOME with its parents (the server's database lives there). Prefect creates
+def prefect_home() -> Path:
+    return Path(os.environ.get("PREFECT_HOME") or "~/.prefect").expanduser()
+
+
+def make_prefect_home() -> Path:
+    """PREFECT_HOME, created with its parents: the server's database lives there. Prefect creates
     only the last folder, so a home inside a folder not made yet (the demo's fresh workdir, made by
     the command only after the server starts) failed the server with 'unable to open database file'."""
-    home = os.environ.get("PREFECT_HOME")
-    if home:
-        folder = Path(home).expanduser()
-        try:
-            folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        except OSError as error:
-            raise UserError(unusable_folder("PREFECT_HOME", folder, error)) from error
+    folder = prefect_home()
+    try:
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+    except OSError as error:
+        raise UserError(unusable_folder("PREFECT_HOME", folder, error)) from error
+    return folder

@@ -85,7 +85,7 @@ def test_an_api_in_the_active_prefect_profile_means_no_temporary_server(tmp_path
     """`prefect config set PREFECT_API_URL=...` (a server kept running) is read without importing prefect,
     so the command does not start, and then stop, a temporary server of its own; PREFECT_PROFILE picks
     the profile as in Prefect."""
-    from flows.server import EmbeddedServer, profile_api_url
+    from flows.server import EmbeddedServer, active_profile
 
     (tmp_path / "profiles.toml").write_text('active = "kept"\n\n[profiles.kept]\nPREFECT_API_URL = '
                                             '"http://127.0.0.1:4200/api"\n\n[profiles.ephemeral]\n')
@@ -93,9 +93,9 @@ def test_an_api_in_the_active_prefect_profile_means_no_temporary_server(tmp_path
     monkeypatch.delenv("PREFECT_API_URL", raising=False)
     monkeypatch.delenv("PREFECT_PROFILE", raising=False)
     monkeypatch.delenv("PREFECT_PROFILES_PATH", raising=False)
-    assert profile_api_url() == "http://127.0.0.1:4200/api"
+    assert active_profile()["PREFECT_API_URL"] == "http://127.0.0.1:4200/api"
     assert EmbeddedServer.unless_configured() is None
     monkeypatch.setenv("PREFECT_PROFILE", "ephemeral")
-    assert profile_api_url() is None
+    assert "PREFECT_API_URL" not in active_profile()
     (tmp_path / "profiles.toml").write_text("active = [unclosed")
-    assert profile_api_url() is None  # Prefect itself names a broken profiles file
+    assert active_profile() == {}  # Prefect itself names a broken profiles file

@@ -1,0 +1,116 @@
+"""An empty, migrated Prefect database kept per Prefect version, so that the temporary server
+(flows/server.py) starts on a new PREFECT_HOME without creating its database and running every
+alembic migration (about 7 of its 11 s on two cores).
+
+The template is `lorapipe/prefect-VERSION-sqlite.db` in the user's cache folder (XDG_CACHE_HOME,
+else ~/.cache). A server starting on a home with no database gets a copy of it; a server that had to
+migrate a new home itself (no template yet) leaves its database, snapshot once it answers and before
+any run is written, as the template. Only Prefect's default database (PREFECT_HOME/prefect.db) is
+seeded: none when the environment or the active profile names another one. A database named only
+in a `.env` or `prefect.toml` leaves an unused copy in the home, no worse.
+
+It only saves start-up time: any failure (an unwritable folder, a damaged template, another command
+seeding the same home) leaves the server to migrate as without it, and deleting it is always safe.
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import sqlite3
+import tempfile
+from contextlib import closing
+from pathlib import Path
+
+from cache.fsutil import user_cache_dir
+
+# Prefect settings that put the server's database somewhere other than PREFECT_HOME/prefect.db
+DATABASE_SETTINGS = tuple(f"PREFECT_{scope}_DATABASE_{name}" for scope in ("SERVER", "API")
+                          for name in ("CONNECTION_URL", "DRIVER", "NAME"))
+STARTUP_TABLES = frozenset({"alembic_version", "block_type", "block_schema", "block_schema_reference"})  # a start fills these only
+
+
+class DatabaseTemplate:
+    """The template for `database`, a home's default database that does not exist yet."""
+
+    def __init__(self, database: Path, template: Path) -> None:
+        self.database, self.template = database, template
+
+    @classmethod
+    def for_new_home(cls, home: Path, profile: dict) -> DatabaseTemplate | None:
+        """None unless the server will create Prefect's default database in `home` (a stale journal
+        there without its database counts as a database: it must not meet a copy)."""
+        if any(os.environ.get(name) or profile.get(name) for name in DATABASE_SETTINGS):
+            return None
+        database = home / "prefect.db"
+        if any(Path(f"{database}{end}").exists() for end in ("", "-wal", "-journal")):
+            return None
+        try:
+            version = importlib.metadata.version("prefect")  # importing prefect would delay the server's launch
+            return cls(database, user_cache_dir() / f"prefect-{version}-sqlite.db")
+        except (importlib.metadata.PackageNotFoundError, RuntimeError):  # RuntimeError: no home folder
+            return None
+
+    def seed(self) -> bool:
+        """Copy the template in as the home's database; whether it was. A template that is not an
+        empty, migrated database is removed (the next new home's server writes a good one)."""
+        if not self.template.is_file():
+            return False
+        copy = None
+        try:
+            copy = temporary_file(self.database.parent)
+            shutil.copyfile(self.template, copy)
+            if not is_empty_migrated(copy):
+                self.template.unlink(missing_ok=True)
+                return False
+            os.link(copy, self.database)  # unlike a rename, never replaces a database another command's server made
+            return True
+        except OSError:
+            return False
+        finally:
+            if copy:
+                copy.unlink(missing_ok=True)
+
+    def save(self) -> None:
+        """Snapshot the home's database (open in the server, in WAL mode) as the template, if none
+        exists and it holds only what the server's start wrote."""
+        if self.template.exists():
+            return
+        copy = None
+        try:
+            self.template.parent.mkdir(parents=True, exist_ok=True)
+            copy = temporary_file(self.template.parent)
+            with closing(sqlite3.connect(f"{self.database.as_uri()}?mode=ro", uri=True)) as source, \
+                    closing(sqlite3.connect(copy)) as target:
+                source.backup(target)  # one read transaction: consistent while the server writes
+                target.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
+            if is_empty_migrated(copy):
+                os.replace(copy, self.template)
+        except (OSError, sqlite3.Error):
+            pass
+        finally:
+            if copy:
+                copy.unlink(missing_ok=True)
+
+
+def temporary_file(folder: Path) -> Path:
+    descriptor, path = tempfile.mkstemp(dir=folder, prefix=".prefect-db-", suffix=".tmp")
+    os.close(descriptor)
+    return Path(path)
+
+
+def is_empty_migrated(path: Path) -> bool:
+    """Whether `path` is an intact SQLite database with an alembic revision and no rows outside
+    what a Prefect server's start writes (no flows, runs, logs or events)."""
+    try:
+        with closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)) as db:
+            if db.execute("PRAGMA quick_check").fetchone() != ("ok",):
+                return False
+            if not db.execute("SELECT version_num FROM alembic_version").fetchone():
+                return False
+            tables = [name for (name,) in db.execute("SELECT name FROM sqlite_master WHERE type = 'table'"
+                                                       " AND name NOT LIKE 'sqlite%'")]
+            return not any(db.execute(f'SELECT 1 FROM "{name}" LIMIT 1').fetchone()
+                           for name in tables if name not in STARTUP_TABLES)
+    except sqlite3.Error:
+        return False

@@ -1,0 +1,101 @@
+"""The empty, migrated Prefect database kept in the user's cache (flows/prefect_db.py): real
+`lorapipe run` commands, each on a new PREFECT_HOME, with their own XDG_CACHE_HOME."""
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import sqlite3
+import subprocess
+import sys
+from contextlib import closing
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def start_run(config: Path, home: Path, xdg_cache: Path) -> subprocess.Popen:
+    env = {**os.environ, "PREFECT_HOME": str(home), "XDG_CACHE_HOME": str(xdg_cache)}
+    env.pop("PREFECT_API_URL", None)  # the command's own temporary server
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--only", "preprocess"],
+                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def succeeds(*runs: subprocess.Popen) -> None:
+    for run in runs:
+        _, stderr = run.communicate(timeout=300)
+        assert run.returncode == 0, stderr[-3000:]
+
+
+def rows(database: Path, query: str) -> list[tuple]:
+    with closing(sqlite3.connect(database)) as db:
+        return db.execute(query).fetchall()
+
+
+def template_in(xdg_cache: Path) -> Path:
+    return xdg_cache / "lorapipe" / f"prefect-{importlib.metadata.version('prefect')}-sqlite.db"
+
+
+def test_only_prefects_default_database_in_a_new_home_is_seeded(tmp_path, monkeypatch):
+    """A database named in the environment or the active profile is never shadowed by a copy, nor is
+    one already in the home (or its journal, left without it)."""
+    from flows.prefect_db import DATABASE_SETTINGS, DatabaseTemplate
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for name in DATABASE_SETTINGS:
+        monkeypatch.delenv(name, raising=False)
+    template = template_in(tmp_path / "xdg")
+    template.parent.mkdir(parents=True)
+    with closing(sqlite3.connect(template)) as db, db:
+        db.execute("CREATE TABLE alembic_version (version_num)")
+        db.execute("INSERT INTO alembic_version VALUES ('head')")
+    url = "postgresql+asyncpg://prefect@db/prefect"
+    assert DatabaseTemplate.for_new_home(tmp_path, {"PREFECT_API_DATABASE_CONNECTION_URL": url}) is None
+    monkeypatch.setenv("PREFECT_SERVER_DATABASE_CONNECTION_URL", url)
+    assert DatabaseTemplate.for_new_home(tmp_path, {}) is None
+    monkeypatch.delenv("PREFECT_SERVER_DATABASE_CONNECTION_URL")
+    (tmp_path / "prefect.db-wal").write_bytes(b"a journal left behind")
+    assert DatabaseTemplate.for_new_home(tmp_path, {}) is None
+    (tmp_path / "prefect.db-wal").unlink()
+    assert DatabaseTemplate.for_new_home(tmp_path, {}).seed()
+    assert rows(tmp_path / "prefect.db", "SELECT * FROM alembic_version") == [("head",)]
+    assert DatabaseTemplate.for_new_home(tmp_path, {}) is None  # the home has its database now
+
+
+@pytest.fixture
+def config(tmp_path, tiny_config):
+    return tiny_config(tmp_path / "job", "template", max_steps=2)
+
+
+@pytest.mark.slow
+def test_a_new_home_starts_from_the_database_the_first_run_left(tmp_path, config):
+    xdg_cache = tmp_path / "xdg"
+    succeeds(start_run(config, tmp_path / "home-1", xdg_cache))
+    template = template_in(xdg_cache)
+    assert rows(template, "SELECT count(*) FROM alembic_version") == [(1,)]
+    assert rows(template, "SELECT count(*) FROM flow_run") == [(0,)]  # saved before the run was written
+    assert rows(template, "SELECT count(*) FROM log") == [(0,)]
+    assert rows(tmp_path / "home-1" / "prefect.db", "SELECT count(*) FROM flow_run") == [(1,)]
+
+    with closing(sqlite3.connect(template)) as db, db:
+        db.execute("CREATE TABLE copied_from_the_template (marker)")  # empty: still a usable template
+    succeeds(start_run(config, tmp_path / "home-2", xdg_cache))
+    second = tmp_path / "home-2" / "prefect.db"
+    assert rows(second, "SELECT name FROM sqlite_master WHERE name = 'copied_from_the_template'")
+    assert rows(second, "SELECT count(*) FROM flow_run") == [(1,)]
+
+
+@pytest.mark.slow
+def test_a_damaged_template_is_replaced_and_two_runs_on_new_homes_at_once_succeed(tmp_path, config):
+    xdg_cache = tmp_path / "xdg"
+    template = template_in(xdg_cache)
+    template.parent.mkdir(parents=True)
+    template.write_bytes(b"not a database " * 1000)
+    homes = [tmp_path / "home-a", tmp_path / "home-b"]
+    succeeds(*[start_run(config, home, xdg_cache) for home in homes])
+    for home in homes:
+        assert rows(home / "prefect.db", "SELECT count(*) FROM flow_run") == [(1,)]
+    assert rows(template, "SELECT count(*) FROM alembic_version") == [(1,)]  # a good one written in its place
+    assert rows(template, "SELECT count(*) FROM flow_run") == [(0,)]
+    assert not list(template.parent.glob(".prefect-db-*")) and not list(tmp_path.glob("home-*/.prefect-db-*"))
