@@ -80,8 +80,7 @@ class DatabaseTemplate:
         try:
             self.template.parent.mkdir(parents=True, exist_ok=True)
             copy = temporary_file(self.template.parent)
-            with closing(sqlite3.connect(f"{self.database.as_uri()}?mode=ro", uri=True)) as source, \
-                    closing(sqlite3.connect(copy)) as target:
+            with closing(read_only(self.database)) as source, closing(sqlite3.connect(copy)) as target:
                 source.backup(target)  # one read transaction: consistent while the server writes
                 target.execute("PRAGMA journal_mode=DELETE")  # one self-contained file
             if is_empty_migrated(copy):
@@ -99,11 +98,16 @@ def temporary_file(folder: Path) -> Path:
     return Path(path)
 
 
+def read_only(path: Path) -> sqlite3.Connection:
+    """A connection that never creates `path` (a server using another database left none)."""
+    return sqlite3.connect(f"{path.absolute().as_uri()}?mode=ro", uri=True)
+
+
 def is_empty_migrated(path: Path) -> bool:
     """Whether `path` is an intact SQLite database with an alembic revision and no rows outside
     what a Prefect server's start writes (no flows, runs, logs or events)."""
     try:
-        with closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True)) as db:
+        with closing(read_only(path)) as db:
             if db.execute("PRAGMA quick_check").fetchone() != ("ok",):
                 return False
             if not db.execute("SELECT version_num FROM alembic_version").fetchone():

@@ -42,6 +42,9 @@ def test_only_prefects_default_database_in_a_new_home_is_seeded(tmp_path, monkey
     one already in the home (or its journal, left without it)."""
     from flows.prefect_db import DATABASE_SETTINGS, DatabaseTemplate
 
+    monkeypatch.chdir(tmp_path)
+    home = Path("home")  # PREFECT_HOME may be relative
+    home.mkdir()
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
     for name in DATABASE_SETTINGS:
         monkeypatch.delenv(name, raising=False)
@@ -51,16 +54,19 @@ def test_only_prefects_default_database_in_a_new_home_is_seeded(tmp_path, monkey
         db.execute("CREATE TABLE alembic_version (version_num)")
         db.execute("INSERT INTO alembic_version VALUES ('head')")
     url = "postgresql+asyncpg://prefect@db/prefect"
-    assert DatabaseTemplate.for_new_home(tmp_path, {"PREFECT_API_DATABASE_CONNECTION_URL": url}) is None
+    assert DatabaseTemplate.for_new_home(home, {"PREFECT_API_DATABASE_CONNECTION_URL": url}) is None
     monkeypatch.setenv("PREFECT_SERVER_DATABASE_CONNECTION_URL", url)
-    assert DatabaseTemplate.for_new_home(tmp_path, {}) is None
+    assert DatabaseTemplate.for_new_home(home, {}) is None
     monkeypatch.delenv("PREFECT_SERVER_DATABASE_CONNECTION_URL")
-    (tmp_path / "prefect.db-wal").write_bytes(b"a journal left behind")
-    assert DatabaseTemplate.for_new_home(tmp_path, {}) is None
-    (tmp_path / "prefect.db-wal").unlink()
-    assert DatabaseTemplate.for_new_home(tmp_path, {}).seed()
-    assert rows(tmp_path / "prefect.db", "SELECT * FROM alembic_version") == [("head",)]
-    assert DatabaseTemplate.for_new_home(tmp_path, {}) is None  # the home has its database now
+    (home / "prefect.db-wal").write_bytes(b"a journal left behind")
+    assert DatabaseTemplate.for_new_home(home, {}) is None
+    (home / "prefect.db-wal").unlink()
+    assert DatabaseTemplate.for_new_home(home, {}).seed()
+    assert rows(home / "prefect.db", "SELECT * FROM alembic_version") == [("head",)]
+    assert DatabaseTemplate.for_new_home(home, {}) is None  # the home has its database now
+    template.unlink()
+    DatabaseTemplate(home / "prefect.db", template).save()
+    assert rows(template, "SELECT * FROM alembic_version") == [("head",)]
 
 
 @pytest.fixture
