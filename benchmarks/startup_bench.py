@@ -141,7 +141,8 @@ class Job:
 
     def run(self, *extra: str, ends: tuple | None = None, api_url: str | None = None,
             stages: list[str] | None = None, prefect_home: Path | None = None) -> dict[str, float]:
-        command = [sys.executable, "-m", "flows.cli", "run", str(self.config), *(stages or run_args(self.steps)), *extra]
+        stages = stages or run_args(self.steps)
+        command = [sys.executable, "-m", "flows.cli", "run", str(self.config), *stages, *extra]
         env = {**self.env, "PREFECT_API_URL": api_url} if api_url else self.env
         env = {**env, "PREFECT_HOME": str(prefect_home)} if prefect_home else env
         started = time.time()

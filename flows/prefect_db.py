@@ -27,7 +27,8 @@ from cache.fsutil import user_cache_dir
 # Prefect settings that put the server's database somewhere other than PREFECT_HOME/prefect.db
 DATABASE_SETTINGS = tuple(f"PREFECT_{scope}_DATABASE_{name}" for scope in ("SERVER", "API")
                           for name in ("CONNECTION_URL", "DRIVER", "NAME"))
-STARTUP_TABLES = frozenset({"alembic_version", "block_type", "block_schema", "block_schema_reference"})  # a start fills these only
+# the tables a server's start fills; every other one holds what runs, deployments or users wrote
+STARTUP_TABLES = frozenset({"alembic_version", "block_type", "block_schema", "block_schema_reference"})
 
 
 class DatabaseTemplate:
