@@ -20,6 +20,7 @@ import traceback
 from pathlib import Path
 
 from cache.errors import one_line, user_message
+from stages.launching import skip_exit_collection
 from stages.library_notes import quiet_harmless_notes
 
 STRICT = ["preprocess.on_bad_row=error"]  # --strict: a bad metadata row stops the run
@@ -90,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
         from .config import ConfigError
 
         return 2 if isinstance(error, ConfigError) else 1
+    finally:
+        if args.command in ("demo", "run"):  # a process that imported Prefect, and diffusers for an in-process stage
+            skip_exit_collection()
 
 
 def error_line(error: Exception) -> str:

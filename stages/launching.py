@@ -13,6 +13,7 @@ retry may cure. Tracebacks in the workers' output go to the stage's log file and
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import signal
@@ -55,6 +56,15 @@ class WorkerCrashed(RuntimeError):
 def _prctl():
     """libc's prctl, resolved before any fork: the preexec hook must not load libraries."""
     return ctypes.CDLL(None, use_errno=True).prctl if sys.platform.startswith("linux") else None
+
+
+def skip_exit_collection() -> None:
+    """Spare the interpreter the garbage collection it runs at exit, which walks every object that
+    torch, diffusers and Prefect created: about 1.2 s of the exit of a process that imported
+    diffusers, on 2 cores (BENCHMARKS.md, start-up). gc.freeze() puts the objects that exist now
+    out of its reach. Call it when the process's work is done: its files are closed by then, and
+    atexit handlers still run."""
+    gc.freeze()
 
 
 def die_with_parent() -> None:

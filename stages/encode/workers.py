@@ -25,7 +25,8 @@ from cache.samples import SampleStore
 
 from ..contract import Log
 from ..encoded import encode_record
-from ..launching import die_with_parent, reporting_errors, run_streaming, write_accelerate_config
+from ..launching import (die_with_parent, reporting_errors, run_streaming, skip_exit_collection,
+                         write_accelerate_config)
 from .images import sample_label
 from .latents import Progress, encode_latents
 from .masks import encode_masks
@@ -208,4 +209,7 @@ def main(job_path: Path) -> None:
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    try:
+        main(Path(sys.argv[1]))
+    finally:
+        skip_exit_collection()

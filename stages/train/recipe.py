@@ -58,7 +58,7 @@ from cache.samples import DamagedRecord  # noqa: E402
 from stages import families  # noqa: E402
 from stages.encoded import EncodedData  # noqa: E402
 from stages.families.objectives import Objective  # noqa: E402
-from stages.launching import die_with_parent, reporting_errors  # noqa: E402
+from stages.launching import die_with_parent, reporting_errors, skip_exit_collection  # noqa: E402
 from stages.progress import progress_line  # noqa: E402
 from stages.train.ahead import WAIT_FOR_JOB, wait_for_job  # noqa: E402
 from stages.train.adapter import kohya_network_dim_alpha  # noqa: E402
@@ -496,4 +496,7 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-    main(sys.argv)
+    try:
+        main(sys.argv)
+    finally:
+        skip_exit_collection()
