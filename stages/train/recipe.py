@@ -41,6 +41,7 @@ import json
 import math
 import shutil
 import sys
+import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -295,6 +296,8 @@ class LoRATrainingRecipe:
     # ---- training
     def train(self) -> None:
         self.denoiser.train()
+        if self.accelerator.is_main_process:  # the loss plot's library, imported while the steps run
+            threading.Thread(target=import_plotting, name="import-matplotlib", daemon=True).start()
         self.batches = self.micro_batches()
         try:
             self._train_loop()
@@ -454,12 +457,19 @@ def tracker_config(params: TrainParams) -> dict[str, str | int | float | bool]:
     return {k: v if isinstance(v, (str, int, float, bool)) else json.dumps(v) for k, v in values.items()}
 
 
-def plot_losses(loss_log: Path, png: Path) -> None:
-    """The loss per step and its moving average (a window of about 5% of the run)."""
+def import_plotting():
+    """matplotlib with its file-only backend (0.5 s of imports on a quiet core: BENCHMARKS.md, start-up)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_losses(loss_log: Path, png: Path) -> None:
+    """The loss per step and its moving average (a window of about 5% of the run)."""
+    plt = import_plotting()
 
     entries = [json.loads(line) for line in loss_log.read_text().splitlines() if line]
     steps, values = [e["step"] for e in entries], [e["loss"] for e in entries]
