@@ -22,6 +22,7 @@ from pathlib import Path
 from cache.errors import one_line, user_message
 from stages.launching import skip_exit_collection
 from stages.library_notes import quiet_harmless_notes
+from stages.optional_libraries import hide
 
 STRICT = ["preprocess.on_bad_row=error"]  # --strict: a bad metadata row stops the run
 PREFECT_DEFAULTS = {
@@ -73,6 +74,8 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    if args.command in ("demo", "run"):  # not in-process callers' status or cache (tests: pytest's own process)
+        hide()  # the flow's stages never use them; training runs in its own processes
     for name, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(name, value)
     quiet_harmless_notes()

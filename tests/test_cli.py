@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import re
 import signal
@@ -99,3 +100,34 @@ def test_an_api_in_the_active_prefect_profile_means_no_temporary_server(tmp_path
     assert "PREFECT_API_URL" not in active_profile()
     (tmp_path / "profiles.toml").write_text("active = [unclosed")
     assert active_profile() == {}  # Prefect itself names a broken profiles file
+
+
+# `python -m flows.cli ARGS...`, printing at its exit which of these modules its own process had loaded
+LOADED_AT_EXIT = """
+import atexit, runpy, sys
+names = ("diffusers", "transformers", "bitsandbytes", "torchao")
+atexit.register(lambda: print("loaded:", sorted(n for n in names if sys.modules.get(n)), file=sys.stderr))
+sys.argv[0] = "lorapipe"
+runpy.run_module("flows.cli", run_name="__main__")
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="nf4 needs bitsandbytes installed")
+def test_a_run_encodes_and_evaluates_without_the_quantisation_libraries_and_trains_with_the_one_it_names(
+        tmp_path, tiny_config):
+    """diffusers imports bitsandbytes and torchao whenever they are installed (seconds of a run's
+    start-up, BENCHMARKS.md); the command's own process, where encode and evaluate run, hides both,
+    yet an nf4 config validates there and its training process loads bitsandbytes."""
+    config_path = tiny_config(tmp_path, "hidden", max_steps=2, checkpoint_every=2, base_quantization="nf4")
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    run = subprocess.run([sys.executable, "-c", LOADED_AT_EXIT, "run", str(config_path)],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    # encode and evaluate ran in this process, without them
+    assert run.stderr.splitlines()[-1] == "loaded: ['diffusers', 'transformers']", run.stderr[-3000:]
+    stages = {s["stage"]: s for s in json.loads((tmp_path / "out" / "run-summary.json").read_text())["stages"]}
+    assert [s["status"] for s in stages.values()] == ["computed"] * 4
+    assert stages["encode"]["info"]["latents_encoded"] == 8
+    trained = json.loads((Path(stages["train"]["path"]) / "train_config.json").read_text())
+    assert trained["params"]["base_quantization"] == "nf4" and trained["steps"] == 2

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,8 +14,9 @@ import pytest
 
 from cache.samples import SampleStore
 from stages import encode
-from stages.encode.dask_executor import encode_chunk
+from stages.encode.dask_executor import _client, encode_chunk
 from stages.launching import environment_kept
+from stages.optional_libraries import OPTIONAL
 from stages.encode.workers import EncodeJobs
 
 from test_encode import encode_inputs, prepare, run_encode
@@ -151,3 +153,16 @@ def test_dask_workers_encode_into_an_s3_cache_once_each(tmp_path, demo_images, t
     shards = remote.committed()  # read from the bucket
     keys = [key for meta in shards.values() for key in meta["records"]]
     assert len(keys) == len(set(keys)) == 17 and len(shards) == 9
+
+
+@pytest.mark.slow
+def test_the_stages_own_dask_workers_import_diffusers_without_the_quantisation_libraries():
+    """A worker of the cluster encode starts for itself runs only encode's tasks, which never use
+    bitsandbytes or torchao: it hides them from diffusers (stages/optional_libraries.py)."""
+    def loaded_by_diffusers() -> list[str]:  # in the worker: what loading an encoder imports
+        from diffusers import AutoencoderKL  # noqa: F401
+
+        return sorted(name for name in OPTIONAL if sys.modules.get(name))
+
+    with _client(encode.EncodeOptions(executor="dask", dask_workers=1), lambda line: None) as client:
+        assert list(client.run(loaded_by_diffusers).values()) == [[]]

@@ -124,11 +124,25 @@ def _assert_loads_as_trained(pipe, model: Path, out: Path, targets) -> None:
     assert_means_what_was_trained(trained, adapted, change)
 
 
+def quantised_config(tmp_path: Path, model: Path, setting: str) -> dict:
+    return {"name": "t", "cache_dir": tmp_path, "output_dir": tmp_path, "model": {"path": model},
+            "data": {"path": tmp_path}, "train": {"base_quantization": setting, "log_with": "none"}, "evaluate": {"prompts": ["a cat"]}}
+
+
 def test_a_quantisation_whose_library_is_missing_is_refused_in_one_line(tmp_path, tiny_model, monkeypatch):
-    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # what find_spec sees when it is not installed
-    raw = {"name": "t", "cache_dir": tmp_path, "output_dir": tmp_path, "model": {"path": tiny_model},
-           "data": {"path": tmp_path}, "train": {"base_quantization": "nf4"}}
+    validate_config(quantised_config(tmp_path, tiny_model, "none"), "config.yaml")  # what validating imports
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # not imported, and not on the path:
+    monkeypatch.setattr(sys, "path", [entry for entry in sys.path if not (Path(entry) / "bitsandbytes").exists()])
     with pytest.raises(ConfigError) as err:
-        validate_config(raw, "config.yaml")
+        validate_config(quantised_config(tmp_path, tiny_model, "nf4"), "config.yaml")
     message = str(err.value)
     assert "\n" not in message and "train.base_quantization: nf4 needs bitsandbytes" in message
+
+
+def test_a_quantisation_is_accepted_where_the_process_hides_its_installed_library(tmp_path, tiny_model, monkeypatch):
+    """`lorapipe run` hides bitsandbytes and torchao from its own process (stages/optional_libraries.py),
+    where find_spec then says None; its training processes load the one the config names."""
+    for library in ("bitsandbytes", "torchao"):
+        monkeypatch.setitem(sys.modules, library, None)
+    for setting in ("nf4", "int8"):
+        assert validate_config(quantised_config(tmp_path, tiny_model, setting), "config.yaml").train.base_quantization == setting

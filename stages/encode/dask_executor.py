@@ -17,6 +17,7 @@ from cache.digest import digest_json
 from cache.errors import UserError
 from cache.object_store import open_sample_store
 
+from .. import optional_libraries
 from ..contract import Log
 from ..launching import environment_kept
 from .latents import Progress
@@ -104,7 +105,10 @@ def _client(options: EncodeOptions, log: Log) -> Iterator[Client]:
             yield client
         return
     log(f"encode: starting a local Dask cluster of {options.dask_workers} worker processes")
+    # its workers run only encode's tasks: they hide the optional libraries, which a worker of a cluster
+    # at dask_address (long-lived, maybe shared with tasks that use them) must keep
     with environment_kept(), LocalCluster(n_workers=options.dask_workers, threads_per_worker=1, processes=True,
-                                          dashboard_address=":0") as cluster, Client(cluster) as client:
+                                          dashboard_address=":0", preload=[optional_libraries.__name__]
+                                          ) as cluster, Client(cluster) as client:
         yield client
 

@@ -27,6 +27,7 @@ from ..contract import Log
 from ..encoded import encode_record
 from ..launching import (die_with_parent, reporting_errors, run_streaming, skip_exit_collection,
                          write_accelerate_config)
+from ..optional_libraries import hide
 from .images import sample_label
 from .latents import Progress, encode_latents
 from .masks import encode_masks
@@ -189,6 +190,7 @@ def launch_workers(jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs,
 
 
 def main(job_path: Path) -> None:
+    hide()  # before the encoders import diffusers: encoding never uses the optional libraries
     from . import EncodeInputs, EncodeOptions, EncodeParams
     from ..preprocess import DATASET_FILE
 

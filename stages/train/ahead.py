@@ -5,7 +5,7 @@ overlap the stages that run before training.
 `lorapipe run` starts one when it sees that training will run (flows/commands.py); the train stage
 hands it the job file's path on its stdin (`take`) instead of starting a process, when it would have
 started the same one: a single process without accelerate's launcher, with the same environment
-(thread count, hidden libraries: stages/train/optional_libraries.py).
+(thread count, hidden libraries: stages/optional_libraries.py).
 A process nobody takes reads end-of-file when the command exits, and ends; like every worker it
 also dies with its parent (stages/launching.py).
 """

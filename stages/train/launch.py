@@ -24,10 +24,11 @@ from stages import families
 from stages.contract import Log
 from stages.encoded import EncodedData
 from stages.launching import Interrupted, WorkerFailed, start_worker, stream, write_accelerate_config
+from stages.optional_libraries import OPTIONAL, hiding
 from stages.train import ahead
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
-from stages.train.optional_libraries import hiding
 from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
+from stages.train.quantization import LIBRARY
 
 
 
@@ -142,7 +143,13 @@ def threads_per_process(params: TrainParams, options: TrainOptions) -> int:
 
 def worker_env(params: TrainParams, threads: int) -> dict[str, str]:
     """What a training process's environment adds: its torch threads, the libraries it hides."""
-    return {"OMP_NUM_THREADS": str(threads), **hiding(params)}
+    return {"OMP_NUM_THREADS": str(threads), **hiding(unused_libraries(params))}
+
+
+def unused_libraries(params: TrainParams) -> tuple[str, ...]:
+    """The optional libraries (stages/optional_libraries.py) a training with `params` never calls."""
+    used = {LIBRARY.get(params.base_quantization), "bitsandbytes" if params.optimizer == "adamw8bit" else None}
+    return tuple(name for name in OPTIONAL if name not in used)
 
 
 def start_ahead(params: TrainParams, options: TrainOptions) -> None:

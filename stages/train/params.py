@@ -1,7 +1,6 @@
 """The train stage's settings and inputs. Imports nothing heavy: flows load this to build keys."""
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -10,6 +9,7 @@ from pydantic import Field, model_validator
 
 from stages.contract import Frozen
 from stages.families import ObjectiveParams
+from stages.optional_libraries import installed
 from stages.train.adapter import AdapterParams
 from stages.train.ema import EMAParams
 from stages.train.quantization import BaseQuantization, check_available
@@ -79,7 +79,7 @@ class TrainParams(ObjectiveParams, AdapterParams, EMAParams):
         if self.init != "default" and self.prior_target == "base_output":
             raise ValueError(f"train.prior_target: base_output needs the adapter switched off to leave the base, but"
                              f" train.init {self.init} moves the base's principal components into it: use init default")
-        if self.optimizer == "adamw8bit" and importlib.util.find_spec("bitsandbytes") is None:
+        if self.optimizer == "adamw8bit" and not installed("bitsandbytes"):
             raise ValueError("optimizer: adamw8bit needs bitsandbytes (pip install bitsandbytes), or use adamw")
         if self.warmup_steps and self.lr_scheduler == "constant":
             raise ValueError("warmup_steps is ignored by lr_scheduler 'constant': use 'constant_with_warmup'")
@@ -124,7 +124,7 @@ class TrainOptions(Frozen):
 
     @model_validator(mode="after")
     def _tracker_installed(self) -> "TrainOptions":
-        if self.log_with != "none" and importlib.util.find_spec(self.log_with) is None:
+        if self.log_with != "none" and not installed(self.log_with):
             raise ValueError(f"log_with: {self.log_with} is not installed (pip install {self.log_with}),"
                              " or set log_with: none")
         return self

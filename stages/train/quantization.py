@@ -19,9 +19,10 @@ Imports nothing heavy at module level: TrainParams checks availability with `che
 """
 from __future__ import annotations
 
-import importlib.util
 import warnings
 from typing import TYPE_CHECKING, Literal
+
+from stages.optional_libraries import installed
 
 if TYPE_CHECKING:
     import torch
@@ -33,7 +34,7 @@ LIBRARY = {"int8": "torchao", "fp8": "torchao", "nf4": "bitsandbytes"}  # the mo
 def check_available(setting: BaseQuantization) -> None:
     """Refuse, in one line naming the key, a setting whose library is not installed."""
     library = LIBRARY.get(setting)
-    if library and importlib.util.find_spec(library) is None:
+    if library and not installed(library):
         raise ValueError(f"train.base_quantization: {setting} needs {library} (pip install 'lorapipe[quant]'),"
                          " or set base_quantization: none")
 

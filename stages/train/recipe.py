@@ -46,9 +46,9 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from stages.train.optional_libraries import hide_unused
+from stages.optional_libraries import hide_named
 
-hide_unused()  # first: before torch, accelerate or diffusers is imported
+hide_named()  # first, before torch, accelerate or diffusers is imported: what the stage named (train/launch.py)
 
 import torch  # noqa: E402
 from accelerate.utils import broadcast_object_list, gather_object, send_to_device  # noqa: E402
