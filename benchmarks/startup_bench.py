@@ -3,7 +3,8 @@
 The demo job (the tiny SD1.x model, the 8 bundled photos, 64 px, batch 4, 200 steps) through
 `python -m flows.cli run ... --only preprocess --only encode --only train`, three ways per round:
 
-- fresh: an empty cache: preprocess, encode and train computed;
+- fresh: an empty cache: preprocess, encode and train computed (also encode_stage: the encode
+  stage's own seconds, from run-summary.json);
 - train: `--force train` with encode cached: the start-up a user waits through when retraining;
 - noop: the same again with nothing to do;
 - fresh_home (only when chosen with `--case`): `--only preprocess` (a cache hit after the first
@@ -11,6 +12,8 @@ The demo job (the tiny SD1.x model, the 8 bundled photos, 64 px, batch 4, 200 st
   temporary server's database is created then (the migrations, or the copy of lorapipe's database
   template: flows/prefect_db.py). The template, in an XDG_CACHE_HOME of the benchmark's own, is
   written by an untimed run before the rounds;
+- fresh_encode (only when chosen with `--case`): fresh, `--only preprocess --only encode`: no
+  training process started ahead, so the command's own process alone (encode_stage as in fresh);
 - with `--kept-server`, train and noop again (every version) with a Prefect server kept running
   between commands (`prefect server start`, PREFECT_API_URL pointing at it), as README's "Fast
   repeated runs" says.
@@ -25,7 +28,7 @@ bar. `{model}`, `{images}` and `{out}` in CMD are replaced by the tiny model, an
 the photos (metadata.jsonl) and an empty output folder.
 
     python -m benchmarks.startup_bench [--rounds 3] [--steps 200] [--baseline DIR] [--compare CMD] [--kept-server]
-                                       [--case fresh|train|noop|fresh_home]...
+                                       [--case fresh|train|noop|fresh_home|fresh_encode]...
 """
 from __future__ import annotations
 
@@ -51,7 +54,7 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO_IMAGES = REPO / "stages" / "assets" / "demo_images"
 STEPS = 200
 STEP_1 = "the first row of loss.jsonl"  # written after step 1 by every version, whatever log_every says
-CASES = ("fresh", "train", "noop", "fresh_home")
+CASES = ("fresh", "train", "noop", "fresh_home", "fresh_encode")
 
 
 def run_args(steps: int) -> list[str]:
@@ -155,10 +158,15 @@ class Job:
         logs = (self.root / "cache" / "work" / "train").glob("*/logs/loss.jsonl")
         return any(s.st_size and s.st_mtime >= since for s in (log.stat() for log in logs))
 
-    def fresh(self) -> dict[str, float]:
+    def fresh(self, stages: list[str] | None = None, ends: tuple | None = None) -> dict[str, float]:
         for name in ("cache", "outputs"):
             shutil.rmtree(self.root / name, ignore_errors=True)
-        return self.run()
+        return {**self.run(ends=ends, stages=stages), "encode_stage": self.stage_seconds("encode")}
+
+    def stage_seconds(self, stage: str) -> float:
+        """The stage's own seconds in the last run, as its summary (run-summary.json) records them."""
+        summary = json.loads(next((self.root / "outputs").rglob("run-summary.json")).read_text())
+        return next(s["seconds"] for s in summary["stages"] if s["stage"] == stage)
 
     def fresh_home(self) -> dict[str, float]:
         home = self.root / "prefect-fresh"
@@ -167,7 +175,8 @@ class Job:
 
     def case(self, name: str) -> dict[str, float]:
         return {"fresh": self.fresh, "train": lambda: self.run("--force", "train"),
-                "noop": lambda: self.run(ends=NOOP_PHASES), "fresh_home": self.fresh_home}[name]()
+                "noop": lambda: self.run(ends=NOOP_PHASES), "fresh_home": self.fresh_home,
+                "fresh_encode": lambda: self.fresh(["--only", "preprocess", "--only", "encode"], NOOP_PHASES)}[name]()
 
 
 @contextmanager
@@ -239,8 +248,9 @@ def measure(root: Path, rounds: int = 3, baseline: Path | None = None, compare: 
                 rows.setdefault(f"{name}_kept_server_noop", []).append(job.run(ends=NOOP_PHASES, api_url=api_url))
             if compare:
                 rows.setdefault("compare", []).append(compare_run(compare, root, jobs["this"].root / "model", steps))
+    by_round = {name: [row["encode_stage"] for row in r] for name, r in rows.items() if "encode_stage" in r[0]}
     return {"job": f"demo, {steps} steps, stops after train", "rounds": rounds,
-            **{name: medians(r) for name, r in rows.items()}}
+            **{name: medians(r) for name, r in rows.items()}, "encode_stage_by_round": by_round}
 
 
 def main() -> None:
