@@ -4,6 +4,7 @@ resumes after its last committed shard."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import signal
 import subprocess
@@ -250,6 +251,20 @@ def test_a_damaged_shard_is_found_by_cache_verify_removed_and_re_encoded(tmp_pat
         _, computed = store.build(key, build, {})
     assert computed and counts["vae"] == records
     assert main(["cache", "verify", "--cache-dir", str(inputs.cache_root)]) == 0
+
+
+@pytest.mark.slow
+def test_encode_worker_processes_load_diffusers_without_the_quantisation_libraries(tmp_path, demo_images, tiny_model,
+                                                                                monkeypatch):
+    """Encode's worker processes (num_processes > 1) never use bitsandbytes or torchao, which diffusers
+    imports where they are installed: they hide them (stages/optional_libraries.py). Python's import
+    profile, which every process inherits through PYTHONPROFILEIMPORTTIME, lists what each one loaded."""
+    monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
+    inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), tiny_model)
+    _, built, _ = run_encode(tmp_path, inputs, num_processes=2, batch_size=2, shard_records=2)
+    assert built.info["processes"] == 2 and built.info["latents_encoded"] == 8
+    loaded = set(re.findall(r"\|\s+(diffusers|bitsandbytes|torchao)\.", (tmp_path / "logs" / "encode.log").read_text()))
+    assert loaded == {"diffusers"}  # a name hidden is only tried (its line has no submodules)
 
 
 @pytest.mark.slow
