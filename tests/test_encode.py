@@ -263,7 +263,8 @@ def test_encode_worker_processes_load_diffusers_without_the_quantisation_librari
     inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), tiny_model)
     _, built, _ = run_encode(tmp_path, inputs, num_processes=2, batch_size=2, shard_records=2)
     assert built.info["processes"] == 2 and built.info["latents_encoded"] == 8
-    loaded = set(re.findall(r"\|\s+(diffusers|bitsandbytes|torchao)\.", (tmp_path / "logs" / "encode.log").read_text()))
+    profile = (tmp_path / "logs" / "encode.log").read_text()
+    loaded = set(re.findall(r"\|\s+(diffusers|bitsandbytes|torchao)\.", profile))
     assert loaded == {"diffusers"}  # a name hidden is only tried (its line has no submodules)
 
 

@@ -126,7 +126,8 @@ def _assert_loads_as_trained(pipe, model: Path, out: Path, targets) -> None:
 
 def quantised_config(tmp_path: Path, model: Path, setting: str) -> dict:
     return {"name": "t", "cache_dir": tmp_path, "output_dir": tmp_path, "model": {"path": model},
-            "data": {"path": tmp_path}, "train": {"base_quantization": setting, "log_with": "none"}, "evaluate": {"prompts": ["a cat"]}}
+            "data": {"path": tmp_path}, "train": {"base_quantization": setting, "log_with": "none"},
+            "evaluate": {"prompts": ["a cat"]}}
 
 
 def test_a_quantisation_whose_library_is_missing_is_refused_in_one_line(tmp_path, tiny_model, monkeypatch):
@@ -145,4 +146,5 @@ def test_a_quantisation_is_accepted_where_the_process_hides_its_installed_librar
     for library in ("bitsandbytes", "torchao"):
         monkeypatch.setitem(sys.modules, library, None)
     for setting in ("nf4", "int8"):
-        assert validate_config(quantised_config(tmp_path, tiny_model, setting), "config.yaml").train.base_quantization == setting
+        config = validate_config(quantised_config(tmp_path, tiny_model, setting), "config.yaml")
+        assert config.train.base_quantization == setting
