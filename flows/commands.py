@@ -59,26 +59,46 @@ def will_train(config: PipelineConfig, only: list[str], start: str | None, force
         ctx.close()
 
 
+NO_FLOW = ("lorapipe: every stage was cached, so no Prefect flow ran (Prefect records nothing of this run); to"
+           " have such runs in the Prefect UI, keep a Prefect server running (README: \"Fast repeated runs\")")
+
+
 def run(config_path: Path, overrides: list[str], only: list[str], start: str | None,
         force: list[str], as_json: bool, debug: bool = False, server: EmbeddedServer | None = None) -> int:
+    from .runlog import new_log_path, run_log
+
     config = load_config(config_path, overrides)
     preflight(config, only + force, start)  # what fails here is the command's only line
     print(f"lorapipe: running pipeline {config.name!r} ({config_path}): starting Prefect", file=sys.stderr,
           flush=True)  # with Prefect's log lines; stdout stays the summary (--json)
+    log_path = new_log_path(config.output_dir)
     if will_train(config, only, start, force):
         from stages.train import TrainOptions, TrainParams
         from stages.train.launch import start_ahead
 
         start_ahead(*split(config.train, TrainParams, TrainOptions))  # its imports overlap Prefect's start and the stages before train
+    elif server and not force:  # a temporary server would record a run nobody sees: skip it if all is cached
+        from .cached_run import all_cached_run
+
+        with run_log(log_path, debug, flow=False):
+            summary = all_cached_run(config, only, start)
+        if summary is not None:
+            server.stop()
+            print(NO_FLOW, file=sys.stderr)
+            return print_summary(config, summary, log_path, as_json)
     if server:
         server.connect()
     from .pipeline import pipeline
-    from .runlog import run_log
 
     if server:
         server.wait_ready()
-    with run_log(config.output_dir, debug) as log_path:
+    with run_log(log_path, debug):
         summary = pipeline(config, only=only, start=start, force=force)
+    return print_summary(config, summary, log_path, as_json)
+
+
+def print_summary(config: PipelineConfig, summary: list[dict], log_path: Path, as_json: bool) -> int:
+    """A run's stages (hit or computed, seconds, artifact) and where its outputs and log are."""
     if as_json:
         _print_json({"pipeline": config.name, "stages": summary, "log": str(log_path)})
         return 0

@@ -7,9 +7,7 @@ hit or miss is decided by our cache manifest (a hit shows in Prefect as a "Cache
 from __future__ import annotations
 
 import errno
-import json
 import re
-import shutil
 import sys
 from functools import partial
 from pathlib import Path
@@ -21,23 +19,18 @@ from prefect.runtime import deployment, flow_run, task_run
 from prefect.states import Completed
 
 from cache.errors import UserError
-from cache.object_store import open_store
 from stages.launching import WorkerCrashed
 from stages.library_notes import quiet_harmless_notes
 
 from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config
-from .plan import STAGES, Context, object_settings, selected_stages
+from .outputs import finish_run, with_files
+from .plan import STAGES, Context, selected_stages, walked_stages
 from .runner import StageResult, follow_train, machine_rank, run_stage, run_warm_train
 
 Stage = Literal["preprocess", "encode", "train", "evaluate"]  # typed, so Prefect refuses a misspelt stage
 assert get_args(Stage) == STAGES
 
-OUTPUT_FILES = {  # stage -> files copied next to the run summary for the user
-    "train": ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
-              "pytorch_lora_weights_comfyui.safetensors"),
-    "evaluate": ("grid.png", "metrics.json", "report.md", "checkpoint_loss.png", "checkpoint_losses.json"),
-}
 TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ESTALE, errno.ETIMEDOUT, errno.ECONNRESET,
                     errno.ECONNABORTED}  # a busy or briefly unreachable (network) filesystem
 
@@ -70,9 +63,7 @@ def stage_task(config: PipelineConfig, stage: str, upstream: dict[str, str], run
         if following and warm_start:
             raise UserError("warm_start: not supported with train.machine_rank > 0; start the runs without it")
         stage_run = follow_train if following else run_warm_train if warm_start else partial(run_stage, stage=stage)
-        result, artifact = stage_run(ctx, upstream=artifacts, run=run, force=force)
-        if stage in OUTPUT_FILES and artifact:  # copied out by the flow: on object storage, fetched to this host once
-            result.files = str(artifact.path)
+        result = with_files(*stage_run(ctx, upstream=artifacts, run=run, force=force))
     finally:
         ctx.close()
     if result.status == "hit":
@@ -94,13 +85,10 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
         warm_start: start training from this pipeline's previous LoRA instead of from scratch
     """
     quiet_harmless_notes()  # in a deployment's flow process too
-    chosen = selected_stages(only, start)
+    chosen, rank = selected_stages(only, start), machine_rank(config)
     results: list[StageResult] = []
     upstream: dict[str, str] = {}
-    last, rank = max(STAGES.index(s) for s in chosen), machine_rank(config)
-    if rank > 0:  # this machine only joins the training: rank 0 publishes and evaluates
-        last = min(last, STAGES.index("train"))
-    for stage in STAGES[: last + 1]:  # stages before a chosen one must be cache hits
+    for stage in walked_stages(chosen, rank):
         state = stage_task.with_options(name=stage)(
             config, stage, dict(upstream), stage in chosen, stage in force,
             warm_start and stage == "train", return_state=True)
@@ -108,12 +96,10 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
         result.prefect_state = state.name
         results.append(result)
         upstream[stage] = result.key
-    summary = [r.to_json() for r in results]
     out = output_folder(config)
-    write_outputs(out, config, results, summary)
+    summary = finish_run(out, config, results, flow_run.name or "unnamed", deployment.name, flow_run.name,
+                         record=rank == 0)
     get_run_logger().info(f"outputs: {out}")
-    if rank == 0:  # the run that published what it used
-        record_run(config, flow_run.name or "unnamed", upstream)
     publish_run_artifacts(config.name, results, out)
     return summary
 
@@ -125,23 +111,6 @@ def output_folder(config: PipelineConfig) -> Path:
     if not name:
         return config.output_dir
     return config.output_dir / (re.sub(r"[^\w.-]+", "-", name).strip(".") or "deployment")
-
-
-def write_outputs(out: Path, config: PipelineConfig, results: list[StageResult], summary: list[dict]) -> None:
-    out.mkdir(parents=True, exist_ok=True)
-    for result in results:
-        for name in OUTPUT_FILES.get(result.stage, ()):
-            src = Path(result.files) / name
-            if result.files and src.exists():
-                shutil.copyfile(src, out / name)
-    run = {"pipeline": config.name, "output_dir": str(out.resolve()), "deployment": deployment.name,
-           "flow_run": flow_run.name, "stages": summary}
-    (out / "run-summary.json").write_text(json.dumps(run, indent=1))
-
-
-def record_run(config: PipelineConfig, run: str, keys: dict[str, str]) -> None:
-    """Note in the cache which artifacts this completed run used (`cache gc --keep-last`)."""
-    open_store(config.cache_dir, object_settings(config)).record_run(config.name, run, keys)
 
 
 if __name__ == "__main__":

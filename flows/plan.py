@@ -180,6 +180,15 @@ def selected_stages(only: list[str], start: str | None) -> set[str]:
     return set(STAGES[STAGES.index(start):]) if start else set(STAGES)
 
 
+def walked_stages(chosen: set[str], rank: int = 0) -> tuple[str, ...]:
+    """The stages a run goes through, in order: the chosen ones and every stage before them (which
+    must be cache hits); on machine rank > 0 none after train (rank 0 publishes and evaluates)."""
+    last = max(STAGES.index(s) for s in chosen)
+    if rank > 0:  # this machine only joins the training
+        last = min(last, STAGES.index("train"))
+    return STAGES[: last + 1]
+
+
 def step_for(stage: str, ctx: Context, upstream: dict[str, Artifact]) -> Step:
     if stage == "preprocess":
         return preprocess_step(ctx)

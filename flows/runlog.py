@@ -42,19 +42,28 @@ class TerminalFilter(logging.Filter):
         return not self.closed or record.levelno >= logging.WARNING
 
 
-@contextmanager
-def run_log(output_dir: Path, debug: bool = False) -> Iterator[Path]:
-    """Log everything to a new file under `output_dir/logs` while the run lasts; on an exception,
-    write its traceback there and say on stderr where the file is."""
-    from prefect.logging.formatters import PrefectFormatter
-    from prefect.logging.handlers import PrefectConsoleHandler
+def new_log_path(output_dir: Path) -> Path:
+    """This command's log file: `output_dir/logs/run-<time>-<pid>.log`."""
+    return Path(output_dir) / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
 
-    path = Path(output_dir) / "logs" / f"run-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log"
+
+@contextmanager
+def run_log(path: Path, debug: bool = False, flow: bool = True) -> Iterator[Path]:
+    """Log everything to the file `path` (appended to) while the run lasts; on an exception, write
+    its traceback there and say on stderr where the file is. flow=False: no Prefect in this process
+    (a run served wholly from the cache), so neither its formats nor its console are involved."""
     path.parent.mkdir(parents=True, exist_ok=True)
     file_handler = logging.FileHandler(path, encoding="utf-8")
-    file_handler.setFormatter(PrefectFormatter(**FILE_FORMATS))
     root, detail = logging.getLogger(), logging.getLogger("lorapipe")
-    consoles = [] if debug else [h for h in root.handlers if isinstance(h, PrefectConsoleHandler)]
+    if flow:
+        from prefect.logging.formatters import PrefectFormatter
+        from prefect.logging.handlers import PrefectConsoleHandler
+
+        file_handler.setFormatter(PrefectFormatter(**FILE_FORMATS))
+        consoles = [] if debug else [h for h in root.handlers if isinstance(h, PrefectConsoleHandler)]
+    else:
+        file_handler.setFormatter(logging.Formatter(FILE_FORMATS["format"]))
+        consoles = []
     terminal, detail_level = TerminalFilter(), detail.level
     root.addHandler(file_handler)
     detail.setLevel(logging.INFO)

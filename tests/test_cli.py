@@ -6,6 +6,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,3 +132,22 @@ def test_a_run_encodes_and_evaluates_without_the_quantisation_libraries_and_trai
     assert stages["encode"]["info"]["latents_encoded"] == 8
     trained = json.loads((Path(stages["train"]["path"]) / "train_config.json").read_text())
     assert trained["params"]["base_quantization"] == "nf4" and trained["steps"] == 2
+
+
+def test_outputs_of_an_artifact_removed_while_they_are_copied_are_refused(tmp_path):
+    """`cache rm` or `gc` may remove an artifact between its lookup and the copy of its files into
+    output_dir: that is said (a run served without a flow then runs the flow), never a run whose
+    outputs are silently missing."""
+    from flows.outputs import ArtifactRemoved, copy_outputs
+    from flows.runner import StageResult
+
+    artifact, out = tmp_path / "cache" / "train" / "k", tmp_path / "out"
+    artifact.mkdir(parents=True)
+    out.mkdir()
+    (artifact / "pytorch_lora_weights.safetensors").write_bytes(b"lora")
+    result = StageResult("train", "hit", "k", "digest", str(artifact), 0.0, "hit", files=str(artifact))
+    copy_outputs(result, out)
+    assert (out / "pytorch_lora_weights.safetensors").read_bytes() == b"lora"
+    shutil.rmtree(artifact)
+    with pytest.raises(ArtifactRemoved, match="train: its artifact .* was removed"):
+        copy_outputs(result, out)

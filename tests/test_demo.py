@@ -1,9 +1,12 @@
 """`lorapipe demo` end to end through Prefect's embedded mode, twice: the second run is all cache
-hits, shown as Cached task runs, and recomputes nothing."""
+hits and recomputes nothing; with no Prefect server kept running it runs no Prefect flow at all,
+and a run with something to build does."""
 from __future__ import annotations
 
 import json
 import os
+import shutil
+import sqlite3
 import subprocess
 import sys
 from pathlib import Path
@@ -49,19 +52,78 @@ def test_demo_lora_beats_the_base_model_on_its_training_samples(demo_runs):
 def test_second_demo_run_is_all_cached(demo_runs):
     _, _, first, second = demo_runs
     assert [s["status"] for s in second["stages"]] == ["hit"] * 4
-    assert [s["prefect_state"] for s in second["stages"]] == ["Cached"] * 4
+    assert [s["prefect_state"] for s in second["stages"]] == [None] * 4  # served without a flow (see below)
     assert [s["key"] for s in second["stages"]] == [s["key"] for s in first["stages"]]
     assert all(s["info"] == {} for s in second["stages"])  # a hit encodes and trains nothing
     assert first["stages"][1]["info"]["latents_encoded"] == 8
 
 
+def flow_runs(prefect_home: Path) -> list[str]:
+    """The names of the flow runs recorded in the database of Prefect's temporary server."""
+    with sqlite3.connect(prefect_home / "prefect.db") as db:
+        return [name for (name,) in db.execute("SELECT name FROM flow_run")]
+
+
+def test_an_all_cached_rerun_runs_no_prefect_flow_yet_writes_outputs_and_records_the_run(demo_runs):
+    """With no Prefect server kept running, a rerun whose every stage is a hit skips the temporary
+    server and the flow (a run nobody could watch), yet writes what the flow writes: the outputs,
+    run-summary.json, the run log, and the run in the cache's records for `cache gc --keep-last`."""
+    from cache.store import ArtifactStore
+
+    run = demo_runs[0]
+    home = run.parent / "prefect-home"  # the demo_runs' Prefect home
+    flows_before, runs_before = flow_runs(home), ArtifactStore(run / "cache").runs()["demo"]
+    shutil.rmtree(run / "outputs")
+    again = lorapipe("demo", "--workdir", "run", "--json", cwd=run.parent)
+    assert again.returncode == 0, again.stderr[-3000:]
+    stages = json.loads(again.stdout)["stages"]
+    assert [(s["status"], s["prefect_state"]) for s in stages] == [("hit", None)] * 4
+    assert "Beginning flow run" not in again.stderr
+    assert again.stderr.splitlines()[-1].startswith("lorapipe: every stage was cached, so no Prefect flow ran")
+    assert flow_runs(home) == flows_before
+
+    for name in ("pytorch_lora_weights.safetensors", "grid.png", "metrics.json", "report.md"):
+        assert (run / "outputs" / name).is_file(), name
+    summary = json.loads((run / "outputs" / "run-summary.json").read_text())
+    assert summary["stages"] == stages and summary["flow_run"] is None and summary["run"].startswith("cached-")
+    runs = ArtifactStore(run / "cache").runs()["demo"]
+    assert runs[:-1] == runs_before
+    assert runs[-1]["run"] == summary["run"] and runs[-1]["keys"] == {s["stage"]: s["key"] for s in stages}
+    log = Path(json.loads(again.stdout)["log"]).read_text()
+    assert all(f"{stage}: hit " in log for stage in ("preprocess", "encode", "train", "evaluate"))
+
+    only_train = lorapipe("run", "run/demo.yaml", "--only", "train", "--json", cwd=run.parent)
+    assert only_train.returncode == 0, only_train.stderr[-3000:]  # the stages before train are walked, evaluate is not
+    assert [s["stage"] for s in json.loads(only_train.stdout)["stages"]] == ["preprocess", "encode", "train"]
+    assert flow_runs(home) == flows_before
+
+    miss = lorapipe("run", "run/demo.yaml", "--only", "preprocess", "--set", "preprocess.seed=1", "--json",
+                    cwd=run.parent)  # something to build: the flow runs as before
+    assert miss.returncode == 0, miss.stderr[-3000:]
+    assert [(s["status"], s["prefect_state"]) for s in json.loads(miss.stdout)["stages"]] == [("computed", "Completed")]
+    assert "Beginning flow run" in miss.stderr and "no Prefect flow ran" not in miss.stderr
+    assert len(flow_runs(home)) == len(flows_before) + 1
+
+
+def test_a_machine_that_only_joins_a_training_never_skips_the_flow(demo_runs):
+    """On train.machine_rank > 0 the flow joins rank 0's training and records no run: a rerun there
+    is never served without the flow, even when every stage is cached."""
+    from flows.cached_run import all_cached_run
+    from flows.config import load_config
+
+    joining = ["train.num_machines=2", "train.num_processes=2", "train.machine_rank=1",
+               "train.main_process_ip=127.0.0.1"]  # train's key changes (num_processes), preprocess's does not
+    assert all_cached_run(load_config(demo_runs[0] / "demo.yaml", joining), ["preprocess"], None) is None
+
+
 def test_a_prefect_home_inside_folders_not_made_yet_is_created(demo_runs):
     """Prefect makes only the last folder of its home, and its server's database lives there: a home
     two folders deep (as the demo's own is, in a fresh workdir) once failed the run with 'unable to
-    open database file'."""
+    open database file'. (A run with something to build, so that the flow and its server run.)"""
     run = demo_runs[0]
     home = run.parent / "not-yet" / "made" / "prefect"
-    rerun = lorapipe("demo", "--workdir", "run", cwd=run.parent, prefect_home=home)
+    rerun = lorapipe("run", "run/demo.yaml", "--only", "preprocess", "--set", "preprocess.seed=2", cwd=run.parent,
+                     prefect_home=home)
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert (home / "prefect.db").is_file()
 

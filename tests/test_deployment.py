@@ -372,6 +372,31 @@ def test_2_a_rerun_is_all_cache_hits_and_prepare_selects_two_stages(service):
     assert service.task_states(prepared) == {"preprocess": "Cached", "encode": "Cached"}
 
 
+def test_2b_with_the_server_kept_a_cli_no_op_rerun_still_runs_the_flow_with_cached_states(service):
+    """A `lorapipe run` pointed at a kept server (PREFECT_API_URL) runs its flow even when every stage
+    is cached, so the run is watchable in the UI (without a server it runs none: tests/test_demo.py)."""
+    import yaml
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
+
+    config = service.config({"output_dir": str(service.root / "cli-out")})
+    (service.root / "cli.yaml").write_text(yaml.safe_dump(config))
+    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(service.root / "cli.yaml"), "--json"],
+                          cwd=REPO, env=service.env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    stages = json.loads(done.stdout)["stages"]
+    assert [(s["status"], s["prefect_state"]) for s in stages] == [("hit", "Cached")] * 4
+    assert "Beginning flow run" in done.stderr and "no Prefect flow ran" not in done.stderr
+    flow_run = json.loads((service.root / "cli-out" / "run-summary.json").read_text())["flow_run"]
+    with get_client(sync_client=True) as client:
+        [recorded] = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[flow_run])))
+    assert recorded.state_name == "Completed"
+    deadline = time.time() + 20  # task runs reach the server as events, after the command's exit
+    while service.task_states(recorded.id) != dict.fromkeys(STAGES, "Cached") and time.time() < deadline:
+        time.sleep(1)
+    assert service.task_states(recorded.id) == dict.fromkeys(STAGES, "Cached")
+
+
 def test_3_new_images_are_encoded_alone_then_train_and_evaluate_rerun(service):
     from PIL import Image, ImageOps
 
