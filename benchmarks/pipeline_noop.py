@@ -1,7 +1,8 @@
-"""A no-op rerun through the real CLI and Prefect's embedded server, at two dataset sizes:
-wall time of the second `lorapipe run`, and the part of it spent deciding (the stages' own
-seconds in run-summary.json) — the rest is Python, torch and Prefect start-up.
-Needs prefect (unlike the other benchmarks); skipped where it is not installed."""
+"""A no-op rerun through the real CLI without a kept Prefect server, at two dataset sizes: wall
+time of the second `lorapipe run` (every stage cached: served without a Prefect flow, see
+flows/cached_run.py; the first run goes through Prefect's temporary server), and the part of it
+spent deciding (the stages' own seconds in run-summary.json) — the rest is Python start-up and
+imports. Needs prefect (unlike the other benchmarks); skipped where it is not installed."""
 from __future__ import annotations
 
 import importlib.util

@@ -18,7 +18,7 @@ import uuid
 from .config import PipelineConfig
 from .outputs import ArtifactRemoved, finish_run, with_files
 from .plan import Context, selected_stages, walked_stages
-from .runner import StageResult, machine_rank, run_stage
+from .runner import StageNotCached, StageResult, machine_rank, run_stage
 
 log = logging.getLogger("lorapipe.run")  # the run's log file, not the terminal
 
@@ -48,8 +48,11 @@ def served_from_cache(config: PipelineConfig, stages: tuple[str, ...]) -> list[S
         for stage in stages:
             result, upstream[stage] = run_stage(ctx, stage, upstream, run=False)
             results.append(with_files(result, upstream[stage]))
-    except Exception as error:  # noqa: BLE001  a miss (StageNotCached) or a failure: the flow meets it and says so
-        log.info(f"not served from the cache ({error}); running the flow")
+    except StageNotCached:
+        log.info(f"{stage}: not cached; running the flow")
+        return None
+    except Exception as error:  # noqa: BLE001  the flow meets it too, and reports it as it does
+        log.info(f"{stage}: {error}; running the flow")
         return None
     finally:
         ctx.close()

@@ -97,12 +97,20 @@ def test_an_all_cached_rerun_runs_no_prefect_flow_yet_writes_outputs_and_records
     assert [s["stage"] for s in json.loads(only_train.stdout)["stages"]] == ["preprocess", "encode", "train"]
     assert flow_runs(home) == flows_before
 
-    miss = lorapipe("run", "run/demo.yaml", "--only", "preprocess", "--set", "preprocess.seed=1", "--json",
-                    cwd=run.parent)  # something to build: the flow runs as before
-    assert miss.returncode == 0, miss.stderr[-3000:]
-    assert [(s["status"], s["prefect_state"]) for s in json.loads(miss.stdout)["stages"]] == [("computed", "Completed")]
-    assert "Beginning flow run" in miss.stderr and "no Prefect flow ran" not in miss.stderr
-    assert len(flow_runs(home)) == len(flows_before) + 1
+
+def test_a_rerun_with_a_stage_to_build_or_forced_runs_the_flow_as_before(demo_runs):
+    """A miss, or a cached stage given to --force, is built by the Prefect flow on the temporary server."""
+    run = demo_runs[0]
+    home = run.parent / "prefect-home"
+    flows_before = flow_runs(home)
+    seed_1 = ["run", "run/demo.yaml", "--only", "preprocess", "--set", "preprocess.seed=1", "--json"]
+    for n, argv in enumerate((seed_1, [*seed_1, "--force", "preprocess"]), 1):  # a miss, then cached but forced
+        built = lorapipe(*argv, cwd=run.parent)
+        assert built.returncode == 0, built.stderr[-3000:]
+        [stage] = json.loads(built.stdout)["stages"]
+        assert (stage["status"], stage["prefect_state"]) == ("computed", "Completed")
+        assert "Beginning flow run" in built.stderr and "no Prefect flow ran" not in built.stderr
+        assert len(flow_runs(home)) == len(flows_before) + n
 
 
 def test_a_machine_that_only_joins_a_training_never_skips_the_flow(demo_runs):
