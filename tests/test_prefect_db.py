@@ -16,9 +16,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def start_run(config: Path, home: Path, xdg_cache: Path) -> subprocess.Popen:
+    """`lorapipe run --only preprocess`, forced: a run with every stage cached would run no flow."""
     env = {**os.environ, "PREFECT_HOME": str(home), "XDG_CACHE_HOME": str(xdg_cache)}
     env.pop("PREFECT_API_URL", None)  # the command's own temporary server
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--only", "preprocess"],
+    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--only", "preprocess",
+                             "--force", "preprocess"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
