@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -40,23 +41,43 @@ def preflight(config: PipelineConfig, stage_names: list[str], start: str | None)
         ctx.close()
 
 
-def will_train(config: PipelineConfig, only: list[str], start: str | None, force: list[str]) -> bool:
-    """Whether this run is about to train: train is selected, and forced or not in the cache as
-    `lorapipe status` sees it (a guess that only decides whether its process starts early)."""
+def stages_to_build(config: PipelineConfig, only: list[str], start: str | None, force: list[str]) -> set[str]:
+    """The chosen stages this run will build rather than serve from the cache, as `lorapipe status`
+    sees them: a guess that only decides what starts early (the training process, the model code's
+    imports); the flow decides for itself."""
     from .plan import STAGES, Context, selected_stages
     from .runner import explain
 
-    if "train" not in selected_stages(only, start):
-        return False
-    if "train" in force:
-        return True
+    chosen = selected_stages(only, start)
     ctx = Context(config, log=lambda line: None)
     try:
-        return explain(ctx, STAGES[: STAGES.index("train") + 1])[-1]["status"] == "miss"
+        rows = explain(ctx, STAGES[: max(STAGES.index(s) for s in chosen) + 1])
     except Exception:  # noqa: BLE001  the flow meets this input and reports it as it does; start ahead
-        return True
+        return chosen
     finally:
         ctx.close()
+    return {row["stage"] for row in rows
+            if row["stage"] in chosen and (row["status"] == "miss" or row["stage"] in force)}
+
+
+def import_model_code_ahead(config: PipelineConfig, building: set[str]) -> threading.Thread:
+    """A thread importing the model code of the stages this process builds (encode and evaluate;
+    train runs in its own process), so that its seconds overlap the wait for Prefect's server.
+    Best effort: the stage meets any error itself."""
+    from stages.families import for_model
+    from stages.models import import_model_code
+
+    def import_all() -> None:
+        try:
+            family = for_model(config.model.path, config.model.family)
+            for stage in sorted({"encode", "evaluate"} & building):
+                import_model_code(config.model.path, family, stage)
+        except Exception:  # noqa: BLE001, S110
+            pass
+
+    thread = threading.Thread(target=import_all, name="import-model-code", daemon=True)
+    thread.start()
+    return thread
 
 
 NO_FLOW = ("lorapipe: every stage was cached, so no Prefect flow ran (Prefect records nothing of this run); to"
@@ -72,12 +93,13 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
     print(f"lorapipe: running pipeline {config.name!r} ({config_path}): starting Prefect", file=sys.stderr,
           flush=True)  # with Prefect's log lines; stdout stays the summary (--json)
     log_path = new_log_path(config.output_dir)
-    if will_train(config, only, start, force):
+    building = stages_to_build(config, only, start, force)
+    if "train" in building:
         from stages.train import TrainOptions, TrainParams
         from stages.train.launch import start_ahead
 
         start_ahead(*split(config.train, TrainParams, TrainOptions))  # its imports overlap Prefect's start and the stages before train
-    elif server and not force:  # a temporary server would record a run nobody sees: skip it if all is cached
+    elif server and not building and not force:  # a temporary server would record a run nobody sees
         from .cached_run import all_cached_run
 
         with run_log(log_path, debug, flow=False):
@@ -86,12 +108,14 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
             server.stop()
             print(NO_FLOW, file=sys.stderr)
             return print_summary(config, summary, log_path, as_json)
-    if server:
-        server.connect()
+    if server and not server.connect():
+        server = None  # the API that Prefect's own settings name is used instead
     from .pipeline import pipeline
 
     if server:
+        importing = import_model_code_ahead(config, building)  # now that this thread's own imports are done
         server.wait_ready()
+        importing.join()  # before the flow imports anything: never two threads in one module's import
     with run_log(log_path, debug):
         summary = pipeline(config, only=only, start=start, force=force)
     return print_summary(config, summary, log_path, as_json)

@@ -12,7 +12,7 @@ from pathlib import Path
 from cache.digest import StatCache, digest_tree
 from cache.errors import UserError
 from stages.families import Family, is_single_file
-from stages.families.folders import SINGLE_FILE_SUFFIX, check_weights_file, model_index
+from stages.families.folders import SINGLE_FILE_SUFFIX, check_weights_file, component_class, model_index
 
 
 def component_digests(model_path: Path, stat_cache: StatCache, family: Family) -> dict[str, str]:
@@ -36,3 +36,14 @@ def component_digests(model_path: Path, stat_cache: StatCache, family: Family) -
 def _components(model_path: Path) -> list[str]:
     return [name for name, spec in sorted(model_index(model_path).items())
             if not name.startswith("_") and isinstance(spec, list) and spec[0] is not None]
+
+
+def import_model_code(model_path: Path, family: Family, stage: str) -> None:
+    """Import the classes of the components `stage` loads: torch, diffusers, transformers and the
+    model's own modules, most of a stage's first seconds on a small job, so that a caller can import
+    them ahead (flows/commands.py: while Prefect's server starts). A single-file checkpoint is left
+    alone (its diffusers folder is built by the stage)."""
+    if is_single_file(model_path):
+        return
+    for name in family.components.for_stage(stage):
+        component_class(model_path, name)

@@ -70,17 +70,57 @@ def test_harmless_library_notes_are_dropped_and_other_warnings_shown():
 
 
 def test_training_starts_ahead_only_when_the_run_will_train(tmp_path, tiny_config, run_stages):
-    from flows.commands import will_train
+    from flows.commands import stages_to_build
     from flows.config import load_config
 
     config_path = tiny_config(tmp_path, "ahead", max_steps=2, checkpoint_every=2)
-    assert will_train(load_config(config_path), [], None, [])  # nothing cached yet
+    assert stages_to_build(load_config(config_path), [], None, []) == {"preprocess", "encode", "train", "evaluate"}
     run_stages(config_path, ("preprocess", "encode", "train"))
     config = load_config(config_path)
-    assert not will_train(config, [], None, [])  # a no-op rerun starts no training process
-    assert will_train(config, [], None, ["train"])
-    assert will_train(load_config(config_path, ["train.learning_rate=0.5"]), [], None, [])
-    assert not will_train(load_config(config_path, ["train.learning_rate=0.5"]), ["encode"], None, [])
+    assert stages_to_build(config, [], None, []) == {"evaluate"}  # no training process, no encode imports
+    assert "train" in stages_to_build(config, [], None, ["train"])
+    assert stages_to_build(load_config(config_path, ["train.learning_rate=0.5"]), [], None, []) == {"train", "evaluate"}
+    assert not stages_to_build(load_config(config_path, ["train.learning_rate=0.5"]), ["encode"], None, [])
+
+
+IMPORTED_AHEAD = """
+import importlib, json, sys
+from pathlib import Path
+from stages.families import for_model
+from stages.models import import_model_code
+model, stage, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
+import_model_code(model, for_model(model), stage)
+index, ahead = json.loads((model / "model_index.json").read_text()), {}
+for name in names:  # a class imported ahead loads no module when it is first used
+    before = set(sys.modules)
+    getattr(importlib.import_module(index[name][0]), index[name][1])
+    ahead[name] = not set(sys.modules) - before
+print(json.dumps(ahead))
+"""
+
+
+def test_the_model_code_a_stage_loads_can_be_imported_ahead(tiny_model):
+    """What a run imports while Prefect's server starts when encode will build: the classes of the
+    text encoder and the VAE (a stage that loads no model imports none of them)."""
+    def imported_ahead(stage: str) -> dict[str, bool]:
+        run = subprocess.run([sys.executable, "-c", IMPORTED_AHEAD, str(tiny_model), stage, "text_encoder", "vae"],
+                             cwd=REPO, capture_output=True, text=True, timeout=300)
+        assert run.returncode == 0, run.stderr[-2000:]
+        return json.loads(run.stdout.splitlines()[-1])
+
+    assert imported_ahead("encode") == {"text_encoder": True, "vae": True}
+    assert imported_ahead("preprocess") == {"text_encoder": False, "vae": False}
+
+
+def test_a_profile_without_the_temporary_server_gets_prefects_own_answer(tmp_path, tiny_config):
+    """With the temporary server not allowed (and no API named) the command says what Prefect says,
+    rather than restarting the server it had just stopped until it gave up."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false"}
+    env.pop("PREFECT_API_URL", None)
+    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(tiny_config(tmp_path, "no-server"))],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 1
+    assert run.stderr.splitlines()[-1].startswith("lorapipe: error: No Prefect API URL provided"), run.stderr[-2000:]
 
 
 def test_an_api_in_the_active_prefect_profile_means_no_temporary_server(tmp_path, monkeypatch):

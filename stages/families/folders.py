@@ -58,11 +58,16 @@ def component_config(model_path: Path, name: str) -> dict:
 def load_component(model_path: Path, name: str, **kwargs: Any) -> Any:
     """A component loaded with the class its model_index.json names (tokenizer, text encoder, VAE,
     denoiser or scheduler), from the local folder only."""
+    return component_class(model_path, name).from_pretrained(model_path, subfolder=name, **kwargs)
+
+
+def component_class(model_path: Path, name: str) -> type:
+    """The class model_index.json names for a component, its library's modules imported."""
     spec = model_index(model_path).get(name)
     if not isinstance(spec, list) or spec[0] is None:
         raise ValueError(f"{model_path}/model_index.json has no {name}: the model folder is incomplete")
     library, class_name = spec
-    return getattr(importlib.import_module(library), class_name).from_pretrained(model_path, subfolder=name, **kwargs)
+    return getattr(importlib.import_module(library), class_name)
 
 
 def vae_scale_factor(model_path: Path, vae: str) -> int:
