@@ -296,8 +296,6 @@ class LoRATrainingRecipe:
     # ---- training
     def train(self) -> None:
         self.denoiser.train()
-        if self.accelerator.is_main_process:  # the loss plot's library, imported while the steps run
-            threading.Thread(target=import_plotting, name="import-matplotlib", daemon=True).start()
         self.batches = self.micro_batches()
         try:
             self._train_loop()
@@ -335,6 +333,9 @@ class LoRATrainingRecipe:
             if self.step in (started_step + 1, p.max_steps) or self.step % self.options.log_every == 0:
                 acc.print(progress_line("step", self.step, p.max_steps, time.perf_counter() - started, started_step,
                                         note=f" loss {loss.item():.5f} lr {lr:.3e}"), flush=True)
+            if self.step == started_step + 1 and acc.is_main_process:
+                # the loss plot's library, imported while the other steps run (before the first, it delayed it)
+                threading.Thread(target=import_plotting, name="import-matplotlib", daemon=True).start()
             if self.step % p.checkpoint_every == 0 or self.step == p.max_steps:
                 if not all(torch.isfinite(t).all() for t in self.lora_params):
                     self._stop(f"the LoRA weights are not finite after step {self.step}")
