@@ -25,6 +25,7 @@ from stages.library_notes import quiet_harmless_notes
 from stages.optional_libraries import hide
 
 STRICT = ["preprocess.on_bad_row=error"]  # --strict: a bad metadata row stops the run
+FLOW_COMMANDS = ("demo", "run")  # the commands that run the pipeline in this process
 PREFECT_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",
@@ -74,7 +75,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command in ("demo", "run"):  # not in-process callers' status or cache (tests: pytest's own process)
+    if args.command in FLOW_COMMANDS:  # not in-process callers' status or cache (tests: pytest's own process)
         hide()  # the flow's stages never use them; training runs in its own processes
     for name, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(name, value)
@@ -95,7 +96,7 @@ def main(argv: list[str] | None = None) -> int:
 
         return 2 if isinstance(error, ConfigError) else 1
     finally:
-        if args.command in ("demo", "run"):  # a process that imported Prefect, and diffusers for an in-process stage
+        if args.command in FLOW_COMMANDS:  # a process that imported Prefect, and diffusers for an in-process stage
             skip_exit_collection()
 
 
@@ -110,7 +111,7 @@ def error_line(error: Exception) -> str:
 
 
 def _dispatch(args: argparse.Namespace) -> int:
-    if args.command in ("demo", "run"):
+    if args.command in FLOW_COMMANDS:
         from .server import EmbeddedServer
 
         server = EmbeddedServer.unless_configured()  # its start-up overlaps everything until the flow

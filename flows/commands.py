@@ -45,13 +45,13 @@ def stages_to_build(config: PipelineConfig, only: list[str], start: str | None, 
     """The chosen stages this run will build rather than serve from the cache, as `lorapipe status`
     sees them: a guess that only decides what starts early (the training process, the model code's
     imports); the flow decides for itself."""
-    from .plan import STAGES, Context, selected_stages
-    from .runner import explain
+    from .plan import Context, selected_stages, walked_stages
+    from .runner import explain, machine_rank
 
     chosen = selected_stages(only, start)
     ctx = Context(config, log=lambda line: None)
     try:
-        rows = explain(ctx, STAGES[: max(STAGES.index(s) for s in chosen) + 1])
+        rows = explain(ctx, walked_stages(chosen, machine_rank(config)))
     except Exception:  # noqa: BLE001  the flow meets this input and reports it as it does; start ahead
         return chosen
     finally:
