@@ -67,6 +67,15 @@ def skip_exit_collection() -> None:
     gc.freeze()
 
 
+def write_whole_lines() -> None:
+    """In a worker: write each line of stdout and stderr in one system call. Workers run with
+    PYTHONUNBUFFERED=1 (so the parent sees a line as soon as it is printed), which makes print()
+    write the text and its newline in two calls; the processes of one launch share a pipe, so
+    two ranks' lines could merge into one. Line buffering sends "text\n" at once."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.reconfigure(line_buffering=True, write_through=False)
+
+
 def die_with_parent() -> None:
     """In a worker: SIGTERM this process when its parent (the launcher) exits, and exit now if
     the stage process that started the launcher is already gone (it died before this ran)."""

@@ -283,3 +283,19 @@ def test_two_processes_encode_each_record_once_into_one_index(tmp_path, demo_ima
 
     for a, b in zip(mine.samples, reference.samples):
         assert a.id == b.id and torch.allclose(mine.latent(a)[0], reference.latent(b)[0], atol=1e-5)
+
+
+def test_the_lines_of_two_workers_sharing_a_pipe_never_merge():
+    """The processes of one launch write into one pipe with PYTHONUNBUFFERED=1 (lines reach the
+    parent at once); a worker writes each printed line in one system call, so two ranks' lines
+    arrive whole (a merged line once failed the two-process encode test above)."""
+    from stages.launching import start_worker
+
+    rank_prints = ("import sys; from stages.launching import write_whole_lines; write_whole_lines();"
+                   " [print(f'[rank {sys.argv[1]}] line', i, flush=True) for i in range(3000)]")
+    launcher = ("import subprocess, sys; ranks = [subprocess.Popen([sys.executable, '-c', sys.argv[1], str(r)])"
+                " for r in (0, 1)]; [p.wait() for p in ranks]")
+    output, _ = start_worker([sys.executable, "-c", launcher, rank_prints]).communicate()
+    lines = output.splitlines()
+    assert len(lines) == 6000 and all(re.fullmatch(r"\[rank [01]\] line \d+", line) for line in lines), \
+        [line for line in lines if not re.fullmatch(r"\[rank [01]\] line \d+", line)][:5]

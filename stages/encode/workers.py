@@ -26,7 +26,7 @@ from cache.samples import SampleStore
 from ..contract import Log
 from ..encoded import encode_record
 from ..launching import (die_with_parent, reporting_errors, run_streaming, skip_exit_collection,
-                         write_accelerate_config)
+                         write_accelerate_config, write_whole_lines)
 from ..optional_libraries import hide
 from .images import sample_label
 from .latents import Progress, encode_latents
@@ -194,6 +194,7 @@ def main(job_path: Path) -> None:
     from . import EncodeInputs, EncodeOptions, EncodeParams
     from ..preprocess import DATASET_FILE
 
+    write_whole_lines()
     die_with_parent()
     job = json.loads(job_path.read_text())
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))

@@ -59,7 +59,7 @@ from cache.samples import DamagedRecord  # noqa: E402
 from stages import families  # noqa: E402
 from stages.encoded import EncodedData  # noqa: E402
 from stages.families.objectives import Objective  # noqa: E402
-from stages.launching import die_with_parent, reporting_errors, skip_exit_collection  # noqa: E402
+from stages.launching import die_with_parent, reporting_errors, skip_exit_collection, write_whole_lines  # noqa: E402
 from stages.progress import progress_line  # noqa: E402
 from stages.train.ahead import WAIT_FOR_JOB, wait_for_job  # noqa: E402
 from stages.train.adapter import kohya_network_dim_alpha  # noqa: E402
@@ -488,6 +488,7 @@ def plot_losses(loss_log: Path, png: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
+    write_whole_lines()
     die_with_parent()
     job_path = wait_for_job() if argv[1] == WAIT_FOR_JOB else Path(argv[1])
     if job_path is None:
