@@ -59,6 +59,13 @@ def describe_os_error(error: OSError) -> str | None:
     return f"{path}: {advice}"
 
 
+def blame_full_disk_on(error: BaseException, folder: Path) -> None:
+    """A write that fails for want of space names no file: name `folder`, where it was writing, so
+    that the user's line says which disk is full."""
+    if isinstance(error, OSError) and error.filename is None and error.errno in NO_SPACE:
+        error.filename = str(folder)
+
+
 def unusable_folder(key: str, folder: Path, error: OSError) -> str:
     """One line for a configured folder (cache_dir, output_dir) that `error` showed cannot be used."""
     return f"{key} {folder} cannot be used: {describe_os_error(error) or error}"

@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .digest import canonical_json, digest_file, digest_json
-from .errors import NO_SPACE, CacheRootError, unusable_folder
+from .errors import CacheRootError, blame_full_disk_on, unusable_folder
 from .fsutil import fsync_tree, probe_writable, remove_tree, write_json_atomic
 from .lock import key_lock
 from .samples import SampleStore
@@ -249,8 +249,7 @@ class ArtifactStore:
             try:
                 return self._build_locked(stage_key, build, producer, held, log), True
             except OSError as error:
-                if error.filename is None and error.errno in NO_SPACE:  # a write (they name no file): all of
-                    error.filename = str(self.root)  # a build's writes go into its out and work dirs, in here
+                blame_full_disk_on(error, self.root)  # a build's writes go into its out and work dirs, in here
                 raise
 
     def _build_locked(self, stage_key: StageKey, build, producer, held, log) -> Artifact:

@@ -61,8 +61,9 @@ def stages_to_build(config: PipelineConfig, only: list[str], start: str | None, 
 
 
 def import_model_code_ahead(config: PipelineConfig, building: set[str]) -> threading.Thread:
-    """A thread importing the model code of the stages this process builds (encode and evaluate;
-    train runs in its own process), so that its seconds overlap the wait for Prefect's server.
+    """A thread importing the model code of the stages this process builds (evaluate, and encode
+    when no process started ahead takes its job; train runs in its own process), so that its
+    seconds overlap the wait for Prefect's server.
     Best effort: the stage meets any error itself."""
     from stages.families import for_model
     from stages.models import import_model_code
@@ -93,12 +94,14 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
     print(f"lorapipe: running pipeline {config.name!r} ({config_path}): starting Prefect", file=sys.stderr,
           flush=True)  # with Prefect's log lines; stdout stays the summary (--json)
     log_path = new_log_path(config.output_dir)
-    building = stages_to_build(config, only, start, force)
+    building = in_this_process = stages_to_build(config, only, start, force)
     if "train" in building:
         from stages.train import TrainOptions, TrainParams
         from stages.train.launch import start_ahead
 
-        start_ahead(*split(config.train, TrainParams, TrainOptions))  # its imports overlap Prefect's start and the stages before train
+        # its imports overlap Prefect's start and the stages before train; encode hands it its job
+        if start_ahead(*split(config.train, TrainParams, TrainOptions)):
+            in_this_process = building - {"encode"}
     elif server and not building and not force:  # a temporary server would record a run nobody sees
         from .cached_run import all_cached_run
 
@@ -113,7 +116,7 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
     from .pipeline import pipeline
 
     if server:
-        importing = import_model_code_ahead(config, building)  # now that this thread's own imports are done
+        importing = import_model_code_ahead(config, in_this_process)  # now that this thread's own imports are done
         server.wait_ready()
         importing.join()  # before the flow imports anything: never two threads in one module's import
     with run_log(log_path, debug):

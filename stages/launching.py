@@ -27,7 +27,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cache.errors import UserError, user_message
+from cache.errors import UserError, blame_full_disk_on, user_message
 
 if TYPE_CHECKING:
     from stages.contract import Log
@@ -36,6 +36,7 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 TRACEBACK_START = "Traceback (most recent call last):"
 PARENT_ENV = "LORAPIPE_STAGE_PID"  # the stage process a worker must not outlive
 ERROR_PREFIX = "error: "
+JOB_DONE = "lorapipe: job done"  # a worker taking several jobs (stages/ahead.py) ends each with it
 PR_SET_PDEATHSIG = 1
 detail_log = logging.getLogger("lorapipe.detail")  # lines for the log file, not the terminal
 
@@ -143,19 +144,25 @@ def run_streaming(command: list[str], log_file: Path, log: Log) -> None:
     stream(start_worker(command), log_file, log)
 
 
-def stream(process: subprocess.Popen, log_file: Path, log: Log) -> None:
+def stream(process: subprocess.Popen, log_file: Path, log: Log, job_done: bool = False) -> None:
     """Send each line `process` prints to `log_file`, stamped with the wall time, and, tracebacks
-    aside, to `log`, until it exits; stop it and its children if this is interrupted. Raise
+    aside, to `log`, until it exits, or with `job_done` until it says JOB_DONE (it stays, for its
+    next job: stages/ahead.py); stop it and its children if this is interrupted. Raise
     WorkerFailed with the first error a worker reported, or WorkerCrashed if none did."""
     errors: list[str] = []
     with open(log_file, "a", buffering=1) as sink:  # line-buffered: the log can be followed live
         try:
             for line, is_detail in _classified(process.stdout, errors):
+                if line == JOB_DONE:
+                    if job_done:
+                        return
+                    continue
                 sink.write(f"{wall_time()} {line}\n")
                 (detail_log.info if is_detail else log)(line)
             code = process.wait()
-        finally:
+        except BaseException:
             terminate(process)
+            raise
     name = Path(log_file).stem
     if code != 0 and errors:
         raise WorkerFailed(f"{name}: {errors[0]}")
@@ -186,14 +193,16 @@ def _classified(lines: Iterator[str], errors: list[str]) -> Iterator[tuple[str, 
 
 
 @contextmanager
-def reporting_errors() -> Iterator[None]:
+def reporting_errors(writes_into: Path) -> Iterator[None]:
     """In a worker's main: report an exception as one ERROR_PREFIX line (the user's line for an
-    error the user can fix), then its traceback, and exit with status 1; on Ctrl-C exit quietly."""
+    error the user can fix; a full disk named by `writes_into`, the cache folder the worker writes
+    in), then its traceback, and exit with status 1; on Ctrl-C exit quietly."""
     try:
         yield
     except KeyboardInterrupt:  # Ctrl-C reaches the workers too: the parent tells the user, once
         sys.exit(130)
     except Exception as error:
+        blame_full_disk_on(error, writes_into)
         line = user_message(error) or f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         print(f"{ERROR_PREFIX}{line}", flush=True)
         traceback.print_exc(file=sys.stdout)

@@ -146,7 +146,7 @@ def test_an_api_in_the_active_prefect_profile_means_no_temporary_server(tmp_path
 # `python -m flows.cli ARGS...`, printing at its exit which of these modules its own process had loaded
 LOADED_AT_EXIT = """
 import atexit, runpy, sys
-names = ("diffusers", "transformers", "bitsandbytes", "torchao")
+names = ("torch", "diffusers", "transformers", "bitsandbytes", "torchao")
 atexit.register(lambda: print("loaded:", sorted(n for n in names if sys.modules.get(n)), file=sys.stderr))
 sys.argv[0] = "lorapipe"
 runpy.run_module("flows.cli", run_name="__main__")
@@ -166,12 +166,30 @@ def test_a_run_encodes_and_evaluates_without_the_quantisation_libraries_and_trai
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     # encode and evaluate ran in this process, without them
-    assert run.stderr.splitlines()[-1] == "loaded: ['diffusers', 'transformers']", run.stderr[-3000:]
+    assert run.stderr.splitlines()[-1] == "loaded: ['diffusers', 'torch', 'transformers']", run.stderr[-3000:]
     stages = {s["stage"]: s for s in json.loads((tmp_path / "out" / "run-summary.json").read_text())["stages"]}
     assert [s["status"] for s in stages.values()] == ["computed"] * 4
     assert stages["encode"]["info"]["latents_encoded"] == 8
     trained = json.loads((Path(stages["train"]["path"]) / "train_config.json").read_text())
     assert trained["params"]["base_quantization"] == "nf4" and trained["steps"] == 2
+
+
+@pytest.mark.slow
+def test_a_run_that_trains_imports_torch_once_in_the_process_that_encodes_and_trains(tmp_path, tiny_config):
+    """torch, transformers and diffusers take seconds to import on two cores (BENCHMARKS.md,
+    start-up): a run that trains imports them in one process, started ahead, which encodes and
+    then trains; the command's own process (Prefect, the flow) imports none of them."""
+    config_path = tiny_config(tmp_path, "once", max_steps=2, checkpoint_every=2)
+    stages = ["--only", "preprocess", "--only", "encode", "--only", "train"]
+    run = subprocess.run([sys.executable, "-c", LOADED_AT_EXIT, "run", str(config_path), *stages], cwd=REPO,
+                         env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}, capture_output=True,
+                         text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stderr.splitlines()[-1] == "loaded: []", run.stderr[-3000:]
+    assert "encode: in the process started ahead" in run.stderr and ", started ahead, 2 steps" in run.stderr
+    stages = {s["stage"]: s for s in json.loads((tmp_path / "out" / "run-summary.json").read_text())["stages"]}
+    assert [s["status"] for s in stages.values()] == ["computed"] * 3
+    assert stages["encode"]["info"]["latents_encoded"] == 8 and stages["train"]["info"]["steps"] == 2
 
 
 def test_outputs_of_an_artifact_removed_while_they_are_copied_are_refused(tmp_path):

@@ -541,17 +541,29 @@ def test_a_users_accelerate_config_launches_training_and_a_missing_one_is_named(
                   train.TrainOptions(accelerate_config=str(missing)))
 
 
-def test_a_process_started_ahead_takes_the_job_and_trains_as_a_fresh_one(trained, tmp_path, tiny_model, encoded):
-    """`lorapipe run` starts the training process while the stages before train run; the stage then
-    hands it the job instead of starting one, and the result is the same."""
+def test_a_process_started_ahead_encodes_then_trains_as_fresh_processes_would(trained, tmp_path, tiny_model,
+                                                                                encoded, capsys):
+    """`lorapipe run` starts one worker process while Prefect starts and the stages before train
+    run; encode hands it its job, then train hands it the training job, instead of each working in
+    a process of its own (torch and diffusers imported once): the same records, the same training."""
+    from conftest import _encode_demo_images
+    from stages import ahead
+    from stages.encode import EncodeParams
+    from stages.encoded import EncodedData
     from stages.train.launch import start_ahead
 
     params, options = train.TrainParams(**{**PARAMS, "max_steps": 40}), train.TrainOptions(log_every=20)
-    start_ahead(params, options)
+    assert start_ahead(params, options)
+    mine = _encode_demo_images(tmp_path / "cache", tiny_model, EncodeParams())
+    assert ahead.waiting()  # the process that encoded stays for the training job
+    assert "encode: in the process started ahead\nencode: process 0 of 1: 8 latents" in capsys.readouterr().out
+    theirs, ours = EncodedData(encoded.artifact_dir, encoded.cache_root), EncodedData(mine.artifact_dir, mine.cache_root)
+    assert [s.id for s in ours.samples] == [s.id for s in theirs.samples]
+    assert all(ours.latent(a)[0].equal(theirs.latent(b)[0]) for a, b in zip(ours.samples, theirs.samples))
     said, out = [], tmp_path / "out"
     out.mkdir()
-    train.run(params, train_inputs(tiny_model, encoded), out, tmp_path / "work", options, log=said.append)
-    assert "started ahead" in said[0]
+    train.run(params, train_inputs(tiny_model, mine), out, tmp_path / "work", options, log=said.append)
+    assert "started ahead" in said[0] and not ahead.waiting()
     assert trajectory(out) == trajectory(trained[0])[:40]
 
 

@@ -27,7 +27,9 @@ by its variant caption's text like any caption: the augmentation settings are in
 
 With `num_processes` > 1 the missing records are dealt to that many processes started by
 `accelerate launch` (stages/encode/workers.py); each commits its own shards, the parent then
-writes the one samples.json. Each record is encoded exactly once.
+writes the one samples.json. Each record is encoded exactly once. With one process, the records
+are encoded in the worker process `lorapipe run` started ahead for training when there is one
+(stages/ahead.py: torch and diffusers imported once for both stages), else in this process.
 With `executor: dask` they are encoded as shard-sized chunks on a Dask cluster (dask_executor.py):
 the same shards, so the same samples.json and index, as in one process.
 """
@@ -199,7 +201,7 @@ class SampleKeys:
 
 def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Path,
         options: EncodeOptions, log: Log = print) -> Built:
-    from .workers import EncodeJobs, encode_jobs, launch_workers
+    from .workers import EncodeJobs, encode_in_process_started_ahead, encode_jobs, launch_workers
 
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
     family = inputs.bound_family()
@@ -222,7 +224,9 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     elif processes > 1:
         failed = launch_workers(jobs, params, inputs, options, work_dir, log)
     else:
-        failed = encode_jobs(jobs, dataset, params, inputs, options, 0, 1, log)
+        failed = encode_in_process_started_ahead(jobs, params, inputs, options, work_dir, log)
+        if failed is None:
+            failed = encode_jobs(jobs, dataset, params, inputs, options, 0, 1, log)
     failed_jobs = sum(1 for _, i, _ in jobs.latents if dataset[i]["id"] in failed)
     usable = [s for s in dataset if s["id"] not in failed]
     undecodable = {sample_label(s, inputs.datasets): failed[s["id"]] for s in dataset if s["id"] in failed}

@@ -2,7 +2,9 @@
 
     python -m accelerate.commands.launch --config_file ACCELERATE.yaml -m stages.encode.workers JOB.json
 
-(the encode stage writes both files into its work_dir and runs this when num_processes > 1).
+(the encode stage writes both files into its work_dir and runs this when num_processes > 1; with
+one process, it hands the job to the process `lorapipe run` started ahead when there is one:
+stages/ahead.py, and encodes in its own process otherwise).
 Rank r takes every N-th job of the sorted lists, so the split is deterministic and no two
 processes encode the same record; each commits its own shards (named by their content digest)
 and writes `failed-<rank>.json`. No collective communication is needed.
@@ -12,6 +14,7 @@ shard-sized chunks in plan order (EncodeJobs.chunks) and commits each chunk as o
 """
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -25,7 +28,8 @@ from cache.samples import SampleStore
 
 from ..contract import Log
 from ..encoded import encode_record
-from ..launching import (die_with_parent, reporting_errors, run_streaming, skip_exit_collection,
+from .. import ahead
+from ..launching import (die_with_parent, reporting_errors, run_streaming, skip_exit_collection, stream,
                          write_accelerate_config, write_whole_lines)
 from ..optional_libraries import hide
 from .images import sample_label
@@ -38,6 +42,7 @@ if TYPE_CHECKING:
     from . import EncodeInputs, EncodeOptions, EncodeParams, SampleKeys
 
 T = TypeVar("T")
+WORKER = "stages.encode.workers"  # the module an encode process runs
 Loader = Callable[[tuple, Callable[[], T]], T]  # ((kind, what identifies the model...), how to load it) -> it
 
 
@@ -168,6 +173,35 @@ class RecordBuffer:
 def launch_workers(jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs, options: EncodeOptions,
                    work_dir: Path, log: Log) -> dict[str, str]:
     """Run the jobs in `options.num_processes` processes under accelerate; merge what failed."""
+    threads = max(1, (os.cpu_count() or 1) // options.num_processes)
+    job = write_job(jobs, params, inputs, options, work_dir, threads)
+    config = write_accelerate_config(work_dir / "accelerate.yaml", options.num_processes)
+    log(f"encode: {options.num_processes} processes, {len(jobs.latents)} latents and {len(jobs.texts)} texts")
+    run_streaming([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
+                   "--num_cpu_threads_per_process", str(threads), "-m", WORKER, str(job)],
+                  work_dir / "logs" / "encode.log", log)
+    return failed_in(work_dir, options.num_processes)
+
+
+def encode_in_process_started_ahead(jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs,
+                                    options: EncodeOptions, work_dir: Path, log: Log) -> dict[str, str] | None:
+    """Run the jobs in the worker process `lorapipe run` started ahead (stages/ahead.py), which has
+    imported torch and diffusers already and trains next, on every core as one encode process
+    would; return what failed, or None when there is no such process."""
+    if not ahead.waiting():
+        return None
+    job = write_job(jobs, params, inputs, options, work_dir, os.cpu_count() or 1)
+    process = ahead.lend(WORKER, job)
+    if process is None:
+        return None
+    log("encode: in the process started ahead")
+    stream(process, work_dir / "logs" / "encode.log", log, job_done=True)
+    return failed_in(work_dir, 1)
+
+
+def write_job(jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs, options: EncodeOptions,
+              work_dir: Path, threads: int) -> Path:
+    """The job file a worker process reads (`run_job`), in work_dir; what failed before is cleared."""
     (work_dir / "logs").mkdir(parents=True, exist_ok=True)
     for stale in work_dir.glob("failed-*.json"):
         stale.unlink()
@@ -175,27 +209,27 @@ def launch_workers(jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs,
     job.write_text(json.dumps({
         "params": params.model_dump(mode="json"), "options": options.model_dump(mode="json"),
         "inputs": inputs.to_json(), "texts": jobs.texts, "latents": jobs.latents, "reused": jobs.reused_latents,
-        "masks": jobs.masks,
+        "masks": jobs.masks, "threads": threads,
     }, sort_keys=True))
-    config = write_accelerate_config(work_dir / "accelerate.yaml", options.num_processes)
-    threads = max(1, (os.cpu_count() or 1) // options.num_processes)
-    log(f"encode: {options.num_processes} processes, {len(jobs.latents)} latents and {len(jobs.texts)} texts")
-    run_streaming([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                   "--num_cpu_threads_per_process", str(threads), "-m", "stages.encode.workers", str(job)],
-                  work_dir / "logs" / "encode.log", log)
+    return job
+
+
+def failed_in(work_dir: Path, processes: int) -> dict[str, str]:
+    """The undecodable samples each process reported."""
     failed: dict[str, str] = {}
-    for rank in range(options.num_processes):
+    for rank in range(processes):
         failed.update(json.loads((work_dir / f"failed-{rank}.json").read_text()))
     return failed
 
 
-def main(job_path: Path) -> None:
-    hide()  # before the encoders import diffusers: encoding never uses the optional libraries
+def run_job(job_path: Path) -> None:
+    """Encode this rank's share of the job at `job_path` on the job's number of threads, in a
+    process of its own or in one started ahead; write what failed next to the job."""
+    import torch
+
     from . import EncodeInputs, EncodeOptions, EncodeParams
     from ..preprocess import DATASET_FILE
 
-    write_whole_lines()
-    die_with_parent()
     job = json.loads(job_path.read_text())
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     inputs = EncodeInputs.from_json(job["inputs"])
@@ -205,10 +239,23 @@ def main(job_path: Path) -> None:
     log = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: print(f"[rank {rank}] {m}", flush=True))
     share = jobs.share(rank, world)
     log(f"encode: process {rank} of {world}: {len(share.latents)} latents, {len(share.texts)} text embeddings")
-    with reporting_errors():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(job["threads"])
+    with reporting_errors(inputs.cache_root):
         failed = encode_jobs(jobs, dataset, EncodeParams(**job["params"]), inputs, EncodeOptions(**job["options"]),
                              rank, world, log)
+    torch.set_num_threads(threads)
+    if torch.cuda.is_available():  # a process started ahead trains next: give it the encoders' memory
+        gc.collect()
+        torch.cuda.empty_cache()
     write_json_atomic(job_path.parent / f"failed-{rank}.json", failed)
+
+
+def main(job_path: Path) -> None:
+    hide()  # before the encoders import diffusers: encoding never uses the optional libraries
+    write_whole_lines()
+    die_with_parent()
+    run_job(job_path)
 
 
 if __name__ == "__main__":

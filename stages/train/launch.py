@@ -20,16 +20,16 @@ import yaml
 from cache.errors import UserError
 from cache.samples import DamagedRecord
 from cache.store import Built
-from stages import families
+from stages import ahead, families
 from stages.contract import Log
 from stages.encoded import EncodedData
 from stages.launching import Interrupted, WorkerFailed, start_worker, stream, write_accelerate_config
 from stages.optional_libraries import OPTIONAL, hiding
-from stages.train import ahead
 from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
 from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
 from stages.train.quantization import LIBRARY
 
+RECIPE = "stages.train.recipe"  # the module a training process runs
 
 
 def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
@@ -70,7 +70,7 @@ def launch(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: Tr
     nodes, threads = machines(params, options), threads_per_process(params, options)
     command, how = launch_command(job, params.num_processes, threads, options.accelerate_config, work_dir, nodes)
     env = worker_env(params, threads)
-    process = ahead.take(env, job) if command == ahead.direct_command(job) else None
+    process = ahead.take(env, RECIPE, job) if command == direct_command(job) else None
     log(f"train: {params.num_processes} process(es) of {threads} thread(s) {how}"
         f"{', started ahead' if process else ''}, {params.max_steps} steps, work dir {work_dir}")
     damaged = work_dir / DAMAGED_RECORD_FILE
@@ -152,11 +152,13 @@ def unused_libraries(params: TrainParams) -> tuple[str, ...]:
     return tuple(name for name in OPTIONAL if name not in used)
 
 
-def start_ahead(params: TrainParams, options: TrainOptions) -> None:
+def start_ahead(params: TrainParams, options: TrainOptions) -> bool:
     """Start the training process now, to be handed its job when the stage runs, where the stage
-    would run one process without a launcher (stages/train/ahead.py)."""
+    would run one process without a launcher (stages/ahead.py). Returns whether it started one."""
     if params.num_processes == 1 and user_accelerate_config(options.accelerate_config) is None:
-        ahead.start_ahead(worker_env(params, threads_per_process(params, options)))
+        ahead.start_ahead(worker_env(params, threads_per_process(params, options)), (RECIPE,))
+        return True
+    return False
 
 
 @dataclass(frozen=True)
@@ -189,6 +191,11 @@ def machines(params: TrainParams, options: TrainOptions) -> Machines:
     return found
 
 
+def direct_command(job: Path) -> list[str]:
+    """The recipe run without a launcher: one process."""
+    return [sys.executable, "-m", RECIPE, str(job)]
+
+
 def launch_command(job: Path, processes: int, threads: int, accelerate_config: str | None,
                    work_dir: Path, nodes: Machines = Machines()) -> tuple[list[str], str]:
     """The command that runs the recipe, and how it launches: under the user's accelerate config
@@ -198,14 +205,14 @@ def launch_command(job: Path, processes: int, threads: int, accelerate_config: s
     `processes` counts all of them (accelerate's --num_processes)."""
     config = user_accelerate_config(accelerate_config)
     if config is None and processes == 1:
-        return ahead.direct_command(job), "(no launcher)"
+        return direct_command(job), "(no launcher)"
     how = f"with accelerate config {config}" if config else "under accelerate launch"
     if nodes.count > 1:
         how += f" as machine rank {nodes.rank} of {nodes.count}"
     config = config or write_accelerate_config(work_dir / "accelerate.yaml", processes)
     return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
             str(processes), *nodes.launch_args, "--num_cpu_threads_per_process", str(threads), "-m",
-            "stages.train.recipe", str(job)], how
+            RECIPE, str(job)], how
 
 
 def user_accelerate_config(accelerate_config: str | None) -> Path | None:

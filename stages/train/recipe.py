@@ -61,7 +61,6 @@ from stages.encoded import EncodedData  # noqa: E402
 from stages.families.objectives import Objective  # noqa: E402
 from stages.launching import die_with_parent, reporting_errors, skip_exit_collection, write_whole_lines  # noqa: E402
 from stages.progress import progress_line  # noqa: E402
-from stages.train.ahead import WAIT_FOR_JOB, wait_for_job  # noqa: E402
 from stages.train.adapter import kohya_network_dim_alpha  # noqa: E402
 from stages.train.checkpoints import CheckpointDir, step_name  # noqa: E402
 from stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch  # noqa: E402
@@ -487,16 +486,20 @@ def plot_losses(loss_log: Path, png: Path) -> None:
     plt.close(fig)
 
 
-def main(argv: list[str]) -> None:
-    write_whole_lines()
-    die_with_parent()
-    job_path = wait_for_job() if argv[1] == WAIT_FOR_JOB else Path(argv[1])
-    if job_path is None:
-        return
+def warm_up() -> None:
+    """In a process started ahead of its job (stages/ahead.py): import what training needs."""
+    import accelerate  # noqa: F401
+    import diffusers.optimization  # noqa: F401
+    import diffusers.training_utils  # noqa: F401
+    import peft  # noqa: F401  (diffusers.training_utils brings every family's model classes)
+
+
+def run_job(job_path: Path) -> None:
+    """Train as the job at `job_path` says (written by the stage: stages/train/launch.py)."""
     job = json.loads(job_path.read_text())
     recipe = LoRATrainingRecipe(TrainParams(**job["params"]), TrainInputs.from_json(job["inputs"]),
                                 TrainOptions(**job["options"]), Path(job["work_dir"]))
-    with reporting_errors():  # one line for the user, then the traceback for the log
+    with reporting_errors(Path(job["work_dir"])):  # one line for the user, then the traceback for the log
         try:
             recipe.setup()
             recipe.train()
@@ -505,6 +508,12 @@ def main(argv: list[str]) -> None:
         except DamagedRecord as damage:  # the parent raises it again, typed, so the flow can repair it
             write_json_atomic(Path(job["work_dir"]) / DAMAGED_RECORD_FILE, damage.to_json())
             raise
+
+
+def main(argv: list[str]) -> None:
+    write_whole_lines()
+    die_with_parent()
+    run_job(Path(argv[1]))
 
 
 if __name__ == "__main__":
