@@ -16,6 +16,8 @@ The demo job (the tiny SD1.x model, the 8 bundled photos, 64 px, batch 4, 200 st
   written by an untimed run before the rounds;
 - fresh_encode (only when chosen with `--case`): fresh, `--only preprocess --only encode`: no
   training process started ahead, so the command's own process alone (encode_stage as in fresh);
+- fresh_all (only when chosen with `--case`): fresh, every stage (evaluate too, as `make demo`):
+  its total and evaluate_stage, the evaluate stage's own seconds;
 - with `--kept-server`, train and noop again (every version) with a Prefect server kept running
   between commands (`prefect server start`, PREFECT_API_URL pointing at it), as README's "Fast
   repeated runs" says.
@@ -30,7 +32,7 @@ bar. `{model}`, `{images}` and `{out}` in CMD are replaced by the tiny model, an
 the photos (metadata.jsonl) and an empty output folder.
 
     python -m benchmarks.startup_bench [--rounds 3] [--steps 200] [--baseline DIR] [--compare CMD] [--kept-server]
-                                       [--case fresh|train|noop|fresh_home|fresh_encode]...
+                                       [--case fresh|train|noop|fresh_home|fresh_encode|fresh_all]...
 """
 from __future__ import annotations
 
@@ -56,12 +58,12 @@ REPO = Path(__file__).resolve().parent.parent
 DEMO_IMAGES = REPO / "stages" / "assets" / "demo_images"
 STEPS = 200
 STEP_1 = "the first row of loss.jsonl"  # written after step 1 by every version, whatever log_every says
-CASES = ("fresh", "train", "noop", "fresh_home", "fresh_encode")
+CASES = ("fresh", "train", "noop", "fresh_home", "fresh_encode", "fresh_all")
 
 
-def run_args(steps: int) -> list[str]:
-    return ["--only", "preprocess", "--only", "encode", "--only", "train",
-            "--set", f"train.max_steps={steps}", "--set", f"train.checkpoint_every={steps}"]
+def run_args(steps: int, evaluate: bool = False) -> list[str]:
+    stages = [] if evaluate else ["--only", "preprocess", "--only", "encode", "--only", "train"]
+    return [*stages, "--set", f"train.max_steps={steps}", "--set", f"train.checkpoint_every={steps}"]
 
 
 def phases_of(steps: int) -> tuple:
@@ -178,7 +180,9 @@ class Job:
     def case(self, name: str) -> dict[str, float]:
         return {"fresh": self.fresh, "train": lambda: self.run("--force", "train"),
                 "noop": lambda: self.run(ends=NOOP_PHASES), "fresh_home": self.fresh_home,
-                "fresh_encode": lambda: self.fresh(["--only", "preprocess", "--only", "encode"], NOOP_PHASES)}[name]()
+                "fresh_encode": lambda: self.fresh(["--only", "preprocess", "--only", "encode"], NOOP_PHASES),
+                "fresh_all": lambda: {**self.fresh(run_args(self.steps, evaluate=True)),
+                                      "evaluate_stage": self.stage_seconds("evaluate")}}[name]()
 
 
 @contextmanager

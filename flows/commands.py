@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cache.errors import UserError
+from stages import ahead
 
 from .config import PipelineConfig, load_config, split
 
@@ -61,8 +62,8 @@ def stages_to_build(config: PipelineConfig, only: list[str], start: str | None, 
 
 
 def import_model_code_ahead(config: PipelineConfig, building: set[str]) -> threading.Thread:
-    """A thread importing the model code of the stages this process builds (evaluate, and encode
-    when no process started ahead takes its job; train runs in its own process), so that its
+    """A thread importing the model code of the stages this process builds (encode and evaluate,
+    when no process started ahead takes their jobs; train runs in its own process), so that its
     seconds overlap the wait for Prefect's server.
     Best effort: the stage meets any error itself."""
     from stages.families import for_model
@@ -99,9 +100,9 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
         from stages.train import TrainOptions, TrainParams
         from stages.train.launch import start_ahead
 
-        # its imports overlap Prefect's start and the stages before train; encode hands it its job
+        # its imports overlap Prefect's start and the stages before train; encode and evaluate hand it their jobs
         if start_ahead(*split(config.train, TrainParams, TrainOptions)):
-            in_this_process = building - {"encode"}
+            in_this_process = building - {"encode", "evaluate"}
     elif server and not building and not force:  # a temporary server would record a run nobody sees
         from .cached_run import all_cached_run
 
@@ -119,8 +120,11 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
         importing = import_model_code_ahead(config, in_this_process)  # now that this thread's own imports are done
         server.wait_ready()
         importing.join()  # before the flow imports anything: never two threads in one module's import
-    with run_log(log_path, debug):
-        summary = pipeline(config, only=only, start=start, force=force)
+    try:
+        with run_log(log_path, debug):
+            summary = pipeline(config, only=only, start=start, force=force)
+    finally:
+        ahead.end()  # the process started ahead, if no stage took it or once they are done
     return print_summary(config, summary, log_path, as_json)
 
 

@@ -6,8 +6,8 @@ together about a quarter of a process's imports on two cores (BENCHMARKS.md, sta
 training uses them (train.base_quantization, train.optimizer: adamw8bit), in its own process, so:
 
 - `lorapipe run` and `lorapipe demo` hide both in their own process (flows/cli.py), where the flow
-  runs preprocess, evaluate and an encode that no process started ahead takes (stages/ahead.py), and
-  so do encode's worker processes (stages/encode/workers.py)
+  runs preprocess, and encode and evaluate when no process started ahead takes them (stages/ahead.py),
+  and so do encode's worker processes (stages/encode/workers.py)
   and the workers of the Dask cluster encode starts for itself (stages/encode/dask_executor.py);
 - a training process hides those its job does not use: the stage names them in the process's
   environment (HIDDEN_ENV, stages/train/launch.py) and the recipe calls `hide_named` first.

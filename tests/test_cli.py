@@ -155,41 +155,47 @@ runpy.run_module("flows.cli", run_name="__main__")
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="nf4 needs bitsandbytes installed")
-def test_a_run_encodes_and_evaluates_without_the_quantisation_libraries_and_trains_with_the_one_it_names(
+def test_the_command_encodes_without_the_quantisation_libraries_and_an_nf4_run_trains_with_bitsandbytes(
         tmp_path, tiny_config):
     """diffusers imports bitsandbytes and torchao whenever they are installed (seconds of a run's
-    start-up, BENCHMARKS.md); the command's own process, where encode and evaluate run, hides both,
-    yet an nf4 config validates there and its training process loads bitsandbytes."""
+    start-up, BENCHMARKS.md); the command's own process hides both where it encodes itself (no
+    training, so no process started ahead), yet an nf4 config validates there and its training
+    process loads bitsandbytes."""
     config_path = tiny_config(tmp_path, "hidden", max_steps=2, checkpoint_every=2, base_quantization="nf4")
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    run = subprocess.run([sys.executable, "-c", LOADED_AT_EXIT, "run", str(config_path)],
-                         cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    # encode and evaluate ran in this process, without them
-    assert run.stderr.splitlines()[-1] == "loaded: ['diffusers', 'torch', 'transformers']", run.stderr[-3000:]
+
+    def lorapipe_run(*args: str) -> str:
+        run = subprocess.run([sys.executable, "-c", LOADED_AT_EXIT, "run", str(config_path), *args],
+                             cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0, run.stderr[-3000:]
+        return run.stderr.splitlines()[-1]
+
+    assert lorapipe_run("--only", "preprocess", "--only", "encode") == "loaded: ['diffusers', 'torch', 'transformers']"
+    assert lorapipe_run() == "loaded: []"  # encode's result cached; train and evaluate in the process started ahead
     stages = {s["stage"]: s for s in json.loads((tmp_path / "out" / "run-summary.json").read_text())["stages"]}
-    assert [s["status"] for s in stages.values()] == ["computed"] * 4
-    assert stages["encode"]["info"]["latents_encoded"] == 8
+    assert [s["status"] for s in stages.values()] == ["hit", "hit", "computed", "computed"]
     trained = json.loads((Path(stages["train"]["path"]) / "train_config.json").read_text())
     assert trained["params"]["base_quantization"] == "nf4" and trained["steps"] == 2
 
 
 @pytest.mark.slow
-def test_a_run_that_trains_imports_torch_once_in_the_process_that_encodes_and_trains(tmp_path, tiny_config):
+def test_a_run_that_trains_imports_torch_once_in_the_process_that_encodes_trains_and_evaluates(tmp_path,
+                                                                                                tiny_config):
     """torch, transformers and diffusers take seconds to import on two cores (BENCHMARKS.md,
-    start-up): a run that trains imports them in one process, started ahead, which encodes and
-    then trains; the command's own process (Prefect, the flow) imports none of them."""
+    start-up): a run that trains imports them in one process, started ahead, which encodes, trains
+    and evaluates; the command's own process (Prefect, the flow) imports none of them."""
     config_path = tiny_config(tmp_path, "once", max_steps=2, checkpoint_every=2)
-    stages = ["--only", "preprocess", "--only", "encode", "--only", "train"]
-    run = subprocess.run([sys.executable, "-c", LOADED_AT_EXIT, "run", str(config_path), *stages], cwd=REPO,
+    run = subprocess.run([sys.executable, "-c", LOADED_AT_EXIT, "run", str(config_path)], cwd=REPO,
                          env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}, capture_output=True,
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stderr.splitlines()[-1] == "loaded: []", run.stderr[-3000:]
-    assert "encode: in the process started ahead" in run.stderr and ", started ahead, 2 steps" in run.stderr
+    for said in ("encode: in the process started ahead", ", started ahead, 2 steps", "evaluate: in the process started ahead"):
+        assert said in run.stderr, said
     stages = {s["stage"]: s for s in json.loads((tmp_path / "out" / "run-summary.json").read_text())["stages"]}
-    assert [s["status"] for s in stages.values()] == ["computed"] * 3
+    assert [s["status"] for s in stages.values()] == ["computed"] * 4
     assert stages["encode"]["info"]["latents_encoded"] == 8 and stages["train"]["info"]["steps"] == 2
+    assert (tmp_path / "out" / "grid.png").is_file() and json.loads((tmp_path / "out" / "metrics.json").read_text())
 
 
 def test_outputs_of_an_artifact_removed_while_they_are_copied_are_refused(tmp_path):

@@ -73,6 +73,26 @@ def evaluated(tmp_path_factory, tiny_model, lora_dir, encoded) -> tuple[Path, Ev
     return root / "first", params, built.info
 
 
+def test_an_evaluation_in_the_process_started_ahead_writes_the_same_files(evaluated, tmp_path, tiny_model,
+                                                                           lora_dir, encoded):
+    """A run that trains hands evaluate's job to the process it started ahead (stages/ahead.py),
+    which trained the LoRA: the grid, metrics and report are byte for byte those of an evaluation
+    in the command's own process (the same number of CPU threads)."""
+    from stages import ahead
+
+    first, params, info = evaluated
+    ahead.start_ahead({}, ("stages.train.recipe",))
+    try:
+        built = _evaluate(params, tiny_model, lora_dir, encoded, tmp_path / "ahead")
+        assert ahead.waiting()  # it stays for a next job, until the command ends it
+    finally:
+        ahead.end()
+    assert "evaluate: base model" in (tmp_path / "ahead-work" / "logs" / "evaluate.log").read_text()  # it ran there
+    assert built.info == info
+    for name in DATA_FILES:
+        assert (tmp_path / "ahead" / name).read_bytes() == (first / name).read_bytes(), name
+
+
 def test_writes_grid_metrics_and_report(evaluated):
     out, params, info = evaluated
     rows, columns = len(params.prompts) * len(params.seeds), 1 + len(params.lora_scales)

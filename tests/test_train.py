@@ -545,7 +545,8 @@ def test_a_process_started_ahead_encodes_then_trains_as_fresh_processes_would(tr
                                                                                 encoded, capsys):
     """`lorapipe run` starts one worker process while Prefect starts and the stages before train
     run; encode hands it its job, then train hands it the training job, instead of each working in
-    a process of its own (torch and diffusers imported once): the same records, the same training."""
+    a process of its own (torch and diffusers imported once): the same records, the same training
+    (evaluate's job: tests/test_evaluate.py)."""
     from conftest import _encode_demo_images
     from stages import ahead
     from stages.encode import EncodeParams
@@ -562,8 +563,11 @@ def test_a_process_started_ahead_encodes_then_trains_as_fresh_processes_would(tr
     assert all(ours.latent(a)[0].equal(theirs.latent(b)[0]) for a, b in zip(ours.samples, theirs.samples))
     said, out = [], tmp_path / "out"
     out.mkdir()
-    train.run(params, train_inputs(tiny_model, mine), out, tmp_path / "work", options, log=said.append)
-    assert "started ahead" in said[0] and not ahead.waiting()
+    try:
+        train.run(params, train_inputs(tiny_model, mine), out, tmp_path / "work", options, log=said.append)
+        assert "started ahead" in said[0] and ahead.waiting()  # it stays for evaluate's job
+    finally:
+        ahead.end()
     assert trajectory(out) == trajectory(trained[0])[:40]
 
 

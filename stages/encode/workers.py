@@ -14,7 +14,6 @@ shard-sized chunks in plan order (EncodeJobs.chunks) and commits each chunk as o
 """
 from __future__ import annotations
 
-import gc
 import json
 import os
 import sys
@@ -30,7 +29,7 @@ from ..contract import Log
 from ..encoded import encode_record
 from .. import ahead
 from ..launching import (die_with_parent, reporting_errors, run_streaming, skip_exit_collection, stream,
-                         write_accelerate_config, write_whole_lines)
+                         torch_threads, write_accelerate_config, write_whole_lines)
 from ..optional_libraries import hide
 from .images import sample_label
 from .latents import Progress, encode_latents
@@ -225,8 +224,6 @@ def failed_in(work_dir: Path, processes: int) -> dict[str, str]:
 def run_job(job_path: Path) -> None:
     """Encode this rank's share of the job at `job_path` on the job's number of threads, in a
     process of its own or in one started ahead; write what failed next to the job."""
-    import torch
-
     from . import EncodeInputs, EncodeOptions, EncodeParams
     from ..preprocess import DATASET_FILE
 
@@ -239,15 +236,9 @@ def run_job(job_path: Path) -> None:
     log = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: print(f"[rank {rank}] {m}", flush=True))
     share = jobs.share(rank, world)
     log(f"encode: process {rank} of {world}: {len(share.latents)} latents, {len(share.texts)} text embeddings")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(job["threads"])
-    with reporting_errors(inputs.cache_root):
+    with reporting_errors(inputs.cache_root), torch_threads(job["threads"]):
         failed = encode_jobs(jobs, dataset, EncodeParams(**job["params"]), inputs, EncodeOptions(**job["options"]),
                              rank, world, log)
-    torch.set_num_threads(threads)
-    if torch.cuda.is_available():  # a process started ahead trains next: give it the encoders' memory
-        gc.collect()
-        torch.cuda.empty_cache()
     write_json_atomic(job_path.parent / f"failed-{rank}.json", failed)
 
 

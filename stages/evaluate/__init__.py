@@ -10,7 +10,8 @@ Writes: grid.png, metrics.json, report.md; with checkpoints, checkpoint_losses.j
 Key:    VERSION, EvalParams, and the digests of the base model, encode and train artifacts; so
         changing a prompt, seed, scale, sampler or metric setting reruns evaluate only.
 
-The pipeline is loaded once. Base images and base losses come first; then the LoRA is loaded as
+In a run that trains, the evaluation runs in the process `lorapipe run` started ahead for
+training (worker.py, stages/ahead.py), else in the calling process. The pipeline is loaded once. Base images and base losses come first; then the LoRA is loaded as
 an adapter and rendered at each scale. Losses use the LoRA at scale 1, the strength it was
 trained at.
 """
@@ -28,7 +29,13 @@ __all__ = ["VERSION", "EvalParams", "EvalOptions", "EvalInputs", "run", "LOCAL_P
 
 def run(params: EvalParams, inputs: EvalInputs, out_dir: Path, work_dir: Path,
         options: EvalOptions = EvalOptions(), log: Log = print) -> Built:
-    """Write the evaluation of inputs.train_dir's LoRA into out_dir (see evaluation.run)."""
-    from .evaluation import run as evaluate  # torch and diffusers load only when evaluate runs
+    """Write the evaluation of inputs.train_dir's LoRA into out_dir (see evaluation.run), in the
+    process `lorapipe run` started ahead for training when there is one (worker.py), else here."""
+    from .worker import evaluate_in_process_started_ahead
+
+    built = evaluate_in_process_started_ahead(params, inputs, out_dir, work_dir, options, log)
+    if built is not None:
+        return built
+    from .evaluation import run as evaluate  # torch and diffusers load only when evaluate runs here
 
     return evaluate(params, inputs, out_dir, work_dir, options, log)

@@ -83,3 +83,11 @@ class EvalInputs:
     encoded_digest: str
     lora_digest: str
     model_digests: dict[str, str] = field(default_factory=dict)  # the model's components: checked against the encoder's
+
+    def to_json(self) -> dict:
+        return {k: v if isinstance(v, dict) else str(v) for k, v in self.__dict__.items()}
+
+    @classmethod
+    def from_json(cls, value: dict) -> "EvalInputs":
+        paths = {k: Path(value[k]) for k in ("model_path", "train_dir", "encoded_dir", "cache_root")}
+        return cls(**{**value, **paths})

@@ -70,13 +70,13 @@ def launch(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: Tr
     nodes, threads = machines(params, options), threads_per_process(params, options)
     command, how = launch_command(job, params.num_processes, threads, options.accelerate_config, work_dir, nodes)
     env = worker_env(params, threads)
-    process = ahead.take(env, RECIPE, job) if command == direct_command(job) else None
+    process = ahead.lend(RECIPE, job, env) if command == direct_command(job) else None
     log(f"train: {params.num_processes} process(es) of {threads} thread(s) {how}"
         f"{', started ahead' if process else ''}, {params.max_steps} steps, work dir {work_dir}")
     damaged = work_dir / DAMAGED_RECORD_FILE
     damaged.unlink(missing_ok=True)
     try:
-        stream(process or start_worker(command, env), work_dir / "logs" / "train.log", log)
+        stream(process or start_worker(command, env), work_dir / "logs" / "train.log", log, job_done=bool(process))
     except WorkerFailed as failure:
         if damaged.is_file():
             raise DamagedRecord.from_json(json.loads(damaged.read_text())) from failure
@@ -153,8 +153,9 @@ def unused_libraries(params: TrainParams) -> tuple[str, ...]:
 
 
 def start_ahead(params: TrainParams, options: TrainOptions) -> bool:
-    """Start the training process now, to be handed its job when the stage runs, where the stage
-    would run one process without a launcher (stages/ahead.py). Returns whether it started one."""
+    """Start the training process now, to be handed its job when the stage runs (and encode's and
+    evaluate's around it), where the stage would run one process without a launcher
+    (stages/ahead.py). Returns whether it started one."""
     if params.num_processes == 1 and user_accelerate_config(options.accelerate_config) is None:
         ahead.start_ahead(worker_env(params, threads_per_process(params, options)), (RECIPE,))
         return True
