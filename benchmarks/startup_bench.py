@@ -255,7 +255,7 @@ def measure(root: Path, rounds: int = 3, baseline: Path | None = None, compare: 
             if compare:
                 rows.setdefault("compare", []).append(compare_run(compare, root, jobs["this"].root / "model", steps))
     by_round = {name: [row["encode_stage"] for row in r] for name, r in rows.items() if "encode_stage" in r[0]}
-    return {"job": f"demo, {steps} steps, stops after train", "rounds": rounds,
+    return {"job": f"demo, {steps} steps, stops after train (fresh_all: every stage)", "rounds": rounds,
             **{name: medians(r) for name, r in rows.items()}, "encode_stage_by_round": by_round}
 
 
