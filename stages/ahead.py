@@ -25,8 +25,13 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stages.launching import JOB_DONE, die_with_parent, skip_exit_collection, start_worker, write_whole_lines
+from typing import TYPE_CHECKING
+
+from stages.launching import JOB_DONE, die_with_parent, skip_exit_collection, start_worker, stream, write_whole_lines
 from stages.optional_libraries import hide_named
+
+if TYPE_CHECKING:
+    from stages.contract import Log
 
 _waiting: dict[tuple, subprocess.Popen] = {}  # its added environment -> a process waiting for a job
 
@@ -52,6 +57,17 @@ def lend(module: str, job: Path, env: dict[str, str] | None = None) -> subproces
             return process
         del _waiting[key]
     return None
+
+
+def run_lent(stage: str, module: str, job: Path, log_file: Path, log: Log) -> bool:
+    """Run `module`'s `job` in a process started ahead, streaming what it prints into `log_file`
+    and `log` (stages/launching.py stream) until the job is done; False when there is none."""
+    process = lend(module, job)
+    if process is None:
+        return False
+    log(f"{stage}: in the process started ahead")
+    stream(process, log_file, log, job_done=True)
+    return True
 
 
 def end() -> None:

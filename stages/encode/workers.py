@@ -28,8 +28,8 @@ from cache.samples import SampleStore
 from ..contract import Log
 from ..encoded import encode_record
 from .. import ahead
-from ..launching import (die_with_parent, reporting_errors, run_streaming, skip_exit_collection, stream,
-                         torch_threads, write_accelerate_config, write_whole_lines)
+from ..launching import (die_with_parent, reporting_errors, run_streaming, skip_exit_collection, torch_threads,
+                         write_accelerate_config, write_whole_lines)
 from ..optional_libraries import hide
 from .images import sample_label
 from .latents import Progress, encode_latents
@@ -190,11 +190,8 @@ def encode_in_process_started_ahead(jobs: EncodeJobs, params: EncodeParams, inpu
     if not ahead.waiting():
         return None
     job = write_job(jobs, params, inputs, options, work_dir, os.cpu_count() or 1)
-    process = ahead.lend(WORKER, job)
-    if process is None:
+    if not ahead.run_lent("encode", WORKER, job, work_dir / "logs" / "encode.log", log):
         return None
-    log("encode: in the process started ahead")
-    stream(process, work_dir / "logs" / "encode.log", log, job_done=True)
     return failed_in(work_dir, 1)
 
 

@@ -11,7 +11,7 @@ from cache.fsutil import write_json_atomic
 from cache.store import Built
 from stages import ahead
 from stages.contract import Log
-from stages.launching import reporting_errors, stream, torch_threads
+from stages.launching import reporting_errors, torch_threads
 
 from .params import EvalInputs, EvalOptions, EvalParams
 
@@ -31,11 +31,8 @@ def evaluate_in_process_started_ahead(params: EvalParams, inputs: EvalInputs, ou
         "params": params.model_dump(mode="json"), "options": options.model_dump(mode="json"),
         "inputs": inputs.to_json(), "out_dir": str(Path(out_dir).resolve()), "threads": os.cpu_count() or 1,
     }, sort_keys=True))
-    process = ahead.lend(WORKER, job)
-    if process is None:
+    if not ahead.run_lent("evaluate", WORKER, job, work_dir / "logs" / "evaluate.log", log):
         return None
-    log("evaluate: in the process started ahead")
-    stream(process, work_dir / "logs" / "evaluate.log", log, job_done=True)
     return Built(**json.loads((work_dir / BUILT).read_text()))
 
 
