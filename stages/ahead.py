@@ -24,7 +24,6 @@ import importlib
 import subprocess
 import sys
 from pathlib import Path
-
 from typing import TYPE_CHECKING
 
 from stages.launching import JOB_DONE, die_with_parent, skip_exit_collection, start_worker, stream, write_whole_lines

@@ -6,6 +6,7 @@ dataclass, and `run(params, inputs, out_dir, work_dir, options, log) -> Built | 
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from functools import cache
 from importlib.metadata import version
@@ -37,6 +38,20 @@ def location_name(location: Path | str) -> str:
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class JsonInputs:
+    """For a stage's inputs dataclass of paths, strings and dicts: the JSON form a worker process
+    reads its inputs from (the job file), and back; the fields annotated Path become Paths again."""
+
+    def to_json(self) -> dict:
+        return {f.name: value if isinstance(value := getattr(self, f.name), dict) else str(value)
+                for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_json(cls, value: dict):
+        paths = {f.name: Path(value[f.name]) for f in dataclasses.fields(cls) if f.type in ("Path", Path)}
+        return cls(**{**value, **paths})
 
 
 def library_majors(*names: str) -> dict[str, str]:

@@ -190,7 +190,8 @@ def test_a_run_that_trains_imports_torch_once_in_the_process_that_encodes_trains
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stderr.splitlines()[-1] == "loaded: []", run.stderr[-3000:]
-    for said in ("encode: in the process started ahead", ", started ahead, 2 steps", "evaluate: in the process started ahead"):
+    for said in ("encode: in the process started ahead", ", started ahead, 2 steps",
+                 "evaluate: in the process started ahead"):
         assert said in run.stderr, said
     stages = {s["stage"]: s for s in json.loads((tmp_path / "out" / "run-summary.json").read_text())["stages"]}
     assert [s["status"] for s in stages.values()] == ["computed"] * 4

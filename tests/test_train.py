@@ -558,7 +558,8 @@ def test_a_process_started_ahead_encodes_then_trains_as_fresh_processes_would(tr
     mine = _encode_demo_images(tmp_path / "cache", tiny_model, EncodeParams())
     assert ahead.waiting()  # the process that encoded stays for the training job
     assert "encode: in the process started ahead\nencode: process 0 of 1: 8 latents" in capsys.readouterr().out
-    theirs, ours = EncodedData(encoded.artifact_dir, encoded.cache_root), EncodedData(mine.artifact_dir, mine.cache_root)
+    theirs = EncodedData(encoded.artifact_dir, encoded.cache_root)
+    ours = EncodedData(mine.artifact_dir, mine.cache_root)
     assert [s.id for s in ours.samples] == [s.id for s in theirs.samples]
     assert all(ours.latent(a)[0].equal(theirs.latent(b)[0]) for a, b in zip(ours.samples, theirs.samples))
     said, out = [], tmp_path / "out"

@@ -11,9 +11,9 @@ Key:    VERSION, EvalParams, and the digests of the base model, encode and train
         changing a prompt, seed, scale, sampler or metric setting reruns evaluate only.
 
 In a run that trains, the evaluation runs in the process `lorapipe run` started ahead for
-training (worker.py, stages/ahead.py), else in the calling process. The pipeline is loaded once. Base images and base losses come first; then the LoRA is loaded as
-an adapter and rendered at each scale. Losses use the LoRA at scale 1, the strength it was
-trained at.
+training (worker.py, stages/ahead.py), else in the calling process. The pipeline is loaded once.
+Base images and base losses come first; then the LoRA is loaded as an adapter and rendered at
+each scale. Losses use the LoRA at scale 1, the strength it was trained at.
 """
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from stages.contract import Frozen
+from stages.contract import Frozen, JsonInputs
 from stages.train.checkpoints import LORA_FILE
 
 VERSION = "2"  # 2: fixed noise and loss subset seeded by content, not file name
@@ -74,7 +74,7 @@ class EvalOptions(Frozen):
 
 
 @dataclass(frozen=True)
-class EvalInputs:
+class EvalInputs(JsonInputs):
     model_path: Path  # diffusers-format model folder
     train_dir: Path  # train artifact
     encoded_dir: Path  # encode artifact
@@ -83,11 +83,3 @@ class EvalInputs:
     encoded_digest: str
     lora_digest: str
     model_digests: dict[str, str] = field(default_factory=dict)  # the model's components: checked against the encoder's
-
-    def to_json(self) -> dict:
-        return {k: v if isinstance(v, dict) else str(v) for k, v in self.__dict__.items()}
-
-    @classmethod
-    def from_json(cls, value: dict) -> "EvalInputs":
-        paths = {k: Path(value[k]) for k in ("model_path", "train_dir", "encoded_dir", "cache_root")}
-        return cls(**{**value, **paths})

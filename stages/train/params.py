@@ -7,7 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from stages.contract import Frozen
+from stages.contract import Frozen, JsonInputs
 from stages.families import ObjectiveParams
 from stages.optional_libraries import installed
 from stages.train.adapter import AdapterParams
@@ -139,7 +139,7 @@ class TrainOptions(Frozen):
 
 
 @dataclass(frozen=True)
-class TrainInputs:
+class TrainInputs(JsonInputs):
     encoded_dir: Path  # the encode artifact (samples.json)
     cache_root: Path  # holds the sample store the encode artifact points into
     model_path: Path  # a diffusers-format model folder
@@ -147,11 +147,3 @@ class TrainInputs:
     encoded_digest: str
     init_lora_digest: str = "none"  # the content digest of params.init_lora (provenance)
     model_digests: dict[str, str] = field(default_factory=dict)  # the model's components: checked against the encoder's
-
-    def to_json(self) -> dict:
-        return {k: v if isinstance(v, dict) else str(v) for k, v in self.__dict__.items()}
-
-    @classmethod
-    def from_json(cls, value: dict) -> "TrainInputs":
-        paths = {k: Path(value[k]) for k in ("encoded_dir", "cache_root", "model_path")}
-        return cls(**{**value, **paths})
