@@ -32,12 +32,10 @@ def all_cached_run(config: PipelineConfig, only: list[str], start: str | None) -
     if results is None:
         return None
     try:
-        summary = finish_run(config.output_dir, config, results, run_name())
+        return finish_run(config.output_dir, config, results, run_name(), log.info)
     except ArtifactRemoved as removed:
         log.info(f"{removed}; running the flow instead")
         return None
-    log.info(f"outputs: {config.output_dir}")
-    return summary
 
 
 def served_from_cache(config: PipelineConfig, stages: tuple[str, ...]) -> list[StageResult] | None:

@@ -1,27 +1,52 @@
 """What a run leaves for the user once its stages are served or built, whether the Prefect flow
 ran them (flows/pipeline.py) or every stage was a cache hit and no flow ran (flows/cached_run.py):
-each stage's output files copied next to `run-summary.json`, and the run noted in the cache for
-`cache gc --keep-last`. No Prefect here.
+each stage's output files copied into the run's output folder next to `run-summary.json`, and the
+run noted in the cache for `cache gc --keep-last`. No Prefect here.
+
+The output folder holds the files of one run, never a mix of two. A filesystem cannot replace
+several files in one atomic step, so `run-summary.json` is the commit marker: whenever it exists,
+the stage output files in the folder (OUTPUT_FILES, `ema/` included) are exactly those it lists
+under each stage's `outputs`, all published by the run it describes; while it is missing, a
+publish is under way (or was cut off, and the next run publishes again). Publishing, one run at a
+time per folder (a lock file in it):
+1. copy every file this run publishes into a staging folder inside the output folder (the same
+   filesystem, so renames are atomic); a failure here (an artifact removed meanwhile, a full
+   disk) leaves the previous run's files and summary as they were;
+2. remove `run-summary.json`, then every stage output file there, whichever run wrote it (so a
+   file the new run lacks, e.g. the kohya file of an earlier LoRA before a LoHa run, never stays);
+3. rename each staged file into place, then the new `run-summary.json`.
+During 2 the folder holds part of the previous run's files, during 3 part of this run's, never
+both; a reader that opens a file in that instant finds it missing, not another training's.
+Other files (logs/, train-machine-N/, a deployment's own folder, the user's) are left alone.
 """
 from __future__ import annotations
 
 import json
+import os
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 from cache.errors import UserError
+from cache.fsutil import fsync_dir, fsync_tree, remove_tree
+from cache.lock import key_lock
 from cache.object_store import open_store
 from cache.store import Artifact
+from stages.train.exports import EMA_DIR
 
 from .config import PipelineConfig
 from .plan import object_settings
 from .runner import StageResult
 
-OUTPUT_FILES = {  # stage -> files copied next to the run summary for the user
-    "train": ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
-              "pytorch_lora_weights_comfyui.safetensors"),
+LORA_FILES = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
+              "pytorch_lora_weights_comfyui.safetensors")
+OUTPUT_FILES = {  # stage -> files copied next to the run summary for the user (paths inside the artifact)
+    "train": (*LORA_FILES, *(f"{EMA_DIR}/{name}" for name in LORA_FILES)),
     "evaluate": ("grid.png", "metrics.json", "report.md", "checkpoint_loss.png", "checkpoint_losses.json"),
 }
+SUMMARY_FILE = "run-summary.json"
+STAGING = ".lorapipe-publishing"  # step 1's folder, inside the output folder
+PUBLISH_LOCK = ".lorapipe-publish.lock"
 
 
 class ArtifactRemoved(UserError):
@@ -36,38 +61,76 @@ def with_files(result: StageResult, artifact: Artifact | None) -> StageResult:
     return result
 
 
-def finish_run(out: Path, config: PipelineConfig, results: list[StageResult], run: str,
+def finish_run(out: Path, config: PipelineConfig, results: list[StageResult], run: str, log: Callable[[str], None],
                deployment: str | None = None, flow_run: str | None = None, record: bool = True) -> list[dict]:
-    """Copy each stage's output files into `out`, write `out/run-summary.json` and, with `record`
-    (machine rank 0: the run that published what it used), note in the cache which artifacts the
-    run `run` used. Returns the summary's stage rows."""
+    """Publish each stage's output files and `run-summary.json` into `out` (the module docstring
+    says how), say in `log` which files, and, with `record` (machine rank 0: the run that
+    published what it used), note in the cache which artifacts the run `run` used. Returns the
+    summary's rows."""
     out.mkdir(parents=True, exist_ok=True)
-    for result in results:
-        copy_outputs(result, out)
-    summary = [r.to_json() for r in results]
-    (out / "run-summary.json").write_text(json.dumps(
-        {"pipeline": config.name, "output_dir": str(out.resolve()), "deployment": deployment, "flow_run": flow_run,
-         "run": run, "stages": summary}, indent=1))
+    with key_lock(out / PUBLISH_LOCK):
+        staging = out / STAGING
+        remove_tree(staging)  # what a publish cut off in step 1 left
+        staging.mkdir()
+        try:
+            for result in results:
+                result.outputs = copy_outputs(result, staging)
+            summary = [r.to_json() for r in results]
+            (staging / SUMMARY_FILE).write_text(json.dumps(
+                {"pipeline": config.name, "output_dir": str(out.resolve()), "deployment": deployment,
+                 "flow_run": flow_run, "run": run, "stages": summary}, indent=1))
+            fsync_tree(staging)
+            published = [name for r in results for name in r.outputs]
+            dropped = swap_in(staging, out, published)
+        finally:
+            remove_tree(staging)
+    log(f"outputs: {out}: published {', '.join(published) or 'no stage files'} and {SUMMARY_FILE}"
+        + (f"; removed the previous run's {', '.join(dropped)}" if dropped else ""))
     if record:
         store = open_store(config.cache_dir, object_settings(config))
         store.record_run(config.name, run, {r.stage: r.key for r in results})
     return summary
 
 
-def copy_outputs(result: StageResult, out: Path) -> None:
-    """Copy the output files `result`'s artifact has into `out`. Raises ArtifactRemoved when its
-    folder is gone afterwards: a file it lacked may have been removed with it."""
+def copy_outputs(result: StageResult, out: Path) -> list[str]:
+    """Copy the output files `result`'s artifact has into `out`; returns their names. Raises
+    ArtifactRemoved when its folder is gone afterwards: a file it lacked may have been removed with it."""
     if not result.files:
-        return
-    folder = Path(result.files)
+        return []
+    folder, copied = Path(result.files), []
     try:
         for name in OUTPUT_FILES.get(result.stage, ()):
             if (folder / name).exists():
+                (out / name).parent.mkdir(exist_ok=True)
                 shutil.copyfile(folder / name, out / name)
+                copied.append(name)
         if folder.is_dir():
-            return
+            return copied
     except FileNotFoundError:
         if folder.is_dir():
             raise
     raise ArtifactRemoved(f"{result.stage}: its artifact {result.path} was removed (lorapipe cache rm or gc)"
                           f" while its files were copied to {out}: run again to rebuild it")
+
+
+def swap_in(staging: Path, out: Path, names: list[str]) -> list[str]:
+    """Steps 2 and 3 of the module docstring: replace every stage output file in `out` by the
+    staged `names` and the staged summary. Returns the files removed and not published again."""
+    previous = [name for names_of_stage in OUTPUT_FILES.values() for name in names_of_stage if (out / name).exists()]
+    (out / SUMMARY_FILE).unlink(missing_ok=True)
+    for name in previous:
+        (out / name).unlink()
+    folders = sorted({(out / name).parent for name in OUTPUT_FILES["train"]} - {out})
+    for folder in folders:
+        if folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()  # the ema/ of an earlier run; made again below if this run has one
+    fsync_dir(out)  # the removals reach the disk before any new file appears
+    for name in names:
+        (out / name).parent.mkdir(exist_ok=True)
+        os.replace(staging / name, out / name)
+    for folder in folders:
+        if folder.is_dir():
+            fsync_dir(folder)
+    os.replace(staging / SUMMARY_FILE, out / SUMMARY_FILE)
+    fsync_dir(out)
+    return [name for name in previous if name not in names]

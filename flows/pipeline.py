@@ -97,9 +97,8 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
         results.append(result)
         upstream[stage] = result.key
     out = output_folder(config)
-    summary = finish_run(out, config, results, flow_run.name or "unnamed", deployment.name, flow_run.name,
-                         record=rank == 0)
-    get_run_logger().info(f"outputs: {out}")
+    summary = finish_run(out, config, results, flow_run.name or "unnamed", get_run_logger().info,
+                         deployment=deployment.name, flow_run=flow_run.name, record=rank == 0)
     publish_run_artifacts(config.name, results, out)
     return summary
 

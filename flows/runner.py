@@ -35,6 +35,7 @@ class StageResult:
     info: dict[str, Any] = field(default_factory=dict)
     prefect_state: str | None = None  # the task run's state name, when run by the flow
     files: str = ""  # a local folder with its files, when the flow reads them (on object storage, this host's copy)
+    outputs: list[str] = field(default_factory=list)  # its files this run published into the output folder
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
