@@ -136,10 +136,11 @@ def print_summary(config: PipelineConfig, summary: list[dict], log_path: Path, a
     print(f"\n{'stage':<11}{'status':<10}{'seconds':>9}  artifact")
     for row in summary:
         print(f"{row['stage']:<11}{row['status']:<10}{row['seconds']:>9.1f}  {row['path']}")
-        if row["stage"] == "encode" and row["status"] == "computed":
-            i = row["info"]
-            print(f"{'':<21}latents encoded {i.get('latents_encoded')}, reused {i.get('latents_reused')}; "
-                  f"text embeddings encoded {i.get('texts_encoded')}, reused {i.get('texts_reused')}")
+        if row["stage"] == "encode" and row["info"]:
+            print(f"{'':<21}{encode_counts(row['info'])}")
+        for repair in row["repairs"]:
+            print(f"{'':<21}repaired while {repair['during']} ran ({repair['seconds']:.1f} s): "
+                  f"{encode_counts(repair['info']) if row['stage'] == 'encode' else 'computed again'}")
     out = config.output_dir
     for label, name in (("LoRA", "pytorch_lora_weights.safetensors"), ("sample grid", "grid.png"),
                         ("metrics", "metrics.json"), ("run summary", "run-summary.json")):
@@ -147,6 +148,12 @@ def print_summary(config: PipelineConfig, summary: list[dict], log_path: Path, a
             print(f"{label + ':':<13}{out / name}")
     print(f"{'run log:':<13}{log_path}")
     return 0
+
+
+def encode_counts(info: dict) -> str:
+    """What an encode did, from its `info`."""
+    return (f"latents encoded {info.get('latents_encoded')}, reused {info.get('latents_reused')}; "
+            f"text embeddings encoded {info.get('texts_encoded')}, reused {info.get('texts_reused')}")
 
 
 def status(config_path: Path, overrides: list[str], as_json: bool) -> int:

@@ -36,7 +36,7 @@ from stages.train.exports import EMA_DIR
 
 from .config import PipelineConfig
 from .plan import object_settings
-from .runner import StageResult
+from .runner import StageResult, record_repairs
 
 LORA_FILES = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
               "pytorch_lora_weights_comfyui.safetensors")
@@ -65,8 +65,9 @@ def finish_run(out: Path, config: PipelineConfig, results: list[StageResult], ru
                deployment: str | None = None, flow_run: str | None = None, record: bool = True) -> list[dict]:
     """Publish each stage's output files and `run-summary.json` into `out` (the module docstring
     says how), say in `log` which files, and, with `record` (machine rank 0: the run that
-    published what it used), note in the cache which artifacts the run `run` used. Returns the
-    summary's rows."""
+    published what it used), note in the cache which artifacts the run `run` used. The rows of
+    stages rebuilt during a later stage read `repaired` from here on. Returns the summary's rows."""
+    record_repairs(results)
     out.mkdir(parents=True, exist_ok=True)
     with key_lock(out / PUBLISH_LOCK):
         staging = out / STAGING

@@ -26,7 +26,7 @@ class StageNotCached(UserError):
 @dataclass
 class StageResult:
     stage: str
-    status: str  # "computed" or "hit"; "joined" for train on machine rank > 0 (rank 0 publishes)
+    status: str  # "computed" or "hit"; "joined" for train on machine rank > 0 (rank 0 publishes); "repaired"
     key: str
     digest: str
     path: str  # where the artifact is: its folder, or its URL on object storage
@@ -36,9 +36,13 @@ class StageResult:
     prefect_state: str | None = None  # the task run's state name, when run by the flow
     files: str = ""  # a local folder with its files, when the flow reads them (on object storage, this host's copy)
     outputs: list[str] = field(default_factory=list)  # its files this run published into the output folder
+    repairs: list[dict[str, Any]] = field(default_factory=list)  # rebuilt while a later stage ran: "repaired"
+    rebuilt: list[StageResult] = field(default_factory=list)  # the earlier stages this one rebuilt (record_repairs)
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        row = asdict(self)
+        del row["rebuilt"]  # shown on the rebuilt stages' own rows (record_repairs)
+        return row
 
 
 def miss_reason(ctx: Context, key: StageKey, found: Lookup) -> str:
@@ -65,6 +69,7 @@ def run_stage(ctx: Context, stage: str, upstream: dict[str, Artifact], *, run: b
     step: Step = step_for(stage, ctx, upstream)
     key = step.key
     found = ctx.store.lookup(stage, key.key)
+    rebuilt: list[StageResult] = []
     if found.hit and not force:
         artifact, computed, reason = found.artifact, False, hit_note(stage, found.artifact)
     elif not run:
@@ -74,7 +79,7 @@ def run_stage(ctx: Context, stage: str, upstream: dict[str, Artifact], *, run: b
         reason = "forced" if force else miss_reason(ctx, key, found)
         what = "rebuilding it and discarding its work directory" if force else "computing"
         ctx.log(f"{stage}: {'--force' if force else 'miss'} ({reason}); {what} {key.key[:12]}")
-        key, artifact, computed = build_repairing(ctx, stage, step, upstream, force)
+        key, artifact, computed, rebuilt = build_repairing(ctx, stage, step, upstream, force)
         if not computed:
             reason = "built meanwhile by a concurrent run" + (" (forced too: one rebuild serves both)" if force else "")
     ctx.store.remember(ctx.config.name, key, artifact)
@@ -82,32 +87,51 @@ def run_stage(ctx: Context, stage: str, upstream: dict[str, Artifact], *, run: b
     ctx.log(f"{stage}: {status} {artifact.location}")
     work_done = artifact.manifest.get("info", {}) if computed else {}  # a hit computed nothing this run
     result = StageResult(stage, status, key.key, artifact.digest, str(artifact.location),
-                         round(time.time() - started, 3), reason, work_done)
+                         round(time.time() - started, 3), reason, work_done, rebuilt=rebuilt)
     return result, artifact
 
 
 def build_repairing(ctx: Context, stage: str, step: Step, upstream: dict[str, Artifact],
-                    force: bool = False) -> tuple[StageKey, Artifact, bool]:
+                    force: bool = False) -> tuple[StageKey, Artifact, bool, list[StageResult]]:
     """Build `step`. When it meets a damaged record (train and evaluate check every record they
     read), drop that record's shard, rebuild encode (the same key: only the shard's records are
     encoded again) and the stages up to this one (hits when the data is unchanged), then build
-    again (not forced: training resumes from its last checkpoint). Returns (key, artifact, computed)."""
+    again (not forced: training resumes from its last checkpoint). Returns (key, artifact,
+    computed, the results of the earlier stages computed again, each with the damage as reason)."""
     repaired: set[str] = set()
+    rebuilt: list[StageResult] = []
     while True:
         try:
             artifact, computed = ctx.store.build(step.key, step.build, ctx.producer(stage), ctx.log, force=force)
-            return step.key, artifact, computed
+            return step.key, artifact, computed, rebuilt
         except DamagedRecord as damage:
             if damage.shard in repaired or "preprocess" not in upstream:  # damaged again: not ours to fix
                 raise
             repaired.add(damage.shard)
-            ctx.log(f"{stage}: {damage.path}: record {damage.key} {damage.problem}; dropping the shard and"
-                    " encoding its records again")
+            why = f"{damage.path}: record {damage.key} {damage.problem}"
+            ctx.log(f"{stage}: {why}; dropping the shard and encoding its records again")
             ctx.store.sample_store().remove(damage.shard)
             upstream = dict(upstream)
             for earlier in STAGES[STAGES.index("encode"):STAGES.index(stage)]:
-                _, upstream[earlier] = run_stage(ctx, earlier, upstream)
+                result, upstream[earlier] = run_stage(ctx, earlier, upstream)
+                if result.status == "computed":
+                    result.reason = why
+                    rebuilt.append(result)
             step, force = step_for(stage, ctx, upstream), False
+
+
+def record_repairs(results: list[StageResult]) -> None:
+    """Move what a stage rebuilt while it ran (a damaged shard encoded again) onto the rebuilt
+    stage's own row, which then reads "repaired" with why, how long and what it did (`info`'s
+    counts): a row that said hit must not hide the work."""
+    rows = {r.stage: r for r in results}
+    for result in results:
+        for rebuilt in result.rebuilt:
+            row = rows[rebuilt.stage]
+            row.status = "repaired"
+            row.repairs.append({"during": result.stage, "reason": rebuilt.reason, "seconds": rebuilt.seconds,
+                                "info": rebuilt.info})
+        result.rebuilt = []
 
 
 def machine_rank(config: PipelineConfig) -> int:

@@ -226,9 +226,14 @@ def encoded_data(config):
 
 
 def test_a_shard_damaged_in_place_is_re_encoded_when_training_meets_it_and_training_resumes(
-        baseline, tmp_path, count_encoder_rows, damage_in_place):
+        baseline, tmp_path, count_encoder_rows, damage_in_place, capsys):
+    """Training meets a record damaged in place: its shard is encoded again (its latents only),
+    training resumes from its checkpoint, and the run's summary (run-summary.json, the table) says
+    that encode, a hit, was repaired while train ran, with what was encoded."""
     from cache.samples import SampleStore
 
+    from flows.commands import print_summary
+    from flows.outputs import finish_run
     from flows.plan import step_for
     from stages.train.checkpoints import CheckpointDir
 
@@ -256,6 +261,18 @@ def test_a_shard_damaged_in_place_is_re_encoded_when_training_meets_it_and_train
     repaired = ctx.store.lookup("encode", encoded.key).artifact  # rebuilt during train, with the same key
     assert repaired.digest == encoded.digest  # and the same data: training went on from its checkpoint
     assert ctx.store.verify(repaired) == [] and SampleStore(config.cache_dir).verify() == []
+    summary = finish_run(tmp_path / "out", config, list(results.values()), "repairing", logs.append, record=False)
+    assert summary == json.loads((tmp_path / "out" / "run-summary.json").read_text())["stages"]
+    encode = summary[1]
+    assert (encode["status"], encode["info"], len(encode["repairs"])) == ("repaired", {}, 1)  # a hit, then repaired
+    repair = encode["repairs"][0]
+    assert repair["during"] == "train" and repair["reason"].startswith(f"{shard}: record {latent.key} does not match")
+    assert (repair["info"]["latents_encoded"], repair["info"]["texts_encoded"]) == (in_shard, 0)
+    capsys.readouterr()
+    print_summary(config, summary, tmp_path / "run.log", as_json=False)
+    table = capsys.readouterr().out
+    assert "repaired while train ran" in table and f"latents encoded {in_shard}, reused " in table
+    assert [line.split()[:2] for line in table.splitlines() if line.startswith("encode")] == [["encode", "repaired"]]
 
 
 def test_a_repaired_or_compacted_shard_reruns_only_encode(baseline, tmp_path, count_encoder_rows):
