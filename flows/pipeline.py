@@ -26,7 +26,7 @@ from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config
 from .outputs import finish_run, with_files
 from .plan import STAGES, Context, selected_stages, walked_stages
-from .runner import StageResult, follow_train, machine_rank, run_stage, run_warm_train
+from .runner import StageResult, follow_train, machine_folder, machine_rank, run_stage, run_warm_train
 
 Stage = Literal["preprocess", "encode", "train", "evaluate"]  # typed, so Prefect refuses a misspelt stage
 assert get_args(Stage) == STAGES
@@ -96,7 +96,7 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
         result.prefect_state = state.name
         results.append(result)
         upstream[stage] = result.key
-    out = output_folder(config)
+    out = output_folder(config) if rank == 0 else machine_folder(output_folder(config), rank)
     summary = finish_run(out, config, results, flow_run.name or "unnamed", get_run_logger().info,
                          deployment=deployment.name, flow_run=flow_run.name, record=rank == 0)
     publish_run_artifacts(config.name, results, out)

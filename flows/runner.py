@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cache.errors import UserError
@@ -139,6 +140,12 @@ def machine_rank(config: PipelineConfig) -> int:
     return train.machines(*split(config.train, train.TrainParams, train.TrainOptions)).rank
 
 
+def machine_folder(output_dir: Path, rank: int) -> Path:
+    """Where machine rank > 0 keeps its training job, its log and its run summary: it publishes
+    no stage files, so a run there never touches what rank 0 publishes into a shared output_dir."""
+    return output_dir / f"train-machine-{rank}"
+
+
 def follow_train(ctx: Context, upstream: dict[str, Artifact], run: bool = True,
                  force: bool = False) -> tuple[StageResult, None]:
     """Train on machine rank > 0: this machine's processes join rank 0's training. Rank 0 holds the
@@ -150,7 +157,7 @@ def follow_train(ctx: Context, upstream: dict[str, Artifact], run: bool = True,
     started, step = time.time(), step_for("train", ctx, upstream)
     rank = machine_rank(ctx.config)
     ctx.log(f"train: machine rank {rank} joins machine rank 0's training of {step.key.key[:12]}")
-    step.follow(ctx.config.output_dir / f"train-machine-{rank}")
+    step.follow(machine_folder(ctx.config.output_dir, rank))
     result = StageResult("train", "joined", step.key.key, "", "(published by machine rank 0)",
                          round(time.time() - started, 3), f"machine rank {rank}: rank 0 publishes and evaluates")
     return result, None

@@ -154,5 +154,8 @@ def test_lorapipe_run_on_each_machine_rank_0_publishes_and_evaluates(tmp_path, t
     assert "machine rank 0 publishes the LoRA and evaluates it" in done[0][1]
     assert (tmp_path / "out-0" / "pytorch_lora_weights.safetensors").is_file()
     assert not (tmp_path / "out-1" / "pytorch_lora_weights.safetensors").exists()
-    assert sorted(p.name for p in (tmp_path / "out-1" / "train-machine-1").iterdir()) == \
-        ["accelerate.yaml", "job.json", "logs"]
+    def visible(folder: Path) -> list[str]:
+        return sorted(p.name for p in folder.iterdir() if not p.name.startswith("."))
+
+    assert visible(tmp_path / "out-1") == ["logs", "train-machine-1"]  # its summary beside its job, not here
+    assert visible(tmp_path / "out-1" / "train-machine-1") == ["accelerate.yaml", "job.json", "logs", "run-summary.json"]
