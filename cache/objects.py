@@ -94,6 +94,12 @@ class ObjectRoot:
     def __repr__(self) -> str:
         return f"ObjectRoot({self.url})"
 
+    @property
+    def endpoint(self) -> str:
+        """The URL of the S3 service, as the client resolved it (storage_options, AWS_ENDPOINT_URL or
+        AWS's own); no request is made."""
+        return self.fs.s3.meta.endpoint_url
+
     def key(self, rel: str) -> str:
         return posixpath.join(self.prefix, rel) if self.prefix else rel
 
@@ -166,13 +172,18 @@ class ObjectRoot:
     async def _get(self, rel: str) -> tuple[bytes, str] | None:
         try:
             response = await self.fs._call_s3("get_object", Bucket=self.bucket, Key=self.key(rel))
-        except FileNotFoundError:
+        except FileNotFoundError as error:
+            if _not_s3(error):
+                raise
             return None
         async with response["Body"] as body:
             return await body.read(), response["ETag"]
 
     async def _put(self, rel: str, data: bytes, **condition: str) -> str:
         response = await self.fs._call_s3("put_object", Bucket=self.bucket, Key=self.key(rel), Body=data, **condition)
+        if "ETag" not in response:  # an S3 store answers every write with the object's ETag
+            status = response.get("ResponseMetadata", {}).get("HTTPStatusCode")
+            raise NotS3Answer(f"HTTP {status} without an ETag to PutObject")
         return response["ETag"]
 
     async def _list(self, prefix: str) -> dict[str, Entry]:
@@ -217,12 +228,12 @@ class ObjectRoot:
 
         try:
             return sync(self.fs.loop, _awaited, call)
-        except FileNotFoundError:
-            raise
         except Exception as error:  # botocore / aiohttp errors: one line naming the place and the cause
+            if isinstance(error, FileNotFoundError) and not _not_s3(error):
+                raise
             if isinstance(error, OSError) and _precondition_failed(error):
                 raise
-            raise ObjectStoreError(self.url_of(rel), error) from error
+            raise ObjectStoreError(self.url_of(rel), error, self.endpoint if _not_s3(error) else "") from error
 
 
 @dataclass(frozen=True)
@@ -280,12 +291,13 @@ def read_url(url: str) -> bytes:
 class ObjectStoreError(CacheRootError):
     """Object storage refused or could not be reached."""
 
-    def __init__(self, where: str, error: BaseException):
-        self.where, self.cause, self.reason = where, error, _describe(error)
+    def __init__(self, where: str, error: BaseException, endpoint: str = ""):
+        self.where, self.cause, self.endpoint = where, error, endpoint
+        self.reason = _describe(error, URL.match(where).group(2).split("/", 1)[0], endpoint)
         super().__init__(f"{where}: {self.reason}")
 
     def __reduce__(self):
-        return ObjectStoreError, (self.where, self.cause)
+        return ObjectStoreError, (self.where, self.cause, self.endpoint)
 
 
 def _filesystem():
@@ -321,13 +333,59 @@ def _precondition_failed(error: BaseException) -> bool:
     return code in PRECONDITION_CODES or status in ("412", "409")
 
 
-def _describe(error: BaseException) -> str:
+class NotS3Answer(Exception):
+    """An answer that no S3 store gives."""
+
+
+def _not_s3(error: BaseException) -> str:
+    """How the endpoint answered, when it did not answer as S3 does ("" when it did or did not answer):
+    S3 states every error of a GET, PUT or LIST in an XML body with a code of its own (NoSuchKey,
+    AccessDenied, ...); without one botocore gives an empty code or the bare HTTP status. A HEAD's
+    answer has no body, from S3 too."""
+    if isinstance(error, NotS3Answer):
+        return str(error)
+    cause = error.__cause__ or error
+    response = getattr(cause, "response", None) or {}
+    code = str(response.get("Error", {}).get("Code", ""))
+    operation = getattr(cause, "operation_name", "")
+    if not response or (code and not code.isdigit()) or operation.startswith("Head"):
+        return ""
+    return f"HTTP {response.get('ResponseMetadata', {}).get('HTTPStatusCode', code)} to {operation}"
+
+
+def bucket_name_problem(bucket: str) -> str:
+    """Which of S3's naming rules `bucket` breaks ("" when none): 3 to 63 lowercase letters, digits,
+    dots and hyphens, beginning and ending with a letter or digit, no two dots in a row, not an IP
+    address."""
+    others = sorted(set(re.sub(r"[a-z0-9.-]", "", bucket)))
+    if others:
+        return (f"it contains {', '.join(map(repr, others))}: a bucket name has lowercase letters, digits, dots and"
+                " hyphens")
+    if not 3 <= len(bucket) <= 63:
+        return f"it has {len(bucket)} characters: a bucket name has 3 to 63"
+    if not (bucket[0].isalnum() and bucket[-1].isalnum()):
+        return "it must begin and end with a letter or digit"
+    if ".." in bucket:
+        return "it has two dots in a row"
+    if re.fullmatch(r"\d+\.\d+\.\d+\.\d+", bucket):
+        return "it is an IP address"
+    return ""
+
+
+def _describe(error: BaseException, bucket: str, endpoint: str) -> str:
     """What went wrong and what to do, in one line."""
     cause = error.__cause__ or error
     name = type(cause).__name__
-    text = str(cause).splitlines()[0] if str(cause) else name
+    lines = str(cause).splitlines()
+    text = (lines[-1] if name == "ParamValidationError" else lines[0]) if lines else name
     if name in ("EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError", "ConnectionRefusedError"):
         return f"cannot reach the object store ({text}): check AWS_ENDPOINT_URL or storage_options.endpoint_url"
+    if "Invalid bucket name" in text or "InvalidBucketName" in text:
+        return f"invalid bucket name {bucket!r}: {bucket_name_problem(bucket) or text}"
+    answer = _not_s3(error)
+    if answer:
+        return (f"{endpoint} did not answer as S3 ({answer}): is it an S3 server? check AWS_ENDPOINT_URL or"
+                " storage_options.endpoint_url")
     if name in ("NoCredentialsError", "PartialCredentialsError"):
         return "no credentials: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY (or a profile), or storage_options"
     if isinstance(cause, PermissionError) or "AccessDenied" in text or "Forbidden" in text:

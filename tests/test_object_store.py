@@ -10,8 +10,10 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 import uuid
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ from builders import finished, marker_lines
 
 from cache.gc import collect
 from cache.object_store import ObjectArtifactStore, ObjectSettings
-from cache.objects import ObjectRoot
+from cache.objects import OPTIONS_ENV, ObjectRoot
 from cache.samples import DamagedRecord
 from cache.store import Built, StageKey
 from flows.cli import main
@@ -228,22 +230,74 @@ def test_cache_ls_verify_rm_and_gc_work_on_an_object_storage_root(root, tmp_path
     assert not store.lookup("encode", kept.key).hit  # the shard is gone, so is the artifact that needs it
 
 
-def test_an_unreachable_store_or_an_unsupported_url_is_one_line(tmp_path, capsys):
+def _status_of(tmp_path: Path, capsys, monkeypatch, cache_dir: str, endpoint: str) -> str:
+    """What `lorapipe status` prints on stderr for a config whose cache_dir is `cache_dir` at `endpoint`."""
     import yaml
 
+    monkeypatch.setenv(OPTIONS_ENV, "{}")  # the config's storage_options go there: undone after the test
     config = tmp_path / "c.yaml"
     config.write_text(yaml.safe_dump({
-        "cache_dir": "s3://bucket/prefix",
-        "storage_options": {"endpoint_url": "http://127.0.0.1:9", "key": "k", "secret": "s"},
+        "cache_dir": cache_dir, "storage_options": {"endpoint_url": endpoint, "key": "k", "secret": "s"},
         "object_store": {"local_dir": str(tmp_path / "local")}, "output_dir": "out", "model": {"path": "m"},
         "data": {"path": "d"}, "train": {}, "evaluate": {"prompts": ["x"]}}))
     assert main(["status", str(config)]) == 1
-    err = capsys.readouterr().err
+    return capsys.readouterr().err
+
+
+def test_an_unreachable_store_or_an_unsupported_url_is_one_line(tmp_path, capsys, monkeypatch):
+    err = _status_of(tmp_path, capsys, monkeypatch, "s3://bucket/prefix", "http://127.0.0.1:9")
     assert err.startswith("lorapipe: error: cache_dir s3://bucket/prefix cannot be used: cannot reach the object")
     assert err.count("\n") == 1
     assert main(["cache", "ls", "--cache-dir", "gs://bucket/prefix"]) == 1
     err = capsys.readouterr().err
     assert "gs://bucket/prefix: only s3:// URLs" in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize(("bucket", "rule"), [
+    ("my bucket", "it contains ' ': a bucket name has lowercase letters, digits, dots and hyphens"),  # botocore's check
+    ("Team_Bucket", "it contains 'B', 'T', '_': a bucket name has lowercase"),  # the server's
+])
+def test_an_invalid_bucket_name_is_one_line_naming_it_and_the_rule(s3_server, tmp_path, capsys, monkeypatch, bucket,
+                                                                   rule):
+    err = _status_of(tmp_path, capsys, monkeypatch, f"s3://{bucket}/prefix", s3_server.env["AWS_ENDPOINT_URL"])
+    assert err.startswith(f"lorapipe: error: cache_dir s3://{bucket}/prefix cannot be used: invalid bucket name"
+                          f" '{bucket}': {rule}"), err
+    assert err.count("\n") == 1
+
+
+class NotS3(BaseHTTPRequestHandler):
+    """A web server that is not S3: every request gets `answer` (status, content type, body)."""
+
+    answer = (404, "text/plain", "404 page not found")
+
+    def _answer(self) -> None:
+        status, content_type, body = self.answer
+        self.send_response(status)
+        self.send_header("Content-Type", content_type)
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body.encode())
+
+    do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _answer
+
+    def log_message(self, *args) -> None:
+        pass
+
+
+@pytest.mark.parametrize("answer", [(404, "text/plain", "404 page not found"), (404, "text/html", "<p>Not here</p>"),
+                                    (200, "text/html", "<p>Welcome</p>")], ids=["404-text", "404-html", "200-html"])
+def test_an_endpoint_that_is_not_s3_is_said_so_naming_it(tmp_path, capsys, monkeypatch, answer):
+    server = ThreadingHTTPServer(("127.0.0.1", 0), type("Answer", (NotS3,), {"answer": answer}))
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    endpoint = f"http://127.0.0.1:{server.server_address[1]}"
+    try:
+        err = _status_of(tmp_path, capsys, monkeypatch, "s3://bucket/prefix", endpoint)
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert err.startswith(f"lorapipe: error: cache_dir s3://bucket/prefix cannot be used: {endpoint} did not answer"
+                          f" as S3 (HTTP {answer[0]} "), err
+    assert "no such bucket" not in err and err.count("\n") == 1
 
 
 def test_a_deployment_parameter_keeps_an_s3_cache_root_and_never_its_secrets():
