@@ -10,10 +10,12 @@ Expiry needs no agreement between clocks: a waiter times the lease with its own 
 from the moment it first sees a version (an ETag) of it; a version unchanged for its duration plus
 a margin belongs to a holder that stopped renewing (killed, or its host gone), and is taken over.
 A holder whose renewal finds the lease changed has lost it (it stalled past its duration and was
-taken over): `lost` tells the work it guards to stop writing shared state. A renewal thread may
-notice that late (a stalled process resumes its work before the thread runs), so a step only the
-holder may take (pushing its work directory, publishing) first calls `confirm`, which renews at
-once: after a confirmed renewal nobody can take the lease over for 1.25 durations.
+taken over), as has one that could not reach the store to renew it for a whole duration (a waiter
+may have taken it over meanwhile): `lost` tells the work it guards to stop writing shared state,
+and `lost_because` says which of the two happened. A renewal thread may notice that late (a
+stalled process resumes its work before the thread runs), so a step only the holder may take
+(pushing its work directory, publishing) first calls `confirm`, which renews at once: after a
+confirmed renewal nobody can take the lease over for 1.25 durations.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ import uuid
 from contextlib import contextmanager
 from typing import Callable, Iterator
 
+from .errors import one_line
 from .objects import ObjectRoot
 
 MARGIN = 1.25  # a version must stay unchanged this many durations before it is taken over
@@ -39,6 +42,7 @@ class Lease:
         self.renewals = 0
         self.taken_over: dict | None = None  # the expired holder's lease, when this one was taken over
         self.lost = threading.Event()
+        self.lost_because = ""  # set with `lost`: what happened, for the run's log
         self._stop = threading.Event()
         self._renewing = threading.Lock()  # one renewal at a time: the thread's or `confirm`'s
         self._thread: threading.Thread | None = None
@@ -93,10 +97,17 @@ class Lease:
                 if not self.confirm():
                     return
                 last_success = time.monotonic()
-            except Exception:  # an unreachable store: keep trying until the lease would have expired
+            except Exception as error:  # an unreachable store: keep trying until the lease would have expired
                 if time.monotonic() - last_success > self.seconds:
-                    self.lost.set()
+                    reason = getattr(error, "reason", "") or one_line(str(error)) or type(error).__name__
+                    self._lose(f"the object store could not be reached for {self.seconds:g} s while renewing this"
+                               f" run's lease ({reason}), so another run may have taken it over (if the store stays"
+                               " unreachable, this run ends and a rerun resumes from its work directory)")
                     return
+
+    def _lose(self, because: str) -> None:
+        self.lost_because = because
+        self.lost.set()
 
     def confirm(self) -> bool:
         """Renew the lease now; whether this run still holds it (False once another run took it over)."""
@@ -108,7 +119,7 @@ class Lease:
             if etag is None:
                 etag = self._own_etag()  # our renewal may have landed without its answer reaching us
             if etag is None:
-                self.lost.set()
+                self._lose("another run took over this run's lease (this one stalled)")
                 return False
             self.etag = etag
             return True

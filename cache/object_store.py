@@ -234,10 +234,11 @@ class ObjectArtifactStore(ArtifactStore):
         finally:
             work.finish()
         manifest = _manifest(stage_key, out_dir, built, producer, time.time() - started)
-        artifact = self._publish(stage_key, out_dir, manifest, held, log)
-        while artifact is None:  # it stalled past its lease and another run took over: publish only under it again
-            log(f"{stage}: another run took over this run's lease on {key[:12]} (this one stalled); waiting for"
-                " the lease to publish, unless that run has published meanwhile")
+        lease = held
+        artifact = self._publish(stage_key, out_dir, manifest, lease, log)
+        while artifact is None:  # it lost its lease (see Lease): publish only under the lease again
+            log(f"{stage}: {lease.lost_because}; waiting to take the lease on {key[:12]} again to publish, unless"
+                " another run has published meanwhile")
             with self.lock(stage, stage_key.work_key) as lease:
                 found = self.lookup(stage, key)
                 artifact = found.artifact if found.hit else self._publish(stage_key, out_dir, manifest, lease, log)

@@ -4,9 +4,11 @@ along with its work directory, the shard cache, and `lorapipe cache ls|verify|rm
 run as real processes; no diffusion involved."""
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -298,6 +300,79 @@ def test_an_endpoint_that_is_not_s3_is_said_so_naming_it(tmp_path, capsys, monke
     assert err.startswith(f"lorapipe: error: cache_dir s3://bucket/prefix cannot be used: {endpoint} did not answer"
                           f" as S3 (HTTP {answer[0]} "), err
     assert "no such bucket" not in err and err.count("\n") == 1
+
+
+class CuttableProxy:
+    """A TCP forwarder to the S3 server that can be cut (its connections closed, new ones refused)
+    and restored on the same port: the store going away and coming back."""
+
+    def __init__(self, upstream: str):
+        host, port = upstream.removeprefix("http://").split(":")
+        self.upstream, self.port = (host, int(port)), 0
+        self._open: set[socket.socket] = set()
+        self._listening = threading.Event()
+        self.restore()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def restore(self) -> None:
+        listener = socket.create_server(("127.0.0.1", self.port))
+        self.port = listener.getsockname()[1]
+        listener.settimeout(0.05)
+        self._listening.set()
+        threading.Thread(target=self._accept, args=(listener,), daemon=True).start()
+
+    def cut(self) -> None:
+        self._listening.clear()
+        for sock in list(self._open):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+    def _accept(self, listener: socket.socket) -> None:
+        with listener:
+            while self._listening.is_set():
+                try:
+                    client = listener.accept()[0]
+                except TimeoutError:
+                    continue
+                server = socket.create_connection(self.upstream)
+                self._open |= {client, server}
+                for source, sink in ((client, server), (server, client)):
+                    threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
+
+    def _pipe(self, source: socket.socket, sink: socket.socket) -> None:
+        with contextlib.suppress(OSError):
+            while data := source.recv(65536):
+                sink.sendall(data)
+        for sock in (source, sink):
+            self._open.discard(sock)
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+def test_a_store_unreachable_while_renewing_the_lease_is_said_so_and_the_run_publishes(s3_server, tmp_path,
+                                                                                         monkeypatch):
+    proxy = CuttableProxy(s3_server.env["AWS_ENDPOINT_URL"])
+    monkeypatch.setenv(OPTIONS_ENV, json.dumps({"endpoint_url": proxy.url,
+                                                "config_kwargs": {"retries": {"max_attempts": 2}}}))
+    store = _store(s3_server.url(f"store-{uuid.uuid4().hex[:8]}"), tmp_path / "host", lease=1.0)
+    renewing = f"lease locks/demo/{KEY.work_key}.lease"
+
+    def build(out: Path, work: Path) -> None:
+        proxy.cut()  # the store goes away mid-build for longer than the lease
+        _wait(lambda: renewing not in {t.name for t in threading.enumerate()}, message="the lease was never given up")
+        proxy.restore()
+        (out / "x").write_text("built")
+
+    lines: list[str] = []
+    artifact, computed = store.build(KEY, build, {}, log=lines.append)
+    assert computed and (artifact.path / "x").read_text() == "built"
+    lost = [line for line in lines if "lease" in line]
+    assert len(lost) == 1 and "the object store could not be reached for 1 s while renewing" in lost[0], lines
+    assert "cannot reach the object store" in lost[0] and "another run took over" not in lost[0]
 
 
 def test_a_deployment_parameter_keeps_an_s3_cache_root_and_never_its_secrets():
