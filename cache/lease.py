@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from typing import Callable, Iterator
 
 from .errors import one_line
-from .objects import ObjectRoot
+from .objects import ObjectRoot, json_object
 
 MARGIN = 1.25  # a version must stay unchanged this many durations before it is taken over
 
@@ -64,7 +64,7 @@ class Lease:
                     return self._held(self.root.get_tagged(self.rel))
                 continue
             data, etag = found
-            state = _parse(data)
+            state = json_object(data)
             now = time.monotonic()
             if seen is None or seen[0] != etag:
                 seen = (etag, now)
@@ -82,7 +82,7 @@ class Lease:
             time.sleep(min(2.0, max(0.1, float(state.get("seconds", self.seconds)) / 10)))
 
     def _held(self, found: tuple[bytes, str] | None) -> bool:
-        if found is None or _parse(found[0]).get("owner") != self.owner:
+        if found is None or json_object(found[0]).get("owner") != self.owner:
             self.etag = None
             return self.acquire()  # someone released and retook it between the two requests
         self.etag = found[1]
@@ -126,7 +126,7 @@ class Lease:
 
     def _own_etag(self) -> str | None:
         found = self.root.get_tagged(self.rel)
-        state = _parse(found[0]) if found else {}
+        state = json_object(found[0]) if found else {}
         return found[1] if state.get("owner") == self.owner and not state.get("released") else None
 
     def release(self) -> None:
@@ -151,11 +151,3 @@ def lease_lock(root: ObjectRoot, rel: str, seconds: float, on_wait: Callable[[],
         yield lease
     finally:
         lease.release()
-
-
-def _parse(data: bytes) -> dict:
-    try:
-        value = json.loads(data)
-        return value if isinstance(value, dict) else {}
-    except ValueError:
-        return {}

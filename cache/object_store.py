@@ -16,6 +16,11 @@ seal catches one whose upload was cut short.
 This host's side of the cache (`local`): verified copies of the artifacts it read
 (`artifacts/<stage>/<key>/`), work directories, build folders, the shard cache and shard
 indexes (cache/object_samples.py), the stat cache and converted models. Any of it can be deleted.
+It is bound to the store's identity, `store-id.json` under the prefix (written once with
+If-None-Match by the first run, so every host reads the same; a prefix emptied or a bucket
+recreated gets a new one), and by default named after the endpoint and the URL: a local side
+that held another store's state (by its MARKER) has it set aside, never mixed in, nor taken for
+damage (a work directory whose files the store no longer has).
 
 Object storage has no appends, so each fact of the bookkeeping is its own object:
 `refs/<pipeline>/<stage>.json` (last writer wins, as with the local file),
@@ -40,33 +45,36 @@ from .fsutil import probe_writable, remove_tree, user_cache_dir
 from .lease import Lease, lease_lock
 from .lock import key_lock
 from .object_samples import ObjectSampleStore, ShardCache
-from .objects import ObjectRoot, ObjectStoreError, is_url, local_path
+from .objects import ObjectRoot, ObjectStoreError, is_url, json_object, local_path
 from .samples import SampleStore
 from .store import MANIFEST, RESERVED, Artifact, ArtifactStore, Built, Lookup, StageKey, WorkDir, _manifest
 from .worksync import WorkSync
 
-MARKER = "object-root.json"  # in the local side: which object root it belongs to (no credentials)
+MARKER = "object-root.json"  # in the local side: which object root (and store id) it belongs to (no credentials)
+STORE_ID = "store-id.json"  # under the prefix: the store's identity
+SET_ASIDE = "set-aside"  # in the local side: the state it held for other stores
+BINDING_LOCK = ".binding.lock"
 
 
 @dataclass(frozen=True)
 class ObjectSettings:
-    local_dir: Path  # this host's side of the cache
-    shard_cache_bytes: int
-    lease_seconds: float
+    local_dir: Path | None = None  # this host's side of the cache; None: default_local_dir
+    shard_cache_bytes: int = 20 << 30
+    lease_seconds: float = 60.0
 
 
-def default_local_dir(url: str) -> Path:
-    """~/.cache/lorapipe/<bucket>-<digest of the URL> (XDG_CACHE_HOME is honoured)."""
-    bucket = url.split("://", 1)[1].split("/", 1)[0]
-    return user_cache_dir() / f"{bucket}-{digest_bytes(url.rstrip('/').encode())[:12]}"
+def default_local_dir(objects: ObjectRoot) -> Path:
+    """~/.cache/lorapipe/<bucket>-<digest of the endpoint and the URL> (XDG_CACHE_HOME is honoured)."""
+    return user_cache_dir() / f"{objects.bucket}-{digest_bytes(f'{objects.endpoint} {objects.url}'.encode())[:12]}"
 
 
-def open_store(cache_dir: str | Path, settings: ObjectSettings | None = None) -> ArtifactStore:
-    """The artifact store at `cache_dir`: a local folder (or file:// URL), or an object-storage URL."""
+def open_store(cache_dir: str | Path, settings: ObjectSettings | None = None,
+               log: Callable[[str], None] = print) -> ArtifactStore:
+    """The artifact store at `cache_dir`: a local folder (or file:// URL), or an object-storage URL
+    (`log` takes its notes about this host's side)."""
     if not is_url(cache_dir):
         return ArtifactStore(local_path(cache_dir))
-    return ObjectArtifactStore(str(cache_dir), settings or ObjectSettings(default_local_dir(str(cache_dir)),
-                                                                          20 << 30, 60.0))
+    return ObjectArtifactStore(str(cache_dir), settings or ObjectSettings(), log)
 
 
 def open_sample_store(root: Path | str) -> SampleStore:
@@ -81,10 +89,10 @@ def open_sample_store(root: Path | str) -> SampleStore:
 
 
 class ObjectArtifactStore(ArtifactStore):
-    def __init__(self, url: str, settings: ObjectSettings):
+    def __init__(self, url: str, settings: ObjectSettings, log: Callable[[str], None] = print):
         self.objects = ObjectRoot(url)
-        self.settings = settings
-        self.root = Path(settings.local_dir).expanduser().resolve()
+        self.settings, self.log = settings, log
+        self.root = Path(settings.local_dir or default_local_dir(self.objects)).expanduser().resolve()
         self._marked = False
 
     @property
@@ -123,17 +131,49 @@ class ObjectArtifactStore(ArtifactStore):
         self._mark()
 
     def _mark(self) -> None:
-        """Write MARKER, so stages given the local side find the object root and the shard cache."""
+        """Bind the local side to this store, setting aside what it held for another, and write MARKER,
+        so stages given the local side find the object root and the shard cache."""
         if self._marked:
             return
         self.root.mkdir(parents=True, exist_ok=True)
-        spec = json.dumps({"url": self.objects.url, "shard_cache_bytes": self.settings.shard_cache_bytes})
+        store_id = self._store_id()
+        spec = json.dumps({"url": self.objects.url, "store": store_id,
+                           "shard_cache_bytes": self.settings.shard_cache_bytes})
         marker = self.root / MARKER
-        if not marker.is_file() or marker.read_text() != spec:
-            tmp = marker.with_name(f".{MARKER}.{os.getpid()}")
-            tmp.write_text(spec)
-            os.replace(tmp, marker)
+        with key_lock(self.root / BINDING_LOCK):  # two runs binding it at once: the second finds it bound
+            held = json_object(marker.read_bytes()) if marker.is_file() else None
+            if held is not None and held.get("store") != store_id:
+                self._set_aside(held, store_id)
+            if not marker.is_file() or marker.read_text() != spec:
+                tmp = marker.with_name(f".{MARKER}.{os.getpid()}")
+                tmp.write_text(spec)
+                os.replace(tmp, marker)
         self._marked = True
+
+    def _store_id(self) -> str:
+        """The store's identity: created by the first run that binds a local side to it; of two at once,
+        one writes it (If-None-Match) and both read that one."""
+        data = self.objects.get(STORE_ID)
+        if data is None:
+            self.objects.put_new(STORE_ID, json.dumps({"id": uuid.uuid4().hex, "created": time.time()}).encode())
+            data = self.objects.get(STORE_ID)
+        found = json_object(data)
+        if not isinstance(found.get("id"), str):
+            raise CacheRootError(f"{self.objects.url_of(STORE_ID)} is not the store's identity as lorapipe writes it:"
+                                 " remove it (the next run writes a new one)")
+        return found["id"]
+
+    def _set_aside(self, held: dict, store_id: str) -> None:
+        """Move what the local side holds for the store `held` (its MARKER) into SET_ASIDE, unused."""
+        old = held.get("store") or "unknown"
+        parked = self.root / SET_ASIDE / f"{old}-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
+        parked.mkdir(parents=True)
+        for entry in sorted(self.root.iterdir()):
+            if entry.name not in (MARKER, SET_ASIDE, BINDING_LOCK):
+                os.replace(entry, parked / entry.name)
+        self.log(f"{self.root} holds what this host kept for store {old} ({held.get('url')}), but {self.location} is"
+                 f" store {store_id} (its prefix was emptied or its bucket recreated, or it is another endpoint's, or"
+                 f" local_dir serves two stores): set aside in {parked}, never used again; delete it when done")
 
     # ---- reading
     def lookup(self, stage: str, key: str) -> Lookup:

@@ -276,6 +276,15 @@ class ObjectFile:
         return io.BytesIO(self.read_bytes())
 
 
+def json_object(data: bytes | None) -> dict:
+    """The JSON object in `data`; {} for none, unreadable JSON or another JSON value."""
+    try:
+        found = json.loads(data or b"")
+    except ValueError:
+        return {}
+    return found if isinstance(found, dict) else {}
+
+
 def list_files(url: str) -> dict[str, ObjectFile]:
     """Every object under the "folder" `url`, by path relative to it."""
     root = ObjectRoot(url)

@@ -21,6 +21,11 @@ def _print_json(value) -> None:
     print(json.dumps(value, indent=1, default=str))
 
 
+def note(line: str) -> None:
+    """A line for the user beside the command's output (stdout stays the summary or the JSON)."""
+    print(f"lorapipe: {line}", file=sys.stderr, flush=True)
+
+
 def preflight(config: PipelineConfig, stage_names: list[str], start: str | None) -> None:
     """What can be checked before Prefect starts, so that it fails at once in one line: the stage
     names, that output_dir and the cache can be written, that the model is whole and supported."""
@@ -34,7 +39,7 @@ def preflight(config: PipelineConfig, stage_names: list[str], start: str | None)
         probe_writable(config.output_dir)
     except OSError as error:
         raise UserError(unusable_folder("output_dir", config.output_dir, error)) from error
-    ctx = Context(config, log=lambda line: None)
+    ctx = Context(config, log=note)  # its store's note about this host's side, if any
     try:
         ctx.model_digests  # noqa: B018 (reads the model index, checks every weights file, hashes new ones)
         ctx.declared_family  # noqa: B018
@@ -161,7 +166,7 @@ def status(config_path: Path, overrides: list[str], as_json: bool) -> int:
     from .plan import STAGES, Context
     from .runner import explain
 
-    ctx = Context(config)
+    ctx = Context(config, log=note)
     try:
         rows = explain(ctx, STAGES)
     finally:
@@ -185,11 +190,11 @@ def _open_cache(args):
     if args.config:
         config = load_config(args.config)
         use_storage_options(config.storage_options)
-        return open_store(config.cache_dir, object_settings(config))
+        return open_store(config.cache_dir, object_settings(config), note)
     root = args.cache_dir or "demo-run/cache"
     if not is_url(root) and not Path(root).is_dir():
         raise UserError(f"cache folder {root} does not exist (pass --cache-dir or --config)")
-    return open_store(root)
+    return open_store(root, log=note)
 
 
 def _when(timestamp: float | None) -> str:

@@ -82,7 +82,8 @@ class ObjectStoreConfig(Frozen):
     """How this host works with an object-storage cache_dir (s3://...); unused for a local folder."""
 
     local_dir: Path | None = Field(None, description="this host's side of the cache: the shard cache, copies of"
-                                   " artifacts it read, work directories; default ~/.cache/lorapipe/<bucket>-<id>")
+                                   " artifacts it read, work directories; default ~/.cache/lorapipe/<bucket>-<id>,"
+                                   " the id a digest of the endpoint and the URL")
     shard_cache_gb: float = Field(20, gt=0, description="the most disk the shard cache may take (least recently"
                                   " used shards go first)")
     lease_seconds: float = Field(60, gt=0, description="a run that stops renewing its lease of a key (killed, its"

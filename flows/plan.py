@@ -15,7 +15,7 @@ from typing import Callable
 
 from cache.digest import StatCache, path_identity
 from cache.errors import UserError
-from cache.object_store import ObjectSettings, default_local_dir, open_store
+from cache.object_store import ObjectSettings, open_store
 from cache.objects import is_url, use_storage_options
 from cache.store import Artifact, Built, StageKey
 from stages import encode, evaluate, families, preprocess, train
@@ -41,7 +41,7 @@ class Context:
     def __init__(self, config: PipelineConfig, log: Log = print):
         self.config, self.log = config, log
         use_storage_options(config.storage_options)  # for this process and the stages' child processes
-        self.store = open_store(config.cache_dir, object_settings(config))
+        self.store = open_store(config.cache_dir, object_settings(config), log)
         self.store.ensure_usable()
         self.stat_cache = StatCache(self.store.root / "stat-cache.sqlite")  # on this host, for an object store
 
@@ -99,8 +99,7 @@ def object_settings(config: PipelineConfig) -> ObjectSettings | None:
     if not is_url(config.cache_dir):
         return None
     o = config.object_store
-    return ObjectSettings(o.local_dir or default_local_dir(config.cache_dir), int(o.shard_cache_gb * (1 << 30)),
-                          o.lease_seconds)
+    return ObjectSettings(o.local_dir, int(o.shard_cache_gb * (1 << 30)), o.lease_seconds)
 
 
 def code_digest(stage: str) -> str:

@@ -15,6 +15,7 @@ import textwrap
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import pytest
 from builders import finished, marker_lines
 
 from cache.gc import collect
-from cache.object_store import ObjectArtifactStore, ObjectSettings
+from cache.object_store import MARKER, STORE_ID, ObjectArtifactStore, ObjectSettings, default_local_dir
 from cache.objects import OPTIONS_ENV, ObjectRoot
 from cache.samples import DamagedRecord
 from cache.store import Built, StageKey
@@ -62,8 +63,8 @@ def root(s3_server, tmp_path) -> str:
     return s3_server.url(f"store-{uuid.uuid4().hex[:8]}")
 
 
-def _store(root: str, local: Path, lease: float = LEASE, shard_cache: int = 1 << 30) -> ObjectArtifactStore:
-    return ObjectArtifactStore(root, ObjectSettings(local, shard_cache, lease))
+def _store(root: str, local: Path, lease: float = LEASE, shard_cache: int = 1 << 30, log=print) -> ObjectArtifactStore:
+    return ObjectArtifactStore(root, ObjectSettings(local, shard_cache, lease), log)
 
 
 def _builder(root: str, tmp_path: Path, name: str, sleep: float = 0, big: bool = False) -> subprocess.Popen:
@@ -140,6 +141,62 @@ def test_a_stalled_holder_does_not_publish_over_the_run_that_took_its_lease(root
     store = _store(root, tmp_path / "host-check")
     artifact = store.lookup("demo", KEY.key).artifact
     assert (artifact.path / "x").read_text() == "taker" and store.verify(artifact) == []
+
+
+def test_local_state_of_an_emptied_prefix_is_set_aside_never_taken_for_damage(root, tmp_path):
+    local = tmp_path / "host"
+
+    def checkpoint(out: Path, work: Path) -> None:
+        (work / "checkpoints" / "step-000002").mkdir(parents=True)
+        (work / "checkpoints" / "step-000002" / "weights").write_text("old store's")
+        (out / "x").write_text("old")
+
+    _store(root, local).build(KEY, checkpoint, {})
+    ObjectRoot(root).delete_prefix("")  # the user empties the prefix (or recreates the bucket)
+
+    found, lines = [], []
+
+    def look(out: Path, work: Path) -> None:
+        found.extend(p.relative_to(work).as_posix() for p in work.rglob("*") if not p.name.startswith("."))
+        (out / "x").write_text("new")
+
+    artifact, computed = _store(root, local, log=lines.append).build(KEY, look, {}, log=lines.append)
+    assert computed and found == []  # not even the folders of a checkpoint whose files the store lost
+    (aside,) = (local / "set-aside").iterdir()
+    assert len(lines) == 1 and f"set aside in {aside}" in lines[0] and root in lines[0]
+    kept = aside / "work" / "demo" / KEY.work_key / "checkpoints" / "step-000002" / "weights"
+    assert kept.read_text() == "old store's"  # moved aside, not deleted
+
+
+def test_hosts_share_a_store_s_identity_and_a_local_side_serves_one_store_at_a_time(s3_server, tmp_path):
+    first, second = (s3_server.url(f"store-{uuid.uuid4().hex[:8]}") for _ in range(2))
+
+    def bound(url: str, local: Path, log=lambda line: None) -> str:
+        """The identity of the store that `local` is bound to, once a run on `url` started there."""
+        _store(url, local, log=log).ensure_usable()
+        return json.loads((local / MARKER).read_text())["store"]
+
+    with ThreadPoolExecutor(2) as pool:  # two hosts' first runs on a new store, at once
+        ids = set(pool.map(lambda host: bound(first, tmp_path / host), ("a", "b")))
+    assert len(ids) == 1 and bound(first, tmp_path / "c") in ids  # and a host that comes later
+    assert json.loads(ObjectRoot(first).get(STORE_ID))["id"] in ids
+
+    shared = tmp_path / "shared"  # object_store.local_dir set to one folder for two stores
+    bound(first, shared)
+    (shared / "artifacts" / "of-first").mkdir(parents=True)
+    lines: list[str] = []
+    assert bound(second, shared, lines.append) not in ids
+    assert not (shared / "artifacts" / "of-first").exists()
+    (aside,) = (shared / "set-aside").iterdir()
+    assert (aside / "artifacts" / "of-first").is_dir() and len(lines) == 1 and f"set aside in {aside}" in lines[0]
+
+
+def test_the_default_local_side_is_named_after_the_endpoint_too(monkeypatch):
+    sides = set()
+    for endpoint in ("http://127.0.0.1:9000", "http://127.0.0.1:9001"):  # the same bucket name on two stores
+        monkeypatch.setenv(OPTIONS_ENV, json.dumps({"endpoint_url": endpoint}))
+        sides.add(default_local_dir(ObjectRoot("s3://bucket/prefix")))
+    assert len(sides) == 2 and all(side.name.startswith("bucket-") for side in sides)
 
 
 def _write_shards(store: ObjectArtifactStore, count: int) -> dict[str, str]:
