@@ -48,7 +48,7 @@ class WorkSync:
             (self.local / rel).parent.mkdir(parents=True, exist_ok=True)
         self.root.download_many([(self.prefix + rel, self.local / rel) for rel in fetch])
         for rel in set(self.state) - set(remote):
-            (self.local / rel).unlink(missing_ok=True)
+            self._remove_local(rel)
         local = _files(self.local)
         self.state = {rel: [*local[rel], entry.etag] for rel, entry in remote.items() if rel in local}
         self._save_state()
@@ -96,6 +96,15 @@ class WorkSync:
         self.finish(push=False)
         self.root.delete_prefix(self.prefix)
         shutil.rmtree(self.local, ignore_errors=True)
+
+    def _remove_local(self, rel: str) -> None:
+        """Remove a file the root no longer has, and the folders it leaves empty: a rotated
+        checkpoint's empty folder would read as a damaged checkpoint."""
+        (self.local / rel).unlink(missing_ok=True)
+        folder = (self.local / rel).parent
+        while folder != self.local and folder.is_dir() and not any(folder.iterdir()):
+            folder.rmdir()
+            folder = folder.parent
 
     def _push_until_stopped(self, every: float) -> None:
         while not self._stop.wait(every):

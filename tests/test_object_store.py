@@ -451,3 +451,17 @@ def test_a_deployment_parameter_keeps_an_s3_cache_root_and_never_its_secrets():
     received = pipeline.validate_parameters(stored)["config"]  # what a worker's flow run gets
     assert received.cache_dir == "s3://team-bucket/lorapipe"
     assert received.storage_options == {"endpoint_url": "http://minio:9000", "client_kwargs": {"region_name": "eu-west-1"}}
+
+
+def test_a_checkpoint_rotated_away_by_another_host_leaves_no_empty_folder_here(root, tmp_path):
+    from cache.worksync import WorkSync
+
+    here = WorkSync(ObjectRoot(root), "work/demo/k", tmp_path / "here")
+    (tmp_path / "here" / "checkpoints" / "step-2").mkdir(parents=True)
+    (tmp_path / "here" / "checkpoints" / "step-2" / "lora.safetensors").write_bytes(b"x")
+    (tmp_path / "here" / "checkpoints" / "step-4").mkdir()
+    (tmp_path / "here" / "checkpoints" / "step-4" / "lora.safetensors").write_bytes(b"y")
+    here.push()
+    ObjectRoot(root).delete(["work/demo/k/checkpoints/step-2/lora.safetensors"])  # another host rotated it
+    assert here.pull() == 0
+    assert sorted(p.name for p in (tmp_path / "here" / "checkpoints").iterdir()) == ["step-4"]
