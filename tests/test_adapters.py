@@ -9,13 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import merged, respelled_as_kohya, weight
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import stages.families as families
 from stages.families.lycoris import adapted_modules
-from stages.families.original_names import OriginalNames
 from stages.train.adapter import AdapterParams, peft_config, plain_lora_alpha, plain_lora_swapped_in
 from stages.train.lora_files import ADAPTER, peft_state_dict, write_diffusers_lora
 
@@ -51,56 +51,6 @@ def exported_comfyui_file(family, denoiser, out_dir: Path) -> Path:
     return written[1]
 
 
-def in_original_layout(denoiser, segments) -> torch.Tensor:
-    """An original module's weight, assembled from the diffusers modules' rows it is made of."""
-    parts = [(s, weight(denoiser, s.module)) for s in segments]
-    rows = sum(int((s.part_end - s.part_start) * w.shape[0]) for s, w in parts)
-    out = torch.empty(rows, *parts[0][1].shape[1:])
-    for s, w in parts:
-        n = w.shape[0]
-        out[int(s.start * rows):int(s.end * rows)] = w[int(s.part_start * n):int(s.part_end * n)]
-    return out
-
-
-def comfyui_weight(base: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The weight a LyCORIS/ComfyUI loader makes of `base` and one module's tensors `t` (keys without
-    the module prefix), written from the formats' documented rules, not from our exporter."""
-    alpha = t["alpha"].item()
-    if "lora_A.weight" in t:
-        down, up = t["lora_A.weight"], t["lora_B.weight"]
-        diff = (up.flatten(1) @ down.flatten(1)) * alpha / down.shape[0]
-    elif "hada_w1_a" in t:
-        diff = (t["hada_w1_a"] @ t["hada_w1_b"]) * (t["hada_w2_a"] @ t["hada_w2_b"]) * alpha / t["hada_w1_b"].shape[0]
-    else:
-        dims = [t[f"lokr_{w}_b"].shape[0] for w in ("w1", "w2") if f"lokr_{w}_b" in t]
-        w1, w2 = (t[f"lokr_{w}"] if f"lokr_{w}" in t else t[f"lokr_{w}_a"] @ t[f"lokr_{w}_b"] for w in ("w1", "w2"))
-        diff = torch.kron(w1, w2) * (alpha / dims[-1] if dims else 1.0)
-    new = base + diff.reshape(base.shape)
-    if "dora_scale" in t:  # LyCORIS's output-axis DoRA: scale each row to dora_scale
-        norm = new.reshape(new.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (new.dim() - 1))
-        new = t["dora_scale"] * new / norm
-    return new
-
-
-def assert_file_means_the_merged_model(file: Path, denoiser, names: OriginalNames, slice_prefix: str = "") -> None:
-    """Every module in the file, recomputed from its tensors on the base weights, equals peft's merged
-    weights, and every adapted module is in the file: under its original name, or (a LoKr on a fused
-    module) under `slice_prefix` + its diffusers name, which ComfyUI applies to its rows of the fused
-    weight."""
-    after, covered = merged(denoiser), set()
-    for target, t in per_module(load_file(file)).items():
-        if slice_prefix and target.startswith(slice_prefix):
-            module = target.removeprefix(slice_prefix)
-            base, expected, modules = weight(denoiser, module), weight(after, module), {module}
-        else:
-            segments = names[target]
-            base, expected = in_original_layout(denoiser, segments), in_original_layout(after, segments)
-            modules = {s.module for s in segments}
-        assert torch.allclose(comfyui_weight(base, t), expected, atol=1e-5), target
-        covered |= modules
-    assert set(adapted_modules(denoiser)) <= covered
-
-
 def per_module(tensors: dict[str, torch.Tensor]) -> dict[str, dict[str, torch.Tensor]]:
     """original module -> its tensors, by the key after the module name."""
     out: dict[str, dict[str, torch.Tensor]] = {}
@@ -120,12 +70,14 @@ def _split(key: str) -> tuple[str, str]:
 
 
 def documented_keys(kind: str, t: dict[str, torch.Tensor]) -> set[str]:
-    """The LyCORIS key set ComfyUI reads for a module (comfy/weight_adapter/{lora,lokr,loha}.py)."""
+    """The LyCORIS key set ComfyUI reads for a module (comfy/weight_adapter/{lora,lokr,loha}.py), with
+    no `.alpha`: the scale is folded into the first factor, and ComfyUI applies a file without alpha
+    at scale 1."""
     if kind == "dora":
-        return {"lora_A.weight", "lora_B.weight", "alpha", "dora_scale"}
+        return {"lora_A.weight", "lora_B.weight", "dora_scale"}
     if kind == "loha":
-        return {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "alpha"}
-    return {f"lokr_{w}" if f"lokr_{w}" in t else f"lokr_{w}_{ab}" for w in ("w1", "w2") for ab in "ab"} | {"alpha"}
+        return {"hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b"}
+    return {f"lokr_{w}" if f"lokr_{w}" in t else f"lokr_{w}_{ab}" for w in ("w1", "w2") for ab in "ab"}
 
 
 # ---- the spec and peft's configs
@@ -243,7 +195,7 @@ def test_checkpoint_file_restores_every_adapter_type_exactly(kind, tiny_model, t
 def test_sd_comfyui_file_has_the_lycoris_keys_and_means_the_merged_model(kind, arch, rank, tiny_model, sdxl_model,
                                                                           tmp_path):
     """Every Linear of the UNet (SDXL: with its size embedding, label_emb) under its LDM name. A LoKr
-    of rank 8 keeps its factors whole (no `_a/_b`), where ComfyUI ignores alpha."""
+    of rank 8 keeps its factors whole (no `_a/_b`). ComfyUI reads every key and applies the trained model."""
     model = tiny_model if arch == "sd15" else sdxl_model
     family = families.for_model(model)
     unet = trained_adapter(family, model, AdapterParams(adapter=kind, rank=rank, alpha=3), "all_linear")
@@ -256,7 +208,7 @@ def test_sd_comfyui_file_has_the_lycoris_keys_and_means_the_merged_model(kind, a
         assert any("lokr_w2" in t for t in modules.values()) == (rank == 8)  # some factors whole
     for original, t in modules.items():
         assert set(t) == documented_keys(kind, t), original
-    assert_file_means_the_merged_model(file, unet, names)
+    assert_comfyui_applies_the_merged_model(file, unet, family)
 
 
 def test_sd_dora_comfyui_file_through_diffusers_drops_the_magnitude(tiny_model, tmp_path):
@@ -279,14 +231,13 @@ def test_flux_comfyui_file_fuses_qkv_and_means_the_merged_model(kind, flux_dev, 
     the MLP input, which has no adapter (its DoRA magnitude rows are its own row norms)."""
     family = families.for_model(flux_dev)
     transformer = trained_adapter(family, flux_dev, AdapterParams(adapter=kind, rank=2, alpha=3), "attention")
-    names = family.original_names(transformer)
     file = exported_comfyui_file(family, transformer, tmp_path)
     tensors = load_file(file)
     fused_rank = {"dora": "lora_A.weight", "loha": "hada_w1_b"}[kind]
     assert tensors[f"diffusion_model.double_blocks.0.img_attn.qkv.{fused_rank}"].shape[0] == 3 * 2
-    assert tensors["diffusion_model.double_blocks.0.img_attn.qkv.alpha"].item() == 3 * 2
-    assert "diffusion_model.single_blocks.0.linear1.alpha" in tensors
-    assert_file_means_the_merged_model(file, transformer, names)
+    assert f"diffusion_model.single_blocks.0.linear1.{fused_rank}" in tensors
+    assert not any(k.endswith(".alpha") for k in tensors)
+    assert_comfyui_applies_the_merged_model(file, transformer, family)
 
 
 def test_flux_lokr_on_fused_modules_is_written_under_comfyuis_slice_names(flux_dev, tmp_path):
@@ -306,7 +257,7 @@ def test_flux_lokr_on_fused_modules_is_written_under_comfyuis_slice_names(flux_d
     assert {"transformer.transformer_blocks.0.attn.to_q", "transformer.single_transformer_blocks.0.attn.to_v",
             "double_blocks.0.img_attn.proj", "double_blocks.0.txt_attn.proj"} <= targets
     assert not any(t.startswith(("double_blocks.0.img_attn.qkv", "single_blocks.0.linear1")) for t in targets)
-    assert_file_means_the_merged_model(file, transformer, names, "transformer.")
+    assert_comfyui_applies_the_merged_model(file, transformer, family)
 
 
 # ---- PiSSA / OLoRA

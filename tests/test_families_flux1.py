@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_checks import (assert_builds_byte_identically, assert_means_what_was_trained, fused_change,
-                           respelled_as_kohya, trained_lora)
+from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
+from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, fused_change, trained_lora
 from safetensors import safe_open
 
 import stages.families as families
@@ -220,6 +220,11 @@ def test_diffusers_export_loads_and_means_what_was_trained(flux_dev, tmp_path):
     with safe_open(written[0], "pt") as f:
         assert loaded.keys() == keys and all(torch.equal(loaded[k], f.get_tensor(k)) for k in keys)
     assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(flux_dev), "transformer", written[0]))
+    for file in written[1:]:
+        assert_comfyui_applies_the_merged_model(file, transformer, family)
+    # ComfyUI maps Flux.1's diffusers names (`transformer.*`) too, but reads no adapter config: it applies
+    # the diffusers file at scale 1, not alpha / rank
+    assert not comfyui_unread(written[0], transformer, family)
 
 
 def test_kohya_export_loads_through_diffusers_converter(flux_dev, tmp_path):
@@ -245,10 +250,10 @@ def test_kohya_export_loads_through_diffusers_converter(flux_dev, tmp_path):
 
 
 def test_comfyui_export_loads_through_diffusers_converter(flux_dev, tmp_path):
-    """BFL names under `diffusion_model.` with lora_A/lora_B and `.alpha` = rank (scale in lora_B).
-    diffusers' Flux loader reads BFL names only with kohya's lora_down/lora_up, so the file is loaded
-    respelled (the same names): every key maps and the fused change is the trained one. Double blocks
-    only, as for the kohya file (linear1's fixed widths)."""
+    """BFL names under `diffusion_model.` spelt `lora_down`/`lora_up` (the only spelling of such files
+    diffusers' Flux.1 loader converts; ComfyUI reads it too) with the scale in the up weight and no
+    `.alpha`: FluxPipeline.load_lora_weights reads the file as it is, every key maps and the fused
+    change is the trained one. Double blocks only, as for the kohya file (linear1's fixed widths)."""
     family = families.for_model(flux_dev)
     double = tuple(t for t in family.lora_target_modules(family.load_denoiser(flux_dev, torch.float32), "all_linear")
                    if t.startswith("transformer_blocks."))
@@ -256,10 +261,9 @@ def test_comfyui_export_loads_through_diffusers_converter(flux_dev, tmp_path):
     comfy = family.export_lora(transformer, tmp_path, {}, {})[2]
     with safe_open(comfy, "pt") as f:
         keys = set(f.keys())
-        alpha = f.get_tensor("diffusion_model.double_blocks.0.img_attn.qkv.alpha")
-    assert "diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight" in keys and alpha.item() == 12
-    kohya = respelled_as_kohya(comfy, tmp_path / "respelled.safetensors")
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(flux_dev), "transformer", kohya))
+        down = f.get_tensor("diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight")
+    assert down.shape[0] == 12 and not any(k.endswith(".alpha") for k in keys)
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(flux_dev), "transformer", comfy))
 
 
 def test_kohya_export_at_full_width_through_diffusers_converter(tmp_path):

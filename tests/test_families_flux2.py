@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
     trained_lora
 from safetensors import safe_open
@@ -169,19 +170,18 @@ def test_kohya_export_loads_through_diffusers_converter(base, exported):
     assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", written[1]))
 
 
-def test_comfyui_export_loads_through_diffusers_converter(base, exported):
-    """ComfyUI/ai-toolkit's spelling (`diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight`),
-    read by Flux2KleinPipeline's ai-toolkit converter. That converter reads no `.alpha` (and refuses
-    keys it leaves over), so the file carries the scale in lora_B and `.alpha` = rank, which makes
-    alpha / rank = 1 for ComfyUI: the alphas are checked to be the ranks and left out for diffusers."""
+def test_comfyui_export_loads_in_diffusers_and_comfyui(base, exported):
+    """ComfyUI/ai-toolkit's spelling (`diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight`) with
+    the scale in lora_B and no `.alpha`, which Flux2KleinPipeline's ai-toolkit converter refuses:
+    load_lora_weights reads the file as it is and the fused change is the trained one; ComfyUI reads
+    every key of it and of the kohya file and applies the trained model."""
     transformer, targets, written = exported
     tensors = load_file(written[2])
-    alphas = {k: v for k, v in tensors.items() if k.endswith(".alpha")}
-    for key, alpha in alphas.items():
-        assert alpha.item() == tensors[key.removesuffix(".alpha") + ".lora_A.weight"].shape[0], key
     assert "diffusion_model.single_blocks.0.linear1.lora_A.weight" in tensors
-    lora = {k: v for k, v in tensors.items() if k not in alphas}
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", lora))
+    assert not any(k.endswith(".alpha") for k in tensors)
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", written[2]))
+    for file in written[1:]:
+        assert_comfyui_applies_the_merged_model(file, transformer, families.for_model(base))
 
 
 def test_single_file_flux2_is_told_from_flux1(tmp_path):

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
     trained_lora
 from safetensors import safe_open
@@ -128,10 +129,16 @@ def test_diffusers_export_loads_and_means_what_was_trained(model, exported):
     assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[0]))
 
 
-def test_comfyui_export_loads_through_diffusers_converter(model, exported):
-    """`diffusion_model.<name>.lora_A/lora_B.weight` + `.alpha`, read by QwenImagePipeline's own
-    non-diffusers converter as it is (alpha included)."""
+def test_comfyui_export_loads_in_diffusers_and_comfyui(model, exported):
+    """`diffusion_model.<name>.lora_A/lora_B.weight`, the scale in lora_B and no `.alpha`: read by
+    QwenImagePipeline's own non-diffusers converter as it is, and by ComfyUI; both apply the trained
+    model. ComfyUI also reads every key of the diffusers file (its Qwen-Image key map takes
+    `transformer.<name>`), but with no adapter config, at scale 1 instead of alpha / rank."""
     transformer, targets, written = exported
     with safe_open(written[1], "pt") as f:
-        assert "diffusion_model.transformer_blocks.0.attn.to_q.alpha" in set(f.keys())
+        keys = set(f.keys())
+    assert "diffusion_model.transformer_blocks.0.attn.to_q.lora_A.weight" in keys
+    assert not any(k.endswith(".alpha") for k in keys)
     assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[1]))
+    assert_comfyui_applies_the_merged_model(written[1], transformer, families.for_model(model))
+    assert not comfyui_unread(written[0], transformer, families.for_model(model))

@@ -4,12 +4,14 @@ and min-SNR weights, LoRA presets, the ComfyUI export, and which components each
 (tests/test_golden.py pins what training and evaluation compute with them.)"""
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pytest
 import torch
 
 import stages.families as families
+from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
 from family_checks import assert_means_what_was_trained, fused_change, respelled_as_kohya, trained_lora
 from safetensors import safe_open
 from stages.encoded import EncodedData
@@ -86,29 +88,36 @@ def test_lora_presets(tiny_model):
 
 @pytest.mark.parametrize("arch", ["sd15", "sdxl"])
 def test_comfyui_export_in_ldm_names_means_what_was_trained(arch, tiny_model, sdxl_model, tmp_path):
-    """`diffusion_model.<LDM name>.lora_A/lora_B.weight` + `.alpha` for every Linear of the UNet
-    (attention, feed-forward, resnets' emb_layers.1, time_embed, SDXL's label_emb). diffusers' SD
-    converter reads LDM names only in kohya's spelling and maps SGM blocks only when given the UNet
-    config (StableDiffusionPipeline.load_lora_weights does not pass it; the SDXL one does), so the
-    file is respelled and converted by `lora_state_dict(..., unet_config=...)`: every key maps, every
-    alpha is the rank (the scale is in lora_B), and the fused change is the trained one."""
+    """`diffusion_model.<LDM name>.lora_A/lora_B.weight` for every Linear of the UNet (attention,
+    feed-forward, resnets' emb_layers.1, time_embed, SDXL's label_emb), the scale in lora_B and no
+    `.alpha`: ComfyUI reads every key, and the kohya file's, and applies the trained model. diffusers'
+    SD converter reads LDM names only in kohya's spelling and maps SGM blocks only when given the UNet
+    config (StableDiffusionPipeline.load_lora_weights does not pass it; the SDXL one does), so the file
+    is respelled and converted by `lora_state_dict(..., unet_config=...)`: every key maps, and the fused
+    change is the trained one. ComfyUI leaves the diffusers file's attention projections unread."""
     from diffusers import DiffusionPipeline
 
     model = tiny_model if arch == "sd15" else sdxl_model
     family = families.for_model(model)
     unet, targets = trained_lora(family, model, "all_linear")
-    comfy = family.export_lora(unet, tmp_path, {}, {})[2]
+    written = family.export_lora(unet, tmp_path, {}, {})
+    comfy = written[2]
     with safe_open(comfy, "pt") as f:
         keys = set(f.keys())
     assert comfy.name == "pytorch_lora_weights_comfyui.safetensors"
-    assert {"diffusion_model.input_blocks.1.0.emb_layers.1.lora_A.weight", "diffusion_model.time_embed.0.alpha",
+    assert {"diffusion_model.input_blocks.1.0.emb_layers.1.lora_A.weight", "diffusion_model.time_embed.0.lora_B.weight",
             "diffusion_model.middle_block.1.transformer_blocks.0.attn2.to_k.lora_B.weight"} < keys
     assert ("diffusion_model.label_emb.0.0.lora_A.weight" in keys) == (arch == "sdxl")
-    assert len(keys) == 3 * len(targets)
+    assert len(keys) == 2 * len(targets)
+    for file in written[1:]:
+        assert_comfyui_applies_the_merged_model(file, unet, family)
+    with safe_open(written[0], "pt") as f:  # ComfyUI has attention projections only as `...processor.to_q`
+        attention = {k for k in f.keys() if re.search(r"\.to_(q|k|v|out\.0)\.lora_", k)}
+    assert attention and comfyui_unread(written[0], unet, family) == attention
     kohya = respelled_as_kohya(comfy, tmp_path / "respelled.safetensors")
     pipe = DiffusionPipeline.from_pretrained(model)
     converted, alphas = pipe.lora_state_dict(kohya, unet_config=pipe.unet.config)
-    assert len(alphas) == len(targets) and set(alphas.values()) == {4.0}
+    assert not alphas
     assert_means_what_was_trained(unet, targets, fused_change(pipe, "unet", converted))
 
 

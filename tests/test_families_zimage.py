@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_checks import (assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change,
-                           respelled_as_kohya, trained_lora)
+from comfyui_keys import assert_comfyui_applies_the_merged_model
+from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
+    trained_lora
 from safetensors import safe_open
 
 import stages.families as families
@@ -146,26 +147,22 @@ def test_diffusers_export_loads_and_means_what_was_trained(base, tmp_path):
     assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", written[0]))
 
 
-def test_comfyui_export_in_original_names_means_what_was_trained(base, tmp_path):
-    """ComfyUI's native names: q/k/v fused into attention.qkv (rank 3 x 4, block-diagonal up),
-    attention.out, feed_forward.w1-3, adaLN_modulation.0, under `diffusion_model.`, `.alpha` = rank
-    with the scale in lora_B. diffusers 0.42.1's Z-Image converter splits a fused qkv only in kohya's
-    spelling, so the file is loaded respelled (the same names, `lora_unet_*`): every key maps, and
-    the fused weight change is the trained one."""
+def test_comfyui_export_loads_in_diffusers_and_comfyui(base, tmp_path):
+    """ComfyUI's names for Z-Image LoRAs, diffusers' own under `diffusion_model.` (attention.to_q,
+    to_out.0, feed_forward.w1-3, adaLN_modulation.0), the scale in lora_B and no `.alpha`: ZImagePipeline
+    .load_lora_weights reads the file as it is (its converter leaves fused `attention.qkv` and `.alpha`
+    keys of this spelling unread or refused), and ComfyUI maps every key onto its rows of the fused
+    weights; both apply the trained model."""
     family = families.for_model(base)
     transformer, targets = trained_lora(family, base, "all_linear")
     comfy = family.export_lora(transformer, tmp_path, {}, {})[1]
     with safe_open(comfy, "pt") as f:
-        keys, alpha = set(f.keys()), f.get_tensor("diffusion_model.layers.0.attention.qkv.alpha")
-        qkv_down = f.get_tensor("diffusion_model.layers.0.attention.qkv.lora_A.weight")
-    modules = {k.removeprefix("diffusion_model.").rsplit(".", 2)[0] for k in keys if k.endswith(".weight")}
-    blocks = ["layers.0", "layers.1", "noise_refiner.0", "context_refiner.0"]
-    assert modules == {f"{b}.{m}" for b in blocks for m in ("attention.qkv", "attention.out", "feed_forward.w1",
-                                                             "feed_forward.w2", "feed_forward.w3")} | {
-        f"{b}.adaLN_modulation.0" for b in blocks[:3]}
-    assert qkv_down.shape[0] == 12 and alpha.item() == 12
-    kohya = respelled_as_kohya(comfy, tmp_path / "respelled.safetensors")
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", kohya))
+        keys = set(f.keys())
+    modules = {k.removeprefix("diffusion_model.").rsplit(".", 2)[0] for k in keys}
+    assert modules == set(targets) and len(keys) == 2 * len(targets)
+    assert "diffusion_model.layers.0.attention.to_q.lora_A.weight" in keys
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", comfy))
+    assert_comfyui_applies_the_merged_model(comfy, transformer, family)
 
 
 def test_evaluate_renders_with_guidance_and_no_negative_prompt(base):

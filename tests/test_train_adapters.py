@@ -1,7 +1,7 @@
 """train.adapter and the EMA through the real train stage (a training subprocess per run) on the tiny
 SD1.x and Flux.1 models: each adapter type trains with an EMA, a run resumed from the halfway
 checkpoint (what a killed run leaves) publishes the same files byte for byte as one that ran straight, and the published files mean the trained
-adapter (the ComfyUI file recomputed by the LyCORIS rules, the diffusers file through diffusers'
+adapter (the ComfyUI and kohya files read by ComfyUI's key tables, the diffusers file through diffusers'
 loader where it reads the type, and for SD its kohya file). init_lora is refused in one line for what cannot load."""
 from __future__ import annotations
 
@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import merged, weight
 from parallel import case_by_test, selected, started
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_adapters import assert_file_means_the_merged_model
 
 from stages import families, train
 from stages.families.lycoris import adapted_modules
@@ -80,8 +80,8 @@ def published(out: Path) -> dict[str, bytes]:
 
 def assert_files_mean_the_adapter(out: Path, model: Path) -> None:
     """The diffusers file, loaded through peft with its recorded config, is the reference: the ComfyUI
-    file recomputed by the LyCORIS rules, and (LoRA, DoRA) diffusers' own load + fuse, give its merged
-    weights."""
+    (and kohya) file loaded by ComfyUI's key tables and recomputed by its rules, and (LoRA, DoRA)
+    diffusers' own load + fuse, give its merged weights."""
     from diffusers import DiffusionPipeline
 
     family = families.for_model(model)
@@ -91,7 +91,8 @@ def assert_files_mean_the_adapter(out: Path, model: Path) -> None:
         add_adapter_from_file(adapter, folder / FILES[0], prefix, "default")
         comfyui = [p for p in folder.glob("*comfyui.safetensors")]
         assert len(comfyui) == 1
-        assert_file_means_the_merged_model(comfyui[0], adapter, family.original_names(adapter), f"{prefix}.")
+        for file in [*comfyui, *folder.glob("*kohya.safetensors")]:  # every key read by ComfyUI, the trained model
+            assert_comfyui_applies_the_merged_model(file, adapter, family)
         with safe_open(folder / FILES[0], "pt") as f:
             config = json.loads(f.metadata()["lora_adapter_metadata"])
         if config[f"{prefix}.peft_type"] != "LORA":

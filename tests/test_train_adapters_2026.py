@@ -5,8 +5,8 @@ every published file (trained and EMA) means the trained adapter. The reference 
 training left it, rebuilt from the last checkpoint as a resumed run rebuilds it (a PiSSA/OLoRA base
 minus its saved start); a file's effect on the weights must equal that model's merged weights:
 loaded by diffusers' own loader (load_lora_weights + fuse_lora) where diffusers reads the format,
-else by peft (LoKr/LoHa diffusers files) or recomputed by the LyCORIS rules ComfyUI applies (DoRA,
-LoKr, LoHa ComfyUI files, whose key set is checked too).
+else by peft (LoKr/LoHa diffusers files); and every ComfyUI (and kohya) file read through ComfyUI's
+key tables (tests/comfyui_keys.py) and recomputed by its rules, its LyCORIS key set checked too.
 
 One run per (family, adapter) is trained once per module and shared by its tests; 2 steps with a
 checkpoint after each. A resumed run (a second launch) is trained for two types per family
@@ -24,17 +24,18 @@ from pathlib import Path
 
 import pytest
 import torch
-from family_checks import fused_change, merged, respelled_as_kohya, weight
+from comfyui_keys import assert_comfyui_applies_the_merged_model
+from family_checks import fused_change, merged, weight
 from parallel import case_by_test, selected, started
 from safetensors import safe_open
 from safetensors.torch import load_file
-from test_adapters import assert_file_means_the_merged_model, documented_keys, per_module
+from test_adapters import documented_keys, exported_comfyui_file, per_module, trained_adapter
 from test_train_adapters import published, train_straight_and_resumed
 from test_train_adapters import run_train as train_once
 
 from stages import families, train
-from stages.families.lycoris import adapted_modules, lycoris_state_dict
-from stages.train.adapter import AdapterParams, peft_config
+from stages.families.lycoris import adapted_modules
+from stages.train.adapter import AdapterParams
 from stages.train.lora_files import add_adapter_from_file
 from stages.train.trained_adapter import INITIAL_FILE, TrainedAdapter
 
@@ -43,15 +44,16 @@ PARAMS = dict(rank=2, alpha=3.0, learning_rate=1e-2, batch_size=2, max_steps=STE
               keep_checkpoints=2, seed=1, ema_decay=0.5)
 ADAPTERS = {"lora": {}, "dora": {"adapter": "dora", "rslora": True}, "lokr": {"adapter": "lokr"},
             "loha": {"adapter": "loha"}, "pissa": {"init": "pissa"}, "olora": {"init": "olora", "rslora": True}}
-# a LoKr cannot be split by rows: on Flux.2 and Z-Image, where q/k/v are fused in the original layout,
-# it trains on whole modules (the attention preset is refused: test_lokr_on_fused_modules_is_refused...)
+# a LoKr cannot be split by rows: on Flux.2, where q/k/v are fused in the original layout, it trains on
+# whole modules (the attention preset is refused: test_lokr_on_fused_modules_is_refused...); Z-Image's and
+# Qwen-Image's ComfyUI files name q/k/v apart
 WHOLE_MODULES = {"flux2-klein": ("attn.to_out.0", "attn.to_add_out", "attn.to_qkv_mlp_proj"),
-                 "z-image": ("attention.to_out.0",), "qwen-image": "attention"}
+                 "z-image": "attention", "qwen-image": "attention"}
 # where diffusers 0.42.1's load_lora_weights reads a LoKr/LoHa: the diffusers file of a LoKr on Flux.2 and
-# Z-Image, and Flux.2's ComfyUI LoKr file (it reads no LoHa, and Z-Image's converter leaves a LoKr's original
-# names unmapped); a DoRA ComfyUI file loads with its dora_scale dropped, so it is recomputed instead
+# Z-Image, and their ComfyUI LoKr files (it reads no LoHa); a DoRA ComfyUI file loads with its dora_scale
+# dropped, so it is read through ComfyUI's key tables only
 DIFFUSERS_READS = {("flux2-klein", "lokr"), ("z-image", "lokr")}
-DIFFUSERS_READS_COMFYUI = {("flux2-klein", "lokr")}
+DIFFUSERS_READS_COMFYUI = DIFFUSERS_READS
 FAMILIES = ("flux2-klein", "z-image", "qwen-image")
 # the cases whose halfway checkpoint a second launch resumes (the others' resume runs in process): each
 # type once, where its checkpoint's names are least usual: Flux.2's DoRA (a magnitude on the single
@@ -160,21 +162,6 @@ def assert_fused_means(model: Path, lora: Path | dict, expected: torch.nn.Module
         assert torch.allclose(base[name] + delta, want, atol=1e-5), name
 
 
-def comfyui_lora_for_diffusers(family: str, file: Path, tmp: Path) -> Path | dict:
-    """A plain LoRA's ComfyUI file as diffusers' converter for the family reads it: Flux.2's
-    (ai-toolkit's) reads no `.alpha`, which the file sets to the rank (the scale is in lora_B); Z-Image's
-    splits a fused qkv only in kohya's spelling of the same names; Qwen-Image's reads it as it is."""
-    if family == "flux2-klein":
-        tensors = load_file(file)
-        alphas = {k for k in tensors if k.endswith(".alpha")}
-        for key in alphas:
-            assert tensors[key].item() == tensors[key.removesuffix(".alpha") + ".lora_A.weight"].shape[0], key
-        return {k: v for k, v in tensors.items() if k not in alphas}
-    if family == "z-image":
-        return respelled_as_kohya(file, tmp / "respelled.safetensors")
-    return file
-
-
 CASES = [pytest.param(f, k, id=f"{f}-{k}", marks=[] if (f, k) in {("flux2-klein", "lokr"), ("z-image", "pissa"),
                                                                    ("qwen-image", "dora")} else [pytest.mark.slow])
          for f in FAMILIES for k in ADAPTERS]
@@ -220,7 +207,7 @@ def test_checkpoint_round_trips_bit_for_bit(family, kind, runs, tmp_path):
 
 @pytest.mark.parametrize("family, kind", CASES)
 @pytest.mark.parametrize("ema", [False, True], ids=["trained", "ema"])
-def test_every_exported_file_means_the_trained_model(family, kind, ema, runs, tmp_path):
+def test_every_exported_file_means_the_trained_model(family, kind, ema, runs):
     run = runs(family, kind)
     model, straight, work = run.model, run.straight, run.work
     folder = straight / "ema" if ema else straight
@@ -237,19 +224,19 @@ def test_every_exported_file_means_the_trained_model(family, kind, ema, runs, tm
         loaded = merged(fresh)
         for name in adapted:
             assert torch.allclose(weight(loaded, name), weight(expected, name), atol=1e-5), name
-    # the ComfyUI file (and Flux.2's kohya file): diffusers' converter for a plain LoRA; DoRA, LoKr and
-    # LoHa recomputed by the LyCORIS rules, with the documented key set
+    # the ComfyUI file (and Flux.2's kohya file): diffusers' own loader reads it as it is for a plain LoRA and
+    # a LoKr; ComfyUI reads every key, DoRA, LoKr and LoHa with the documented key set
     comfyui = folder / COMFYUI_FILE
-    if kind in ("lora", "pissa", "olora"):
-        assert_fused_means(model, comfyui_lora_for_diffusers(family, comfyui, tmp_path), expected, adapted)
-        if (folder / KOHYA_FILE).is_file():
-            assert_fused_means(model, folder / KOHYA_FILE, expected, adapted)
-    else:
-        if (family, kind) in DIFFUSERS_READS_COMFYUI:
-            assert_fused_means(model, comfyui, expected, adapted)
+    kohya = [folder / KOHYA_FILE] if (folder / KOHYA_FILE).is_file() else []
+    if kind in ("lora", "pissa", "olora") or (family, kind) in DIFFUSERS_READS_COMFYUI:
+        for file in [comfyui, *kohya]:
+            assert_fused_means(model, file, expected, adapted)
+    if kind in ("dora", "lokr", "loha"):
         for original, t in per_module(load_file(comfyui)).items():
             assert set(t) == documented_keys(kind, t), original
-        assert_file_means_the_merged_model(comfyui, trained, families.for_model(model).original_names(trained))
+    original = families.for_model(model).load_denoiser(model, torch.float32)  # what PiSSA/OLoRA's export applies to
+    for file in [comfyui, *kohya]:
+        assert_comfyui_applies_the_merged_model(file, trained, families.for_model(model), original)
 
 
 @pytest.mark.parametrize("family, kind", [c for c in CASES if c.values[1] in ("dora", "pissa", "olora")])
@@ -284,14 +271,15 @@ def test_lokr_on_fused_modules_is_refused_before_training_in_one_line(models, tm
     assert not (tmp_path / "work-lokr" / "logs" / "loss.jsonl").exists()  # not a step spent
 
 
-def test_zimage_lokr_on_fused_qkv_is_refused_by_name(zimage_model):
-    """Z-Image fuses q/k/v in attention.qkv: the check training runs first, and the export, refuse it."""
+def test_zimage_lokr_on_q_k_v_loads_in_diffusers_and_comfyui(zimage_model, tmp_path):
+    """Z-Image's ComfyUI file keeps diffusers' module names, which ComfyUI's Z-Image key map points at
+    their rows of its fused attention.qkv: a LoKr on q/k/v passes the check training runs first, and
+    its ComfyUI file loads in diffusers (load_lora_weights + fuse_lora) and in ComfyUI, each giving the
+    trained model."""
     family = families.for_model(zimage_model)
-    transformer = family.load_denoiser(zimage_model, torch.float32)
-    transformer.add_adapter(peft_config(AdapterParams(adapter="lokr", rank=2), family.lora_target_modules(
-        transformer, "attention")))
-    pattern = r"^train\.target_modules: \S+\.attention\.to_q: a LoKr cannot be written on \S+\.attention\.qkv, "
-    with pytest.raises(ValueError, match=pattern):
-        family.check_adapter(transformer)
-    with pytest.raises(ValueError, match=pattern):
-        lycoris_state_dict(transformer, family.original_names(transformer))
+    transformer = trained_adapter(family, zimage_model, AdapterParams(adapter="lokr", rank=2, alpha=3), "attention")
+    family.check_adapter(transformer)
+    file = exported_comfyui_file(family, transformer, tmp_path)
+    assert "diffusion_model.layers.0.attention.to_q.lokr_w1" in load_file(file)
+    assert_fused_means(zimage_model, file, merged(transformer), adapted_modules(transformer))
+    assert_comfyui_applies_the_merged_model(file, transformer, family)

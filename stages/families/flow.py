@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from .base import Family, select_linear
 from .folders import component_config, model_index
 from .objectives import FlowMatchingObjective, ObjectiveParams, TimestepSampling
-from .original_names import FILES, KeyStyle, OriginalNames, fused_lora
+from .original_names import COMFYUI, KeySpelling, OriginalNames, fused_lora
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +53,7 @@ class FlowFamily(Family):
     variant: FlowVariant | None = None  # set by for_model
     variants: tuple[FlowVariant, ...] = ()  # detection order: the first whose markers match
     sequence_patch: int = 2  # normalised-latent pixels per image token side (the objective's token count)
-    original_formats: tuple[KeyStyle, ...] = ("comfyui",)  # exported besides the diffusers file
+    original_formats: tuple[KeySpelling, ...] = (COMFYUI,)  # exported besides the diffusers file
     comfyui_slice_prefix: str | None = None  # ComfyUI maps <prefix><diffusers module> to its rows of a fused weight
 
     def for_model(self, model_path: Path) -> FlowFamily:
@@ -99,8 +99,9 @@ class FlowFamily(Family):
 
     @abstractmethod
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
-        """The original (non-diffusers) module names of this transformer's Linear layers, and which
-        rows of each the diffusers modules are (original_names.derive_original_names)."""
+        """The module names the family's ComfyUI (and kohya) files use for this transformer's Linear
+        layers, and which rows of each the diffusers modules are: the original (non-diffusers) names
+        (original_names.derive_original_names), or diffusers' own where ComfyUI maps those itself."""
 
     def check_adapter(self, transformer: torch.nn.Module) -> None:
         from .lycoris import check_writable
@@ -122,10 +123,10 @@ class FlowFamily(Family):
         lycoris = write_lycoris(transformer, names, out_dir, metadata, self.comfyui_slice_prefix)  # DoRA, LoKr, LoHa
         if lycoris:
             return [*written, lycoris]
-        for style in self.original_formats:
+        for spelling in self.original_formats:
             lora = lora or peft_state_dict(transformer)
-            written.append(Path(out_dir) / FILES[style])
-            save_safetensors_sorted(fused_lora(lora, lora_scale(adapter), names, style), metadata, written[-1])
+            written.append(Path(out_dir) / spelling.file)
+            save_safetensors_sorted(fused_lora(lora, lora_scale(adapter), names, spelling), metadata, written[-1])
         return written
 
     # ---- rendering

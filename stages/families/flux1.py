@@ -14,7 +14,8 @@ attn.add_q_proj/add_k_proj/add_v_proj/to_add_out, ff.net.*, ff_context.net.*; si
 attn.to_q/to_k/to_v, proj_mlp, proj_out); every Linear of the double and single blocks (kohya's
 "all blocks": the embedders and the final layer are left out). Exports: diffusers format under
 `transformer.`, and BFL names spelt as kohya (`lora_unet_double_blocks_N_img_attn_qkv`, single
-blocks' `linear1` = q|k|v|mlp) and as ComfyUI (`diffusion_model.double_blocks.N.img_attn.qkv`),
+blocks' `linear1` = q|k|v|mlp) and as ComfyUI (`diffusion_model.double_blocks.N.img_attn.qkv`, with
+`lora_down`/`lora_up`, the spelling diffusers' Flux.1 loader converts too),
 derived from diffusers' `convert_flux_transformer_checkpoint_to_diffusers` (original_names.py); the
 seed keys below are the one hand-written part.
 """
@@ -31,7 +32,7 @@ from .base import Components, Conditioning, ImageGeometry, TextOptions, TextReco
 from .flow import FlowFamily, FlowVariant, presets_field
 from .folders import load_component
 from .objectives import ObjectiveParams
-from .original_names import OriginalNames, derive_original_names
+from .original_names import COMFYUI_DOWN_UP, KOHYA, OriginalNames, derive_original_names
 
 if TYPE_CHECKING:
     import torch
@@ -162,7 +163,7 @@ FLUX1 = Flux1(
     components=Components(text=("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"), latent=("vae",),
                           denoiser="transformer"),
     kohya_base_model="flux1", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
-    original_formats=("kohya", "comfyui"), comfyui_slice_prefix="transformer.",
+    original_formats=(KOHYA, COMFYUI_DOWN_UP), comfyui_slice_prefix="transformer.",
     single_file_markers=("double_blocks.0.img_attn.qkv.weight",  # BFL's, bare or under ComfyUI's prefix
                          "model.diffusion_model.double_blocks.0.img_attn.qkv.weight"),
 )

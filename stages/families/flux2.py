@@ -35,7 +35,7 @@ from .base import Components, Conditioning, ImageGeometry, TextOptions, TextReco
 from .flow import MODEL_INDEX, FlowFamily, FlowVariant, presets_field
 from .latents import PatchedBatchNorm, patched_batch_norm_of
 from .objectives import ObjectiveParams, TimestepSampling
-from .original_names import OriginalNames, derive_original_names
+from .original_names import COMFYUI, KOHYA, OriginalNames, derive_original_names
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
 
 if TYPE_CHECKING:
@@ -141,7 +141,7 @@ FLUX2_KLEIN = Flux2Klein(
     name="flux2-klein", label="Flux.2-klein", pipeline_class="Flux2KleinPipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
     kohya_base_model="flux2_klein", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
-    sequence_patch=1, original_formats=("kohya", "comfyui"),
+    sequence_patch=1, original_formats=(KOHYA, COMFYUI),
     single_file_markers=("double_stream_modulation_img.lin.weight",  # shared modulation: Flux.2's, not Flux.1's
                          "model.diffusion_model.double_stream_modulation_img.lin.weight"),
 )

@@ -4,8 +4,9 @@
 peft names a LoKr's and a LoHa's tensors as LyCORIS does (`lokr_w1`, `lokr_w2_a`, `hada_w1_a`, ...)
 and computes the same update: LoKr kron(w1, w2) and LoHa (w1_a w1_b) * (w2_a w2_b), each w = a b
 when decomposed, times peft's scale. ComfyUI's loaders scale by `alpha / dim`, dim the rank of a
-decomposed factor, and a LoKr with no decomposed factor ignores alpha; so, as the LoRA export does,
-the scale is folded into the first factor and `.alpha` is the rank (alpha / dim = 1 for every loader).
+decomposed factor, a LoKr with no decomposed factor ignores alpha, and a file without `.alpha` is
+applied at scale 1; so, as the LoRA export does, the scale is folded into the first factor and no
+`.alpha` is written (diffusers' LoKr converters, which bake an `.alpha` in, then read it alike).
 A DoRA is its LoRA (original_names.fused_lora) plus `.dora_scale`: peft's magnitude, one per output
 row, shaped (rows, 1, ...) so that it broadcasts over a row as LyCORIS's output-axis DoRA does
 (W' = dora_scale * (W + dW) / ||W + dW|| per row).
@@ -26,12 +27,11 @@ from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from .original_names import FILES, OriginalNames, fused_lora
+from .original_names import COMFYUI, OriginalNames, fused_lora
 
 if TYPE_CHECKING:
     import torch
 
-PREFIX = "diffusion_model."
 FIRST_FACTOR = {"lokr": ("lokr_w1", "lokr_w1_a"), "loha": ("hada_w1_a",)}  # where the scale is folded
 LOHA_PAIRS = (("hada_w1_a", "hada_w1_b"), ("hada_w2_a", "hada_w2_b"))  # (up, down) of each low-rank pair
 DORA_MAGNITUDE = ".lora_magnitude_vector"  # peft's state-dict name of a DoRA's magnitude
@@ -64,7 +64,7 @@ def lycoris_state_dict(denoiser: torch.nn.Module, names: OriginalNames,
     if kind == "loha":
         return _loha(state, scales, names)
     if kind == "lokr":
-        return _lokr(state, scales, names, denoiser.peft_config[ADAPTER].r, slice_prefix)
+        return _lokr(state, scales, names, slice_prefix)
     raise ValueError(f"{kind}: a plain LoRA is written by original_names.fused_lora")
 
 
@@ -104,7 +104,7 @@ def write_lycoris(denoiser: torch.nn.Module, names: OriginalNames, out_dir: Path
 
     if adapter_kind(denoiser.peft_config[ADAPTER]) == "lora":
         return None
-    path = Path(out_dir) / FILES["comfyui"]
+    path = Path(out_dir) / COMFYUI.file
     save_safetensors_sorted(lycoris_state_dict(denoiser, names, slice_prefix), metadata, path)
     return path
 
@@ -118,10 +118,8 @@ def _folded(state: dict, scales: dict[str, float], kind: str) -> dict[str, torch
     return out
 
 
-def _lokr(state: dict, scales: dict[str, float], names: OriginalNames, rank: int,
+def _lokr(state: dict, scales: dict[str, float], names: OriginalNames,
           slice_prefix: str | None) -> dict[str, torch.Tensor]:
-    import torch
-
     refuse_lokr_on_fused(set(scales), names, slice_prefix)
     folded, out = _folded(state, scales, "lokr"), {}
     for original, segments in names.items():
@@ -129,27 +127,24 @@ def _lokr(state: dict, scales: dict[str, float], names: OriginalNames, rank: int
         if not adapted:
             continue
         for s in adapted:
-            name = f"{slice_prefix}{s.module}" if _fused(segments) else f"{PREFIX}{original}"
+            name = f"{slice_prefix}{s.module}" if _fused(segments) else f"{COMFYUI.prefix}{original}"
             for key, value in folded.items():
                 if key.startswith(f"{s.module}.") and key.count(".") == s.module.count(".") + 1:
                     out[f"{name}.{key.removeprefix(s.module + '.')}"] = value
-            out[f"{name}.alpha"] = torch.tensor(float(rank))
     _check_placed(scales, names)
     return out
 
 
 def _loha(state: dict, scales: dict[str, float], names: OriginalNames) -> dict[str, torch.Tensor]:
-    """Each pair as a LoRA (down = w_b, up = w_a) through fused_lora, so fused modules fuse alike;
-    the alpha it writes is the pair's (fused) rank, as ComfyUI's alpha / w1_b rows needs."""
+    """Each pair as a LoRA (down = w_b, up = w_a) through fused_lora, so fused modules fuse alike."""
     folded, out = _folded(state, scales, "loha"), {}
     for up, down in LOHA_PAIRS:
         as_lora = {}
         for module in scales:
             as_lora[f"{module}.lora_A.weight"] = folded[f"{module}.{down}"]
             as_lora[f"{module}.lora_B.weight"] = folded[f"{module}.{up}"]
-        for key, value in fused_lora(as_lora, 1.0, names, "comfyui").items():
-            key = key.replace(".lora_A.weight", f".{down}").replace(".lora_B.weight", f".{up}")
-            out[key] = value  # both pairs write the same `.alpha` (their fused ranks are equal)
+        for key, value in fused_lora(as_lora, 1.0, names, COMFYUI).items():
+            out[key.replace(f".{COMFYUI.down}", f".{down}").replace(f".{COMFYUI.up}", f".{up}")] = value
     return out
 
 
@@ -159,11 +154,11 @@ def _dora(state: dict, scales: dict[str, float], names: OriginalNames,
 
     lora = {k: v for k, v in state.items() if not k.endswith(DORA_MAGNITUDE)}
     scale = _one_scale(scales)
-    out = fused_lora(lora, scale, names, "comfyui")
+    out = fused_lora(lora, scale, names, COMFYUI)
     for original, segments in names.items():
         if not any(s.module in scales for s in segments):
             continue
-        up = out[f"{PREFIX}{original}.lora_B.weight"]
+        up = out[f"{COMFYUI.prefix}{original}.{COMFYUI.up}"]
         rows = up.shape[0]
         magnitude = torch.empty(rows, dtype=up.dtype)
         for s in segments:
@@ -171,7 +166,7 @@ def _dora(state: dict, scales: dict[str, float], names: OriginalNames,
             whole = row_norms(s.module) if whole is None else whole.reshape(-1)  # a conv's is (1, out, 1, 1)
             n = whole.shape[0]
             magnitude[int(s.start * rows):int(s.end * rows)] = whole[int(s.part_start * n):int(s.part_end * n)]
-        out[f"{PREFIX}{original}.dora_scale"] = magnitude.reshape(rows, *[1] * (up.dim() - 1))
+        out[f"{COMFYUI.prefix}{original}.dora_scale"] = magnitude.reshape(rows, *[1] * (up.dim() - 1))
     return out
 
 

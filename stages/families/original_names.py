@@ -13,21 +13,23 @@ module says) and `ROWS`, a row count its hard-coded splits accept.
 
 A LoRA on diffusers modules that share one original module becomes one LoRA on it: the downs
 concatenated along the rank (rank = the sum), the ups placed block-diagonally in the original
-rows (zeros where a part has no LoRA), and `.alpha` = scale x fused rank so that loaders, which
-scale by alpha / rank, apply each part at its trained scale. diffusers' kohya converter splits
-such a fused file back (its "sparse" up-weight path), which is how the tests check the export.
+rows (zeros where a part has no LoRA), so that each part keeps its trained scale. diffusers' kohya
+converter splits such a fused file back (its "sparse" up-weight path), which is how the tests check
+the export.
 
-Two spellings of the same fused LoRA (`KeyStyle`): kohya's (`lora_unet_<name with _>.lora_down.weight`,
+Spellings of the same fused LoRA (`KeySpelling`): kohya's (`lora_unet_<name with _>.lora_down.weight`,
 `.lora_up.weight`, `.alpha` = scale x rank; weights as trained) and ComfyUI's native one, as
 ai-toolkit and musubi-tuner write for the 2026 families (`diffusion_model.<name>.lora_A.weight`,
-`.lora_B.weight`, `.alpha` = rank with the scale folded into lora_B, so that a loader that ignores
-alpha, as diffusers' ai-toolkit converters do, still applies the trained strength).
+`.lora_B.weight`), with the scale folded into the up weight and no `.alpha`: ComfyUI then applies
+scale 1, and diffusers' converters for that layout refuse `.alpha` keys they do not expect (Flux.2)
+or read none. Flux.1's ComfyUI file spells the weights `lora_down`/`lora_up`, the only spelling of
+`diffusion_model.*` files diffusers' Flux.1 loader converts (`COMFYUI_DOWN_UP`).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import TYPE_CHECKING, Callable, Literal
+from typing import TYPE_CHECKING, Callable
 
 if TYPE_CHECKING:
     import torch
@@ -96,27 +98,44 @@ def derive_original_names(convert: Callable[[dict], dict], seed_keys: list[str])
     return {name: tuple(sorted(segments, key=lambda s: s.start)) for name, segments in found.items()}
 
 
-KeyStyle = Literal["kohya", "comfyui"]
-FILES: dict[KeyStyle, str] = {"kohya": "pytorch_lora_weights_kohya.safetensors",
-                              "comfyui": "pytorch_lora_weights_comfyui.safetensors"}
+@dataclass(frozen=True)
+class KeySpelling:
+    """How an exported file names an original module's LoRA tensors."""
+
+    file: str  # the exported file's name
+    prefix: str  # before the module name; `lora_unet_` also turns the name's dots into `_`
+    down: str
+    up: str
+    alpha: bool  # `.alpha` = scale x rank with the weights as trained; else the scale is in the up weight
+
+    def keys(self, original: str) -> tuple[str, str, str]:
+        """(down, up, alpha) tensor names of an original module's LoRA."""
+        name = kohya_name(original) if self.prefix == KOHYA_PREFIX else f"{self.prefix}{original}"
+        return f"{name}.{self.down}", f"{name}.{self.up}", f"{name}.alpha"
+
+
+KOHYA_PREFIX = "lora_unet_"
+KOHYA = KeySpelling("pytorch_lora_weights_kohya.safetensors", KOHYA_PREFIX, "lora_down.weight", "lora_up.weight",
+                    alpha=True)
+COMFYUI = KeySpelling("pytorch_lora_weights_comfyui.safetensors", "diffusion_model.", "lora_A.weight",
+                      "lora_B.weight", alpha=False)
+COMFYUI_DOWN_UP = replace(COMFYUI, down=KOHYA.down, up=KOHYA.up)
 
 
 def kohya_name(original: str) -> str:
-    return "lora_unet_" + original.replace(".", "_")
+    return KOHYA_PREFIX + original.replace(".", "_")
 
 
-def _keys(original: str, style: KeyStyle) -> tuple[str, str, str]:
-    """(down, up, alpha) tensor names of an original module's LoRA in `style`."""
-    if style == "kohya":
-        name = kohya_name(original)
-        return f"{name}.lora_down.weight", f"{name}.lora_up.weight", f"{name}.alpha"
-    name = f"diffusion_model.{original}"
-    return f"{name}.lora_A.weight", f"{name}.lora_B.weight", f"{name}.alpha"
+def by_diffusers_module(names: OriginalNames) -> OriginalNames:
+    """The same modules each under its own (diffusers) name, whole: for a loader that maps diffusers
+    names onto their rows of the original weights itself (ComfyUI's Z-Image key map)."""
+    whole = (Fraction(0), Fraction(1))
+    return {s.module: (Segment(s.module, *whole, *whole),) for segments in names.values() for s in segments}
 
 
 def fused_lora(lora: dict[str, torch.Tensor], scale: float, names: OriginalNames,
-               style: KeyStyle = "kohya") -> dict[str, torch.Tensor]:
-    """The LoRA in original names, spelt as `style`, for a peft state dict (`<module>.lora_A.weight`,
+               spelling: KeySpelling = KOHYA) -> dict[str, torch.Tensor]:
+    """The LoRA in original names, spelt as `spelling`, for a peft state dict (`<module>.lora_A.weight`,
     `.lora_B.weight`) trained at alpha/r = scale."""
     import torch
 
@@ -138,10 +157,11 @@ def fused_lora(lora: dict[str, torch.Tensor], scale: float, names: OriginalNames
                 n = ups[s.module].shape[0]
                 up[int(s.start * rows):int(s.end * rows), columns[s.module]] = \
                     ups[s.module][int(s.part_start * n):int(s.part_end * n)]
-        down_key, up_key, alpha_key = _keys(original, style)
+        down_key, up_key, alpha_key = spelling.keys(original)
         out[down_key] = torch.cat([downs[part] for part in parts])
-        out[up_key] = up if style == "kohya" else up * scale
-        out[alpha_key] = torch.tensor(float(scale * rank if style == "kohya" else rank))
+        out[up_key] = up if spelling.alpha else up * scale
+        if spelling.alpha:
+            out[alpha_key] = torch.tensor(float(scale * rank))
         placed.update(parts)
     unplaced = sorted(set(downs) - placed)
     if unplaced:

@@ -183,16 +183,17 @@ class StableDiffusion(Family):
     def export_lora(self, unet: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
                     kohya_metadata: dict[str, str]) -> list[Path]:
         """The diffusers file, kohya's `lora_unet_*` file (diffusers module names, `.alpha` tensors)
-        and ComfyUI's native one (`diffusion_model.<LDM name>.lora_A/lora_B.weight`, ldm_names.py);
-        a DoRA, LoKr or LoHa: the diffusers file and the ComfyUI one in LyCORIS keys (lycoris.py)."""
+        and ComfyUI's native one (`diffusion_model.<LDM name>.lora_A/lora_B.weight`, ldm_names.py, the
+        scale in lora_B); a DoRA, LoKr or LoHa: the diffusers file and the ComfyUI one in LyCORIS keys
+        (lycoris.py)."""
         from stages.train.checkpoints import LORA_FILE
         from stages.train.lora_files import (ADAPTER, lora_scale, peft_state_dict, save_safetensors_sorted,
                                              write_diffusers_lora)
 
         from .lycoris import write_lycoris
-        from .original_names import FILES, fused_lora
+        from .original_names import COMFYUI, KOHYA, fused_lora
 
-        diffusers_file, kohya_file, comfyui_file = (Path(out_dir) / f for f in (LORA_FILE, *FILES.values()))
+        diffusers_file, kohya_file, comfyui_file = (Path(out_dir) / f for f in (LORA_FILE, KOHYA.file, COMFYUI.file))
         write_diffusers_lora(unet, diffusers_file, provenance, self.components.denoiser)
         metadata = {**provenance, **kohya_metadata, "ss_base_model_version": self.kohya_base_model}
         lycoris = write_lycoris(unet, self.original_names(unet), out_dir, metadata)
@@ -202,7 +203,7 @@ class StableDiffusion(Family):
         alpha = adapter.lora_alpha * (math.sqrt(adapter.r) if adapter.use_rslora else 1)  # read as alpha / rank
         write_kohya_lora(unet, kohya_file, alpha, metadata)
         save_safetensors_sorted(fused_lora(peft_state_dict(unet), lora_scale(adapter), self.original_names(unet),
-                                           "comfyui"), metadata, comfyui_file)
+                                           COMFYUI), metadata, comfyui_file)
         return [diffusers_file, kohya_file, comfyui_file]
 
     def original_names(self, unet: torch.nn.Module) -> OriginalNames:

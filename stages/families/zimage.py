@@ -12,10 +12,13 @@ Variants are data: Turbo (step-distilled, 9 steps, no CFG) is told apart by its 
 3.0 (the base's is 6.0); LoRAs trained on Turbo break its distillation, so the family names the base
 (`Tongyi-MAI/Z-Image`) to train on instead.
 
-Exports: diffusers format, and ComfyUI's native names (`diffusion_model.layers.N.attention.qkv`, q|k|v
-fused; `attention.out`; `x_embedder`, `final_layer`), derived from diffusers'
-`convert_z_image_transformer_checkpoint_to_diffusers`. Hand-written: the original module names per
-block (`ORIGINAL_BLOCK_MODULES`, `ORIGINAL_TOP_MODULES`), the converter's input.
+Exports: diffusers format, and the ComfyUI file in the names ComfyUI's Z-Image key map reads for
+LoRAs: diffusers' module names under `diffusion_model.` (`diffusion_model.layers.N.attention.to_q`),
+which it points at their rows of its own fused weights (`attention.qkv`); diffusers' Z-Image
+converter reads the same file (ai-toolkit's layout). The modules written are those diffusers'
+`convert_z_image_transformer_checkpoint_to_diffusers` makes from the original checkpoint (the
+modules ComfyUI's model has); hand-written: the original module names per block
+(`ORIGINAL_BLOCK_MODULES`, `ORIGINAL_TOP_MODULES`), the converter's input.
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
 from .flow import FlowFamily, FlowVariant, presets_field
 from .objectives import ObjectiveParams
-from .original_names import OriginalNames, derive_original_names
+from .original_names import OriginalNames, by_diffusers_module, derive_original_names
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
 
 if TYPE_CHECKING:
@@ -84,7 +87,8 @@ class ZImage(FlowFamily):
 
     # ---- LoRA
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
-        return original_names(transformer.config.n_layers, transformer.config.n_refiner_layers)
+        """Each module under its diffusers name (ComfyUI maps those onto its fused weights itself)."""
+        return by_diffusers_module(original_names(transformer.config.n_layers, transformer.config.n_refiner_layers))
 
     # ---- rendering
     def render_kwargs(self, settings: QwenPromptSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
