@@ -21,7 +21,7 @@ from test_invalidation import make_config, run_all, statuses
 from flows.config import validate_config
 from flows.plan import STAGES, Context
 from flows.runner import explain
-from stages.encode import EncodeParams
+from stages.encode import EncodeParams, SampleKeys
 from stages.encode.captions import CaptionAugmentation
 
 ENCODE = STAGES[:2]
@@ -41,12 +41,12 @@ VARIANTS = {"caption_variants": 3, "shuffle_tags": True, "keep_tokens": 1, "tag_
 def test_variants_keep_the_first_tags_and_are_the_same_in_every_process():
     settings = CaptionAugmentation(**VARIANTS)
     caption, digest = TAGS["rocket"], "0123abcd"
-    variants = settings.captions(caption, digest)
+    variants = tuple(settings.captions(caption, digest))
     assert len(variants) == 3 and len(set(variants)) == 3
     assert all(v.startswith("lpdemo, ") and set(v.split(", ")) <= set(caption.split(", ")) for v in variants)
-    assert settings.captions(caption, "another image") != variants  # seeded by the image, not the caption alone
+    assert tuple(settings.captions(caption, "another image")) != variants  # seeded by the image, not the caption alone
     code = ("import json, sys; from stages.encode.captions import CaptionAugmentation as C;"
-            f"print(json.dumps(C(**{VARIANTS!r}).captions({caption!r}, {digest!r})))")
+            f"print(json.dumps(list(C(**{VARIANTS!r}).captions({caption!r}, {digest!r}))))")
     for hash_seed in ("1", "2"):  # Python's str hash differs between these processes
         env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(Path(__file__).parent.parent)}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
@@ -75,6 +75,30 @@ def test_settings_that_would_change_nothing_or_be_fixed_forever_are_refused():
                          "encode": {"caption_variants": 2}, "train": {}, "evaluate": {}}, "demo.yaml")
     assert EncodeParams().model_dump() == EncodeParams(caption_variants=1, tag_dropout=0.0).model_dump()
     assert not any("caption" in k or "tag" in k for k in EncodeParams().model_dump())  # encode's key as before
+
+
+def test_caption_variants_has_an_upper_bound():
+    """100,000,000 variants was accepted, then encode computed keys for over ten minutes, silently."""
+    with pytest.raises(ValueError, match=r"^demo.yaml: encode.caption_variants: Input should be less than or equal"
+                                         r" to 64$"):
+        validate_config({"cache_dir": "c", "output_dir": "o", "model": {"path": "m"}, "data": {"path": "d"},
+                         "encode": {"caption_variants": 100_000_000, "shuffle_tags": True}, "train": {},
+                         "evaluate": {"prompts": ["x"]}}, "demo.yaml")
+    assert EncodeParams(caption_variants=64, shuffle_tags=True).caption_variants == 64
+
+
+def test_keying_many_variants_shows_progress_as_it_goes():
+    """Variants are made and keyed one sample at a time, each sample a step of the progress lines
+    (shown once keying takes `every` seconds; here at once)."""
+    params = EncodeParams(caption_variants=64, shuffle_tags=True)
+    dataset = [{"id": f"s{i}", "digest": f"d{i}", "caption": TAGS["rocket"], "split": "train", "resized": [64, 64],
+                "crop_box": [0, 0, 64, 64]} for i in range(3)]
+    lines: list[str] = []
+    keys = SampleKeys.of(dataset, params, "vae", {"family": "sd"}, 8, lines.append, every=0)
+    assert [line.split(" |")[0] for line in lines] == [f"encode: keying samples {i}/3" for i in (1, 2, 3)]
+    assert all(len(keys.text[s["id"]]) == 64 for s in dataset)
+    assert SampleKeys.of(dataset, params, "vae", {"family": "sd"}, 8, lines.append) == keys  # quick: no line
+    assert len(lines) == 3
 
 
 def samples_of(results: dict) -> list[dict]:

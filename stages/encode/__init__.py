@@ -55,6 +55,7 @@ from ..contract import Frozen, Log, library_majors
 from ..encoded import write_index
 from ..preprocess import DATASET_FILE
 from ..preprocess.sources import DatasetSource
+from ..progress import ProgressLines
 from .captions import CaptionAugmentation
 from .images import ImageCrops, sample_label
 from .masks import mask_key
@@ -166,14 +167,19 @@ class SampleKeys:
 
     @classmethod
     def of(cls, dataset: list[dict], params: EncodeParams, vae_digest: str, text: dict,
-           mask_factor: int) -> "SampleKeys":
-        """`text`: text_ingredients; `mask_factor`: image pixels per latent pixel."""
+           mask_factor: int, log: Log = lambda line: None, every: float = 10.0) -> "SampleKeys":
+        """`text`: text_ingredients; `mask_factor`: image pixels per latent pixel. Variant captions
+        are made and keyed one at a time, with a progress line every `every` seconds once it takes
+        that long (many samples times caption_variants)."""
         captions, texts = {}, {}
+        progress = ProgressLines("encode: keying samples", len(dataset), log, every, unit="sample", from_start=False)
         for s in dataset:
-            variants = params.captions(s["caption"], s["digest"]) if s["split"] == "train" else (s["caption"],)
-            keys = tuple(text_key(caption, params, text) for caption in variants)
-            captions.update(zip(keys, variants))
-            texts[s["id"]] = keys
+            keys = []
+            for caption in params.captions(s["caption"], s["digest"]) if s["split"] == "train" else (s["caption"],):
+                keys.append(text_key(caption, params, text))
+                captions[keys[-1]] = caption
+            texts[s["id"]] = tuple(keys)
+            progress.advance()
         empty = text_key("", params, text)
         masked = [s for s in dataset if "mask" in s]
         return cls({s["id"]: latent_key(s, params, vae_digest) for s in dataset},
@@ -208,7 +214,8 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     check_sizes(dataset, family.pixel_multiple(inputs.model_path), family.label)
     settings = family.text_settings(inputs.model_path, params)
     keys = SampleKeys.of(dataset, params, family.components.latent_digest(inputs.model_digests),
-                         text_ingredients(family, settings, inputs), family.latent_downsampling(inputs.model_path))
+                         text_ingredients(family, settings, inputs), family.latent_downsampling(inputs.model_path),
+                         log, options.progress_every)
     store = open_sample_store(inputs.cache_root)
     _add_member_digests(store, keys, log)
     missing = set(store.missing(keys.all()))

@@ -12,18 +12,25 @@ scored, never trained on). Caption dropout is a train setting: a draw takes the 
 """
 from __future__ import annotations
 
+from typing import Iterator
+
 from pydantic import Field, model_validator
 
 from ..contract import Frozen, derived_seed
+
+MAX_CAPTION_VARIANTS = 64
 
 
 class CaptionAugmentation(Frozen):
     """encode's caption settings. Each is left out of every dump (so of encode's key) while at its
     default: a config without them keeps the keys, and the cache, it had before they existed."""
 
-    caption_variants: int = Field(1, ge=1, exclude_if=lambda v: v == 1,
+    caption_variants: int = Field(1, ge=1, le=MAX_CAPTION_VARIANTS, exclude_if=lambda v: v == 1,
                                   description="augmented captions encoded per training sample; 1: the caption as"
-                                  " written (shuffle_tags and tag_dropout need 2 or more)")
+                                  " written (shuffle_tags and tag_dropout need 2 or more). At most"
+                                  f" {MAX_CAPTION_VARIANTS}: each variant is one more text record per training"
+                                  " image to encode and store, and training draws one per epoch, so beyond a few"
+                                  " dozen most are never seen (kohya-style trainers use a handful)")
     shuffle_tags: bool = Field(False, exclude_if=lambda v: not v,
                                description="each variant lists the caption's comma-separated tags in its own order")
     keep_tokens: int = Field(0, ge=0, exclude_if=lambda v: v == 0,
@@ -45,14 +52,17 @@ class CaptionAugmentation(Frozen):
                              " of them, or remove keep_tokens")
         return self
 
-    def captions(self, caption: str, image_digest: str) -> tuple[str, ...]:
-        """A training sample's captions: as written when caption_variants is 1, else its variants."""
+    def captions(self, caption: str, image_digest: str) -> Iterator[str]:
+        """A training sample's captions, one at a time: as written when caption_variants is 1, else
+        its variants."""
         if self.caption_variants == 1:
-            return (caption,)
-        return tuple(self._variant(caption, image_digest, v) for v in range(self.caption_variants))
-
-    def _variant(self, caption: str, image_digest: str, v: int) -> str:
+            yield caption
+            return
         tags = [tag for tag in (t.strip() for t in caption.split(",")) if tag]
+        for v in range(self.caption_variants):
+            yield self._variant(tags, image_digest, v)
+
+    def _variant(self, tags: list[str], image_digest: str, v: int) -> str:
         kept = tags[:self.keep_tokens]
         rest = [(i, tag) for i, tag in enumerate(tags[self.keep_tokens:])
                 if _uniform(image_digest, v, "drop", i) >= self.tag_dropout]

@@ -1,14 +1,13 @@
 """Latent records: the family's VAE posteriors of size-grouped batches, decoded in worker threads."""
 from __future__ import annotations
 
-import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from ..contract import Log
 from ..encoded import encode_record
-from ..progress import progress_line
+from ..progress import ProgressLines
 from .images import ImageCrops, sample_label, size_batches
 
 if TYPE_CHECKING:
@@ -20,22 +19,12 @@ if TYPE_CHECKING:
 T = TypeVar("T")
 
 
-class Progress:
-    """A progress line at most every `every` seconds (and at the first and last batch): a bar,
-    images/s, ETA, reuse."""
+class Progress(ProgressLines):
+    """Latents encoded: a line at most every `every` seconds (and at the first and last batch): a
+    bar, images/s, ETA, reuse."""
 
     def __init__(self, total: int, reused: int, log: Log, every: float, what: str = ""):
-        self.total, self.reused, self.log, self.every, self.what = total, reused, log, every, what
-        self.done, self.started, self.last = 0, time.perf_counter(), float("-inf")
-
-    def advance(self, n: int) -> None:
-        self.done += n
-        now = time.perf_counter()
-        if now - self.last < self.every and self.done < self.total:
-            return
-        self.last = now
-        bar = progress_line("encode: latents", self.done, self.total, now - self.started, unit="img", note=self.what)
-        self.log(f"{bar}; {self.reused} reused")
+        super().__init__("encode: latents", total, log, every, unit="img", note=what, tail=f"; {reused} reused")
 
 
 def halve_on_oom(fn: Callable[[torch.Tensor], T], batch: torch.Tensor, log: Log) -> list[T]:
