@@ -61,6 +61,14 @@ class DataConfig(Frozen):
             raise ValueError(f"two datasets are named {clash!r}: give them distinct `name`s")
         return self
 
+    @field_validator("datasets")
+    @classmethod
+    def _a_subject(cls, datasets: tuple[DatasetSource, ...]) -> tuple[DatasetSource, ...]:
+        if datasets and all(d.role == "prior" for d in datasets):
+            raise ValueError("every dataset has role: prior, so there is nothing to learn: add the subject's images"
+                             " as a dataset with role: train (prior images only regularise its training)")
+        return datasets
+
     @property
     def sources(self) -> tuple[DatasetSource, ...]:
         return self.datasets or (DatasetSource(path=self.path),)

@@ -116,6 +116,20 @@ def test_several_datasets_with_their_own_captions_and_repeats(tmp_path):
     assert report["rejected"] == [{"path": "pups/same.png", "reason": "duplicate", "detail": "same bytes as cats/a.png"}]
 
 
+@pytest.mark.parametrize("role", ["prior", "train"])
+def test_one_of_several_datasets_without_a_usable_image_is_named(tmp_path, role):
+    """It was left out silently (a prior dataset regularised nothing), while one empty dataset alone
+    is refused."""
+    image(tmp_path / "subject" / "a.png")
+    image(tmp_path / "class" / "b.png", caption=None)
+    (tmp_path / "class" / "c.txt").write_text("a caption without its image")
+    datasets = [DatasetSource(path=tmp_path / "subject"), DatasetSource(path=tmp_path / "class", role=role)]
+    role_note = r" \(role: prior\)" if role == "prior" else ""
+    with pytest.raises(ValueError, match=rf"^no usable image in dataset 'class'{role_note}, .*/class \(1"
+                                         r" missing_caption\): fix its path"):
+        preprocess(datasets, tmp_path, missing_caption="skip")
+
+
 def test_the_key_holds_each_datasets_settings_and_contents_but_not_its_location(tmp_path):
     image(tmp_path / "one" / "a.png")
     with StatCache(tmp_path / "stat.sqlite") as cache:
@@ -204,7 +218,9 @@ def test_the_data_section_takes_one_path_or_a_list_of_datasets(tmp_path):
     assert [d.repeats for d in listed.data.sources] == [5, 1]
     for data, message in (({}, "either data.path or data.datasets"),
                           ({"datasets": [{"path": tmp_path / "a"}, {"path": tmp_path / "x" / "a"}]}, "named 'a'"),
-                          ({"datasets": [{"path": tmp_path, "repeats": 0}]}, "data.datasets.0.repeats")):
+                          ({"datasets": [{"path": tmp_path, "repeats": 0}]}, "data.datasets.0.repeats"),
+                          ({"datasets": [{"path": tmp_path / "a", "role": "prior"}]},
+                           "data.datasets: .*every dataset has role: prior, so there is nothing to learn")):
         with pytest.raises(ConfigError, match=message):
             validate_config(base_config(tmp_path, data), "c.yaml")
 

@@ -108,9 +108,9 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
     samples, rejected, warnings = _validate([c for o in offered for c in o.candidates], params, datasets)
     rejected = [r for o in offered for r in o.refused] + rejected
     if not samples:
-        counts = ", ".join(f"{n} {r}" for r, n in sorted(Counter(r["reason"] for r in rejected).items()))
         where = ", ".join(str(d.path) for d in inputs.datasets)
-        raise ValueError(f"no usable image in {where} ({counts or 'no image files'})")
+        raise ValueError(f"no usable image in {where} ({_reasons(rejected)})")
+    _check_every_dataset_used(datasets, samples, rejected)
     fixed = {s["id"]: _fixed_split(inputs.datasets[s["source"]]) for s in samples}  # a dataset may name its split
     holdout = _holdout_ids({s["id"]: s["digest"] for s in samples if fixed[s["id"]] == "auto"},
                            params.holdout_fraction)
@@ -129,6 +129,22 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
         f" {len(inputs.datasets)} dataset(s), {len(rejected)} rejected, {len(warnings)} warnings; sizes (WxH): {buckets}")
     return Built(info={"images": len(samples), "holdout": len(holdout), "rejected": len(rejected),
                        "rejected_by_reason": counts, "warnings": len(warnings), "sizes": buckets})
+
+
+def _reasons(rejected: list[dict]) -> str:
+    return ", ".join(f"{n} {r}" for r, n in sorted(Counter(r["reason"] for r in rejected).items())) or "no image files"
+
+
+def _check_every_dataset_used(datasets: tuple[DatasetSource, ...], samples: list[dict], rejected: list[dict]) -> None:
+    """One of several datasets without a usable image is a mistake (a wrong path; a prior dataset
+    would regularise nothing), not a dataset to leave out silently: one line naming it."""
+    used = {s["source"] for s in samples}
+    for i, d in enumerate(datasets):
+        if i not in used:
+            mine = [r for r in rejected if r["path"].startswith(f"{d.label}/")]
+            role = " (role: prior)" if d.role == "prior" else ""
+            raise ValueError(f"no usable image in dataset {d.label!r}{role}, {d.path} ({_reasons(mine)}): fix its path"
+                             " or images, or remove it from data.datasets")
 
 
 def _validate(found: list[Candidate], params: PreprocessParams,
