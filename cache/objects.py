@@ -73,22 +73,27 @@ class Entry:
     modified: float  # seconds since the epoch
 
 
+def bucket_and_prefix(url: str) -> tuple[str, str]:
+    """The bucket and prefix of an object URL that can hold a cache; else CacheRootError, one line."""
+    match = URL.match(url)
+    if not match or match.group(1) not in PROTOCOLS:
+        raise CacheRootError(f"{url}: only s3:// URLs (S3 and S3-compatible stores: MinIO, SeaweedFS, R2, ...) or"
+                             " local folders can hold a cache: the cache's guarantees need conditional writes")
+    if "@" in match.group(2).split("/", 1)[0]:
+        raise CacheRootError(f"{url.split('@')[-1]}: credentials in a URL would be written into logs and"
+                             " manifests: give them as AWS_* variables or storage_options")
+    bucket, _, prefix = match.group(2).strip("/").partition("/")
+    if not bucket:
+        raise CacheRootError(f"{url}: no bucket named")
+    return bucket, prefix.strip("/")
+
+
 class ObjectRoot:
     """A bucket and prefix, addressed by paths relative to the prefix ("encode/KEY/samples.json")."""
 
     def __init__(self, url: str):
-        match = URL.match(url)
-        if not match or match.group(1) not in PROTOCOLS:
-            raise CacheRootError(f"{url}: only s3:// URLs (S3 and S3-compatible stores: MinIO, SeaweedFS, R2, ...) or"
-                                 " local folders can hold a cache: the cache's guarantees need conditional writes")
-        if "@" in match.group(2).split("/", 1)[0]:
-            raise CacheRootError(f"{url.split('@')[-1]}: credentials in a URL would be written into logs and"
-                                 " manifests: give them as AWS_* variables or storage_options")
         self.url = url.rstrip("/")
-        self.bucket, _, prefix = match.group(2).strip("/").partition("/")
-        self.prefix = prefix.strip("/")
-        if not self.bucket:
-            raise CacheRootError(f"{url}: no bucket named")
+        self.bucket, self.prefix = bucket_and_prefix(url)
         self.fs = _filesystem()
 
     def __repr__(self) -> str:

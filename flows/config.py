@@ -11,8 +11,8 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
 
-from cache.errors import UserError
-from cache.objects import is_url, local_path
+from cache.errors import CacheRootError, UserError
+from cache.objects import bucket_and_prefix, is_url, local_path
 from stages import families
 from stages.encode import EncodeOptions, EncodeParams
 from stages.evaluate import LOCAL_PATHS, EvalOptions, EvalParams
@@ -113,6 +113,17 @@ class PipelineConfig(Frozen):
     encode: EncodeConfig = EncodeConfig()
     train: TrainConfig
     evaluate: EvaluateConfig
+
+    @field_validator("cache_dir")
+    @classmethod
+    def _a_cache_url(cls, cache_dir: Path | str) -> Path | str:
+        """An object URL that cannot hold a cache is a config error, found before anything starts."""
+        if is_url(cache_dir):
+            try:
+                bucket_and_prefix(cache_dir)
+            except CacheRootError as error:
+                raise ValueError(str(error)) from None
+        return cache_dir
 
     @field_serializer("storage_options")
     def _hide_secrets(self, options: dict[str, Any]) -> dict[str, Any]:

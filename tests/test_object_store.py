@@ -432,6 +432,23 @@ def test_a_store_unreachable_while_renewing_the_lease_is_said_so_and_the_run_pub
     assert "cannot reach the object store" in lost[0] and "another run took over" not in lost[0]
 
 
+@pytest.mark.parametrize("cache_dir, message", [
+    ("gs://bucket/prefix", "gs://bucket/prefix: only s3:// URLs"),
+    ("s3://AKIAEXAMPLE:hunter2@bucket/prefix", "bucket/prefix: credentials in a URL would be written into logs"),
+])
+def test_a_cache_dir_that_cannot_hold_a_cache_is_a_config_error(tmp_path, capsys, cache_dir, message):
+    """Exit code 2 and one line naming the key, as every config error (it was 1, found later)."""
+    import yaml
+
+    config = tmp_path / "c.yaml"
+    config.write_text(yaml.safe_dump({"cache_dir": cache_dir, "output_dir": "out", "model": {"path": "m"},
+                                      "data": {"path": "d"}, "train": {}, "evaluate": {"prompts": ["x"]}}))
+    assert main(["status", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"lorapipe: error: {config}: cache_dir: ") and message in err and err.count("\n") == 1
+    assert "hunter2" not in err
+
+
 def test_a_deployment_parameter_keeps_an_s3_cache_root_and_never_its_secrets():
     """What Prefect stores of a run's `config` parameter (its serialized form) has every secret of
     storage_options masked, and a config read back from Prefect drops them (the worker's
