@@ -5,6 +5,8 @@ the file's tensors) it must give every weight the in-memory peft model's merged 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -92,6 +94,32 @@ def documented_keys(kind: str, t: dict[str, torch.Tensor]) -> set[str]:
 def test_settings_that_do_not_apply_are_refused_by_name(settings, key):
     with pytest.raises(ValueError, match=key):
         AdapterParams(**settings)
+
+
+@pytest.mark.parametrize("arch, kind, target, module, hint", [
+    ("sd15", "lora", "to_out", r"down_blocks\.1\.attentions\.0\.transformer_blocks\.0\.attn1\.to_out", "to_out.0"),
+    ("flux2-klein", "lokr", "attn.to_out", r"transformer_blocks\.0\.attn\.to_out", "attn.to_out.0"),
+])
+def test_a_target_that_is_not_a_layer_is_refused_by_name_without_the_weights(arch, kind, target, module, hint,
+                                                                             tiny_model, flux2_model, tmp_path):
+    """A target_modules name that matches a container (diffusers' attention to_out is a ModuleList)
+    ended training with peft's raw TypeError; it is refused in one line from the model's structure,
+    which needs no weights (the denoiser's weights file is gone here)."""
+    from cache.errors import UserError
+    from stages.train.adapter import check_targets
+
+    model = tmp_path / "model"
+    shutil.copytree({"sd15": tiny_model, "flux2-klein": flux2_model}[arch], model)
+    family = families.for_model(model)
+    for weights in (model / family.components.denoiser).glob("*.safetensors"):
+        weights.unlink()
+    structure = family.empty_denoiser(model)
+    targets = family.lora_target_modules(structure, (target, "to_q"))
+    with pytest.raises(UserError, match=rf"^train\.target_modules: {re.escape(target)}: {module} is a ModuleList,"
+                                        rf" which a {kind} cannot adapt \(only [\w, ]*Linear[\w, ]*\): name a"
+                                        rf" layer inside it, such as {re.escape(hint)}$"):
+        check_targets(structure, kind, targets)
+    check_targets(structure, kind, family.lora_target_modules(structure, (hint, "to_q")))
 
 
 @pytest.mark.parametrize("settings", [

@@ -18,7 +18,7 @@ from pydantic import Field
 
 from stages.contract import Frozen
 
-from .folders import load_component, vae_scale_factor
+from .folders import empty_component, load_component, vae_scale_factor
 from .latents import LatentNormalisation, VaePosterior, scale_shift_of
 
 if TYPE_CHECKING:
@@ -200,6 +200,11 @@ class Family(ABC):
 
     def load_denoiser(self, model_path: Path, dtype: torch.dtype) -> torch.nn.Module:
         return load_component(model_path, self.components.denoiser, torch_dtype=dtype)
+
+    def empty_denoiser(self, model_path: Path) -> torch.nn.Module:
+        """The denoiser's modules as load_denoiser builds them, without its weights (on the meta
+        device): its structure, at almost no cost."""
+        return empty_component(model_path, self.components.denoiser)
 
     @abstractmethod
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],

@@ -61,6 +61,14 @@ def load_component(model_path: Path, name: str, **kwargs: Any) -> Any:
     return component_class(model_path, name).from_pretrained(model_path, subfolder=name, **kwargs)
 
 
+def empty_component(model_path: Path, name: str) -> Any:
+    """A model component built from its config.json with its weights on the meta device (not read)."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights():
+        return component_class(model_path, name).from_config(component_config(model_path, name))
+
+
 def component_class(model_path: Path, name: str) -> type:
     """The class model_index.json names for a component, its library's modules imported."""
     spec = model_index(model_path).get(name)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Iterator, Literal
 
 from pydantic import Field, model_validator
 
+from cache.errors import UserError
 from stages.contract import Frozen
 
 if TYPE_CHECKING:
@@ -83,6 +84,32 @@ def peft_config(params: AdapterParams, target_modules: list[str]) -> PeftConfig:
         return LoKrConfig(r=params.rank, alpha=params.alpha, decompose_factor=params.lokr_factor,
                           target_modules=targets)
     return LoHaConfig(r=params.rank, alpha=params.alpha, target_modules=targets)
+
+
+def adaptable_types(kind: AdapterKind) -> tuple[type[torch.nn.Module], ...]:
+    """The module types peft can put an adapter of this kind on."""
+    import torch
+
+    if kind in LORA_KINDS:  # peft's LoRA and DoRA layers (peft.tuners.lora)
+        return torch.nn.Linear, torch.nn.Embedding, torch.nn.Conv1d, torch.nn.Conv2d, torch.nn.Conv3d
+    from peft import LoHaModel, LoKrModel
+
+    return tuple({"lokr": LoKrModel, "loha": LoHaModel}[kind].layers_mapping)
+
+
+def check_targets(denoiser: torch.nn.Module, kind: AdapterKind, targets: list[str]) -> None:
+    """Refuse, in one line naming train.target_modules and the module, a target the adapter cannot
+    wrap (a container such as a ModuleList), where peft would stop with a TypeError of its own.
+    `denoiser` may be its empty structure (Family.empty_denoiser): only module types are read."""
+    supported = adaptable_types(kind)
+    for name, module in denoiser.named_modules():
+        entry = next((t for t in targets if name == t or name.endswith(f".{t}")), None)  # peft's rule for names
+        if entry is None or isinstance(module, supported):
+            continue
+        inside = next((sub for sub, m in module.named_modules() if sub and isinstance(m, supported)), None)
+        hint = f"name a layer inside it, such as {entry}.{inside}" if inside else "leave it out"
+        raise UserError(f"train.target_modules: {entry}: {name} is a {type(module).__name__}, which a {kind} cannot"
+                        f" adapt (only {', '.join(t.__name__ for t in supported)}): {hint}")
 
 
 def as_plain_lora(trained: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -61,7 +61,7 @@ from stages.encoded import EncodedData  # noqa: E402
 from stages.families.objectives import Objective  # noqa: E402
 from stages.launching import die_with_parent, reporting_errors, skip_exit_collection, write_whole_lines  # noqa: E402
 from stages.progress import progress_line  # noqa: E402
-from stages.train.adapter import kohya_network_dim_alpha  # noqa: E402
+from stages.train.adapter import check_targets, kohya_network_dim_alpha  # noqa: E402
 from stages.train.checkpoints import CheckpointDir, step_name  # noqa: E402
 from stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch  # noqa: E402
 from stages.train.lora_files import load_init_lora  # noqa: E402
@@ -162,11 +162,14 @@ class LoRATrainingRecipe:
         self.dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.mixed_precision]
         self.family = families.for_model(model_path)
         self.objective = self.family.objective(model_path, p)
+        structure = self.family.empty_denoiser(model_path)  # the targets are checked before the weights load
+        targets = self.family.lora_target_modules(structure, p.target_modules)
+        check_targets(structure, p.adapter, targets)
         denoiser = self.family.load_denoiser(model_path, self.dtype)
         denoiser.requires_grad_(False)
         quantize_base(denoiser, p.base_quantization, self.accelerator.device)
         denoiser.to(self.accelerator.device)
-        self.adapter = TrainedAdapter(p, self.family, self.family.lora_target_modules(denoiser, p.target_modules))
+        self.adapter = TrainedAdapter(p, self.family, targets)
         torch.manual_seed(derived_seed(p.seed, "init"))  # the adapter's random init
         self.adapter.add_to(denoiser, self._saved_start(latest))
         self.family.check_adapter(denoiser)  # before a step is spent on what export would refuse
