@@ -168,6 +168,13 @@ def an_image_without_caption(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
 
 
 @contextmanager
+def a_prior_dataset_without_images(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+    (tmp / "empty").mkdir()
+    yield [str(ws.config), "--set", "data.path=null", "--set",
+           f"data.datasets=[{{path: {ws.root / 'data'}}}, {{path: {tmp / 'empty'}, role: prior}}]"]
+
+
+@contextmanager
 def a_malformed_metadata_row_with_strict(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
     shutil.copytree(ws.root / "data", tmp / "data")
     (tmp / "data" / "metadata.jsonl").write_text('{"file_name": "rocket.jpg", "text": "a rocket"}\n{"file_name": \n')
@@ -196,6 +203,15 @@ ROWS = [
     Row("prior weight not positive", args("--set", "train.prior_loss_weight=0"),
         ("train.prior_loss_weight", "greater than 0"), 2),
     Row("--set into a value", args("--set", "name.x=1"), ("--set name.x", "name is not a section"), 2),
+    Row("caption_variants unbounded", args("--set", "encode.caption_variants=100000000", "--set",
+                                           "encode.shuffle_tags=true"),
+        ("encode.caption_variants", "less than or equal to 64"), 2),
+    Row("only prior datasets", args("--set", "data.path=null", "--set", "data.datasets=[{{path: {tmp}, role: prior}}]"),
+        ("data.datasets", "every dataset has role: prior", "nothing to learn"), 2),
+    Row("cache_dir of another protocol", args("--set", "cache_dir=gs://bucket/prefix"),
+        ("cache_dir", "gs://bucket/prefix: only s3:// URLs"), 2),
+    Row("credentials in cache_dir", args("--set", "cache_dir=s3://AKIAEXAMPLE:hunter2@bucket/prefix"),
+        ("cache_dir", "credentials in a URL"), 2),
     Row("unknown stage (--only)", args("--only", "trian"), ("unknown stage 'trian'", "preprocess, encode"),),
     Row("unknown stage (--force)", args("--force", "evaluat"), ("unknown stage 'evaluat'",)),
     # the model
@@ -220,6 +236,8 @@ ROWS = [
     Row("cache folder not writable", unwritable_cache, ("cache_dir", "permission denied"), plain_user=True),
     # found while the stages run
     Row("no usable image", no_images, ("no usable image in", "empty"), in_flow=True),
+    Row("prior dataset without a usable image", a_prior_dataset_without_images,
+        ("no usable image in dataset 'empty' (role: prior)", "data.datasets"), in_flow=True),
     Row("image without a caption", an_image_without_caption, ("rocket.jpg", "no caption", "missing_caption"),
         in_flow=True),
     Row("malformed metadata row with --strict", a_malformed_metadata_row_with_strict,
@@ -229,6 +247,8 @@ ROWS = [
         ("train.prior_target: base_output needs the adapter switched off to leave the base",), 2),
     Row("prior setting without prior data", args("--set", "train.prior_target=base_output"),
         ("train.prior_target: no training image comes from a dataset with role: prior",), in_flow=True),
+    Row("target module that is not a layer", args("--set", "train.target_modules=[to_out]"),
+        ("train.target_modules: to_out: ", "is a ModuleList", "such as to_out.0"), in_flow=True),
     Row("max_steps below a kept checkpoint", args("--set", "train.max_steps=1"),
         ("checkpoints/step-000004 is past train.max_steps=1", "--force train"), in_flow=True),
     Row("earlier stage not cached", args("--only", "evaluate", "--set", "train.learning_rate=0.004"),
