@@ -25,6 +25,7 @@ from stages.library_notes import quiet_harmless_notes
 from stages.optional_libraries import hide
 
 STRICT = ["preprocess.on_bad_row=error"]  # --strict: a bad metadata row stops the run
+INTERRUPTED = "interrupted; run again to resume (finished stages stay cached)"  # Ctrl-C outside training
 FLOW_COMMANDS = ("demo", "run")  # the commands that run the pipeline in this process
 PREFECT_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
@@ -84,9 +85,8 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault("PREFECT_HOME", str((args.workdir / "prefect").resolve()))
     try:
         return _dispatch(args)
-    except KeyboardInterrupt as interrupt:  # one line, no traceback; the stage's says how far it got
-        print(f"lorapipe: {interrupt or 'interrupted; run again to resume (finished stages stay cached)'}",
-              file=sys.stderr)
+    except KeyboardInterrupt as interrupt:  # one line, no traceback; a stage's own (Interrupted) says how far it got
+        print(f"lorapipe: {str(interrupt) or INTERRUPTED}", file=sys.stderr)
         return 130
     except Exception as error:
         if args.debug:

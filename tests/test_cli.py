@@ -50,6 +50,27 @@ def test_ctrl_c_in_training_is_one_line_exit_130_and_keeps_the_checkpoint(tmp_pa
     assert stderr.splitlines()[0].startswith("lorapipe: running pipeline 'interrupted'"), stderr[:500]
 
 
+@pytest.mark.slow
+def test_ctrl_c_before_training_says_what_was_kept(tmp_path, tiny_config):
+    """Interrupted while Prefect starts (no stage's own message): the README's line, not a bare prefix."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
+    run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(tiny_config(tmp_path, "early"))], cwd=REPO,
+                           env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in run.stderr:
+            if line.startswith("lorapipe: running pipeline"):  # printed just before Prefect's start-up
+                os.killpg(run.pid, signal.SIGINT)
+                break
+        stderr = run.communicate(timeout=120)[1]
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    assert run.returncode == 130, stderr
+    assert stderr.strip().splitlines()[-1] == ("lorapipe: interrupted; run again to resume (finished stages stay"
+                                               " cached)"), stderr[-2000:]
+    assert "Traceback" not in stderr
+
+
 NOTES = """
 import logging
 from stages.library_notes import quiet_harmless_notes
