@@ -78,12 +78,18 @@ def test_a_file_without_read_permission_is_reported(folder, tmp_path):
 def test_missing_and_empty_caption_policies(folder, tmp_path):
     (folder / "rocket.txt").unlink()
     (folder / "camera.txt").write_text("  \n")
-    with pytest.raises(ValueError, match=r"camera.jpg: no caption \(.*\(and 1 more\)") as err:
+    with pytest.raises(ValueError, match=r"camera.jpg: no caption \(camera.txt is empty\) \(and 1 more\)") as err:
         preprocess(folder, tmp_path)
     assert "\n" not in str(err.value)
+    (folder / "camera.txt").write_text("a camera")
+    with pytest.raises(ValueError, match=r"rocket.jpg: no caption \(looked for rocket.txt, rocket.caption and a row"
+                                         r" naming it in a metadata.jsonl or metadata.csv\);"):
+        preprocess(folder, tmp_path)
+    (folder / "camera.txt").write_text("  \n")
     samples, report, _, _ = preprocess(folder, tmp_path, missing_caption="skip")
     assert len(samples) == 6 and {(r["path"], r["reason"]) for r in report["rejected"]} == {
         ("rocket.jpg", "missing_caption"), ("camera.jpg", "missing_caption")}
+    assert {r["path"]: r["detail"] for r in report["rejected"]}["camera.jpg"] == "camera.txt is empty"
     samples, _, _, _ = preprocess(folder, tmp_path, missing_caption="filename")
     assert {s["id"]: s["caption"] for s in samples}["rocket"] == "rocket"
 
@@ -387,7 +393,8 @@ def test_a_dot_caption_sidecar_is_used_where_no_txt_exists_unless_caption_ext_is
     assert {s["id"]: s["caption"] for s in samples} == {"both": "a caption", "kohya": "from the caption file"}
     _, report, _, _ = preprocess(data, tmp_path, caption_ext=".txt", missing_caption="skip")
     assert [(r["path"], r["reason"], r["detail"]) for r in report["rejected"]] == [
-        ("kohya.png", "missing_caption", "no .txt sidecar or metadata entry")]
+        ("kohya.png", "missing_caption", "looked for kohya.txt and a row naming it in a metadata.jsonl or"
+                                         " metadata.csv")]
     with StatCache(tmp_path / "stat.sqlite") as cache:
         def key(**params):
             return dataset_ingredients((DatasetSource(path=data),), PreprocessParams(**params), cache)

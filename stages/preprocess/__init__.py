@@ -197,7 +197,7 @@ def _caption(c: Candidate, policy: str) -> str | None:
     if text:
         return text
     if policy == "skip":
-        raise Rejected("missing_caption", c.caption_problem if c.caption is None else "empty caption")
+        raise Rejected("missing_caption", c.caption_problem)
     return {"error": None, "filename": c.rel.rsplit("/", 1)[-1].rsplit(".", 1)[0].replace("_", " "),
             "empty": ""}[policy]
 

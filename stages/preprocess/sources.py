@@ -113,7 +113,7 @@ class Candidate:
     rel: str  # path relative to the dataset folder; "row-N" for hf / parquet rows
     label: str  # what the user sees: rel, prefixed by the dataset name when there are several
     caption: str | None  # None: no caption found
-    caption_problem: str  # why there is no caption (when caption is None)
+    caption_problem: str  # why there is no caption, should `caption` be None or blank
     open: Callable[[], BinaryIO]  # the image file, opened for reading (OSError when unreadable)
     digest: Callable[[], str]  # content digest of those bytes (stat-cached for files)
     mask: MaskFile | None = None  # its sidecar mask (a folder dataset with mask: sidecar)
@@ -201,7 +201,7 @@ def candidates(source: DatasetSource, index: int, prefix: str, stat_cache: StatC
     found = []
     for rel, sidecar in scan.images.items():
         path = scan.listing.files[rel]
-        caption, problem = _caption(source, captions.get(rel), sidecar and scan.listing.files[sidecar])
+        caption, problem = _caption(source, rel, captions.get(rel), sidecar and scan.listing.files[sidecar])
         found.append(Candidate(index, rel, prefix + rel, caption, problem, lambda path=path: path.open("rb"),
                                lambda path=path: stat_cache.digest(path), _mask_file(scan, rel, stat_cache)))
     refused = [{"path": prefix + rel, "reason": reason, "detail": detail} for rel, reason, detail in scan.refused]
@@ -216,19 +216,22 @@ def _mask_file(scan: FolderScan, image: str, stat_cache: StatCache) -> MaskFile 
     return MaskFile(scan.masks[image], lambda: path.open("rb"), lambda: stat_cache.digest(path))
 
 
-def _caption(source: DatasetSource, row: MetadataCaption | None, sidecar: Path | ObjectFile | None
+def _caption(source: DatasetSource, image: str, row: MetadataCaption | None, sidecar: Path | ObjectFile | None
              ) -> tuple[str | None, str]:
-    """(caption, why there is none): the metadata row's, else the sidecar's."""
+    """(caption, what to say should it be missing or blank) for the image at relative path `image`:
+    the metadata row's, else the sidecar's."""
     if row and row.text is not None:
-        return row.text, ""
+        return row.text, f"{row.where} has an empty {source.caption_column!r} value"
     if sidecar:
         try:
-            return sidecar.read_text(encoding="utf-8", errors="replace"), ""
+            return sidecar.read_text(encoding="utf-8", errors="replace"), f"{sidecar.name} is empty"
         except OSError as e:
             return None, f"caption file {sidecar.name} is unreadable ({e.strerror})"
     if row:
         return None, f"{row.where} has no {source.caption_column!r} value (caption_column)"
-    return None, f"no {' or '.join(source.caption_exts)} sidecar or metadata entry"
+    stem = posixpath.basename(image).rsplit(".", 1)[0]
+    return None, (f"looked for {', '.join(stem + ext for ext in source.caption_exts)} and a row naming it in a"
+                  f" {' or '.join(METADATA_FILES)}")
 
 
 def _bad_row_error(source: DatasetSource, problems: list[RowProblem]) -> str:
@@ -243,11 +246,11 @@ def _table_candidates(source: DatasetSource, index: int, prefix: str) -> list[Ca
     for column in (source.image_column, source.caption_column):
         if column not in table.column_names:
             raise ValueError(f"{source.path}: no column {column!r} (columns: {', '.join(table.column_names)})")
-    found = []
+    found, no_caption = [], f"no {source.caption_column!r} value in this row"
     for row, caption in enumerate(table[source.caption_column]):
         read = lambda row=row: row_image_bytes(source, row)  # noqa: E731
         text = None if caption is None else str(caption)
-        found.append(Candidate(index, f"row-{row}", f"{prefix}row-{row}", text, "no caption in this row",
+        found.append(Candidate(index, f"row-{row}", f"{prefix}row-{row}", text, no_caption,
                                lambda read=read: io.BytesIO(read()), lambda read=read: digest_bytes(read())))
     return found
 
