@@ -9,6 +9,8 @@ from __future__ import annotations
 import errno
 import os
 import sqlite3
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -64,6 +66,16 @@ def blame_full_disk_on(error: BaseException, folder: Path) -> None:
     that the user's line says which disk is full."""
     if isinstance(error, OSError) and error.filename is None and error.errno in NO_SPACE:
         error.filename = str(folder)
+
+
+@contextmanager
+def naming_a_full_disk(folder: Path) -> Iterator[None]:
+    """Around writes into `folder`: a full-disk error raised in the block names it (blame_full_disk_on)."""
+    try:
+        yield
+    except OSError as error:
+        blame_full_disk_on(error, folder)
+        raise
 
 
 def unusable_folder(key: str, folder: Path, error: OSError) -> str:

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .digest import digest_bytes, digest_file
-from .errors import CacheRootError, unusable_folder
+from .errors import CacheRootError, naming_a_full_disk, unusable_folder
 from .fsutil import probe_writable, remove_tree, user_cache_dir
 from .lease import Lease, lease_lock
 from .lock import key_lock
@@ -207,7 +207,7 @@ class ObjectArtifactStore(ArtifactStore):
         """This host's copy of the artifact, downloaded and checked against its digests if need be."""
         self._mark()
         local = self.artifact_dir(stage, key)
-        with key_lock(self.root / "locks" / "fetch" / f"{stage}-{key}.lock"):
+        with naming_a_full_disk(self.root), key_lock(self.root / "locks" / "fetch" / f"{stage}-{key}.lock"):
             if _holds(local, manifest):
                 return local
             tmp = self.root / "tmp" / "fetch" / f"{stage}-{key}.{os.getpid()}"

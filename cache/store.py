@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 from .digest import canonical_json, digest_file, digest_json
-from .errors import CacheRootError, blame_full_disk_on, unusable_folder
+from .errors import CacheRootError, naming_a_full_disk, unusable_folder
 from .fsutil import fsync_tree, probe_writable, remove_tree, write_json_atomic
 from .lock import key_lock
 from .samples import SampleStore
@@ -246,11 +246,8 @@ class ArtifactStore:
                 if found.artifact:
                     self._discard(found.artifact)
                 self._discard_work(stage, stage_key.work_key)
-            try:
+            with naming_a_full_disk(self.root):  # a build's writes go into its out and work dirs, in here
                 return self._build_locked(stage_key, build, producer, held, log), True
-            except OSError as error:
-                blame_full_disk_on(error, self.root)  # a build's writes go into its out and work dirs, in here
-                raise
 
     def _build_locked(self, stage_key: StageKey, build, producer, held, log) -> Artifact:
         stage, key = stage_key.stage, stage_key.key
@@ -312,15 +309,16 @@ class ArtifactStore:
     # ---- what each pipeline last used (for miss reasons, `cache ls` and gc)
     def remember(self, pipeline: str, stage_key: StageKey, artifact: Artifact) -> None:
         refs_path = self.root / "refs" / f"{pipeline}.json"
-        refs_path.parent.mkdir(parents=True, exist_ok=True)
-        with key_lock(refs_path.with_suffix(".lock")):
-            refs = json.loads(refs_path.read_text()) if refs_path.exists() else {}
-            refs[stage_key.stage] = {"key": stage_key.key, "ingredients": stage_key.ingredients}
-            write_json_atomic(refs_path, refs)
         uses = self.root / "uses" / stage_key.stage / f"{artifact.key}.jsonl"
-        uses.parent.mkdir(parents=True, exist_ok=True)
-        with open(uses, "a") as f:
-            f.write(json.dumps({"pipeline": pipeline, "time": time.time()}) + "\n")
+        with naming_a_full_disk(self.root):
+            refs_path.parent.mkdir(parents=True, exist_ok=True)
+            with key_lock(refs_path.with_suffix(".lock")):
+                refs = json.loads(refs_path.read_text()) if refs_path.exists() else {}
+                refs[stage_key.stage] = {"key": stage_key.key, "ingredients": stage_key.ingredients}
+                write_json_atomic(refs_path, refs)
+            uses.parent.mkdir(parents=True, exist_ok=True)
+            with open(uses, "a") as f:
+                f.write(json.dumps({"pipeline": pipeline, "time": time.time()}) + "\n")
 
     def previous(self, pipeline: str, stage: str) -> dict[str, Any] | None:
         refs_path = self.root / "refs" / f"{pipeline}.json"
@@ -341,9 +339,10 @@ class ArtifactStore:
     def record_run(self, pipeline: str, run: str, keys: dict[str, str]) -> None:
         """Append one completed run (its name and the artifact key of each stage it used)."""
         path = self.root / RUNS_DIR / f"{pipeline}.jsonl"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a") as f:  # one short O_APPEND write: concurrent runs do not interleave
-            f.write(json.dumps({"run": run, "time": time.time(), "keys": keys}) + "\n")
+        with naming_a_full_disk(self.root):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "a") as f:  # one short O_APPEND write: concurrent runs do not interleave
+                f.write(json.dumps({"run": run, "time": time.time(), "keys": keys}) + "\n")
 
     def runs(self) -> dict[str, list[dict[str, Any]]]:
         """pipeline -> its completed runs, oldest first."""

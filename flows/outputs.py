@@ -27,7 +27,7 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from cache.errors import UserError
+from cache.errors import UserError, naming_a_full_disk
 from cache.fsutil import fsync_dir, fsync_tree, remove_tree
 from cache.lock import key_lock
 from cache.object_store import open_store
@@ -69,7 +69,7 @@ def finish_run(out: Path, config: PipelineConfig, results: list[StageResult], ru
     stages rebuilt during a later stage read `repaired` from here on. Returns the summary's rows."""
     record_repairs(results)
     out.mkdir(parents=True, exist_ok=True)
-    with key_lock(out / PUBLISH_LOCK):
+    with naming_a_full_disk(out), key_lock(out / PUBLISH_LOCK):
         staging = out / STAGING
         remove_tree(staging)  # what a publish cut off in step 1 left
         staging.mkdir()

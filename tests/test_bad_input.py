@@ -24,6 +24,7 @@ import pytest
 
 from cache.store import ArtifactStore
 from flows.plan import STAGES
+from mounts import tmpfs
 from stages.train.checkpoints import CheckpointDir
 
 pytestmark = pytest.mark.slow
@@ -122,19 +123,12 @@ def a_file_at(key: str) -> Setup:
     return setup
 
 
-def tmpfs(options: str) -> Setup:
+def on_tmpfs(options: str) -> Setup:
     """cache_dir on a small tmpfs mounted for the row (needs the right to mount; else skipped)."""
     @contextmanager
     def setup(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
-        mount = tmp / "mnt"
-        mount.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(mount)], capture_output=True)
-        if done.returncode != 0:
-            pytest.skip(f"cannot mount a tmpfs here: {done.stderr.decode().strip()}")
-        try:
+        with tmpfs(tmp / "mnt", options) as mount:
             yield [str(ws.config), "--set", f"cache_dir={mount / 'cache'}", "--set", f"output_dir={tmp / 'out'}"]
-        finally:
-            subprocess.run(["umount", str(mount)], check=True)
     return setup
 
 
@@ -232,7 +226,7 @@ ROWS = [
         ("cache/locks is a file where the cache keeps a folder",)),
     Row("output_dir is a file", a_file_at("output_dir"),
         ("output_dir", "file is a file where a folder is expected")),
-    Row("read-only cache filesystem", tmpfs("ro,size=64k"), ("cache_dir", "read-only")),
+    Row("read-only cache filesystem", on_tmpfs("ro,size=64k"), ("cache_dir", "read-only")),
     Row("cache folder not writable", unwritable_cache, ("cache_dir", "permission denied"), plain_user=True),
     # found while the stages run
     Row("no usable image", no_images, ("no usable image in", "empty"), in_flow=True),
@@ -256,7 +250,7 @@ ROWS = [
         ("train is not selected to run and has no cached artifact", "--only"), in_flow=True),
     Row("file where a stage's lock folder is", file_in_the_cache("locks/train", "--set", "train.learning_rate=0.003"),
         ("cache/locks/train is a file where a folder is expected",), in_flow=True),
-    Row("disk full", tmpfs("size=128k"), ("mnt/cache: the disk is full", "cache gc"), in_flow=True),
+    Row("disk full", on_tmpfs("size=128k"), ("mnt/cache: the disk is full", "cache gc"), in_flow=True),
 ]
 
 
