@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stages.launching import JOB_DONE, die_with_parent, skip_exit_collection, start_worker, stream, write_whole_lines
+from stages.launching import JOB_DONE, begin_worker, skip_exit_collection, start_worker, stream
 from stages.optional_libraries import hide_named
 
 if TYPE_CHECKING:
@@ -95,8 +95,7 @@ def _key(env: dict[str, str]) -> tuple:
 
 
 def main(modules: list[str]) -> None:
-    write_whole_lines()
-    die_with_parent()
+    begin_worker()
     hide_named()  # before the modules import diffusers
     for name in modules:
         getattr(importlib.import_module(name), "warm_up", lambda: None)()

@@ -28,6 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from cache.errors import UserError, blame_full_disk_on, user_message
+from stages.library_notes import quiet_harmless_notes
 
 if TYPE_CHECKING:
     from stages.contract import Log
@@ -66,6 +67,16 @@ def skip_exit_collection() -> None:
     out of its reach. Call it when the process's work is done: its files are closed by then, and
     atexit handlers still run."""
     gc.freeze()
+
+
+def begin_worker() -> None:
+    """First in the main of every process that runs a stage's job (stages/ahead.py, encode's
+    workers, the training recipe), so that none goes without: write whole lines, die with the
+    stage process, and drop the library notes that tell a user nothing (stages/library_notes.py:
+    the output of a worker is the user's terminal and the run's log)."""
+    write_whole_lines()
+    die_with_parent()
+    quiet_harmless_notes()
 
 
 def write_whole_lines() -> None:

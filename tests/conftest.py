@@ -18,6 +18,7 @@ os.environ.update({
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
 })
 
+LIBRARY_WARNINGS_SHOWN = {"TRANSFORMERS_VERBOSITY": "warning", "DIFFUSERS_VERBOSITY": "warning"}  # as for a user
 REPO = Path(__file__).resolve().parent.parent
 DEMO_IMAGES = REPO / "stages" / "assets" / "demo_images"
 

@@ -13,11 +13,13 @@ from pathlib import Path
 
 import pytest
 
+from conftest import LIBRARY_WARNINGS_SHOWN
+
 pytestmark = pytest.mark.slow
 
 
 def lorapipe(*args: str, cwd: Path, prefect_home: Path | None = None) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PREFECT_HOME": str(prefect_home or cwd / "prefect-home")}
+    env = {**os.environ, **LIBRARY_WARNINGS_SHOWN, "PREFECT_HOME": str(prefect_home or cwd / "prefect-home")}
     return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, text=True,
                           capture_output=True, timeout=900)
 
@@ -41,6 +43,15 @@ def test_demo_writes_the_lora_grid_and_metrics_and_says_where(demo_runs):
         assert (outputs / name).is_file()
         assert str(outputs / name) in first.stdout
     assert [s["status"] for s in summary["stages"]] == ["computed"] * 4
+
+
+def test_the_terminal_shows_no_library_note_that_tells_the_user_nothing(demo_runs):
+    """Encode, train and evaluate ran in the process started ahead, whose output the terminal shows
+    (stages/library_notes.py)."""
+    first = demo_runs[1]
+    assert "evaluate: in the process started ahead" in first.stderr
+    for note in ("No LoRA keys associated to", "requires torchvision"):
+        assert note not in first.stdout + first.stderr
 
 
 def test_demo_lora_beats_the_base_model_on_its_training_samples(demo_runs):

@@ -15,6 +15,7 @@ import pytest
 from PIL import Image, ImageChops
 from pydantic import ValidationError
 
+from conftest import LIBRARY_WARNINGS_SHOWN
 from stages.evaluate import EvalInputs, EvalParams, run
 from stages.evaluate.render import HEADER_HEIGHT, LABEL_WIDTH, cell
 
@@ -77,17 +78,20 @@ def test_an_evaluation_in_the_process_started_ahead_writes_the_same_files(evalua
                                                                            lora_dir, encoded):
     """A run that trains hands evaluate's job to the process it started ahead (stages/ahead.py),
     which trained the LoRA: the grid, metrics and report are byte for byte those of an evaluation
-    in the command's own process (the same number of CPU threads)."""
+    in the command's own process (the same number of CPU threads). What it prints goes to the
+    terminal without the library notes that tell a user nothing (stages/library_notes.py)."""
     from stages import ahead
 
     first, params, info = evaluated
-    ahead.start_ahead({}, ("stages.train.recipe",))
+    ahead.start_ahead(LIBRARY_WARNINGS_SHOWN, ("stages.train.recipe",))
     try:
         built = _evaluate(params, tiny_model, lora_dir, encoded, tmp_path / "ahead")
         assert ahead.waiting()  # it stays for a next job, until the command ends it
     finally:
         ahead.end()
-    assert "evaluate: base model" in (tmp_path / "ahead-work" / "logs" / "evaluate.log").read_text()  # it ran there
+    printed = (tmp_path / "ahead-work" / "logs" / "evaluate.log").read_text()
+    assert "evaluate: base model" in printed  # it ran there
+    assert "No LoRA keys" not in printed and "requires torchvision" not in printed
     assert built.info == info
     for name in DATA_FILES:
         assert (tmp_path / "ahead" / name).read_bytes() == (first / name).read_bytes(), name

@@ -28,8 +28,8 @@ from cache.samples import SampleStore
 from ..contract import Log
 from ..encoded import encode_record
 from .. import ahead
-from ..launching import (die_with_parent, reporting_errors, run_streaming, skip_exit_collection, torch_threads,
-                         write_accelerate_config, write_whole_lines)
+from ..launching import (begin_worker, reporting_errors, run_streaming, skip_exit_collection, torch_threads,
+                         write_accelerate_config)
 from ..optional_libraries import hide
 from .images import sample_label
 from .latents import Progress, encode_latents
@@ -241,8 +241,7 @@ def run_job(job_path: Path) -> None:
 
 def main(job_path: Path) -> None:
     hide()  # before the encoders import diffusers: encoding never uses the optional libraries
-    write_whole_lines()
-    die_with_parent()
+    begin_worker()
     run_job(job_path)
 
 

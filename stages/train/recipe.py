@@ -59,7 +59,7 @@ from cache.samples import DamagedRecord  # noqa: E402
 from stages import families  # noqa: E402
 from stages.encoded import EncodedData  # noqa: E402
 from stages.families.objectives import Objective  # noqa: E402
-from stages.launching import die_with_parent, reporting_errors, skip_exit_collection, write_whole_lines  # noqa: E402
+from stages.launching import begin_worker, reporting_errors, skip_exit_collection  # noqa: E402
 from stages.progress import progress_line  # noqa: E402
 from stages.train.adapter import check_targets, kohya_network_dim_alpha  # noqa: E402
 from stages.train.checkpoints import CheckpointDir, step_name  # noqa: E402
@@ -514,8 +514,7 @@ def run_job(job_path: Path) -> None:
 
 
 def main(argv: list[str]) -> None:
-    write_whole_lines()
-    die_with_parent()
+    begin_worker()
     run_job(Path(argv[1]))
 
 
