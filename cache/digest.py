@@ -43,10 +43,17 @@ def digest_file(path: Path) -> str:
 class StatCache:
     """Maps (path, size, mtime_ns, inode) to a content digest, persisted in sqlite."""
 
-    def __init__(self, db_path: Path):
-        db_path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(db_path, timeout=60, check_same_thread=False)
-        self._db.execute("PRAGMA journal_mode=WAL")
+    def __init__(self, db_path: Path, read_only: bool = False):
+        """read_only: for a folder this process may not write: the digests the database holds are
+        used (none where there is no database yet), and new ones are kept in memory only."""
+        self.read_only = read_only
+        if read_only:  # immutable: no lock, journal or -shm file to create beside it
+            where = f"{db_path.resolve().as_uri()}?immutable=1" if db_path.exists() else ":memory:"
+            self._db = sqlite3.connect(where, uri=True, check_same_thread=False)
+        else:
+            db_path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = sqlite3.connect(db_path, timeout=60, check_same_thread=False)
+            self._db.execute("PRAGMA journal_mode=WAL")
         self._db.execute(
             "CREATE TABLE IF NOT EXISTS digests (path TEXT PRIMARY KEY, size INTEGER,"
             " mtime_ns INTEGER, inode INTEGER, digest TEXT)"
@@ -74,7 +81,9 @@ class StatCache:
         digest = compute()
         with self._lock:
             self.hashed += 1
-            self._known[name] = self._pending[name] = (name, *version, digest)
+            self._known[name] = row = (name, *version, digest)
+            if not self.read_only:
+                self._pending[name] = row
             if len(self._pending) >= 512:
                 self._flush()
         return digest

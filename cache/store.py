@@ -168,6 +168,12 @@ class ArtifactStore:
         except OSError as error:
             raise CacheRootError(unusable_folder("cache_dir", self.root, error)) from error
 
+    def writable(self) -> bool:
+        """Whether this process may write in the cache folder, or make it (not on a read-only
+        filesystem, nor without the permission)."""
+        existing = next(folder for folder in (self.root, *self.root.parents) if folder.exists())
+        return os.access(existing, os.W_OK)
+
     # ---- reading
     def lookup(self, stage: str, key: str) -> Lookup:
         """Cheap check: manifest parses, every listed file exists with its listed size."""

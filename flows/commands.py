@@ -166,7 +166,7 @@ def status(config_path: Path, overrides: list[str], as_json: bool) -> int:
     from .plan import STAGES, Context
     from .runner import explain
 
-    ctx = Context(config, log=note)
+    ctx = Context(config, log=note, reads_only=True)
     try:
         rows = explain(ctx, STAGES)
     finally:
@@ -278,7 +278,7 @@ def cache(args) -> int:
     from cache.gc import collect
 
     store = _open_cache(args)
-    if args.action in ("rm", "gc"):
+    if args.action != "ls":  # verify removes the shards it finds damaged
         store.ensure_usable()
     if args.action == "ls":
         return _cache_ls(store, args.json)

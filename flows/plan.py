@@ -38,12 +38,16 @@ class Step:
 class Context:
     """Per-run facts shared by the steps: the store, the stat cache, the model's identity."""
 
-    def __init__(self, config: PipelineConfig, log: Log = print):
+    def __init__(self, config: PipelineConfig, log: Log = print, reads_only: bool = False):
+        """reads_only: for a command that writes nothing in the cache (status): a cache folder this
+        process may not write (a read-only filesystem, no permission) is read as it is."""
         self.config, self.log = config, log
         use_storage_options(config.storage_options)  # for this process and the stages' child processes
         self.store = open_store(config.cache_dir, object_settings(config), log)
-        self.store.ensure_usable()
-        self.stat_cache = StatCache(self.store.root / "stat-cache.sqlite")  # on this host, for an object store
+        read_only = reads_only and not self.store.writable()
+        if not read_only:
+            self.store.ensure_usable()
+        self.stat_cache = StatCache(self.store.root / "stat-cache.sqlite", read_only)  # on this host, for an object store
 
     @cached_property
     def declared_family(self) -> families.Family:

@@ -254,10 +254,10 @@ ROWS = [
 ]
 
 
-def lorapipe_run(ws: Workspace, argv: list[str], plain_user: bool) -> subprocess.CompletedProcess:
+def lorapipe(ws: Workspace, argv: list[str], plain_user: bool) -> subprocess.CompletedProcess:
     env = {**os.environ, "PREFECT_HOME": str(ws.root / "prefect-home")}
     demote = plain_user and os.geteuid() == 0
-    return subprocess.run([sys.executable, "-m", "flows.cli", "run", *argv], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "flows.cli", *argv], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600, preexec_fn=_as_a_plain_user() if demote else None)
 
 
@@ -273,7 +273,7 @@ def assert_nothing_cached_was_lost(ws: Workspace) -> None:
 @pytest.mark.parametrize("row", ROWS, ids=lambda row: row.name)
 def test_a_bad_input_ends_the_run_with_one_line(ws, tmp_path, row):
     with row.setup(ws, tmp_path) as argv:
-        done = lorapipe_run(ws, argv, row.plain_user)
+        done = lorapipe(ws, ["run", *argv], row.plain_user)
     lines = done.stderr.splitlines()
     assert done.returncode == row.code, done.stderr[-3000:]
     last = lines[-1]
@@ -292,6 +292,37 @@ def test_a_bad_input_ends_the_run_with_one_line(ws, tmp_path, row):
 
 def test_debug_shows_the_traceback_and_still_ends_with_the_line(ws, tmp_path):
     with model_copy(lambda m: truncate(m / "vae" / "diffusion_pytorch_model.safetensors"))(ws, tmp_path) as argv:
-        done = lorapipe_run(ws, [*argv, "--debug"], plain_user=False)
+        done = lorapipe(ws, ["run", *argv, "--debug"], plain_user=False)
     assert done.returncode == 1 and "Traceback (most recent call last)" in done.stderr
     assert "vae/diffusion_pytorch_model.safetensors is truncated" in done.stderr.splitlines()[-1]
+
+
+@contextmanager
+def folders_read_only(root: Path) -> Iterator[None]:
+    """`root` and every folder in it without write permission, as on a share mounted read-only
+    (files cannot be made, renamed or removed in them); their modes are put back afterwards."""
+    modes = {folder: folder.stat().st_mode for folder in [root, *root.rglob("*")] if folder.is_dir()}
+    for folder in modes:
+        folder.chmod(0o555)
+    try:
+        yield
+    finally:
+        for folder, mode in modes.items():
+            folder.chmod(mode)
+
+
+def test_status_and_cache_ls_read_a_cache_they_may_not_write_and_the_rest_refuse_it(ws):
+    cache = ["--cache-dir", str(ws.cache)]
+    with folders_read_only(ws.cache):
+        status = lorapipe(ws, ["status", str(ws.config), "--json"], plain_user=True)
+        listed = lorapipe(ws, ["cache", "ls", *cache], plain_user=True)
+        refused = [lorapipe(ws, argv, plain_user=True) for argv in (["cache", "verify", *cache], ["cache", "gc", *cache])]
+    assert status.returncode == 0, status.stderr[-3000:]
+    assert [(row["stage"], row["status"]) for row in json.loads(status.stdout)["stages"]] == [
+        ("preprocess", "hit"), ("encode", "hit"), ("train", "hit"), ("evaluate", "miss")]
+    assert listed.returncode == 0 and listed.stdout.count("\n") == 4, listed.stderr[-3000:]  # a header, 3 artifacts
+    for done in refused:  # verify removes the shards it finds damaged, gc what is unused
+        assert done.returncode == 1 and len(done.stderr.splitlines()) == 1, done.stderr
+        assert done.stderr.startswith(f"lorapipe: error: cache_dir {ws.cache} cannot be used") and \
+            "permission denied" in done.stderr, done.stderr
+    assert_nothing_cached_was_lost(ws)

@@ -175,6 +175,24 @@ def test_stat_cache_reads_a_file_only_when_its_stat_changes(tmp_path):
         assert reopened.hashed == 0
 
 
+def test_a_read_only_stat_cache_uses_the_digests_kept_and_writes_nothing(tmp_path):
+    """As `lorapipe status` opens the stat cache of a cache folder it may not write."""
+    kept, new = tmp_path / "data" / "kept.jpg", tmp_path / "data" / "new.jpg"
+    kept.parent.mkdir()
+    kept.write_bytes(b"pixels")
+    with StatCache(tmp_path / "cache" / "stat.sqlite") as cache:
+        digest = cache.digest(kept)
+    files = {p: p.read_bytes() for p in (tmp_path / "cache").iterdir()}
+    new.write_bytes(b"more pixels")
+    with StatCache(tmp_path / "cache" / "stat.sqlite", read_only=True) as cache:
+        assert cache.digest(kept) == digest and cache.hashed == 0
+        assert cache.digest(new) == cache.digest(new) and cache.hashed == 1
+    assert {p: p.read_bytes() for p in (tmp_path / "cache").iterdir()} == files
+    with StatCache(tmp_path / "none" / "stat.sqlite", read_only=True) as cache:  # no database yet
+        assert cache.digest(kept) == digest
+    assert not (tmp_path / "none").exists()
+
+
 def test_sample_store_shards_are_deterministic_and_readable_by_offset(tmp_path):
     records = {f"k{i}": {"safetensors": bytes([i]) * (100 + i), "json": b"{}"} for i in range(5)}
     a, b = SampleStore(tmp_path / "a"), SampleStore(tmp_path / "b")
