@@ -28,13 +28,16 @@ def note(line: str) -> None:
 
 def preflight(config: PipelineConfig, stage_names: list[str], start: str | None) -> None:
     """What can be checked before Prefect starts, so that it fails at once in one line: the stage
-    names, that output_dir and the cache can be written, that the model is whole and supported."""
+    names, OMP_NUM_THREADS, that output_dir and the cache can be written, that the model is whole
+    and supported."""
     from cache.errors import unusable_folder
     from cache.fsutil import probe_writable
+    from stages.cpu_threads import environment_threads
 
     from .plan import Context, selected_stages
 
     selected_stages(stage_names, start)
+    environment_threads()
     try:
         probe_writable(config.output_dir)
     except OSError as error:

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError, field_serializer, field_validator, model_validator
+from pydantic import Field, ValidationError, ValidationInfo, field_serializer, field_validator, model_validator
 
 from cache.errors import CacheRootError, UserError
 from cache.objects import bucket_and_prefix, is_url, local_path
@@ -107,10 +107,14 @@ class PipelineConfig(Frozen):
         " worker its credentials in its environment (AWS_* variables)")
     object_store: ObjectStoreConfig = ObjectStoreConfig()
     output_dir: Path
+    cpu_threads: int | None = Field(
+        None, gt=0, description="torch CPU threads per process in every stage (encode, train, evaluate), unless the"
+        " stage sets its own cpu_threads; default: OMP_NUM_THREADS, else the cores less one, shared among a stage's"
+        " processes (stages/cpu_threads.py). Not keyed: keep it equal where CPU runs must match byte for byte")
     model: ModelConfig
     data: DataConfig
     preprocess: PreprocessParams = PreprocessParams()
-    encode: EncodeConfig = EncodeConfig()
+    encode: EncodeConfig = Field(EncodeConfig(), validate_default=True)  # validated: it takes cpu_threads
     train: TrainConfig
     evaluate: EvaluateConfig
 
@@ -124,6 +128,15 @@ class PipelineConfig(Frozen):
             except CacheRootError as error:
                 raise ValueError(str(error)) from None
         return cache_dir
+
+    @field_validator("encode", "train", "evaluate")
+    @classmethod
+    def _config_threads(cls, section: Frozen, info: ValidationInfo) -> Frozen:
+        """A stage that does not set its cpu_threads takes the config's."""
+        threads = info.data.get("cpu_threads")
+        if section.cpu_threads is None and threads is not None:
+            return section.model_copy(update={"cpu_threads": threads})
+        return section
 
     @field_serializer("storage_options")
     def _hide_secrets(self, options: dict[str, Any]) -> dict[str, Any]:

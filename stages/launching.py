@@ -221,20 +221,6 @@ def reporting_errors(writes_into: Path) -> Iterator[None]:
         sys.exit(1)
 
 
-@contextmanager
-def torch_threads(threads: int) -> Iterator[None]:
-    """torch's CPU threads set to `threads` for a job, and set back after it: a process started
-    ahead (stages/ahead.py) runs jobs that use different numbers."""
-    import torch
-
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def die_with(parent_pid: int):
     """A child's preexec hook: SIGTERM when its parent `parent_pid` exits, even by SIGKILL. It runs
     between fork and exec, so it only calls the prctl resolved here and os.getppid."""

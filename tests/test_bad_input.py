@@ -66,6 +66,16 @@ def args(*extra: str) -> Setup:
     return setup
 
 
+def environment(name: str, value: str) -> Setup:
+    """The workspace's config, run with `name=value` in the environment."""
+    @contextmanager
+    def setup(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setenv(name, value)
+            yield [str(ws.config)]
+    return setup
+
+
 @contextmanager
 def missing_config(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
     yield [str(tmp / "nope.yaml")]
@@ -206,6 +216,9 @@ ROWS = [
         ("cache_dir", "gs://bucket/prefix: only s3:// URLs"), 2),
     Row("credentials in cache_dir", args("--set", "cache_dir=s3://AKIAEXAMPLE:hunter2@bucket/prefix"),
         ("cache_dir", "credentials in a URL"), 2),
+    Row("cpu_threads not positive", args("--set", "cpu_threads=0"), ("cpu_threads", "greater than 0"), 2),
+    Row("OMP_NUM_THREADS not a number", environment("OMP_NUM_THREADS", "many"),
+        ("OMP_NUM_THREADS='many' in the environment is not a number of threads", "cpu_threads")),
     Row("unknown stage (--only)", args("--only", "trian"), ("unknown stage 'trian'", "preprocess, encode"),),
     Row("unknown stage (--force)", args("--force", "evaluat"), ("unknown stage 'evaluat'",)),
     # the model

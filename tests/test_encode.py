@@ -18,6 +18,7 @@ import pytest
 from cache.digest import StatCache
 from cache.samples import SampleStore
 from stages import encode, families, preprocess
+from stages.cpu_threads import threads_per_process
 from stages.encoded import EncodedData
 from stages.models import component_digests
 
@@ -273,7 +274,8 @@ def test_two_processes_encode_each_record_once_into_one_index(tmp_path, demo_ima
     inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), tiny_model)
     out, built, logs = run_encode(tmp_path, inputs, num_processes=2, batch_size=2, shard_records=2)
     assert built.info["processes"] == 2 and built.info["latents_encoded"] == 8 and built.info["texts_encoded"] == 9
-    assert "[rank 1] encode: process 1 of 2: 4 latents, 4 text embeddings" in logs
+    threads = threads_per_process(None, processes=2)  # the cores less one, shared (stages/cpu_threads.py)
+    assert f"[rank 1] encode: process 1 of 2: 4 latents, 4 text embeddings, {threads} torch threads" in logs
     assert any(line.startswith("encode: latents 4/4 (rank 0's share of 2)") for line in logs)
     store = SampleStore(inputs.cache_root)
     written = [k for meta in store.dir.glob("*.json") for k in json.loads(meta.read_text())["records"]]

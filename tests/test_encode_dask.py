@@ -21,7 +21,9 @@ from stages.encode.workers import EncodeJobs
 
 from test_encode import encode_inputs, prepare, run_encode
 
-CHUNKED = {"batch_size": 2, "shard_records": 2}  # 17 records (8 latents, 9 texts) -> 9 chunks
+# 17 records (8 latents, 9 texts) -> 9 chunks, on one torch thread per process whichever executor
+# encodes them (CPU kernels' float sums depend on the thread count)
+CHUNKED = {"batch_size": 2, "shard_records": 2, "cpu_threads": 1}
 
 
 def artifact_files(out: Path) -> dict[str, bytes]:
@@ -37,16 +39,9 @@ def stored_keys(cache_root: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def local_reference(tmp_path_factory, demo_images, tiny_model):
-    """The local executor's artifact files, counts and refs for the demo images, chunked as the tests
-    chunk, on one thread as each worker runs (CPU kernels' float sums depend on the thread count)."""
-    import torch
-
-    root, threads = tmp_path_factory.mktemp("local"), torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        out, built, _ = run_encode(root, encode_inputs(root, prepare(root, demo_images), tiny_model), **CHUNKED)
-    finally:
-        torch.set_num_threads(threads)
+    """The local executor's artifact files, counts and refs for the demo images, chunked as the tests chunk."""
+    root = tmp_path_factory.mktemp("local")
+    out, built, _ = run_encode(root, encode_inputs(root, prepare(root, demo_images), tiny_model), **CHUNKED)
     return artifact_files(out), built
 
 
@@ -74,7 +69,7 @@ def test_a_local_dask_cluster_encodes_the_same_records_and_index_as_one_process(
     environment = dict(os.environ)
     out, built, logs = run_encode(tmp_path, inputs, executor="dask", dask_workers=2, **CHUNKED)
     assert dict(os.environ) == environment  # Dask's nanny left OMP_NUM_THREADS=1: training ran on one thread
-    assert "encode: 9 chunks of up to 2 records on 2 Dask workers" in logs
+    assert "encode: 9 chunks of up to 2 records on 2 Dask workers, 1 torch threads each" in logs
     same_as_local(out, built, local_reference)
     keys = stored_keys(inputs.cache_root)
     assert len(keys) == len(set(keys)) == 17

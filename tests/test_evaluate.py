@@ -97,6 +97,34 @@ def test_an_evaluation_in_the_process_started_ahead_writes_the_same_files(evalua
         assert (tmp_path / "ahead" / name).read_bytes() == (first / name).read_bytes(), name
 
 
+@pytest.mark.slow
+def test_encode_and_evaluate_in_the_process_started_ahead_run_on_the_threads_omp_num_threads_says(
+        tmp_path, tiny_model, lora_dir, encoded, monkeypatch, capsys):
+    """OMP_NUM_THREADS in the run's environment sets the torch threads of encode's and evaluate's
+    jobs in the process started ahead, whose own count is training's (stages/cpu_threads.py), not
+    every core: on a busy machine threads beyond the free cores made evaluate many times slower."""
+    from conftest import _encode_demo_images
+    from stages import ahead
+    from stages.encode import EncodeParams
+    from stages.train import TrainParams
+    from stages.train.launch import worker_env
+
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    ahead.start_ahead(worker_env(TrainParams(), 2), ("stages.train.recipe",))  # as train.cpu_threads: 2 starts it
+    try:
+        _encode_demo_images(tmp_path / "cache", tiny_model, EncodeParams())
+        _evaluate(EvalParams(**FAST, clip_model=str(tmp_path / "no-such-clip")), tiny_model, lora_dir, encoded,
+                  tmp_path / "ahead")
+    finally:
+        ahead.end()
+    said = capsys.readouterr().out  # encode's log: print
+    assert "encode: in the process started ahead\nencode: process 0 of 1: 8 latents, 9 text embeddings," \
+           " 1 torch threads\n" in said, said
+    rendered = re.search(r"evaluate: .* renders .*, (\d+) torch threads",
+                         (tmp_path / "ahead-work" / "logs" / "evaluate.log").read_text())
+    assert rendered and rendered[1] == "1"
+
+
 def test_writes_grid_metrics_and_report(evaluated):
     out, params, info = evaluated
     rows, columns = len(params.prompts) * len(params.seeds), 1 + len(params.lora_scales)

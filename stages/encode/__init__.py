@@ -36,7 +36,6 @@ the same shards, so the same samples.json and index, as in one process.
 from __future__ import annotations
 
 import json
-import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +51,7 @@ from cache.store import Built
 
 from .. import families
 from ..contract import Frozen, Log, library_majors
+from ..cpu_threads import usable_cores
 from ..encoded import write_index
 from ..preprocess import DATASET_FILE
 from ..preprocess.sources import DatasetSource
@@ -79,7 +79,7 @@ class EncodeParams(families.TextOptions, CaptionAugmentation):
 
 class EncodeOptions(Frozen):
     batch_size: int = Field(8, gt=0, description="images per VAE call (halved on CUDA out-of-memory)")
-    num_workers: int = Field(default_factory=lambda: max(1, min(16, (os.cpu_count() or 2) - 1)), ge=0,
+    num_workers: int = Field(default_factory=lambda: max(1, min(16, usable_cores() - 1)), ge=0,
                              description="threads decoding images ahead of the VAE (0: inline); default: one"
                              " per core but one, at most 16 (a GPU VAE outruns a decode thread ~10-30x)")
     shard_records: int = Field(256, gt=0, description="records per shard (a crash loses at most one shard)")
@@ -90,7 +90,10 @@ class EncodeOptions(Frozen):
                                                " accelerate); dask: shard-sized chunks as tasks on a Dask cluster")
     dask_address: str | None = Field(None, description="the Dask scheduler to use (tcp://host:8786); default: a"
                                      " local cluster of dask_workers processes, started and stopped by the stage")
-    dask_workers: int = Field(2, ge=1, description="worker processes of the local Dask cluster (one thread each)")
+    dask_workers: int = Field(2, ge=1, description="worker processes of the local Dask cluster (one task at a"
+                              " time each)")
+    cpu_threads: int | None = Field(None, gt=0, description="torch threads per encode process (a Dask worker's too);"
+                                    " default: the config's cpu_threads (stages/cpu_threads.py)")
 
     @model_validator(mode="after")
     def _one_executor(self) -> "EncodeOptions":
@@ -207,7 +210,7 @@ class SampleKeys:
 
 def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Path,
         options: EncodeOptions, log: Log = print) -> Built:
-    from .workers import EncodeJobs, encode_in_process_started_ahead, encode_jobs, launch_workers
+    from .workers import EncodeJobs, encode_here, encode_in_process_started_ahead, launch_workers
 
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
     family = inputs.bound_family()
@@ -233,7 +236,7 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     else:
         failed = encode_in_process_started_ahead(jobs, params, inputs, options, work_dir, log)
         if failed is None:
-            failed = encode_jobs(jobs, dataset, params, inputs, options, 0, 1, log)
+            failed = encode_here(jobs, dataset, params, inputs, options, log)
     failed_jobs = sum(1 for _, i, _ in jobs.latents if dataset[i]["id"] in failed)
     usable = [s for s in dataset if s["id"] not in failed]
     undecodable = {sample_label(s, inputs.datasets): failed[s["id"]] for s in dataset if s["id"] in failed}

@@ -1,15 +1,16 @@
 """encode.executor: dask — the plan's chunks (EncodeJobs.chunks) encoded as tasks on a Dask cluster.
 
 The cluster is the one at `encode.dask_address`, or a LocalCluster of `dask_workers` processes
-(one thread each) that the stage starts and stops. Each task encodes one chunk into one shard of
-the shared sample store (a folder every worker sees at the same path, or the local side of an S3
-cache_dir on this host); a worker keeps the encoders it loaded for the next chunk. When a worker
-dies, the scheduler runs its chunk again elsewhere: a shard is committed whole or not at all, so
-the retry encodes only the chunk's records that are not committed yet. The parent writes the index.
+(one task at a time each, on the torch threads of `worker_threads`) that the stage starts and
+stops. Each task encodes one chunk into one shard of the shared sample store (a folder every
+worker sees at the same path, or the local side of an S3 cache_dir on this host); a worker keeps
+the encoders it loaded for the next chunk. When a worker dies, the scheduler runs its chunk again
+elsewhere: a shard is committed whole or not at all, so the retry encodes only the chunk's records
+that are not committed yet. The parent writes the index.
 """
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
@@ -19,6 +20,7 @@ from cache.object_store import open_sample_store
 
 from .. import optional_libraries
 from ..contract import Log
+from ..cpu_threads import threads_per_process, torch_threads
 from ..launching import environment_kept
 from .latents import Progress
 from .workers import EncodeJobs, encode_chunks
@@ -44,14 +46,16 @@ def run_on_dask(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inp
                 options: EncodeOptions, log: Log) -> dict[str, str]:
     """Encode the jobs on the cluster, one task per chunk; return undecodable sample ids."""
     chunks = jobs.chunks(options.shard_records)
+    threads = worker_threads(options)
     with _client(options, log) as client:
         workers = len(client.scheduler_info()["workers"])
-        log(f"encode: {len(chunks)} chunks of up to {options.shard_records} records on {workers} Dask workers")
+        each = f", {threads} torch threads each" if threads else ""
+        log(f"encode: {len(chunks)} chunks of up to {options.shard_records} records on {workers} Dask workers{each}")
         progress = Progress(len(jobs.latents), jobs.reused_latents, log, options.progress_every,
                             f" ({workers} Dask workers)")
         futures = [client.submit(encode_chunk, chunk, {i: dataset[i] for _, i, _ in [*chunk.latents, *chunk.masks]},
-                                 params, inputs,
-                                 options, key=f"encode-chunk-{n:06d}-{digest_json(chunk.keys())[:16]}", pure=False)
+                                 params, inputs, options, threads,
+                                 key=f"encode-chunk-{n:06d}-{digest_json(chunk.keys())[:16]}", pure=False)
                    for n, chunk in enumerate(chunks)]
         return _gather(client, futures, progress, log)
 
@@ -68,14 +72,24 @@ def _gather(client: Client, futures: list, progress: Progress, log: Log) -> dict
     return failed
 
 
+def worker_threads(options: EncodeOptions) -> int | None:
+    """Torch threads per worker: on the local cluster, by the rule every stage follows
+    (stages/cpu_threads.py) for its dask_workers processes; on a cluster at dask_address (other
+    machines, started by the user) encode.cpu_threads or the config's, else None: the worker's own."""
+    return options.cpu_threads if options.dask_address else threads_per_process(options.cpu_threads,
+                                                                                 options.dask_workers)
+
+
 def encode_chunk(chunk: EncodeJobs, samples: dict[int, dict], params: EncodeParams, inputs: EncodeInputs,
-                 options: EncodeOptions) -> ChunkResult:
+                 options: EncodeOptions, threads: int | None = None) -> ChunkResult:
     """A task: encode the chunk's records not committed yet (an earlier attempt, on a worker that
-    died after committing, may have written them) into one shard."""
+    died after committing, may have written them) into one shard, on `threads` torch threads
+    (None: as many as the worker has)."""
     todo = chunk.only(set(open_sample_store(inputs.cache_root).missing(chunk.keys())))
     lines: list[str] = []
     quiet = Progress(len(todo.latents), 0, lambda m: None, options.progress_every)
-    failed = encode_chunks([todo], samples, params, inputs, options, quiet, lines.append, _loaded)
+    with torch_threads(threads) if threads else nullcontext():
+        failed = encode_chunks([todo], samples, params, inputs, options, quiet, lines.append, _loaded)
     return ChunkResult(failed, len(chunk.latents), lines)
 
 

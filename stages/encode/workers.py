@@ -28,8 +28,8 @@ from cache.samples import SampleStore
 from ..contract import Log
 from ..encoded import encode_record
 from .. import ahead
-from ..launching import (begin_worker, reporting_errors, run_streaming, skip_exit_collection, torch_threads,
-                         write_accelerate_config)
+from ..cpu_threads import threads_per_process, torch_threads
+from ..launching import begin_worker, reporting_errors, run_streaming, skip_exit_collection, write_accelerate_config
 from ..optional_libraries import hide
 from .images import sample_label
 from .latents import Progress, encode_latents
@@ -96,7 +96,11 @@ class EncodeJobs:
 def encode_jobs(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inputs: EncodeInputs,
                 options: EncodeOptions, rank: int, world: int, log: Log) -> dict[str, str]:
     """Encode this rank's share of the jobs into the sample store; return undecodable sample ids."""
+    import torch
+
     mine = jobs.share(rank, world)
+    log(f"encode: process {rank} of {world}: {len(mine.latents)} latents, {len(mine.texts)} text embeddings,"
+        f" {torch.get_num_threads()} torch threads")
     share = f" (rank 0's share of {world})" if world > 1 else ""
     progress = Progress(len(mine.latents), jobs.reused_latents, log if rank == 0 else lambda m: None,
                         options.progress_every, share)
@@ -172,7 +176,7 @@ class RecordBuffer:
 def launch_workers(jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs, options: EncodeOptions,
                    work_dir: Path, log: Log) -> dict[str, str]:
     """Run the jobs in `options.num_processes` processes under accelerate; merge what failed."""
-    threads = max(1, (os.cpu_count() or 1) // options.num_processes)
+    threads = threads_per_process(options.cpu_threads, options.num_processes)
     job = write_job(jobs, params, inputs, options, work_dir, threads)
     config = write_accelerate_config(work_dir / "accelerate.yaml", options.num_processes)
     log(f"encode: {options.num_processes} processes, {len(jobs.latents)} latents and {len(jobs.texts)} texts")
@@ -185,14 +189,21 @@ def launch_workers(jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs,
 def encode_in_process_started_ahead(jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs,
                                     options: EncodeOptions, work_dir: Path, log: Log) -> dict[str, str] | None:
     """Run the jobs in the worker process `lorapipe run` started ahead (stages/ahead.py), which has
-    imported torch and diffusers already and trains next, on every core as one encode process
-    would; return what failed, or None when there is no such process."""
+    imported torch and diffusers already and trains next, on the threads one encode process would
+    use; return what failed, or None when there is no such process."""
     if not ahead.waiting():
         return None
-    job = write_job(jobs, params, inputs, options, work_dir, os.cpu_count() or 1)
+    job = write_job(jobs, params, inputs, options, work_dir, threads_per_process(options.cpu_threads))
     if not ahead.run_lent("encode", WORKER, job, work_dir / "logs" / "encode.log", log):
         return None
     return failed_in(work_dir, 1)
+
+
+def encode_here(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inputs: EncodeInputs,
+                options: EncodeOptions, log: Log) -> dict[str, str]:
+    """Run the jobs in this process, on the threads one encode process uses; return what failed."""
+    with torch_threads(threads_per_process(options.cpu_threads)):
+        return encode_jobs(jobs, dataset, params, inputs, options, 0, 1, log)
 
 
 def write_job(jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs, options: EncodeOptions,
@@ -231,8 +242,6 @@ def run_job(job_path: Path) -> None:
                       [tuple(t) for t in job["masks"]])
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
     log = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: print(f"[rank {rank}] {m}", flush=True))
-    share = jobs.share(rank, world)
-    log(f"encode: process {rank} of {world}: {len(share.latents)} latents, {len(share.texts)} text embeddings")
     with reporting_errors(inputs.cache_root), torch_threads(job["threads"]):
         failed = encode_jobs(jobs, dataset, EncodeParams(**job["params"]), inputs, EncodeOptions(**job["options"]),
                              rank, world, log)

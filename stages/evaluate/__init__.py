@@ -21,6 +21,7 @@ from pathlib import Path
 
 from cache.store import Built
 from stages.contract import Log
+from stages.cpu_threads import threads_per_process, torch_threads
 
 from .params import LOCAL_PATHS, LORA_WEIGHTS, VERSION, EvalInputs, EvalOptions, EvalParams
 
@@ -38,4 +39,5 @@ def run(params: EvalParams, inputs: EvalInputs, out_dir: Path, work_dir: Path,
         return built
     from .evaluation import run as evaluate  # torch and diffusers load only when evaluate runs here
 
-    return evaluate(params, inputs, out_dir, work_dir, options, log)
+    with torch_threads(threads_per_process(options.cpu_threads)):
+        return evaluate(params, inputs, out_dir, work_dir, options, log)

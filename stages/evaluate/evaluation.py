@@ -155,7 +155,7 @@ def _render_grid(pipe: DiffusionPipeline, family: families.Family, model_path: P
     sampler = params.scheduler or family.render_defaults()["sampler"]
     scoring = _scorings(family, model_path, train_dir)  # a LoRA trained to predict v is sampled as v
     log(f"evaluate: {family.label} {model_path.name} renders {len(params.prompts) * len(params.seeds)} images"
-        f" per column, {settings.num_inference_steps} steps")
+        f" per column, {settings.num_inference_steps} steps, {torch.get_num_threads()} torch threads")
     family.prepare_pipeline(pipe, sampler, scoring["base"].objective)
     columns = {"base": render_column(pipe, settings)}
     family.prepare_pipeline(pipe, sampler, scoring["lora"].objective)

@@ -71,6 +71,8 @@ class EvalOptions(Frozen):
 
     render_batch_size: int = Field(1, ge=1)
     device: str | None = None  # None: cuda when available, else cpu
+    cpu_threads: int | None = Field(None, gt=0, description="torch threads of the evaluation; default: the config's"
+                                    " cpu_threads (stages/cpu_threads.py)")
 
 
 @dataclass(frozen=True)

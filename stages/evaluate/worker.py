@@ -1,17 +1,17 @@
 """Evaluate's job in the process `lorapipe run` started ahead for training (stages/ahead.py): that
 process has trained the LoRA with torch and diffusers imported, so the evaluation renders there,
-on every core as the command's own process would, and the command never imports them."""
+on the threads the command's own process would use, and the command never imports them."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 from cache.fsutil import write_json_atomic
 from cache.store import Built
 from stages import ahead
 from stages.contract import Log
-from stages.launching import reporting_errors, torch_threads
+from stages.cpu_threads import threads_per_process, torch_threads
+from stages.launching import reporting_errors
 
 from .params import EvalInputs, EvalOptions, EvalParams
 
@@ -29,7 +29,8 @@ def evaluate_in_process_started_ahead(params: EvalParams, inputs: EvalInputs, ou
     job = work_dir / "evaluate-job.json"
     job.write_text(json.dumps({
         "params": params.model_dump(mode="json"), "options": options.model_dump(mode="json"),
-        "inputs": inputs.to_json(), "out_dir": str(Path(out_dir).resolve()), "threads": os.cpu_count() or 1,
+        "inputs": inputs.to_json(), "out_dir": str(Path(out_dir).resolve()),
+        "threads": threads_per_process(options.cpu_threads),
     }, sort_keys=True))
     if not ahead.run_lent("evaluate", WORKER, job, work_dir / "logs" / "evaluate.log", log):
         return None

@@ -22,6 +22,7 @@ from cache.samples import DamagedRecord
 from cache.store import Built
 from stages import ahead, families
 from stages.contract import Log
+from stages.cpu_threads import threads_per_process
 from stages.encoded import EncodedData
 from stages.launching import Interrupted, WorkerFailed, start_worker, stream, write_accelerate_config
 from stages.optional_libraries import OPTIONAL, hiding
@@ -67,7 +68,7 @@ def launch(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: Tr
         "params": params.model_dump(mode="json"), "inputs": inputs.to_json(),
         "options": options.model_dump(mode="json"), "work_dir": str(work_dir.resolve()),
     }, indent=1, sort_keys=True))
-    nodes, threads = machines(params, options), threads_per_process(params, options)
+    nodes, threads = machines(params, options), training_threads(params, options)
     command, how = launch_command(job, params.num_processes, threads, options.accelerate_config, work_dir, nodes)
     env = worker_env(params, threads)
     process = ahead.lend(RECIPE, job, env) if command == direct_command(job) else None
@@ -134,11 +135,10 @@ def _json_or_none(line: str) -> dict | None:
         return None
 
 
-def threads_per_process(params: TrainParams, options: TrainOptions) -> int:
-    """Torch threads per training process: train.cpu_threads, else the cores this process may use
-    less one (left to the data loader and the pipeline's own process), shared among this machine's processes."""
-    local = params.num_processes // machines(params, options).count
-    return options.cpu_threads or max(1, (len(os.sched_getaffinity(0)) - 1) // local)
+def training_threads(params: TrainParams, options: TrainOptions) -> int:
+    """Torch threads per training process, by the rule every stage follows (stages/cpu_threads.py),
+    for this machine's share of the processes."""
+    return threads_per_process(options.cpu_threads, params.num_processes // machines(params, options).count)
 
 
 def worker_env(params: TrainParams, threads: int) -> dict[str, str]:
@@ -157,7 +157,7 @@ def start_ahead(params: TrainParams, options: TrainOptions) -> bool:
     evaluate's around it), where the stage would run one process without a launcher
     (stages/ahead.py). Returns whether it started one."""
     if params.num_processes == 1 and user_accelerate_config(options.accelerate_config) is None:
-        ahead.start_ahead(worker_env(params, threads_per_process(params, options)), (RECIPE,))
+        ahead.start_ahead(worker_env(params, training_threads(params, options)), (RECIPE,))
         return True
     return False
 

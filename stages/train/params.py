@@ -111,7 +111,7 @@ class TrainOptions(Frozen):
     log_with: Literal["tensorboard", "wandb", "none"] = Field(
         "tensorboard", description="accelerate tracker for loss and lr (files under the work dir's logs/)")
     cpu_threads: int | None = Field(None, gt=0, description="torch threads per training process; default: the"
-                                    " cores less one (left to the loader and the pipeline), shared among the processes")
+                                    " config's cpu_threads (stages/cpu_threads.py)")
     accelerate_config: str | None = Field(None, description="an `accelerate config` file to launch training with;"
                                           " default: accelerate's own default file when it exists, else one written"
                                           " by the stage (one process runs without accelerate's launcher)")
