@@ -21,6 +21,7 @@ from prefect.states import Completed
 from cache.errors import UserError
 from stages.launching import WorkerCrashed
 from stages.library_notes import quiet_harmless_notes
+from stages.optional_libraries import hide
 
 from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config
@@ -85,6 +86,8 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
         warm_start: start training from this pipeline's previous LoRA instead of from scratch
     """
     quiet_harmless_notes()  # in a deployment's flow process too
+    if deployment.id:  # a process of its own, started for this run: hide what `lorapipe run` hides (flows/cli.py)
+        hide()  # before a stage imports diffusers; training runs in processes of its own, with its own choice
     chosen, rank = selected_stages(only, start), machine_rank(config)
     results: list[StageResult] = []
     upstream: dict[str, str] = {}
@@ -113,4 +116,5 @@ def output_folder(config: PipelineConfig) -> Path:
 
 
 if __name__ == "__main__":
+    hide()  # as a deployment's flow run does
     pipeline(load_config(Path(sys.argv[1])))

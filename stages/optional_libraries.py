@@ -7,8 +7,9 @@ training uses them (train.base_quantization, train.optimizer: adamw8bit), in its
 
 - `lorapipe run` and `lorapipe demo` hide both in their own process (flows/cli.py), where the flow
   runs preprocess, and encode and evaluate when no process started ahead takes them (stages/ahead.py),
-  and so do encode's worker processes (stages/encode/workers.py)
-  and the workers of the Dask cluster encode starts for itself (stages/encode/dask_executor.py);
+  and so do a deployment's flow run (flows/pipeline.py), encode's worker processes
+  (stages/encode/workers.py) and the workers of the Dask cluster encode starts for itself
+  (stages/encode/dask_executor.py);
 - a training process hides those its job does not use: the stage names them in the process's
   environment (HIDDEN_ENV, stages/train/launch.py) and the recipe calls `hide_named` first.
 
