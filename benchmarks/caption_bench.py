@@ -31,9 +31,9 @@ FULL_SIZE = {  # arch: (tokens of a record, hidden width, pooled width, what set
 def record_sizes(root: Path) -> list[dict]:
     import torch
 
-    from cache.samples import SampleStore
-    from stages import families
-    from stages.encoded import encode_record
+    from lorapipe.cache.samples import SampleStore
+    from lorapipe.stages import families
+    from lorapipe.stages.encoded import encode_record
 
     captions = [p.read_text().strip() for p in sorted(DEMO_CAPTIONS.glob("*.txt"))]
     rows = []

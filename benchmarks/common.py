@@ -38,7 +38,7 @@ def generated_images(folder: Path, count: int, size: int = 64, seed: int = 0) ->
 
 
 def tiny_model(root: Path, arch: str = "sd15") -> Path:
-    from stages.families import build_tiny_model
+    from lorapipe.stages.families import build_tiny_model
 
     model = root / f"tiny-{arch}"
     if not (model / "model_index.json").exists():

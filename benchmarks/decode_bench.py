@@ -40,7 +40,7 @@ def full_decode(data: bytes, size: tuple[int, int]):
 def reduced_decode(data: bytes, size: tuple[int, int]):
     from PIL import Image
 
-    from stages.encode.images import resized_upright
+    from lorapipe.stages.encode.images import resized_upright
 
     with Image.open(io.BytesIO(data)) as im:
         return resized_upright(im, size, None)

@@ -19,9 +19,9 @@ BATCH = 16
 def encode_inputs(data: Path, cache: Path, model: Path, resolution: int = 64, role: str = "train"):
     """Preprocess `data` (a dataset of this `role`) at `resolution` into `cache`/pre (every image in
     the train split); the encode stage's inputs for it."""
-    from cache.digest import StatCache
-    from stages import encode, families, preprocess
-    from stages.models import component_digests
+    from lorapipe.cache.digest import StatCache
+    from lorapipe.stages import encode, families, preprocess
+    from lorapipe.stages.models import component_digests
 
     pre, sources = cache / "pre", (preprocess.DatasetSource(path=data, role=role),)
     shutil.rmtree(pre, ignore_errors=True)
@@ -35,7 +35,7 @@ def encode_inputs(data: Path, cache: Path, model: Path, resolution: int = 64, ro
 
 
 def run_encode(inputs, out: Path, workers: int = 1, batch_size: int = BATCH, dtype: str = "float32", **options):
-    from stages import encode
+    from lorapipe.stages import encode
 
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -54,7 +54,7 @@ def load_encoders(inputs, device: str = "cpu", dtype: torch.dtype | None = None)
     `device`, text records cast to the record dtype `dtype` (default float32)."""
     import torch
 
-    from stages.families import TextOptions
+    from lorapipe.stages.families import TextOptions
 
     family = inputs.bound_family()
     settings = family.text_settings(inputs.model_path, TextOptions())
@@ -66,7 +66,7 @@ def bare_forward_seconds(inputs, n: int, encoders: Encoders, batch_size: int = B
     """The latent encoder + text encoder on pre-decoded batches: the floor the pipeline can approach."""
     import torch
 
-    from stages.encode import ImageCrops
+    from lorapipe.stages.encode import ImageCrops
 
     samples = json.loads((inputs.preprocess_dir / "dataset.json").read_text())["samples"][:n]
     crops = ImageCrops(inputs.datasets, samples, [False] * n)

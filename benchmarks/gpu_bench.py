@@ -86,8 +86,8 @@ from .train_bench import cached_step, step_calls, step_figures, training_recipe
 if TYPE_CHECKING:
     import torch
 
-    from stages.encode import EncodeInputs
-    from stages.train.recipe import LoRATrainingRecipe
+    from lorapipe.stages.encode import EncodeInputs
+    from lorapipe.stages.train.recipe import LoRATrainingRecipe
 
 SEED, LORA_RANK = 0, 16
 COMPILED, OFFLOADED = "+compile", "+offload"
@@ -145,14 +145,14 @@ SMOKE = Mode(False, {  # each GPU setting on the tiny model of its arch's family
 
 # ---- 1. model
 def arch_folder(arch: str) -> Path:
-    from stages.families.single_file import ARCH_ROOT
+    from lorapipe.stages.families.single_file import ARCH_ROOT
 
     return ARCH_ROOT / arch
 
 
 def tiny_arch(arch: str) -> str:
     """The tiny model of the family (and variant) of stages/assets/arch/<arch>/."""
-    from stages.families import for_model
+    from lorapipe.stages.families import for_model
 
     return for_model(arch_folder(arch)).tiny_arch()
 
@@ -196,7 +196,7 @@ def random_model(arch: str, out: Path, device: torch.device) -> Path:
     """A diffusers folder of `arch` at its published size: seeded random weights in bf16 from the
     configs in stages/assets/arch/<arch>/, which hold no tokenizer vocabularies: the tokenizers of
     the family's tiny model (built offline) instead, checked to fit the text encoders' embeddings."""
-    from stages.families.folders import load_component
+    from lorapipe.stages.families.folders import load_component
 
     arch_dir, staging = arch_folder(arch), out.with_name(f"{out.name}.partial")
     tiny = tiny_model(out.parent, tiny_arch(arch))
@@ -235,8 +235,8 @@ def model_figures(setting: Setting, mode: Mode, root: Path, device: torch.device
 def import_encoder_classes(model: Path) -> None:
     """Import the classes of the model's encode components, so that the encoders' load time leaves
     the imports out."""
-    from stages.families import for_model
-    from stages.families.folders import model_index
+    from lorapipe.stages.families import for_model
+    from lorapipe.stages.families.folders import model_index
 
     index = model_index(model)
     for name in for_model(model).components.for_stage("encode"):
@@ -285,7 +285,7 @@ def step_flops(recipe: LoRATrainingRecipe) -> int:
     with gradient checkpointing, the recomputed forward is counted)."""
     from torch.utils.flop_counter import FlopCounterMode
 
-    from stages.train.recipe import step_loss
+    from lorapipe.stages.train.recipe import step_loss
 
     inputs, device = recipe._prepare(0), recipe.accelerator.device
     with FlopCounterMode(display=False) as counter:

@@ -21,8 +21,8 @@ from typing import TYPE_CHECKING, Callable
 from .common import tiny_model
 
 if TYPE_CHECKING:
-    from stages.encoded import EncodedData
-    from stages.train.data import BatchPlan
+    from lorapipe.stages.encoded import EncodedData
+    from lorapipe.stages.train.data import BatchPlan
 
 SETTINGS = {  # family: (latent side, latent dtype, text dims, pooled dim, batch)
     "sd15-512": ("sd15", 64, "float16", 768, None, 8),
@@ -35,8 +35,8 @@ def synthetic_encoded(out: Path, setting: str) -> Path:
     """An encode artifact of SAMPLES random records with the setting's shapes, in out/cache."""
     import torch
 
-    from cache.samples import SampleStore
-    from stages.encoded import encode_record, write_index
+    from lorapipe.cache.samples import SampleStore
+    from lorapipe.stages.encoded import encode_record, write_index
 
     family, side, dtype, text_dim, pooled, _ = SETTINGS[setting]
     store, rng = SampleStore(out / "cache"), torch.Generator().manual_seed(0)
@@ -59,10 +59,10 @@ def synthetic_encoded(out: Path, setting: str) -> Path:
 
 
 def samples_per_second(encoded: Path, batch: int, workers: int, model: Path) -> float:
-    from stages import families
-    from stages.encoded import EncodedData
-    from stages.train import TrainParams
-    from stages.train.data import BatchPlan, MicroBatches, prepare_micro_batch
+    from lorapipe.stages import families
+    from lorapipe.stages.encoded import EncodedData
+    from lorapipe.stages.train import TrainParams
+    from lorapipe.stages.train.data import BatchPlan, MicroBatches, prepare_micro_batch
 
     data = EncodedData(encoded, encoded / "cache")
     plan, params = BatchPlan(data.split("train"), 0, batch, 1), TrainParams(batch_size=batch)
@@ -81,7 +81,7 @@ def samples_per_second(encoded: Path, batch: int, workers: int, model: Path) -> 
 def verification(data: EncodedData, plan: BatchPlan) -> Callable[[int], None]:
     """What checking micro-batch m's records adds to reading them: one digest of each record's
     bytes (every latent and text of the batch, and the empty prompt, which load_batch reads once)."""
-    from cache.digest import digest_bytes
+    from lorapipe.cache.digest import digest_bytes
 
     records = {r.key: r for s in data.samples for r in (s.latent, s.text)} | {data.empty.key: data.empty}
     payloads = {key: data.store.read(key, r.location, "safetensors") for key, r in records.items()}
@@ -94,8 +94,8 @@ def verification(data: EncodedData, plan: BatchPlan) -> Callable[[int], None]:
 
 
 def verify_ms_per_batch(encoded: Path, batch: int) -> float:
-    from stages.encoded import EncodedData
-    from stages.train.data import BatchPlan
+    from lorapipe.stages.encoded import EncodedData
+    from lorapipe.stages.train.data import BatchPlan
 
     data = EncodedData(encoded, encoded / "cache")
     check = verification(data, BatchPlan(data.split("train"), 0, batch, 1))

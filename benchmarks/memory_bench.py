@@ -1,7 +1,7 @@
 """Peak resident memory of each stage at two dataset sizes: it must not grow with the dataset
 (and each stage's wall seconds, its process start included).
 
-Each stage runs in a fresh process through the cache (flows.runner, no Prefect), the stages before
+Each stage runs in a fresh process through the cache (lorapipe.flows.runner, no Prefect), the stages before
 it served from the cache, so a process's peak is that stage's. Train does its work in an
 accelerate child: train_child_mib is the largest of the launcher and its worker (getrusage, for
 which a child's size starts at its parent's when forked); the stage's own process only waits.
@@ -30,9 +30,9 @@ print(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 
 def run_through(config_file: Path, last: str) -> None:
     """Serve or build every stage up to `last`."""
-    from flows.config import load_config
-    from flows.plan import STAGES, Context
-    from flows.runner import run_stage
+    from lorapipe.flows.config import load_config
+    from lorapipe.flows.plan import STAGES, Context
+    from lorapipe.flows.runner import run_stage
 
     ctx = Context(load_config(config_file), log=lambda m: None)
     upstream = {}
@@ -42,7 +42,7 @@ def run_through(config_file: Path, last: str) -> None:
 
 
 def stage_peaks(root: Path, sizes=(1000, 10000)) -> list[dict]:
-    from flows.plan import STAGES
+    from lorapipe.flows.plan import STAGES
 
     rows = []
     for n in sizes:

@@ -14,8 +14,8 @@ from .common import generated_images, tiny_model
 
 
 def decide(config) -> float:
-    from flows.plan import STAGES, Context
-    from flows.runner import explain
+    from lorapipe.flows.plan import STAGES, Context
+    from lorapipe.flows.runner import explain
 
     started = time.perf_counter()
     ctx = Context(config, log=lambda m: None)
@@ -25,8 +25,8 @@ def decide(config) -> float:
 
 
 def run_preprocess(config) -> None:
-    from flows.plan import Context
-    from flows.runner import run_stage
+    from lorapipe.flows.plan import Context
+    from lorapipe.flows.runner import run_stage
 
     ctx = Context(config, log=lambda m: None)
     run_stage(ctx, "preprocess", {})
@@ -34,7 +34,7 @@ def run_preprocess(config) -> None:
 
 
 def measure(root: Path, sizes=(1000, 10000)) -> list[dict]:
-    from flows.config import validate_config
+    from lorapipe.flows.config import validate_config
 
     model = tiny_model(root)
     rows = []

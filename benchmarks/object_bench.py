@@ -58,7 +58,7 @@ def s3(root: Path) -> Iterator[None]:
 
 
 def _object_store(name: str, local: Path):
-    from cache.object_store import ObjectArtifactStore, ObjectSettings
+    from lorapipe.cache.object_store import ObjectArtifactStore, ObjectSettings
 
     return ObjectArtifactStore(f"s3://{BUCKET}/{name}", ObjectSettings(local, 20 << 30, 60))
 
@@ -68,8 +68,8 @@ def _synthetic_cache(store, samples: int) -> list:
     encode one with a real samples.json and locations/index.json; returns their StageKeys."""
     import json
 
-    from cache.store import Built, StageKey
-    from stages.encoded import write_index
+    from lorapipe.cache.store import Built, StageKey
+    from lorapipe.stages.encoded import write_index
 
     sample_store = store.sample_store()
     keys = [uuid.UUID(int=i).hex + "0" * 8 for i in range(2 * samples)]
@@ -129,8 +129,8 @@ def noop(root: Path, sizes=(1_000, 10_000, 100_000)) -> list[dict]:
 
 def _decide(config) -> tuple[float, int]:
     """Seconds and requests of deciding that preprocess and encode are hits (keys and lookups)."""
-    from flows.plan import STAGES, Context
-    from flows.runner import explain
+    from lorapipe.flows.plan import STAGES, Context
+    from lorapipe.flows.runner import explain
 
     with counted_requests() as counts:
         started = time.perf_counter()
@@ -141,9 +141,9 @@ def _decide(config) -> tuple[float, int]:
 
 
 def incremental(root: Path, sizes=(1_000, 10_000)) -> list[dict]:
-    from flows.config import validate_config
-    from flows.plan import Context
-    from flows.runner import run_stage
+    from lorapipe.flows.config import validate_config
+    from lorapipe.flows.plan import Context
+    from lorapipe.flows.runner import run_stage
 
     def encode(config) -> tuple[dict, float, int]:
         with counted_requests() as counts:
@@ -185,7 +185,7 @@ def shard_read(root: Path, samples: int = 512) -> dict:
     shuffled order, as training reads them."""
     import random
 
-    from cache.samples import SampleStore
+    from lorapipe.cache.samples import SampleStore
 
     latent, text = os.urandom(2 * 4 * 64 * 64), os.urandom(2 * 77 * 768)
     records = {f"{i:08d}{kind}": {"safetensors": data} for i in range(samples)

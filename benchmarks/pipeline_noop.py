@@ -20,7 +20,7 @@ REPO = Path(__file__).resolve().parent.parent
 
 def _run(config: Path, env: dict) -> float:
     started = time.perf_counter()
-    subprocess.run([sys.executable, "-m", "flows.cli", "run", str(config)], cwd=REPO, env=env, check=True,
+    subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", "run", str(config)], cwd=REPO, env=env, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     return time.perf_counter() - started
 

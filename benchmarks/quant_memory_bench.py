@@ -65,7 +65,7 @@ def child(cache: Path, model: Path, quantization: str, checkpointing: bool, step
     import peft  # noqa: F401
     import torch
 
-    from stages.train import recipe  # noqa: F401
+    from lorapipe.stages.train import recipe  # noqa: F401
     from .train_bench import cached_step, training_recipe
 
     torch.set_num_threads(1)

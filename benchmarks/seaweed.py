@@ -53,7 +53,7 @@ def _free_port() -> int:
 
 
 def _wait_until_writable(server: subprocess.Popen, bucket: str, log: Path, timeout: float = 60) -> None:
-    from cache.objects import ObjectRoot
+    from lorapipe.cache.objects import ObjectRoot
 
     deadline = time.time() + timeout
     while True:

@@ -1,7 +1,7 @@
 """Where the time goes between typing `lorapipe run` and the first training step.
 
 The demo job (the tiny SD1.x model, the 8 bundled photos, 64 px, batch 4, 200 steps) through
-`python -m flows.cli run ... --only preprocess --only encode --only train`, three ways per round:
+`python -m lorapipe.flows.cli run ... --only preprocess --only encode --only train`, three ways per round:
 
 - fresh: an empty cache: preprocess, encode and train computed (also encode_stage: the encode
   stage's own seconds, from run-summary.json);
@@ -139,7 +139,7 @@ class Job:
     def __init__(self, root: Path, code: Path, steps: int):
         self.root, self.code, self.steps = root, code, steps
         sys.path.insert(0, str(REPO))
-        from flows.demo import prepare_demo
+        from lorapipe.flows.demo import prepare_demo
 
         self.config = prepare_demo(root, "sd15")
         self.env = {**os.environ, "PYTHONPATH": str(code), "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",
@@ -149,7 +149,7 @@ class Job:
     def run(self, *extra: str, ends: tuple | None = None, api_url: str | None = None,
             stages: list[str] | None = None, prefect_home: Path | None = None) -> dict[str, float]:
         stages = stages or run_args(self.steps)
-        command = [sys.executable, "-m", "flows.cli", "run", str(self.config), *stages, *extra]
+        command = [sys.executable, "-m", "lorapipe.flows.cli", "run", str(self.config), *stages, *extra]
         env = {**self.env, "PREFECT_API_URL": api_url} if api_url else self.env
         env = {**env, "PREFECT_HOME": str(prefect_home)} if prefect_home else env
         started = time.time()
@@ -188,8 +188,8 @@ class Job:
 @contextmanager
 def kept_server(job: Job) -> Iterator[str]:
     """A Prefect server on 127.0.0.1 for the whole measurement, in the job's PREFECT_HOME; its API URL."""
-    from flows.server import api_answers
-    from stages.launching import free_port
+    from lorapipe.flows.server import api_answers
+    from lorapipe.stages.launching import free_port
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",

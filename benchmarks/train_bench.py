@@ -30,7 +30,7 @@ from .encode_bench import encode_inputs, load_encoders, run_encode
 if TYPE_CHECKING:
     import torch
 
-    from stages.train.recipe import LoRATrainingRecipe
+    from lorapipe.stages.train.recipe import LoRATrainingRecipe
 
 BATCH, IMAGES = 4, 64
 TIMING = Timing(warmup=3, rounds=10, steps=10)
@@ -41,8 +41,8 @@ def training_recipe(enc_inputs, encoded_dir: Path, work: Path, batch_size: int =
                     gradient_checkpointing: bool = False, base_quantization: str = "none",
                     prior_target: str = "data") -> LoRATrainingRecipe:
     """The train stage's recipe, set up in this process over the encoded shards (LoRA alpha = rank)."""
-    from stages.train import TrainInputs, TrainOptions, TrainParams
-    from stages.train.recipe import LoRATrainingRecipe
+    from lorapipe.stages.train import TrainInputs, TrainOptions, TrainParams
+    from lorapipe.stages.train.recipe import LoRATrainingRecipe
 
     params = TrainParams(batch_size=batch_size, max_steps=10**6, learning_rate=1e-4, rank=rank, alpha=rank,
                          mixed_precision=mixed_precision, base_quantization=base_quantization,
@@ -76,7 +76,7 @@ def cached_step(recipe: LoRATrainingRecipe) -> Callable[[int], None]:
 
 def bare_step(recipe: LoRATrainingRecipe) -> Callable[[int], None]:
     """The recipe's denoiser step on its first micro-batch, prepared once and kept on the device."""
-    from stages.train.recipe import step_loss
+    from lorapipe.stages.train.recipe import step_loss
 
     device = recipe.accelerator.device
     inputs = recipe._prepare(0).map_tensors(lambda t: t.to(device))
@@ -89,9 +89,9 @@ def on_the_fly_step(recipe: LoRATrainingRecipe, enc_inputs) -> Callable[[int], N
     under autocast), then the recipe's step."""
     import torch
 
-    from stages.encode import ImageCrops
-    from stages.train.data import Batch, step_inputs
-    from stages.train.recipe import step_loss
+    from lorapipe.stages.encode import ImageCrops
+    from lorapipe.stages.train.data import Batch, step_inputs
+    from lorapipe.stages.train.recipe import step_loss
 
     device, dtype, family = recipe.accelerator.device, recipe.dtype, recipe.family
     samples = json.loads((enc_inputs.preprocess_dir / "dataset.json").read_text())["samples"]
@@ -123,7 +123,7 @@ def step_calls(recipe: LoRATrainingRecipe, inline: LoRATrainingRecipe,
     a second recipe with loader_workers 0."""
     import torch
 
-    from stages.train.data import load_batch
+    from lorapipe.stages.train.data import load_batch
 
     from .loader_bench import verification
 

@@ -12,7 +12,7 @@ from uuid import UUID
 
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
-from stages.evaluate.report import embed_images
+from lorapipe.stages.evaluate.report import embed_images
 
 from .runner import StageResult
 

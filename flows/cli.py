@@ -19,10 +19,10 @@ import sys
 import traceback
 from pathlib import Path
 
-from cache.errors import one_line, user_message
-from stages.launching import skip_exit_collection
-from stages.library_notes import quiet_harmless_notes
-from stages.optional_libraries import hide
+from lorapipe.cache.errors import one_line, user_message
+from lorapipe.stages.launching import skip_exit_collection
+from lorapipe.stages.library_notes import quiet_harmless_notes
+from lorapipe.stages.optional_libraries import hide
 
 STRICT = ["preprocess.on_bad_row=error"]  # --strict: a bad metadata row stops the run
 INTERRUPTED = "interrupted; run again to resume (finished stages stay cached)"  # Ctrl-C outside training
@@ -35,7 +35,7 @@ PREFECT_DEFAULTS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    from stages.families import tiny_arches
+    from lorapipe.stages.families import tiny_arches
 
     arches = list(tiny_arches())
     p = argparse.ArgumentParser(prog="lorapipe", description="Cached LoRA fine-tuning of diffusion models")
@@ -129,7 +129,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         return commands.status(args.config, args.overrides + STRICT * args.strict, args.json)
     if args.command == "cache":
         return commands.cache(args)
-    from stages.families import build_tiny_model
+    from lorapipe.stages.families import build_tiny_model
 
     print(build_tiny_model(args.dir, args.arch))
     return 0

@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cache.errors import UserError
-from stages import ahead
+from lorapipe.cache.errors import UserError
+from lorapipe.stages import ahead
 
 from .config import PipelineConfig, load_config, split
 
@@ -30,9 +30,9 @@ def preflight(config: PipelineConfig, stage_names: list[str], start: str | None)
     """What can be checked before Prefect starts, so that it fails at once in one line: the stage
     names, OMP_NUM_THREADS, that output_dir and the cache can be written, that the model is whole
     and supported."""
-    from cache.errors import unusable_folder
-    from cache.fsutil import probe_writable
-    from stages.cpu_threads import environment_threads
+    from lorapipe.cache.errors import unusable_folder
+    from lorapipe.cache.fsutil import probe_writable
+    from lorapipe.stages.cpu_threads import environment_threads
 
     from .plan import Context, selected_stages
 
@@ -74,8 +74,8 @@ def import_model_code_ahead(config: PipelineConfig, building: set[str]) -> threa
     when no process started ahead takes their jobs; train runs in its own process), so that its
     seconds overlap the wait for Prefect's server.
     Best effort: the stage meets any error itself."""
-    from stages.families import for_model
-    from stages.models import import_model_code
+    from lorapipe.stages.families import for_model
+    from lorapipe.stages.models import import_model_code
 
     def import_all() -> None:
         try:
@@ -105,8 +105,8 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
     log_path = new_log_path(config.output_dir)
     building = in_this_process = stages_to_build(config, only, start, force)
     if "train" in building:
-        from stages.train import TrainOptions, TrainParams
-        from stages.train.launch import start_ahead
+        from lorapipe.stages.train import TrainOptions, TrainParams
+        from lorapipe.stages.train.launch import start_ahead
 
         # its imports overlap Prefect's start and the stages before train; encode and evaluate hand it their jobs
         if start_ahead(*split(config.train, TrainParams, TrainOptions)):
@@ -185,8 +185,8 @@ def status(config_path: Path, overrides: list[str], as_json: bool) -> int:
 
 def _open_cache(args):
     """The store --config or --cache-dir names (a folder or an s3:// URL; default ./demo-run/cache)."""
-    from cache.object_store import open_store
-    from cache.objects import is_url, use_storage_options
+    from lorapipe.cache.object_store import open_store
+    from lorapipe.cache.objects import is_url, use_storage_options
 
     from .plan import object_settings
 
@@ -206,7 +206,7 @@ def _when(timestamp: float | None) -> str:
 
 def cache_rows(store) -> list[dict]:
     """One row per artifact: stage, key, size, created, last used, the runs and pipelines that used it."""
-    from cache.gc import last_used
+    from lorapipe.cache.gc import last_used
 
     runs = [(pipeline, r) for pipeline, rows in store.runs().items() for r in rows]
     rows = []
@@ -278,7 +278,7 @@ def gc_cutoff(since: str | None, keep_days: float | None, keep_last: int) -> flo
 
 
 def cache(args) -> int:
-    from cache.gc import collect
+    from lorapipe.cache.gc import collect
 
     store = _open_cache(args)
     if args.action != "ls":  # verify removes the shards it finds damaged

@@ -11,14 +11,14 @@ from typing import Any
 import yaml
 from pydantic import Field, ValidationError, ValidationInfo, field_serializer, field_validator, model_validator
 
-from cache.errors import CacheRootError, UserError
-from cache.objects import bucket_and_prefix, is_url, local_path
-from stages import families
-from stages.encode import EncodeOptions, EncodeParams
-from stages.evaluate import LOCAL_PATHS, EvalOptions, EvalParams
-from stages.preprocess import DatasetSource, PreprocessParams
-from stages.train import TrainOptions, TrainParams
-from stages.contract import Frozen, PathOrUrl
+from lorapipe.cache.errors import CacheRootError, UserError
+from lorapipe.cache.objects import bucket_and_prefix, is_url, local_path
+from lorapipe.stages import families
+from lorapipe.stages.encode import EncodeOptions, EncodeParams
+from lorapipe.stages.evaluate import LOCAL_PATHS, EvalOptions, EvalParams
+from lorapipe.stages.preprocess import DatasetSource, PreprocessParams
+from lorapipe.stages.train import TrainOptions, TrainParams
+from lorapipe.stages.contract import Frozen, PathOrUrl
 
 SECRET_WORDS = ("secret", "token", "password", "passwd", "key", "credential", "sas", "connection_string",
                 "signature")  # a storage option whose name holds one of these is a secret
@@ -32,7 +32,7 @@ class ConfigError(UserError, ValueError):
 class ModelConfig(Frozen):
     path: Path = Field(description="a diffusers-format model folder (model_index.json), or a single-file"
                        " .safetensors checkpoint in the original layout (A1111/ComfyUI)")
-    family: str | None = Field(None, description="a single file's family (stages.families.FAMILIES); detected from"
+    family: str | None = Field(None, description="a single file's family (lorapipe.stages.families.FAMILIES); detected from"
                                " its tensor names when not given")
 
     @field_validator("family")

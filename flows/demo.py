@@ -3,18 +3,18 @@ through the whole pipeline."""
 from __future__ import annotations
 
 import shutil
+from importlib.resources import files
 from pathlib import Path
 
-from cache.errors import UserError
+from lorapipe.cache.errors import UserError
 
-REPO = Path(__file__).resolve().parent.parent
-DEMO_CONFIG = REPO / "configs" / "demo.yaml"
-DEMO_IMAGES = REPO / "stages" / "assets" / "demo_images"
+DEMO_CONFIG = files("lorapipe.configs") / "demo.yaml"
+DEMO_IMAGES = Path(files("lorapipe.stages") / "assets" / "demo_images")
 
 
 def prepare_demo(workdir: Path, arch: str) -> Path:
     """Build the tiny model of `arch` and copy the photos into `workdir` (once); return the config path."""
-    from stages import families
+    from lorapipe.stages import families
 
     workdir.mkdir(parents=True, exist_ok=True)
     model = workdir / "model"
@@ -29,5 +29,5 @@ def prepare_demo(workdir: Path, arch: str) -> Path:
         if src.suffix in (".jpg", ".txt") and not (data / src.name).exists():
             shutil.copy2(src, data / src.name)
     config = workdir / "demo.yaml"
-    shutil.copyfile(DEMO_CONFIG, config)
+    config.write_text(DEMO_CONFIG.read_text())
     return config

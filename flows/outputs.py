@@ -27,12 +27,12 @@ import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-from cache.errors import UserError, naming_a_full_disk
-from cache.fsutil import fsync_dir, fsync_tree, remove_tree
-from cache.lock import key_lock
-from cache.object_store import open_store
-from cache.store import Artifact
-from stages.train.exports import EMA_DIR
+from lorapipe.cache.errors import UserError, naming_a_full_disk
+from lorapipe.cache.fsutil import fsync_dir, fsync_tree, remove_tree
+from lorapipe.cache.lock import key_lock
+from lorapipe.cache.object_store import open_store
+from lorapipe.cache.store import Artifact
+from lorapipe.stages.train.exports import EMA_DIR
 
 from .config import PipelineConfig
 from .plan import object_settings

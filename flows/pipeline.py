@@ -1,7 +1,7 @@
 """The lorapipe flow: preprocess -> encode -> train -> evaluate, each a Prefect task whose
 hit or miss is decided by our cache manifest (a hit shows in Prefect as a "Cached" state).
 
-    lorapipe run configs/demo.yaml            # or: python -m flows.pipeline CONFIG
+    lorapipe run configs/demo.yaml            # or: python -m lorapipe.flows.pipeline CONFIG
     prefect deploy --all                      # the deployments in prefect.yaml (README: "Running as a service")
 """
 from __future__ import annotations
@@ -18,10 +18,10 @@ from prefect.cache_policies import NO_CACHE
 from prefect.runtime import deployment, flow_run, task_run
 from prefect.states import Completed
 
-from cache.errors import UserError
-from stages.launching import WorkerCrashed
-from stages.library_notes import quiet_harmless_notes
-from stages.optional_libraries import hide
+from lorapipe.cache.errors import UserError
+from lorapipe.stages.launching import WorkerCrashed
+from lorapipe.stages.library_notes import quiet_harmless_notes
+from lorapipe.stages.optional_libraries import hide
 
 from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config

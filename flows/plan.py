@@ -13,14 +13,14 @@ from functools import cached_property
 from pathlib import Path
 from typing import Callable
 
-from cache.digest import StatCache, path_identity
-from cache.errors import UserError
-from cache.object_store import ObjectSettings, open_store
-from cache.objects import is_url, use_storage_options
-from cache.store import Artifact, Built, StageKey
-from stages import encode, evaluate, families, preprocess, train
-from stages.contract import KEYED_LIBRARIES, Log, library_majors, library_versions
-from stages.models import component_digests
+from lorapipe.cache.digest import StatCache, path_identity
+from lorapipe.cache.errors import UserError
+from lorapipe.cache.object_store import ObjectSettings, open_store
+from lorapipe.cache.objects import is_url, use_storage_options
+from lorapipe.cache.store import Artifact, Built, StageKey
+from lorapipe.stages import encode, evaluate, families, preprocess, train
+from lorapipe.stages.contract import KEYED_LIBRARIES, Log, library_majors, library_versions
+from lorapipe.stages.models import component_digests
 
 from .config import PipelineConfig, split
 

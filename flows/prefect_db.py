@@ -22,7 +22,7 @@ import tempfile
 from contextlib import closing
 from pathlib import Path
 
-from cache.fsutil import user_cache_dir
+from lorapipe.cache.fsutil import user_cache_dir
 
 # Prefect settings that put the server's database somewhere other than PREFECT_HOME/prefect.db
 DATABASE_SETTINGS = tuple(f"PREFECT_{scope}_DATABASE_{name}" for scope in ("SERVER", "API")

@@ -9,10 +9,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cache.errors import UserError
-from cache.samples import DamagedRecord
-from cache.store import Artifact, Lookup, StageKey, diff_ingredients
-from stages import train
+from lorapipe.cache.errors import UserError
+from lorapipe.cache.samples import DamagedRecord
+from lorapipe.cache.store import Artifact, Lookup, StageKey, diff_ingredients
+from lorapipe.stages import train
 
 from .config import PipelineConfig, split
 from .plan import STAGES, Context, Step, code_digest, step_for

@@ -32,8 +32,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from cache.errors import UserError, unusable_folder
-from stages.launching import die_with, free_port
+from lorapipe.cache.errors import UserError, unusable_folder
+from lorapipe.stages.launching import die_with, free_port
 
 from .prefect_db import DatabaseTemplate
 

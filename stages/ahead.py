@@ -2,7 +2,7 @@
 accelerate: most of the seconds before a small job's first step) overlap Prefect's start and the
 stages that run before its jobs, and are paid once for encode, train and evaluate together.
 
-    python -m stages.ahead MODULE...
+    python -m lorapipe.stages.ahead MODULE...
 
 hides the optional libraries its environment names (stages/optional_libraries.py), imports each
 MODULE and calls its `warm_up()`, then reads jobs on stdin, one line each, `MODULE JOB_PATH`, run
@@ -26,11 +26,11 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stages.launching import JOB_DONE, begin_worker, skip_exit_collection, start_worker, stream
-from stages.optional_libraries import hide_named
+from lorapipe.stages.launching import JOB_DONE, begin_worker, skip_exit_collection, start_worker, stream
+from lorapipe.stages.optional_libraries import hide_named
 
 if TYPE_CHECKING:
-    from stages.contract import Log
+    from lorapipe.stages.contract import Log
 
 _waiting: dict[tuple, subprocess.Popen] = {}  # its added environment -> a process waiting for a job
 
@@ -38,7 +38,7 @@ _waiting: dict[tuple, subprocess.Popen] = {}  # its added environment -> a proce
 def start_ahead(env: dict[str, str], modules: tuple[str, ...]) -> None:
     """Start a worker for the jobs of `modules`, with `env` added to its environment."""
     if _key(env) not in _waiting:
-        _waiting[_key(env)] = start_worker([sys.executable, "-m", "stages.ahead", *modules], env, stdin=True)
+        _waiting[_key(env)] = start_worker([sys.executable, "-m", "lorapipe.stages.ahead", *modules], env, stdin=True)
 
 
 def waiting() -> bool:

@@ -15,7 +15,7 @@ from typing import Annotated, Callable, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict
 
-from cache.objects import is_url, local_path
+from lorapipe.cache.objects import is_url, local_path
 
 Log = Callable[[str], None]
 KEYED_LIBRARIES = ("torch", "diffusers", "transformers")  # their major versions are in every stage's key

@@ -24,7 +24,7 @@ import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from cache.errors import UserError
+from lorapipe.cache.errors import UserError
 
 ENVIRONMENT = "OMP_NUM_THREADS"
 

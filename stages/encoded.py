@@ -29,12 +29,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from cache.errors import UserError
-from cache.fsutil import write_json_rows
-from cache.object_store import open_sample_store
-from cache.samples import RecordLocation
-from stages.families import TextOptions
-from stages.families.latents import normalisation_from_json
+from lorapipe.cache.errors import UserError
+from lorapipe.cache.fsutil import write_json_rows
+from lorapipe.cache.object_store import open_sample_store
+from lorapipe.cache.samples import RecordLocation
+from lorapipe.stages.families import TextOptions
+from lorapipe.stages.families.latents import normalisation_from_json
 
 if TYPE_CHECKING:  # torch is imported where records are read or written, not by config loading
     import torch
@@ -111,7 +111,7 @@ class Sample:
 
 class EncodedData:
     """Read-only view of an encode artifact: its samples and their records in the sample store.
-    Every record read is checked against its content digest (cache.samples.DamagedRecord if not)."""
+    Every record read is checked against its content digest (lorapipe.cache.samples.DamagedRecord if not)."""
 
     def __init__(self, artifact_dir: Path, cache_root: Path):
         artifact_dir = self.path = Path(artifact_dir)

@@ -27,13 +27,14 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from cache.errors import UserError, blame_full_disk_on, user_message
-from stages.library_notes import quiet_harmless_notes
+import lorapipe
+from lorapipe.cache.errors import UserError, blame_full_disk_on, user_message
+from lorapipe.stages.library_notes import quiet_harmless_notes
 
 if TYPE_CHECKING:
-    from stages.contract import Log
+    from lorapipe.stages.contract import Log
 
-REPO_ROOT = Path(__file__).resolve().parents[1]
+IMPORT_ROOT = Path(lorapipe.__file__).resolve().parents[1]  # where `import lorapipe` found it: a checkout or site-packages
 TRACEBACK_START = "Traceback (most recent call last):"
 PARENT_ENV = "LORAPIPE_STAGE_PID"  # the stage process a worker must not outlive
 ERROR_PREFIX = "error: "
@@ -140,13 +141,14 @@ def free_port() -> int:
 
 
 def start_worker(command: list[str], env: dict[str, str] | None = None, stdin: bool = False) -> subprocess.Popen:
-    """Start `command` from the repository root, its output (stdout and stderr) to a pipe, dying
-    with this process; `env` adds to the environment; `stdin`: a pipe to send it its job."""
+    """Start `command` (importing lorapipe from where this process did), its output (stdout and
+    stderr) to a pipe, dying with this process; `env` adds to the environment; `stdin`: a pipe to
+    send it its job."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",  # every input is a local path
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")])),
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(IMPORT_ROOT), os.environ.get("PYTHONPATH")])),
            PARENT_ENV: str(os.getpid()), **(env or {})}
     return subprocess.Popen(command, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1, env=env, cwd=REPO_ROOT,
+                            stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
                             preexec_fn=die_with(os.getpid()))
 
 

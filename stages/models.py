@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cache.digest import StatCache, digest_tree
-from cache.errors import UserError
-from stages.families import Family, is_single_file
-from stages.families.folders import SINGLE_FILE_SUFFIX, check_weights_file, component_class, model_index
+from lorapipe.cache.digest import StatCache, digest_tree
+from lorapipe.cache.errors import UserError
+from lorapipe.stages.families import Family, is_single_file
+from lorapipe.stages.families.folders import SINGLE_FILE_SUFFIX, check_weights_file, component_class, model_index
 
 
 def component_digests(model_path: Path, stat_cache: StatCache, family: Family) -> dict[str, str]:

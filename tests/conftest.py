@@ -60,7 +60,7 @@ def count_encoder_rows():
 
 
 def _tiny(tmp_path_factory, arch: str) -> Path:
-    from stages.families import build_tiny_model
+    from lorapipe.stages.families import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{arch}", arch)
 
@@ -140,9 +140,9 @@ def tiny_config(tiny_model):
 def run_stages():
     """A function that serves or builds a config's stages in-process (no Prefect, which only wraps
     the same calls in tasks): stage -> (StageResult, Artifact)."""
-    from flows.config import load_config
-    from flows.plan import Context
-    from flows.runner import run_stage
+    from lorapipe.flows.config import load_config
+    from lorapipe.flows.plan import Context
+    from lorapipe.flows.runner import run_stage
 
     def run(config_path: Path, stages: tuple[str, ...]) -> dict:
         ctx = Context(load_config(config_path), log=lambda line: None)
@@ -161,10 +161,10 @@ def run_stages():
 def _encode_demo_images(root: Path, model: Path, params, sources: tuple | None = None) -> EncodedSet:
     """The demo photos (or these DatasetSources) at 64 px through the real preprocess and encode
     stages (the demo photos: 6 train, 2 held out)."""
-    from cache.digest import StatCache
-    from cache.store import ArtifactStore, StageKey
-    from stages import encode, families, preprocess
-    from stages.models import component_digests
+    from lorapipe.cache.digest import StatCache
+    from lorapipe.cache.store import ArtifactStore, StageKey
+    from lorapipe.stages import encode, families, preprocess
+    from lorapipe.stages.models import component_digests
 
     store = ArtifactStore(root)
     with StatCache(root / "stat.sqlite") as stat_cache:
@@ -185,7 +185,7 @@ def _encode_demo_images(root: Path, model: Path, params, sources: tuple | None =
 
 @pytest.fixture(scope="session")
 def encoded(tmp_path_factory, tiny_model) -> EncodedSet:
-    from stages.encode import EncodeParams
+    from lorapipe.stages.encode import EncodeParams
 
     return _encode_demo_images(tmp_path_factory.mktemp("encoded-cache"), tiny_model, EncodeParams())
 
@@ -193,7 +193,7 @@ def encoded(tmp_path_factory, tiny_model) -> EncodedSet:
 @pytest.fixture(scope="session")
 def sdxl_encoded(tmp_path_factory, sdxl_model) -> EncodedSet:
     """Through the tiny SDXL model, each image also encoded mirrored (encode.flip)."""
-    from stages.encode import EncodeParams
+    from lorapipe.stages.encode import EncodeParams
 
     return _encode_demo_images(tmp_path_factory.mktemp("sdxl-encoded-cache"), sdxl_model, EncodeParams(flip=True))
 
@@ -245,7 +245,7 @@ def damage_in_place():
 @pytest.fixture(scope="session")
 def flux_encoded(tmp_path_factory, flux_model) -> EncodedSet:
     """The demo photos at 64 px through the tiny Flux.1 dev."""
-    from stages.encode import EncodeParams
+    from lorapipe.stages.encode import EncodeParams
 
     return _encode_demo_images(tmp_path_factory.mktemp("flux-encoded-cache"), flux_model, EncodeParams())
 
@@ -254,7 +254,7 @@ def _demo_encoded(model_fixture: str, label: str):
     """A session fixture: the demo photos at 64 px through the tiny model `model_fixture` returns."""
     @pytest.fixture(scope="session")
     def encoded_set(tmp_path_factory, request) -> EncodedSet:
-        from stages.encode import EncodeParams
+        from lorapipe.stages.encode import EncodeParams
 
         model = request.getfixturevalue(model_fixture)
         return _encode_demo_images(tmp_path_factory.mktemp(f"{model_fixture}-encoded-cache"), model, EncodeParams())

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-import stages.families as families
-from stages.families.lycoris import adapted_modules
-from stages.families.original_names import kohya_name
+import lorapipe.stages.families as families
+from lorapipe.stages.families.lycoris import adapted_modules
+from lorapipe.stages.families.original_names import kohya_name
 
 
 def assert_builds_byte_identically(model: Path, arch: str, again: Path) -> list[str]:

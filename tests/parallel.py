@@ -1,7 +1,7 @@
 """Independent trainings side by side. A training subprocess of the tiny models keeps about one core
 busy (on CI's 2 cores it gets one torch thread) while the test's own process only waits on it, so on
 2 idle cores two at a time take about the wall time of one. Only for trainings started through
-`train.run` (a subprocess each): whole stages run in threads of one process (flows.runner) failed."""
+`train.run` (a subprocess each): whole stages run in threads of one process (lorapipe.flows.runner) failed."""
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterator

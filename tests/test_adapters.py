@@ -16,10 +16,10 @@ from family_checks import merged, respelled_as_kohya, weight
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import stages.families as families
-from stages.families.lycoris import adapted_modules
-from stages.train.adapter import AdapterParams, peft_config, plain_lora_alpha, plain_lora_swapped_in
-from stages.train.lora_files import ADAPTER, peft_state_dict, write_diffusers_lora
+import lorapipe.stages.families as families
+from lorapipe.stages.families.lycoris import adapted_modules
+from lorapipe.stages.train.adapter import AdapterParams, peft_config, plain_lora_alpha, plain_lora_swapped_in
+from lorapipe.stages.train.lora_files import ADAPTER, peft_state_dict, write_diffusers_lora
 
 ADAPTER_KEYS = ("lora_", "lokr_", "hada_")  # peft's adapter parameters carry one of these
 
@@ -105,8 +105,8 @@ def test_a_target_that_is_not_a_layer_is_refused_by_name_without_the_weights(arc
     """A target_modules name that matches a container (diffusers' attention to_out is a ModuleList)
     ended training with peft's raw TypeError; it is refused in one line from the model's structure,
     which needs no weights (the denoiser's weights file is gone here)."""
-    from cache.errors import UserError
-    from stages.train.adapter import check_targets
+    from lorapipe.cache.errors import UserError
+    from lorapipe.stages.train.adapter import check_targets
 
     model = tmp_path / "model"
     shutil.copytree({"sd15": tiny_model, "flux2-klein": flux2_model}[arch], model)
@@ -203,7 +203,7 @@ def test_lycoris_types_load_through_peft_not_diffusers(kind, arch, tiny_model, f
 def test_checkpoint_file_restores_every_adapter_type_exactly(kind, tiny_model, tmp_path):
     """What training's checkpoint hooks do (write_diffusers_lora, then load_diffusers_lora into a fresh
     denoiser given the same adapter): every adapter tensor comes back bit for bit."""
-    from stages.train.lora_files import load_diffusers_lora
+    from lorapipe.stages.train.lora_files import load_diffusers_lora
 
     family = families.for_model(tiny_model)
     params = AdapterParams(adapter=kind, rank=2, alpha=3)
@@ -272,7 +272,7 @@ def test_flux_lokr_on_fused_modules_is_written_under_comfyuis_slice_names(flux_d
     """A Kronecker product cannot be split by rows: q/k/v (fused in qkv and linear1) keep their
     diffusers names under `transformer.`, which ComfyUI's Flux key map points at their rows of the
     fused weight; whole modules keep their BFL names. Without such a map the export refuses by name."""
-    from stages.families.lycoris import lycoris_state_dict
+    from lorapipe.stages.families.lycoris import lycoris_state_dict
 
     family = families.for_model(flux_dev)
     transformer = trained_adapter(family, flux_dev, AdapterParams(adapter="lokr", rank=2, alpha=3), "attention")

@@ -2,7 +2,7 @@
 what to do, a non-zero exit code, and no traceback on the terminal; the traceback is in the run's
 log file, whose path the line before says. Nothing already cached is lost. (Issue 12, items 8, 10.)
 
-One row per bad input, each a real `python -m flows.cli run` over one shared cache (preprocess,
+One row per bad input, each a real `python -m lorapipe.flows.cli run` over one shared cache (preprocess,
 encode and a train with two checkpoints, built in-process). Errors found before the run starts
 print exactly one line and start no Prefect server; rows marked `in_flow` fail inside a Prefect
 task, which shows that Prefect's own tracebacks and repeats stay off the terminal.
@@ -22,10 +22,10 @@ from pathlib import Path
 
 import pytest
 
-from cache.store import ArtifactStore
-from flows.plan import STAGES
+from lorapipe.cache.store import ArtifactStore
+from lorapipe.flows.plan import STAGES
 from mounts import tmpfs
-from stages.train.checkpoints import CheckpointDir
+from lorapipe.stages.train.checkpoints import CheckpointDir
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
@@ -270,7 +270,7 @@ ROWS = [
 def lorapipe(ws: Workspace, argv: list[str], plain_user: bool) -> subprocess.CompletedProcess:
     env = {**os.environ, "PREFECT_HOME": str(ws.root / "prefect-home")}
     demote = plain_user and os.geteuid() == 0
-    return subprocess.run([sys.executable, "-m", "flows.cli", *argv], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", *argv], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=600, preexec_fn=_as_a_plain_user() if demote else None)
 
 

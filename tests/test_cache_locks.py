@@ -13,15 +13,15 @@ from pathlib import Path
 
 from builders import finished, marker_lines
 
-from cache.gc import collect
-from cache.store import ArtifactStore, StageKey
-from flows.cli import main
+from lorapipe.cache.gc import collect
+from lorapipe.cache.store import ArtifactStore, StageKey
+from lorapipe.flows.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 BUILDER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
-    from cache.store import ArtifactStore, StageKey
+    from lorapipe.cache.store import ArtifactStore, StageKey
     root, marker, name, params, force, sleep = sys.argv[1:]
     def build(out, work):
         with open(marker, "a") as f:

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from cache.store import ArtifactStore, Built, StageKey
-from flows.cli import main
+from lorapipe.cache.store import ArtifactStore, Built, StageKey
+from lorapipe.flows.cli import main
 
 DAY = 86400
 

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from cache.digest import StatCache
-from cache.samples import DamagedRecord, SampleStore
-from cache.store import ArtifactStore, Built, StageKey
+from lorapipe.cache.digest import StatCache
+from lorapipe.cache.samples import DamagedRecord, SampleStore
+from lorapipe.cache.store import ArtifactStore, Built, StageKey
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -97,7 +97,7 @@ def test_verify_catches_corruption_that_keeps_the_size(tmp_path):
 BUILDER = textwrap.dedent("""
     import sys, time
     from pathlib import Path
-    from cache.store import ArtifactStore, StageKey
+    from lorapipe.cache.store import ArtifactStore, StageKey
     root, marker, sleep = sys.argv[1], Path(sys.argv[2]), float(sys.argv[3])
     def build(out, work):
         with open(marker, "a") as f:
@@ -259,7 +259,7 @@ def test_sample_store_shards_stream_through_webdataset(tmp_path):
 @pytest.mark.parametrize("fields,rows", [({"format": 2, "name": "x"}, [{"id": "a", "n": [1, 2]}, {"id": "b"}]),
                                          ({}, []), ({"flip": False}, [{"caption": "quote \" and\nnewline"}])])
 def test_json_rows_stream_into_one_json_object_a_row_per_line(tmp_path, fields, rows):
-    from cache.fsutil import write_json_rows
+    from lorapipe.cache.fsutil import write_json_rows
 
     write_json_rows(tmp_path / "index.json", fields, "samples", iter(rows))
     text = (tmp_path / "index.json").read_text()

@@ -18,11 +18,11 @@ import pytest
 from parallel import at_once
 from test_invalidation import make_config, run_all, statuses
 
-from flows.config import validate_config
-from flows.plan import STAGES, Context
-from flows.runner import explain
-from stages.encode import EncodeParams, SampleKeys
-from stages.encode.captions import CaptionAugmentation
+from lorapipe.flows.config import validate_config
+from lorapipe.flows.plan import STAGES, Context
+from lorapipe.flows.runner import explain
+from lorapipe.stages.encode import EncodeParams, SampleKeys
+from lorapipe.stages.encode.captions import CaptionAugmentation
 
 ENCODE = STAGES[:2]
 TAGS = {  # the demo photos, captioned as tags; the first is a trigger word that keep_tokens holds in place
@@ -45,7 +45,7 @@ def test_variants_keep_the_first_tags_and_are_the_same_in_every_process():
     assert len(variants) == 3 and len(set(variants)) == 3
     assert all(v.startswith("lpdemo, ") and set(v.split(", ")) <= set(caption.split(", ")) for v in variants)
     assert tuple(settings.captions(caption, "another image")) != variants  # seeded by the image, not the caption alone
-    code = ("import json, sys; from stages.encode.captions import CaptionAugmentation as C;"
+    code = ("import json, sys; from lorapipe.stages.encode.captions import CaptionAugmentation as C;"
             f"print(json.dumps(list(C(**{VARIANTS!r}).captions({caption!r}, {digest!r}))))")
     for hash_seed in ("1", "2"):  # Python's str hash differs between these processes
         env = {**os.environ, "PYTHONHASHSEED": hash_seed, "PYTHONPATH": str(Path(__file__).parent.parent)}
@@ -207,8 +207,8 @@ def test_a_rerun_encodes_the_same_variants(variants_baseline, tmp_path, count_en
 def test_the_batch_plan_shows_each_variant_once_in_every_k_draws_of_a_sample(variants_baseline):
     from dataclasses import replace
 
-    from stages.encoded import EncodedData
-    from stages.train.data import BatchPlan
+    from lorapipe.stages.encoded import EncodedData
+    from lorapipe.stages.train.data import BatchPlan
 
     root, _, after, _ = variants_baseline
     train = EncodedData(Path(after["encode"].path), root / "cache").split("train")
@@ -233,7 +233,7 @@ def test_training_over_variants_conditions_on_them_resumes_exactly_and_says_so_i
         variants_baseline, tmp_path):
     from safetensors import safe_open
 
-    from stages import train
+    from lorapipe.stages import train
 
     root, before, after, _ = variants_baseline
 

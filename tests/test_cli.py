@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 def test_ctrl_c_in_training_is_one_line_exit_130_and_keeps_the_checkpoint(tmp_path, tiny_config):
     config_path = tiny_config(tmp_path, "interrupted", max_steps=100000, checkpoint_every=5, keep_checkpoints=2)
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config_path)], cwd=REPO, env=env,
+    run = subprocess.Popen([sys.executable, "-m", "lorapipe.flows.cli", "run", str(config_path)], cwd=REPO, env=env,
                            start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     checkpoints = tmp_path / "cache" / "work" / "train"
     deadline = time.time() + 600
@@ -54,7 +54,7 @@ def test_ctrl_c_in_training_is_one_line_exit_130_and_keeps_the_checkpoint(tmp_pa
 def test_ctrl_c_before_training_says_what_was_kept(tmp_path, tiny_config):
     """Interrupted while Prefect starts (no stage's own message): the README's line, not a bare prefix."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(tiny_config(tmp_path, "early"))], cwd=REPO,
+    run = subprocess.Popen([sys.executable, "-m", "lorapipe.flows.cli", "run", str(tiny_config(tmp_path, "early"))], cwd=REPO,
                            env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         for line in run.stderr:
@@ -73,7 +73,7 @@ def test_ctrl_c_before_training_says_what_was_kept(tmp_path, tiny_config):
 
 NOTES = """
 import logging
-from stages.library_notes import quiet_harmless_notes
+from lorapipe.stages.library_notes import quiet_harmless_notes
 quiet_harmless_notes()
 from transformers import CLIPImageProcessor  # without torchvision: a note that it falls back to PIL
 peft = logging.getLogger("diffusers.loaders.peft")  # what diffusers says loading a denoiser-only LoRA into a pipeline
@@ -91,8 +91,8 @@ def test_harmless_library_notes_are_dropped_and_other_warnings_shown():
 
 
 def test_training_starts_ahead_only_when_the_run_will_train(tmp_path, tiny_config, run_stages):
-    from flows.commands import stages_to_build
-    from flows.config import load_config
+    from lorapipe.flows.commands import stages_to_build
+    from lorapipe.flows.config import load_config
 
     config_path = tiny_config(tmp_path, "ahead", max_steps=2, checkpoint_every=2)
     assert stages_to_build(load_config(config_path), [], None, []) == {"preprocess", "encode", "train", "evaluate"}
@@ -107,8 +107,8 @@ def test_training_starts_ahead_only_when_the_run_will_train(tmp_path, tiny_confi
 IMPORTED_AHEAD = """
 import importlib, json, sys
 from pathlib import Path
-from stages.families import for_model
-from stages.models import import_model_code
+from lorapipe.stages.families import for_model
+from lorapipe.stages.models import import_model_code
 model, stage, names = Path(sys.argv[1]), sys.argv[2], sys.argv[3:]
 import_model_code(model, for_model(model), stage)
 index, ahead = json.loads((model / "model_index.json").read_text()), {}
@@ -138,7 +138,7 @@ def test_a_profile_without_the_temporary_server_gets_prefects_own_answer(tmp_pat
     rather than restarting the server it had just stopped until it gave up."""
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"), "PREFECT_SERVER_ALLOW_EPHEMERAL_MODE": "false"}
     env.pop("PREFECT_API_URL", None)
-    run = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(tiny_config(tmp_path, "no-server"))],
+    run = subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", "run", str(tiny_config(tmp_path, "no-server"))],
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert run.returncode == 1
     assert run.stderr.splitlines()[-1].startswith("lorapipe: error: No Prefect API URL provided"), run.stderr[-2000:]
@@ -148,7 +148,7 @@ def test_an_api_in_the_active_prefect_profile_means_no_temporary_server(tmp_path
     """`prefect config set PREFECT_API_URL=...` (a server kept running) is read without importing prefect,
     so the command does not start, and then stop, a temporary server of its own; PREFECT_PROFILE picks
     the profile as in Prefect."""
-    from flows.server import EmbeddedServer, active_profile
+    from lorapipe.flows.server import EmbeddedServer, active_profile
 
     (tmp_path / "profiles.toml").write_text('active = "kept"\n\n[profiles.kept]\nPREFECT_API_URL = '
                                             '"http://127.0.0.1:4200/api"\n\n[profiles.ephemeral]\n')
@@ -164,13 +164,13 @@ def test_an_api_in_the_active_prefect_profile_means_no_temporary_server(tmp_path
     assert active_profile() == {}  # Prefect itself names a broken profiles file
 
 
-# `python -m flows.cli ARGS...`, printing at its exit which of these modules its own process had loaded
+# `python -m lorapipe.flows.cli ARGS...`, printing at its exit which of these modules its own process had loaded
 LOADED_AT_EXIT = """
 import atexit, runpy, sys
 names = ("torch", "diffusers", "transformers", "bitsandbytes", "torchao")
 atexit.register(lambda: print("loaded:", sorted(n for n in names if sys.modules.get(n)), file=sys.stderr))
 sys.argv[0] = "lorapipe"
-runpy.run_module("flows.cli", run_name="__main__")
+runpy.run_module("lorapipe.flows.cli", run_name="__main__")
 """
 
 
@@ -224,8 +224,8 @@ def test_outputs_of_an_artifact_removed_while_they_are_copied_are_refused(tmp_pa
     """`cache rm` or `gc` may remove an artifact between its lookup and the copy of its files into
     output_dir: that is said (a run served without a flow then runs the flow), never a run whose
     outputs are silently missing."""
-    from flows.outputs import ArtifactRemoved, copy_outputs
-    from flows.runner import StageResult
+    from lorapipe.flows.outputs import ArtifactRemoved, copy_outputs
+    from lorapipe.flows.runner import StageResult
 
     artifact, out = tmp_path / "cache" / "train" / "k", tmp_path / "out"
     artifact.mkdir(parents=True)

@@ -14,11 +14,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from flows.plan import STAGES
+from lorapipe.flows.plan import STAGES
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
-TRAINING = "stages.train.recipe"  # in the command line of the training process (and of a launcher's)
+TRAINING = "lorapipe.stages.train.recipe"  # in the command line of the training process (and of a launcher's)
 
 
 @pytest.fixture(scope="module")
@@ -32,7 +32,7 @@ def workspace(tmp_path_factory, tiny_config, run_stages) -> Path:
 
 def lorapipe_run(workspace: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "PREFECT_HOME": str(workspace / "prefect-home")}
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(workspace / "config.yaml"), "--json",
+    return subprocess.Popen([sys.executable, "-m", "lorapipe.flows.cli", "run", str(workspace / "config.yaml"), "--json",
                              *args], cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
@@ -74,7 +74,7 @@ def test_two_runs_forcing_train_at_once_both_succeed_and_train_once(workspace):
     trained, reused = finished(first)["train"], finished(second)["train"]
     assert trained["status"] == "computed" and reused["status"] == "hit"
     assert reused["reason"].startswith("built meanwhile by a concurrent run") and reused["key"] == trained["key"]
-    verify = subprocess.run([sys.executable, "-m", "flows.cli", "cache", "verify", "--config",
+    verify = subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", "cache", "verify", "--config",
                              str(workspace / "config.yaml")], cwd=REPO, capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout
 

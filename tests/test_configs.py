@@ -9,8 +9,8 @@ import pytest
 import yaml
 from pydantic import BaseModel
 
-from flows.cli import main
-from flows.config import ConfigError, PipelineConfig, load_config
+from lorapipe.flows.cli import main
+from lorapipe.flows.config import ConfigError, PipelineConfig, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
@@ -55,7 +55,7 @@ def test_the_cli_reports_a_bad_config_in_one_line(tmp_path, capsys):
 
 
 def test_every_deployment_in_prefect_yaml_carries_a_valid_config():
-    from flows.config import validate_config
+    from lorapipe.flows.config import validate_config
 
     deployments = yaml.safe_load((CONFIGS[0].parent.parent / "prefect.yaml").read_text())["deployments"]
     assert deployments

@@ -8,13 +8,13 @@ import os
 
 import pytest
 
-from cache.errors import UserError
-from flows.config import split, validate_config
-from stages.cpu_threads import threads_per_process
-from stages.encode import EncodeOptions, EncodeParams
-from stages.evaluate import EvalOptions, EvalParams
-from stages.train import TrainOptions, TrainParams
-from stages.train.launch import training_threads
+from lorapipe.cache.errors import UserError
+from lorapipe.flows.config import split, validate_config
+from lorapipe.stages.cpu_threads import threads_per_process
+from lorapipe.stages.encode import EncodeOptions, EncodeParams
+from lorapipe.stages.evaluate import EvalOptions, EvalParams
+from lorapipe.stages.train import TrainOptions, TrainParams
+from lorapipe.stages.train.launch import training_threads
 
 CONFIG = {"cache_dir": "cache", "output_dir": "out", "model": {"path": "model"}, "data": {"path": "data"},
           "train": {}, "evaluate": {"prompts": ["a photo of a cat"]}}

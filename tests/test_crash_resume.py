@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from flows.plan import STAGES
+from lorapipe.flows.plan import STAGES
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
@@ -22,7 +22,7 @@ def test_a_run_killed_mid_training_publishes_nothing_and_the_rerun_resumes(tmp_p
     config_path = tiny_config(tmp_path, "crash", max_steps=150, checkpoint_every=10, keep_checkpoints=2,
                               learning_rate=1e-3)
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    run = subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config_path)], cwd=REPO, env=env,
+    run = subprocess.Popen([sys.executable, "-m", "lorapipe.flows.cli", "run", str(config_path)], cwd=REPO, env=env,
                            start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     checkpoints = tmp_path / "cache" / "work" / "train"
     deadline = time.time() + 600

@@ -16,9 +16,9 @@ import yaml
 from blake3 import blake3
 from PIL import Image
 
-from flows.config import validate_config
-from flows.plan import Context
-from flows.runner import run_stage
+from lorapipe.flows.config import validate_config
+from lorapipe.flows.plan import Context
+from lorapipe.flows.runner import run_stage
 
 pytestmark = pytest.mark.slow
 
@@ -79,7 +79,7 @@ def test_strict_run_stops_at_the_first_bad_metadata_row_in_one_line(tmp_path, ti
         "\n".join(json.dumps({"file_name": name, "text": "x"}) for name in ("coffee.jpg", "gone.jpg")))
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config(tmp_path, tiny_model)))
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", "c.yaml", "--only", "preprocess", "--strict"],
+    done = subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", "run", "c.yaml", "--only", "preprocess", "--strict"],
                           cwd=tmp_path, env=env, text=True, capture_output=True, timeout=600)
     assert done.returncode == 1  # the error is one line (Prefect's server may log after it)
     error = next(line for line in done.stderr.splitlines() if line.startswith("lorapipe: error:"))
@@ -90,9 +90,9 @@ def test_strict_run_stops_at_the_first_bad_metadata_row_in_one_line(tmp_path, ti
 def test_a_table_row_naming_an_image_outside_the_dataset_is_refused_not_read(tmp_path):
     """hf / parquet tables may store image paths instead of bytes: a path leading outside the
     dataset folder (absolute, `../`, or through a link) is refused as `outside_dataset`."""
-    from stages.preprocess.listing import OutsideDataset, named_inside
-    from stages.preprocess.sources import Candidate
-    from stages.preprocess.validation import Rejected, inspect_image
+    from lorapipe.stages.preprocess.listing import OutsideDataset, named_inside
+    from lorapipe.stages.preprocess.sources import Candidate
+    from lorapipe.stages.preprocess.validation import Rejected, inspect_image
 
     data, outside = tmp_path / "table", tmp_path / "secret.png"
     (data / "images").mkdir(parents=True)

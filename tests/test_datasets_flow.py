@@ -6,10 +6,10 @@ import json
 import shutil
 from pathlib import Path
 
-from flows.config import validate_config
-from flows.plan import Context
-from flows.runner import run_stage
-from stages.encoded import EncodedData
+from lorapipe.flows.config import validate_config
+from lorapipe.flows.plan import Context
+from lorapipe.flows.runner import run_stage
+from lorapipe.stages.encoded import EncodedData
 
 
 def config(tmp_path: Path, model: Path, repeats: int):

@@ -20,7 +20,7 @@ pytestmark = pytest.mark.slow
 
 def lorapipe(*args: str, cwd: Path, prefect_home: Path | None = None) -> subprocess.CompletedProcess:
     env = {**os.environ, **LIBRARY_WARNINGS_SHOWN, "PREFECT_HOME": str(prefect_home or cwd / "prefect-home")}
-    return subprocess.run([sys.executable, "-m", "flows.cli", *args], cwd=cwd, env=env, text=True,
+    return subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", *args], cwd=cwd, env=env, text=True,
                           capture_output=True, timeout=900)
 
 
@@ -79,7 +79,7 @@ def test_an_all_cached_rerun_runs_no_prefect_flow_yet_writes_outputs_and_records
     """With no Prefect server kept running, a rerun whose every stage is a hit skips the temporary
     server and the flow (a run nobody could watch), yet writes what the flow writes: the outputs,
     run-summary.json, the run log, and the run in the cache's records for `cache gc --keep-last`."""
-    from cache.store import ArtifactStore
+    from lorapipe.cache.store import ArtifactStore
 
     run = demo_runs[0]
     home = run.parent / "prefect-home"  # the demo_runs' Prefect home
@@ -127,8 +127,8 @@ def test_a_rerun_with_a_stage_to_build_or_forced_runs_the_flow_as_before(demo_ru
 def test_a_machine_that_only_joins_a_training_never_skips_the_flow(demo_runs):
     """On train.machine_rank > 0 the flow joins rank 0's training and records no run: a rerun there
     is never served without the flow, even when every stage is cached."""
-    from flows.cached_run import all_cached_run
-    from flows.config import load_config
+    from lorapipe.flows.cached_run import all_cached_run
+    from lorapipe.flows.config import load_config
 
     joining = ["train.num_machines=2", "train.num_processes=2", "train.machine_rank=1",
                "train.main_process_ip=127.0.0.1"]  # train's key changes (num_processes), preprocess's does not

@@ -39,7 +39,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 STAGES = ["preprocess", "encode", "train", "evaluate"]
-TRAINER = "stages.train.recipe"
+TRAINER = "lorapipe.stages.train.recipe"
 SMALL = {  # the demo, made quick: a few training steps, a small evaluation
     "train": {"max_steps": 6, "checkpoint_every": 3, "log_every": 2},
     "evaluate": {"prompts": ["a photo of a rocket on a launch pad"], "seeds": [0], "lora_scales": [1.0],
@@ -256,8 +256,8 @@ def service(tmp_path_factory):
     free port instead of 4200; its `prefect deployment run` is what test_1 runs)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.config import load_config
-    from flows.demo import prepare_demo
+    from lorapipe.flows.config import load_config
+    from lorapipe.flows.demo import prepare_demo
 
     root = tmp_path_factory.mktemp("service")
     port = free_port()
@@ -386,7 +386,7 @@ def test_2b_with_the_server_kept_a_cli_no_op_rerun_still_runs_the_flow_with_cach
 
     config = service.config({"output_dir": str(service.root / "cli-out")})
     (service.root / "cli.yaml").write_text(yaml.safe_dump(config))
-    done = subprocess.run([sys.executable, "-m", "flows.cli", "run", str(service.root / "cli.yaml"), "--json"],
+    done = subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", "run", str(service.root / "cli.yaml"), "--json"],
                           cwd=REPO, env=service.env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     stages = json.loads(done.stdout)["stages"]
@@ -433,7 +433,7 @@ def test_4_two_runs_at_once_compute_each_stage_once(service):
     states = [service.task_states(r) for r in run_ids]
     for stage in STAGES:
         assert sorted(s[stage] for s in states) == ["Cached", "Completed"], stage
-    verify = subprocess.run([sys.executable, "-m", "flows.cli", "cache", "verify", "--cache-dir",
+    verify = subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", "cache", "verify", "--cache-dir",
                              configs[0]["cache_dir"]], cwd=REPO, capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 

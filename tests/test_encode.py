@@ -15,12 +15,12 @@ from pathlib import Path
 
 import pytest
 
-from cache.digest import StatCache
-from cache.samples import SampleStore
-from stages import encode, families, preprocess
-from stages.cpu_threads import threads_per_process
-from stages.encoded import EncodedData
-from stages.models import component_digests
+from lorapipe.cache.digest import StatCache
+from lorapipe.cache.samples import SampleStore
+from lorapipe.stages import encode, families, preprocess
+from lorapipe.stages.cpu_threads import threads_per_process
+from lorapipe.stages.encoded import EncodedData
+from lorapipe.stages.models import component_digests
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -76,7 +76,7 @@ def test_a_caption_longer_than_the_window_is_truncated_with_a_warning(tmp_path, 
 
 KILLABLE = textwrap.dedent("""
     import pickle, sys, time
-    from stages import encode
+    from lorapipe.stages import encode
     inputs, out = pickle.load(open(sys.argv[1], "rb"))
     slow = lambda message: time.sleep(0.5) if message.startswith("encode: latents") else None  # time to be killed
     encode.run(encode.EncodeParams(), inputs, out, out, encode.EncodeOptions(num_workers=0, batch_size=2,
@@ -113,7 +113,7 @@ def test_a_killed_encode_resumes_after_its_last_committed_shard(tmp_path, demo_i
 def test_cuda_out_of_memory_halves_the_batch_and_says_so():
     import torch
 
-    from stages.encode.latents import halve_on_oom
+    from lorapipe.stages.encode.latents import halve_on_oom
 
     def fits_two(batch: torch.Tensor) -> torch.Tensor:
         if len(batch) > 2:
@@ -131,7 +131,7 @@ def test_cuda_out_of_memory_halves_the_batch_and_says_so():
 def test_colour_modes_become_rgb_and_alpha_lands_on_the_background():
     from PIL import Image
 
-    from stages.encode.images import to_rgb
+    from lorapipe.stages.encode.images import to_rgb
 
     clear = Image.new("RGBA", (2, 2), (255, 0, 0, 0))
     assert to_rgb(clear, (0, 0, 255)).getpixel((0, 0)) == (0, 0, 255)
@@ -148,7 +148,7 @@ def test_exif_orientation_is_shown_upright(tmp_path, orientation):
     import numpy as np
     from PIL import Image, ImageOps
 
-    from stages.encode.images import resized_upright
+    from lorapipe.stages.encode.images import resized_upright
 
     stored = Image.fromarray(np.random.default_rng(0).integers(0, 255, (90, 150, 3), dtype=np.uint8))
     exif = Image.Exif()
@@ -167,7 +167,7 @@ def test_a_large_jpeg_is_decoded_at_a_reduced_scale_with_the_same_pixels(tmp_pat
     import numpy as np
     from PIL import Image
 
-    from stages.encode.images import resized_upright
+    from lorapipe.stages.encode.images import resized_upright
 
     grain = np.random.default_rng(0).normal(0, 6, (1500, 2000, 3))
     photo = np.asarray(Image.linear_gradient("L").resize((2000, 1500)).convert("RGB"), dtype=float) + grain
@@ -229,8 +229,8 @@ def test_sdxl_records_hold_both_encoders_and_the_pooled_embedding(tmp_path, demo
 
 def test_a_damaged_shard_is_found_by_cache_verify_removed_and_re_encoded(tmp_path, demo_images, tiny_model,
                                                                          count_encoder_rows, capsys):
-    from cache.store import ArtifactStore, StageKey
-    from flows.cli import main
+    from lorapipe.cache.store import ArtifactStore, StageKey
+    from lorapipe.flows.cli import main
 
     inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), tiny_model)
     store = ArtifactStore(inputs.cache_root)
@@ -291,9 +291,9 @@ def test_the_lines_of_two_workers_sharing_a_pipe_never_merge():
     """The processes of one launch write into one pipe with PYTHONUNBUFFERED=1 (lines reach the
     parent at once); a worker writes each printed line in one system call, so two ranks' lines
     arrive whole (a merged line once failed the two-process encode test above)."""
-    from stages.launching import start_worker
+    from lorapipe.stages.launching import start_worker
 
-    rank_prints = ("import sys; from stages.launching import write_whole_lines; write_whole_lines();"
+    rank_prints = ("import sys; from lorapipe.stages.launching import write_whole_lines; write_whole_lines();"
                    " [print(f'[rank {sys.argv[1]}] line', i, flush=True) for i in range(3000)]")
     launcher = ("import subprocess, sys; ranks = [subprocess.Popen([sys.executable, '-c', sys.argv[1], str(r)])"
                 " for r in (0, 1)]; [p.wait() for p in ranks]")

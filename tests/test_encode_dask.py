@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from cache.samples import SampleStore
-from stages import encode
-from stages.encode.dask_executor import _client, encode_chunk
-from stages.launching import environment_kept
-from stages.optional_libraries import OPTIONAL
-from stages.encode.workers import EncodeJobs
+from lorapipe.cache.samples import SampleStore
+from lorapipe.stages import encode
+from lorapipe.stages.encode.dask_executor import _client, encode_chunk
+from lorapipe.stages.launching import environment_kept
+from lorapipe.stages.optional_libraries import OPTIONAL
+from lorapipe.stages.encode.workers import EncodeJobs
 
 from test_encode import encode_inputs, prepare, run_encode
 
@@ -136,7 +136,7 @@ def test_a_retried_chunk_encodes_only_what_its_killed_attempt_did_not_commit(tmp
 @pytest.mark.slow
 def test_dask_workers_encode_into_an_s3_cache_once_each(tmp_path, demo_images, tiny_model, s3_server,
                                                         local_reference, cluster):
-    from cache.object_store import ObjectSettings, open_store
+    from lorapipe.cache.object_store import ObjectSettings, open_store
 
     store = open_store(s3_server.url("dask-encode"), ObjectSettings(tmp_path / "local-side", 1 << 30, 60.0))
     remote = store.sample_store()  # the local side now names the bucket: stages are given store.root

@@ -16,8 +16,8 @@ from PIL import Image, ImageChops
 from pydantic import ValidationError
 
 from conftest import LIBRARY_WARNINGS_SHOWN
-from stages.evaluate import EvalInputs, EvalParams, run
-from stages.evaluate.render import HEADER_HEIGHT, LABEL_WIDTH, cell
+from lorapipe.stages.evaluate import EvalInputs, EvalParams, run
+from lorapipe.stages.evaluate.render import HEADER_HEIGHT, LABEL_WIDTH, cell
 
 FAST = dict(
     prompts=("a photo of a cat on a windowsill", "a rocket"), seeds=(0, 1), lora_scales=(0.0, 1.0),
@@ -80,10 +80,10 @@ def test_an_evaluation_in_the_process_started_ahead_writes_the_same_files(evalua
     which trained the LoRA: the grid, metrics and report are byte for byte those of an evaluation
     in the command's own process (the same number of CPU threads). What it prints goes to the
     terminal without the library notes that tell a user nothing (stages/library_notes.py)."""
-    from stages import ahead
+    from lorapipe.stages import ahead
 
     first, params, info = evaluated
-    ahead.start_ahead(LIBRARY_WARNINGS_SHOWN, ("stages.train.recipe",))
+    ahead.start_ahead(LIBRARY_WARNINGS_SHOWN, ("lorapipe.stages.train.recipe",))
     try:
         built = _evaluate(params, tiny_model, lora_dir, encoded, tmp_path / "ahead")
         assert ahead.waiting()  # it stays for a next job, until the command ends it
@@ -104,13 +104,13 @@ def test_encode_and_evaluate_in_the_process_started_ahead_run_on_the_threads_omp
     jobs in the process started ahead, whose own count is training's (stages/cpu_threads.py), not
     every core: on a busy machine threads beyond the free cores made evaluate many times slower."""
     from conftest import _encode_demo_images
-    from stages import ahead
-    from stages.encode import EncodeParams
-    from stages.train import TrainParams
-    from stages.train.launch import worker_env
+    from lorapipe.stages import ahead
+    from lorapipe.stages.encode import EncodeParams
+    from lorapipe.stages.train import TrainParams
+    from lorapipe.stages.train.launch import worker_env
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    ahead.start_ahead(worker_env(TrainParams(), 2), ("stages.train.recipe",))  # as train.cpu_threads: 2 starts it
+    ahead.start_ahead(worker_env(TrainParams(), 2), ("lorapipe.stages.train.recipe",))  # as train.cpu_threads: 2 starts it
     try:
         _encode_demo_images(tmp_path / "cache", tiny_model, EncodeParams())
         _evaluate(EvalParams(**FAST, clip_model=str(tmp_path / "no-such-clip")), tiny_model, lora_dir, encoded,
@@ -146,7 +146,7 @@ def test_writes_grid_metrics_and_report(evaluated):
 def test_the_loss_subset_has_a_fixed_size_and_keeps_its_members_as_the_split_grows():
     from types import SimpleNamespace
 
-    from stages.evaluate.losses import loss_subset
+    from lorapipe.stages.evaluate.losses import loss_subset
 
     split = [SimpleNamespace(content_id=f"latent{i}") for i in range(1000)]
     chosen = {s.content_id for s in loss_subset(split, 64, loss_seed=0)}
@@ -220,8 +220,8 @@ def test_empty_holdout_is_skipped_not_a_crash(tmp_path, tiny_model, lora_dir, en
 
 def test_a_held_out_latent_damaged_in_place_stops_evaluate_naming_its_shard(tmp_path, tiny_model, lora_dir,
                                                                           encoded_copy, damage_in_place):
-    from cache.samples import DamagedRecord
-    from stages.encoded import EncodedData
+    from lorapipe.cache.samples import DamagedRecord
+    from lorapipe.stages.encoded import EncodedData
 
     data = EncodedData(encoded_copy.artifact_dir, encoded_copy.cache_root)
     latent = data.split("holdout")[0].latent
@@ -252,7 +252,7 @@ def tiny_clip(tmp_path_factory) -> Path:
     import torch
     from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
 
-    from stages.families.tiny_sd import write_tokenizer
+    from lorapipe.stages.families.tiny_sd import write_tokenizer
 
     out = tmp_path_factory.mktemp("models") / "tiny-clip"
     tokenizer = write_tokenizer(out.parent / "clip-tokenizer-src")
@@ -288,7 +288,7 @@ def test_a_folder_without_lora_weights_is_refused(tmp_path, tiny_model, encoded)
 
 
 def test_local_model_identity_is_a_content_digest(tmp_path, tiny_clip):
-    from cache.digest import StatCache, path_identity
+    from lorapipe.cache.digest import StatCache, path_identity
 
     with StatCache(tmp_path / "stat.sqlite") as stat_cache:
         assert path_identity(None, stat_cache) == "none"
@@ -330,7 +330,7 @@ def _inlined(markdown: str) -> list[tuple[str, Image.Image]]:
 
 def test_the_report_for_the_prefect_ui_carries_its_images_inline(evaluated):
     """The Prefect UI cannot reach files on the worker: every image of the report is inlined, as is."""
-    from stages.evaluate.report import embed_images
+    from lorapipe.stages.evaluate.report import embed_images
 
     out, _, _ = evaluated
     inlined = embed_images((out / "report.md").read_text(), out)
@@ -346,7 +346,7 @@ def test_the_report_for_the_prefect_ui_carries_its_images_inline(evaluated):
 def test_an_image_too_big_to_inline_is_downscaled_and_a_missing_one_says_so(tmp_path):
     import numpy as np
 
-    from stages.evaluate.report import EMBED_MAX_BYTES, EMBED_MAX_SIDE, embed_images
+    from lorapipe.stages.evaluate.report import EMBED_MAX_BYTES, EMBED_MAX_SIDE, embed_images
 
     noise = np.random.default_rng(0).integers(0, 256, (3000, 1200, 3), dtype=np.uint8)  # PNG cannot shrink it
     Image.fromarray(noise).save(tmp_path / "grid.png")
@@ -361,7 +361,7 @@ def test_an_image_too_big_to_inline_is_downscaled_and_a_missing_one_says_so(tmp_
 def test_a_lokr_with_an_ema_is_scored_and_rendered_beside_its_ema(tmp_path, tiny_model, encoded):
     """A real train artifact of a LoKr (which diffusers' loader refuses) trained with an EMA: evaluate
     scores both, renders an EMA column per scale, and scores each checkpoint."""
-    from stages import train
+    from lorapipe.stages import train
 
     trained = tmp_path / "train"
     trained.mkdir()

@@ -13,11 +13,11 @@ from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, fused_change, trained_lora
 from safetensors import safe_open
 
-import stages.families as families
-from stages.families import ObjectiveParams, TextOptions, TimestepSampling
-from stages.families.flux1 import original_names
-from stages.families.original_names import fused_lora
-from stages.train.lora_files import save_safetensors_sorted
+import lorapipe.stages.families as families
+from lorapipe.stages.families import ObjectiveParams, TextOptions, TimestepSampling
+from lorapipe.stages.families.flux1 import original_names
+from lorapipe.stages.families.original_names import fused_lora
+from lorapipe.stages.train.lora_files import save_safetensors_sorted
 
 CAPTIONS = ["a photo of a tabby cat looking to the side", "a photo of a rocket on a launch pad"]
 

@@ -15,8 +15,8 @@ from family_checks import assert_builds_byte_identically, assert_means_what_was_
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-import stages.families as families
-from stages.families import ObjectiveParams, TextOptions, TimestepSampling
+import lorapipe.stages.families as families
+from lorapipe.stages.families import ObjectiveParams, TextOptions, TimestepSampling
 
 CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 
@@ -84,7 +84,7 @@ def test_latent_normalisation_is_the_pipelines(base):
         expected = pipe._encode_vae_image(pixels, torch.Generator().manual_seed(0))  # the posterior's mode
     assert mean.shape == (2, 8, 8, 6) and expected.shape == (2, 32, 4, 3)
     assert torch.allclose(normalise.apply(mean), expected, atol=1e-6)
-    from stages.families.latents import normalisation_from_json
+    from lorapipe.stages.families.latents import normalisation_from_json
 
     assert normalisation_from_json(normalise.model_dump()) == normalise  # as the encode index records it
 

@@ -14,8 +14,8 @@ from family_checks import assert_builds_byte_identically, assert_means_what_was_
     trained_lora
 from safetensors import safe_open
 
-import stages.families as families
-from stages.families import ObjectiveParams, TextOptions
+import lorapipe.stages.families as families
+from lorapipe.stages.families import ObjectiveParams, TextOptions
 
 CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 

@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import stages.families as families
+import lorapipe.stages.families as families
 from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
 from family_checks import assert_means_what_was_trained, fused_change, respelled_as_kohya, trained_lora
 from safetensors import safe_open
-from stages.encoded import EncodedData
-from stages.families import ObjectiveParams, TextOptions, TimestepSampling
+from lorapipe.stages.encoded import EncodedData
+from lorapipe.stages.families import ObjectiveParams, TextOptions, TimestepSampling
 
 CAPTIONS = ["a photo of a tabby cat looking to the side", "", "a photo of a rocket on a launch pad"]
 
@@ -122,8 +122,8 @@ def test_comfyui_export_in_ldm_names_means_what_was_trained(arch, tiny_model, sd
 
 
 def test_each_stage_depends_on_the_components_the_family_names(models, tmp_path):
-    from cache.digest import StatCache
-    from stages.models import component_digests
+    from lorapipe.cache.digest import StatCache
+    from lorapipe.stages.models import component_digests
 
     parts = {"encode": {"text_encoder", "tokenizer", "vae"}, "train": {"unet", "scheduler"}}
     with StatCache(tmp_path / "stat.sqlite") as stat_cache:

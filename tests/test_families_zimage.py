@@ -14,8 +14,8 @@ from family_checks import assert_builds_byte_identically, assert_means_what_was_
     trained_lora
 from safetensors import safe_open
 
-import stages.families as families
-from stages.families import ObjectiveParams, TextOptions
+import lorapipe.stages.families as families
+from lorapipe.stages.families import ObjectiveParams, TextOptions
 
 CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 
@@ -169,7 +169,7 @@ def test_evaluate_renders_with_guidance_and_no_negative_prompt(base):
     """evaluate's render call with the family's pipeline arguments: with guidance and no negative
     prompt (evaluate.negative_prompt unset) the base model renders (it passed [None] as the negative
     prompts, and the pipeline's chat template failed on it)."""
-    from stages.evaluate.render import RenderSettings, render_column
+    from lorapipe.stages.evaluate.render import RenderSettings, render_column
 
     family = families.for_model(base)
     text = family.text_settings(base, TextOptions())

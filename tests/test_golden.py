@@ -34,8 +34,8 @@ import pytest
 import yaml
 from PIL import Image
 
-from flows.plan import STAGES
-from stages.evaluate.render import cell
+from lorapipe.flows.plan import STAGES
+from lorapipe.stages.evaluate.render import cell
 
 DEMO_IMAGES = Path(__file__).resolve().parent.parent / "stages" / "assets" / "demo_images"
 GOLDEN_IMAGES = Path(__file__).resolve().parent / "golden"

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from stages import families
-from stages.families.folders import model_index
-from stages.families.single_file import ARCH_ROOT
+from lorapipe.stages import families
+from lorapipe.stages.families.folders import model_index
+from lorapipe.stages.families.single_file import ARCH_ROOT
 
 REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {  # setting -> the cached-step variants its smoke run measures

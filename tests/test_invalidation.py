@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import validate_config
-from flows.plan import STAGES, Context
-from flows.runner import explain, run_stage
+from lorapipe.flows.config import validate_config
+from lorapipe.flows.plan import STAGES, Context
+from lorapipe.flows.runner import explain, run_stage
 
 pytestmark = pytest.mark.slow
 
@@ -182,8 +182,8 @@ def test_raising_max_steps_continues_from_the_published_run(baseline, tmp_path):
 
 
 def test_warm_start_continues_from_the_previous_lora_only_when_the_data_changed(baseline, tmp_path):
-    from cache.digest import digest_file
-    from flows.runner import run_warm_train
+    from lorapipe.cache.digest import digest_file
+    from lorapipe.flows.runner import run_warm_train
 
     config = copy_of(baseline, tmp_path)
     ctx = Context(config, log=lambda m: None)
@@ -213,7 +213,7 @@ def private_copy(baseline: Path, tmp_path: Path, **sections):
 
 
 def encoded_data(config):
-    from stages.encoded import EncodedData
+    from lorapipe.stages.encoded import EncodedData
 
     ctx = Context(config, log=lambda m: None)
     try:
@@ -230,12 +230,12 @@ def test_a_shard_damaged_in_place_is_re_encoded_when_training_meets_it_and_train
     """Training meets a record damaged in place: its shard is encoded again (its latents only),
     training resumes from its checkpoint, and the run's summary (run-summary.json, the table) says
     that encode, a hit, was repaired while train ran, with what was encoded."""
-    from cache.samples import SampleStore
+    from lorapipe.cache.samples import SampleStore
 
-    from flows.commands import print_summary
-    from flows.outputs import finish_run
-    from flows.plan import step_for
-    from stages.train.checkpoints import CheckpointDir
+    from lorapipe.flows.commands import print_summary
+    from lorapipe.flows.outputs import finish_run
+    from lorapipe.flows.plan import step_for
+    from lorapipe.stages.train.checkpoints import CheckpointDir
 
     config = private_copy(baseline, tmp_path, train={"max_steps": 50})  # resumes the baseline's training
     data, encoded = encoded_data(config)
@@ -276,7 +276,7 @@ def test_a_shard_damaged_in_place_is_re_encoded_when_training_meets_it_and_train
 
 
 def test_a_repaired_or_compacted_shard_reruns_only_encode(baseline, tmp_path, count_encoder_rows):
-    from cache.samples import SampleStore
+    from lorapipe.cache.samples import SampleStore
 
     config = private_copy(baseline, tmp_path)
     data, _ = encoded_data(config)

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from test_invalidation import make_config, run_all, statuses
 
-from flows.plan import STAGES, Context
-from flows.runner import explain
+from lorapipe.flows.plan import STAGES, Context
+from lorapipe.flows.runner import explain
 
 pytestmark = pytest.mark.slow
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from test_invalidation import make_config, run_all, statuses
 
-from flows.plan import STAGES, Context
-from flows.runner import explain
-from stages.families.zimage import ZImage
+from lorapipe.flows.plan import STAGES, Context
+from lorapipe.flows.runner import explain
+from lorapipe.stages.families.zimage import ZImage
 
 pytestmark = pytest.mark.slow
 

@@ -12,13 +12,13 @@ import pytest
 import torch
 from PIL import Image
 
-from cache.object_store import open_sample_store
-from flows.plan import STAGES
-from stages import families
-from stages.encoded import EncodedData
-from stages.families import ObjectiveParams
-from stages.train.data import StepInputs, load_batch
-from stages.train.recipe import step_loss
+from lorapipe.cache.object_store import open_sample_store
+from lorapipe.flows.plan import STAGES
+from lorapipe.stages import families
+from lorapipe.stages.encoded import EncodedData
+from lorapipe.stages.families import ObjectiveParams
+from lorapipe.stages.train.data import StepInputs, load_batch
+from lorapipe.stages.train.recipe import step_loss
 from test_invalidation import make_config, run_all, statuses
 
 
@@ -38,10 +38,10 @@ def masked_set(tmp_path_factory, tiny_model):
     """Two datasets at 64 px, each image encoded plain and mirrored: `sidecar` (wide.png 256x128 with
     a left-half-white wide.mask.png, plain.png without a mask, bad.png whose mask has another size)
     and `alpha` (mask: alpha; cut.png 256x128 RGBA, opaque on its left half)."""
-    from cache.digest import StatCache
-    from cache.store import ArtifactStore, StageKey
-    from stages import encode, preprocess
-    from stages.models import component_digests
+    from lorapipe.cache.digest import StatCache
+    from lorapipe.cache.store import ArtifactStore, StageKey
+    from lorapipe.stages import encode, preprocess
+    from lorapipe.stages.models import component_digests
 
     root = tmp_path_factory.mktemp("masked")
     sidecar, alpha = root / "sidecar", root / "alpha"
@@ -196,7 +196,7 @@ def test_editing_a_mask_re_encodes_that_mask_alone_and_retrains(unmasked_run, tm
 def test_a_mask_fits_each_family_layout():
     """A latent-resolution mask weights a coarser layout (Flux.2's 2x2-patchified latents) by each
     cell's mean, and a 5-D one (Qwen-Image's frame axis) per pixel: left half 1, right half 0."""
-    from stages.families.objectives import LossFunction
+    from lorapipe.stages.families.objectives import LossFunction
 
     mask = torch.zeros(1, 1, 4, 4)
     mask[..., :2] = 1

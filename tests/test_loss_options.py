@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-import stages.families as families
-from stages.families import ObjectiveParams, TimestepSampling
-from stages.train.params import TrainParams
+import lorapipe.stages.families as families
+from lorapipe.stages.families import ObjectiveParams, TimestepSampling
+from lorapipe.stages.train.params import TrainParams
 
 # d = prediction - target per element, in one sample of 4 elements; per element, with c = 0.1:
 #   mse d^2:                          0, 0.01, 1, 9

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from cache.objects import ObjectRoot
-from flows.plan import STAGES
+from lorapipe.cache.objects import ObjectRoot
+from lorapipe.flows.plan import STAGES
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
@@ -45,7 +45,7 @@ def lorapipe_run(workspace: Path, host: str) -> subprocess.Popen:
     Its environment has no AWS credentials: they come from the config's storage_options."""
     env = {k: v for k, v in os.environ.items() if k not in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")}
     env["PREFECT_HOME"] = str(workspace / host / "prefect-home")
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(workspace / "config.yaml"), "--json",
+    return subprocess.Popen([sys.executable, "-m", "lorapipe.flows.cli", "run", str(workspace / "config.yaml"), "--json",
                              "--set", f"object_store.local_dir={workspace / host / 'local'}",
                              "--set", f"output_dir={workspace / host / 'out'}"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -71,7 +71,7 @@ def test_two_runs_at_once_compute_each_stage_once_and_a_later_run_is_all_hits(wo
     assert [again[s]["prefect_state"] for s in STAGES] == [None] * 4  # all cached: served without a flow
     for name in ("pytorch_lora_weights.safetensors", "grid.png", "metrics.json"):  # fetched to this host
         assert (workspace / "host-c" / "out" / name).is_file(), name
-    verify = subprocess.run([sys.executable, "-m", "flows.cli", "cache", "verify", "--config",
+    verify = subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", "cache", "verify", "--config",
                              str(workspace / "config.yaml")], cwd=REPO, capture_output=True, text=True)
     assert verify.returncode == 0, verify.stdout + verify.stderr
 

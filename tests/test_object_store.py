@@ -22,20 +22,20 @@ from pathlib import Path
 import pytest
 from builders import finished, marker_lines
 
-from cache.gc import collect
-from cache.object_store import MARKER, STORE_ID, ObjectArtifactStore, ObjectSettings, default_local_dir
-from cache.objects import OPTIONS_ENV, ObjectRoot
-from cache.samples import DamagedRecord
-from cache.store import Built, StageKey
-from flows.cli import main
+from lorapipe.cache.gc import collect
+from lorapipe.cache.object_store import MARKER, STORE_ID, ObjectArtifactStore, ObjectSettings, default_local_dir
+from lorapipe.cache.objects import OPTIONS_ENV, ObjectRoot
+from lorapipe.cache.samples import DamagedRecord
+from lorapipe.cache.store import Built, StageKey
+from lorapipe.flows.cli import main
 
 REPO = Path(__file__).resolve().parent.parent
 LEASE = 2.0  # seconds: a killed holder's lease is taken over ~2.5 s after the waiter first sees it
 BUILDER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
-    from cache.object_store import ObjectArtifactStore, ObjectSettings
-    from cache.store import StageKey
+    from lorapipe.cache.object_store import ObjectArtifactStore, ObjectSettings
+    from lorapipe.cache.store import StageKey
     url, local, marker, name, sleep, lease, big = sys.argv[1:]
     def note(line):
         with open(marker, "a") as f:
@@ -455,7 +455,7 @@ def test_a_deployment_parameter_keeps_an_s3_cache_root_and_never_its_secrets():
     environment supplies the credentials) while keeping the URL and the other options."""
     import yaml
 
-    from flows.pipeline import pipeline
+    from lorapipe.flows.pipeline import pipeline
 
     config = yaml.safe_load((REPO / "prefect.yaml").read_text())["definitions"]["config"]
     config = {**config, "cache_dir": "s3://team-bucket/lorapipe",
@@ -471,7 +471,7 @@ def test_a_deployment_parameter_keeps_an_s3_cache_root_and_never_its_secrets():
 
 
 def test_a_checkpoint_rotated_away_by_another_host_leaves_no_empty_folder_here(root, tmp_path):
-    from cache.worksync import WorkSync
+    from lorapipe.cache.worksync import WorkSync
 
     here = WorkSync(ObjectRoot(root), "work/demo/k", tmp_path / "here")
     (tmp_path / "here" / "checkpoints" / "step-2").mkdir(parents=True)

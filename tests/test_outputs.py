@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from flows.config import validate_config
-from flows.outputs import ArtifactRemoved, finish_run
-from flows.runner import StageResult
+from lorapipe.flows.config import validate_config
+from lorapipe.flows.outputs import ArtifactRemoved, finish_run
+from lorapipe.flows.runner import StageResult
 
 LORA = "pytorch_lora_weights.safetensors"
 KOHYA = "pytorch_lora_weights_kohya.safetensors"

@@ -19,7 +19,7 @@ def start_run(config: Path, home: Path, xdg_cache: Path) -> subprocess.Popen:
     """`lorapipe run --only preprocess`, forced: a run with every stage cached would run no flow."""
     env = {**os.environ, "PREFECT_HOME": str(home), "XDG_CACHE_HOME": str(xdg_cache)}
     env.pop("PREFECT_API_URL", None)  # the command's own temporary server
-    return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--only", "preprocess",
+    return subprocess.Popen([sys.executable, "-m", "lorapipe.flows.cli", "run", str(config), "--only", "preprocess",
                              "--force", "preprocess"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
@@ -42,7 +42,7 @@ def template_in(xdg_cache: Path) -> Path:
 def test_only_prefects_default_database_in_a_new_home_is_seeded(tmp_path, monkeypatch):
     """A database named in the environment or the active profile is never shadowed by a copy, nor is
     one already in the home (or its journal, left without it)."""
-    from flows.prefect_db import DATABASE_SETTINGS, DatabaseTemplate
+    from lorapipe.flows.prefect_db import DATABASE_SETTINGS, DatabaseTemplate
 
     monkeypatch.chdir(tmp_path)
     home = Path("home")  # PREFECT_HOME may be relative

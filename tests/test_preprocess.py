@@ -11,12 +11,12 @@ import pytest
 from blake3 import blake3
 from PIL import Image
 
-from cache.digest import StatCache
-from flows.config import ConfigError, validate_config
-from stages.preprocess import (DATASET_FILE, DatasetSource, PreprocessInputs, PreprocessParams, dataset_ingredients,
+from lorapipe.cache.digest import StatCache
+from lorapipe.flows.config import ConfigError, validate_config
+from lorapipe.stages.preprocess import (DATASET_FILE, DatasetSource, PreprocessInputs, PreprocessParams, dataset_ingredients,
                                run)
-from stages.preprocess.crops import generated_buckets, place
-from stages.preprocess.sources import read_image_bytes
+from lorapipe.stages.preprocess.crops import generated_buckets, place
+from lorapipe.stages.preprocess.sources import read_image_bytes
 
 
 def preprocess(datasets, tmp_path, **params):

@@ -15,14 +15,14 @@ import torch
 from conftest import DEMO_IMAGES, _encode_demo_images
 from test_train_adapters import published, run_train
 
-from stages import families
-from stages.encode import EncodeParams
-from stages.encoded import EncodedData
-from stages.preprocess import DatasetSource
-from stages.train import TrainParams
-from stages.train.data import load_batch, step_inputs
-from stages.train.prior import base_output_target
-from stages.train.recipe import step_loss
+from lorapipe.stages import families
+from lorapipe.stages.encode import EncodeParams
+from lorapipe.stages.encoded import EncodedData
+from lorapipe.stages.preprocess import DatasetSource
+from lorapipe.stages.train import TrainParams
+from lorapipe.stages.train.data import load_batch, step_inputs
+from lorapipe.stages.train.prior import base_output_target
+from lorapipe.stages.train.recipe import step_loss
 
 SUBJECT = ("astronaut", "camera", "chelsea", "coffee")  # the other four demo photos are the prior images
 CPU = torch.device("cpu")
@@ -161,7 +161,7 @@ def test_a_run_with_prior_data_resumes_exactly(tmp_path, tiny_model, prior_encod
 
 
 def test_prior_settings_need_prior_data(tmp_path, tiny_model, encoded):
-    from cache.errors import UserError
+    from lorapipe.cache.errors import UserError
 
     with pytest.raises(UserError, match=r"train.prior_target: no training image comes from a dataset with role: prior"):
         run_train(tmp_path, "none", tiny_model, encoded, tmp_path / "work", prior_target="base_output")

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 from test_invalidation import make_config, run_all, statuses
 from test_train_flux1 import double_block_targets
 
-from flows.config import ConfigError, validate_config
-from flows.plan import STAGES
-from stages import families
+from lorapipe.flows.config import ConfigError, validate_config
+from lorapipe.flows.plan import STAGES
+from lorapipe.stages import families
 
 pytestmark = pytest.mark.slow
 
@@ -110,7 +110,7 @@ def _assert_loads_as_trained(pipe, model: Path, out: Path, targets) -> None:
     the full-precision base by the trained B @ A x scale."""
     from peft import LoraConfig
 
-    from stages.train.lora_files import load_diffusers_lora
+    from lorapipe.stages.train.lora_files import load_diffusers_lora
 
     family = families.for_model(model)
     trained = family.load_denoiser(model, torch.float32)

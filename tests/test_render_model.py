@@ -13,9 +13,9 @@ import pytest
 import torch
 from test_invalidation import make_config, run_all, statuses
 
-from cache.errors import UserError
-from flows.plan import STAGES, Context
-from flows.runner import explain
+from lorapipe.cache.errors import UserError
+from lorapipe.flows.plan import STAGES, Context
+from lorapipe.flows.runner import explain
 
 pytestmark = pytest.mark.slow
 

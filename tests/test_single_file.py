@@ -16,11 +16,11 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from cache.digest import StatCache, digest_file
-from stages import families
-from stages.families.ldm_names import ldm_name, renamed, unet_block_prefixes
-from stages.families.single_file import ARCH_ROOT
-from stages.models import component_digests
+from lorapipe.cache.digest import StatCache, digest_file
+from lorapipe.stages import families
+from lorapipe.stages.families.ldm_names import ldm_name, renamed, unet_block_prefixes
+from lorapipe.stages.families.single_file import ARCH_ROOT
+from lorapipe.stages.models import component_digests
 
 
 def model_family(path: Path, declared: str | None = None) -> str:

@@ -1,4 +1,4 @@
-from stages.encoded import EncodedData
+from lorapipe.stages.encoded import EncodedData
 
 
 def test_encoded_fixture_has_train_and_holdout_samples(encoded):

@@ -26,12 +26,12 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from cache.errors import UserError
-from stages import train
-from stages.launching import WorkerFailed
-from stages.train.checkpoints import CheckpointDir
-from stages.train.data import BatchPlan, MicroBatches
-from stages.train.lora_files import save_safetensors_sorted
+from lorapipe.cache.errors import UserError
+from lorapipe.stages import train
+from lorapipe.stages.launching import WorkerFailed
+from lorapipe.stages.train.checkpoints import CheckpointDir
+from lorapipe.stages.train.data import BatchPlan, MicroBatches
+from lorapipe.stages.train.lora_files import save_safetensors_sorted
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -177,7 +177,7 @@ def test_exported_loras_reproduce_the_trained_unet(trained, tiny_model):
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
     from peft import LoraConfig
 
-    from stages.train.lora_files import load_diffusers_lora
+    from lorapipe.stages.train.lora_files import load_diffusers_lora
 
     out = trained[0]
     reference = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
@@ -219,8 +219,8 @@ def test_child_failure_is_reported_in_one_line(tmp_path, tiny_model, encoded):
 
 def test_a_latent_damaged_in_place_stops_training_with_one_line_naming_its_shard(tmp_path, tiny_model, encoded_copy,
                                                                                   damage_in_place):
-    from cache.samples import DamagedRecord
-    from stages.encoded import EncodedData
+    from lorapipe.cache.samples import DamagedRecord
+    from lorapipe.stages.encoded import EncodedData
 
     data = EncodedData(encoded_copy.artifact_dir, encoded_copy.cache_root)
     latent = data.split("train")[0].latent
@@ -233,7 +233,7 @@ def test_a_latent_damaged_in_place_stops_training_with_one_line_naming_its_shard
 
 
 def test_batch_plan_deals_equal_disjoint_batches(encoded):
-    from stages.encoded import EncodedData
+    from lorapipe.stages.encoded import EncodedData
 
     samples = EncodedData(encoded.artifact_dir, encoded.cache_root).split("train")
     plan = BatchPlan(samples, seed=0, batch_size=2, num_processes=2)  # 6 samples: one batch of 4, 2 dropped
@@ -296,7 +296,7 @@ def test_sdxl_lora_loads_into_the_sdxl_pipeline(tmp_path, sdxl_model, sdxl_encod
     from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
     from peft import LoraConfig
 
-    from stages.train.lora_files import load_diffusers_lora
+    from lorapipe.stages.train.lora_files import load_diffusers_lora
 
     inputs = train_inputs(sdxl_model, sdxl_encoded)
     out, built = run_train(tmp_path, "sdxl", inputs, max_steps=6, checkpoint_every=6)
@@ -319,8 +319,8 @@ def test_sdxl_lora_loads_into_the_sdxl_pipeline(tmp_path, sdxl_model, sdxl_encod
 
 
 def test_flipped_latents_are_drawn_half_the_time(sdxl_encoded):
-    from stages.encoded import EncodedData
-    from stages.train.data import draws_flipped, load_batch
+    from lorapipe.stages.encoded import EncodedData
+    from lorapipe.stages.train.data import draws_flipped, load_batch
 
     data = EncodedData(sdxl_encoded.artifact_dir, sdxl_encoded.cache_root)
     sample = data.split("train")[0]
@@ -339,7 +339,7 @@ def test_flipped_latents_are_drawn_half_the_time(sdxl_encoded):
 
 
 def test_batch_plan_repeats_samples(encoded):
-    from stages.encoded import EncodedData
+    from lorapipe.stages.encoded import EncodedData
 
     samples = EncodedData(encoded.artifact_dir, encoded.cache_root).split("train")
     samples[0] = replace(samples[0], repeats=3)
@@ -369,11 +369,11 @@ def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded)
     from diffusers import UNet2DConditionModel
     from peft import LoraConfig
 
-    from stages import families
-    from stages.encoded import EncodedData
-    from stages.train.lora_files import load_diffusers_lora
-    from stages.train.data import derived_seed, load_batch, step_inputs
-    from stages.train.recipe import step_loss
+    from lorapipe.stages import families
+    from lorapipe.stages.encoded import EncodedData
+    from lorapipe.stages.train.lora_files import load_diffusers_lora
+    from lorapipe.stages.train.data import derived_seed, load_batch, step_inputs
+    from lorapipe.stages.train.recipe import step_loss
 
     init = trained[0] / "pytorch_lora_weights.safetensors"
     inputs = replace(train_inputs(tiny_model, encoded), init_lora_digest="init-digest")
@@ -401,8 +401,8 @@ def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded)
 def test_init_lora_must_match_rank_and_alpha(trained, tiny_model):
     from diffusers import UNet2DConditionModel
 
-    from stages.train.adapter import peft_config
-    from stages.train.lora_files import load_init_lora
+    from lorapipe.stages.train.adapter import peft_config
+    from lorapipe.stages.train.lora_files import load_init_lora
 
     unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
     params = train.TrainParams(rank=4, alpha=4.0)
@@ -415,9 +415,9 @@ def test_init_lora_must_match_rank_and_alpha(trained, tiny_model):
 PARENT = """
 import signal, sys
 from pathlib import Path
-from cache.errors import UserError
-from stages import train
-from stages.launching import WorkerFailed
+from lorapipe.cache.errors import UserError
+from lorapipe.stages import train
+from lorapipe.stages.launching import WorkerFailed
 signal.signal(signal.SIGINT, signal.default_int_handler)
 inputs = train.TrainInputs(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), "base", "encoded")
 train.run(train.TrainParams(max_steps=100000, batch_size=2, checkpoint_every=100000), inputs,
@@ -458,9 +458,9 @@ def test_stopping_the_parent_leaves_no_worker(sig, tmp_path, tiny_model, encoded
 
 
 def test_init_lora_is_keyed_by_its_content_not_its_path(tmp_path, tiny_model, demo_images):
-    from cache.store import Artifact
-    from flows.config import validate_config
-    from flows.plan import Context, train_step
+    from lorapipe.cache.store import Artifact
+    from lorapipe.flows.config import validate_config
+    from lorapipe.flows.plan import Context, train_step
 
     def key(lora: Path) -> str:
         raw = {"name": "t", "cache_dir": tmp_path / "cache", "output_dir": tmp_path / "out", "model": {"path": tiny_model},
@@ -483,9 +483,9 @@ def test_init_lora_is_keyed_by_its_content_not_its_path(tmp_path, tiny_model, de
 
 
 def test_sdxl_crop_conditioning_is_mirrored_with_a_flipped_latent():
-    from cache.samples import RecordLocation
-    from stages import families
-    from stages.encoded import Record, Sample
+    from lorapipe.cache.samples import RecordLocation
+    from lorapipe.stages import families
+    from lorapipe.stages.encoded import Record, Sample
 
     where = Record("key", RecordLocation("shard", {"safetensors": (0, 1, "digest")}))
     sample = Sample("a", "train", "cap", (480, 750), (10, 0, 74, 64), (64, 64), where, where, resized=(64, 100))
@@ -498,9 +498,9 @@ def test_sdxl_crop_conditioning_is_mirrored_with_a_flipped_latent():
 def test_encoded_data_of_another_model_is_refused_in_one_line_naming_both(tmp_path, tiny_model, sdxl_model, encoded):
     """Before anything launches: SD1.x records for an SDXL model, or records another VAE made for a
     model of the same family (the flow passes the model's component digests)."""
-    from cache.digest import StatCache
-    from stages import families
-    from stages.models import component_digests
+    from lorapipe.cache.digest import StatCache
+    from lorapipe.stages import families
+    from lorapipe.stages.models import component_digests
 
     sdxl = train_inputs(sdxl_model, encoded)
     with pytest.raises(UserError) as refused:
@@ -548,10 +548,10 @@ def test_a_process_started_ahead_encodes_then_trains_as_fresh_processes_would(tr
     a process of its own (torch and diffusers imported once): the same records, the same training
     (evaluate's job: tests/test_evaluate.py)."""
     from conftest import _encode_demo_images
-    from stages import ahead
-    from stages.encode import EncodeParams
-    from stages.encoded import EncodedData
-    from stages.train.launch import start_ahead
+    from lorapipe.stages import ahead
+    from lorapipe.stages.encode import EncodeParams
+    from lorapipe.stages.encoded import EncodedData
+    from lorapipe.stages.train.launch import start_ahead
 
     params, options = train.TrainParams(**{**PARAMS, "max_steps": 40}), train.TrainOptions(log_every=20)
     assert start_ahead(params, options)
@@ -576,10 +576,10 @@ def test_a_training_process_loads_only_the_quantisation_library_its_job_uses():
     """diffusers imports bitsandbytes and torchao whenever they are installed (about a quarter of a
     training process's imports, BENCHMARKS.md); a training process hides the ones its job does not
     use before diffusers is imported, and loads the one it does (nf4: bitsandbytes)."""
-    from stages.launching import start_worker
-    from stages.train.launch import worker_env
+    from lorapipe.stages.launching import start_worker
+    from lorapipe.stages.train.launch import worker_env
 
-    probe = ("import stages.train.recipe, diffusers.training_utils, peft, sys;"
+    probe = ("import lorapipe.stages.train.recipe, diffusers.training_utils, peft, sys;"
              " print(sorted(name for name in ('bitsandbytes', 'torchao') if sys.modules.get(name)))")
     for setting, loaded in (("none", "[]"), ("nf4", "['bitsandbytes']")):
         params = train.TrainParams(**{**PARAMS, "base_quantization": setting})

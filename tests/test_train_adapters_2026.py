@@ -33,11 +33,11 @@ from test_adapters import documented_keys, exported_comfyui_file, per_module, tr
 from test_train_adapters import published, train_straight_and_resumed
 from test_train_adapters import run_train as train_once
 
-from stages import families, train
-from stages.families.lycoris import adapted_modules
-from stages.train.adapter import AdapterParams
-from stages.train.lora_files import add_adapter_from_file
-from stages.train.trained_adapter import INITIAL_FILE, TrainedAdapter
+from lorapipe.stages import families, train
+from lorapipe.stages.families.lycoris import adapted_modules
+from lorapipe.stages.train.adapter import AdapterParams
+from lorapipe.stages.train.lora_files import add_adapter_from_file
+from lorapipe.stages.train.trained_adapter import INITIAL_FILE, TrainedAdapter
 
 STEPS = 2
 PARAMS = dict(rank=2, alpha=3.0, learning_rate=1e-2, batch_size=2, max_steps=STEPS, checkpoint_every=1,
@@ -259,7 +259,7 @@ def test_lokr_on_fused_modules_is_refused_before_training_in_one_line(models, tm
     """Flux.2 fuses q/k/v (double_blocks.N.img_attn.qkv) and ComfyUI has no name for a part of it: a
     LoKr there is refused by the train stage before its first step, in one line naming the key and
     the module (Qwen-Image's modules are whole: its LoKr trains on the attention preset above)."""
-    from stages.launching import WorkerFailed
+    from lorapipe.stages.launching import WorkerFailed
 
     model, encoded = models["flux2-klein"]()
     with pytest.raises(WorkerFailed) as refused:

@@ -14,9 +14,9 @@ import pytest
 import torch
 import yaml
 
-from cache.errors import UserError
-from flows.plan import STAGES
-from stages import families
+from lorapipe.cache.errors import UserError
+from lorapipe.flows.plan import STAGES
+from lorapipe.stages import families
 
 pytestmark = pytest.mark.slow
 
@@ -57,7 +57,7 @@ def test_published_flux_loras_reproduce_the_trained_transformer(tmp_path, flux_m
     from diffusers import FluxPipeline
     from peft import LoraConfig
 
-    from stages.train.lora_files import load_diffusers_lora
+    from lorapipe.stages.train.lora_files import load_diffusers_lora
 
     out = Path(run_stages(flux_config(tmp_path, flux_model), STAGES[:3])["train"][1].path)
     family = families.for_model(flux_model)

@@ -10,10 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from cache.errors import UserError
-from stages import train
-from stages.launching import free_port
-from stages.train.checkpoints import CheckpointDir
+from lorapipe.cache.errors import UserError
+from lorapipe.stages import train
+from lorapipe.stages.launching import free_port
+from lorapipe.stages.train.checkpoints import CheckpointDir
 
 from test_train import PARAMS, run_train, train_inputs, trajectory
 
@@ -129,7 +129,7 @@ def test_lorapipe_run_on_each_machine_rank_0_publishes_and_evaluates(tmp_path, t
     import subprocess
     import sys
 
-    from flows.plan import STAGES
+    from lorapipe.flows.plan import STAGES
 
     config = tiny_config(tmp_path, "machines", max_steps=2, checkpoint_every=2, batch_size=2, num_processes=2,
                          cpu_threads=1, log_with="none", num_machines=2, main_process_ip="127.0.0.1",
@@ -138,7 +138,7 @@ def test_lorapipe_run_on_each_machine_rank_0_publishes_and_evaluates(tmp_path, t
 
     def lorapipe_run(rank: int) -> subprocess.Popen:
         env = {**os.environ, "PREFECT_HOME": str(tmp_path / f"prefect-home-{rank}")}
-        return subprocess.Popen([sys.executable, "-m", "flows.cli", "run", str(config), "--json", "--set",
+        return subprocess.Popen([sys.executable, "-m", "lorapipe.flows.cli", "run", str(config), "--json", "--set",
                                  f"train.machine_rank={rank}", "--set", f"output_dir=out-{rank}"],
                                 cwd=Path(__file__).resolve().parent.parent, env=env, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from cache.errors import UserError, user_message
-from cache.store import ArtifactStore, Built, StageKey
-from flows.config import load_config
-from flows.outputs import finish_run
+from lorapipe.cache.errors import UserError, user_message
+from lorapipe.cache.store import ArtifactStore, Built, StageKey
+from lorapipe.flows.config import load_config
+from lorapipe.flows.outputs import finish_run
 from mounts import fill, tmpfs
 
 REPO = Path(__file__).resolve().parent.parent

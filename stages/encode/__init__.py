@@ -43,11 +43,11 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from cache.digest import digest_json
-from cache.errors import UserError
-from cache.object_store import open_sample_store
-from cache.samples import SampleStore
-from cache.store import Built
+from lorapipe.cache.digest import digest_json
+from lorapipe.cache.errors import UserError
+from lorapipe.cache.object_store import open_sample_store
+from lorapipe.cache.samples import SampleStore
+from lorapipe.cache.store import Built
 
 from .. import families
 from ..contract import Frozen, Log, library_majors

@@ -4,7 +4,7 @@ encoded as an ordinary text record; the batch plan (stages/train/data.py) picks 
 A caption is read as comma-separated tags (kohya's convention). Variant v of a sample keeps its
 first `keep_tokens` tags in place, drops each other tag with probability `tag_dropout` and, with
 `shuffle_tags`, puts the remaining ones in a random order. Every random choice is a hash of the
-image's content digest, v and what is drawn (stages.contract.derived_seed): the same on a rerun, in
+image's content digest, v and what is drawn (lorapipe.stages.contract.derived_seed): the same on a rerun, in
 every process and on every machine, and unchanged by a rename or a new VAE, so neither re-encodes
 text. A variant's record is keyed by its text, like any caption's, so identical variants (of one
 sample or of two) share one record. Held-out samples keep their caption as written (they are

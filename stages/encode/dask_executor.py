@@ -14,9 +14,9 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
-from cache.digest import digest_json
-from cache.errors import UserError
-from cache.object_store import open_sample_store
+from lorapipe.cache.digest import digest_json
+from lorapipe.cache.errors import UserError
+from lorapipe.cache.object_store import open_sample_store
 
 from .. import optional_libraries
 from ..contract import Log

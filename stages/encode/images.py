@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING, Callable
 
 from PIL import ExifTags, Image
 
-from cache.digest import digest_bytes
+from lorapipe.cache.digest import digest_bytes
 
 from ..preprocess.sources import DatasetSource, read_image_bytes
 from ..preprocess.validation import TRANSPOSED

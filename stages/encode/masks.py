@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Callable
 
 from PIL import Image
 
-from cache.digest import digest_bytes, digest_json
+from lorapipe.cache.digest import digest_bytes, digest_json
 
 from ..encoded import encode_record
 from ..preprocess.sources import DatasetSource, read_image_bytes

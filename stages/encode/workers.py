@@ -1,6 +1,6 @@
 """Who encodes what: the missing records as jobs, encoded in this process or dealt to N processes.
 
-    python -m accelerate.commands.launch --config_file ACCELERATE.yaml -m stages.encode.workers JOB.json
+    python -m accelerate.commands.launch --config_file ACCELERATE.yaml -m lorapipe.stages.encode.workers JOB.json
 
 (the encode stage writes both files into its work_dir and runs this when num_processes > 1; with
 one process, it hands the job to the process `lorapipe run` started ahead when there is one:
@@ -21,9 +21,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
-from cache.fsutil import write_json_atomic
-from cache.object_store import open_sample_store
-from cache.samples import SampleStore
+from lorapipe.cache.fsutil import write_json_atomic
+from lorapipe.cache.object_store import open_sample_store
+from lorapipe.cache.samples import SampleStore
 
 from ..contract import Log
 from ..encoded import encode_record
@@ -41,7 +41,7 @@ if TYPE_CHECKING:
     from . import EncodeInputs, EncodeOptions, EncodeParams, SampleKeys
 
 T = TypeVar("T")
-WORKER = "stages.encode.workers"  # the module an encode process runs
+WORKER = "lorapipe.stages.encode.workers"  # the module an encode process runs
 Loader = Callable[[tuple, Callable[[], T]], T]  # ((kind, what identifies the model...), how to load it) -> it
 
 

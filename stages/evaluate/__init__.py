@@ -19,9 +19,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cache.store import Built
-from stages.contract import Log
-from stages.cpu_threads import threads_per_process, torch_threads
+from lorapipe.cache.store import Built
+from lorapipe.stages.contract import Log
+from lorapipe.stages.cpu_threads import threads_per_process, torch_threads
 
 from .params import LOCAL_PATHS, LORA_WEIGHTS, VERSION, EvalInputs, EvalOptions, EvalParams
 

@@ -1,4 +1,4 @@
-"""The evaluate stage's work (torch, diffusers); `stages.evaluate.run` imports it when evaluate runs."""
+"""The evaluate stage's work (torch, diffusers); `lorapipe.stages.evaluate.run` imports it when evaluate runs."""
 from __future__ import annotations
 
 import json
@@ -8,14 +8,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from PIL import Image
 
-from cache.errors import UserError
-from cache.store import Built
-from stages import families
-from stages.contract import Log
-from stages.encoded import EncodedData, Sample
-from stages.families import ObjectiveParams
-from stages.train.exports import EMA_DIR
-from stages.train.lora_files import add_adapter_from_file, adapter_kind, recorded_adapter
+from lorapipe.cache.errors import UserError
+from lorapipe.cache.store import Built
+from lorapipe.stages import families
+from lorapipe.stages.contract import Log
+from lorapipe.stages.encoded import EncodedData, Sample
+from lorapipe.stages.families import ObjectiveParams
+from lorapipe.stages.train.exports import EMA_DIR
+from lorapipe.stages.train.lora_files import add_adapter_from_file, adapter_kind, recorded_adapter
 
 from .clip import clip_score, load_clip
 from .fid import fid_kid

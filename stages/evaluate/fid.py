@@ -12,8 +12,8 @@ from typing import Any
 
 from PIL import Image
 
-from stages.preprocess.listing import listed_files
-from stages.preprocess.sources import IMAGE_SUFFIXES
+from lorapipe.stages.preprocess.listing import listed_files
+from lorapipe.stages.preprocess.sources import IMAGE_SUFFIXES
 
 def reference_images(folder: str) -> list[Path]:
     return [p for p in listed_files(Path(folder)) if p.suffix.lower() in IMAGE_SUFFIXES]

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from stages.encoded import EncodedData, Sample
-from stages.families.objectives import LossFunction
+from lorapipe.stages.encoded import EncodedData, Sample
+from lorapipe.stages.families.objectives import LossFunction
 
 if TYPE_CHECKING:
-    from stages.families import Family, ObjectiveParams
-    from stages.families.objectives import Objective
+    from lorapipe.stages.families import Family, ObjectiveParams
+    from lorapipe.stages.families.objectives import Objective
 
 LossResult = dict[str, Any]  # {"overall": float, "by_timestep": {"<t>": float}}
 MSE = LossFunction("mse")  # whatever train.loss_type was: a number comparable across runs and with the base

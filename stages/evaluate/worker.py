@@ -6,17 +6,17 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from cache.fsutil import write_json_atomic
-from cache.store import Built
-from stages import ahead
-from stages.contract import Log
-from stages.cpu_threads import threads_per_process, torch_threads
-from stages.launching import reporting_errors
+from lorapipe.cache.fsutil import write_json_atomic
+from lorapipe.cache.store import Built
+from lorapipe.stages import ahead
+from lorapipe.stages.contract import Log
+from lorapipe.stages.cpu_threads import threads_per_process, torch_threads
+from lorapipe.stages.launching import reporting_errors
 
 from .params import EvalInputs, EvalOptions, EvalParams
 
-WORKER = "stages.evaluate.worker"  # the module that runs evaluate's job
-BUILT = "built.json"  # what the job reports besides its files (cache.store.Built)
+WORKER = "lorapipe.stages.evaluate.worker"  # the module that runs evaluate's job
+BUILT = "built.json"  # what the job reports besides its files (lorapipe.cache.store.Built)
 
 
 def evaluate_in_process_started_ahead(params: EvalParams, inputs: EvalInputs, out_dir: Path, work_dir: Path,

@@ -76,7 +76,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from cache.errors import UserError
+from lorapipe.cache.errors import UserError
 
 from .base import ALL_LINEAR, Components, Family, TextOptions
 from .flux1 import FLUX1

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from pydantic import Field
 
-from stages.contract import Frozen
+from lorapipe.stages.contract import Frozen
 
 from .folders import empty_component, load_component, vae_scale_factor
 from .latents import LatentNormalisation, VaePosterior, scale_shift_of

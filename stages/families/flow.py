@@ -110,8 +110,8 @@ class FlowFamily(Family):
 
     def export_lora(self, transformer: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
                     kohya_metadata: dict[str, str]) -> list[Path]:
-        from stages.train.checkpoints import LORA_FILE
-        from stages.train.lora_files import (ADAPTER, lora_scale, peft_state_dict, save_safetensors_sorted,
+        from lorapipe.stages.train.checkpoints import LORA_FILE
+        from lorapipe.stages.train.lora_files import (ADAPTER, lora_scale, peft_state_dict, save_safetensors_sorted,
                                              write_diffusers_lora)
 
         from .lycoris import write_lycoris

@@ -26,7 +26,7 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-from stages.contract import Frozen
+from lorapipe.stages.contract import Frozen
 
 from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, stack
 from .flow import FlowFamily, FlowVariant, presets_field

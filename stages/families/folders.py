@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from cache.errors import UserError
+from lorapipe.cache.errors import UserError
 
 SINGLE_FILE_SUFFIX = ".safetensors"
 

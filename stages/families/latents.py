@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import Field, TypeAdapter
 
-from stages.contract import Frozen
+from lorapipe.stages.contract import Frozen
 
 from .folders import component_config, component_tensors, load_component
 

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from stages.contract import Frozen
+from lorapipe.stages.contract import Frozen
 
 if TYPE_CHECKING:
     import torch

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
-from stages.contract import Frozen
+from lorapipe.stages.contract import Frozen
 
 from .base import TextRecord
 from .folders import load_component

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from stages.contract import Frozen
+from lorapipe.stages.contract import Frozen
 
 from .base import ALL_LINEAR, Components, Conditioning, Family, ImageGeometry, TextOptions, TextRecord, stack
 from .folders import load_component
@@ -95,7 +95,7 @@ def write_kohya_lora(unet: torch.nn.Module, path: Path, alpha: float, metadata: 
     import torch
     from diffusers.utils import convert_state_dict_to_kohya
 
-    from stages.train.lora_files import peft_state_dict, save_safetensors_sorted
+    from lorapipe.stages.train.lora_files import peft_state_dict, save_safetensors_sorted
 
     tensors = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in peft_state_dict(unet).items()})
     tensors = {k: torch.tensor(float(alpha)) if k.endswith(".alpha") else v for k, v in tensors.items()}
@@ -186,8 +186,8 @@ class StableDiffusion(Family):
         and ComfyUI's native one (`diffusion_model.<LDM name>.lora_A/lora_B.weight`, ldm_names.py, the
         scale in lora_B); a DoRA, LoKr or LoHa: the diffusers file and the ComfyUI one in LyCORIS keys
         (lycoris.py)."""
-        from stages.train.checkpoints import LORA_FILE
-        from stages.train.lora_files import (ADAPTER, lora_scale, peft_state_dict, save_safetensors_sorted,
+        from lorapipe.stages.train.checkpoints import LORA_FILE
+        from lorapipe.stages.train.lora_files import (ADAPTER, lora_scale, peft_state_dict, save_safetensors_sorted,
                                              write_diffusers_lora)
 
         from .lycoris import write_lycoris

@@ -24,9 +24,9 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from cache.digest import StatCache
-from cache.fsutil import write_json_rows
-from cache.store import Built
+from lorapipe.cache.digest import StatCache
+from lorapipe.cache.fsutil import write_json_rows
+from lorapipe.cache.store import Built
 
 from ..contract import Frozen, Log
 from .crops import generated_buckets, nearest_bucket, place, shrink_to_fit

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from cache.objects import ObjectFile, is_url, list_files
+from lorapipe.cache.objects import ObjectFile, is_url, list_files
 
 SkipReason = Literal["outside_dataset", "symlink_loop", "unreadable"]
 

@@ -23,8 +23,8 @@ from typing import BinaryIO, Callable, Literal
 
 from pydantic import Field, model_validator
 
-from cache.digest import StatCache, digest_bytes, digest_json
-from cache.objects import ObjectFile, is_url, join, read_url
+from lorapipe.cache.digest import StatCache, digest_bytes, digest_json
+from lorapipe.cache.objects import ObjectFile, is_url, join, read_url
 
 from ..contract import Frozen, PathOrUrl, location_name
 from .listing import Listing, list_folder, named_inside, within

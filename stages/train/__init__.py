@@ -24,8 +24,8 @@ Across machines (train.num_machines): machine rank 0 runs `run` (it alone reads 
 The text encoder is not trained (its embeddings are cached), and caption dropout uses the cached
 empty-prompt embedding. The recipe itself is `stages/train/recipe.py`.
 """
-from stages.train.launch import follow, machines, run
-from stages.train.params import VERSION, TrainInputs, TrainOptions, TrainParams
+from lorapipe.stages.train.launch import follow, machines, run
+from lorapipe.stages.train.params import VERSION, TrainInputs, TrainOptions, TrainParams
 
 RESUMABLE = ("max_steps",)  # TrainParams fields left out of the work directory's key
 

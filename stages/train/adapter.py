@@ -20,8 +20,8 @@ from typing import TYPE_CHECKING, Iterator, Literal
 
 from pydantic import Field, model_validator
 
-from cache.errors import UserError
-from stages.contract import Frozen
+from lorapipe.cache.errors import UserError
+from lorapipe.stages.contract import Frozen
 
 if TYPE_CHECKING:
     import torch
@@ -151,8 +151,8 @@ def restore_svd_init(denoiser: torch.nn.Module, initial: dict[str, torch.Tensor]
     import torch
     from peft.utils import transpose
 
-    from stages.families.lycoris import adapted_modules
-    from stages.train.lora_files import ADAPTER
+    from lorapipe.stages.families.lycoris import adapted_modules
+    from lorapipe.stages.train.lora_files import ADAPTER
 
     with torch.no_grad():
         for name in adapted_modules(denoiser):
@@ -177,8 +177,8 @@ def plain_lora_swapped_in(denoiser: torch.nn.Module, initial: dict[str, torch.Te
 
     import torch
 
-    from stages.families.lycoris import adapted_modules
-    from stages.train.lora_files import ADAPTER, peft_state_dict
+    from lorapipe.stages.families.lycoris import adapted_modules
+    from lorapipe.stages.train.lora_files import ADAPTER, peft_state_dict
 
     plain = as_plain_lora(peft_state_dict(denoiser), initial)
     config, trained = denoiser.peft_config[ADAPTER], []

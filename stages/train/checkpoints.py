@@ -15,9 +15,9 @@ import shutil
 from pathlib import Path
 from typing import Callable
 
-from cache.digest import digest_file
-from cache.errors import UserError
-from cache.fsutil import fsync_dir, fsync_tree, remove_tree, write_json_atomic
+from lorapipe.cache.digest import digest_file
+from lorapipe.cache.errors import UserError
+from lorapipe.cache.fsutil import fsync_dir, fsync_tree, remove_tree, write_json_atomic
 
 SEAL = "checkpoint.json"
 LORA_FILE = "pytorch_lora_weights.safetensors"

@@ -26,14 +26,14 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from stages.contract import derived_seed
-from stages.encoded import EncodedData, Sample
-from stages.train.params import TrainParams
+from lorapipe.stages.contract import derived_seed
+from lorapipe.stages.encoded import EncodedData, Sample
+from lorapipe.stages.train.params import TrainParams
 
 if TYPE_CHECKING:
-    from stages.families import Family
-    from stages.families.base import ImageGeometry, TextRecord
-    from stages.families.objectives import Objective
+    from lorapipe.stages.families import Family
+    from lorapipe.stages.families.base import ImageGeometry, TextRecord
+    from lorapipe.stages.families.objectives import Objective
 
 
 class BatchPlan:

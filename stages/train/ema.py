@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Iterator, Literal
 
 from pydantic import Field, model_validator
 
-from stages.contract import Frozen
+from lorapipe.stages.contract import Frozen
 
 if TYPE_CHECKING:
     import torch
@@ -89,7 +89,7 @@ class AdapterEMA:
                     p.copy_(trained[name])
 
     def save(self, path: Path) -> None:
-        from stages.train.lora_files import save_safetensors_sorted
+        from lorapipe.stages.train.lora_files import save_safetensors_sorted
 
         metadata = {"updates": str(self.updates), **{k: str(v) for k, v in self.params.model_dump().items()}}
         save_safetensors_sorted(self.average, metadata, Path(path))

@@ -8,13 +8,13 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from stages.train.adapter import AdapterParams, plain_lora_swapped_in
+from lorapipe.stages.train.adapter import AdapterParams, plain_lora_swapped_in
 
 if TYPE_CHECKING:
     import torch
 
-    from stages.families import Family
-    from stages.train.ema import AdapterEMA
+    from lorapipe.stages.families import Family
+    from lorapipe.stages.train.ema import AdapterEMA
 
 EMA_DIR = "ema"  # the averaged adapter's files, beside the trained adapter's
 

@@ -3,7 +3,7 @@
 The child processes write only into work_dir; once they succeed, the parent copies the results
 into out_dir. Interrupting the parent (Ctrl-C, a Prefect cancel) terminates every child. A
 child that meets a damaged record leaves it in work_dir/damaged-record.json and the parent
-raises it as cache.samples.DamagedRecord, which the flow repairs (flows/runner.py).
+raises it as lorapipe.cache.samples.DamagedRecord, which the flow repairs (flows/runner.py).
 """
 from __future__ import annotations
 
@@ -17,20 +17,20 @@ from typing import Callable
 
 import yaml
 
-from cache.errors import UserError
-from cache.samples import DamagedRecord
-from cache.store import Built
-from stages import ahead, families
-from stages.contract import Log
-from stages.cpu_threads import threads_per_process
-from stages.encoded import EncodedData
-from stages.launching import Interrupted, WorkerFailed, start_worker, stream, write_accelerate_config
-from stages.optional_libraries import OPTIONAL, hiding
-from stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
-from stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
-from stages.train.quantization import LIBRARY
+from lorapipe.cache.errors import UserError
+from lorapipe.cache.samples import DamagedRecord
+from lorapipe.cache.store import Built
+from lorapipe.stages import ahead, families
+from lorapipe.stages.contract import Log
+from lorapipe.stages.cpu_threads import threads_per_process
+from lorapipe.stages.encoded import EncodedData
+from lorapipe.stages.launching import Interrupted, WorkerFailed, start_worker, stream, write_accelerate_config
+from lorapipe.stages.optional_libraries import OPTIONAL, hiding
+from lorapipe.stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
+from lorapipe.stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
+from lorapipe.stages.train.quantization import LIBRARY
 
-RECIPE = "stages.train.recipe"  # the module a training process runs
+RECIPE = "lorapipe.stages.train.recipe"  # the module a training process runs
 
 
 def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
@@ -40,7 +40,7 @@ def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
     options = options or TrainOptions()
     out_dir, work_dir = Path(out_dir), Path(work_dir)
     if machines(params, options).rank:
-        raise RuntimeError("only machine rank 0 publishes: the other machines run stages.train.launch.follow")
+        raise RuntimeError("only machine rank 0 publishes: the other machines run lorapipe.stages.train.launch.follow")
     warn_if_distilled(check_inputs(params, inputs), inputs.model_path, log)
     launch(params, inputs, work_dir, options, log, lambda: interrupted_at(work_dir))
     return publish(work_dir, out_dir, params.max_steps, log)

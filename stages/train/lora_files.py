@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save
 
 if TYPE_CHECKING:
-    from stages.train.adapter import AdapterParams
+    from lorapipe.stages.train.adapter import AdapterParams
 
 ADAPTER = "default"
 PEFT_KEY_PARTS = ("lora_A.", "lora_B.", "lora_magnitude_vector", "lokr_", "hada_")  # what peft names adapter tensors

@@ -7,12 +7,12 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from stages.contract import Frozen, JsonInputs
-from stages.families import ObjectiveParams
-from stages.optional_libraries import installed
-from stages.train.adapter import AdapterParams
-from stages.train.ema import EMAParams
-from stages.train.quantization import BaseQuantization, check_available
+from lorapipe.stages.contract import Frozen, JsonInputs
+from lorapipe.stages.families import ObjectiveParams
+from lorapipe.stages.optional_libraries import installed
+from lorapipe.stages.train.adapter import AdapterParams
+from lorapipe.stages.train.ema import EMAParams
+from lorapipe.stages.train.quantization import BaseQuantization, check_available
 
 VERSION = "4"  # bump by hand when the trained output's semantics change; 3: batch plan in content order;
 # 4: sample-prediction models trained against the clean latent (they were trained against v)

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Iterator
 import torch
 
 if TYPE_CHECKING:
-    from stages.families import Family
-    from stages.train.data import StepInputs
+    from lorapipe.stages.families import Family
+    from lorapipe.stages.train.data import StepInputs
 
 
 @contextmanager

@@ -22,7 +22,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Literal
 
-from stages.optional_libraries import installed
+from lorapipe.stages.optional_libraries import installed
 
 if TYPE_CHECKING:
     import torch

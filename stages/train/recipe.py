@@ -5,11 +5,11 @@ The train stage's `run()` writes the job file and an accelerate config into the 
 and launches this module. By hand (JOB.json as `run()` writes it):
 
     # one process (CPU or one GPU), as the stage runs it when no accelerate config is given
-    python -m stages.train.recipe WORK/job.json
+    python -m lorapipe.stages.train.recipe WORK/job.json
     # DDP: two GPUs, or two CPU processes over gloo (`--cpu` would start only one)
-    accelerate launch --multi_gpu --num_processes 2 -m stages.train.recipe WORK/job.json
+    accelerate launch --multi_gpu --num_processes 2 -m lorapipe.stages.train.recipe WORK/job.json
     # the launch the stage uses for DDP (or with train.accelerate_config: that file)
-    accelerate launch --config_file WORK/accelerate.yaml -m stages.train.recipe WORK/job.json
+    accelerate launch --config_file WORK/accelerate.yaml -m lorapipe.stages.train.recipe WORK/job.json
 
 Data: a deterministic batch plan. For each epoch, a permutation seeded by (seed, epoch) deals the
 train split (ordered by latent record key, never by file name), bucket by bucket (one encoded
@@ -46,30 +46,30 @@ import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from stages.optional_libraries import hide_named
+from lorapipe.stages.optional_libraries import hide_named
 
 hide_named()  # first, before torch, accelerate or diffusers is imported: what the stage named (train/launch.py)
 
 import torch  # noqa: E402
 from accelerate.utils import broadcast_object_list, gather_object, send_to_device  # noqa: E402
 
-from cache.errors import UserError  # noqa: E402
-from cache.fsutil import write_json_atomic  # noqa: E402
-from cache.samples import DamagedRecord  # noqa: E402
-from stages import families  # noqa: E402
-from stages.encoded import EncodedData  # noqa: E402
-from stages.families.objectives import Objective  # noqa: E402
-from stages.launching import begin_worker, reporting_errors, skip_exit_collection  # noqa: E402
-from stages.progress import progress_line  # noqa: E402
-from stages.train.adapter import check_targets, kohya_network_dim_alpha  # noqa: E402
-from stages.train.checkpoints import CheckpointDir, step_name  # noqa: E402
-from stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch  # noqa: E402
-from stages.train.lora_files import load_init_lora  # noqa: E402
-from stages.train.params import (DAMAGED_RECORD_FILE, TRACKER_RUN, VERSION, TrainInputs,  # noqa: E402
+from lorapipe.cache.errors import UserError  # noqa: E402
+from lorapipe.cache.fsutil import write_json_atomic  # noqa: E402
+from lorapipe.cache.samples import DamagedRecord  # noqa: E402
+from lorapipe.stages import families  # noqa: E402
+from lorapipe.stages.encoded import EncodedData  # noqa: E402
+from lorapipe.stages.families.objectives import Objective  # noqa: E402
+from lorapipe.stages.launching import begin_worker, reporting_errors, skip_exit_collection  # noqa: E402
+from lorapipe.stages.progress import progress_line  # noqa: E402
+from lorapipe.stages.train.adapter import check_targets, kohya_network_dim_alpha  # noqa: E402
+from lorapipe.stages.train.checkpoints import CheckpointDir, step_name  # noqa: E402
+from lorapipe.stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch  # noqa: E402
+from lorapipe.stages.train.lora_files import load_init_lora  # noqa: E402
+from lorapipe.stages.train.params import (DAMAGED_RECORD_FILE, TRACKER_RUN, VERSION, TrainInputs,  # noqa: E402
                                  TrainOptions, TrainParams)
-from stages.train.prior import base_output_target  # noqa: E402
-from stages.train.quantization import keep_base_out_of_ddp_sync, quantize_base  # noqa: E402
-from stages.train.trained_adapter import TrainedAdapter  # noqa: E402
+from lorapipe.stages.train.prior import base_output_target  # noqa: E402
+from lorapipe.stages.train.quantization import keep_base_out_of_ddp_sync, quantize_base  # noqa: E402
+from lorapipe.stages.train.trained_adapter import TrainedAdapter  # noqa: E402
 
 TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")
 LYCORIS_NETWORK_ARGS = {"dora": {"algo": "lora", "dora_wd": "True"}, "lokr": {"algo": "lokr"}, "loha": {"algo": "loha"}}

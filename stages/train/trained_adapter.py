@@ -14,14 +14,14 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from stages.families import Family
-from stages.train.adapter import peft_config, plain_lora_swapped_in, restore_svd_init
-from stages.train.checkpoints import LORA_FILE
-from stages.train.ema import EMA_FILE, AdapterEMA
-from stages.train.exports import export_adapter
-from stages.train.lora_files import (ADAPTER, load_diffusers_lora, peft_state_dict, save_safetensors_sorted,
+from lorapipe.stages.families import Family
+from lorapipe.stages.train.adapter import peft_config, plain_lora_swapped_in, restore_svd_init
+from lorapipe.stages.train.checkpoints import LORA_FILE
+from lorapipe.stages.train.ema import EMA_FILE, AdapterEMA
+from lorapipe.stages.train.exports import export_adapter
+from lorapipe.stages.train.lora_files import (ADAPTER, load_diffusers_lora, peft_state_dict, save_safetensors_sorted,
                                      write_diffusers_lora)
-from stages.train.params import TrainParams
+from lorapipe.stages.train.params import TrainParams
 
 INITIAL_FILE = "initial_adapter.safetensors"
 TRAINED_FILE = "trained_adapter.safetensors"
