@@ -1,0 +1,83 @@
+"""lorapipe as a user installs it: a wheel built from this checkout, installed into a fresh virtual
+environment outside the repository, imports everything under `lorapipe.*`, puts nothing named
+cache, stages or flows at the top of site-packages, and runs `lorapipe tiny-model` and a stage
+there, then serves that stage from its cache."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_the_packages_listed_are_every_folder_of_the_namespace():
+    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {"lorapipe", "lorapipe.configs"} | {
+        "lorapipe." + ".".join(init.parent.relative_to(REPO).parts)
+        for top in ("cache", "stages", "flows") for init in (REPO / top).rglob("__init__.py")}
+    assert set(setuptools["packages"]) == folders
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A fresh venv with the wheel installed; the libraries come from this venv's site-packages
+    (a .pth file: the wheel is installed without dependencies, so nothing is downloaded)."""
+    root = tmp_path_factory.mktemp("wheel")
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
+                            "-w", str(root / "dist"), str(REPO)], capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stderr[-3000:]
+    venv = root / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
+    site = Path(subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
+                               capture_output=True, text=True, check=True).stdout.strip())
+    (site / "libraries.pth").write_text(sysconfig.get_path("purelib") + "\n")
+    wheel = next((root / "dist").glob("lorapipe-*.whl"))
+    done = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
+                           "--ignore-installed", "--no-deps", str(wheel)],  # this venv's editable lorapipe is visible
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return venv
+
+
+def in_venv(venv: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
+    env = {name: value for name, value in os.environ.items() if name != "PYTHONPATH"}
+    env |= {"PREFECT_HOME": str(cwd / "prefect-home"), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
+
+
+def test_the_wheel_installs_one_namespace_and_runs_a_stage_outside_the_repository(installed, tmp_path):
+    python = installed / "bin" / "python"
+    site = Path(in_venv(installed, str(python), "-c", "import sysconfig; print(sysconfig.get_path('purelib'))",
+                        cwd=tmp_path).stdout.strip())
+    assert not {"cache", "stages", "flows"} & {p.name for p in site.iterdir()}
+    where = in_venv(installed, str(python), "-c", "import lorapipe.stages.families as f; print(f.__file__)",
+                    cwd=tmp_path)
+    assert where.stdout.strip().startswith(str(site / "lorapipe")), where.stdout + where.stderr
+
+    built = in_venv(installed, str(installed / "bin" / "lorapipe"), "tiny-model", "model", cwd=tmp_path)
+    assert built.returncode == 0, built.stderr[-3000:]
+    assert (tmp_path / "model" / "model_index.json").is_file()
+    images = tmp_path / "data"
+    images.mkdir()
+    demo_images = site / "lorapipe" / "stages" / "assets" / "demo_images"
+    for photo in sorted(demo_images.iterdir()):
+        (images / photo.name).write_bytes(photo.read_bytes())
+    config = tmp_path / "config.yaml"
+    config.write_text(yaml.safe_dump({"cache_dir": "cache", "output_dir": "out", "model": {"path": "model"},
+                                      "data": {"path": "data"}, "train": {}, "evaluate": {"prompts": ["a cat"]}}))
+    runs = [in_venv(installed, str(python), "-m", "lorapipe", "run", "config.yaml", "--only", "preprocess", "--json",
+                    cwd=tmp_path) for _ in range(2)]
+    for run in runs:
+        assert run.returncode == 0, run.stderr[-3000:]
+    statuses = [json.loads(run.stdout)["stages"][0]["status"] for run in runs]
+    assert statuses == ["computed", "hit"]
