@@ -32,8 +32,8 @@ class ConfigError(UserError, ValueError):
 class ModelConfig(Frozen):
     path: Path = Field(description="a diffusers-format model folder (model_index.json), or a single-file"
                        " .safetensors checkpoint in the original layout (A1111/ComfyUI)")
-    family: str | None = Field(None, description="a single file's family (lorapipe.stages.families.FAMILIES); detected from"
-                               " its tensor names when not given")
+    family: str | None = Field(None, description=f"a single file's family ({', '.join(families.FAMILIES)}); unset:"
+                               " detected from its tensor names (a folder's from model_index.json)")
 
     @field_validator("family")
     @classmethod
@@ -49,7 +49,8 @@ class DataConfig(Frozen):
 
     path: PathOrUrl | None = Field(None, description="one image folder (or s3:// URL): caption sidecars or"
                                    " metadata files")
-    datasets: tuple[DatasetSource, ...] = ()
+    datasets: tuple[DatasetSource, ...] = Field((), description="several datasets, each with its own settings"
+                                                " (those left unset take the preprocess section's)")
 
     @model_validator(mode="after")
     def _one_form(self) -> "DataConfig":
@@ -90,7 +91,7 @@ class ObjectStoreConfig(Frozen):
     """How this host works with an object-storage cache_dir (s3://...); unused for a local folder."""
 
     local_dir: Path | None = Field(None, description="this host's side of the cache: the shard cache, copies of"
-                                   " artifacts it read, work directories; default ~/.cache/lorapipe/<bucket>-<id>,"
+                                   " artifacts it read, work directories; default `~/.cache/lorapipe/<bucket>-<id>`,"
                                    " the id a digest of the endpoint and the URL")
     shard_cache_gb: float = Field(20, gt=0, description="the most disk the shard cache may take (least recently"
                                   " used shards go first)")
@@ -105,18 +106,26 @@ class PipelineConfig(Frozen):
         default_factory=dict, description="fsspec/s3fs options for every s3:// URL of this config (endpoint_url,"
         " profile, key, secret, ...); secrets are never passed on as Prefect parameters: give a deployment's"
         " worker its credentials in its environment (AWS_* variables)")
-    object_store: ObjectStoreConfig = ObjectStoreConfig()
-    output_dir: Path
+    object_store: ObjectStoreConfig = Field(ObjectStoreConfig(), description="how this machine works with an"
+                                            " s3:// cache_dir (docs/object-storage.md); unused for a local folder")
+    output_dir: Path = Field(description="where a run copies its results (LoRA files, grid, metrics, report,"
+                             " run-summary.json), replacing the previous run's, and writes its log under logs/")
     cpu_threads: int | None = Field(
         None, gt=0, description="torch CPU threads per process in every stage (encode, train, evaluate), unless the"
         " stage sets its own cpu_threads; default: OMP_NUM_THREADS, else the cores less one, shared among a stage's"
-        " processes (stages/cpu_threads.py). Not keyed: keep it equal where CPU runs must match byte for byte")
-    model: ModelConfig
-    data: DataConfig
-    preprocess: PreprocessParams = PreprocessParams()
-    encode: EncodeConfig = Field(EncodeConfig(), validate_default=True)  # validated: it takes cpu_threads
-    train: TrainConfig
-    evaluate: EvaluateConfig
+        " processes (docs/training.md). Not keyed, but CPU results depend on it: keep it equal where runs must"
+        " match byte for byte")
+    model: ModelConfig = Field(description="the base model the LoRA is trained for")
+    data: DataConfig = Field(description="the training images and their captions: `path` (one folder) or"
+                             " `datasets` (a list), not both")
+    preprocess: PreprocessParams = Field(PreprocessParams(), description="how images are checked, captioned,"
+                                         " cropped or bucketed and split (reads headers, not pixels)")
+    encode: EncodeConfig = Field(EncodeConfig(), validate_default=True,  # validated: it takes cpu_threads
+                                 description="VAE latents and text records, cached per record in the sample store")
+    train: TrainConfig = Field(description="the LoRA training; raising max_steps continues from the latest"
+                               " checkpoint instead of starting over")
+    evaluate: EvaluateConfig = Field(description="the sample grid and the denoising losses; changing any of it"
+                                     " reruns evaluate alone")
 
     @field_validator("cache_dir")
     @classmethod

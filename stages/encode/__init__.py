@@ -73,15 +73,17 @@ class EncodeParams(families.TextOptions, CaptionAugmentation):
     """The record dtype, flips, the text options the family resolves into its text settings, and the
     caption variants of training samples."""
 
-    dtype: Literal["float32", "float16", "bfloat16"] = "float32"
+    dtype: Literal["float32", "float16", "bfloat16"] = Field(
+        "float32", description="the dtype latent and text records are computed and stored in (float16 and"
+        " bfloat16 halve their disk)")
     flip: bool = Field(False, description="also encode each image mirrored, as its own latent record")
 
 
 class EncodeOptions(Frozen):
     batch_size: int = Field(8, gt=0, description="images per VAE call (halved on CUDA out-of-memory)")
     num_workers: int = Field(default_factory=lambda: max(1, min(16, usable_cores() - 1)), ge=0,
-                             description="threads decoding images ahead of the VAE (0: inline); default: one"
-                             " per core but one, at most 16 (a GPU VAE outruns a decode thread ~10-30x)")
+                             description="threads decoding images ahead of the VAE (0: in the VAE's thread);"
+                             " default: the usable cores less one, at least 1, at most 16")
     shard_records: int = Field(256, gt=0, description="records per shard (a crash loses at most one shard)")
     num_processes: int = Field(1, ge=1, description="encode processes under accelerate launch (one per GPU),"
                                " used when more than one batch of latents is missing")
@@ -93,7 +95,7 @@ class EncodeOptions(Frozen):
     dask_workers: int = Field(2, ge=1, description="worker processes of the local Dask cluster (one task at a"
                               " time each)")
     cpu_threads: int | None = Field(None, gt=0, description="torch threads per encode process (a Dask worker's too);"
-                                    " default: the config's cpu_threads (stages/cpu_threads.py)")
+                                    " default: the config's cpu_threads")
 
     @model_validator(mode="after")
     def _one_executor(self) -> "EncodeOptions":

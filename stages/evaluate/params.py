@@ -18,23 +18,34 @@ LOCAL_PATHS = ("clip_model", "fid_reference", "inception_weights", "render_model
 class EvalParams(Frozen):
     """Every setting that changes evaluate's output."""
 
-    prompts: tuple[str, ...] = Field(min_length=1)
-    seeds: tuple[int, ...] = Field((0, 1), min_length=1)
-    lora_scales: tuple[float, ...] = Field((1.0,), min_length=1)  # base is always shown as well
-    num_inference_steps: int | None = Field(None, ge=1, description="None: the rendering model's (SD 20, Flux.1 dev"
-                                            " 28, schnell 4, Z-Image Turbo 9)")
-    guidance_scale: float | None = Field(None, description="None: the rendering model's (SD 5.0, Flux.1 dev 3.5,"
+    prompts: tuple[str, ...] = Field(min_length=1, description="the grid's prompts, one row per prompt and seed")
+    seeds: tuple[int, ...] = Field((0, 1), min_length=1, description="one rendered image per prompt and seed, the"
+                                   " same seed in every column")
+    lora_scales: tuple[float, ...] = Field((1.0,), min_length=1, description="the LoRA's strengths, one grid"
+                                           " column each, after the base model's column")
+    num_inference_steps: int | None = Field(None, ge=1, description="sampler steps per image; null: the rendering"
+                                            " model's (SD 20, Flux.1 dev 28, schnell 4, Z-Image Turbo 9)")
+    guidance_scale: float | None = Field(None, description="null: the rendering model's (SD 5.0, Flux.1 dev 3.5,"
                                          " schnell 0, Z-Image Turbo 0)")
-    negative_prompt: str = ""
-    resolution: int = Field(64, gt=0, multiple_of=8)
+    negative_prompt: str = Field("", description="for the families that take one (Flux.1 and Flux.2-klein refuse"
+                                 " it)")
+    resolution: int = Field(64, gt=0, multiple_of=8, description="the rendered images' side in pixels (a multiple"
+                            " of the family's: SD 8, the flow-matching families 16)")
     scheduler: Literal["dpm_solver_multistep", "ddim", "euler", "flow_match_euler"] | None = Field(
-        None, description="None: the model's (SD dpm_solver_multistep; flow-matching models flow_match_euler)")
-    loss_timesteps: tuple[int, ...] = Field((100, 300, 500, 700, 900), min_length=1)
-    loss_seed: int = 0
-    loss_samples: int | None = Field(256, ge=1)  # per split; None: every sample (cost grows with the data)
-    clip_model: str | None = None  # a local CLIP folder; without one the CLIP score is skipped
-    fid_reference: str | None = None  # a folder of reference images for FID/KID
-    inception_weights: str | None = None  # local Inception-v3 weights; without them FID/KID are skipped
+        None, description="the sampler; null: the model's (SD dpm_solver_multistep; flow-matching models"
+        " flow_match_euler)")
+    loss_timesteps: tuple[int, ...] = Field((100, 300, 500, 700, 900), min_length=1, description="the noise levels"
+                                            " of the denoising loss, as steps out of the model's training"
+                                            " timesteps (flow matching: sigma = step / num_train_timesteps)")
+    loss_seed: int = Field(0, description="seeds the denoising loss's fixed noise and its subset of samples")
+    loss_samples: int | None = Field(256, ge=1, description="samples per split the denoising loss scores (a fixed"
+                                     " subset); null: every sample, at a cost that grows with the data")
+    clip_model: str | None = Field(None, description="a local CLIP model folder for the CLIP score; unset: the"
+                                   " score is skipped")
+    fid_reference: str | None = Field(None, description="a folder of reference images for FID and KID (with"
+                                      " inception_weights); unset: skipped")
+    inception_weights: str | None = Field(None, description="torch-fidelity's Inception-v3 weights file"
+                                          " (pt_inception-2015-12-05) for FID and KID; unset: skipped")
     render_model: str | None = Field(None, description="a diffusers folder of another checkpoint of the same family"
                                      " (Z-Image Turbo, the distilled Klein) that renders the grid with its own"
                                      " steps and guidance; the losses stay on the training model")
@@ -69,10 +80,12 @@ class EvalOptions(Frozen):
     batch size 1 (measured on CPU). Keep 1 where rebuilt grids must match byte for byte.
     """
 
-    render_batch_size: int = Field(1, ge=1)
-    device: str | None = None  # None: cuda when available, else cpu
+    render_batch_size: int = Field(1, ge=1, description="seeds rendered per pipeline call: faster on a GPU, but a"
+                                   " few pixels may differ from batch size 1")
+    device: str | None = Field(None, description="the torch device evaluate runs on (cpu, cuda, cuda:1); null:"
+                               " cuda when available, else cpu")
     cpu_threads: int | None = Field(None, gt=0, description="torch threads of the evaluation; default: the config's"
-                                    " cpu_threads (stages/cpu_threads.py)")
+                                    " cpu_threads")
 
 
 @dataclass(frozen=True)

@@ -85,8 +85,9 @@ class TextOptions(Frozen):
     """The user's text-encoding settings; a family resolves them into its text settings and refuses,
     naming the key, what does not apply to it."""
 
-    max_sequence_length: int | None = Field(None, gt=0, description="tokens of the sequence encoder"
-                                            " (Flux.1: T5); None: the model's default (dev 512, schnell 256)")
+    max_sequence_length: int | None = Field(None, gt=0, description="the text tokens a record holds (Flux.1's"
+                                            " T5, the Qwen encoders of Flux.2-klein, Z-Image and Qwen-Image; SD"
+                                            " refuses it); null: the model's own (512; Flux.1 schnell 256)")
 
 
 def stack(records: list[TextRecord], name: str) -> torch.Tensor:

@@ -45,29 +45,37 @@ class TimestepSampling(Frozen):
     distribution: Literal["uniform", "logit_normal", "sigmoid", "mode"] = Field(
         "uniform", description="u in (0, 1): uniform; logit_normal: sigmoid(N(logit_mean, logit_std));"
         " sigmoid: sigmoid(sigmoid_scale * N(0, 1)) (kohya's); mode: SD3's mode sampling (mode_scale)")
-    logit_mean: float = 0.0
-    logit_std: float = Field(1.0, gt=0)
-    sigmoid_scale: float = Field(1.0, gt=0)
-    mode_scale: float = 1.29
+    logit_mean: float = Field(0.0, description="logit_normal: the mean of the normal whose sigmoid is u")
+    logit_std: float = Field(1.0, gt=0, description="logit_normal: the standard deviation of that normal")
+    sigmoid_scale: float = Field(1.0, gt=0, description="sigmoid: the scale of the normal whose sigmoid is u")
+    mode_scale: float = Field(1.29, description="mode: the scale s of SD3's mode sampling (0: uniform)")
     shift: Literal["model", "none", "static", "resolution", "empirical"] = Field(
         "model", description="s = shift(u): static s*u/(1+(s-1)u); resolution: BFL's exp(mu) time shift, mu"
         " linear in the image's token count from base_shift to max_shift; empirical: the same time shift at"
         " Flux.2's empirical mu of the token count and shift_steps; model: as the model's pipeline samples")
-    shift_value: float | None = Field(None, gt=0, description="static shift; None: the scheduler config's `shift`")
-    base_shift: float | None = Field(None, description="resolution shift at 256 tokens; None: the scheduler config's")
-    max_shift: float | None = Field(None, description="resolution shift at 4096 tokens; None: the scheduler config's")
-    shift_steps: int | None = Field(None, gt=0, description="empirical shift: the inference steps it is computed"
-                                    " for; None: the model's render steps")
+    shift_value: float | None = Field(None, gt=0, description="static: the shift s; null: the scheduler config's"
+                                      " `shift`")
+    base_shift: float | None = Field(None, description="resolution: mu at 256 image tokens; null: the scheduler"
+                                     " config's")
+    max_shift: float | None = Field(None, description="resolution: mu at 4096 image tokens; null: the scheduler"
+                                    " config's")
+    shift_steps: int | None = Field(None, gt=0, description="empirical: the inference steps mu is computed for;"
+                                    " null: the model's render steps")
 
 
 class ObjectiveParams(Frozen):
     """The user's objective settings (train section). A family refuses, naming the key, those that
     do not apply to it; the field names are TrainParams' own where they existed before."""
 
-    prediction_type: PredictionType | None = Field(None, description="DDPM families: None = the scheduler's")
-    snr_gamma: float | None = Field(None, gt=0, description="DDPM families: min-SNR weighting; None = plain MSE")
-    noise_offset: float = Field(0.0, ge=0)
-    timestep_sampling: TimestepSampling = TimestepSampling()
+    prediction_type: PredictionType | None = Field(None, description="SD families: what the model predicts and"
+                                                   " is trained against; null: the scheduler config's")
+    snr_gamma: float | None = Field(None, gt=0, description="SD families: min-SNR loss weighting with this gamma"
+                                    " (5 is usual); null: unweighted")
+    noise_offset: float = Field(0.0, ge=0, description="adds this times one Gaussian value per sample and channel"
+                                " to the training noise (helps very dark or bright images); 0: off")
+    timestep_sampling: TimestepSampling = Field(TimestepSampling(), description="flow-matching families: how"
+                                                " training draws noise levels; defaults from the model's"
+                                                " scheduler config")
     loss_weighting: Literal["none", "sigma_sqrt", "cosmap"] = Field(
         "none", description="flow-matching families: diffusers' compute_loss_weighting_for_sd3")
     guidance: float = Field(1.0, ge=0, description="guidance-distilled models (Flux.1 dev): the guidance"

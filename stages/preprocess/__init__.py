@@ -46,19 +46,26 @@ __all__ = ["VERSION", "DATASET_FILE", "DatasetSource", "PreprocessParams", "Prep
 
 class PreprocessParams(Frozen):
     resolution: int = Field(512, ge=64, multiple_of=8, description="square side, or √(bucket area), in pixels")
-    holdout_fraction: float = Field(0.1, ge=0, lt=1, description="share of images held out for evaluation")
-    caption_ext: str | None = Field(None, pattern=r"^\.\w+$", description="default for every dataset;"
-                                    " unset: .txt, or .caption where no .txt exists")
-    missing_caption: MissingCaption = Field("error", description="default for every dataset")
-    on_bad_row: BadRow = Field("skip", description="default for every dataset: a metadata row that cannot be"
-                               " used is skipped and listed in report.json, or stops the run (error)")
-    crop: Literal["center", "random"] = Field("center", description="random: one fixed crop per sample")
+    holdout_fraction: float = Field(0.1, ge=0, lt=1, description="the share of images held out for evaluation:"
+                                    " those of smallest content digest, whatever their names")
+    caption_ext: str | None = Field(None, pattern=r"^\.\w+$", description="the caption sidecar's suffix (a"
+                                    " dataset's own wins); unset: .txt, or kohya's .caption where no .txt exists")
+    missing_caption: MissingCaption = Field("error", description="an image without a caption: error, skip,"
+                                            " filename or empty (a dataset's own setting wins)")
+    on_bad_row: BadRow = Field("skip", description="a metadata row that cannot be used is skipped and listed in"
+                               " report.json, or stops the run (error; `--strict`); a dataset's own setting wins")
+    crop: Literal["center", "random"] = Field("center", description="where an image is cropped to its target;"
+                                              " random: placed from seed and the image's content, the same every"
+                                              " epoch")
     seed: int = Field(0, description="places random crops")
-    buckets: bool = Field(False, description="aspect-ratio buckets instead of a square")
-    bucket_sizes: tuple[tuple[int, int], ...] = Field((), description="[width, height] pairs; default:"
-                                                      " generated from resolution and max_aspect")
-    max_aspect: float = Field(2.0, ge=1, description="of generated buckets, long side to short")
-    never_upscale: bool = Field(False, description="shrink the target (sides multiples of 64) instead")
+    buckets: bool = Field(False, description="crop each image to the bucket of nearest aspect ratio instead of"
+                          " a square")
+    bucket_sizes: tuple[tuple[int, int], ...] = Field((), description="the buckets as [width, height]"
+                                                      " pairs, multiples of 64; default: generated with about"
+                                                      " resolution² pixels each, up to max_aspect")
+    max_aspect: float = Field(2.0, ge=1, description="the largest long-to-short side ratio of generated buckets")
+    never_upscale: bool = Field(False, description="an image smaller than its target trains at a smaller target"
+                                " (sides multiples of 64) instead of being enlarged")
     min_side: int = Field(0, ge=0, description="reject images whose short side is smaller")
     background: tuple[int, int, int] = Field((255, 255, 255), description="RGB that alpha is composited on")
 

@@ -48,21 +48,27 @@ class DatasetSource(Frozen):
     path: PathOrUrl = Field(description="the dataset folder (or, for the folder format, an s3:// URL)")
     name: str | None = Field(None, pattern=r"^[\w.-]+$", description="prefixes sample ids when there are"
                              " several datasets; default: the folder's name")
-    format: Literal["folder", "hf", "parquet"] = "folder"
+    format: Literal["folder", "hf", "parquet"] = Field(
+        "folder", description="folder: image files with caption sidecars or metadata.jsonl/.csv rows; hf: a"
+        " datasets.save_to_disk folder; parquet: *.parquet files (hf and parquet need `pip install datasets`)")
     repeats: int = Field(1, ge=1, description="how many times an epoch shows each sample (kohya style)")
-    caption_ext: str | None = Field(None, pattern=r"^\.\w+$", description="caption sidecar suffix")
+    caption_ext: str | None = Field(None, pattern=r"^\.\w+$", description="the caption sidecar's suffix, exactly;"
+                                    " unset: preprocess.caption_ext")
     caption_column: str = Field("text", description="caption column of metadata files / hf / parquet")
     image_column: str = Field("image", description="image column of hf / parquet datasets")
-    missing_caption: MissingCaption | None = None
+    missing_caption: MissingCaption | None = Field(
+        None, description="an image without a caption: error (stop the run), skip (listed in report.json),"
+        " filename (its file name, underscores as spaces) or empty; unset: preprocess.missing_caption")
     on_bad_row: BadRow | None = Field(None, description="a metadata row that cannot be used: skip (listed in"
-                                      " report.json) or error (stop)")
+                                      " report.json) or error (stop); unset: preprocess.on_bad_row")
     follow_symlinks: bool = Field(False, description="use links to files and folders outside the dataset folder")
     split: Literal["auto", "train", "holdout"] = Field("auto", description="holdout: a separate validation"
-                                                        " set; auto: preprocess.holdout_fraction decides")
+                                                        " set; train: none of it held out; auto:"
+                                                        " preprocess.holdout_fraction decides")
     mask: Literal["sidecar", "alpha", "none"] = Field(  # at its default out of the preprocess key
-        "sidecar", exclude_if=lambda v: v == "sidecar", description="per-pixel training loss weights (white 1, black 0): sidecar: <image stem>.mask.png"
-        " where one exists; alpha: the image's alpha channel where it has one; none: no masks. An image"
-        " without a mask is weighted 1 everywhere")
+        "sidecar", exclude_if=lambda v: v == "sidecar", description="per-pixel training loss weights (white 1, black"
+        " 0): sidecar: `<image stem>.mask.png` where one exists; alpha: the image's alpha channel where it has"
+        " one; none: no masks. An image without a mask is weighted 1 everywhere")
     role: Literal["train", "prior"] = Field(  # at its default out of the preprocess key
         "train", exclude_if=lambda v: v == "train", description="train: the subject; prior: regularisation"
         " images of its class (DreamBooth prior preservation): trained on with train.prior_loss_weight (and"

@@ -39,7 +39,8 @@ class AdapterParams(Frozen):
     adapter: AdapterKind = Field("lora", exclude_if=lambda v: v == "lora",
                                  description="lora, dora (LoRA with a learned per-row magnitude), lokr (Kronecker"
                                  " product) or loha (Hadamard product of two low-rank pairs)")
-    rank: int = Field(4, gt=0)
+    rank: int = Field(4, gt=0, description="the rank of the adapter's low-rank factors (for lokr and loha, of"
+                      " each factor peft decomposes)")
     alpha: float = Field(4.0, gt=0, description="the update is scaled by alpha / rank (alpha / sqrt(rank) with"
                          " rslora)")
     dropout: float = Field(0.0, ge=0, lt=1, description="lora/dora: dropout on the adapter's input")

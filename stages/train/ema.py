@@ -29,7 +29,8 @@ class EMAParams(Frozen):
     # out of the dump at their defaults (no EMA), so runs keyed before the EMA existed keep their keys
     ema_decay: float | None = Field(None, gt=0, lt=1, exclude_if=lambda v: v is None,
                                     description="keep an EMA of the adapter weights with this"
-                                    " decay per update (e.g. 0.999) and export it as its own files; None: no EMA")
+                                    " decay per update (e.g. 0.999) and export it as its own files in ema/;"
+                                    " null: no EMA")
     ema_every: int = Field(1, gt=0, exclude_if=lambda v: v == 1, description="update the EMA every N optimiser steps")
     ema_device: Literal["cpu", "device"] = Field("cpu", exclude_if=lambda v: v == "cpu",
                                                  description="where the EMA lives: cpu (no accelerator"

@@ -32,30 +32,42 @@ class TrainParams(ObjectiveParams, AdapterParams, EMAParams):
 
     # ---- the adapter's modules (its type and size: AdapterParams)
     target_modules: Literal["attention", "attention_ff", "all_linear"] | tuple[str, ...] = Field(
-        "attention", description="a preset of the model's family (stages/families), or module names")
+        "attention", description="which layers get an adapter: a preset of the model's family (attention,"
+        " attention_ff, all_linear) or a list of layer names, each matching the end of a name (to_out.0)")
     init_lora: str | None = Field(None, description="start from this diffusers-format LoRA file instead of"
                                   " zero-initialised adapters (same rank, alpha and targets); keyed by its"
                                   " content, not its path")
     # ---- the frozen base
     base_quantization: BaseQuantization = Field(
         "none", exclude_if=lambda v: v == "none", description="store the frozen base's Linear weights as int8 or fp8 (torchao) or nf4 (bitsandbytes)"
-        " to fit a big model on a small card; the adapter trains in full precision (stages/train/quantization.py)")
+        " to fit a big model on a small card (pip install 'lorapipe[quant]'); the adapter trains in full precision")
     # ---- optimisation (AdamW)
-    learning_rate: float = Field(1e-4, gt=0)
-    scale_lr: bool = False  # multiply learning_rate by the global batch
-    lr_scheduler: Literal["constant", "constant_with_warmup", "cosine", "linear", "polynomial"] = "constant"
-    warmup_steps: int = Field(0, ge=0)
-    max_steps: int = Field(1000, gt=0)
+    learning_rate: float = Field(1e-4, gt=0, description="AdamW's learning rate (times the global batch with"
+                                 " scale_lr)")
+    scale_lr: bool = Field(False, description="multiply learning_rate by the global batch (batch_size x"
+                           " num_processes x gradient_accumulation_steps)")
+    lr_scheduler: Literal["constant", "constant_with_warmup", "cosine", "linear", "polynomial"] = Field(
+        "constant", description="the learning rate's schedule over max_steps (recomputed for a new max_steps"
+        " when training continues)")
+    warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up at the start of the schedule (not with"
+                              " constant: use constant_with_warmup)")
+    max_steps: int = Field(1000, gt=0, description="optimiser steps to train; raising it continues from the latest"
+                           " checkpoint")
     batch_size: int = Field(4, gt=0, description="samples per process per micro-batch")
-    gradient_accumulation_steps: int = Field(1, gt=0)
-    num_processes: int = Field(1, gt=0)
-    max_grad_norm: float = Field(1.0, gt=0)
-    mixed_precision: Literal["no", "fp16", "bf16"] = "no"
-    weight_decay: float = Field(1e-2, ge=0)
-    optimizer: Literal["adamw", "adamw8bit"] = "adamw"  # adamw8bit needs bitsandbytes (a GPU)
+    gradient_accumulation_steps: int = Field(1, gt=0, description="micro-batches per optimiser step")
+    num_processes: int = Field(1, gt=0, description="training processes, of every machine together (DDP under"
+                               " accelerate launch); part of the global batch, so keyed")
+    max_grad_norm: float = Field(1.0, gt=0, description="gradients are clipped to this norm")
+    mixed_precision: Literal["no", "fp16", "bf16"] = Field("no", description="accelerate's mixed precision for the"
+                                                           " denoiser's forward and backward pass")
+    weight_decay: float = Field(1e-2, ge=0, description="AdamW's decoupled weight decay")
+    optimizer: Literal["adamw", "adamw8bit"] = Field("adamw", description="adamw (torch) or adamw8bit"
+                                                     " (bitsandbytes: optimizer states in 8 bits)")
     # ---- data
-    caption_dropout: float = Field(0.0, ge=0, le=1)
-    seed: int = Field(0, ge=0)
+    caption_dropout: float = Field(0.0, ge=0, le=1, description="the probability that a draw trains on the"
+                                   " cached empty prompt instead of its caption")
+    seed: int = Field(0, ge=0, description="seeds the batch plan, the adapter's initialisation, noise, timesteps"
+                      " and dropout")
     # ---- prior preservation: samples of datasets with role: prior (at their defaults out of the train key)
     prior_loss_weight: float = Field(1.0, gt=0, exclude_if=lambda v: v == 1.0, description="the loss weight of each"
                                      " prior sample (a subject sample's is 1), as kohya's and diffusers' DreamBooth")
@@ -65,8 +77,9 @@ class TrainParams(ObjectiveParams, AdapterParams, EMAParams):
         " base model's prediction on the same noisy input, text and timestep (differential output preservation:"
         " one extra forward without the adapter over a batch's prior samples)")
     # ---- checkpoints (their LoRA weights are published, so they are part of the result)
-    checkpoint_every: int = Field(100, gt=0)
-    keep_checkpoints: int = Field(2, gt=0)
+    checkpoint_every: int = Field(100, gt=0, description="steps between checkpoints (and the last step's)")
+    keep_checkpoints: int = Field(2, gt=0, description="the newest checkpoints kept; the published artifact holds"
+                                  " their LoRA weights, which evaluate scores")
 
     @model_validator(mode="after")
     def _check(self) -> "TrainParams":
@@ -104,18 +117,19 @@ class TrainOptions(Frozen):
     activations (with the same RNG state) to save memory, so it trades speed, not outcome."""
 
     log_every: int = Field(10, gt=0, description="print a progress line every N steps")
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less"
+                                         " memory, slower steps, the same result")
     loader_workers: int | None = Field(None, ge=0, description="threads preparing micro-batches ahead of the"
-                                       " step (read, sample, noise, pin); 0: in the step; default 2 on CUDA, 0 on"
-                                       " CPU (where the threads' share of the GIL slowed the step, benchmarks/)")
+                                       " step (read, sample, noise, pin), the same result; 0: in the step; default"
+                                       " 2 on CUDA, 0 on CPU (where their share of the GIL slows the step)")
     log_with: Literal["tensorboard", "wandb", "none"] = Field(
         "tensorboard", description="accelerate tracker for loss and lr (files under the work dir's logs/)")
     cpu_threads: int | None = Field(None, gt=0, description="torch threads per training process; default: the"
-                                    " config's cpu_threads (stages/cpu_threads.py)")
+                                    " config's cpu_threads")
     accelerate_config: str | None = Field(None, description="an `accelerate config` file to launch training with;"
                                           " default: accelerate's own default file when it exists, else one written"
                                           " by the stage (one process runs without accelerate's launcher)")
-    # ---- several machines (README "Training across nodes"): where the processes run, not what they compute
+    # ---- several machines (docs/machines.md): where the processes run, not what they compute
     num_machines: int = Field(1, gt=0, description="machines training together; num_processes counts the"
                               " processes of all of them")
     machine_rank: int = Field(0, ge=0, description="this machine's rank; 0 checkpoints and publishes")
