@@ -1,16 +1,13 @@
 """Every preset loads; bad values are one-line errors naming the file and key."""
 from __future__ import annotations
 
-import re
 from pathlib import Path
-from typing import get_args
 
 import pytest
 import yaml
-from pydantic import BaseModel
 
 from lorapipe.flows.cli import main
-from lorapipe.flows.config import ConfigError, PipelineConfig, load_config
+from lorapipe.flows.config import ConfigError, load_config
 
 CONFIGS = sorted((Path(__file__).resolve().parent.parent / "configs").glob("*.yaml"))
 
@@ -62,27 +59,3 @@ def test_every_deployment_in_prefect_yaml_carries_a_valid_config():
     for deployment in deployments:
         config = validate_config(deployment["parameters"]["config"], f"prefect.yaml:{deployment['name']}")
         assert config.evaluate.prompts
-
-
-def setting_names(model: type[BaseModel], prefix: str = "") -> list[str]:
-    """Every setting of a config model, nested sections and list items included, as dotted keys."""
-    names = []
-    for name, field in model.model_fields.items():
-        names.append(prefix + name)
-        for inner in _models_in(field.annotation):
-            names += setting_names(inner, f"{prefix}{name}.")
-    return names
-
-
-def _models_in(annotation) -> list[type[BaseModel]]:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return [annotation]
-    return [m for arg in get_args(annotation) for m in _models_in(arg)]
-
-
-def test_the_readme_names_every_setting():
-    readme = (CONFIGS[0].parent.parent / "README.md").read_text()
-    documented = set(re.findall(r"\w+", " ".join(re.findall(r"`([^`\n]+)`", readme))))
-    documented |= set(re.findall(r"^\s*#?\s*(\w+):", readme, re.M))  # the annotated YAML
-    missing = [key for key in setting_names(PipelineConfig) if key.rsplit(".", 1)[-1] not in documented]
-    assert not missing, f"README.md does not describe: {missing}"
