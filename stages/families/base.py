@@ -123,7 +123,47 @@ def select_linear(model: torch.nn.Module, patterns: tuple[str, ...]) -> list[str
 
 @dataclass(frozen=True)
 class Family(ABC):
-    """The declarative head every family fills in, and the functions of the seam."""
+    """A model line, and the one seam between the stages and model-specific code.
+
+    Outside stages/families nothing branches on a family or names a model part (`unet`,
+    `text_encoder_2`): the stages and flows call the methods below on the family that
+    `families.for_model(path)` returns, bound to the model's variant (Flux.1 dev or schnell, a
+    distilled checkpoint: data read from the folder's configs). A family is a declarative head (the
+    fields) plus the methods that differ between model lines; a line that differs only in data
+    (SDXL from SD1.x, a variant) is another instance, not another class. Adding a family, step by
+    step: docs/adding-a-family.md.
+
+    The seam, by caller:
+      identity and loading (the flow's plan, every stage)
+        components.for_stage(stage)    the components whose digests key a stage (encode: text and
+                                       latent; train: denoiser and scheduler; evaluate: all)
+        identity(digests)              the denoiser's digest: the model a LoRA is made for
+        single_file_folder(...)        a single-file checkpoint converted once into a diffusers folder
+        pixel_multiple(path), latent_downsampling(path)   image geometry (encode, evaluate)
+      text records (encode)
+        text_settings(path, options)   every setting that changes a record, as data: in each text
+                                       record's key and in samples.json's header
+        load_text_encoder(...)         captions -> records as the pipeline's encode_prompt makes
+                                       them; variable-length records are stored unpadded
+      latent records (encode; train and evaluate apply the normalisation)
+        load_latent_encoder(...)       pixels -> the posterior's unscaled (mean, std)
+        latent_normalisation(path)     recorded with the records (latents.LatentNormalisation)
+      the objective and the denoiser call (train, and evaluate's losses)
+        check_objective(params)        refuses, naming the train key, what does not apply to the model
+        objective(path, params)        noise levels, noisy input, target and weight: one definition
+                                       for both stages (objectives.Objective)
+        train_instead()                the base to train on when the model is a distilled checkpoint
+        load_denoiser(...), conditioning(texts, images, params), predict(denoiser, noisy, t, ...)
+                                       the batch's conditioning on the CPU, batch first, records
+                                       padded by the family's rule; the prediction in float32, in
+                                       the latent layout, as the pipeline calls its denoiser
+      LoRA (train)
+        lora_target_modules(denoiser, preset), check_adapter(denoiser), export_lora(...)
+                                       presets as regular expressions over module names; the
+                                       diffusers file, then the family's original-name files
+      rendering (evaluate) and the tiny model (the demo, tests)
+        render_defaults(), render_kwargs(...), prepare_pipeline(...), build_tiny(out_dir, arch)
+    """
 
     name: str  # the registry key, recorded in encode manifests and text record keys
     label: str  # for people: "Stable Diffusion 1.x/2.x"
