@@ -1,8 +1,9 @@
 """prefect.yaml against a real Prefect server, a real process worker and real runs of the tiny
-demo, set up by README.md's step-by-step commands as written: deploy without prompts, refuse bad
-parameters, run, rerun (all Cached), grow the dataset (its own output folder), run twice at once,
-retry and resume after the trainer is killed, watch training's progress live and cancel it, and read
-the report in both Prefect UIs in headless Chromium. Everything started here is stopped by PID.
+demo, set up by docs/service.md's step-by-step commands as written: deploy without prompts, refuse
+bad parameters, run, rerun (all Cached), grow the dataset (its own output folder), run twice at
+once, retry and resume after the trainer is killed, watch training's progress live and cancel it,
+and read the report in both Prefect UIs in headless Chromium. Everything started here is stopped by
+PID.
 
     .venv/bin/python -m pytest tests/test_deployment.py -s    # the tests share one server, in order
 """
@@ -33,8 +34,8 @@ pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
 PREFECT = str(Path(sys.executable).parent / "prefect")
-README = REPO / "README.md"
-WALKTHROUGH = "### Step by step: server, worker, first run"  # the README section the fixture runs
+SERVICE_DOC = REPO / "docs" / "service.md"
+WALKTHROUGH = "### Step by step: server, worker, first run"  # the section the fixture runs
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
@@ -103,13 +104,13 @@ class Service:
     env: dict[str, str]
     root: Path
     base: dict[str, Any]  # the demo config as a deployment parameter
-    run_command: list[str]  # README's `prefect deployment run ...`
+    run_command: list[str]  # the walk-through's `prefect deployment run ...`
 
     def config(self, changes: dict | None = None) -> dict:
         return merged(self.base, changes or {})
 
     def start_as_readme(self, config: dict) -> tuple[UUID, str]:
-        """README's `prefect deployment run` with this config: the flow run's id and the URL it printed."""
+        """The walk-through's `prefect deployment run` with this config: the flow run's id and the URL it printed."""
         printed = prefect_cli({**self.env, "COLUMNS": "300"}, *self.run_command[1:], "--params",
                               json.dumps({"config": config}))
         return UUID(re.search(r"UUID: (\S+)", printed)[1]), re.search(r"URL: (\S+)", printed)[1]
@@ -198,10 +199,10 @@ def summary(config: dict, deployment: str = "full") -> dict[str, dict]:
 
 
 def walkthrough() -> list[list[str]]:
-    """The commands of README.md's step-by-step walk-through, in order: the code lines of its
+    """The commands of docs/service.md's step-by-step walk-through, in order: the code lines of its
     numbered steps (indented 7 spaces), without comments."""
-    text = README.read_text()
-    assert WALKTHROUGH in text, f"README.md has no {WALKTHROUGH!r} section: the service fixture runs its commands"
+    text = SERVICE_DOC.read_text()
+    assert WALKTHROUGH in text, f"docs/service.md has no {WALKTHROUGH!r} section: the service fixture runs its commands"
     section = text.split(WALKTHROUGH, 1)[1].split("\n#", 1)[0]
     code = [line.split("  #")[0].strip() for line in section.splitlines() if line.startswith(" " * 7)]
     return [shlex.split(line) for line in code if line]
@@ -252,7 +253,7 @@ def start_worker(root: Path, env: dict[str, str], api: str, command: list[str], 
 
 @pytest.fixture(scope="module")
 def service(tmp_path_factory):
-    """Server, pools, deployments and worker, by running README.md's walk-through as written (on a
+    """Server, pools, deployments and worker, by running docs/service.md's walk-through as written (on a
     free port instead of 4200; its `prefect deployment run` is what test_1 runs)."""
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -281,9 +282,9 @@ def service(tmp_path_factory):
                 run_command = command
             else:
                 prefect_cli(env, *command[1:])
-        assert run_command, f"README.md's {WALKTHROUGH!r} starts no run"
+        assert run_command, f"docs/service.md's {WALKTHROUGH!r} starts no run"
         stack.enter_context(temporary_settings(updates={PREFECT_API_URL: env["PREFECT_API_URL"]}))
-        print(f"\nREADME's walk-through: server, pools, deployments and worker up in {time.time() - started:.0f} s;"
+        print(f"\nThe walk-through: server, pools, deployments and worker up in {time.time() - started:.0f} s;"
               f" logs in {root}")
         yield Service(url, env, root, merged(base, SMALL), run_command)
 
@@ -340,7 +341,7 @@ def test_bad_parameters_are_refused_before_a_run_is_created(service):
 def test_1_a_deployment_run_completes_with_lora_grid_report_and_artifacts(service):
     config = service.config()
     run_id, printed_url = service.start_as_readme(config)
-    assert printed_url == f"{service.url}/runs/flow-run/{run_id}"  # README: "open the URL it prints"
+    assert printed_url == f"{service.url}/runs/flow-run/{run_id}"  # the walk-through: "open the URL it prints"
     state = service.wait(run_id)
     assert state == "Completed", f"run ended {state}:\n{service.logs(run_id)[-3000:]}"
     out = Path(config["output_dir"]) / "full"  # a deployment run's own folder

@@ -1,12 +1,18 @@
-"""The documentation stays true to the code: every config key has a description, and docs/config.md
-is what the generator writes from the models today."""
+"""The documentation stays true to the code: every config key has a description, docs/config.md is
+what the generator writes from the models today, and every relative link in README.md and docs/
+points at a file (and heading) that exists."""
 from __future__ import annotations
 
+import re
 from pathlib import Path
+
+import pytest
 
 from lorapipe.flows.config_docs import render, settings
 
 REPO = Path(__file__).resolve().parent.parent
+PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 
 
 def test_every_config_key_has_a_description():
@@ -18,3 +24,49 @@ def test_docs_config_md_is_current():
     page = REPO / "docs" / "config.md"
     assert page.read_text() == render(), \
         "docs/config.md is stale: run `python -m lorapipe.flows.config_docs docs/config.md`"
+
+
+def unfenced(text: str) -> str:
+    """The Markdown without fenced code blocks (whose `#` lines are not headings)."""
+    return re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+
+
+def prose(text: str) -> str:
+    """The Markdown without code blocks and code spans (whose brackets are not links)."""
+    return re.sub(r"``.*?``|`[^`\n]*`", "", unfenced(text))
+
+
+def anchors(page: Path) -> set[str]:
+    """GitHub's heading anchors: lower case, punctuation dropped, spaces as hyphens, repeats numbered."""
+    seen: dict[str, int] = {}
+    found = set()
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", unfenced(page.read_text()), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")  # backticks go too
+        found.add(f"{slug}-{seen[slug]}" if slug in seen else slug)
+        seen[slug] = seen.get(slug, 0) + 1
+    return found
+
+
+def links(page: Path) -> list[str]:
+    return [t for t in LINK.findall(prose(page.read_text())) if not re.match(r"[a-z]+:", t)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(REPO).as_posix())
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in links(page):
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and (file.suffix != ".md" or anchor not in anchors(file)):
+            broken.append(f"{target}: no such heading in {file.relative_to(REPO)}")
+    assert not broken, f"{page.relative_to(REPO)}: {broken}"
+
+
+def test_the_link_check_sees_a_broken_link(tmp_path):
+    """The check itself: a link to a missing heading is found, one inside a code span is not a link."""
+    page = tmp_path / "page.md"
+    page.write_text("# A page's title\n\n[here](#a-pages-title) [gone](#nowhere) `[code](#x)`\n")
+    assert anchors(page) == {"a-pages-title"}
+    assert links(page) == ["#a-pages-title", "#nowhere"]
