@@ -32,8 +32,8 @@ from safetensors.torch import load_file
 
 from lorapipe.stages.families import flux1, flux2, zimage
 from lorapipe.stages.families.ldm_names import unet_original_names
-from lorapipe.stages.families.lycoris import adapted_modules
-from lorapipe.stages.families.original_names import OriginalNames, kohya_name
+from lorapipe.stages.lora_formats.lycoris import adapted_modules
+from lorapipe.stages.lora_formats.original_names import OriginalNames, kohya_name
 
 LORA_PAIRS = (("lora_up.weight", "lora_down.weight"), ("lora_B.weight", "lora_A.weight"))  # (up, down)
 LYCORIS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2",

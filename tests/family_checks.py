@@ -11,8 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 import lorapipe.stages.families as families
-from lorapipe.stages.families.lycoris import adapted_modules
-from lorapipe.stages.families.original_names import kohya_name
+from lorapipe.stages.lora_formats.lycoris import adapted_modules
+from lorapipe.stages.lora_formats.original_names import kohya_name
 
 
 def assert_builds_byte_identically(model: Path, arch: str, again: Path) -> list[str]:

@@ -17,9 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import lorapipe.stages.families as families
-from lorapipe.stages.families.lycoris import adapted_modules
+from lorapipe.stages.lora_formats.diffusers_format import ADAPTER, peft_state_dict, write_diffusers_lora
+from lorapipe.stages.lora_formats.lycoris import adapted_modules
 from lorapipe.stages.train.adapter import AdapterParams, peft_config, plain_lora_alpha, plain_lora_swapped_in
-from lorapipe.stages.train.lora_files import ADAPTER, peft_state_dict, write_diffusers_lora
 
 ADAPTER_KEYS = ("lora_", "lokr_", "hada_")  # peft's adapter parameters carry one of these
 
@@ -203,7 +203,7 @@ def test_lycoris_types_load_through_peft_not_diffusers(kind, arch, tiny_model, f
 def test_checkpoint_file_restores_every_adapter_type_exactly(kind, tiny_model, tmp_path):
     """What training's checkpoint hooks do (write_diffusers_lora, then load_diffusers_lora into a fresh
     denoiser given the same adapter): every adapter tensor comes back bit for bit."""
-    from lorapipe.stages.train.lora_files import load_diffusers_lora
+    from lorapipe.stages.lora_formats.diffusers_format import load_diffusers_lora
 
     family = families.for_model(tiny_model)
     params = AdapterParams(adapter=kind, rank=2, alpha=3)
@@ -272,7 +272,7 @@ def test_flux_lokr_on_fused_modules_is_written_under_comfyuis_slice_names(flux_d
     """A Kronecker product cannot be split by rows: q/k/v (fused in qkv and linear1) keep their
     diffusers names under `transformer.`, which ComfyUI's Flux key map points at their rows of the
     fused weight; whole modules keep their BFL names. Without such a map the export refuses by name."""
-    from lorapipe.stages.families.lycoris import lycoris_state_dict
+    from lorapipe.stages.lora_formats.lycoris import lycoris_state_dict
 
     family = families.for_model(flux_dev)
     transformer = trained_adapter(family, flux_dev, AdapterParams(adapter="lokr", rank=2, alpha=3), "attention")

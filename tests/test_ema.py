@@ -101,9 +101,9 @@ def test_export_writes_the_trained_and_the_averaged_pissa_adapter_for_the_origin
     plain-LoRA form, so diffusers' fuse_lora on the original model gives each one's merged weights."""
     from diffusers import StableDiffusionPipeline
 
-    from lorapipe.stages.families.lycoris import adapted_modules
+    from lorapipe.stages.lora_formats.diffusers_format import peft_state_dict
+    from lorapipe.stages.lora_formats.lycoris import adapted_modules
     from lorapipe.stages.train.exports import export_adapter
-    from lorapipe.stages.train.lora_files import peft_state_dict
 
     family = families.for_model(tiny_model)
     params = AdapterParams(init="pissa", rank=2, alpha=3)

@@ -16,8 +16,8 @@ from safetensors import safe_open
 import lorapipe.stages.families as families
 from lorapipe.stages.families import ObjectiveParams, TextOptions, TimestepSampling
 from lorapipe.stages.families.flux1 import original_names
-from lorapipe.stages.families.original_names import fused_lora
-from lorapipe.stages.train.lora_files import save_safetensors_sorted
+from lorapipe.stages.lora_formats.diffusers_format import save_safetensors_sorted
+from lorapipe.stages.lora_formats.original_names import fused_lora
 
 CAPTIONS = ["a photo of a tabby cat looking to the side", "a photo of a rocket on a launch pad"]
 

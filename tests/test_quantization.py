@@ -110,7 +110,7 @@ def _assert_loads_as_trained(pipe, model: Path, out: Path, targets) -> None:
     the full-precision base by the trained B @ A x scale."""
     from peft import LoraConfig
 
-    from lorapipe.stages.train.lora_files import load_diffusers_lora
+    from lorapipe.stages.lora_formats.diffusers_format import load_diffusers_lora
 
     family = families.for_model(model)
     trained = family.load_denoiser(model, torch.float32)

@@ -29,9 +29,9 @@ from safetensors.torch import load_file
 from lorapipe.cache.errors import UserError
 from lorapipe.stages import train
 from lorapipe.stages.launching import WorkerFailed
+from lorapipe.stages.lora_formats.diffusers_format import save_safetensors_sorted
 from lorapipe.stages.train.checkpoints import CheckpointDir
 from lorapipe.stages.train.data import BatchPlan, MicroBatches
-from lorapipe.stages.train.lora_files import save_safetensors_sorted
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -177,7 +177,7 @@ def test_exported_loras_reproduce_the_trained_unet(trained, tiny_model):
     from diffusers import StableDiffusionPipeline, UNet2DConditionModel
     from peft import LoraConfig
 
-    from lorapipe.stages.train.lora_files import load_diffusers_lora
+    from lorapipe.stages.lora_formats.diffusers_format import load_diffusers_lora
 
     out = trained[0]
     reference = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
@@ -296,7 +296,7 @@ def test_sdxl_lora_loads_into_the_sdxl_pipeline(tmp_path, sdxl_model, sdxl_encod
     from diffusers import StableDiffusionXLPipeline, UNet2DConditionModel
     from peft import LoraConfig
 
-    from lorapipe.stages.train.lora_files import load_diffusers_lora
+    from lorapipe.stages.lora_formats.diffusers_format import load_diffusers_lora
 
     inputs = train_inputs(sdxl_model, sdxl_encoded)
     out, built = run_train(tmp_path, "sdxl", inputs, max_steps=6, checkpoint_every=6)
@@ -371,7 +371,7 @@ def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded)
 
     from lorapipe.stages import families
     from lorapipe.stages.encoded import EncodedData
-    from lorapipe.stages.train.lora_files import load_diffusers_lora
+    from lorapipe.stages.lora_formats.diffusers_format import load_diffusers_lora
     from lorapipe.stages.train.data import derived_seed, load_batch, step_inputs
     from lorapipe.stages.train.recipe import step_loss
 
@@ -401,8 +401,8 @@ def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded)
 def test_init_lora_must_match_rank_and_alpha(trained, tiny_model):
     from diffusers import UNet2DConditionModel
 
+    from lorapipe.stages.lora_formats.diffusers_format import load_init_lora
     from lorapipe.stages.train.adapter import peft_config
-    from lorapipe.stages.train.lora_files import load_init_lora
 
     unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
     params = train.TrainParams(rank=4, alpha=4.0)

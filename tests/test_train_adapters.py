@@ -20,8 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lorapipe.stages import families, train
-from lorapipe.stages.families.lycoris import adapted_modules
-from lorapipe.stages.train.lora_files import add_adapter_from_file
+from lorapipe.stages.lora_formats.diffusers_format import add_adapter_from_file
+from lorapipe.stages.lora_formats.lycoris import adapted_modules
 
 STEPS = 4
 PARAMS = dict(rank=2, alpha=3.0, target_modules="attention", learning_rate=1e-2, batch_size=2, max_steps=STEPS,
@@ -161,8 +161,8 @@ def test_a_plain_lora_keeps_its_train_key():
     ({"adapter": "loha", "alpha": 2.0}, "loha", r"train.init_lora: .* has alpha 3.0 but train.alpha is 2.0"),
 ])
 def test_init_lora_that_cannot_load_is_refused_by_name(settings, file_kind, message, tmp_path, tiny_model):
+    from lorapipe.stages.lora_formats.diffusers_format import load_init_lora, write_diffusers_lora
     from lorapipe.stages.train.adapter import AdapterParams, peft_config
-    from lorapipe.stages.train.lora_files import load_init_lora, write_diffusers_lora
 
     family = families.for_model(tiny_model)
     written = family.load_denoiser(tiny_model, torch.float32)

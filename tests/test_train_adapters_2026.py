@@ -34,9 +34,9 @@ from test_train_adapters import published, train_straight_and_resumed
 from test_train_adapters import run_train as train_once
 
 from lorapipe.stages import families, train
-from lorapipe.stages.families.lycoris import adapted_modules
+from lorapipe.stages.lora_formats.diffusers_format import add_adapter_from_file
+from lorapipe.stages.lora_formats.lycoris import adapted_modules
 from lorapipe.stages.train.adapter import AdapterParams
-from lorapipe.stages.train.lora_files import add_adapter_from_file
 from lorapipe.stages.train.trained_adapter import INITIAL_FILE, TrainedAdapter
 
 STEPS = 2

@@ -57,7 +57,7 @@ def test_published_flux_loras_reproduce_the_trained_transformer(tmp_path, flux_m
     from diffusers import FluxPipeline
     from peft import LoraConfig
 
-    from lorapipe.stages.train.lora_files import load_diffusers_lora
+    from lorapipe.stages.lora_formats.diffusers_format import load_diffusers_lora
 
     out = Path(run_stages(flux_config(tmp_path, flux_model), STAGES[:3])["train"][1].path)
     family = families.for_model(flux_model)

@@ -14,8 +14,8 @@ from lorapipe.stages import families
 from lorapipe.stages.contract import Log
 from lorapipe.stages.encoded import EncodedData, Sample
 from lorapipe.stages.families import ObjectiveParams
+from lorapipe.stages.lora_formats.diffusers_format import add_adapter_from_file, adapter_kind, recorded_adapter
 from lorapipe.stages.train.exports import EMA_DIR
-from lorapipe.stages.train.lora_files import add_adapter_from_file, adapter_kind, recorded_adapter
 
 from .clip import clip_score, load_clip
 from .fid import fid_kid

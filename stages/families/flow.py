@@ -15,10 +15,11 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorapipe.stages.lora_formats.original_names import COMFYUI, KeySpelling, OriginalNames, fused_lora
+
 from .base import Family, select_linear
 from .folders import component_config, model_index
 from .objectives import FlowMatchingObjective, ObjectiveParams, TimestepSampling
-from .original_names import COMFYUI, KeySpelling, OriginalNames, fused_lora
 
 if TYPE_CHECKING:
     import torch
@@ -104,17 +105,16 @@ class FlowFamily(Family):
         (original_names.derive_original_names), or diffusers' own where ComfyUI maps those itself."""
 
     def check_adapter(self, transformer: torch.nn.Module) -> None:
-        from .lycoris import check_writable
+        from lorapipe.stages.lora_formats.lycoris import check_writable
 
         check_writable(transformer, self.original_names(transformer), self.comfyui_slice_prefix)
 
     def export_lora(self, transformer: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
                     kohya_metadata: dict[str, str]) -> list[Path]:
+        from lorapipe.stages.lora_formats.diffusers_format import (ADAPTER, lora_scale, peft_state_dict,
+                                                                   save_safetensors_sorted, write_diffusers_lora)
+        from lorapipe.stages.lora_formats.lycoris import write_lycoris
         from lorapipe.stages.train.checkpoints import LORA_FILE
-        from lorapipe.stages.train.lora_files import (ADAPTER, lora_scale, peft_state_dict, save_safetensors_sorted,
-                                             write_diffusers_lora)
-
-        from .lycoris import write_lycoris
 
         written = [Path(out_dir) / LORA_FILE]
         write_diffusers_lora(transformer, written[0], provenance, self.components.denoiser)

@@ -16,8 +16,8 @@ attn.to_q/to_k/to_v, proj_mlp, proj_out); every Linear of the double and single 
 `transformer.`, and BFL names spelt as kohya (`lora_unet_double_blocks_N_img_attn_qkv`, single
 blocks' `linear1` = q|k|v|mlp) and as ComfyUI (`diffusion_model.double_blocks.N.img_attn.qkv`, with
 `lora_down`/`lora_up`, the spelling diffusers' Flux.1 loader converts too),
-derived from diffusers' `convert_flux_transformer_checkpoint_to_diffusers` (original_names.py); the
-seed keys below are the one hand-written part.
+derived from diffusers' `convert_flux_transformer_checkpoint_to_diffusers`
+(stages/lora_formats/original_names.py); the seed keys below are the one hand-written part.
 """
 from __future__ import annotations
 
@@ -27,12 +27,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from lorapipe.stages.contract import Frozen
+from lorapipe.stages.lora_formats.original_names import COMFYUI_DOWN_UP, KOHYA, OriginalNames, derive_original_names
 
 from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, stack
 from .flow import FlowFamily, FlowVariant, presets_field
 from .folders import load_component
 from .objectives import ObjectiveParams
-from .original_names import COMFYUI_DOWN_UP, KOHYA, OriginalNames, derive_original_names
 
 if TYPE_CHECKING:
     import torch

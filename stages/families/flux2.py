@@ -31,11 +31,12 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorapipe.stages.lora_formats.original_names import COMFYUI, KOHYA, OriginalNames, derive_original_names
+
 from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, stack
 from .flow import MODEL_INDEX, FlowFamily, FlowVariant, presets_field
 from .latents import PatchedBatchNorm, patched_batch_norm_of
 from .objectives import ObjectiveParams, TimestepSampling
-from .original_names import COMFYUI, KOHYA, OriginalNames, derive_original_names
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
 
 if TYPE_CHECKING:

@@ -21,11 +21,12 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorapipe.stages.lora_formats.original_names import OriginalNames, derive_original_names
+
 from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
 from .flow import FlowFamily, FlowVariant, presets_field
 from .latents import ChannelMeanStd, VaePosterior, channel_mean_std_of
 from .objectives import ObjectiveParams
-from .original_names import OriginalNames, derive_original_names
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
 
 if TYPE_CHECKING:

@@ -16,11 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from lorapipe.stages.contract import Frozen
+from lorapipe.stages.lora_formats.original_names import OriginalNames
 
 from .base import ALL_LINEAR, Components, Conditioning, Family, ImageGeometry, TextOptions, TextRecord, stack
 from .folders import load_component
 from .objectives import DDPMObjective, ObjectiveParams
-from .original_names import OriginalNames
 
 if TYPE_CHECKING:
     import torch
@@ -95,7 +95,7 @@ def write_kohya_lora(unet: torch.nn.Module, path: Path, alpha: float, metadata: 
     import torch
     from diffusers.utils import convert_state_dict_to_kohya
 
-    from lorapipe.stages.train.lora_files import peft_state_dict, save_safetensors_sorted
+    from lorapipe.stages.lora_formats.diffusers_format import peft_state_dict, save_safetensors_sorted
 
     tensors = convert_state_dict_to_kohya({f"unet.{k}": v for k, v in peft_state_dict(unet).items()})
     tensors = {k: torch.tensor(float(alpha)) if k.endswith(".alpha") else v for k, v in tensors.items()}
@@ -185,13 +185,12 @@ class StableDiffusion(Family):
         """The diffusers file, kohya's `lora_unet_*` file (diffusers module names, `.alpha` tensors)
         and ComfyUI's native one (`diffusion_model.<LDM name>.lora_A/lora_B.weight`, ldm_names.py, the
         scale in lora_B); a DoRA, LoKr or LoHa: the diffusers file and the ComfyUI one in LyCORIS keys
-        (lycoris.py)."""
+        (stages/lora_formats/lycoris.py)."""
+        from lorapipe.stages.lora_formats.diffusers_format import (ADAPTER, lora_scale, peft_state_dict,
+                                                                   save_safetensors_sorted, write_diffusers_lora)
+        from lorapipe.stages.lora_formats.lycoris import write_lycoris
+        from lorapipe.stages.lora_formats.original_names import COMFYUI, KOHYA, fused_lora
         from lorapipe.stages.train.checkpoints import LORA_FILE
-        from lorapipe.stages.train.lora_files import (ADAPTER, lora_scale, peft_state_dict, save_safetensors_sorted,
-                                             write_diffusers_lora)
-
-        from .lycoris import write_lycoris
-        from .original_names import COMFYUI, KOHYA, fused_lora
 
         diffusers_file, kohya_file, comfyui_file = (Path(out_dir) / f for f in (LORA_FILE, KOHYA.file, COMFYUI.file))
         write_diffusers_lora(unet, diffusers_file, provenance, self.components.denoiser)
@@ -208,8 +207,9 @@ class StableDiffusion(Family):
 
     def original_names(self, unet: torch.nn.Module) -> OriginalNames:
         """The LDM name of each UNet module that carries an adapter (ldm_names.py)."""
+        from lorapipe.stages.lora_formats.lycoris import adapted_modules
+
         from .ldm_names import unet_original_names
-        from .lycoris import adapted_modules
 
         return unet_original_names(dict(unet.config), adapted_modules(unet))
 

@@ -27,10 +27,11 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorapipe.stages.lora_formats.original_names import OriginalNames, by_diffusers_module, derive_original_names
+
 from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
 from .flow import FlowFamily, FlowVariant, presets_field
 from .objectives import ObjectiveParams
-from .original_names import OriginalNames, by_diffusers_module, derive_original_names
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
 
 if TYPE_CHECKING:

@@ -152,8 +152,8 @@ def restore_svd_init(denoiser: torch.nn.Module, initial: dict[str, torch.Tensor]
     import torch
     from peft.utils import transpose
 
-    from lorapipe.stages.families.lycoris import adapted_modules
-    from lorapipe.stages.train.lora_files import ADAPTER
+    from lorapipe.stages.lora_formats.diffusers_format import ADAPTER
+    from lorapipe.stages.lora_formats.lycoris import adapted_modules
 
     with torch.no_grad():
         for name in adapted_modules(denoiser):
@@ -178,8 +178,8 @@ def plain_lora_swapped_in(denoiser: torch.nn.Module, initial: dict[str, torch.Te
 
     import torch
 
-    from lorapipe.stages.families.lycoris import adapted_modules
-    from lorapipe.stages.train.lora_files import ADAPTER, peft_state_dict
+    from lorapipe.stages.lora_formats.diffusers_format import ADAPTER, peft_state_dict
+    from lorapipe.stages.lora_formats.lycoris import adapted_modules
 
     plain = as_plain_lora(peft_state_dict(denoiser), initial)
     config, trained = denoiser.peft_config[ADAPTER], []

@@ -90,7 +90,7 @@ class AdapterEMA:
                     p.copy_(trained[name])
 
     def save(self, path: Path) -> None:
-        from lorapipe.stages.train.lora_files import save_safetensors_sorted
+        from lorapipe.stages.lora_formats.diffusers_format import save_safetensors_sorted
 
         metadata = {"updates": str(self.updates), **{k: str(v) for k, v in self.params.model_dump().items()}}
         save_safetensors_sorted(self.average, metadata, Path(path))

@@ -54,7 +54,7 @@ def lycoris_state_dict(denoiser: torch.nn.Module, names: OriginalNames,
                        slice_prefix: str | None = None) -> dict[str, torch.Tensor]:
     """The denoiser's DoRA, LoKr or LoHa in ComfyUI's native LyCORIS keys under `names` (a LoKr on a
     fused module under `slice_prefix` + its diffusers name, when the family's ComfyUI loader maps it)."""
-    from lorapipe.stages.train.lora_files import ADAPTER, peft_state_dict
+    from .diffusers_format import ADAPTER, peft_state_dict
 
     kind = adapter_kind(denoiser.peft_config[ADAPTER])
     state = peft_state_dict(denoiser)
@@ -71,7 +71,7 @@ def lycoris_state_dict(denoiser: torch.nn.Module, names: OriginalNames,
 def check_writable(denoiser: torch.nn.Module, names: OriginalNames, slice_prefix: str | None = None) -> None:
     """Refuse, before training, an adapter the ComfyUI file could not hold (a LoKr on a module the
     original layout fuses, where ComfyUI has no name for its rows)."""
-    from lorapipe.stages.train.lora_files import ADAPTER
+    from .diffusers_format import ADAPTER
 
     if adapter_kind(denoiser.peft_config[ADAPTER]) == "lokr":
         refuse_lokr_on_fused(set(adapted_modules(denoiser)), names, slice_prefix)
@@ -100,7 +100,7 @@ def _fused(segments: tuple) -> bool:
 def write_lycoris(denoiser: torch.nn.Module, names: OriginalNames, out_dir: Path, metadata: dict[str, str],
                   slice_prefix: str | None = None) -> Path | None:
     """The ComfyUI file of a DoRA, LoKr or LoHa (None for a plain LoRA: original_names.fused_lora)."""
-    from lorapipe.stages.train.lora_files import ADAPTER, save_safetensors_sorted
+    from .diffusers_format import ADAPTER, save_safetensors_sorted
 
     if adapter_kind(denoiser.peft_config[ADAPTER]) == "lora":
         return None
