@@ -401,8 +401,7 @@ def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded)
 def test_init_lora_must_match_rank_and_alpha(trained, tiny_model):
     from diffusers import UNet2DConditionModel
 
-    from lorapipe.stages.lora_formats.diffusers_format import load_init_lora
-    from lorapipe.stages.train.adapter import peft_config
+    from lorapipe.stages.train.adapter import load_init_lora, peft_config
 
     unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")
     params = train.TrainParams(rank=4, alpha=4.0)

@@ -161,8 +161,8 @@ def test_a_plain_lora_keeps_its_train_key():
     ({"adapter": "loha", "alpha": 2.0}, "loha", r"train.init_lora: .* has alpha 3.0 but train.alpha is 2.0"),
 ])
 def test_init_lora_that_cannot_load_is_refused_by_name(settings, file_kind, message, tmp_path, tiny_model):
-    from lorapipe.stages.lora_formats.diffusers_format import load_init_lora, write_diffusers_lora
-    from lorapipe.stages.train.adapter import AdapterParams, peft_config
+    from lorapipe.stages.lora_formats.diffusers_format import write_diffusers_lora
+    from lorapipe.stages.train.adapter import AdapterParams, load_init_lora, peft_config
 
     family = families.for_model(tiny_model)
     written = family.load_denoiser(tiny_model, torch.float32)

@@ -13,13 +13,10 @@ import math
 import os
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from safetensors.torch import load_file, save
-
-if TYPE_CHECKING:
-    from lorapipe.stages.train.adapter import AdapterParams
 
 ADAPTER = "default"
 PEFT_KEY_PARTS = ("lora_A.", "lora_B.", "lora_magnitude_vector", "lokr_", "hada_")  # what peft names adapter tensors
@@ -102,24 +99,6 @@ def adapter_kind(config: dict[str, Any]) -> str:
     """lora, dora, lokr or loha, from a recorded peft config (a file without one holds a LoRA)."""
     kind = str(config.get("peft_type", "LORA")).removeprefix("PeftType.").lower()
     return "dora" if kind == "lora" and config.get("use_dora") else kind
-
-
-def load_init_lora(denoiser: torch.nn.Module, path: Path, params: "AdapterParams", prefix: str) -> None:
-    """Start from an existing diffusers-format adapter file (its adapter must have this run's type,
-    rank, alpha and target layers: a different alpha would load it at the wrong strength)."""
-    if not path.is_file():
-        raise FileNotFoundError(f"train.init_lora: {path} is not a file")
-    if params.init != "default":
-        raise ValueError(f"train.init_lora: a {params.init} adapter starts from the base weights' principal"
-                         f" components, not from {path}: set train.init: default, or leave init_lora out")
-    recorded = recorded_adapter(path, prefix)
-    if adapter_kind(recorded) != params.adapter:
-        raise ValueError(f"train.init_lora: {path} holds a {adapter_kind(recorded)} adapter but train.adapter is"
-                         f" {params.adapter}")
-    for key, value in (("rank", recorded.get("r")), ("alpha", recorded.get("lora_alpha", recorded.get("alpha")))):
-        if value is not None and float(value) != float(getattr(params, key)):
-            raise ValueError(f"train.init_lora: {path} has {key} {value} but train.{key} is {getattr(params, key)}")
-    load_diffusers_lora(denoiser, path, prefix)
 
 
 def add_adapter_from_file(denoiser: torch.nn.Module, path: Path, prefix: str, adapter_name: str) -> None:

@@ -24,6 +24,8 @@ from lorapipe.cache.errors import UserError
 from lorapipe.stages.contract import Frozen
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     import torch
     from peft import PeftConfig
 
@@ -111,6 +113,26 @@ def check_targets(denoiser: torch.nn.Module, kind: AdapterKind, targets: list[st
         hint = f"name a layer inside it, such as {entry}.{inside}" if inside else "leave it out"
         raise UserError(f"train.target_modules: {entry}: {name} is a {type(module).__name__}, which a {kind} cannot"
                         f" adapt (only {', '.join(t.__name__ for t in supported)}): {hint}")
+
+
+def load_init_lora(denoiser: torch.nn.Module, path: Path, params: AdapterParams, prefix: str) -> None:
+    """Start from an existing diffusers-format adapter file (its adapter must have this run's type,
+    rank, alpha and target layers: a different alpha would load it at the wrong strength)."""
+    from lorapipe.stages.lora_formats.diffusers_format import adapter_kind, load_diffusers_lora, recorded_adapter
+
+    if not path.is_file():
+        raise FileNotFoundError(f"train.init_lora: {path} is not a file")
+    if params.init != "default":
+        raise ValueError(f"train.init_lora: a {params.init} adapter starts from the base weights' principal"
+                         f" components, not from {path}: set train.init: default, or leave init_lora out")
+    recorded = recorded_adapter(path, prefix)
+    if adapter_kind(recorded) != params.adapter:
+        raise ValueError(f"train.init_lora: {path} holds a {adapter_kind(recorded)} adapter but train.adapter is"
+                         f" {params.adapter}")
+    for key, value in (("rank", recorded.get("r")), ("alpha", recorded.get("lora_alpha", recorded.get("alpha")))):
+        if value is not None and float(value) != float(getattr(params, key)):
+            raise ValueError(f"train.init_lora: {path} has {key} {value} but train.{key} is {getattr(params, key)}")
+    load_diffusers_lora(denoiser, path, prefix)
 
 
 def as_plain_lora(trained: dict[str, torch.Tensor], initial: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

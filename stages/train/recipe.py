@@ -60,9 +60,8 @@ from lorapipe.stages import families  # noqa: E402
 from lorapipe.stages.encoded import EncodedData  # noqa: E402
 from lorapipe.stages.families.objectives import Objective  # noqa: E402
 from lorapipe.stages.launching import begin_worker, reporting_errors, skip_exit_collection  # noqa: E402
-from lorapipe.stages.lora_formats.diffusers_format import load_init_lora  # noqa: E402
 from lorapipe.stages.progress import progress_line  # noqa: E402
-from lorapipe.stages.train.adapter import check_targets, kohya_network_dim_alpha  # noqa: E402
+from lorapipe.stages.train.adapter import check_targets, kohya_network_dim_alpha, load_init_lora  # noqa: E402
 from lorapipe.stages.train.checkpoints import CheckpointDir, step_name  # noqa: E402
 from lorapipe.stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch  # noqa: E402
 from lorapipe.stages.train.params import (DAMAGED_RECORD_FILE, TRACKER_RUN, VERSION, TrainInputs,  # noqa: E402
