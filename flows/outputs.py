@@ -32,14 +32,12 @@ from lorapipe.cache.fsutil import fsync_dir, fsync_tree, remove_tree
 from lorapipe.cache.lock import key_lock
 from lorapipe.cache.object_store import open_store
 from lorapipe.cache.store import Artifact
-from lorapipe.stages.train.exports import EMA_DIR
+from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILES
 
 from .config import PipelineConfig
 from .plan import object_settings
 from .runner import StageResult, record_repairs
 
-LORA_FILES = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
-              "pytorch_lora_weights_comfyui.safetensors")
 OUTPUT_FILES = {  # stage -> files copied next to the run summary for the user (paths inside the artifact)
     "train": (*LORA_FILES, *(f"{EMA_DIR}/{name}" for name in LORA_FILES)),
     "evaluate": ("grid.png", "metrics.json", "report.md", "checkpoint_loss.png", "checkpoint_losses.json"),

@@ -13,11 +13,10 @@ from lorapipe.cache.errors import UserError
 from lorapipe.cache.samples import DamagedRecord
 from lorapipe.cache.store import Artifact, Lookup, StageKey, diff_ingredients
 from lorapipe.stages import train
+from lorapipe.stages.lora_formats.lora_folder import LORA_FILE
 
 from .config import PipelineConfig, split
 from .plan import STAGES, Context, Step, code_digest, step_for
-
-LORA_FILE = "pytorch_lora_weights.safetensors"
 
 
 class StageNotCached(UserError):

@@ -15,12 +15,12 @@ from lorapipe.stages.contract import Log
 from lorapipe.stages.encoded import EncodedData, Sample
 from lorapipe.stages.families import ObjectiveParams
 from lorapipe.stages.lora_formats.diffusers_format import add_adapter_from_file, adapter_kind, recorded_adapter
-from lorapipe.stages.train.exports import EMA_DIR
+from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, TRAIN_CONFIG, checkpoint_loras
 
 from .clip import clip_score, load_clip
 from .fid import fid_kid
 from .losses import LossResult, Scoring, denoising_loss, loss_subset
-from .params import LORA_WEIGHTS, VERSION, EvalInputs, EvalOptions, EvalParams
+from .params import VERSION, EvalInputs, EvalOptions, EvalParams
 from .render import RenderSettings, compose_grid, render_column
 from .report import plot_checkpoint_losses, write_report
 
@@ -31,7 +31,6 @@ LORA_ADAPTER = "lora"
 EMA_ADAPTER = "ema"  # the EMA of the trained adapter, when train.ema_decay was set
 COLUMN = {LORA_ADAPTER: "LoRA", EMA_ADAPTER: "EMA"}  # the grid's column label of each adapter
 SPLITS = ("holdout", "train")
-TRAIN_CONFIG = "train_config.json"
 
 
 def run(
@@ -39,8 +38,8 @@ def run(
     options: EvalOptions = EvalOptions(), log: Log = print,
 ) -> Built:
     """Write the evaluation of inputs.train_dir's LoRA into out_dir (work_dir is not needed)."""
-    if not (Path(inputs.train_dir) / LORA_WEIGHTS).is_file():
-        raise FileNotFoundError(f"{inputs.train_dir} has no {LORA_WEIGHTS}: it is not a train artifact; re-run train")
+    if not (Path(inputs.train_dir) / LORA_FILE).is_file():
+        raise FileNotFoundError(f"{inputs.train_dir} has no {LORA_FILE}: it is not a train artifact; re-run train")
     family = families.for_model(inputs.model_path)
     encoded = EncodedData(inputs.encoded_dir, inputs.cache_root)
     encoded.check_model(inputs.model_path, family.name, inputs.model_digests)
@@ -127,7 +126,7 @@ def _renderer(family: families.Family, inputs: EvalInputs, params: EvalParams) -
 
 def _adapter_files(train_dir: Path) -> dict[str, Path]:
     """The train artifact's adapters: the trained one, and its EMA when the run kept one."""
-    files = {LORA_ADAPTER: Path(train_dir) / LORA_WEIGHTS, EMA_ADAPTER: Path(train_dir) / EMA_DIR / LORA_WEIGHTS}
+    files = {LORA_ADAPTER: Path(train_dir) / LORA_FILE, EMA_ADAPTER: Path(train_dir) / EMA_DIR / LORA_FILE}
     return {name: file for name, file in files.items() if file.is_file()}
 
 
@@ -229,20 +228,16 @@ def _checkpoint_losses(
     holdout: list[Sample], base: dict[str, LossResult], params: EvalParams,
 ) -> dict[str, Any] | None:
     """Held-out loss of every retained checkpoint's LoRA; None when the train artifact has none."""
-    found = sorted(
-        (int(path.parent.name.removeprefix("step-")), path.parent)
-        for path in (Path(train_dir) / "checkpoints").glob(f"step-*/{LORA_WEIGHTS}")
-        if path.parent.name.removeprefix("step-").isdigit()
-    )
+    found = checkpoint_loras(train_dir)
     if not found:
         return None
     if not holdout:
         return {"skipped": "the holdout split is empty"}
     denoiser = getattr(pipe, scoring.family.components.denoiser)
     results = []
-    for step, directory in found:  # one adapter at a time: unloading restores the base denoiser
+    for step, file in found:  # one adapter at a time: unloading restores the base denoiser
         pipe.unload_lora_weights()
-        _load_adapter(pipe, scoring.family, directory / LORA_WEIGHTS, LORA_ADAPTER)
+        _load_adapter(pipe, scoring.family, file, LORA_ADAPTER)
         loss = _split_losses(denoiser, scoring, encoded, {"holdout": holdout}, params)["holdout"]
         results.append({"step": step, **loss})
     return {"split": "holdout", "base": base["holdout"]["overall"], "checkpoints": results}

@@ -8,10 +8,8 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from lorapipe.stages.contract import Frozen, JsonInputs
-from lorapipe.stages.train.checkpoints import LORA_FILE
 
 VERSION = "2"  # 2: fixed noise and loss subset seeded by content, not file name
-LORA_WEIGHTS = LORA_FILE  # what the train stage writes
 LOCAL_PATHS = ("clip_model", "fid_reference", "inception_weights", "render_model")  # keyed by content, not path
 
 

@@ -113,8 +113,8 @@ class FlowFamily(Family):
                     kohya_metadata: dict[str, str]) -> list[Path]:
         from lorapipe.stages.lora_formats.diffusers_format import (ADAPTER, lora_scale, peft_state_dict,
                                                                    save_safetensors_sorted, write_diffusers_lora)
+        from lorapipe.stages.lora_formats.lora_folder import LORA_FILE
         from lorapipe.stages.lora_formats.lycoris import write_lycoris
-        from lorapipe.stages.train.checkpoints import LORA_FILE
 
         written = [Path(out_dir) / LORA_FILE]
         write_diffusers_lora(transformer, written[0], provenance, self.components.denoiser)

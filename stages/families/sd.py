@@ -188,9 +188,9 @@ class StableDiffusion(Family):
         (stages/lora_formats/lycoris.py)."""
         from lorapipe.stages.lora_formats.diffusers_format import (ADAPTER, lora_scale, peft_state_dict,
                                                                    save_safetensors_sorted, write_diffusers_lora)
+        from lorapipe.stages.lora_formats.lora_folder import LORA_FILE
         from lorapipe.stages.lora_formats.lycoris import write_lycoris
         from lorapipe.stages.lora_formats.original_names import COMFYUI, KOHYA, fused_lora
-        from lorapipe.stages.train.checkpoints import LORA_FILE
 
         diffusers_file, kohya_file, comfyui_file = (Path(out_dir) / f for f in (LORA_FILE, KOHYA.file, COMFYUI.file))
         write_diffusers_lora(unet, diffusers_file, provenance, self.components.denoiser)

@@ -1,8 +1,8 @@
 """LoRA weight files: diffusers format (what `load_lora_weights` reads; keys under the denoiser's
-component name, `unet.` or `transformer.`), written and loaded back; the families write the
-other formats (stages/families).
+component name, `unet.` or `transformer.`), written and loaded back; the other formats are
+original_names.py's and lycoris.py's, which each family writes in its own module names.
 
-Both carry provenance in their safetensors metadata. Files are byte-deterministic: the
+Every file carries provenance in their safetensors metadata. Files are byte-deterministic: the
 safetensors library writes metadata keys in a per-process random order, so the header is
 rewritten here with sorted keys.
 """
@@ -57,9 +57,9 @@ def peft_state_dict(denoiser: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def write_diffusers_lora(denoiser: torch.nn.Module, path: Path, provenance: dict[str, str], prefix: str) -> None:
-    """`pytorch_lora_weights.safetensors` for `load_lora_weights`: PEFT keys under `<prefix>.` (the
-    denoiser's component name) and the adapter config (without it, alpha != rank loads at the wrong
-    strength). Not passed through `convert_state_dict_to_diffusers`: it renames linear layers only,
+    """The file `load_lora_weights` reads (lora_folder.LORA_FILE in a LoRA folder): PEFT keys under
+    `<prefix>.` (the denoiser's component name) and the adapter config (without it, alpha != rank
+    loads at the wrong strength). Not passed through `convert_state_dict_to_diffusers`: it renames linear layers only,
     and the loader skipped the renamed ones in a file that also held conv LoRA."""
     tensors = {f"{prefix}.{k}": v for k, v in peft_state_dict(denoiser).items()}
     config = json.loads(_json(denoiser.peft_config[ADAPTER].to_dict()))

@@ -18,13 +18,9 @@ from typing import Callable
 from lorapipe.cache.digest import digest_file
 from lorapipe.cache.errors import UserError
 from lorapipe.cache.fsutil import fsync_dir, fsync_tree, remove_tree, write_json_atomic
+from lorapipe.stages.lora_formats.lora_folder import step_name
 
 SEAL = "checkpoint.json"
-LORA_FILE = "pytorch_lora_weights.safetensors"
-
-
-def step_name(step: int) -> str:
-    return f"step-{step:06d}"
 
 
 class CheckpointDir:

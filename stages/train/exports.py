@@ -8,6 +8,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lorapipe.stages.lora_formats.lora_folder import EMA_DIR
 from lorapipe.stages.train.adapter import AdapterParams, plain_lora_swapped_in
 
 if TYPE_CHECKING:
@@ -15,8 +16,6 @@ if TYPE_CHECKING:
 
     from lorapipe.stages.families import Family
     from lorapipe.stages.train.ema import AdapterEMA
-
-EMA_DIR = "ema"  # the averaged adapter's files, beside the trained adapter's
 
 
 def export_adapter(family: Family, denoiser: torch.nn.Module, out_dir: Path, provenance: dict[str, str],

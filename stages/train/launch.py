@@ -25,8 +25,9 @@ from lorapipe.stages.contract import Log
 from lorapipe.stages.cpu_threads import threads_per_process
 from lorapipe.stages.encoded import EncodedData
 from lorapipe.stages.launching import Interrupted, WorkerFailed, start_worker, stream, write_accelerate_config
+from lorapipe.stages.lora_formats.lora_folder import LORA_FILE, checkpoint_lora, step_name
 from lorapipe.stages.optional_libraries import OPTIONAL, hiding
-from lorapipe.stages.train.checkpoints import LORA_FILE, CheckpointDir, step_name
+from lorapipe.stages.train.checkpoints import CheckpointDir
 from lorapipe.stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
 from lorapipe.stages.train.quantization import LIBRARY
 
@@ -245,7 +246,7 @@ def publish(work_dir: Path, out_dir: Path, max_steps: int, log: Log) -> Built:
         if problem:
             log(f"train: not publishing {step_name(step)}: {problem}")
             continue
-        _copy(checkpoints.path(step) / LORA_FILE, out_dir / "checkpoints" / step_name(step) / LORA_FILE)
+        _copy(checkpoints.path(step) / LORA_FILE, checkpoint_lora(out_dir, step))
     for name in ("loss.jsonl", "loss.png", "train.log", "summary.json"):
         _copy(work_dir / "logs" / name, out_dir / "logs" / name)
     if (work_dir / "logs" / TRACKER_RUN).is_dir():

@@ -60,9 +60,10 @@ from lorapipe.stages import families  # noqa: E402
 from lorapipe.stages.encoded import EncodedData  # noqa: E402
 from lorapipe.stages.families.objectives import Objective  # noqa: E402
 from lorapipe.stages.launching import begin_worker, reporting_errors, skip_exit_collection  # noqa: E402
+from lorapipe.stages.lora_formats.lora_folder import TRAIN_CONFIG, step_name  # noqa: E402
 from lorapipe.stages.progress import progress_line  # noqa: E402
 from lorapipe.stages.train.adapter import check_targets, kohya_network_dim_alpha, load_init_lora  # noqa: E402
-from lorapipe.stages.train.checkpoints import CheckpointDir, step_name  # noqa: E402
+from lorapipe.stages.train.checkpoints import CheckpointDir  # noqa: E402
 from lorapipe.stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch  # noqa: E402
 from lorapipe.stages.train.params import (DAMAGED_RECORD_FILE, TRACKER_RUN, VERSION, TrainInputs,  # noqa: E402
                                  TrainOptions, TrainParams)
@@ -391,7 +392,7 @@ class LoRATrainingRecipe:
         out.mkdir(parents=True)
         self.adapter.export(self._lora_denoiser(), out, self.provenance(), self.kohya_metadata())
         config = {**self.train_config(), "steps": self.step}
-        (out / "train_config.json").write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
+        (out / TRAIN_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
         (self.work_dir / "logs" / "summary.json").write_text(
             json.dumps({"steps": self.step, "resumed_from": self.resumed_from}) + "\n")
         plot_losses(self.loss_log, self.work_dir / "logs" / "loss.png")

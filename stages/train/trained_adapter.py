@@ -17,8 +17,8 @@ from safetensors.torch import load_file
 from lorapipe.stages.families import Family
 from lorapipe.stages.lora_formats.diffusers_format import (ADAPTER, load_diffusers_lora, peft_state_dict,
                                                            save_safetensors_sorted, write_diffusers_lora)
+from lorapipe.stages.lora_formats.lora_folder import LORA_FILE
 from lorapipe.stages.train.adapter import peft_config, plain_lora_swapped_in, restore_svd_init
-from lorapipe.stages.train.checkpoints import LORA_FILE
 from lorapipe.stages.train.ema import EMA_FILE, AdapterEMA
 from lorapipe.stages.train.exports import export_adapter
 from lorapipe.stages.train.params import TrainParams
