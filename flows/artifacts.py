@@ -12,6 +12,7 @@ from uuid import UUID
 
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
+from lorapipe.stages.evaluate.params import REPORT
 from lorapipe.stages.evaluate.report import embed_images
 
 from .runner import StageResult
@@ -63,7 +64,7 @@ def publish_run_artifacts(pipeline: str, results: list[StageResult], out: Path) 
                              key=artifact_key(pipeline, "stages"),
                              description=f"each stage: served from the cache (hit) or computed; outputs in {out}")
     evaluated = [r for r in results if r.stage == "evaluate"]
-    report = Path(evaluated[0].files) / "report.md" if evaluated else None
+    report = Path(evaluated[0].files) / REPORT if evaluated else None
     if report and report.is_file():
         create_markdown_artifact(embed_images(report.read_text(), report.parent), key=artifact_key(pipeline, "report"),
                                  description=f"evaluation report; its files are in {out}")

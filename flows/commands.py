@@ -149,11 +149,10 @@ def print_summary(config: PipelineConfig, summary: list[dict], log_path: Path, a
         for repair in row["repairs"]:
             print(f"{'':<21}repaired while {repair['during']} ran ({repair['seconds']:.1f} s): "
                   f"{encode_counts(repair['info']) if row['stage'] == 'encode' else 'computed again'}")
-    out = config.output_dir
-    for label, name in (("LoRA", "pytorch_lora_weights.safetensors"), ("sample grid", "grid.png"),
-                        ("metrics", "metrics.json"), ("run summary", "run-summary.json")):
-        if (out / name).exists():
-            print(f"{label + ':':<13}{out / name}")
+    from .outputs import named_files
+
+    for label, path in named_files(config.output_dir):
+        print(f"{label + ':':<13}{path}")
     print(f"{'run log:':<13}{log_path}")
     return 0
 

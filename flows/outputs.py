@@ -1,7 +1,8 @@
 """What a run leaves for the user once its stages are served or built, whether the Prefect flow
 ran them (flows/pipeline.py) or every stage was a cache hit and no flow ran (flows/cached_run.py):
-each stage's output files copied into the run's output folder next to `run-summary.json`, and the
-run noted in the cache for `cache gc --keep-last`. No Prefect here.
+each stage's output files (its module's OUTPUT_FILES, stages/contract.py) copied into the run's
+output folder next to `run-summary.json`, and the run noted in the cache for `cache gc --keep-last`.
+No Prefect here.
 
 The output folder holds the files of one run, never a mix of two. A filesystem cannot replace
 several files in one atomic step, so `run-summary.json` is the commit marker: whenever it exists,
@@ -32,16 +33,13 @@ from lorapipe.cache.fsutil import fsync_dir, fsync_tree, remove_tree
 from lorapipe.cache.lock import key_lock
 from lorapipe.cache.object_store import open_store
 from lorapipe.cache.store import Artifact
-from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILES
 
 from .config import PipelineConfig
-from .plan import object_settings
+from .plan import MODULES, object_settings
 from .runner import StageResult, record_repairs
 
-OUTPUT_FILES = {  # stage -> files copied next to the run summary for the user (paths inside the artifact)
-    "train": (*LORA_FILES, *(f"{EMA_DIR}/{name}" for name in LORA_FILES)),
-    "evaluate": ("grid.png", "metrics.json", "report.md", "checkpoint_loss.png", "checkpoint_losses.json"),
-}
+DECLARED = {stage: module.OUTPUT_FILES for stage, module in MODULES.items()}  # each stage's own declaration
+OUTPUT_FILES = {stage: tuple(f.path for f in files) for stage, files in DECLARED.items()}  # paths in the artifact
 SUMMARY_FILE = "run-summary.json"
 STAGING = ".lorapipe-publishing"  # step 1's folder, inside the output folder
 PUBLISH_LOCK = ".lorapipe-publish.lock"
@@ -54,7 +52,7 @@ class ArtifactRemoved(UserError):
 def with_files(result: StageResult, artifact: Artifact | None) -> StageResult:
     """`result` naming the local folder its output files are copied from (on object storage, this
     host's copy, fetched once); stages without output files are left as they are."""
-    if result.stage in OUTPUT_FILES and artifact:
+    if OUTPUT_FILES[result.stage] and artifact:
         result.files = str(artifact.path)
     return result
 
@@ -115,11 +113,12 @@ def copy_outputs(result: StageResult, out: Path) -> list[str]:
 def swap_in(staging: Path, out: Path, names: list[str]) -> list[str]:
     """Steps 2 and 3 of the module docstring: replace every stage output file in `out` by the
     staged `names` and the staged summary. Returns the files removed and not published again."""
-    previous = [name for names_of_stage in OUTPUT_FILES.values() for name in names_of_stage if (out / name).exists()]
+    every = [name for names_of_stage in OUTPUT_FILES.values() for name in names_of_stage]
+    previous = [name for name in every if (out / name).exists()]
     (out / SUMMARY_FILE).unlink(missing_ok=True)
     for name in previous:
         (out / name).unlink()
-    folders = sorted({(out / name).parent for name in OUTPUT_FILES["train"]} - {out})
+    folders = sorted({(out / name).parent for name in every} - {out})
     for folder in folders:
         if folder.is_dir() and not any(folder.iterdir()):
             folder.rmdir()  # the ema/ of an earlier run; made again below if this run has one
@@ -133,3 +132,10 @@ def swap_in(staging: Path, out: Path, names: list[str]) -> list[str]:
     os.replace(staging / SUMMARY_FILE, out / SUMMARY_FILE)
     fsync_dir(out)
     return [name for name in previous if name not in names]
+
+
+def named_files(out: Path) -> list[tuple[str, Path]]:
+    """(label, path) of the published files `lorapipe run` names (the stages' labelled output files),
+    then of the run's summary: those `out` holds."""
+    named = [(f.label, out / f.path) for files in DECLARED.values() for f in files if f.label]
+    return [(label, path) for label, path in [*named, ("run summary", out / SUMMARY_FILE)] if path.exists()]

@@ -1,13 +1,15 @@
 """What every stage shares: frozen params models and the run signature's types.
 
-A stage module exposes VERSION, a `Params` model (exactly the settings that change its output),
-optionally an `Options` model (settings that do not: batch sizes, worker counts), an inputs
-dataclass, and `run(params, inputs, out_dir, work_dir, options, log) -> Built | None`.
+A stage module exposes VERSION, OUTPUT_FILES (the files of its artifact a run publishes for the
+user), a `Params` model (exactly the settings that change its output), optionally an `Options`
+model (settings that do not: batch sizes, worker counts), an inputs dataclass, and
+`run(params, inputs, out_dir, work_dir, options, log) -> Built | None`.
 """
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+from dataclasses import dataclass
 from functools import cache
 from importlib.metadata import version
 from pathlib import Path
@@ -38,6 +40,15 @@ def location_name(location: Path | str) -> str:
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    """A file of a stage's artifact that a run publishes into its output folder, beside the run's
+    summary (flows/outputs.py)."""
+
+    path: str  # inside the artifact; a run publishes those its stage wrote
+    label: str = ""  # what `lorapipe run` calls it when it names where the file went; "": not named
 
 
 class JsonInputs:

@@ -92,3 +92,23 @@ def test_a_publish_cut_off_never_leaves_files_of_two_trainings(tmp_path, monkeyp
     finish_run(out, cfg, [loha], "second", print, record=False)
     assert published(out) == {LORA: f"loha {LORA}", COMFYUI: f"loha {COMFYUI}"}
     assert [p.name for p in out.iterdir() if p.name.startswith(".") and not p.name.endswith(".lock")] == []
+
+
+def test_the_terminal_summary_names_where_the_lora_grid_and_metrics_went(tmp_path, capsys):
+    """`lorapipe run` ends by naming the published LoRA, sample grid, metrics and run summary (the
+    files the stages label in their OUTPUT_FILES), and only those the run published."""
+    from lorapipe.flows.commands import print_summary
+
+    out, cfg = tmp_path / "out", config(tmp_path)
+    summary = finish_run(out, cfg, lora_run(tmp_path), "first", print, record=False)
+    capsys.readouterr()
+    print_summary(cfg, summary, tmp_path / "run.log", as_json=False)
+    named = [line.split(maxsplit=1) for line in capsys.readouterr().out.splitlines()[-5:]]
+    assert named == [["LoRA:", str(out / LORA)], ["sample", f"grid: {out / 'grid.png'}"],
+                     ["metrics:", str(out / "metrics.json")], ["run", f"summary: {out / 'run-summary.json'}"],
+                     ["run", f"log:     {tmp_path / 'run.log'}"]]
+    loha = artifact(tmp_path / "loha-train", "train", "loha", (LORA, COMFYUI))
+    summary = finish_run(out, cfg, [loha], "second", print, record=False)
+    capsys.readouterr()
+    print_summary(cfg, summary, tmp_path / "run.log", as_json=False)
+    assert "grid" not in capsys.readouterr().out  # not published by this run: not named

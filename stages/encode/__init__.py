@@ -50,7 +50,7 @@ from lorapipe.cache.samples import SampleStore
 from lorapipe.cache.store import Built
 
 from .. import families
-from ..contract import Frozen, Log, library_majors
+from ..contract import Frozen, Log, OutputFile, library_majors
 from ..cpu_threads import usable_cores
 from ..encoded import write_index
 from ..preprocess import DATASET_FILE
@@ -61,11 +61,12 @@ from .images import ImageCrops, sample_label
 from .masks import mask_key
 
 VERSION = "5"  # 5: the family, its text settings and latent normalisation in samples.json
+OUTPUT_FILES: tuple[OutputFile, ...] = ()  # its index is train's and evaluate's input, not the user's
 # in record keys: bump when a record's bytes would change for the same inputs
 LATENT_VERSION = "2"  # 2: JPEGs decoded at a reduced scale, resized before turning upright
 TEXT_VERSION = "1"
 
-__all__ = ["VERSION", "EncodeParams", "EncodeOptions", "EncodeInputs", "ImageCrops", "latent_key", "resolved_settings",
+__all__ = ["VERSION", "OUTPUT_FILES", "EncodeParams", "EncodeOptions", "EncodeInputs", "ImageCrops", "latent_key", "resolved_settings",
            "text_key", "run"]
 
 

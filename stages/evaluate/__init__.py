@@ -23,9 +23,9 @@ from lorapipe.cache.store import Built
 from lorapipe.stages.contract import Log
 from lorapipe.stages.cpu_threads import threads_per_process, torch_threads
 
-from .params import LOCAL_PATHS, VERSION, EvalInputs, EvalOptions, EvalParams
+from .params import LOCAL_PATHS, OUTPUT_FILES, VERSION, EvalInputs, EvalOptions, EvalParams
 
-__all__ = ["VERSION", "EvalParams", "EvalOptions", "EvalInputs", "run", "LOCAL_PATHS"]
+__all__ = ["VERSION", "OUTPUT_FILES", "EvalParams", "EvalOptions", "EvalInputs", "run", "LOCAL_PATHS"]
 
 
 def run(params: EvalParams, inputs: EvalInputs, out_dir: Path, work_dir: Path,

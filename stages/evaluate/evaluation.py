@@ -20,7 +20,8 @@ from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, TRAIN_C
 from .clip import clip_score, load_clip
 from .fid import fid_kid
 from .losses import LossResult, Scoring, denoising_loss, loss_subset
-from .params import VERSION, EvalInputs, EvalOptions, EvalParams
+from .params import (CHECKPOINT_CHART, CHECKPOINT_LOSSES, GRID, METRICS, REPORT, VERSION, EvalInputs, EvalOptions,
+                     EvalParams)
 from .render import RenderSettings, compose_grid, render_column
 from .report import plot_checkpoint_losses, write_report
 
@@ -68,7 +69,7 @@ def run(
         adapters[name] = _split_losses(denoiser, scoring["lora"], encoded, splits, params)
 
     rows = [(prompt, seed) for prompt in params.prompts for seed in params.seeds]
-    compose_grid(columns, rows, params.resolution).save(out_dir / "grid.png")
+    compose_grid(columns, rows, params.resolution).save(out_dir / GRID)
     metrics = {
         "loss": {
             name: {"base": base[name], **{adapter: scored[name] for adapter, scored in adapters.items()}}
@@ -86,13 +87,13 @@ def run(
             "lora": inputs.lora_digest, "evaluate_version": VERSION,
         },
     }
-    _write_json(out_dir / "metrics.json", metrics)
+    _write_json(out_dir / METRICS, metrics)
     checkpoints = _checkpoint_losses(pipe, scoring["lora"], inputs.train_dir, encoded, splits["holdout"], base, params)
     if checkpoints is not None:
-        _write_json(out_dir / "checkpoint_losses.json", checkpoints)
+        _write_json(out_dir / CHECKPOINT_LOSSES, checkpoints)
         if "skipped" not in checkpoints:
-            plot_checkpoint_losses(out_dir / "checkpoint_loss.png", checkpoints)
-    write_report(out_dir / "report.md", metrics, list(params.loss_timesteps), checkpoints)
+            plot_checkpoint_losses(out_dir / CHECKPOINT_CHART, checkpoints)
+    write_report(out_dir / REPORT, metrics, list(params.loss_timesteps), checkpoints)
     return Built(info=_headline(metrics))
 
 

@@ -7,9 +7,13 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from lorapipe.stages.contract import Frozen, JsonInputs
+from lorapipe.stages.contract import Frozen, JsonInputs, OutputFile
 
 VERSION = "2"  # 2: fixed noise and loss subset seeded by content, not file name
+GRID, METRICS, REPORT = "grid.png", "metrics.json", "report.md"
+CHECKPOINT_CHART, CHECKPOINT_LOSSES = "checkpoint_loss.png", "checkpoint_losses.json"  # with checkpoints
+OUTPUT_FILES = (OutputFile(GRID, "sample grid"), OutputFile(METRICS, "metrics"), OutputFile(REPORT),
+                OutputFile(CHECKPOINT_CHART), OutputFile(CHECKPOINT_LOSSES))
 LOCAL_PATHS = ("clip_model", "fid_reference", "inception_weights", "render_model")  # keyed by content, not path
 
 

@@ -8,6 +8,8 @@ import re
 from pathlib import Path
 from typing import Any
 
+from .params import CHECKPOINT_CHART, GRID
+
 EMBED_MAX_SIDE = 2048  # px: as wide as a screen shows; keeps a grid's prompt labels readable
 EMBED_MAX_BYTES = 1_500_000  # per image before base64: the UI fetches an artifact as one JSON document
 LOCAL_IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s/:]+\.(?:png|jpe?g))\)")  # a file next to the report
@@ -52,7 +54,7 @@ def write_report(
         lines.append(f"base {clip['base']:.3f}; " + "; ".join(f"{label} x{s} {v:.3f}" for model, label in
                                                              (("lora", "LoRA"), ("ema", "EMA")) if model in clip
                                                              for s, v in clip[model].items()))
-    lines += ["", "## Samples", "", "![base and LoRA samples](grid.png)", ""]
+    lines += ["", "## Samples", "", f"![base and LoRA samples]({GRID})", ""]
     if checkpoints is not None:
         lines += ["## Held-out loss by checkpoint", ""]
         if "skipped" in checkpoints:
@@ -60,7 +62,7 @@ def write_report(
         else:
             lines += ["| step | held-out loss |", "|---|---|", f"| base | {checkpoints['base']:.5f} |"]
             lines += [f"| {c['step']} | {c['overall']:.5f} |" for c in checkpoints["checkpoints"]]
-            lines += ["", "![held-out loss by checkpoint](checkpoint_loss.png)"]
+            lines += ["", f"![held-out loss by checkpoint]({CHECKPOINT_CHART})"]
         lines.append("")
     lines += ["## Provenance", "", "| input | digest |", "|---|---|"]
     lines += [f"| {name} | `{digest}` |" for name, digest in sorted(metrics["provenance"].items())]

@@ -28,7 +28,7 @@ from lorapipe.cache.digest import StatCache
 from lorapipe.cache.fsutil import write_json_rows
 from lorapipe.cache.store import Built
 
-from ..contract import Frozen, Log
+from ..contract import Frozen, Log, OutputFile
 from .crops import generated_buckets, nearest_bucket, place, shrink_to_fit
 from .sources import BadRow, Candidate, DatasetSource, MissingCaption, candidates, fingerprint
 from .validation import ImageInfo, Rejected, inspect_image, mask_entry, summary_lines
@@ -36,11 +36,12 @@ from .validation import ImageInfo, Rejected, inspect_image, mask_entry, summary_
 # 3: nothing read outside a dataset, metadata row problems reported, .caption fallback, warnings;
 # 4: the held-out split and random crops chosen by image content, not file name
 VERSION = "4"
+OUTPUT_FILES: tuple[OutputFile, ...] = ()  # its dataset manifest is encode's input, not the user's
 MAX_UPSCALE = 2.0  # an image enlarged more than this to cover its target gets a small_image warning
 DATASET_FILE = "dataset.json"
 REPORT_FILE = "report.json"
 
-__all__ = ["VERSION", "DATASET_FILE", "DatasetSource", "PreprocessParams", "PreprocessInputs",
+__all__ = ["VERSION", "OUTPUT_FILES", "DATASET_FILE", "DatasetSource", "PreprocessParams", "PreprocessInputs",
            "dataset_ingredients", "run"]
 
 

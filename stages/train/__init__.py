@@ -25,8 +25,8 @@ The text encoder is not trained (its embeddings are cached), and caption dropout
 empty-prompt embedding. The recipe itself is `stages/train/recipe.py`.
 """
 from lorapipe.stages.train.launch import follow, machines, run
-from lorapipe.stages.train.params import VERSION, TrainInputs, TrainOptions, TrainParams
+from lorapipe.stages.train.params import OUTPUT_FILES, VERSION, TrainInputs, TrainOptions, TrainParams
 
 RESUMABLE = ("max_steps",)  # TrainParams fields left out of the work directory's key
 
-__all__ = ["VERSION", "RESUMABLE", "TrainParams", "TrainOptions", "TrainInputs", "run", "follow", "machines"]
+__all__ = ["VERSION", "OUTPUT_FILES", "RESUMABLE", "TrainParams", "TrainOptions", "TrainInputs", "run", "follow", "machines"]

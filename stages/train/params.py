@@ -7,8 +7,9 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from lorapipe.stages.contract import Frozen, JsonInputs
+from lorapipe.stages.contract import Frozen, JsonInputs, OutputFile
 from lorapipe.stages.families import ObjectiveParams
+from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, LORA_FILES
 from lorapipe.stages.optional_libraries import installed
 from lorapipe.stages.train.adapter import AdapterParams
 from lorapipe.stages.train.ema import EMAParams
@@ -16,6 +17,8 @@ from lorapipe.stages.train.quantization import BaseQuantization, check_available
 
 VERSION = "4"  # bump by hand when the trained output's semantics change; 3: batch plan in content order;
 # 4: sample-prediction models trained against the clean latent (they were trained against v)
+OUTPUT_FILES = (*(OutputFile(name, "LoRA" if name == LORA_FILE else "") for name in LORA_FILES),
+                *(OutputFile(f"{EMA_DIR}/{name}") for name in LORA_FILES))  # the adapter's files, then its EMA's
 
 PriorTarget = Literal["data", "base_output"]
 TRACKER_RUN = "tracker"  # accelerate's tracker (TensorBoard, wandb) writes under work_dir/logs/tracker/
