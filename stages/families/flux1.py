@@ -140,7 +140,7 @@ class Flux1(FlowFamily):
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path:
-        from .tiny_flux1 import build_tiny_flux1
+        from .tiny.flux1 import build_tiny_flux1
 
         return build_tiny_flux1(out_dir, variant.guidance_embeds)
 

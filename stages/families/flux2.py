@@ -121,7 +121,7 @@ class Flux2Klein(FlowFamily):
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path:
-        from .tiny_flux2 import build_tiny_flux2
+        from .tiny.flux2 import build_tiny_flux2
 
         return build_tiny_flux2(out_dir, variant.distilled)
 

@@ -108,7 +108,7 @@ class QwenImage(FlowFamily):
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path:
-        from .tiny_qwenimage import build_tiny_qwenimage
+        from .tiny.qwenimage import build_tiny_qwenimage
 
         return build_tiny_qwenimage(out_dir)
 

@@ -231,7 +231,7 @@ class StableDiffusion(Family):
 
     # ---- tiny model
     def build_tiny(self, out_dir: Path, arch: str) -> Path:
-        from .tiny_sd import build_tiny_sd
+        from .tiny.sd import build_tiny_sd
 
         return build_tiny_sd(out_dir, self.size_conditioning)
 

@@ -101,7 +101,7 @@ class ZImage(FlowFamily):
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path:
-        from .tiny_zimage import build_tiny_zimage
+        from .tiny.zimage import build_tiny_zimage
 
         return build_tiny_zimage(out_dir, variant.distilled)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .tiny_qwen import TEXT_DIM, qwen3_config, qwen_tokenizer, seeded
+from .qwen import TEXT_DIM, qwen3_config, qwen_tokenizer, seeded
 
 LATENT_CHANNELS = 8
 

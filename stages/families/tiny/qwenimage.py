@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from .tiny_qwen import TEXT_DIM, qwen_tokenizer, seeded
+from .qwen import TEXT_DIM, qwen_tokenizer, seeded
 
 Z_DIM = 4
 

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 SEED = 0
-CAPTIONS = Path(__file__).resolve().parent.parent / "assets" / "demo_images"
+CAPTIONS = Path(__file__).resolve().parents[2] / "assets" / "demo_images"
 T5_SPECIALS = ("<pad>", "</s>", "<unk>")  # ids 0, 1, 2 as in T5
 DEV_SCHEDULER = dict(shift=3.0, use_dynamic_shifting=True)  # FLUX.1-dev's scheduler_config.json
 SCHNELL_SCHEDULER = dict(shift=1.0, use_dynamic_shifting=False)
@@ -91,7 +91,7 @@ def build_tiny_flux1(out_dir: Path, guidance: bool = True) -> Path:
     """Write a tiny Flux.1 dev (guidance input) or schnell into out_dir."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    from .tiny_sd import clip_text_encoder, write_tokenizer
+    from .sd import clip_text_encoder, write_tokenizer
 
     out_dir = Path(out_dir)
     t5_tok = t5_tokenizer()

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 SEED = 0
-CAPTIONS = Path(__file__).resolve().parent.parent / "assets" / "demo_images"
+CAPTIONS = Path(__file__).resolve().parents[2] / "assets" / "demo_images"
 ENDOFTEXT = "<|endoftext|>"  # Qwen's pad, unk and eos
 SPECIALS = ("<|im_start|>", "<|im_end|>", "<think>", "</think>",
             "<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")

@@ -3,13 +3,13 @@
 
 Transformer: diffusers' own test config (dim 32, 2 layers and 1 refiner layer of each kind, 2 heads,
 rope axes (8, 4, 4)) reading 16-dim caption features; text encoder: the shared tiny Qwen3
-(tiny_qwen.py) with its tokenizer; VAE: tiny Flux.1's (16 channels, Flux.1's shift and scale).
+(qwen.py) with its tokenizer; VAE: tiny Flux.1's (16 channels, Flux.1's shift and scale).
 """
 from __future__ import annotations
 
 from pathlib import Path
 
-from .tiny_qwen import TEXT_DIM, qwen3_config, qwen_tokenizer, seeded
+from .qwen import TEXT_DIM, qwen3_config, qwen_tokenizer, seeded
 
 SHIFT = {False: 6.0, True: 3.0}  # the real base's and Turbo's scheduler_config.json
 
@@ -26,7 +26,7 @@ def build_tiny_zimage(out_dir: Path, turbo: bool = False) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
     from transformers import Qwen3Model
 
-    from .tiny_flux1 import _vae
+    from .flux1 import _vae
 
     tokenizer = qwen_tokenizer()
     pipe = ZImagePipeline(

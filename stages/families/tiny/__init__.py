@@ -1,0 +1,6 @@
+"""Tiny models built offline, one module per family (`lorapipe tiny-model DIR --arch ARCH`): random
+weights from a fixed seed and tokenizers written or trained here, saved in the diffusers folder
+layout so that they load through the code path a real model takes; every build is byte-identical
+(tested). Each family's `build_tiny` calls its module; qwen.py holds the Qwen text encoder and
+tokenizer that Flux.2-klein, Z-Image and Qwen-Image share.
+"""
