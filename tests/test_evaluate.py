@@ -252,7 +252,7 @@ def tiny_clip(tmp_path_factory) -> Path:
     import torch
     from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
 
-    from lorapipe.stages.families.tiny.sd import write_tokenizer
+    from lorapipe.stages.families.tiny.clip import write_tokenizer
 
     out = tmp_path_factory.mktemp("models") / "tiny-clip"
     tokenizer = write_tokenizer(out.parent / "clip-tokenizer-src")

@@ -1,9 +1,9 @@
 """A tiny Flux.1 built offline, byte-for-byte reproducible: `lorapipe tiny-model DIR --arch flux1`.
 
 Transformer: 1 double + 1 single block, 2 heads of 16, joint and pooled dim 32, rope axes
-(4, 4, 8); CLIP: the tiny SD models' byte-level one (pooled dim 32); T5: an inline T5Config with
-d_model 32 and a Unigram tokenizer trained on the bundled captions; VAE: 16 latent channels,
-8x downsampling, Flux.1's shift and scale. Random weights from a fixed seed; saved as a FluxPipeline
+(4, 4, 8); CLIP: the tiny byte-level one the SD models use too (clip.py, pooled dim 32); T5: an
+inline T5Config with d_model 32 and a Unigram tokenizer trained on the bundled captions; VAE: 16
+latent channels, 8x downsampling, Flux.1's shift and scale (Z-Image's too). Random weights from a fixed seed; saved as a FluxPipeline
 folder that `FluxPipeline.from_pretrained` loads offline.
 
 The tokenizers library's Unigram trainer differs between runs in the last bits of its scores and
@@ -19,6 +19,8 @@ import string
 from pathlib import Path
 
 import torch
+
+from .clip import clip_text_encoder, write_tokenizer
 
 SEED = 0
 CAPTIONS = Path(__file__).resolve().parents[2] / "assets" / "demo_images"
@@ -75,7 +77,7 @@ def _transformer(guidance: bool):
     )
 
 
-def _vae():
+def vae():
     from diffusers import AutoencoderKL
 
     torch.manual_seed(SEED)
@@ -91,13 +93,11 @@ def build_tiny_flux1(out_dir: Path, guidance: bool = True) -> Path:
     """Write a tiny Flux.1 dev (guidance input) or schnell into out_dir."""
     from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
 
-    from .sd import clip_text_encoder, write_tokenizer
-
     out_dir = Path(out_dir)
     t5_tok = t5_tokenizer()
     pipe = FluxPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(**(DEV_SCHEDULER if guidance else SCHNELL_SCHEDULER)),
-        vae=_vae(), text_encoder=clip_text_encoder(False), tokenizer=write_tokenizer(out_dir / ".tokenizer-src"),
+        vae=vae(), text_encoder=clip_text_encoder(False), tokenizer=write_tokenizer(out_dir / ".tokenizer-src"),
         text_encoder_2=_t5(len(t5_tok)), tokenizer_2=t5_tok, transformer=_transformer(guidance),
     )
     pipe.save_pretrained(out_dir, safe_serialization=True)

@@ -1,58 +1,19 @@
 """Tiny Stable Diffusion models built offline from configs, byte-for-byte reproducible:
 `lorapipe tiny-model DIR --arch sd15|sdxl`.
 
-Random weights from a fixed seed and a byte-level CLIP tokenizer written from scratch (also the
-tiny Flux.1's CLIP and the benchmarks' full-size models use it), saved in the diffusers folder
-layout, so they load through exactly the code path a real model does.
+Random weights from a fixed seed and the tiny byte-level CLIP (clip.py), saved in the diffusers
+folder layout, so they load through exactly the code path a real model does.
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 
 import torch
 
+from .clip import TEXT_DIM, clip_text_encoder, write_tokenizer
+
 SEED = 0
-TEXT_DIM = 32
-
-
-def _byte_level_vocab() -> dict[str, int]:
-    """CLIP's byte-to-unicode alphabet, each symbol alone and word-final, plus the specials."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
-    printable += list(range(ord("®"), ord("ÿ") + 1))
-    codes, extra = list(printable), 0
-    for b in range(256):
-        if b not in printable:
-            codes.append(256 + extra)
-            extra += 1
-    symbols = [chr(c) for c in codes]
-    tokens = symbols + [s + "</w>" for s in symbols] + ["<|startoftext|>", "<|endoftext|>"]
-    return {tok: i for i, tok in enumerate(tokens)}
-
-
-def write_tokenizer(out_dir: Path):
-    from transformers import CLIPTokenizer
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "vocab.json").write_text(json.dumps(_byte_level_vocab(), ensure_ascii=False))
-    (out_dir / "merges.txt").write_text("#version: 0.2\n")
-    tokenizer = CLIPTokenizer(str(out_dir / "vocab.json"), str(out_dir / "merges.txt"), model_max_length=77)
-    tokenizer.save_pretrained(out_dir)
-    return tokenizer
-
-
-def clip_text_encoder(with_projection: bool):
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    config = CLIPTextConfig(
-        hidden_size=TEXT_DIM, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
-        vocab_size=len(_byte_level_vocab()), max_position_embeddings=77, projection_dim=TEXT_DIM,
-        bos_token_id=len(_byte_level_vocab()) - 2, eos_token_id=len(_byte_level_vocab()) - 1,
-        pad_token_id=len(_byte_level_vocab()) - 1,
-    )
-    torch.manual_seed(SEED)
-    return (CLIPTextModelWithProjection if with_projection else CLIPTextModel)(config)
 
 
 def _vae():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .flux1 import vae
 from .qwen import TEXT_DIM, qwen3_config, qwen_tokenizer, seeded
 
 SHIFT = {False: 6.0, True: 3.0}  # the real base's and Turbo's scheduler_config.json
@@ -26,11 +27,9 @@ def build_tiny_zimage(out_dir: Path, turbo: bool = False) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, ZImagePipeline
     from transformers import Qwen3Model
 
-    from .flux1 import _vae
-
     tokenizer = qwen_tokenizer()
     pipe = ZImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT[turbo], use_dynamic_shifting=False), vae=_vae(),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT[turbo], use_dynamic_shifting=False), vae=vae(),
         text_encoder=seeded(Qwen3Model, qwen3_config(len(tokenizer))), tokenizer=tokenizer,
         transformer=seeded(_transformer),
     )
