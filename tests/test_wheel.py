@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -33,8 +34,9 @@ def installed(tmp_path_factory) -> Path:
     """A fresh venv with the wheel installed; the libraries come from this venv's site-packages
     (a .pth file: the wheel is installed without dependencies, so nothing is downloaded)."""
     root = tmp_path_factory.mktemp("wheel")
+    source = checkout_copy(root / "source")  # setuptools' build/ in the checkout would keep moved modules
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-                            "-w", str(root / "dist"), str(REPO)], capture_output=True, text=True, timeout=600)
+                            "-w", str(root / "dist"), str(source)], capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-3000:]
     venv = root / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
@@ -47,6 +49,17 @@ def installed(tmp_path_factory) -> Path:
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return venv
+
+
+def checkout_copy(target: Path) -> Path:
+    """The checkout's files as git sees them (tracked, and new ones not ignored), nothing built."""
+    listed = subprocess.run(["git", "ls-files", "-co", "--exclude-standard", "-z"], cwd=REPO, capture_output=True,
+                            check=True).stdout.decode().split("\0")
+    for rel in filter(None, listed):
+        if (REPO / rel).is_file():
+            (target / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(REPO / rel, target / rel)
+    return target
 
 
 def in_venv(venv: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess:
