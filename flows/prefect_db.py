@@ -11,6 +11,8 @@ in a `.env` or `prefect.toml` leaves an unused copy in the home, no worse.
 
 It only saves start-up time: any failure (an unwritable folder, a damaged template, another command
 seeding the same home) leaves the server to migrate as without it, and deleting it is always safe.
+Like flows/server.py it relies on Prefect's internals as they are in one version (COPIED_FROM): on
+any other, no home is seeded and Prefect's server creates its database itself.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from pathlib import Path
 
 from lorapipe.cache.fsutil import user_cache_dir
 
+COPIED_FROM = "3.8.8"  # the Prefect whose server start (flows/server.py) and database tables this copies
 # Prefect settings that put the server's database somewhere other than PREFECT_HOME/prefect.db
 DATABASE_SETTINGS = tuple(f"PREFECT_{scope}_DATABASE_{name}" for scope in ("SERVER", "API")
                           for name in ("CONNECTION_URL", "DRIVER", "NAME"))
@@ -46,10 +49,11 @@ class DatabaseTemplate:
         database = home / "prefect.db"
         if any(Path(f"{database}{end}").exists() for end in ("", "-wal", "-journal")):
             return None
+        if not copied_prefect():
+            return None
         try:
-            version = importlib.metadata.version("prefect")  # importing prefect would delay the server's launch
-            return cls(database, user_cache_dir() / f"prefect-{version}-sqlite.db")
-        except (importlib.metadata.PackageNotFoundError, RuntimeError):  # RuntimeError: no home folder
+            return cls(database, user_cache_dir() / f"prefect-{COPIED_FROM}-sqlite.db")
+        except RuntimeError:  # no home folder
             return None
 
     def seed(self) -> bool:
@@ -91,6 +95,15 @@ class DatabaseTemplate:
         finally:
             if copy:
                 copy.unlink(missing_ok=True)
+
+
+def copied_prefect() -> bool:
+    """Whether the installed Prefect is the version whose internals this module and flows/server.py
+    copy (read from its metadata: importing prefect would delay the server's launch)."""
+    try:
+        return importlib.metadata.version("prefect") == COPIED_FROM
+    except importlib.metadata.PackageNotFoundError:
+        return False
 
 
 def temporary_file(folder: Path) -> Path:

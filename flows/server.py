@@ -14,6 +14,10 @@ On a PREFECT_HOME with no database yet, the server would create it and run every
 in the user's cache folder, and the first server that had to migrate leaves its database, once it
 answers, as that copy (flows/prefect_db.py).
 
+Both copy Prefect's internals as they are in one version (flows/prefect_db.py COPIED_FROM). On any
+other version nothing is launched early: Prefect starts its own temporary server when the flow
+first needs it, as it does for any script.
+
 The server runs in its own session, so a Ctrl-C in the terminal reaches the command alone, which
 can still record the interrupted run; it dies with the command (PR_SET_PDEATHSIG), and is stopped
 at exit after Prefect's own exit handlers have sent their last logs and events.
@@ -35,22 +39,25 @@ from pathlib import Path
 from lorapipe.cache.errors import UserError, unusable_folder
 from lorapipe.stages.launching import die_with, free_port
 
-from .prefect_db import DatabaseTemplate
+from .prefect_db import DatabaseTemplate, copied_prefect
 
 START_ATTEMPTS = 3  # uvicorn exits with 3 when it cannot start, e.g. when another process took the port
 SERVER_ENV = {"PREFECT_UI_ENABLED": "0", "PREFECT__SERVER_EPHEMERAL": "1", "PREFECT__SERVER_FINAL": "1"}
 
 
 class EmbeddedServer:
-    """A Prefect API server process on 127.0.0.1 at a free port, for this command only."""
+    """A Prefect API server process on 127.0.0.1 at a free port, for this command only (or, on
+    another Prefect version, none: Prefect's own, which Prefect starts)."""
 
-    def __init__(self, unsaved_template: DatabaseTemplate | None = None) -> None:
+    def __init__(self, unsaved_template: DatabaseTemplate | None = None, launch: bool = True) -> None:
+        """launch=False: Prefect's own temporary server, started by Prefect when the flow needs it."""
         self.output = tempfile.TemporaryFile()  # shown only if the server fails to start
         self.attempts = 0
         self.process: subprocess.Popen | None = None
         self.unsaved_template = unsaved_template  # saved from the home's database once the server answers
-        self._launch()
-        atexit.register(self.stop)  # registered before prefect's: runs after theirs
+        if launch:
+            self._launch()
+            atexit.register(self.stop)  # registered before prefect's: runs after theirs
 
     @classmethod
     def unless_configured(cls) -> EmbeddedServer | None:
@@ -60,7 +67,10 @@ class EmbeddedServer:
         profile = active_profile()
         if os.environ.get("PREFECT_API_URL") or profile.get("PREFECT_API_URL"):
             return None
-        template = DatabaseTemplate.for_new_home(make_prefect_home(), profile)
+        home = make_prefect_home()
+        if not copied_prefect():
+            return cls(launch=False)
+        template = DatabaseTemplate.for_new_home(home, profile)
         return cls(template if template and not template.seed() else None)
 
     @property
@@ -88,13 +98,17 @@ class EmbeddedServer:
         if settings.api.url or not settings.server.ephemeral.enabled:
             self.stop()
             return False
+        if self.process is None:  # not launched here: Prefect launches its own
+            return True
         os.environ["PREFECT_API_URL"] = self.api_url
         refresh_global_settings_context()
         return True
 
     def wait_ready(self) -> None:
         """Block until the server answers its health check (relaunched on another port if it could
-        not start, up to START_ATTEMPTS times)."""
+        not start, up to START_ATTEMPTS times); at once for Prefect's own, which Prefect waits for."""
+        if self.process is None:
+            return
         deadline = time.monotonic() + float(os.environ.get("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", 90))
         while not self._healthy():
             if self.process.poll() is not None:

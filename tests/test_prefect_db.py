@@ -71,6 +71,29 @@ def test_only_prefects_default_database_in_a_new_home_is_seeded(tmp_path, monkey
     assert rows(template, "SELECT * FROM alembic_version") == [("head",)]
 
 
+def test_on_another_prefect_version_prefects_own_server_and_database_are_used(tmp_path, monkeypatch):
+    """The early server and the database template copy Prefect's internals of one version: on any
+    other, neither is used (no process launched, no home seeded) and Prefect starts its own server."""
+    from lorapipe.flows import prefect_db
+    from lorapipe.flows.server import EmbeddedServer
+
+    monkeypatch.setenv("PREFECT_HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    for name in ("PREFECT_API_URL", "PREFECT_PROFILE", "PREFECT_PROFILES_PATH", *prefect_db.DATABASE_SETTINGS):
+        monkeypatch.delenv(name, raising=False)
+    template_in(tmp_path / "xdg").parent.mkdir(parents=True)
+    template_in(tmp_path / "xdg").write_bytes(b"a template")
+    monkeypatch.setattr(prefect_db, "COPIED_FROM", "3.0.0", raising=False)
+    assert prefect_db.DatabaseTemplate.for_new_home(tmp_path / "home", {}) is None
+    server = EmbeddedServer.unless_configured()
+    try:
+        assert server.process is None and not (tmp_path / "home" / "prefect.db").exists()
+        server.wait_ready()  # nothing to wait for: Prefect waits for its own
+        assert server.connect() and "PREFECT_API_URL" not in os.environ
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def config(tmp_path, tiny_config):
     return tiny_config(tmp_path / "job", "template", max_steps=2)
