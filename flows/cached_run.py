@@ -1,13 +1,13 @@
 """A `lorapipe run` whose every stage is a cache hit, done without Prefect.
 
 Without a configured Prefect API the command would start a temporary server (seconds) only to
-record a flow run that nobody can watch, whose stages all say Cached. So when nothing is forced,
-this machine is rank 0 and every stage the run walks is served from the cache, the command does
-what the flow does with hits, through the same code: each stage served by `run_stage` (which
-notes the use for `cache gc`), the output files copied next to run-summary.json and the run
-recorded for `cache gc --keep-last` under the name `cached-<time>-<random>` (flows/outputs.py).
-Anything else (a miss, an error while deciding, an artifact removed meanwhile) returns None: the
-flow then runs as usual and reports it.
+record a flow run that nobody can watch, whose stages all say Cached. So when the run's plan
+(flows/run_plan.py) says it can be served wholly from the cache (nothing forced, this machine rank
+0, every stage the run walks a hit), the command does what the flow does with hits, through the
+same code: each hit the plan found served as `run_stage` serves one (which notes the use for
+`cache gc`), the output files copied next to run-summary.json and the run recorded for `cache gc
+--keep-last` under the name `cached-<time>-<random>` (flows/outputs.py). Anything else (a miss, an
+artifact removed meanwhile) returns None: the flow then runs as usual and reports it.
 """
 from __future__ import annotations
 
@@ -17,18 +17,19 @@ import uuid
 
 from .config import PipelineConfig
 from .outputs import ArtifactRemoved, finish_run, with_files
-from .plan import Context, selected_stages, walked_stages
-from .runner import StageNotCached, StageResult, machine_rank, run_stage
+from .plan import Context
+from .run_plan import RunPlan
+from .runner import Standing, StageNotCached, StageResult, serve_planned
 
 log = logging.getLogger("lorapipe.run")  # the run's log file, not the terminal
 
 
-def all_cached_run(config: PipelineConfig, only: list[str], start: str | None) -> list[dict] | None:
+def all_cached_run(config: PipelineConfig, plan: RunPlan) -> list[dict] | None:
     """The summary rows of this run served wholly from the cache without a flow, or None when it
     needs the flow (a stage to build, or an error the flow reports)."""
-    if machine_rank(config) > 0:  # it joins a training: the flow's follow_train
+    if not plan.served_from_cache():  # on machine rank > 0 it joins a training: the flow's follow_train
         return None
-    results = served_from_cache(config, walked_stages(selected_stages(only, start)))
+    results = served_from_cache(config, plan.standings)
     if results is None:
         return None
     try:
@@ -38,19 +39,18 @@ def all_cached_run(config: PipelineConfig, only: list[str], start: str | None) -
         return None
 
 
-def served_from_cache(config: PipelineConfig, stages: tuple[str, ...]) -> list[StageResult] | None:
-    """Each of `stages` served from the cache, or None at the first that is not a hit."""
+def served_from_cache(config: PipelineConfig, standings: tuple[Standing, ...]) -> list[StageResult] | None:
+    """Each of the planned hits served from the cache, or None at the first that is gone since."""
     ctx = Context(config, log=log.info)
-    results, upstream = [], {}
+    results = []
     try:
-        for stage in stages:
-            result, upstream[stage] = run_stage(ctx, stage, upstream, run=False)
-            results.append(with_files(result, upstream[stage]))
-    except StageNotCached:
-        log.info(f"{stage}: not cached; running the flow")
+        for standing in standings:
+            results.append(with_files(*serve_planned(ctx, standing)))
+    except StageNotCached as gone:
+        log.info(f"{gone}; running the flow")
         return None
     except Exception as error:  # noqa: BLE001  the flow meets it too, and reports it as it does
-        log.info(f"{stage}: {error}; running the flow")
+        log.info(f"{standing.stage}: {error}; running the flow")
         return None
     finally:
         ctx.close()

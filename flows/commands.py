@@ -5,13 +5,13 @@ import json
 import sys
 import threading
 import time
+from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from lorapipe.cache.errors import UserError
-from lorapipe.stages import ahead
 
-from .config import PipelineConfig, load_config, split
+from .config import PipelineConfig, load_config
 
 if TYPE_CHECKING:
     from .server import EmbeddedServer
@@ -26,54 +26,10 @@ def note(line: str) -> None:
     print(f"lorapipe: {line}", file=sys.stderr, flush=True)
 
 
-def preflight(config: PipelineConfig, stage_names: list[str], start: str | None) -> None:
-    """What can be checked before Prefect starts, so that it fails at once in one line: the stage
-    names, OMP_NUM_THREADS, that output_dir and the cache can be written, that the model is whole
-    and supported."""
-    from lorapipe.cache.errors import unusable_folder
-    from lorapipe.cache.fsutil import probe_writable
-    from lorapipe.stages.cpu_threads import environment_threads
-
-    from .plan import Context, selected_stages
-
-    selected_stages(stage_names, start)
-    environment_threads()
-    try:
-        probe_writable(config.output_dir)
-    except OSError as error:
-        raise UserError(unusable_folder("output_dir", config.output_dir, error)) from error
-    ctx = Context(config, log=note)  # its store's note about this host's side, if any
-    try:
-        ctx.model_digests  # noqa: B018 (reads the model index, checks every weights file, hashes new ones)
-        ctx.declared_family  # noqa: B018
-    finally:
-        ctx.close()
-
-
-def stages_to_build(config: PipelineConfig, only: list[str], start: str | None, force: list[str]) -> set[str]:
-    """The chosen stages this run will build rather than serve from the cache, as `lorapipe status`
-    sees them: a guess that only decides what starts early (the training process, the model code's
-    imports); the flow decides for itself."""
-    from .plan import Context, selected_stages, walked_stages
-    from .runner import explain, machine_rank
-
-    chosen = selected_stages(only, start)
-    ctx = Context(config, log=lambda line: None)
-    try:
-        rows = explain(ctx, walked_stages(chosen, machine_rank(config)))
-    except Exception:  # noqa: BLE001  the flow meets this input and reports it as it does; start ahead
-        return chosen
-    finally:
-        ctx.close()
-    return {row["stage"] for row in rows
-            if row["stage"] in chosen and (row["status"] == "miss" or row["stage"] in force)}
-
-
-def import_model_code_ahead(config: PipelineConfig, building: set[str]) -> threading.Thread:
+def import_model_code_ahead(config: PipelineConfig, building: frozenset[str]) -> threading.Thread:
     """A thread importing the model code of the stages this process builds (encode and evaluate,
-    when no process started ahead takes their jobs; train runs in its own process), so that its
-    seconds overlap the wait for Prefect's server.
-    Best effort: the stage meets any error itself."""
+    when their placement is this process: RunPlan.built_here), so that its seconds overlap the wait
+    for Prefect's server. Best effort: the stage meets any error itself."""
     from lorapipe.stages.families import for_model
     from lorapipe.stages.models import import_model_code
 
@@ -96,43 +52,36 @@ NO_FLOW = ("lorapipe: every stage was cached, so no Prefect flow ran (Prefect re
 
 def run(config_path: Path, overrides: list[str], only: list[str], start: str | None,
         force: list[str], as_json: bool, debug: bool = False, server: EmbeddedServer | None = None) -> int:
+    from .run_plan import plan_run
     from .runlog import new_log_path, run_log
 
     config = load_config(config_path, overrides)
-    preflight(config, only + force, start)  # what fails here is the command's only line
+    plan = plan_run(config, only, start, force, note)  # what fails here is the command's only line
     print(f"lorapipe: running pipeline {config.name!r} ({config_path}): starting Prefect", file=sys.stderr,
           flush=True)  # with Prefect's log lines; stdout stays the summary (--json)
     log_path = new_log_path(config.output_dir)
-    building = in_this_process = stages_to_build(config, only, start, force)
-    if "train" in building:
-        from lorapipe.stages.train import TrainOptions, TrainParams
-        from lorapipe.stages.train.launch import start_ahead
-
-        # its imports overlap Prefect's start and the stages before train; encode and evaluate hand it their jobs
-        if start_ahead(*split(config.train, TrainParams, TrainOptions)):
-            in_this_process = building - {"encode", "evaluate"}
-    elif server and not building and not force:  # a temporary server would record a run nobody sees
+    if server and plan.served_from_cache():  # a temporary server would record a run nobody sees
         from .cached_run import all_cached_run
 
         with run_log(log_path, debug, flow=False):
-            summary = all_cached_run(config, only, start)
+            summary = all_cached_run(config, plan)
         if summary is not None:
             server.stop()
             print(NO_FLOW, file=sys.stderr)
             return print_summary(config, summary, log_path, as_json)
-    if server and not server.connect():
-        server = None  # the API that Prefect's own settings name is used instead
-    from .pipeline import pipeline
+    # its imports overlap Prefect's start and the stages before train; encode and evaluate hand it their jobs
+    with plan.warm_process(config) or nullcontext() as warm:
+        plan = plan.placed(config, warm)
+        if server and not server.connect():
+            server = None  # the API that Prefect's own settings name is used instead
+        from .pipeline import pipeline
 
-    if server:
-        importing = import_model_code_ahead(config, in_this_process)  # now that this thread's own imports are done
-        server.wait_ready()
-        importing.join()  # before the flow imports anything: never two threads in one module's import
-    try:
+        if server:
+            importing = import_model_code_ahead(config, plan.built_here())  # now that this thread's imports are done
+            server.wait_ready()
+            importing.join()  # before the flow imports anything: never two threads in one module's import
         with run_log(log_path, debug):
-            summary = pipeline(config, only=only, start=start, force=force)
-    finally:
-        ahead.end()  # the process started ahead, if no stage took it or once they are done
+            summary = pipeline(config, only=only, start=start, force=force, plan=plan)
     return print_summary(config, summary, log_path, as_json)
 
 
@@ -164,15 +113,10 @@ def encode_counts(info: dict) -> str:
 
 
 def status(config_path: Path, overrides: list[str], as_json: bool) -> int:
-    config = load_config(config_path, overrides)
-    from .plan import STAGES, Context
-    from .runner import explain
+    from .run_plan import plan_status
 
-    ctx = Context(config, log=note, reads_only=True)
-    try:
-        rows = explain(ctx, STAGES)
-    finally:
-        ctx.close()
+    config = load_config(config_path, overrides)
+    rows = [standing.row() for standing in plan_status(config, note).standings]
     if as_json:
         _print_json({"pipeline": config.name, "stages": rows})
     else:

@@ -11,7 +11,7 @@ import inspect
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from lorapipe.cache.digest import StatCache, path_identity
 from lorapipe.cache.errors import UserError
@@ -21,11 +21,17 @@ from lorapipe.cache.store import Artifact, Built, StageKey
 from lorapipe.stages import encode, evaluate, families, preprocess, train
 from lorapipe.stages.contract import KEYED_LIBRARIES, Log, library_majors, library_versions
 from lorapipe.stages.models import component_digests
+from lorapipe.stages.placement import Placement
 
 from .config import PipelineConfig, split
 
 STAGES = ("preprocess", "encode", "train", "evaluate")
 MODULES = {"preprocess": preprocess, "encode": encode, "train": train, "evaluate": evaluate}
+WHERE = {  # where each stage with a job runs, as its settings say (stages/placement.py)
+    "encode": lambda cfg: encode.where(split(cfg.encode, encode.EncodeParams, encode.EncodeOptions)[1]),
+    "train": lambda cfg: train.where(*split(cfg.train, train.TrainParams, train.TrainOptions)),
+    "evaluate": lambda cfg: evaluate.where(split(cfg.evaluate, evaluate.EvalParams, evaluate.EvalOptions)[1]),
+}
 
 
 @dataclass(frozen=True)
@@ -38,10 +44,14 @@ class Step:
 class Context:
     """Per-run facts shared by the steps: the store, the stat cache, the model's identity."""
 
-    def __init__(self, config: PipelineConfig, log: Log = print, reads_only: bool = False):
+    def __init__(self, config: PipelineConfig, log: Log = print, reads_only: bool = False,
+                 placements: Mapping[str, Placement] | None = None):
         """reads_only: for a command that writes nothing in the cache (status): a cache folder this
-        process may not write (a read-only filesystem, no permission) is read as it is."""
+        process may not write (a read-only filesystem, no permission) is read as it is.
+        placements: where each stage's job runs (the run's plan, flows/run_plan.py); a stage
+        missing there runs where its own settings say."""
         self.config, self.log = config, log
+        self.placements = placements or {}
         use_storage_options(config.storage_options)  # for this process and the stages' child processes
         self.store = open_store(config.cache_dir, object_settings(config), log)
         read_only = reads_only and not self.store.writable()
@@ -129,7 +139,7 @@ def encode_step(ctx: Context, pre: Artifact) -> Step:
     def build(out: Path, work: Path) -> Built:
         inputs = encode.EncodeInputs(pre.path, cfg.data.sources, ctx.store.root, ctx.model_path, ctx.family.name,
                                      ctx.models_for("encode"))
-        return encode.run(params, inputs, out, work, options, ctx.log)
+        return encode.run(params, inputs, out, work, options, ctx.log, ctx.placements.get("encode"))
 
     resolved = encode.resolved_settings(ctx.family, ctx.model_path, params)
     return Step(ctx.stage_key("encode", params, {"preprocess": pre.digest}, resolved=resolved), build)
@@ -151,8 +161,9 @@ def train_step(ctx: Context, enc: Artifact) -> Step:
             encoded_digest=enc.digest, init_lora_digest=init_lora, model_digests=ctx.model_digests,
         )
 
-    return Step(key, lambda out, work: train.run(params, inputs(), out, work, options, ctx.log),
-                lambda work: train.follow(params, inputs(), work, options, ctx.log))
+    placement = ctx.placements.get("train")
+    return Step(key, lambda out, work: train.run(params, inputs(), out, work, options, ctx.log, placement),
+                lambda work: train.follow(params, inputs(), work, options, ctx.log, placement))
 
 
 def evaluate_step(ctx: Context, enc: Artifact, trained: Artifact) -> Step:
@@ -168,28 +179,9 @@ def evaluate_step(ctx: Context, enc: Artifact, trained: Artifact) -> Step:
             model_path=ctx.model_path, train_dir=trained.path, encoded_dir=enc.path, cache_root=ctx.store.root,
             base_model_digest=ctx.identity, encoded_digest=enc.digest, lora_digest=trained.digest,
         )
-        return evaluate.run(params, inputs, out, work, options, ctx.log)
+        return evaluate.run(params, inputs, out, work, options, ctx.log, ctx.placements.get("evaluate"))
 
     return Step(key, build)
-
-
-def selected_stages(only: list[str], start: str | None) -> set[str]:
-    """The stages `--only` / `--from` select (all by default)."""
-    for name in [*only, *([start] if start else [])]:
-        if name not in STAGES:
-            raise UserError(f"unknown stage {name!r}: expected one of {', '.join(STAGES)}")
-    if only:
-        return set(only)
-    return set(STAGES[STAGES.index(start):]) if start else set(STAGES)
-
-
-def walked_stages(chosen: set[str], rank: int = 0) -> tuple[str, ...]:
-    """The stages a run goes through, in order: the chosen ones and every stage before them (which
-    must be cache hits); on machine rank > 0 none after train (rank 0 publishes and evaluates)."""
-    last = max(STAGES.index(s) for s in chosen)
-    if rank > 0:  # this machine only joins the training
-        last = min(last, STAGES.index("train"))
-    return STAGES[: last + 1]
 
 
 def step_for(stage: str, ctx: Context, upstream: dict[str, Artifact]) -> Step:

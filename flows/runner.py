@@ -69,25 +69,38 @@ def run_stage(ctx: Context, stage: str, upstream: dict[str, Artifact], *, run: b
     step: Step = step_for(stage, ctx, upstream)
     key = step.key
     found = ctx.store.lookup(stage, key.key)
-    rebuilt: list[StageResult] = []
     if found.hit and not force:
-        artifact, computed, reason = found.artifact, False, hit_note(stage, found.artifact)
-    elif not run:
+        return used(ctx, key, found.artifact, "hit", hit_note(stage, found.artifact), started)
+    if not run:
         raise StageNotCached(f"{stage} is not selected to run and has no cached artifact for this config "
                              f"({miss_reason(ctx, key, found)}); run it first or drop --only/--from")
-    else:
-        reason = "forced" if force else miss_reason(ctx, key, found)
-        what = "rebuilding it and discarding its work directory" if force else "computing"
-        ctx.log(f"{stage}: {'--force' if force else 'miss'} ({reason}); {what} {key.key[:12]}")
-        key, artifact, computed, rebuilt = build_repairing(ctx, stage, step, upstream, force)
-        if not computed:
-            reason = "built meanwhile by a concurrent run" + (" (forced too: one rebuild serves both)" if force else "")
+    reason = "forced" if force else miss_reason(ctx, key, found)
+    what = "rebuilding it and discarding its work directory" if force else "computing"
+    ctx.log(f"{stage}: {'--force' if force else 'miss'} ({reason}); {what} {key.key[:12]}")
+    key, artifact, computed, rebuilt = build_repairing(ctx, stage, step, upstream, force)
+    if not computed:
+        reason = "built meanwhile by a concurrent run" + (" (forced too: one rebuild serves both)" if force else "")
+    return used(ctx, key, artifact, "computed" if computed else "hit", reason, started, rebuilt)
+
+
+def serve_planned(ctx: Context, standing: Standing) -> tuple[StageResult, Artifact]:
+    """A hit the plan found (flows/run_plan.py), served as `run_stage` serves one, without keying
+    the stage again; looked up again, since it may have been removed meanwhile."""
+    started = time.time()
+    found = ctx.store.lookup(standing.stage, standing.key.key)
+    if not found.hit:
+        raise StageNotCached(f"{standing.stage}: {found.reason} since the run was planned")
+    return used(ctx, standing.key, found.artifact, "hit", hit_note(standing.stage, found.artifact), started)
+
+
+def used(ctx: Context, key: StageKey, artifact: Artifact, status: str, reason: str, started: float,
+         rebuilt: list[StageResult] | None = None) -> tuple[StageResult, Artifact]:
+    """Note that this pipeline used `artifact` (for miss reasons and gc) and say so; its result."""
     ctx.store.remember(ctx.config.name, key, artifact)
-    status = "computed" if computed else "hit"
-    ctx.log(f"{stage}: {status} {artifact.location}")
-    work_done = artifact.manifest.get("info", {}) if computed else {}  # a hit computed nothing this run
-    result = StageResult(stage, status, key.key, artifact.digest, str(artifact.location),
-                         round(time.time() - started, 3), reason, work_done, rebuilt=rebuilt)
+    ctx.log(f"{key.stage}: {status} {artifact.location}")
+    work_done = artifact.manifest.get("info", {}) if status == "computed" else {}  # a hit computed nothing this run
+    result = StageResult(key.stage, status, key.key, artifact.digest, str(artifact.location),
+                         round(time.time() - started, 3), reason, work_done, rebuilt=rebuilt or [])
     return result, artifact
 
 
@@ -162,24 +175,43 @@ def follow_train(ctx: Context, upstream: dict[str, Artifact], run: bool = True,
     return result, None
 
 
-def explain(ctx: Context, stages: tuple[str, ...]) -> list[dict[str, Any]]:
-    """Per stage: key, hit or miss and why, without running anything (`lorapipe status`)."""
+@dataclass(frozen=True)
+class Standing:
+    """How a stage stands in the cache before a run: its key and, for a hit, its artifact."""
+
+    stage: str
+    key: StageKey | None  # None: an earlier stage is a miss, so its key is not known yet
+    artifact: Artifact | None  # a hit's
+    reason: str  # the hit's note, or why it is a miss
+
+    def row(self) -> dict[str, Any]:
+        """As `lorapipe status` prints it."""
+        row = {"stage": self.stage, "status": "hit" if self.artifact else "miss",
+               "key": self.key.key if self.key else None, "reason": self.reason}
+        return {**row, "path": str(self.artifact.location)} if self.artifact else row
+
+
+def stand(ctx: Context, stages: tuple[str, ...]) -> list[Standing]:
+    """How each of `stages` stands, without running anything."""
     upstream: dict[str, Artifact] = {}
-    rows = []
+    standings = []
     for stage in stages:
         if any(s not in upstream for s in stages[: stages.index(stage)]):
-            rows.append({"stage": stage, "status": "miss", "key": None,
-                         "reason": "an earlier stage will be recomputed; its key is known after that"})
+            standings.append(Standing(stage, None, None, "an earlier stage will be recomputed; its key is known after that"))
             continue
         key = step_for(stage, ctx, upstream).key
         found = ctx.store.lookup(stage, key.key)
         if found.hit:
             upstream[stage] = found.artifact
-            rows.append({"stage": stage, "status": "hit", "key": key.key, "reason": hit_note(stage, found.artifact),
-                         "path": str(found.artifact.location)})
+            standings.append(Standing(stage, key, found.artifact, hit_note(stage, found.artifact)))
         else:
-            rows.append({"stage": stage, "status": "miss", "key": key.key, "reason": miss_reason(ctx, key, found)})
-    return rows
+            standings.append(Standing(stage, key, None, miss_reason(ctx, key, found)))
+    return standings
+
+
+def explain(ctx: Context, stages: tuple[str, ...]) -> list[dict[str, Any]]:
+    """Per stage: key, hit or miss and why, without running anything (`lorapipe status`)."""
+    return [standing.row() for standing in stand(ctx, stages)]
 
 
 def previous_train(ctx: Context) -> Artifact:
@@ -203,7 +235,7 @@ def run_warm_train(ctx: Context, upstream: dict[str, Artifact], **kwargs) -> tup
                            round(time.time() - started, 3), reason), previous
     ctx.log(f"train: warm start from {previous.path / LORA_FILE}")
     train = ctx.config.train.model_copy(update={"init_lora": str(previous.path / LORA_FILE)})
-    warm = Context(ctx.config.model_copy(update={"train": train}), ctx.log)
+    warm = Context(ctx.config.model_copy(update={"train": train}), ctx.log, placements=ctx.placements)
     try:
         return run_stage(warm, "train", upstream, **kwargs)
     finally:

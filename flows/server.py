@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 from lorapipe.cache.errors import UserError, unusable_folder
-from lorapipe.stages.launching import die_with, free_port
+from lorapipe.stages.launching import free_port, start_child
 
 from .prefect_db import DatabaseTemplate, copied_prefect
 
@@ -84,9 +84,8 @@ class EmbeddedServer:
         command = [sys.executable, "-m", "uvicorn", "--app-dir", str(site), "--factory",
                    "prefect.server.api.server:create_app", "--host", "127.0.0.1", "--port", str(self.port),
                    "--log-level", "error", "--lifespan", "on"]
-        self.process = subprocess.Popen(command, env={**os.environ, **SERVER_ENV}, stdin=subprocess.DEVNULL,
-                                        stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True,
-                                        preexec_fn=die_with(os.getpid()))
+        self.process = start_child(command, env={**os.environ, **SERVER_ENV}, stdin=subprocess.DEVNULL,
+                                   stdout=self.output, stderr=subprocess.STDOUT, start_new_session=True)
 
     def connect(self) -> bool:
         """Point Prefect at this server, unless the active profile names an API or does not allow a

@@ -1,7 +1,7 @@
-"""Launching accelerate workers from a stage's parent process and streaming their log.
+"""Starting a stage's worker processes (stages/placement.py) and streaming their log.
 
-Used by train and by multi-process encode. The children live in the parent's process group,
-write only into the stage's work_dir, and are terminated with the parent: on an exception or
+The children live in the parent's process group, write only into the stage's work_dir, and are
+terminated with the parent: on an exception or
 Ctrl-C by `terminate`, and on Linux even when the parent is SIGKILLed, by the kernel
 (PR_SET_PDEATHSIG, set in the launcher before it runs and by each worker at its start).
 A worker reports its exception as one line starting with ERROR_PREFIX (`reporting_errors`), then
@@ -20,6 +20,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import traceback
 from collections.abc import Iterator
@@ -38,7 +39,7 @@ IMPORT_ROOT = Path(lorapipe.__file__).resolve().parents[1]  # where `import lora
 TRACEBACK_START = "Traceback (most recent call last):"
 PARENT_ENV = "LORAPIPE_STAGE_PID"  # the stage process a worker must not outlive
 ERROR_PREFIX = "error: "
-JOB_DONE = "lorapipe: job done"  # a worker taking several jobs (stages/ahead.py) ends each with it
+JOB_DONE = "lorapipe: job done"  # the warm process ends each job with it (stages/jobs.py)
 PR_SET_PDEATHSIG = 1
 detail_log = logging.getLogger("lorapipe.detail")  # lines for the log file, not the terminal
 
@@ -71,10 +72,10 @@ def skip_exit_collection() -> None:
 
 
 def begin_worker() -> None:
-    """First in the main of every process that runs a stage's job (stages/ahead.py, encode's
-    workers, the training recipe), so that none goes without: write whole lines, die with the
-    stage process, and drop the library notes that tell a user nothing (stages/library_notes.py:
-    the output of a worker is the user's terminal and the run's log)."""
+    """First in the main of every process that runs a stage's job (stages/jobs.py), so that none
+    goes without: write whole lines, die with the stage process, and drop the library notes that
+    tell a user nothing (stages/library_notes.py: the output of a worker is the user's terminal and
+    the run's log)."""
     write_whole_lines()
     die_with_parent()
     quiet_harmless_notes()
@@ -147,9 +148,35 @@ def start_worker(command: list[str], env: dict[str, str] | None = None, stdin: b
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1",  # every input is a local path
            "PYTHONPATH": os.pathsep.join(filter(None, [str(IMPORT_ROOT), os.environ.get("PYTHONPATH")])),
            PARENT_ENV: str(os.getpid()), **(env or {})}
-    return subprocess.Popen(command, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, bufsize=1, env=env,
-                            preexec_fn=die_with(os.getpid()))
+    return start_child(command, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, text=True, bufsize=1, env=env)
+
+
+def start_child(command: list[str], **popen_args) -> subprocess.Popen:
+    """subprocess.Popen(command, **popen_args) for a child that dies with this process (`die_with`).
+    A Ctrl-C meanwhile is raised once it has started: the preexec hook makes Python run its at-fork
+    handlers (logging's takes and releases its module lock), and a KeyboardInterrupt raised inside
+    one is printed and dropped with the lock left taken, which hung the command at its next log
+    line instead of stopping it."""
+    with sigint_deferred():
+        return subprocess.Popen(command, preexec_fn=die_with(os.getpid()), **popen_args)
+
+
+@contextmanager
+def sigint_deferred() -> Iterator[None]:
+    """SIGINT, should it come during the block, delivered when the block ends (in the main thread,
+    the only one Python delivers signals to; elsewhere the block runs as it is)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda number, frame: caught.append(number))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        if caught:
+            signal.raise_signal(signal.SIGINT)
 
 
 def run_streaming(command: list[str], log_file: Path, log: Log) -> None:
@@ -160,7 +187,7 @@ def run_streaming(command: list[str], log_file: Path, log: Log) -> None:
 def stream(process: subprocess.Popen, log_file: Path, log: Log, job_done: bool = False) -> None:
     """Send each line `process` prints to `log_file`, stamped with the wall time, and, tracebacks
     aside, to `log`, until it exits, or with `job_done` until it says JOB_DONE (it stays, for its
-    next job: stages/ahead.py); stop it and its children if this is interrupted. Raise
+    next job: the warm process, stages/jobs.py); stop it and its children if this is interrupted. Raise
     WorkerFailed with the first error a worker reported, or WorkerCrashed if none did."""
     errors: list[str] = []
     with open(log_file, "a", buffering=1) as sink:  # line-buffered: the log can be followed live

@@ -6,12 +6,13 @@ together about a quarter of a process's imports on two cores (BENCHMARKS.md, sta
 training uses them (train.base_quantization, train.optimizer: adamw8bit), in its own process, so:
 
 - `lorapipe run` and `lorapipe demo` hide both in their own process (flows/cli.py), where the flow
-  runs preprocess, and encode and evaluate when no process started ahead takes them (stages/ahead.py),
-  and so do a deployment's flow run (flows/pipeline.py), encode's worker processes
-  (stages/encode/workers.py) and the workers of the Dask cluster encode starts for itself
-  (stages/encode/dask_executor.py);
-- a training process hides those its job does not use: the stage names them in the process's
-  environment (HIDDEN_ENV, stages/train/launch.py) and the recipe calls `hide_named` first.
+  runs preprocess, and encode and evaluate when the command started no warm process, and so does a
+  deployment's flow run (flows/pipeline.py);
+- a process started for a job (stages/jobs.py) hides those the job names before it imports the
+  stage's code: both for encode, those a training does not use for train (stages/train/launch.py);
+  the warm process hides those of the training it was started for (encode's and evaluate's jobs
+  use neither);
+- so do the workers of the Dask cluster encode starts for itself (stages/placement.py).
 
 Hiding is `sys.modules[name] = None` before anything imports diffusers: `import name` then raises
 ImportError and importlib.util.find_spec returns None, which is how diffusers, peft, transformers
@@ -22,11 +23,9 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
-import os
 import sys
 from typing import Iterable
 
-HIDDEN_ENV = "LORAPIPE_HIDDEN_LIBRARIES"
 OPTIONAL = ("bitsandbytes", "torchao")
 
 
@@ -34,16 +33,6 @@ def hide(names: Iterable[str] = OPTIONAL) -> None:
     """Hide `names` from this process; call it before diffusers is imported (one already imported stays)."""
     for name in names:
         sys.modules.setdefault(name, None)
-
-
-def hide_named() -> None:
-    """Hide the libraries this process's environment names (HIDDEN_ENV)."""
-    hide(filter(None, os.environ.get(HIDDEN_ENV, "").split(",")))
-
-
-def hiding(names: Iterable[str]) -> dict[str, str]:
-    """The environment that makes a process calling `hide_named` hide `names`."""
-    return {HIDDEN_ENV: ",".join(names)}
 
 
 def installed(name: str) -> bool:

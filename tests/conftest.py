@@ -158,9 +158,10 @@ def run_stages():
     return run
 
 
-def _encode_demo_images(root: Path, model: Path, params, sources: tuple | None = None) -> EncodedSet:
+def _encode_demo_images(root: Path, model: Path, params, sources: tuple | None = None,
+                        placement=None) -> EncodedSet:
     """The demo photos (or these DatasetSources) at 64 px through the real preprocess and encode
-    stages (the demo photos: 6 train, 2 held out)."""
+    stages (the demo photos: 6 train, 2 held out); encoded where `placement` says (default: here)."""
     from lorapipe.cache.digest import StatCache
     from lorapipe.cache.store import ArtifactStore, StageKey
     from lorapipe.stages import encode, families, preprocess
@@ -179,7 +180,8 @@ def _encode_demo_images(root: Path, model: Path, params, sources: tuple | None =
     enc_inputs = encode.EncodeInputs(pre.path, sources, root, model, family.name, digests)
     enc, _ = store.build(
         StageKey("encode", {"pre": pre.digest}),
-        lambda out, work: encode.run(params, enc_inputs, out, work, encode.EncodeOptions(num_workers=0)), {})
+        lambda out, work: encode.run(params, enc_inputs, out, work, encode.EncodeOptions(num_workers=0),
+                                     placement=placement), {})
     return EncodedSet(enc.path, root, enc.digest)
 
 

@@ -71,6 +71,26 @@ def test_ctrl_c_before_training_says_what_was_kept(tmp_path, tiny_config):
     assert "Traceback" not in stderr
 
 
+# Ctrl-C (SIGINT) arriving while the command forks a worker: inside Python's at-fork handlers
+CTRL_C_WHILE_FORKING = """
+import os, signal, sys
+from lorapipe.stages.launching import start_worker
+os.register_at_fork(before=lambda: os.kill(os.getpid(), signal.SIGINT))
+try:
+    start_worker([sys.executable, "-c", "pass"]).wait()
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+
+
+def test_ctrl_c_while_a_worker_process_starts_stops_the_command():
+    """A KeyboardInterrupt raised in an at-fork handler is dropped (and logging's lock, taken there,
+    stayed taken: the command hung at its next log line); it must reach the command."""
+    done = subprocess.run([sys.executable, "-c", CTRL_C_WHILE_FORKING], cwd=REPO, capture_output=True, text=True,
+                          timeout=60)
+    assert done.stdout.strip() == "interrupted", done.stderr[-2000:]
+
+
 NOTES = """
 import logging
 from lorapipe.stages.library_notes import quiet_harmless_notes
@@ -91,17 +111,19 @@ def test_harmless_library_notes_are_dropped_and_other_warnings_shown():
 
 
 def test_training_starts_ahead_only_when_the_run_will_train(tmp_path, tiny_config, run_stages):
-    from lorapipe.flows.commands import stages_to_build
     from lorapipe.flows.config import load_config
+    from lorapipe.flows.run_plan import plan_run
+
+    def building(config_path, only=(), force=(), overrides=()):
+        return plan_run(load_config(config_path, list(overrides)), list(only), None, list(force), print).building()
 
     config_path = tiny_config(tmp_path, "ahead", max_steps=2, checkpoint_every=2)
-    assert stages_to_build(load_config(config_path), [], None, []) == {"preprocess", "encode", "train", "evaluate"}
+    assert building(config_path) == {"preprocess", "encode", "train", "evaluate"}
     run_stages(config_path, ("preprocess", "encode", "train"))
-    config = load_config(config_path)
-    assert stages_to_build(config, [], None, []) == {"evaluate"}  # no training process, no encode imports
-    assert "train" in stages_to_build(config, [], None, ["train"])
-    assert stages_to_build(load_config(config_path, ["train.learning_rate=0.5"]), [], None, []) == {"train", "evaluate"}
-    assert not stages_to_build(load_config(config_path, ["train.learning_rate=0.5"]), ["encode"], None, [])
+    assert building(config_path) == {"evaluate"}  # no training process, no encode imports
+    assert "train" in building(config_path, force=["train"])
+    assert building(config_path, overrides=["train.learning_rate=0.5"]) == {"train", "evaluate"}
+    assert not building(config_path, only=["encode"], overrides=["train.learning_rate=0.5"])
 
 
 IMPORTED_AHEAD = """
@@ -211,7 +233,7 @@ def test_a_run_that_trains_imports_torch_once_in_the_process_that_encodes_trains
                          text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stderr.splitlines()[-1] == "loaded: []", run.stderr[-3000:]
-    for said in ("encode: in the process started ahead", ", started ahead, 2 steps",
+    for said in ("encode: in the process started ahead", "train: in the process started ahead",
                  "evaluate: in the process started ahead"):
         assert said in run.stderr, said
     stages = {s["stage"]: s for s in json.loads((tmp_path / "out" / "run-summary.json").read_text())["stages"]}

@@ -13,8 +13,8 @@ from lorapipe.flows.config import split, validate_config
 from lorapipe.stages.cpu_threads import threads_per_process
 from lorapipe.stages.encode import EncodeOptions, EncodeParams
 from lorapipe.stages.evaluate import EvalOptions, EvalParams
-from lorapipe.stages.train import TrainOptions, TrainParams
-from lorapipe.stages.train.launch import training_threads
+from lorapipe.stages.placement import place
+from lorapipe.stages.train import TrainOptions, TrainParams, where
 
 CONFIG = {"cache_dir": "cache", "output_dir": "out", "model": {"path": "model"}, "data": {"path": "data"},
           "train": {}, "evaluate": {"prompts": ["a photo of a cat"]}}
@@ -44,7 +44,8 @@ def test_the_configs_cpu_threads_reaches_every_stage_unless_the_stage_sets_its_o
     config = validate_config({**CONFIG, "cpu_threads": 3, "train": {"cpu_threads": 1}}, "config.yaml")
     assert split(config.encode, EncodeParams, EncodeOptions)[1].cpu_threads == 3
     assert split(config.evaluate, EvalParams, EvalOptions)[1].cpu_threads == 3
-    assert training_threads(*split(config.train, TrainParams, TrainOptions)) == 1
+    params, options = split(config.train, TrainParams, TrainOptions)
+    assert place(where(params, options)).threads(options.cpu_threads) == 1
     plain = validate_config(CONFIG, "config.yaml")
     for name, params in (("encode", EncodeParams), ("train", TrainParams), ("evaluate", EvalParams)):
         keyed = split(getattr(config, name), params, None)[0]

@@ -129,10 +129,12 @@ def test_a_machine_that_only_joins_a_training_never_skips_the_flow(demo_runs):
     is never served without the flow, even when every stage is cached."""
     from lorapipe.flows.cached_run import all_cached_run
     from lorapipe.flows.config import load_config
+    from lorapipe.flows.run_plan import plan_run
 
     joining = ["train.num_machines=2", "train.num_processes=2", "train.machine_rank=1",
                "train.main_process_ip=127.0.0.1"]  # train's key changes (num_processes), preprocess's does not
-    assert all_cached_run(load_config(demo_runs[0] / "demo.yaml", joining), ["preprocess"], None) is None
+    config = load_config(demo_runs[0] / "demo.yaml", joining)
+    assert all_cached_run(config, plan_run(config, ["preprocess"], None, [], print)) is None
 
 
 def test_a_prefect_home_inside_folders_not_made_yet_is_created(demo_runs):

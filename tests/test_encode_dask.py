@@ -14,10 +14,11 @@ import pytest
 
 from lorapipe.cache.samples import SampleStore
 from lorapipe.stages import encode
-from lorapipe.stages.encode.dask_executor import _client, encode_chunk
+from lorapipe.stages.encode.dask_executor import encode_chunk
 from lorapipe.stages.launching import environment_kept
 from lorapipe.stages.optional_libraries import OPTIONAL
 from lorapipe.stages.encode.workers import EncodeJobs
+from lorapipe.stages.placement import DaskCluster
 
 from test_encode import encode_inputs, prepare, run_encode
 
@@ -159,5 +160,5 @@ def test_the_stages_own_dask_workers_import_diffusers_without_the_quantisation_l
 
         return sorted(name for name in OPTIONAL if sys.modules.get(name))
 
-    with _client(encode.EncodeOptions(executor="dask", dask_workers=1), lambda line: None) as client:
+    with DaskCluster(workers=1).client(lambda line: None) as client:
         assert list(client.run(loaded_by_diffusers).values()) == [[]]

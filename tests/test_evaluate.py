@@ -9,6 +9,7 @@ import json
 import math
 import re
 import shutil
+from contextlib import nullcontext
 from pathlib import Path
 
 import pytest
@@ -57,13 +58,13 @@ def lora_dir(tmp_path_factory, tiny_model) -> Path:
     return out
 
 
-def _evaluate(params: EvalParams, tiny_model: Path, lora_dir: Path, encoded, out: Path):
+def _evaluate(params: EvalParams, tiny_model: Path, lora_dir: Path, encoded, out: Path, placement=None):
     out.mkdir(parents=True)
     inputs = EvalInputs(
         tiny_model, lora_dir, encoded.artifact_dir, encoded.cache_root,
         base_model_digest="base-digest", encoded_digest=encoded.digest, lora_digest="lora-digest",
     )
-    return run(params, inputs, out, out.parent / f"{out.name}-work", log=lambda message: None)
+    return run(params, inputs, out, out.parent / f"{out.name}-work", log=lambda message: None, placement=placement)
 
 
 @pytest.fixture(scope="module")
@@ -76,19 +77,19 @@ def evaluated(tmp_path_factory, tiny_model, lora_dir, encoded) -> tuple[Path, Ev
 
 def test_an_evaluation_in_the_process_started_ahead_writes_the_same_files(evaluated, tmp_path, tiny_model,
                                                                            lora_dir, encoded):
-    """A run that trains hands evaluate's job to the process it started ahead (stages/ahead.py),
+    """A run that trains hands evaluate's job to the warm process it started (stages/placement.py),
     which trained the LoRA: the grid, metrics and report are byte for byte those of an evaluation
     in the command's own process (the same number of CPU threads). What it prints goes to the
     terminal without the library notes that tell a user nothing (stages/library_notes.py)."""
-    from lorapipe.stages import ahead
+    from lorapipe.stages.cpu_threads import threads_per_process
+    from lorapipe.stages.evaluate import EvalOptions, where
+    from lorapipe.stages.placement import WarmProcess, place
 
     first, params, info = evaluated
-    ahead.start_ahead(LIBRARY_WARNINGS_SHOWN, ("lorapipe.stages.train.recipe",))
-    try:
-        built = _evaluate(params, tiny_model, lora_dir, encoded, tmp_path / "ahead")
-        assert ahead.waiting()  # it stays for a next job, until the command ends it
-    finally:
-        ahead.end()
+    with WarmProcess(threads_per_process(None), env=LIBRARY_WARNINGS_SHOWN) as warm:
+        built = _evaluate(params, tiny_model, lora_dir, encoded, tmp_path / "ahead",
+                          placement=place(where(EvalOptions()), warm))
+        assert warm.alive()  # it stays for a next job, until the command ends it
     printed = (tmp_path / "ahead-work" / "logs" / "evaluate.log").read_text()
     assert "evaluate: base model" in printed  # it ran there
     assert "No LoRA keys" not in printed and "requires torchvision" not in printed
@@ -101,22 +102,18 @@ def test_an_evaluation_in_the_process_started_ahead_writes_the_same_files(evalua
 def test_encode_and_evaluate_in_the_process_started_ahead_run_on_the_threads_omp_num_threads_says(
         tmp_path, tiny_model, lora_dir, encoded, monkeypatch, capsys):
     """OMP_NUM_THREADS in the run's environment sets the torch threads of encode's and evaluate's
-    jobs in the process started ahead, whose own count is training's (stages/cpu_threads.py), not
-    every core: on a busy machine threads beyond the free cores made evaluate many times slower."""
+    jobs in the warm process, whose own count is training's (stages/cpu_threads.py), not every
+    core: on a busy machine threads beyond the free cores made evaluate many times slower."""
     from conftest import _encode_demo_images
-    from lorapipe.stages import ahead
-    from lorapipe.stages.encode import EncodeParams
-    from lorapipe.stages.train import TrainParams
-    from lorapipe.stages.train.launch import worker_env
+    from lorapipe.stages import encode, evaluate, train
+    from lorapipe.stages.placement import WarmProcess, place
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    ahead.start_ahead(worker_env(TrainParams(), 2), ("lorapipe.stages.train.recipe",))  # as train.cpu_threads: 2 starts it
-    try:
-        _encode_demo_images(tmp_path / "cache", tiny_model, EncodeParams())
+    with WarmProcess(2, train.unused_libraries(train.TrainParams())) as warm:  # as train.cpu_threads: 2 starts it
+        _encode_demo_images(tmp_path / "cache", tiny_model, encode.EncodeParams(),
+                            placement=place(encode.where(encode.EncodeOptions()), warm))
         _evaluate(EvalParams(**FAST, clip_model=str(tmp_path / "no-such-clip")), tiny_model, lora_dir, encoded,
-                  tmp_path / "ahead")
-    finally:
-        ahead.end()
+                  tmp_path / "ahead", placement=place(evaluate.where(evaluate.EvalOptions()), warm))
     said = capsys.readouterr().out  # encode's log: print
     assert "encode: in the process started ahead\nencode: process 0 of 1: 8 latents, 9 text embeddings," \
            " 1 torch threads\n" in said, said
@@ -218,17 +215,21 @@ def test_empty_holdout_is_skipped_not_a_crash(tmp_path, tiny_model, lora_dir, en
     assert not (tmp_path / "out" / "checkpoint_loss.png").exists()
 
 
-def test_a_held_out_latent_damaged_in_place_stops_evaluate_naming_its_shard(tmp_path, tiny_model, lora_dir,
+@pytest.mark.parametrize("where", ["here", "in the warm process"])
+def test_a_held_out_latent_damaged_in_place_stops_evaluate_naming_its_shard(where, tmp_path, tiny_model, lora_dir,
                                                                           encoded_copy, damage_in_place):
+    """Raised as DamagedRecord wherever evaluate runs, so that the flow repairs the shard (flows/runner.py)."""
     from lorapipe.cache.samples import DamagedRecord
     from lorapipe.stages.encoded import EncodedData
+    from lorapipe.stages.placement import WarmProcess, Where, place
 
     data = EncodedData(encoded_copy.artifact_dir, encoded_copy.cache_root)
     latent = data.split("holdout")[0].latent
     shard = damage_in_place(data.store, latent)
     params = EvalParams(prompts=("a cat",), seeds=(0,), num_inference_steps=1, loss_timesteps=(500,))
-    with pytest.raises(DamagedRecord, match=re.escape(f"{shard}: record {latent.key} does not match")):
-        _evaluate(params, tiny_model, lora_dir, encoded_copy, tmp_path / "out")
+    with WarmProcess(1, warm_up=()) if where != "here" else nullcontext() as warm:
+        with pytest.raises(DamagedRecord, match=re.escape(f"{shard}: record {latent.key} does not match")):
+            _evaluate(params, tiny_model, lora_dir, encoded_copy, tmp_path / "out", placement=place(Where(), warm))
 
 
 def test_lora_trained_for_another_prediction_type_is_scored_against_it(tmp_path, tiny_model, lora_dir, encoded):

@@ -547,40 +547,43 @@ def test_a_process_started_ahead_encodes_then_trains_as_fresh_processes_would(tr
     a process of its own (torch and diffusers imported once): the same records, the same training
     (evaluate's job: tests/test_evaluate.py)."""
     from conftest import _encode_demo_images
-    from lorapipe.stages import ahead
-    from lorapipe.stages.encode import EncodeParams
+    from lorapipe.stages import encode
     from lorapipe.stages.encoded import EncodedData
-    from lorapipe.stages.train.launch import start_ahead
+    from lorapipe.stages.placement import OwnProcess, WarmProcess, place
 
     params, options = train.TrainParams(**{**PARAMS, "max_steps": 40}), train.TrainOptions(log_every=20)
-    assert start_ahead(params, options)
-    mine = _encode_demo_images(tmp_path / "cache", tiny_model, EncodeParams())
-    assert ahead.waiting()  # the process that encoded stays for the training job
-    assert "encode: in the process started ahead\nencode: process 0 of 1: 8 latents" in capsys.readouterr().out
-    theirs = EncodedData(encoded.artifact_dir, encoded.cache_root)
-    ours = EncodedData(mine.artifact_dir, mine.cache_root)
-    assert [s.id for s in ours.samples] == [s.id for s in theirs.samples]
-    assert all(ours.latent(a)[0].equal(theirs.latent(b)[0]) for a, b in zip(ours.samples, theirs.samples))
-    said, out = [], tmp_path / "out"
-    out.mkdir()
-    try:
-        train.run(params, train_inputs(tiny_model, mine), out, tmp_path / "work", options, log=said.append)
-        assert "started ahead" in said[0] and ahead.waiting()  # it stays for evaluate's job
-    finally:
-        ahead.end()
+    assert isinstance(place(train.where(params, options)), OwnProcess)  # what a run starts a warm process for
+    with WarmProcess(OwnProcess().threads(options.cpu_threads), train.unused_libraries(params)) as warm:
+        mine = _encode_demo_images(tmp_path / "cache", tiny_model, encode.EncodeParams(),
+                                   placement=place(encode.where(encode.EncodeOptions()), warm))
+        assert warm.alive()  # the process that encoded stays for the training job
+        assert "encode: in the process started ahead\nencode: process 0 of 1: 8 latents" in capsys.readouterr().out
+        theirs = EncodedData(encoded.artifact_dir, encoded.cache_root)
+        ours = EncodedData(mine.artifact_dir, mine.cache_root)
+        assert [s.id for s in ours.samples] == [s.id for s in theirs.samples]
+        assert all(ours.latent(a)[0].equal(theirs.latent(b)[0]) for a, b in zip(ours.samples, theirs.samples))
+        said, out = [], tmp_path / "out"
+        out.mkdir()
+        train.run(params, train_inputs(tiny_model, mine), out, tmp_path / "work", options, log=said.append,
+                  placement=place(train.where(params, options), warm))
+        assert "train: in the process started ahead" in said and warm.alive()  # it stays for evaluate's job
     assert trajectory(out) == trajectory(trained[0])[:40]
 
 
-def test_a_training_process_loads_only_the_quantisation_library_its_job_uses():
+def test_a_training_process_loads_only_the_quantisation_library_its_job_uses(tmp_path):
     """diffusers imports bitsandbytes and torchao whenever they are installed (about a quarter of a
     training process's imports, BENCHMARKS.md); a training process hides the ones its job does not
     use before diffusers is imported, and loads the one it does (nf4: bitsandbytes)."""
+    from lorapipe.stages.jobs import Job
     from lorapipe.stages.launching import start_worker
-    from lorapipe.stages.train.launch import worker_env
 
-    probe = ("import lorapipe.stages.train.recipe, diffusers.training_utils, peft, sys;"
+    # what the worker entry (stages/jobs.py) does before the job runs, then what training imports
+    probe = ("import sys; from lorapipe.stages.jobs import Job, worker; from lorapipe.stages.optional_libraries"
+             " import hide; job = Job.read(sys.argv[1]); hide(job.hidden); worker(job.stage);"
+             " import diffusers.training_utils, peft;"
              " print(sorted(name for name in ('bitsandbytes', 'torchao') if sys.modules.get(name)))")
     for setting, loaded in (("none", "[]"), ("nf4", "['bitsandbytes']")):
         params = train.TrainParams(**{**PARAMS, "base_quantization": setting})
-        output, _ = start_worker([sys.executable, "-c", probe], worker_env(params, 1)).communicate()
+        job = Job("train", {}, tmp_path / setting, 1, train.unused_libraries(params)).write()
+        output, _ = start_worker([sys.executable, "-c", probe, str(job)]).communicate()
         assert output.strip().splitlines()[-1] == loaded, output

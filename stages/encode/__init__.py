@@ -25,12 +25,12 @@ caption_variants K > 1 (stages/encode/captions.py) a training sample has K text 
 by its variant caption's text like any caption: the augmentation settings are in the stage's key
 (which variants exist), not in the records' keys (what a text encodes to).
 
-With `num_processes` > 1 the missing records are dealt to that many processes started by
-`accelerate launch` (stages/encode/workers.py); each commits its own shards, the parent then
-writes the one samples.json. Each record is encoded exactly once. With one process, the records
-are encoded in the worker process `lorapipe run` started ahead for training when there is one
-(stages/ahead.py: torch and diffusers imported once for both stages), else in this process.
-With `executor: dask` they are encoded as shard-sized chunks on a Dask cluster (dask_executor.py):
+The missing records are encoded where the stage's placement says (stages/placement.py, `where`):
+with `num_processes` > 1, dealt to that many processes started by `accelerate launch`
+(stages/encode/workers.py); each commits its own shards, the parent then writes the one
+samples.json. Each record is encoded exactly once. With one process, in the warm process when the
+command started one (torch and diffusers imported once for encode, train and evaluate), else in
+this process. With `executor: dask`, as shard-sized chunks on a Dask cluster (dask_executor.py):
 the same shards, so the same samples.json and index, as in one process.
 """
 from __future__ import annotations
@@ -53,6 +53,7 @@ from .. import families
 from ..contract import Frozen, Log, OutputFile, library_majors
 from ..cpu_threads import usable_cores
 from ..encoded import write_index
+from ..placement import DaskCluster, Placement, Where, place
 from ..preprocess import DATASET_FILE
 from ..preprocess.sources import DatasetSource
 from ..progress import ProgressLines
@@ -66,8 +67,8 @@ OUTPUT_FILES: tuple[OutputFile, ...] = ()  # its index is train's and evaluate's
 LATENT_VERSION = "2"  # 2: JPEGs decoded at a reduced scale, resized before turning upright
 TEXT_VERSION = "1"
 
-__all__ = ["VERSION", "OUTPUT_FILES", "EncodeParams", "EncodeOptions", "EncodeInputs", "ImageCrops", "latent_key", "resolved_settings",
-           "text_key", "run"]
+__all__ = ["VERSION", "OUTPUT_FILES", "EncodeParams", "EncodeOptions", "EncodeInputs", "ImageCrops", "latent_key",
+           "resolved_settings", "text_key", "run", "where"]
 
 
 class EncodeParams(families.TextOptions, CaptionAugmentation):
@@ -83,7 +84,7 @@ class EncodeParams(families.TextOptions, CaptionAugmentation):
 class EncodeOptions(Frozen):
     batch_size: int = Field(8, gt=0, description="images per VAE call (halved on CUDA out-of-memory)")
     num_workers: int = Field(default_factory=lambda: max(1, min(16, usable_cores() - 1)), ge=0,
-                             description="threads decoding images ahead of the VAE (0: in the VAE's thread);"
+                             description="threads decoding images before the VAE needs them (0: in the VAE's thread);"
                              " default: the usable cores less one, at least 1, at most 16")
     shard_records: int = Field(256, gt=0, description="records per shard (a crash loses at most one shard)")
     num_processes: int = Field(1, ge=1, description="encode processes under accelerate launch (one per GPU),"
@@ -212,8 +213,9 @@ class SampleKeys:
 
 
 def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Path,
-        options: EncodeOptions, log: Log = print) -> Built:
-    from .workers import EncodeJobs, encode_here, encode_in_process_started_ahead, launch_workers
+        options: EncodeOptions, log: Log = print, placement: Placement | None = None) -> Built:
+    """`placement`: where the records are encoded (the plan's; default: what `where` says)."""
+    from .workers import EncodeJobs, encode_at
 
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
     family = inputs.bound_family()
@@ -229,17 +231,8 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     masks = f", {len(jobs.masks)} loss masks" if jobs.masks else ""
     log(f"encode: {len(jobs.latents)} latents and {len(jobs.texts)} text embeddings{masks} to encode,"
         f" {jobs.reused_latents} latents reused")
-    processes = options.num_processes if len(jobs.latents) > options.batch_size else 1  # else not worth starting
-    if options.executor == "dask" and (jobs.latents or jobs.texts):
-        from .dask_executor import run_on_dask
-
-        failed = run_on_dask(jobs, dataset, params, inputs, options, log)
-    elif processes > 1:
-        failed = launch_workers(jobs, params, inputs, options, work_dir, log)
-    else:
-        failed = encode_in_process_started_ahead(jobs, params, inputs, options, work_dir, log)
-        if failed is None:
-            failed = encode_here(jobs, dataset, params, inputs, options, log)
+    placement = (placement or place(where(options))).sized(len(jobs.latents))
+    failed = encode_at(placement, jobs, params, inputs, options, work_dir, log) if jobs.keys() else {}
     failed_jobs = sum(1 for _, i, _ in jobs.latents if dataset[i]["id"] in failed)
     usable = [s for s in dataset if s["id"] not in failed]
     undecodable = {sample_label(s, inputs.datasets): failed[s["id"]] for s in dataset if s["id"] in failed}
@@ -260,11 +253,19 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
         "texts_encoded": len(jobs.texts), "texts_reused": len(keys.texts()) - len(jobs.texts),
         "masks_encoded": sum(1 for _, i, _ in jobs.masks if dataset[i]["id"] not in failed),
         "masks_reused": len(keys.masks()) - len(jobs.masks),
-        "undecodable": len(failed), "processes": processes,
+        "undecodable": len(failed), "processes": placement.processes,
     }
     log("encode: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     sizes = dict(sorted(Counter(f"{s['size'][1]}x{s['size'][0]}" for s in usable).items()))
     return Built(info={**counts, "sizes": sizes}, refs=refs)
+
+
+def where(options: EncodeOptions) -> Where:
+    """Where encode's job runs (stages/placement.py): on a Dask cluster with executor: dask; else
+    num_processes under accelerate when more than one batch of latents is missing, else one process."""
+    if options.executor == "dask":
+        return Where(dask=DaskCluster(options.dask_address, options.dask_workers))
+    return Where(options.num_processes, one_process_up_to=options.batch_size)
 
 
 def _caption_header(params: EncodeParams) -> dict:

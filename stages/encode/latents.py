@@ -44,20 +44,20 @@ def halve_on_oom(fn: Callable[[torch.Tensor], T], batch: torch.Tensor, log: Log)
 
 
 def decoded_batches(crops: ImageCrops, batches: list[list[int]], workers: int) -> Iterator[list]:
-    """Batches decoded by `workers` threads, at most two per thread ahead of the model. Threads, not
+    """Batches decoded by `workers` threads, at most two per thread in advance of the model. Threads, not
     DataLoader processes: PIL releases the GIL while decoding and resizing, a thread starts at once
     where a spawned worker took seconds to import torch, and forked workers died inside Prefect."""
     if workers == 0:
         yield from ([crops[i] for i in batch] for batch in batches)
         return
     with ThreadPoolExecutor(workers, thread_name_prefix="decode") as pool:
-        ahead: deque[Future] = deque()
+        decoding: deque[Future] = deque()
         for batch in batches:
-            ahead.append(pool.submit(lambda b=batch: [crops[i] for i in b]))
-            if len(ahead) > 2 * workers:
-                yield ahead.popleft().result()
-        while ahead:
-            yield ahead.popleft().result()
+            decoding.append(pool.submit(lambda b=batch: [crops[i] for i in b]))
+            if len(decoding) > 2 * workers:
+                yield decoding.popleft().result()
+        while decoding:
+            yield decoding.popleft().result()
 
 
 def encode_latents(jobs: list[tuple[str, dict, bool]], datasets: tuple[DatasetSource, ...],

@@ -1,47 +1,42 @@
-"""Who encodes what: the missing records as jobs, encoded in this process or dealt to N processes.
+"""Who encodes what: the missing records as jobs, the encode stage's job (stages/jobs.py) run where
+its placement says (stages/placement.py): in one process, or dealt to N processes under
+`accelerate launch`, or to a Dask cluster in chunks (`deal`, dask_executor.py).
 
-    python -m accelerate.commands.launch --config_file ACCELERATE.yaml -m lorapipe.stages.encode.workers JOB.json
-
-(the encode stage writes both files into its work_dir and runs this when num_processes > 1; with
-one process, it hands the job to the process `lorapipe run` started ahead when there is one:
-stages/ahead.py, and encodes in its own process otherwise).
-Rank r takes every N-th job of the sorted lists, so the split is deterministic and no two
+Rank r of N takes every N-th job of the sorted lists, so the split is deterministic and no two
 processes encode the same record; each commits its own shards (named by their content digest)
 and writes `failed-<rank>.json`. No collective communication is needed.
 
-Whoever encodes (this process, a rank, a Dask worker: dask_executor.py) cuts its jobs into
-shard-sized chunks in plan order (EncodeJobs.chunks) and commits each chunk as one shard.
+Whoever encodes (this process, a rank, a Dask worker) cuts its jobs into shard-sized chunks in
+plan order (EncodeJobs.chunks) and commits each chunk as one shard.
 """
 from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
+from lorapipe.cache.digest import digest_json
 from lorapipe.cache.fsutil import write_json_atomic
 from lorapipe.cache.object_store import open_sample_store
 from lorapipe.cache.samples import SampleStore
 
 from ..contract import Log
 from ..encoded import encode_record
-from .. import ahead
-from ..cpu_threads import threads_per_process, torch_threads
-from ..launching import begin_worker, reporting_errors, run_streaming, skip_exit_collection, write_accelerate_config
-from ..optional_libraries import hide
+from ..jobs import Job
+from ..optional_libraries import OPTIONAL
 from .images import sample_label
 from .latents import Progress, encode_latents
 from .masks import encode_masks
 
 if TYPE_CHECKING:
     from ..families.base import TextEncoder
+    from ..placement import DaskPool, Placement
     from ..preprocess.sources import DatasetSource
     from . import EncodeInputs, EncodeOptions, EncodeParams, SampleKeys
 
 T = TypeVar("T")
-WORKER = "lorapipe.stages.encode.workers"  # the module an encode process runs
 Loader = Callable[[tuple, Callable[[], T]], T]  # ((kind, what identifies the model...), how to load it) -> it
 
 
@@ -173,89 +168,63 @@ class RecordBuffer:
             self.pending = {}
 
 
-def launch_workers(jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs, options: EncodeOptions,
-                   work_dir: Path, log: Log) -> dict[str, str]:
-    """Run the jobs in `options.num_processes` processes under accelerate; merge what failed."""
-    threads = threads_per_process(options.cpu_threads, options.num_processes)
-    job = write_job(jobs, params, inputs, options, work_dir, threads)
-    config = write_accelerate_config(work_dir / "accelerate.yaml", options.num_processes)
-    log(f"encode: {options.num_processes} processes, {len(jobs.latents)} latents and {len(jobs.texts)} texts")
-    run_streaming([sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config),
-                   "--num_cpu_threads_per_process", str(threads), "-m", WORKER, str(job)],
-                  work_dir / "logs" / "encode.log", log)
-    return failed_in(work_dir, options.num_processes)
-
-
-def encode_in_process_started_ahead(jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs,
-                                    options: EncodeOptions, work_dir: Path, log: Log) -> dict[str, str] | None:
-    """Run the jobs in the worker process `lorapipe run` started ahead (stages/ahead.py), which has
-    imported torch and diffusers already and trains next, on the threads one encode process would
-    use; return what failed, or None when there is no such process."""
-    if not ahead.waiting():
-        return None
-    job = write_job(jobs, params, inputs, options, work_dir, threads_per_process(options.cpu_threads))
-    if not ahead.run_lent("encode", WORKER, job, work_dir / "logs" / "encode.log", log):
-        return None
-    return failed_in(work_dir, 1)
-
-
-def encode_here(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inputs: EncodeInputs,
-                options: EncodeOptions, log: Log) -> dict[str, str]:
-    """Run the jobs in this process, on the threads one encode process uses; return what failed."""
-    with torch_threads(threads_per_process(options.cpu_threads)):
-        return encode_jobs(jobs, dataset, params, inputs, options, 0, 1, log)
-
-
-def write_job(jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs, options: EncodeOptions,
-              work_dir: Path, threads: int) -> Path:
-    """The job file a worker process reads (`run_job`), in work_dir; what failed before is cleared."""
-    (work_dir / "logs").mkdir(parents=True, exist_ok=True)
+def encode_at(placement: Placement, jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs,
+              options: EncodeOptions, work_dir: Path, log: Log) -> dict[str, str]:
+    """Encode the jobs where `placement` says (stages/placement.py); return the undecodable samples."""
     for stale in work_dir.glob("failed-*.json"):
         stale.unlink()
-    job = work_dir / "encode-job.json"
-    job.write_text(json.dumps({
-        "params": params.model_dump(mode="json"), "options": options.model_dump(mode="json"),
-        "inputs": inputs.to_json(), "texts": jobs.texts, "latents": jobs.latents, "reused": jobs.reused_latents,
-        "masks": jobs.masks, "threads": threads,
-    }, sort_keys=True))
-    return job
-
-
-def failed_in(work_dir: Path, processes: int) -> dict[str, str]:
-    """The undecodable samples each process reported."""
+    if placement.processes > 1:
+        log(f"encode: {placement.processes} processes, {len(jobs.latents)} latents and {len(jobs.texts)} texts")
+    spec = {"params": params.model_dump(mode="json"), "options": options.model_dump(mode="json"),
+            "inputs": inputs.to_json(), "texts": jobs.texts, "latents": jobs.latents, "reused": jobs.reused_latents,
+            "masks": jobs.masks}
+    placement.run(Job("encode", spec, work_dir, placement.threads(options.cpu_threads), OPTIONAL, inputs.cache_root),
+                  log)
     failed: dict[str, str] = {}
-    for rank in range(processes):
+    for rank in range(placement.processes):
         failed.update(json.loads((work_dir / f"failed-{rank}.json").read_text()))
     return failed
 
 
-def run_job(job_path: Path) -> None:
-    """Encode this rank's share of the job at `job_path` on the job's number of threads, in a
-    process of its own or in one started ahead; write what failed next to the job."""
+def run_job(job: Job, log: Log) -> None:
+    """Encode this rank's share of the job (stages/jobs.py); write what failed into the work dir."""
+    params, inputs, options, jobs, dataset = read_spec(job)
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    failed = encode_jobs(jobs, dataset, params, inputs, options, rank, world,
+                         (lambda m: log(f"[rank {rank}] {m}")) if rank else log)
+    write_json_atomic(job.work_dir / f"failed-{rank}.json", failed)
+
+
+def deal(job: Job, pool: DaskPool, log: Log) -> None:
+    """Encode the job as shard-sized chunks, each a task of `pool` (executor: dask); write what
+    failed into the work dir as one process does."""
+    from .dask_executor import encode_chunk
+
+    params, inputs, options, jobs, dataset = read_spec(job)
+    chunks = jobs.chunks(options.shard_records)
+    log(f"encode: {len(chunks)} chunks of up to {options.shard_records} records on {pool.describe()}")
+    progress = Progress(len(jobs.latents), jobs.reused_latents, log, options.progress_every,
+                        f" ({pool.workers} Dask workers)")
+    tasks = [(f"encode-chunk-{n:06d}-{digest_json(chunk.keys())[:16]}",
+              (chunk, {i: dataset[i] for _, i, _ in [*chunk.latents, *chunk.masks]}, params, inputs, options))
+             for n, chunk in enumerate(chunks)]
+    failed: dict[str, str] = {}
+    for result in pool.map(encode_chunk, tasks):
+        for line in result.lines:
+            log(line)
+        failed.update(result.failed)
+        progress.advance(result.latents)
+    write_json_atomic(job.work_dir / "failed-0.json", failed)
+
+
+def read_spec(job: Job) -> tuple[EncodeParams, EncodeInputs, EncodeOptions, EncodeJobs, list[dict]]:
+    """What `encode_at` wrote into the job, and the dataset its latent jobs index."""
     from . import EncodeInputs, EncodeOptions, EncodeParams
     from ..preprocess import DATASET_FILE
 
-    job = json.loads(job_path.read_text())
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
-    inputs = EncodeInputs.from_json(job["inputs"])
-    jobs = EncodeJobs([tuple(t) for t in job["texts"]], [tuple(t) for t in job["latents"]], job["reused"],
-                      [tuple(t) for t in job["masks"]])
+    spec = job.spec
+    inputs = EncodeInputs.from_json(spec["inputs"])
+    jobs = EncodeJobs([tuple(t) for t in spec["texts"]], [tuple(t) for t in spec["latents"]], spec["reused"],
+                      [tuple(t) for t in spec["masks"]])
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
-    log = (lambda m: print(m, flush=True)) if rank == 0 else (lambda m: print(f"[rank {rank}] {m}", flush=True))
-    with reporting_errors(inputs.cache_root), torch_threads(job["threads"]):
-        failed = encode_jobs(jobs, dataset, EncodeParams(**job["params"]), inputs, EncodeOptions(**job["options"]),
-                             rank, world, log)
-    write_json_atomic(job_path.parent / f"failed-{rank}.json", failed)
-
-
-def main(job_path: Path) -> None:
-    hide()  # before the encoders import diffusers: encoding never uses the optional libraries
-    begin_worker()
-    run_job(job_path)
-
-
-if __name__ == "__main__":
-    try:
-        main(Path(sys.argv[1]))
-    finally:
-        skip_exit_collection()
+    return EncodeParams(**spec["params"]), inputs, EncodeOptions(**spec["options"]), jobs, dataset

@@ -10,8 +10,8 @@ Writes: grid.png, metrics.json, report.md; with checkpoints, checkpoint_losses.j
 Key:    VERSION, EvalParams, and the digests of the base model, encode and train artifacts; so
         changing a prompt, seed, scale, sampler or metric setting reruns evaluate only.
 
-In a run that trains, the evaluation runs in the process `lorapipe run` started ahead for
-training (worker.py, stages/ahead.py), else in the calling process. The pipeline is loaded once.
+It runs where its placement says (worker.py, stages/placement.py): in a run that trains, in the
+warm process that trained the LoRA, else in the calling process. The pipeline is loaded once.
 Base images and base losses come first; then the LoRA is loaded as an adapter and rendered at
 each scale. Losses use the LoRA at scale 1, the strength it was trained at.
 """
@@ -21,23 +21,22 @@ from pathlib import Path
 
 from lorapipe.cache.store import Built
 from lorapipe.stages.contract import Log
-from lorapipe.stages.cpu_threads import threads_per_process, torch_threads
+from lorapipe.stages.placement import Placement, Where, place
 
 from .params import LOCAL_PATHS, OUTPUT_FILES, VERSION, EvalInputs, EvalOptions, EvalParams
 
-__all__ = ["VERSION", "OUTPUT_FILES", "EvalParams", "EvalOptions", "EvalInputs", "run", "LOCAL_PATHS"]
+__all__ = ["VERSION", "OUTPUT_FILES", "EvalParams", "EvalOptions", "EvalInputs", "run", "where", "LOCAL_PATHS"]
 
 
 def run(params: EvalParams, inputs: EvalInputs, out_dir: Path, work_dir: Path,
-        options: EvalOptions = EvalOptions(), log: Log = print) -> Built:
-    """Write the evaluation of inputs.train_dir's LoRA into out_dir (see evaluation.run), in the
-    process `lorapipe run` started ahead for training when there is one (worker.py), else here."""
-    from .worker import evaluate_in_process_started_ahead
+        options: EvalOptions = EvalOptions(), log: Log = print, placement: Placement | None = None) -> Built:
+    """Write the evaluation of inputs.train_dir's LoRA into out_dir (see evaluation.run) where
+    `placement` says (the plan's; default: the calling process). torch and diffusers load only there."""
+    from .worker import evaluate_at
 
-    built = evaluate_in_process_started_ahead(params, inputs, out_dir, work_dir, options, log)
-    if built is not None:
-        return built
-    from .evaluation import run as evaluate  # torch and diffusers load only when evaluate runs here
+    return evaluate_at(placement or place(where(options)), params, inputs, out_dir, work_dir, options, log)
 
-    with torch_threads(threads_per_process(options.cpu_threads)):
-        return evaluate(params, inputs, out_dir, work_dir, options, log)
+
+def where(options: EvalOptions) -> Where:
+    """Where evaluate's job runs (stages/placement.py): one process, the calling one (or the warm process)."""
+    return Where()

@@ -1,6 +1,7 @@
-"""Evaluate's job in the process `lorapipe run` started ahead for training (stages/ahead.py): that
-process has trained the LoRA with torch and diffusers imported, so the evaluation renders there,
-on the threads the command's own process would use, and the command never imports them."""
+"""The evaluate stage's job (stages/jobs.py): its parent side writes it and reads back what it
+built, wherever its placement runs it (stages/placement.py): in this process, or in the warm
+process, which has trained the LoRA with torch and diffusers imported, so that the command never
+imports them. Either way on the threads one evaluate process uses, with the same files."""
 from __future__ import annotations
 
 import json
@@ -8,42 +9,32 @@ from pathlib import Path
 
 from lorapipe.cache.fsutil import write_json_atomic
 from lorapipe.cache.store import Built
-from lorapipe.stages import ahead
 from lorapipe.stages.contract import Log
-from lorapipe.stages.cpu_threads import threads_per_process, torch_threads
-from lorapipe.stages.launching import reporting_errors
+from lorapipe.stages.jobs import Job
+from lorapipe.stages.optional_libraries import OPTIONAL
+from lorapipe.stages.placement import Placement
 
 from .params import EvalInputs, EvalOptions, EvalParams
 
-WORKER = "lorapipe.stages.evaluate.worker"  # the module that runs evaluate's job
 BUILT = "built.json"  # what the job reports besides its files (lorapipe.cache.store.Built)
 
 
-def evaluate_in_process_started_ahead(params: EvalParams, inputs: EvalInputs, out_dir: Path, work_dir: Path,
-                                      options: EvalOptions, log: Log) -> Built | None:
-    """Evaluate in the process started ahead, writing into out_dir; None when there is none."""
-    if not ahead.waiting():
-        return None
-    (work_dir / "logs").mkdir(parents=True, exist_ok=True)
-    (work_dir / BUILT).unlink(missing_ok=True)
-    job = work_dir / "evaluate-job.json"
-    job.write_text(json.dumps({
-        "params": params.model_dump(mode="json"), "options": options.model_dump(mode="json"),
-        "inputs": inputs.to_json(), "out_dir": str(Path(out_dir).resolve()),
-        "threads": threads_per_process(options.cpu_threads),
-    }, sort_keys=True))
-    if not ahead.run_lent("evaluate", WORKER, job, work_dir / "logs" / "evaluate.log", log):
-        return None
-    return Built(**json.loads((work_dir / BUILT).read_text()))
+def evaluate_at(placement: Placement, params: EvalParams, inputs: EvalInputs, out_dir: Path, work_dir: Path,
+                options: EvalOptions, log: Log) -> Built:
+    """Evaluate where `placement` says, writing into out_dir."""
+    spec = {"params": params.model_dump(mode="json"), "options": options.model_dump(mode="json"),
+            "inputs": inputs.to_json(), "out_dir": str(Path(out_dir).resolve())}
+    job = Job("evaluate", spec, Path(work_dir), placement.threads(options.cpu_threads), OPTIONAL, inputs.cache_root)
+    (job.work_dir / BUILT).unlink(missing_ok=True)
+    placement.run(job, log)
+    return Built(**json.loads((job.work_dir / BUILT).read_text()))
 
 
-def run_job(job_path: Path) -> None:
-    """Run the evaluation the job at `job_path` describes; write its Built next to the job."""
+def run_job(job: Job, log: Log) -> None:
+    """Run the evaluation the job describes; write its Built into the work dir."""
     from .evaluation import run as evaluate
 
-    job = json.loads(job_path.read_text())
-    inputs = EvalInputs.from_json(job["inputs"])
-    with reporting_errors(inputs.cache_root), torch_threads(job["threads"]):
-        built = evaluate(EvalParams(**job["params"]), inputs, Path(job["out_dir"]), job_path.parent,
-                         EvalOptions(**job["options"]), lambda line: print(line, flush=True))
-    write_json_atomic(job_path.parent / BUILT, {"info": built.info, "refs": built.refs})
+    spec = job.spec
+    built = evaluate(EvalParams(**spec["params"]), EvalInputs.from_json(spec["inputs"]), Path(spec["out_dir"]),
+                     job.work_dir, EvalOptions(**spec["options"]), log)
+    write_json_atomic(job.work_dir / BUILT, {"info": built.info, "refs": built.refs})

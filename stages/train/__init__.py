@@ -16,7 +16,7 @@ Key:    TrainParams (less max_steps for the work directory: raising it resumes),
         artifact's digest, the denoiser and scheduler digests, library majors.
 Work:   work_dir/checkpoints/ (adapter, PiSSA/OLoRA start, EMA, optimizer, LR scheduler and RNG states;
         atomic: stages/train/trained_adapter.py), export/,
-        logs/, accelerate.yaml, job.json. Training resumes from the newest intact checkpoint.
+        logs/, accelerate.yaml, job.json (stages/jobs.py). Training resumes from the newest intact checkpoint.
 Across machines (train.num_machines): machine rank 0 runs `run` (it alone reads and writes the
         work directory and publishes); every other machine runs `follow`, whose processes join
         rank 0's and keep only their job and log in a private folder.
@@ -24,9 +24,10 @@ Across machines (train.num_machines): machine rank 0 runs `run` (it alone reads 
 The text encoder is not trained (its embeddings are cached), and caption dropout uses the cached
 empty-prompt embedding. The recipe itself is `stages/train/recipe.py`.
 """
-from lorapipe.stages.train.launch import follow, machines, run
+from lorapipe.stages.train.launch import follow, machines, run, unused_libraries, where
 from lorapipe.stages.train.params import OUTPUT_FILES, VERSION, TrainInputs, TrainOptions, TrainParams
 
 RESUMABLE = ("max_steps",)  # TrainParams fields left out of the work directory's key
 
-__all__ = ["VERSION", "OUTPUT_FILES", "RESUMABLE", "TrainParams", "TrainOptions", "TrainInputs", "run", "follow", "machines"]
+__all__ = ["VERSION", "OUTPUT_FILES", "RESUMABLE", "TrainParams", "TrainOptions", "TrainInputs", "run", "follow",
+           "machines", "unused_libraries", "where"]

@@ -1,4 +1,4 @@
-"""What each training step consumes, and its preparation ahead of the step.
+"""What each training step consumes, and its preparation before the step.
 
 A micro-batch m is fully determined by (seed, m, rank): `BatchPlan` says which samples it holds
 and a generator seeded from (seed, m, rank) draws all of its data randomness (plain or mirrored
@@ -13,7 +13,7 @@ the conditioning (SDXL's size ids, Flux's pooled text and guidance, a family's p
 prior sample (a `role: prior` dataset's) has its weight multiplied by train.prior_loss_weight and
 is marked in `StepInputs.prior` (train.prior_target base_output replaces its target in the step).
 
-`MicroBatches` prepares them `workers` threads ahead of the step (reading records, sampling,
+`MicroBatches` prepares them `workers` threads before the step needs them (reading records, sampling,
 noising, pinning on CUDA), leaving only the copy to the device, the denoiser and the optimizer on
 the training step's critical path.
 """
@@ -187,13 +187,13 @@ def prepare_micro_batch(data: EncodedData, plan: BatchPlan, family: Family, obje
 
 
 class MicroBatches:
-    """Micro-batches first, first + 1, ... prepared by `workers` threads ahead of the step
+    """Micro-batches first, first + 1, ... prepared by `workers` threads before the step needs them
     (worker w prepares first + w, first + w + workers, ..., up to two in hand); workers=0 prepares
     each one when it is asked for. `get` must be called in order. A worker's error is raised by `get`."""
 
     def __init__(self, prepare: Callable[[int], StepInputs], first: int, end: int, workers: int, pin: bool):
         self.prepare, self.first, self.next = prepare, first, first
-        self.pin = pin and workers > 0  # pinning pays off only when a thread does it ahead of the copy
+        self.pin = pin and workers > 0  # pinning pays off only when a thread does it before the copy
         self.stopping = threading.Event()
         self.queues = [queue.Queue(maxsize=2) for _ in range(workers)]
         self.threads = [threading.Thread(target=self._work, args=(range(first + w, end, workers), q), daemon=True)

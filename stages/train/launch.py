@@ -1,53 +1,52 @@
-"""The parent side of training: launch the recipe under accelerate, stream its log, publish.
+"""The parent side of training: the training job (stages/jobs.py) run where its placement says
+(stages/placement.py: a process of its own, the warm process, or `accelerate launch`), then publish.
 
-The child processes write only into work_dir; once they succeed, the parent copies the results
-into out_dir. Interrupting the parent (Ctrl-C, a Prefect cancel) terminates every child. A
-child that meets a damaged record leaves it in work_dir/damaged-record.json and the parent
-raises it as lorapipe.cache.samples.DamagedRecord, which the flow repairs (flows/runner.py).
+The training processes write only into work_dir; once they succeed, the parent copies the results
+into out_dir. Interrupting the parent (Ctrl-C, a Prefect cancel) terminates every one of them. A
+damaged record one meets is raised here as lorapipe.cache.samples.DamagedRecord, which the flow
+repairs (flows/runner.py).
 """
 from __future__ import annotations
 
 import json
 import os
 import shutil
-import sys
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import yaml
 
 from lorapipe.cache.errors import UserError
-from lorapipe.cache.samples import DamagedRecord
 from lorapipe.cache.store import Built
-from lorapipe.stages import ahead, families
+from lorapipe.stages import families
 from lorapipe.stages.contract import Log
-from lorapipe.stages.cpu_threads import threads_per_process
 from lorapipe.stages.encoded import EncodedData
-from lorapipe.stages.launching import Interrupted, WorkerFailed, start_worker, stream, write_accelerate_config
+from lorapipe.stages.jobs import Job
+from lorapipe.stages.launching import Interrupted
+from lorapipe.stages.optional_libraries import OPTIONAL
+from lorapipe.stages.placement import Machines, Placement, Where, place
 from lorapipe.stages.lora_formats.lora_folder import LORA_FILE, checkpoint_lora, step_name
-from lorapipe.stages.optional_libraries import OPTIONAL, hiding
 from lorapipe.stages.train.checkpoints import CheckpointDir
-from lorapipe.stages.train.params import DAMAGED_RECORD_FILE, TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
+from lorapipe.stages.train.params import TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
 from lorapipe.stages.train.quantization import LIBRARY
-
-RECIPE = "lorapipe.stages.train.recipe"  # the module a training process runs
 
 
 def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
-        options: TrainOptions | None = None, log: Log = print) -> Built:
-    """Train (or resume training) in work_dir, then publish the LoRA files into out_dir. On
-    several machines this is machine rank 0's part; the others run `follow`."""
+        options: TrainOptions | None = None, log: Log = print, placement: Placement | None = None) -> Built:
+    """Train (or resume training) in work_dir where `placement` says (the plan's; default: what
+    `where` says), then publish the LoRA files into out_dir. On several machines this is machine
+    rank 0's part; the others run `follow`."""
     options = options or TrainOptions()
     out_dir, work_dir = Path(out_dir), Path(work_dir)
     if machines(params, options).rank:
         raise RuntimeError("only machine rank 0 publishes: the other machines run lorapipe.stages.train.launch.follow")
     warn_if_distilled(check_inputs(params, inputs), inputs.model_path, log)
-    launch(params, inputs, work_dir, options, log, lambda: interrupted_at(work_dir))
+    launch(params, inputs, work_dir, options, log, lambda: interrupted_at(work_dir), placement)
     return publish(work_dir, out_dir, params.max_steps, log)
 
 
-def follow(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: TrainOptions, log: Log = print) -> None:
+def follow(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: TrainOptions, log: Log = print,
+           placement: Placement | None = None) -> None:
     """Machine rank > 0's part of a training across machines: run this machine's processes (they
     join rank 0's, read the encoded data from the same cache and receive a resumed state from rank 0);
     work_dir, private to this machine, holds only their job and log. Rank 0 checkpoints and publishes."""
@@ -55,36 +54,33 @@ def follow(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: Tr
     check_inputs(params, inputs)
     launch(params, inputs, Path(work_dir), options, log,
            lambda: f"training interrupted on machine rank {nodes.rank}: machine rank 0's checkpoints say where"
-                   " a rerun (on every machine) resumes")
+                   " a rerun (on every machine) resumes", placement)
     log(f"train: machine rank {nodes.rank} of {nodes.count} done; machine rank 0 publishes the LoRA and evaluates it")
 
 
 def launch(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: TrainOptions, log: Log,
-           interrupted: Callable[[], str]) -> None:
-    """Write the job into work_dir and run this machine's training processes to the end,
-    streaming their log. `interrupted` says what Ctrl-C leaves."""
-    (work_dir / "logs").mkdir(parents=True, exist_ok=True)
-    job = work_dir / "job.json"
-    job.write_text(json.dumps({
-        "params": params.model_dump(mode="json"), "inputs": inputs.to_json(),
-        "options": options.model_dump(mode="json"), "work_dir": str(work_dir.resolve()),
-    }, indent=1, sort_keys=True))
-    nodes, threads = machines(params, options), training_threads(params, options)
-    command, how = launch_command(job, params.num_processes, threads, options.accelerate_config, work_dir, nodes)
-    env = worker_env(params, threads)
-    process = ahead.lend(RECIPE, job, env) if command == direct_command(job) else None
-    log(f"train: {params.num_processes} process(es) of {threads} thread(s) {how}"
-        f"{', started ahead' if process else ''}, {params.max_steps} steps, work dir {work_dir}")
-    damaged = work_dir / DAMAGED_RECORD_FILE
-    damaged.unlink(missing_ok=True)
+           interrupted: Callable[[], str], placement: Placement | None = None) -> None:
+    """Run this machine's training processes to the end where `placement` says, streaming their
+    log. `interrupted` says what Ctrl-C leaves."""
+    placement = placement or place(where(params, options))
+    spec = {"params": params.model_dump(mode="json"), "inputs": inputs.to_json(),
+            "options": options.model_dump(mode="json")}
+    job = Job("train", spec, work_dir.resolve(), placement.threads(options.cpu_threads), unused_libraries(params))
+    log(f"train: {params.num_processes} process(es) of {job.threads} thread(s) {placement.describe()},"
+        f" {params.max_steps} steps, work dir {work_dir}")
     try:
-        stream(process or start_worker(command, env), work_dir / "logs" / "train.log", log, job_done=bool(process))
-    except WorkerFailed as failure:
-        if damaged.is_file():
-            raise DamagedRecord.from_json(json.loads(damaged.read_text())) from failure
-        raise
+        placement.run(job, log)
     except KeyboardInterrupt:
         raise Interrupted(interrupted()) from None
+
+
+def where(params: TrainParams, options: TrainOptions) -> Where:
+    """Where training runs (stages/placement.py): under the user's accelerate config
+    (`train.accelerate_config`, else `accelerate config`'s default file when there is one), or one
+    written for DDP; one process without one runs in a process of its own, sparing the launcher's
+    own interpreter and imports (BENCHMARKS.md, start-up). num_processes counts every machine's."""
+    return Where(params.num_processes, user_accelerate_config(options.accelerate_config), machines(params, options),
+                 own_process=True)
 
 
 def check_inputs(params: TrainParams, inputs: TrainInputs) -> families.Family:
@@ -136,41 +132,10 @@ def _json_or_none(line: str) -> dict | None:
         return None
 
 
-def training_threads(params: TrainParams, options: TrainOptions) -> int:
-    """Torch threads per training process, by the rule every stage follows (stages/cpu_threads.py),
-    for this machine's share of the processes."""
-    return threads_per_process(options.cpu_threads, params.num_processes // machines(params, options).count)
-
-
-def worker_env(params: TrainParams, threads: int) -> dict[str, str]:
-    """What a training process's environment adds: its torch threads, the libraries it hides."""
-    return {"OMP_NUM_THREADS": str(threads), **hiding(unused_libraries(params))}
-
-
 def unused_libraries(params: TrainParams) -> tuple[str, ...]:
     """The optional libraries (stages/optional_libraries.py) a training with `params` never calls."""
     used = {LIBRARY.get(params.base_quantization), "bitsandbytes" if params.optimizer == "adamw8bit" else None}
     return tuple(name for name in OPTIONAL if name not in used)
-
-
-def start_ahead(params: TrainParams, options: TrainOptions) -> bool:
-    """Start the training process now, to be handed its job when the stage runs (and encode's and
-    evaluate's around it), where the stage would run one process without a launcher
-    (stages/ahead.py). Returns whether it started one."""
-    if params.num_processes == 1 and user_accelerate_config(options.accelerate_config) is None:
-        ahead.start_ahead(worker_env(params, training_threads(params, options)), (RECIPE,))
-        return True
-    return False
-
-
-@dataclass(frozen=True)
-class Machines:
-    """The machines a training runs on: how many, this one's rank, and the launcher's arguments
-    that say so (none when the user's accelerate config says it)."""
-
-    count: int = 1
-    rank: int = 0
-    launch_args: tuple[str, ...] = ()
 
 
 def machines(params: TrainParams, options: TrainOptions) -> Machines:
@@ -191,30 +156,6 @@ def machines(params: TrainParams, options: TrainOptions) -> Machines:
         raise UserError(f"train.num_processes: {params.num_processes} processes cannot be spread evenly over"
                         f" {found.count} machines ({where}): use a multiple of {found.count}")
     return found
-
-
-def direct_command(job: Path) -> list[str]:
-    """The recipe run without a launcher: one process."""
-    return [sys.executable, "-m", RECIPE, str(job)]
-
-
-def launch_command(job: Path, processes: int, threads: int, accelerate_config: str | None,
-                   work_dir: Path, nodes: Machines = Machines()) -> tuple[list[str], str]:
-    """The command that runs the recipe, and how it launches: under the user's accelerate config
-    (`train.accelerate_config`, else `accelerate config`'s default file when there is one), or
-    one written here for DDP; a single process without one runs the recipe directly, sparing the
-    launcher's own interpreter and imports (BENCHMARKS.md, start-up). On several machines
-    `processes` counts all of them (accelerate's --num_processes)."""
-    config = user_accelerate_config(accelerate_config)
-    if config is None and processes == 1:
-        return direct_command(job), "(no launcher)"
-    how = f"with accelerate config {config}" if config else "under accelerate launch"
-    if nodes.count > 1:
-        how += f" as machine rank {nodes.rank} of {nodes.count}"
-    config = config or write_accelerate_config(work_dir / "accelerate.yaml", processes)
-    return [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config), "--num_processes",
-            str(processes), *nodes.launch_args, "--num_cpu_threads_per_process", str(threads), "-m",
-            RECIPE, str(job)], how
 
 
 def user_accelerate_config(accelerate_config: str | None) -> Path | None:

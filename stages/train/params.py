@@ -22,7 +22,6 @@ OUTPUT_FILES = (*(OutputFile(name, "LoRA" if name == LORA_FILE else "") for name
 
 PriorTarget = Literal["data", "base_output"]
 TRACKER_RUN = "tracker"  # accelerate's tracker (TensorBoard, wandb) writes under work_dir/logs/tracker/
-DAMAGED_RECORD_FILE = "damaged-record.json"  # where a worker leaves the DamagedRecord it met, for the parent
 
 
 class TrainParams(ObjectiveParams, AdapterParams, EMAParams):
@@ -122,7 +121,7 @@ class TrainOptions(Frozen):
     log_every: int = Field(10, gt=0, description="print a progress line every N steps")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less"
                                          " memory, slower steps, the same result")
-    loader_workers: int | None = Field(None, ge=0, description="threads preparing micro-batches ahead of the"
+    loader_workers: int | None = Field(None, ge=0, description="threads preparing micro-batches before the"
                                        " step (read, sample, noise, pin), the same result; 0: in the step; default"
                                        " 2 on CUDA, 0 on CPU (where their share of the GIL slows the step)")
     log_with: Literal["tensorboard", "wandb", "none"] = Field(

@@ -1,15 +1,16 @@
 """LoRA fine-tuning of a diffusion model's denoiser (SD's UNet, Flux's transformer: stages/families)
 on cached latents and text embeddings.
 
-The train stage's `run()` writes the job file and an accelerate config into the work directory
-and launches this module. By hand (JOB.json as `run()` writes it):
+The train stage's `run()` writes the training job into the work directory (stages/jobs.py) and
+runs it where its placement says; `run_job` below is its worker side. By hand (WORK/job.json as
+`run()` writes it):
 
     # one process (CPU or one GPU), as the stage runs it when no accelerate config is given
-    python -m lorapipe.stages.train.recipe WORK/job.json
+    python -m lorapipe.stages.jobs WORK/job.json
     # DDP: two GPUs, or two CPU processes over gloo (`--cpu` would start only one)
-    accelerate launch --multi_gpu --num_processes 2 -m lorapipe.stages.train.recipe WORK/job.json
+    accelerate launch --multi_gpu --num_processes 2 -m lorapipe.stages.jobs WORK/job.json
     # the launch the stage uses for DDP (or with train.accelerate_config: that file)
-    accelerate launch --config_file WORK/accelerate.yaml -m lorapipe.stages.train.recipe WORK/job.json
+    accelerate launch --config_file WORK/accelerate.yaml -m lorapipe.stages.jobs WORK/job.json
 
 Data: a deterministic batch plan. For each epoch, a permutation seeded by (seed, epoch) deals the
 train split (ordered by latent record key, never by file name), bucket by bucket (one encoded
@@ -22,8 +23,8 @@ plan, and all of its randomness (flipped or plain latent where encode made both,
 caption dropout, noise, timesteps, LoRA dropout) comes from a seed derived from (seed, m, rank),
 and a training sample's caption variant (encode.caption_variants) from (seed, epoch, sample, copy):
 resuming from a checkpoint is exact. Every record read is checked against its digest: a damaged
-one stops the run (DamagedRecord, which the parent raises again for the flow to repair). On CUDA,
-threads prepare micro-batches ahead of the step (stages/train/data.py: read, sample, noise, pin),
+one stops the run (DamagedRecord, which the parent raises again for the flow to repair: stages/placement.py). On CUDA,
+threads prepare micro-batches before the step (stages/train/data.py: read, sample, noise, pin),
 so the step itself is the copy to the device, the denoiser and the optimizer (train.loader_workers).
 What differs between model families (objective, conditioning, the denoiser call, LoRA target
 presets, export formats) comes from the family of the model (stages/families).
@@ -40,36 +41,29 @@ from __future__ import annotations
 import json
 import math
 import shutil
-import sys
 import threading
 import time
 from contextlib import nullcontext
 from pathlib import Path
 
-from lorapipe.stages.optional_libraries import hide_named
+import torch
+from accelerate.utils import broadcast_object_list, gather_object, send_to_device
 
-hide_named()  # first, before torch, accelerate or diffusers is imported: what the stage named (train/launch.py)
-
-import torch  # noqa: E402
-from accelerate.utils import broadcast_object_list, gather_object, send_to_device  # noqa: E402
-
-from lorapipe.cache.errors import UserError  # noqa: E402
-from lorapipe.cache.fsutil import write_json_atomic  # noqa: E402
-from lorapipe.cache.samples import DamagedRecord  # noqa: E402
-from lorapipe.stages import families  # noqa: E402
-from lorapipe.stages.encoded import EncodedData  # noqa: E402
-from lorapipe.stages.families.objectives import Objective  # noqa: E402
-from lorapipe.stages.launching import begin_worker, reporting_errors, skip_exit_collection  # noqa: E402
-from lorapipe.stages.lora_formats.lora_folder import TRAIN_CONFIG, step_name  # noqa: E402
-from lorapipe.stages.progress import progress_line  # noqa: E402
-from lorapipe.stages.train.adapter import check_targets, kohya_network_dim_alpha, load_init_lora  # noqa: E402
-from lorapipe.stages.train.checkpoints import CheckpointDir  # noqa: E402
-from lorapipe.stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch  # noqa: E402
-from lorapipe.stages.train.params import (DAMAGED_RECORD_FILE, TRACKER_RUN, VERSION, TrainInputs,  # noqa: E402
-                                 TrainOptions, TrainParams)
-from lorapipe.stages.train.prior import base_output_target  # noqa: E402
-from lorapipe.stages.train.quantization import keep_base_out_of_ddp_sync, quantize_base  # noqa: E402
-from lorapipe.stages.train.trained_adapter import TrainedAdapter  # noqa: E402
+from lorapipe.cache.errors import UserError
+from lorapipe.stages import families
+from lorapipe.stages.contract import Log
+from lorapipe.stages.encoded import EncodedData
+from lorapipe.stages.families.objectives import Objective
+from lorapipe.stages.jobs import Job
+from lorapipe.stages.lora_formats.lora_folder import TRAIN_CONFIG, step_name
+from lorapipe.stages.progress import progress_line
+from lorapipe.stages.train.adapter import check_targets, kohya_network_dim_alpha, load_init_lora
+from lorapipe.stages.train.checkpoints import CheckpointDir
+from lorapipe.stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
+from lorapipe.stages.train.params import TRACKER_RUN, VERSION, TrainInputs, TrainOptions, TrainParams
+from lorapipe.stages.train.prior import base_output_target
+from lorapipe.stages.train.quantization import keep_base_out_of_ddp_sync, quantize_base
+from lorapipe.stages.train.trained_adapter import TrainedAdapter
 
 TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")
 LYCORIS_NETWORK_ARGS = {"dora": {"algo": "lora", "dora_wd": "True"}, "lokr": {"algo": "lokr"}, "loha": {"algo": "loha"}}
@@ -305,7 +299,7 @@ class LoRATrainingRecipe:
             self.batches.close()
 
     def micro_batches(self) -> MicroBatches:
-        """The micro-batches from the current step to max_steps, prepared ahead of the step."""
+        """The micro-batches from the current step to max_steps, prepared before the step needs them."""
         accumulation, cuda = self.params.gradient_accumulation_steps, self.accelerator.device.type == "cuda"
         workers = self.options.loader_workers if self.options.loader_workers is not None else 2 if cuda else 0
         return MicroBatches(self._prepare, self.step * accumulation, self.params.max_steps * accumulation,
@@ -490,36 +484,20 @@ def plot_losses(loss_log: Path, png: Path) -> None:
 
 
 def warm_up() -> None:
-    """In a process started ahead of its job (stages/ahead.py): import what training needs."""
+    """In the warm process, before its first job (stages/jobs.py): import what training needs."""
     import accelerate  # noqa: F401
     import diffusers.optimization  # noqa: F401
     import diffusers.training_utils  # noqa: F401
     import peft  # noqa: F401  (diffusers.training_utils brings every family's model classes)
 
 
-def run_job(job_path: Path) -> None:
-    """Train as the job at `job_path` says (written by the stage: stages/train/launch.py)."""
-    job = json.loads(job_path.read_text())
-    recipe = LoRATrainingRecipe(TrainParams(**job["params"]), TrainInputs.from_json(job["inputs"]),
-                                TrainOptions(**job["options"]), Path(job["work_dir"]))
-    with reporting_errors(Path(job["work_dir"])):  # one line for the user, then the traceback for the log
-        try:
-            recipe.setup()
-            recipe.train()
-            recipe.export()
-            recipe.cleanup()
-        except DamagedRecord as damage:  # the parent raises it again, typed, so the flow can repair it
-            write_json_atomic(Path(job["work_dir"]) / DAMAGED_RECORD_FILE, damage.to_json())
-            raise
-
-
-def main(argv: list[str]) -> None:
-    begin_worker()
-    run_job(Path(argv[1]))
-
-
-if __name__ == "__main__":
-    try:
-        main(sys.argv)
-    finally:
-        skip_exit_collection()
+def run_job(job: Job, log: Log) -> None:
+    """Train as the job says (written by the stage: stages/train/launch.py). Each process prints its
+    own lines, which the stage's placement streams (`log` is the stage's in the calling process)."""
+    spec = job.spec
+    recipe = LoRATrainingRecipe(TrainParams(**spec["params"]), TrainInputs.from_json(spec["inputs"]),
+                                TrainOptions(**spec["options"]), job.work_dir)
+    recipe.setup()
+    recipe.train()
+    recipe.export()
+    recipe.cleanup()

@@ -1,0 +1,155 @@
+"""One job description and one worker entry for the stages whose work runs wherever its placement
+says (stages/placement.py): encode, train and evaluate.
+
+A stage's `run` (its parent side) describes its work as a Job and hands it to its placement, which
+runs it in this process, in a process of its own, under `accelerate launch`, in the warm process or
+on a Dask cluster. The worker side is the module WORKERS names for the stage: its `run_job(job, log)`
+does the work and leaves what the parent reads back (what failed, what it built) in job.work_dir.
+
+    python -m lorapipe.stages.jobs WORK/job.json                   # one job in a process of its own
+    accelerate launch ... -m lorapipe.stages.jobs WORK/job.json    # every rank runs it (RANK, WORLD_SIZE)
+    python -m lorapipe.stages.jobs --serve [--hide NAME]... [--warm-up STAGE]...   # the warm process
+
+The entry reads the job with the standard library, hides the optional libraries the job never uses
+(stages/optional_libraries.py), and only then imports the stage's module, which imports torch and
+diffusers as any module does. With --serve it is the warm process (stages/placement.py WarmProcess):
+it hides the NAMEs and imports each STAGE's worker (and calls its `warm_up`) before any job exists,
+then reads job paths on stdin, one a line, and prints JOB_DONE after each (after freeing what the
+job left on the GPU); it ends at end-of-file. A job that fails ends the process as a worker's error
+does (`reporting_errors`), so a later job runs elsewhere.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import os
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Callable
+
+from lorapipe.stages.cpu_threads import torch_threads
+from lorapipe.stages.launching import JOB_DONE, begin_worker, reporting_errors, skip_exit_collection
+from lorapipe.stages.optional_libraries import hide
+
+WORKERS = {  # stage -> the module of its worker side: run_job(job, log), and warm_up() for the warm process
+    "encode": "lorapipe.stages.encode.workers",
+    "train": "lorapipe.stages.train.recipe",
+    "evaluate": "lorapipe.stages.evaluate.worker",
+}
+JOB_FILE = "job.json"  # in the job's work_dir
+DAMAGED_RECORD_FILE = "damaged-record.json"  # the damaged record a worker met (lorapipe.cache.samples.DamagedRecord)
+
+
+@dataclass(frozen=True)
+class Job:
+    """A stage's work, as its worker reads it."""
+
+    stage: str
+    spec: dict  # the stage's own JSON: its params, inputs, options and what to do
+    work_dir: Path  # the worker writes only here (and into the cache or out_dir its spec names)
+    threads: int | None = None  # torch's CPU threads (stages/cpu_threads.py); None: the process's own
+    hidden: tuple[str, ...] = ()  # the optional libraries the job never uses
+    writes_into: Path | None = None  # the folder named when its disk is full (default: work_dir)
+
+    @property
+    def path(self) -> Path:
+        return self.work_dir / JOB_FILE
+
+    def to_json(self) -> dict:
+        return {"stage": self.stage, "spec": self.spec, "work_dir": str(self.work_dir), "threads": self.threads,
+                "hidden": list(self.hidden), "writes_into": str(self.writes_into) if self.writes_into else None}
+
+    @classmethod
+    def from_json(cls, value: dict) -> Job:
+        return cls(value["stage"], value["spec"], Path(value["work_dir"]), value["threads"], tuple(value["hidden"]),
+                   Path(value["writes_into"]) if value["writes_into"] else None)
+
+    def write(self) -> Path:
+        """Write the job into work_dir/job.json in one rename; returns its path."""
+        (self.work_dir / "logs").mkdir(parents=True, exist_ok=True)
+        temporary = self.path.with_name(f".{JOB_FILE}.{os.getpid()}.tmp")
+        temporary.write_text(json.dumps(self.to_json(), indent=1, sort_keys=True))
+        os.replace(temporary, self.path)
+        return self.path
+
+    @classmethod
+    def read(cls, path: Path) -> Job:
+        return cls.from_json(json.loads(Path(path).read_text()))
+
+
+def worker(stage: str) -> ModuleType:
+    """The module of `stage`'s worker side (imported now: hide what the job does not use first)."""
+    return importlib.import_module(WORKERS[stage])
+
+
+def run(job: Job, log: Callable[[str], None]) -> None:
+    """Do `job` in this process, on its threads. A damaged record it meets is also left in
+    DAMAGED_RECORD_FILE, so that a parent in another process can raise it again (stages/placement.py)."""
+    job.work_dir.mkdir(parents=True, exist_ok=True)
+    with torch_threads(job.threads) if job.threads else nullcontext():
+        try:
+            worker(job.stage).run_job(job, log)
+        except Exception as error:
+            from lorapipe.cache.fsutil import write_json_atomic
+            from lorapipe.cache.samples import DamagedRecord
+
+            if isinstance(error, DamagedRecord):
+                write_json_atomic(job.work_dir / DAMAGED_RECORD_FILE, error.to_json())
+            raise
+
+
+def run_reporting(job: Job) -> None:
+    """Do `job` as a worker process does: its lines printed, an error reported in one line (`reporting_errors`)."""
+    with reporting_errors(job.writes_into or job.work_dir):
+        run(job, lambda line: print(line, flush=True))
+
+
+def serve(hidden: list[str], warm_up: list[str]) -> None:
+    """The warm process: see the module docstring."""
+    hide(hidden)
+    for stage in warm_up:
+        getattr(worker(stage), "warm_up", lambda: None)()
+    for line in sys.stdin:
+        run_reporting(Job.read(Path(line.rstrip("\n"))))
+        release_accelerator_memory()
+        print(JOB_DONE, flush=True)
+
+
+def release_accelerator_memory() -> None:
+    """Between two jobs: free what the last one left on the GPU (its models' memory, which a
+    reference cycle may hold until a collection), so the next one can load its own. On a CPU,
+    freed by reference counting as usual, spared the collection's ~0.3 s."""
+    import torch
+
+    if torch.cuda.is_available():
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def main(argv: list[str]) -> None:
+    parser = argparse.ArgumentParser(prog="python -m lorapipe.stages.jobs", description="run a stage's job")
+    parser.add_argument("job", nargs="?", type=Path, help="the job file (without --serve)")
+    parser.add_argument("--serve", action="store_true", help="read job paths on stdin, one a line")
+    parser.add_argument("--hide", action="append", default=[], metavar="NAME", help="with --serve: hide a library")
+    parser.add_argument("--warm-up", action="append", default=[], metavar="STAGE",
+                        help="with --serve: import STAGE's worker before any job")
+    args = parser.parse_args(argv)
+    begin_worker()
+    if args.serve:
+        serve(args.hide, args.warm_up)
+        return
+    job = Job.read(args.job)
+    hide(job.hidden)  # before the stage's module imports diffusers
+    run_reporting(job)
+
+
+if __name__ == "__main__":
+    try:
+        main(sys.argv[1:])
+    finally:
+        skip_exit_collection()
