@@ -1,5 +1,8 @@
-"""The lorapipe flow: preprocess -> encode -> train -> evaluate, each a Prefect task whose
-hit or miss is decided by our cache manifest (a hit shows in Prefect as a "Cached" state).
+"""The lorapipe flow: preprocess -> encode -> train -> evaluate, four Prefect tasks passing artifacts.
+Each stage is served from the cache when nothing it depends on changed, as our manifests decide (a
+hit shows in Prefect as a "Cached" state), and built otherwise (flows/runner.py); where its job
+runs was decided once by the run's plan (flows/run_plan.py). What each stage reads and how it is
+keyed: flows/plan.py.
 
     lorapipe run configs/demo.yaml            # or: python -m lorapipe.flows.pipeline CONFIG
     prefect deploy --all                      # the deployments in prefect.yaml (README: "Running as a service")
@@ -9,9 +12,12 @@ from __future__ import annotations
 import errno
 import re
 import sys
-from functools import partial
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import wraps
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -20,6 +26,7 @@ from prefect.states import Completed
 from pydantic.json_schema import SkipJsonSchema
 
 from lorapipe.cache.errors import UserError
+from lorapipe.cache.store import Artifact
 from lorapipe.stages.launching import WorkerCrashed
 from lorapipe.stages.library_notes import quiet_harmless_notes
 from lorapipe.stages.optional_libraries import hide
@@ -29,48 +36,13 @@ from .config import PipelineConfig, load_config
 from .outputs import finish_run, with_files
 from .plan import STAGES, Context
 from .run_plan import RunPlan, plan_flow
-from .runner import StageResult, follow_train, machine_folder, run_stage, run_warm_train
+from .runner import StageResult, run_stage
+from .training import follow_train, machine_folder, run_warm_train
 
-Stage = Literal["preprocess", "encode", "train", "evaluate"]  # typed, so Prefect refuses a misspelt stage
-assert get_args(Stage) == STAGES
+Stage = Literal[STAGES]  # typed, so Prefect refuses a misspelt stage
 
 TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ESTALE, errno.ETIMEDOUT, errno.ECONNRESET,
                     errno.ECONNABORTED}  # a busy or briefly unreachable (network) filesystem
-
-
-def may_succeed_on_retry(_task, _task_run, state) -> bool:
-    """Retry a stage whose worker process died without reporting an error (a signal, the OOM
-    killer), or that hit a transient filesystem error; never one that failed on its input."""
-    error = state.data
-    return isinstance(error, WorkerCrashed) or (isinstance(error, OSError) and error.errno in TRANSIENT_ERRNOS)
-
-
-@task(cache_policy=NO_CACHE, persist_result=False, retries=2, retry_delay_seconds=5,
-      retry_condition_fn=may_succeed_on_retry)
-def stage_task(config: PipelineConfig, plan: RunPlan, stage: str, upstream: dict[str, str], warm_start: bool = False):
-    """One stage. `upstream` maps earlier stages to their artifact keys; `warm_start` makes train
-    begin from this pipeline's previous LoRA. A retry resumes (train from its last checkpoint,
-    encode after its last shard): a forced stage discards its work directory on the first attempt only."""
-    logger, progress = get_run_logger(), StageProgress(stage)
-    force = stage in plan.forced and task_run.run_count <= 1
-
-    def log(line: str) -> None:
-        logger.info(line)
-        progress(line)
-
-    ctx = Context(config, log=log, placements=plan.placements)
-    try:
-        artifacts = {s: ctx.store.lookup(s, k).artifact for s, k in upstream.items()}
-        following = stage == "train" and plan.rank > 0
-        if following and warm_start:
-            raise UserError("warm_start: not supported with train.machine_rank > 0; start the runs without it")
-        stage_run = follow_train if following else run_warm_train if warm_start else partial(run_stage, stage=stage)
-        result = with_files(*stage_run(ctx, upstream=artifacts, run=stage in plan.chosen, force=force))
-    finally:
-        ctx.close()
-    if result.status == "hit":
-        return Completed(name="Cached", message=f"{stage}: served from {result.path}", data=result)
-    return result
 
 
 @flow(name="lorapipe", log_prints=True)
@@ -93,20 +65,124 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
     if deployment.id:  # a process of its own, started for this run: hide what `lorapipe run` hides (flows/cli.py)
         hide()  # before a stage imports diffusers; training runs in processes of its own, with its own choice
     plan = plan or plan_flow(config, only, start, force)
-    results: list[StageResult] = []
-    upstream: dict[str, str] = {}
-    for stage in plan.walked:
-        state = stage_task.with_options(name=stage)(
-            config, plan, stage, dict(upstream), warm_start and stage == "train", return_state=True)
-        result: StageResult = state.result()
-        result.prefect_state = state.name
-        results.append(result)
-        upstream[stage] = result.key
+    pre = preprocess(config, plan)
+    enc = encode(config, plan, pre)
+    lora = train(config, plan, enc, warm_start)
+    scores = evaluate(config, plan, enc, lora)
+    results = [done.result for done in (pre, enc, lora, scores) if done]
     out = output_folder(config) if plan.rank == 0 else machine_folder(output_folder(config), plan.rank)
     summary = finish_run(out, config, results, flow_run.name or "unnamed", get_run_logger().info,
                          deployment=deployment.name, flow_run=flow_run.name, record=plan.rank == 0)
     publish_run_artifacts(config.name, results, out)
     return summary
+
+
+@dataclass
+class Done:
+    """What a stage task hands on: its row of the run's summary, and its artifact (None for the
+    training machine rank > 0 joins: rank 0 publishes it)."""
+
+    result: StageResult
+    artifact: Artifact | None
+
+
+def may_succeed_on_retry(_task, _task_run, state) -> bool:
+    """Retry a stage whose worker process died without reporting an error (a signal, the OOM
+    killer), or that hit a transient filesystem error; never one that failed on its input."""
+    error = state.data
+    return isinstance(error, WorkerCrashed) or (isinstance(error, OSError) and error.errno in TRANSIENT_ERRNOS)
+
+
+def stage_task(body: Callable[..., Done]) -> Callable[..., Done | None]:
+    """`body` as the Prefect task of the stage it is named after: retried as `may_succeed_on_retry`
+    says (a retry resumes: train from its last checkpoint, encode after its last shard), a hit
+    shown as Cached. Called, it runs when the run's plan walks the stage, else returns None."""
+    stage = body.__name__
+
+    @wraps(body)
+    def reported(*args, **kwargs) -> Done | Completed:
+        done = body(*args, **kwargs)
+        with_files(done.result, done.artifact)
+        if done.result.status == "hit":
+            return Completed(name="Cached", message=f"{stage}: served from {done.result.path}", data=done)
+        return done
+
+    prefect_task = task(reported, name=stage, cache_policy=NO_CACHE, persist_result=False, retries=2,
+                        retry_delay_seconds=5, retry_condition_fn=may_succeed_on_retry)
+
+    @wraps(body)
+    def call(config: PipelineConfig, plan: RunPlan, *args) -> Done | None:
+        if stage not in plan.walked:
+            return None
+        state = prefect_task(config, plan, *args, return_state=True)
+        done = state.result()
+        done.result.prefect_state = state.name
+        return done
+
+    return call
+
+
+@stage_task
+def preprocess(config: PipelineConfig, plan: RunPlan) -> Done:
+    return served_or_built(config, plan, "preprocess")
+
+
+@stage_task
+def encode(config: PipelineConfig, plan: RunPlan, pre: Done) -> Done:
+    return served_or_built(config, plan, "encode", pre)
+
+
+@stage_task
+def train(config: PipelineConfig, plan: RunPlan, enc: Done, warm_start: bool) -> Done:
+    """Train's own ways (flows/training.py): on machine rank > 0 join rank 0's training; with
+    `warm_start`, start from this pipeline's previous LoRA."""
+    with stage_context(config, plan, "train") as ctx:
+        upstream, run = artifacts_of(enc), "train" in plan.chosen
+        if plan.rank > 0:
+            if warm_start:
+                raise UserError("warm_start: not supported with train.machine_rank > 0; start the runs without it")
+            return Done(*follow_train(ctx, upstream, run))
+        if warm_start:
+            return Done(*run_warm_train(ctx, upstream, run=run, force=forced(plan, "train")))
+        return Done(*run_stage(ctx, "train", upstream, run=run, force=forced(plan, "train")))
+
+
+@stage_task
+def evaluate(config: PipelineConfig, plan: RunPlan, enc: Done, lora: Done) -> Done:
+    return served_or_built(config, plan, "evaluate", enc, lora)
+
+
+def served_or_built(config: PipelineConfig, plan: RunPlan, stage: str, *inputs: Done) -> Done:
+    """`stage` served from the cache, or built from the artifacts of `inputs` (flows/runner.py)."""
+    with stage_context(config, plan, stage) as ctx:
+        return Done(*run_stage(ctx, stage, artifacts_of(*inputs), run=stage in plan.chosen,
+                               force=forced(plan, stage)))
+
+
+@contextmanager
+def stage_context(config: PipelineConfig, plan: RunPlan, stage: str) -> Iterator[Context]:
+    """The stage's Context, logging into the task's run log and its progress artifact, with the plan's placements."""
+    logger, progress = get_run_logger(), StageProgress(stage)
+
+    def log(line: str) -> None:
+        logger.info(line)
+        progress(line)
+
+    ctx = Context(config, log=log, placements=plan.placements)
+    try:
+        yield ctx
+    finally:
+        ctx.close()
+
+
+def artifacts_of(*inputs: Done) -> dict[str, Artifact]:
+    return {done.result.stage: done.artifact for done in inputs}
+
+
+def forced(plan: RunPlan, stage: str) -> bool:
+    """Whether to discard the stage's artifact and work directory: on its first attempt only, so
+    that a retry resumes."""
+    return stage in plan.forced and task_run.run_count <= 1
 
 
 def output_folder(config: PipelineConfig) -> Path:

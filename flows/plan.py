@@ -1,4 +1,5 @@
-"""What each stage's key is made of and how it is built, given the artifacts before it.
+"""The pipeline's stages (PIPELINE, the DAG in one table), what each stage's key is made of and
+how it is built, given the artifacts of the stages it reads.
 
 Each `*_step` returns a Step: its StageKey (stage, VERSION, params, input artifact digests,
 model component digests, library majors — never paths, run ids or the whole config) and a
@@ -11,6 +12,7 @@ import inspect
 from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
+from types import ModuleType
 from typing import Callable, Mapping
 
 from lorapipe.cache.digest import StatCache, path_identity
@@ -21,17 +23,9 @@ from lorapipe.cache.store import Artifact, Built, StageKey
 from lorapipe.stages import encode, evaluate, families, preprocess, train
 from lorapipe.stages.contract import KEYED_LIBRARIES, Log, library_majors, library_versions
 from lorapipe.stages.models import component_digests
-from lorapipe.stages.placement import Placement
+from lorapipe.stages.placement import Placement, Where
 
 from .config import PipelineConfig, split
-
-STAGES = ("preprocess", "encode", "train", "evaluate")
-MODULES = {"preprocess": preprocess, "encode": encode, "train": train, "evaluate": evaluate}
-WHERE = {  # where each stage with a job runs, as its settings say (stages/placement.py)
-    "encode": lambda cfg: encode.where(split(cfg.encode, encode.EncodeParams, encode.EncodeOptions)[1]),
-    "train": lambda cfg: train.where(*split(cfg.train, train.TrainParams, train.TrainOptions)),
-    "evaluate": lambda cfg: evaluate.where(split(cfg.evaluate, evaluate.EvalParams, evaluate.EvalOptions)[1]),
-}
 
 
 @dataclass(frozen=True)
@@ -95,7 +89,7 @@ class Context:
                   resolved: dict | None = None) -> StageKey:
         """`resolved`: what the family derives from the params and the model (encode's text settings)."""
         ingredients = {
-            "stage": stage, "version": MODULES[stage].VERSION, "params": params.model_dump(mode="json"),
+            "stage": stage, "version": PIPELINE[stage].module.VERSION, "params": params.model_dump(mode="json"),
             "inputs": inputs, "models": self.models_for(stage), "libs": library_majors(*KEYED_LIBRARIES),
         }
         return StageKey(stage, {**ingredients, "resolved": resolved} if resolved else ingredients, resumable)
@@ -117,7 +111,7 @@ def object_settings(config: PipelineConfig) -> ObjectSettings | None:
 
 
 def code_digest(stage: str) -> str:
-    module = MODULES[stage]
+    module = PIPELINE[stage].module
     files = sorted(Path(module.__file__).parent.glob("*.py")) if module.__file__.endswith("__init__.py") \
         else [Path(inspect.getfile(module))]
     return hashlib.sha256(b"".join(f.read_bytes() for f in files)).hexdigest()
@@ -184,11 +178,31 @@ def evaluate_step(ctx: Context, enc: Artifact, trained: Artifact) -> Step:
     return Step(key, build)
 
 
+@dataclass(frozen=True)
+class StageDef:
+    """A stage of the pipeline: its module (VERSION, run; its code's digest), the step that keys and
+    builds it from the artifacts of the stages it reads, and, for a stage whose work is a job
+    (stages/jobs.py), where its settings say the job runs (stages/placement.py)."""
+
+    module: ModuleType
+    step: Callable[..., Step]  # (ctx, *the artifacts of `reads`, in order) -> Step
+    reads: tuple[str, ...] = ()
+    where: Callable[[PipelineConfig], Where] | None = None
+
+
+PIPELINE = {  # preprocess -> encode -> train -> evaluate
+    "preprocess": StageDef(preprocess, preprocess_step),
+    "encode": StageDef(encode, encode_step, ("preprocess",),
+                       lambda cfg: encode.where(split(cfg.encode, encode.EncodeParams, encode.EncodeOptions)[1])),
+    "train": StageDef(train, train_step, ("encode",),
+                      lambda cfg: train.where(*split(cfg.train, train.TrainParams, train.TrainOptions))),
+    "evaluate": StageDef(evaluate, evaluate_step, ("encode", "train"),
+                         lambda cfg: evaluate.where(split(cfg.evaluate, evaluate.EvalParams, evaluate.EvalOptions)[1])),
+}
+STAGES = tuple(PIPELINE)
+
+
 def step_for(stage: str, ctx: Context, upstream: dict[str, Artifact]) -> Step:
-    if stage == "preprocess":
-        return preprocess_step(ctx)
-    if stage == "encode":
-        return encode_step(ctx, upstream["preprocess"])
-    if stage == "train":
-        return train_step(ctx, upstream["encode"])
-    return evaluate_step(ctx, upstream["encode"], upstream["train"])
+    """`stage`'s Step, given (at least) the artifacts of the stages it reads."""
+    stage_def = PIPELINE[stage]
+    return stage_def.step(ctx, *(upstream[name] for name in stage_def.reads))

@@ -22,12 +22,15 @@ from lorapipe.stages.contract import Log
 from lorapipe.stages.placement import OwnProcess, Placement, WarmProcess, place
 
 from .config import PipelineConfig, split
-from .plan import STAGES, WHERE, Context
-from .runner import Standing, machine_rank, stand
+from .plan import PIPELINE, STAGES, Context
+from .runner import Standing, stand
+from .training import machine_rank
 
 
 @dataclass(frozen=True)
 class RunPlan:
+    """What a command decided before running anything (see the module docstring)."""
+
     chosen: frozenset[str]  # the stages to serve or build
     walked: tuple[str, ...]  # in order: the chosen ones and those before them (served from the cache)
     forced: frozenset[str]  # rebuilt even when cached
@@ -57,9 +60,12 @@ class RunPlan:
         """A warm process started now for the run's training, when it will train in one process of
         its own; its imports overlap Prefect's start and the stages before train, which hand it
         their jobs too (the command owns it: a context manager). None otherwise."""
-        params, options = split(config.train, train.TrainParams, train.TrainOptions)
-        if "train" not in self.building() or not isinstance(alone := place(WHERE["train"](config)), OwnProcess):
+        if "train" not in self.building():
             return None
+        alone = place(PIPELINE["train"].where(config))
+        if not isinstance(alone, OwnProcess):
+            return None
+        params, options = split(config.train, train.TrainParams, train.TrainOptions)
         return WarmProcess(alone.threads(options.cpu_threads), train.unused_libraries(params))
 
     def placed(self, config: PipelineConfig, warm: WarmProcess | None = None) -> RunPlan:
@@ -67,8 +73,8 @@ class RunPlan:
         applied to the stage's settings, with the warm process when the command started one. (A
         stage built against the plan, e.g. encode repairing a damaged shard, runs where its own
         settings say.)"""
-        return replace(self, placements={stage: place(WHERE[stage](config), warm)
-                                         for stage in self.walked if stage in WHERE and stage in self.building()})
+        return replace(self, placements={stage: place(PIPELINE[stage].where(config), warm)
+                                         for stage in self.building() if PIPELINE[stage].where})
 
 
 def select(config: PipelineConfig, only: list[str], start: str | None, force: list[str]) -> RunPlan:

@@ -1,21 +1,18 @@
 """Runs one stage through the cache: decide hit or miss (and why), build on a miss, remember.
 
-No Prefect here: the flow wraps `run_stage` in a task, `lorapipe status` calls `explain`.
+No Prefect here: the flow's tasks call `run_stage` (train's own ways: flows/training.py), a run's
+plan and `lorapipe status` call `stand`.
 """
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 from lorapipe.cache.errors import UserError
 from lorapipe.cache.samples import DamagedRecord
 from lorapipe.cache.store import Artifact, Lookup, StageKey, diff_ingredients
-from lorapipe.stages import train
-from lorapipe.stages.lora_formats.lora_folder import LORA_FILE
 
-from .config import PipelineConfig, split
 from .plan import STAGES, Context, Step, code_digest, step_for
 
 
@@ -147,34 +144,6 @@ def record_repairs(results: list[StageResult]) -> None:
         result.rebuilt = []
 
 
-def machine_rank(config: PipelineConfig) -> int:
-    """This machine's rank in a training across machines (0 on one machine)."""
-    return train.machines(*split(config.train, train.TrainParams, train.TrainOptions)).rank
-
-
-def machine_folder(output_dir: Path, rank: int) -> Path:
-    """Where machine rank > 0 keeps its training job, its log and its run summary: it publishes
-    no stage files, so a run there never touches what rank 0 publishes into a shared output_dir."""
-    return output_dir / f"train-machine-{rank}"
-
-
-def follow_train(ctx: Context, upstream: dict[str, Artifact], run: bool = True,
-                 force: bool = False) -> tuple[StageResult, None]:
-    """Train on machine rank > 0: this machine's processes join rank 0's training. Rank 0 holds the
-    work directory's lock, checkpoints and publishes, so this takes no lock, reads no checkpoint
-    and publishes nothing (--force matters on rank 0 only); its job and log go into
-    output_dir/train-machine-N/."""
-    if not run:
-        raise UserError("train.machine_rank > 0 only joins a training: select train (drop --only/--from that skip it)")
-    started, step = time.time(), step_for("train", ctx, upstream)
-    rank = machine_rank(ctx.config)
-    ctx.log(f"train: machine rank {rank} joins machine rank 0's training of {step.key.key[:12]}")
-    step.follow(machine_folder(ctx.config.output_dir, rank))
-    result = StageResult("train", "joined", step.key.key, "", "(published by machine rank 0)",
-                         round(time.time() - started, 3), f"machine rank {rank}: rank 0 publishes and evaluates")
-    return result, None
-
-
 @dataclass(frozen=True)
 class Standing:
     """How a stage stands in the cache before a run: its key and, for a hit, its artifact."""
@@ -197,7 +166,8 @@ def stand(ctx: Context, stages: tuple[str, ...]) -> list[Standing]:
     standings = []
     for stage in stages:
         if any(s not in upstream for s in stages[: stages.index(stage)]):
-            standings.append(Standing(stage, None, None, "an earlier stage will be recomputed; its key is known after that"))
+            standings.append(Standing(stage, None, None,
+                                      "an earlier stage will be recomputed; its key is known after that"))
             continue
         key = step_for(stage, ctx, upstream).key
         found = ctx.store.lookup(stage, key.key)
@@ -212,31 +182,3 @@ def stand(ctx: Context, stages: tuple[str, ...]) -> list[Standing]:
 def explain(ctx: Context, stages: tuple[str, ...]) -> list[dict[str, Any]]:
     """Per stage: key, hit or miss and why, without running anything (`lorapipe status`)."""
     return [standing.row() for standing in stand(ctx, stages)]
-
-
-def previous_train(ctx: Context) -> Artifact:
-    """This pipeline's last train artifact: where a warm start begins."""
-    previous = ctx.store.previous(ctx.config.name, "train")
-    found = ctx.store.lookup("train", previous["key"]) if previous else None
-    if not found or not found.hit:
-        raise UserError(f"warm_start: pipeline {ctx.config.name!r} has no earlier LoRA in {ctx.config.cache_dir};"
-                        " run it once without warm_start")
-    return found.artifact
-
-
-def run_warm_train(ctx: Context, upstream: dict[str, Artifact], **kwargs) -> tuple[StageResult, Artifact]:
-    """Train starting from the previous LoRA. When that LoRA was trained on exactly this encoded
-    data there is nothing new to learn, so it is served as is (a scheduled no-op stays a no-op)."""
-    started, previous = time.time(), previous_train(ctx)
-    if previous.manifest["ingredients"]["inputs"]["encode"] == upstream["encode"].digest:
-        reason = "warm start on unchanged data: the previous LoRA stands"
-        ctx.log(f"train: hit ({reason}) {previous.location}")
-        return StageResult("train", "hit", previous.key, previous.digest, str(previous.location),
-                           round(time.time() - started, 3), reason), previous
-    ctx.log(f"train: warm start from {previous.path / LORA_FILE}")
-    train = ctx.config.train.model_copy(update={"init_lora": str(previous.path / LORA_FILE)})
-    warm = Context(ctx.config.model_copy(update={"train": train}), ctx.log, placements=ctx.placements)
-    try:
-        return run_stage(warm, "train", upstream, **kwargs)
-    finally:
-        warm.close()

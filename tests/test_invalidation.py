@@ -183,7 +183,7 @@ def test_raising_max_steps_continues_from_the_published_run(baseline, tmp_path):
 
 def test_warm_start_continues_from_the_previous_lora_only_when_the_data_changed(baseline, tmp_path):
     from lorapipe.cache.digest import digest_file
-    from lorapipe.flows.runner import run_warm_train
+    from lorapipe.flows.training import run_warm_train
 
     config = copy_of(baseline, tmp_path)
     ctx = Context(config, log=lambda m: None)
