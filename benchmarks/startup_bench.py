@@ -235,6 +235,14 @@ def medians(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(r[k] for r in rows if k in r), 2) for k in rows[0]}
 
 
+def ratios(this: list[dict[str, float]], baseline: list[dict[str, float]]) -> dict[str, float]:
+    """Per phase, the median over rounds of this version's seconds over the baseline's in the same
+    round: a slow moment of a shared machine moves both sides of one round's ratio."""
+    pairs = list(zip(this, baseline))
+    shared = [k for k in this[0] if all(a.get(k) and b.get(k) for a, b in pairs)]  # seen in every round
+    return {k: round(statistics.median(a[k] / b[k] for a, b in pairs), 3) for k in shared}
+
+
 def measure(root: Path, rounds: int = 3, baseline: Path | None = None, compare: str | None = None,
             steps: int = STEPS, kept: bool = False, cases: tuple[str, ...] = CASES[:3]) -> dict:
     """Per code version and scenario, the median of each phase over `rounds` interleaved rounds."""
@@ -255,8 +263,10 @@ def measure(root: Path, rounds: int = 3, baseline: Path | None = None, compare: 
             if compare:
                 rows.setdefault("compare", []).append(compare_run(compare, root, jobs["this"].root / "model", steps))
     by_round = {name: [row["encode_stage"] for row in r] for name, r in rows.items() if "encode_stage" in r[0]}
+    compared = {f"this_over_baseline_{case}": ratios(rows[f"this_{case}"], rows[f"baseline_{case}"])
+                for case in cases if baseline}
     return {"job": f"demo, {steps} steps, stops after train (fresh_all: every stage)", "rounds": rounds,
-            **{name: medians(r) for name, r in rows.items()}, "encode_stage_by_round": by_round}
+            **{name: medians(r) for name, r in rows.items()}, **compared, "encode_stage_by_round": by_round}
 
 
 def main() -> None:

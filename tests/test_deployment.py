@@ -40,7 +40,7 @@ CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                   "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 STAGES = ["preprocess", "encode", "train", "evaluate"]
-TRAINER = "lorapipe.stages.train.recipe"
+TRAINER = "lorapipe.stages.jobs"  # in the command line of a training process: its job file names the test root
 SMALL = {  # the demo, made quick: a few training steps, a small evaluation
     "train": {"max_steps": 6, "checkpoint_every": 3, "log_every": 2},
     "evaluate": {"prompts": ["a photo of a rocket on a launch pad"], "seeds": [0], "lora_scales": [1.0],
