@@ -17,7 +17,6 @@ from .plan import Context, step_for
 from .runner import StageResult, run_stage
 
 
-
 def machine_rank(config: PipelineConfig) -> int:
     """This machine's rank in a training across machines (0 on one machine)."""
     return train.machines(*split(config.train, train.TrainParams, train.TrainOptions)).rank

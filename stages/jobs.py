@@ -41,6 +41,9 @@ WORKERS = {  # stage -> the module of its worker side: run_job(job, log), and wa
     "train": "lorapipe.stages.train.recipe",
     "evaluate": "lorapipe.stages.evaluate.worker",
 }
+DEALERS = {  # stage -> the module whose deal(job, pool, log) hands its job to a Dask cluster in chunks
+    "encode": "lorapipe.stages.encode.dask_executor",
+}
 JOB_FILE = "job.json"  # in the job's work_dir
 DAMAGED_RECORD_FILE = "damaged-record.json"  # the damaged record a worker met (lorapipe.cache.samples.DamagedRecord)
 
@@ -85,6 +88,11 @@ class Job:
 def worker(stage: str) -> ModuleType:
     """The module of `stage`'s worker side (imported now: hide what the job does not use first)."""
     return importlib.import_module(WORKERS[stage])
+
+
+def dealer(stage: str) -> ModuleType:
+    """The module that deals `stage`'s job to a Dask cluster (stages/placement.py DaskCluster)."""
+    return importlib.import_module(DEALERS[stage])
 
 
 def run(job: Job, log: Callable[[str], None]) -> None:

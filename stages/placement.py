@@ -157,8 +157,9 @@ class BySize(Placement):
 @dataclass(frozen=True)
 class DaskCluster(Placement):
     """The cluster at `address`, or a local one of `workers` processes (one task at a time each)
-    started for the job and stopped after it. The stage's worker deals its job in chunks:
-    `deal(job, pool, log)` with a DaskPool, whose tasks a worker's death makes Dask run again."""
+    started for the job and stopped after it. The stage's dealer (stages/jobs.py DEALERS) hands its
+    job over in chunks: `deal(job, pool, log)` with a DaskPool, whose tasks a worker's death makes
+    Dask run again."""
 
     address: str | None = None
     workers: int = 2
@@ -170,7 +171,7 @@ class DaskCluster(Placement):
 
     def run(self, job: Job, log: Log) -> None:
         with self.client(log) as client:
-            jobs.worker(job.stage).deal(job, DaskPool(client, job.threads), log)
+            jobs.dealer(job.stage).deal(job, DaskPool(client, job.threads), log)
 
     @contextmanager
     def client(self, log: Log) -> Iterator[Client]:

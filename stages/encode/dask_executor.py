@@ -2,7 +2,7 @@
 
 The encode stage's placement is then a DaskCluster (stages/placement.py): the cluster at
 `encode.dask_address`, or a local one of `dask_workers` processes that the stage starts and stops;
-its worker deals the chunks to it (workers.py `deal`). Each task encodes one chunk into one shard of
+`deal` hands it the chunks. Each task encodes one chunk into one shard of
 the shared sample store (a folder every worker sees at the same path, or the local side of an S3
 cache_dir on this host); a worker keeps the encoders it loaded for the next chunk. When a worker
 dies, the scheduler runs its chunk again elsewhere: a shard is committed whole or not at all, so
@@ -13,12 +13,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, TypeVar
 
+from lorapipe.cache.digest import digest_json
+from lorapipe.cache.fsutil import write_json_atomic
 from lorapipe.cache.object_store import open_sample_store
 
+from ..contract import Log
+from ..jobs import Job
 from .latents import Progress
-from .workers import EncodeJobs, encode_chunks
+from .workers import EncodeJobs, encode_chunks, read_spec
 
 if TYPE_CHECKING:
+    from ..placement import DaskPool
     from . import EncodeInputs, EncodeOptions, EncodeParams
 
 T = TypeVar("T")
@@ -30,6 +35,26 @@ class ChunkResult:
     failed: dict[str, str]  # undecodable sample id -> reason
     latents: int  # latent jobs the chunk held
     lines: list[str]  # what the worker logged (warnings, skipped images)
+
+
+def deal(job: Job, pool: DaskPool, log: Log) -> None:
+    """Encode the job as shard-sized chunks, each a task of `pool` (executor: dask); write what
+    failed into the work dir as one process does."""
+    params, inputs, options, jobs, dataset = read_spec(job)
+    chunks = jobs.chunks(options.shard_records)
+    log(f"encode: {len(chunks)} chunks of up to {options.shard_records} records on {pool.describe()}")
+    progress = Progress(len(jobs.latents), jobs.reused_latents, log, options.progress_every,
+                        f" ({pool.workers} Dask workers)")
+    tasks = [(f"encode-chunk-{n:06d}-{digest_json(chunk.keys())[:16]}",
+              (chunk, {i: dataset[i] for _, i, _ in [*chunk.latents, *chunk.masks]}, params, inputs, options))
+             for n, chunk in enumerate(chunks)]
+    failed: dict[str, str] = {}
+    for result in pool.map(encode_chunk, tasks):
+        for line in result.lines:
+            log(line)
+        failed.update(result.failed)
+        progress.advance(result.latents)
+    write_json_atomic(job.work_dir / "failed-0.json", failed)
 
 
 def encode_chunk(chunk: EncodeJobs, samples: dict[int, dict], params: EncodeParams, inputs: EncodeInputs,

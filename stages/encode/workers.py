@@ -1,6 +1,6 @@
 """Who encodes what: the missing records as jobs, the encode stage's job (stages/jobs.py) run where
 its placement says (stages/placement.py): in one process, or dealt to N processes under
-`accelerate launch`, or to a Dask cluster in chunks (`deal`, dask_executor.py).
+`accelerate launch`, or to a Dask cluster in chunks (dask_executor.py `deal`).
 
 Rank r of N takes every N-th job of the sorted lists, so the split is deterministic and no two
 processes encode the same record; each commits its own shards (named by their content digest)
@@ -17,7 +17,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
-from lorapipe.cache.digest import digest_json
 from lorapipe.cache.fsutil import write_json_atomic
 from lorapipe.cache.object_store import open_sample_store
 from lorapipe.cache.samples import SampleStore
@@ -32,7 +31,7 @@ from .masks import encode_masks
 
 if TYPE_CHECKING:
     from ..families.base import TextEncoder
-    from ..placement import DaskPool, Placement
+    from ..placement import Placement
     from ..preprocess.sources import DatasetSource
     from . import EncodeInputs, EncodeOptions, EncodeParams, SampleKeys
 
@@ -193,28 +192,6 @@ def run_job(job: Job, log: Log) -> None:
     failed = encode_jobs(jobs, dataset, params, inputs, options, rank, world,
                          (lambda m: log(f"[rank {rank}] {m}")) if rank else log)
     write_json_atomic(job.work_dir / f"failed-{rank}.json", failed)
-
-
-def deal(job: Job, pool: DaskPool, log: Log) -> None:
-    """Encode the job as shard-sized chunks, each a task of `pool` (executor: dask); write what
-    failed into the work dir as one process does."""
-    from .dask_executor import encode_chunk
-
-    params, inputs, options, jobs, dataset = read_spec(job)
-    chunks = jobs.chunks(options.shard_records)
-    log(f"encode: {len(chunks)} chunks of up to {options.shard_records} records on {pool.describe()}")
-    progress = Progress(len(jobs.latents), jobs.reused_latents, log, options.progress_every,
-                        f" ({pool.workers} Dask workers)")
-    tasks = [(f"encode-chunk-{n:06d}-{digest_json(chunk.keys())[:16]}",
-              (chunk, {i: dataset[i] for _, i, _ in [*chunk.latents, *chunk.masks]}, params, inputs, options))
-             for n, chunk in enumerate(chunks)]
-    failed: dict[str, str] = {}
-    for result in pool.map(encode_chunk, tasks):
-        for line in result.lines:
-            log(line)
-        failed.update(result.failed)
-        progress.advance(result.latents)
-    write_json_atomic(job.work_dir / "failed-0.json", failed)
 
 
 def read_spec(job: Job) -> tuple[EncodeParams, EncodeInputs, EncodeOptions, EncodeJobs, list[dict]]:
