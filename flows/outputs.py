@@ -35,10 +35,10 @@ from lorapipe.cache.object_store import open_store
 from lorapipe.cache.store import Artifact
 
 from .config import PipelineConfig
-from .plan import MODULES, object_settings
+from .plan import PIPELINE, object_settings
 from .runner import StageResult, record_repairs
 
-DECLARED = {stage: module.OUTPUT_FILES for stage, module in MODULES.items()}  # each stage's own declaration
+DECLARED = {stage: defined.module.OUTPUT_FILES for stage, defined in PIPELINE.items()}  # each stage's own declaration
 OUTPUT_FILES = {stage: tuple(f.path for f in files) for stage, files in DECLARED.items()}  # paths in the artifact
 SUMMARY_FILE = "run-summary.json"
 STAGING = ".lorapipe-publishing"  # step 1's folder, inside the output folder
