@@ -42,7 +42,7 @@ step and LoRA come through the family layer (stages/families) as the stages get 
            setting that fails (as "<setting> error", e.g. the on-the-fly step's encoders beside an
            uncheckpointed transformer running out of memory): the next settings still run.
            sdpa+offload (last, as it stays applied): diffusers' group offloading of the denoiser
-           (block level, one block per group, CUDA streams) in the training step; the README says
+           (block level, one block per group, CUDA streams) in the training step; docs/training.md says
            why it is not expected to survive the backward pass: this variant settles it on a GPU.
 
 Prints one JSON line per measurement, and appends each as it comes to a dated section of the

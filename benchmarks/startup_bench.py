@@ -19,7 +19,7 @@ The demo job (the tiny SD1.x model, the 8 bundled photos, 64 px, batch 4, 200 st
 - fresh_all (only when chosen with `--case`): fresh, every stage (evaluate too, as `make demo`):
   its total and evaluate_stage, the evaluate stage's own seconds;
 - with `--kept-server`, train and noop again (every version) with a Prefect server kept running
-  between commands (`prefect server start`, PREFECT_API_URL pointing at it), as README's "Fast
+  between commands (`prefect server start`, PREFECT_API_URL pointing at it), as docs/service.md's "Fast
   repeated runs" says.
 
 Each output line (stdout and stderr of the whole process tree) is stamped when it arrives, and the

@@ -47,7 +47,7 @@ def import_model_code_ahead(config: PipelineConfig, building: frozenset[str]) ->
 
 
 NO_FLOW = ("lorapipe: every stage was cached, so no Prefect flow ran (Prefect records nothing of this run); to"
-           " have such runs in the Prefect UI, keep a Prefect server running (README: \"Fast repeated runs\")")
+           " have such runs in the Prefect UI, keep a Prefect server running (docs/service.md, \"Fast repeated runs\")")
 
 
 def run(config_path: Path, overrides: list[str], only: list[str], start: str | None,

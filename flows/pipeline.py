@@ -5,7 +5,7 @@ runs was decided once by the run's plan (flows/run_plan.py). What each stage rea
 keyed: flows/plan.py.
 
     lorapipe run configs/demo.yaml            # or: python -m lorapipe.flows.pipeline CONFIG
-    prefect deploy --all                      # the deployments in prefect.yaml (README: "Running as a service")
+    prefect deploy --all                      # the deployments in prefect.yaml (docs/service.md, "Deployments")
 """
 from __future__ import annotations
 

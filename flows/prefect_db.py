@@ -1,6 +1,6 @@
 """An empty, migrated Prefect database kept per Prefect version, so that the temporary server
 (flows/server.py) starts on a new PREFECT_HOME without creating its database and running every
-alembic migration (about 7 of its 11 s on two cores).
+alembic migration (most of its start-up: BENCHMARKS.md).
 
 The template is `lorapipe/prefect-VERSION-sqlite.db` in the user's cache folder (XDG_CACHE_HOME,
 else ~/.cache). A server starting on a home with no database gets a copy of it; a server that had to

@@ -3,14 +3,14 @@ the command's first moments so that its start-up overlaps the command's own.
 
 Prefect starts the same server itself (prefect.server.api.server.SubprocessASGIServer in 3.8.8)
 when a flow first needs an API: after the command has imported prefect, and after importing the
-whole server package into the command's process too (3-4 s on two cores) just to launch it. Here
+whole server package into the command's process too, just to launch it. Here
 the server process is launched before prefect is imported, with the command line and environment
 Prefect gives its own, and PREFECT_API_URL then points Prefect at it. An API configured in the
 environment or in the active Prefect profile is used as is (the server started here is stopped),
 as is a profile that does not allow the temporary server.
 
-On a PREFECT_HOME with no database yet, the server would create it and run every migration (about
-7 s more on two cores): the home gets a copy of an empty, migrated database kept per Prefect version
+On a PREFECT_HOME with no database yet, the server would create it and run every migration (slow):
+the home gets a copy of an empty, migrated database kept per Prefect version
 in the user's cache folder, and the first server that had to migrate leaves its database, once it
 answers, as that copy (flows/prefect_db.py).
 
@@ -63,7 +63,7 @@ class EmbeddedServer:
     def unless_configured(cls) -> EmbeddedServer | None:
         """A server started now, on a new home from the database template when there is one, or
         None when PREFECT_API_URL is set in the environment or in the active profile (a server kept
-        running: see README, "Fast repeated runs")."""
+        running: docs/service.md, "Fast repeated runs")."""
         profile = active_profile()
         if os.environ.get("PREFECT_API_URL") or profile.get("PREFECT_API_URL"):
             return None

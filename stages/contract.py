@@ -76,7 +76,7 @@ def library_versions(*names: str) -> dict[str, str]:
 
 
 @cache
-def _version(name: str) -> str:  # reading package metadata costs ~2 ms; record keys ask per sample
+def _version(name: str) -> str:  # record keys ask per sample; reading package metadata is not free
     return version(name)
 
 

@@ -131,7 +131,7 @@ def serve(hidden: list[str], warm_up: list[str]) -> None:
 def release_accelerator_memory() -> None:
     """Between two jobs: free what the last one left on the GPU (its models' memory, which a
     reference cycle may hold until a collection), so the next one can load its own. On a CPU,
-    freed by reference counting as usual, spared the collection's ~0.3 s."""
+    freed by reference counting as usual, without a collection."""
     import torch
 
     if torch.cuda.is_available():

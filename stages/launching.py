@@ -64,8 +64,7 @@ def _prctl():
 
 def skip_exit_collection() -> None:
     """Spare the interpreter the garbage collection it runs at exit, which walks every object that
-    torch, diffusers and Prefect created: about 1.2 s of the exit of a process that imported
-    diffusers, on 2 cores (BENCHMARKS.md, start-up). gc.freeze() puts the objects that exist now
+    torch, diffusers and Prefect created (its cost: BENCHMARKS.md, start-up). gc.freeze() puts the objects that exist now
     out of its reach. Call it when the process's work is done: its files are closed by then, and
     atexit handlers still run."""
     gc.freeze()

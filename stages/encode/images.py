@@ -39,8 +39,8 @@ def to_rgb(im: Image.Image, background: tuple[int, int, int] | None) -> Image.Im
 def resized_upright(im: Image.Image, size: tuple[int, int], background: tuple[int, int, int] | None) -> Image.Image:
     """RGB, resized to `size` (height, width as shown) with bicubic filtering, then turned upright
     by its EXIF orientation. A JPEG is decoded at the smallest 1/2, 1/4 or 1/8 scale still twice
-    the size (PIL's reducing gap): 2-5x faster on camera photos, within about 55 dB PSNR of a
-    full decode."""
+    the size (PIL's reducing gap): much faster on camera photos, close to a full decode
+    (BENCHMARKS.md)."""
     return upright_resized(im, size, lambda decoded: to_rgb(decoded, background))
 
 

@@ -95,7 +95,7 @@ class LoRATrainingRecipe:
     prior preservation (a `role: prior` dataset's samples weighted by prior_loss_weight, or scored
     against the base model's prediction with prior_target base_output: one extra no-grad forward over
     a micro-batch's prior samples, stages/train/prior.py),
-    gradient checkpointing (less memory, ~30% slower), exact resume from atomic checkpoints that
+    gradient checkpointing (less memory, slower steps), exact resume from atomic checkpoints that
     hold only the adapter (with its PiSSA/OLoRA start and its EMA), optimizer, LR scheduler and RNG
     states. A non-finite loss or LoRA weight stops the run before it can be checkpointed.
     """
@@ -188,7 +188,7 @@ class LoRATrainingRecipe:
             from bitsandbytes.optim import AdamW8bit
 
             optimizer = AdamW8bit(self.lora_params, **settings)
-        else:  # fused: one kernel for all tensors (6.5x torch's CPU default in benchmarks/)
+        else:  # fused: one kernel for all tensors (faster than the default: BENCHMARKS.md)
             optimizer = torch.optim.AdamW(self.lora_params, fused=True, **settings)
         self.lr_scheduler = get_scheduler(p.lr_scheduler, optimizer, num_warmup_steps=p.warmup_steps,
                                           num_training_steps=p.max_steps)
@@ -351,7 +351,7 @@ class LoRATrainingRecipe:
         for j in range(p.gradient_accumulation_steps):
             micro_batch = self.step * p.gradient_accumulation_steps + j
             inputs = self.batches.get(micro_batch)
-            if p.dropout:  # LoRA dropout draws from the global generator (seeding costs 0.14 ms)
+            if p.dropout:  # LoRA dropout draws from the global generator
                 torch.manual_seed(derived_seed(p.seed, "dropout", micro_batch, self.rank))
             last = j == p.gradient_accumulation_steps - 1
             with nullcontext() if last else acc.no_sync(self.denoiser):
@@ -455,7 +455,7 @@ def tracker_config(params: TrainParams) -> dict[str, str | int | float | bool]:
 
 
 def import_plotting():
-    """matplotlib with its file-only backend (0.5 s of imports on a quiet core: BENCHMARKS.md, start-up)."""
+    """matplotlib with its file-only backend, imported only when a plot is drawn (BENCHMARKS.md, start-up)."""
     import matplotlib
 
     matplotlib.use("Agg")
