@@ -76,11 +76,16 @@ def read_clip(path: Path) -> ClipInfo:
         if size is None:
             size, rotation = frame.shape[:2], turned
         times.append(time)
-        digests.append(blake3(np.ascontiguousarray(frame).tobytes()).hexdigest()[:32])
+        digests.append(frame_digest(frame))
     if not times:
         raise VideoProblem("no_frames", "the video stream holds no frame")
     start = times[0]
     return ClipInfo(size[1], size[0], rotation, tuple(round(t - start, 6) for t in times), tuple(digests))
+
+
+def frame_digest(frame: np.ndarray) -> str:
+    """An upright RGB frame's pixels, blake3, 32 hex digits."""
+    return blake3(np.ascontiguousarray(frame).tobytes()).hexdigest()[:32]
 
 
 def decode_frames(path: Path, indices: list[int]) -> np.ndarray:

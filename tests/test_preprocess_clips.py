@@ -99,3 +99,18 @@ def test_clips_are_decoded_once_per_file_version_and_image_configs_keep_their_ke
     assert "video" not in PreprocessParams().model_dump(mode="json")
     assert "video" in PreprocessParams(video=VideoSampling(fps=8)).model_dump(mode="json")
     assert json.loads(PreprocessParams().model_dump_json()) == PreprocessParams().model_dump(mode="json")
+
+
+def test_encode_reads_a_window_as_a_stack_of_placed_frames_and_notices_a_changed_clip(clips, tmp_path):
+    from lorapipe.stages.encode.images import ImageCrops
+    from lorapipe.stages.preprocess import DatasetSource
+
+    samples, _, _, _ = preprocess(clips, tmp_path, video={"fps": 8, "num_frames": 9}, holdout_fraction=0)
+    walk = next(s for s in samples if s["id"] == "walk")
+    crops = ImageCrops((DatasetSource(path=clips),), [walk, walk], [False, True])
+    (_, plain, _), (_, mirrored, _) = crops[0], crops[1]
+    assert plain.shape == (3, 9, 64, 64) and plain.min() >= -1 and plain.max() <= 1
+    assert (mirrored == plain.flip(-1)).all()
+    assert not (plain[:, 0] == plain[:, 1]).all()  # the square moved
+    write_clip(clips / "walk.mp4", scene(40)[::-1])  # other frames under the same name
+    assert crops[0][1:] == (None, "changed since preprocess ran (run the pipeline again)")

@@ -308,8 +308,13 @@ def read_image_bytes(source: DatasetSource, rel: str) -> bytes:
     if source.format == "folder" and is_url(source.path):
         return read_url(join(source.path, rel))
     if source.format == "folder":
-        path = source.path / rel
-        if not (source.follow_symlinks or within(os.path.realpath(path), os.path.realpath(source.path))):
-            raise OSError(f"{rel} now leads outside the dataset folder (a link?): not read")
-        return path.read_bytes()
+        return local_file(source, rel).read_bytes()
     return row_image_bytes(source, int(rel.removeprefix("row-")))
+
+
+def local_file(source: DatasetSource, rel: str) -> Path:
+    """A local folder dataset's file (a clip, which PyAV reads from a path), still inside the dataset."""
+    path = source.path / rel
+    if not (source.follow_symlinks or within(os.path.realpath(path), os.path.realpath(source.path))):
+        raise OSError(f"{rel} now leads outside the dataset folder (a link?): not read")
+    return path
