@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import yaml
 from clips import scene, write_clip
 from test_preprocess import image, preprocess
 
@@ -114,3 +115,19 @@ def test_encode_reads_a_window_as_a_stack_of_placed_frames_and_notices_a_changed
     assert not (plain[:, 0] == plain[:, 1]).all()  # the square moved
     write_clip(clips / "walk.mp4", scene(40)[::-1])  # other frames under the same name
     assert crops[0][1:] == (None, "changed since preprocess ran (run the pipeline again)")
+
+
+def test_an_image_model_refuses_clips_in_one_line_before_encoding_anything(clips, tmp_path, tiny_config, run_stages):
+    from lorapipe.cache.errors import UserError
+
+    config = tiny_config(tmp_path / "run", "clips")
+    for clip in clips.glob("*.mp4"):
+        (tmp_path / "run" / "data" / clip.name).write_bytes(clip.read_bytes())
+        (tmp_path / "run" / "data" / clip.with_suffix(".txt").name).write_text("a square")
+    settings = yaml.safe_load(config.read_text())
+    settings["preprocess"]["video"] = {"fps": 8, "num_frames": 9}
+    config.write_text(yaml.safe_dump(settings))
+    with pytest.raises(UserError, match=r"^preprocess.video.num_frames / frame_buckets: Stable Diffusion 1.x/2.x is an"
+                                        r" image model: it trains on images, not clips; \w+.mp4 has a window of 9"):
+        run_stages(config, ("preprocess", "encode"))
+    assert not list((tmp_path / "run" / "cache").glob("samples/*.tar"))  # nothing was encoded

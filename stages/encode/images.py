@@ -117,6 +117,11 @@ def _tensor(im: Image.Image) -> torch.Tensor:
     return pixels.view(im.height, im.width, 3).permute(2, 0, 1).float() / 127.5 - 1.0
 
 
+def sample_shape(sample: dict) -> tuple[int, int, int]:
+    """A preprocess sample's pixel shape as batches group it: (window frames, or 0 for an image, H, W)."""
+    return (len(sample.get("frames", ())), *sample["size"])
+
+
 def size_batches(sizes: list[tuple[int, ...]], batch_size: int) -> list[list[int]]:
     """Index batches of at most `batch_size`, each of one size (one VAE call per batch; a size may
     carry a leading group, which batches do not cross either). Expects indices already grouped by

@@ -31,7 +31,7 @@ from .. import ahead
 from ..cpu_threads import threads_per_process, torch_threads
 from ..launching import begin_worker, reporting_errors, run_streaming, skip_exit_collection, write_accelerate_config
 from ..optional_libraries import hide
-from .images import sample_label
+from .images import sample_label, sample_shape
 from .latents import Progress, encode_latents
 from .masks import encode_masks
 
@@ -64,7 +64,7 @@ class EncodeJobs:
         for i, s in enumerate(dataset):
             for flip, table in ((False, keys.latent), (True, keys.latent_flip)):
                 if s["id"] in table:
-                    latents[table[s["id"]]] = (tuple(s["size"]), i, flip)
+                    latents[table[s["id"]]] = (sample_shape(s), i, flip)
         todo = sorted((size, key, i, flip) for key, (size, i, flip) in latents.items() if key in missing)
         masks = {table[s["id"]]: (i, flip) for i, s in enumerate(dataset)
                  for flip, table in ((False, keys.mask), (True, keys.mask_flip)) if s["id"] in table}

@@ -165,6 +165,11 @@ class Family(ABC):
         """Image sides must be multiples of this: the VAE's downsampling times the latent patch."""
         return self.latent_downsampling(model_path) * self.latent_patch
 
+    def frames_problem(self, frames: int) -> str | None:
+        """Why the model cannot be trained on a clip window of `frames` frames (None: it can; 0 is an
+        image). An image model takes no clip; a video family says which frame counts its VAE takes."""
+        return None if frames == 0 else f"{self.label} is an image model: it trains on images, not clips"
+
     def latent_downsampling(self, model_path: Path) -> int:
         """Image pixels per latent record pixel, along each side (the VAE's downsampling)."""
         return vae_scale_factor(model_path, self.components.latent[0])
