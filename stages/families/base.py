@@ -96,15 +96,18 @@ def stack(records: list[TextRecord], name: str) -> torch.Tensor:
     return torch.stack([r[name].float() for r in records])
 
 
-def pad_sequences(records: list[TextRecord], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_sequences(records: list[TextRecord], name: str,
+                  length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of variable-length records (L_i, D), stored unpadded, as one float32 tensor zero-padded
     to the batch's longest (B, L, D) and its mask (B, L), True on each record's own tokens: the
-    padding rule of the pipelines that read masked prompt embeddings (Z-Image, Qwen-Image)."""
+    padding rule of the pipelines that read masked prompt embeddings (Z-Image, Qwen-Image).
+    `length`: pad to that many tokens instead (Wan's pipeline pads to its max_sequence_length)."""
     import torch
 
     lengths = [r[name].shape[0] for r in records]
-    padded = torch.zeros(len(records), max(lengths), records[0][name].shape[-1])
-    mask = torch.zeros(len(records), max(lengths), dtype=torch.bool)
+    length = max(lengths) if length is None else length
+    padded = torch.zeros(len(records), length, records[0][name].shape[-1])
+    mask = torch.zeros(len(records), length, dtype=torch.bool)
     for i, (record, length) in enumerate(zip(records, lengths)):
         padded[i, :length] = record[name].float()
         mask[i, :length] = True

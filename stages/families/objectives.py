@@ -293,7 +293,8 @@ class FlowMatchingObjective(Objective):
         """Unset shift settings take the scheduler config's values (FlowMatchEulerDiscreteScheduler's
         defaults where the config has none). `model_shift`: what shift "model" means when the family's
         pipeline samples otherwise than its scheduler config says (Flux.2: empirical, with the
-        variant's render steps); its set fields fill the user's unset ones."""
+        variant's render steps; Wan: static at its UniPC scheduler's flow_shift); its set fields fill
+        the user's unset ones."""
         s = params.timestep_sampling
         shift = s.shift
         if shift == "model":
@@ -304,7 +305,7 @@ class FlowMatchingObjective(Objective):
             raise ValueError("train.timestep_sampling.shift_steps: the empirical shift needs the inference steps")
         resolved = s.model_copy(update={
             "shift": shift,
-            "shift_value": s.shift_value or config.get("shift", 1.0),
+            "shift_value": s.shift_value or (model_shift and model_shift.shift_value) or config.get("shift", 1.0),
             "base_shift": config.get("base_shift", 0.5) if s.base_shift is None else s.base_shift,
             "max_shift": config.get("max_shift", 1.15) if s.max_shift is None else s.max_shift,
             "shift_steps": steps,
