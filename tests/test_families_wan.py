@@ -246,15 +246,24 @@ def test_lycoris_types_are_written_for_comfyui(kind, models, tmp_path):
 
 
 def test_the_pipeline_renders_with_the_familys_arguments(models):
-    """evaluate's render arguments (guidance, negative prompt, text length, the variant's frame count)
-    are WanPipeline's; its own UniPC sampler is the one it renders with."""
+    """evaluate's render arguments (guidance, negative prompt, text length, the clip's frames: the
+    variant's by default, evaluate.num_frames when set and of Wan's 4k+1 form) are WanPipeline's; its
+    own UniPC sampler is the one it renders with, and its output read as clips."""
     family = families.for_model(models["wan2.1"])
     kwargs = family.render_kwargs(family.text_settings(models["wan2.1"], TextOptions()), 5.0, "blurry")
-    assert kwargs == {"guidance_scale": 5.0, "negative_prompt": "blurry", "max_sequence_length": 512, "num_frames": 81}
+    assert kwargs == {"guidance_scale": 5.0, "negative_prompt": "blurry", "max_sequence_length": 512}
+    assert family.clip_kwargs(models["wan2.1"], None) == {"num_frames": 81}
+    assert family.clip_kwargs(models["wan2.1"], 9) == {"num_frames": 9}
+    with pytest.raises(ValueError, match=r"evaluate.num_frames: Wan takes windows of 4k\+1 frames .*, not 8"):
+        family.clip_kwargs(models["wan2.1"], 8)
+    kwargs |= family.clip_kwargs(models["wan2.1"], None)
     pipe = _pipeline(models["wan2.1"])
     family.prepare_pipeline(pipe, family.render_defaults()["sampler"], None)
     with pytest.raises(ValueError, match="evaluate.scheduler: Wan renders with flow_unipc, not flow_match_euler"):
         family.prepare_pipeline(pipe, "flow_match_euler", None)
+    clips = family.rendered(pipe(["a cat"], num_inference_steps=2, height=32, width=32, output_type="pil",
+                                 generator=[torch.Generator().manual_seed(0)], **{**kwargs, "negative_prompt": ["blurry"]}))
+    assert len(clips) == 1 and len(clips[0]) == 81 and clips[0][0].size == (32, 32)
     video = pipe(["a cat"], num_inference_steps=2, height=32, width=32, output_type="pt",
                  generator=[torch.Generator().manual_seed(0)], **{**kwargs, "negative_prompt": ["blurry"]}).frames
     assert video.shape == (1, 81, 3, 32, 32)

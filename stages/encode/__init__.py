@@ -215,7 +215,7 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
     family = inputs.bound_family()
     check_sizes(dataset, family.pixel_multiple(inputs.model_path), family.label)
-    check_frames(dataset, family, inputs.datasets)
+    check_frames(dataset, family, inputs.model_path, inputs.datasets)
     settings = family.text_settings(inputs.model_path, params)
     keys = SampleKeys.of(dataset, params, family.components.latent_digest(inputs.model_digests),
                          text_ingredients(family, settings, inputs), family.latent_downsampling(inputs.model_path),
@@ -291,10 +291,11 @@ def check_sizes(dataset: list[dict], multiple: int, label: str) -> None:
                         f" a resolution that is a multiple of {multiple}")
 
 
-def check_frames(dataset: list[dict], family: families.Family, datasets: tuple[DatasetSource, ...]) -> None:
+def check_frames(dataset: list[dict], family: families.Family, model_path: Path,
+                 datasets: tuple[DatasetSource, ...]) -> None:
     """Refuse clip windows of a length the model cannot take (before anything is encoded)."""
     for s in dataset:
-        problem = family.frames_problem(len(s.get("frames", ())))
+        problem = family.frames_problem(model_path, len(s.get("frames", ())))
         if problem:
             raise UserError(f"preprocess.video.num_frames / frame_buckets: {problem}; {sample_label(s, datasets)} has"
                             f" a window of {len(s['frames'])} frames")

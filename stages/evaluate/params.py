@@ -27,7 +27,9 @@ class EvalParams(Frozen):
                                          " schnell 0, Z-Image Turbo 0)")
     negative_prompt: str = ""
     resolution: int = Field(64, gt=0, multiple_of=8)
-    scheduler: Literal["dpm_solver_multistep", "ddim", "euler", "flow_match_euler"] | None = Field(
+    num_frames: int | None = Field(None, ge=1, description="frames of each rendered clip (video models);"
+                                   " None: the model's default")
+    scheduler: Literal["dpm_solver_multistep", "ddim", "euler", "flow_match_euler", "flow_unipc"] | None = Field(
         None, description="None: the model's (SD dpm_solver_multistep; flow-matching models flow_match_euler)")
     loss_timesteps: tuple[int, ...] = Field((100, 300, 500, 700, 900), min_length=1)
     loss_seed: int = 0

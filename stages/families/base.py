@@ -168,7 +168,7 @@ class Family(ABC):
         """Image sides must be multiples of this: the VAE's downsampling times the latent patch."""
         return self.latent_downsampling(model_path) * self.latent_patch
 
-    def frames_problem(self, frames: int) -> str | None:
+    def frames_problem(self, model_path: Path, frames: int) -> str | None:
         """Why the model cannot be trained on a clip window of `frames` frames (None: it can; 0 is an
         image). An image model takes no clip; a video family says which frame counts its VAE takes."""
         return None if frames == 0 else f"{self.label} is an image model: it trains on images, not clips"
@@ -249,6 +249,22 @@ class Family(ABC):
     @abstractmethod
     def render_kwargs(self, settings: Frozen, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
         """The pipeline call's family-specific arguments (besides prompt, size, steps and generator)."""
+
+    def clip_kwargs(self, model_path: Path, num_frames: int | None) -> dict[str, Any]:
+        """The pipeline call's arguments for the length of a rendered clip (evaluate.num_frames; None:
+        the model's default). An image model renders no clip: a set num_frames is refused."""
+        if num_frames is not None:
+            raise ValueError(f"evaluate.num_frames: {self.label} renders images, not clips; remove it")
+        return {}
+
+    def rendered(self, output: Any) -> list[list[Any]]:
+        """The pipeline's output as clips: a list of frames (PIL images) per prompt; an image is a
+        one-frame clip."""
+        return [[image] for image in output.images]
+
+    def clip_fps(self) -> int:
+        """Frames per second a rendered clip is written at."""
+        return 16
 
     @abstractmethod
     def prepare_pipeline(self, pipe: Any, sampler: str, objective: Objective) -> None:

@@ -142,6 +142,13 @@ class Wan(FlowFamily):
                             " which lorapipe does not train yet; use Wan 2.1 or Wan 2.2 TI2V-5B")
         return super().for_model(model_path)
 
+    def frames_problem(self, model_path: Path, frames: int) -> str | None:
+        """The 3-D VAE keeps the first frame and packs every `scale_factor_temporal` after it: 4k+1."""
+        step = component_config(model_path, self.components.latent[0]).get("scale_factor_temporal", 4)
+        if frames and (frames - 1) % step:
+            return f"{self.label} takes windows of {step}k+1 frames (1, {step + 1}, {2 * step + 1}, ...), not {frames}"
+        return None
+
     def latent_downsampling(self, model_path: Path) -> int:
         return component_config(model_path, self.components.latent[0]).get("scale_factor_spatial", SPATIAL_DOWNSAMPLING)
 
@@ -191,7 +198,17 @@ class Wan(FlowFamily):
     # ---- rendering
     def render_kwargs(self, settings: WanTextSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
         return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt,
-                "max_sequence_length": settings.max_sequence_length, "num_frames": self.bound.render_frames}
+                "max_sequence_length": settings.max_sequence_length}
+
+    def clip_kwargs(self, model_path: Path, num_frames: int | None) -> dict[str, Any]:
+        frames = num_frames or self.bound.render_frames
+        problem = self.frames_problem(model_path, frames)
+        if problem:
+            raise ValueError(f"evaluate.num_frames: {problem}")
+        return {"num_frames": frames}
+
+    def rendered(self, output: Any) -> list[list[Any]]:
+        return [list(frames) for frames in output.frames]
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: WanVariant) -> Path:
