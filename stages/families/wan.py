@@ -39,11 +39,12 @@ from lorapipe.cache.errors import UserError
 from lorapipe.stages.contract import Frozen
 
 from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
-from .flow import MODEL_INDEX, FlowFamily, FlowVariant, presets_field
+from .flow import MODEL_INDEX, FlowVariant, presets_field
 from .folders import component_config, load_component, model_index
-from .latents import ChannelMeanStd, VaePosterior, channel_mean_std_of
+from .latents import ChannelMeanStd, channel_mean_std_of
 from .objectives import ObjectiveParams, TimestepSampling
 from .original_names import COMFYUI, KOHYA, OriginalNames, derive_original_names
+from .video import VideoFamily, VideoVariant
 
 if TYPE_CHECKING:
     import torch
@@ -61,9 +62,8 @@ SAMPLER = "flow_unipc"  # the pipelines' own UniPCMultistepScheduler with flow s
 
 
 @dataclass(frozen=True)
-class WanVariant(FlowVariant):
+class WanVariant(VideoVariant):
     per_token_timesteps: bool = False  # the pipeline's expand_timesteps: one timestep per latent token
-    render_frames: int = 81  # frames the variant renders (4k + 1)
 
 
 VARIANTS = (
@@ -121,16 +121,8 @@ class WanTextEncoder:
                 for i, n in enumerate(mask.gt(0).sum(dim=1))]
 
 
-class ClipPosterior(VaePosterior):
-    """Wan's 3-D VAE: clips (B, 3, F, H, W) in [-1, 1], or images (B, 3, H, W) as one-frame clips ->
-    the posterior's mean and std (B, C, F', H', W') on the CPU."""
-
-    def __call__(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return super().__call__(pixels if pixels.ndim == 5 else pixels.unsqueeze(2))
-
-
 @dataclass(frozen=True)
-class Wan(FlowFamily):
+class Wan(VideoFamily):
     variants: tuple[FlowVariant, ...] = VARIANTS
     lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (BLOCK,))
 
@@ -142,12 +134,8 @@ class Wan(FlowFamily):
                             " which lorapipe does not train yet; use Wan 2.1 or Wan 2.2 TI2V-5B")
         return super().for_model(model_path)
 
-    def frames_problem(self, model_path: Path, frames: int) -> str | None:
-        """The 3-D VAE keeps the first frame and packs every `scale_factor_temporal` after it: 4k+1."""
-        step = component_config(model_path, self.components.latent[0]).get("scale_factor_temporal", 4)
-        if frames and (frames - 1) % step:
-            return f"{self.label} takes windows of {step}k+1 frames (1, {step + 1}, {2 * step + 1}, ...), not {frames}"
-        return None
+    def temporal_compression(self, model_path: Path) -> int:
+        return component_config(model_path, self.components.latent[0]).get("scale_factor_temporal", 4)
 
     def latent_downsampling(self, model_path: Path) -> int:
         return component_config(model_path, self.components.latent[0]).get("scale_factor_spatial", SPATIAL_DOWNSAMPLING)
@@ -162,9 +150,6 @@ class Wan(FlowFamily):
         return WanTextEncoder(model_path, settings, dtype, device)
 
     # ---- latents and objective
-    def load_latent_encoder(self, model_path: Path, device: str) -> ClipPosterior:
-        return ClipPosterior(model_path, self.components.latent[0], device)
-
     def latent_normalisation(self, model_path: Path) -> ChannelMeanStd:
         return channel_mean_std_of(model_path, self.components.latent[0])
 
@@ -199,16 +184,6 @@ class Wan(FlowFamily):
     def render_kwargs(self, settings: WanTextSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
         return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt,
                 "max_sequence_length": settings.max_sequence_length}
-
-    def clip_kwargs(self, model_path: Path, num_frames: int | None) -> dict[str, Any]:
-        frames = num_frames or self.bound.render_frames
-        problem = self.frames_problem(model_path, frames)
-        if problem:
-            raise ValueError(f"evaluate.num_frames: {problem}")
-        return {"num_frames": frames}
-
-    def rendered(self, output: Any) -> list[list[Any]]:
-        return [list(frames) for frames in output.frames]
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: WanVariant) -> Path:
