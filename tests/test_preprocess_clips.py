@@ -29,6 +29,7 @@ def test_each_clip_becomes_windows_at_the_target_rate_and_a_short_one_is_rejecte
     by_id = {s["id"]: s for s in samples}
     assert set(by_id) == {"walk", "run", "still"}
     assert by_id["walk"]["frames"] == [0, 2, 4, 6, 8, 10, 12, 14, 16]  # 16 fps source, every second frame
+    assert by_id["walk"]["fps"] == 8  # what a family conditions on (LTX-2's positions in seconds)
     assert by_id["walk"]["size"] == [64, 64] and "frames" not in by_id["still"]
     assert by_id["run"]["clip"]["duration"] == pytest.approx(1.5)
     assert report["rejected"] == [{"path": "blink.mp4", "reason": "too_short",

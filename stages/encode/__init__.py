@@ -318,7 +318,8 @@ def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: Sa
         return {
             "split": s["split"], "caption": s["caption"], "original_size": s["original_size"],
             "crop_box": s["crop_box"], "resized": s["resized"], "size": s["size"], "repeats": s["repeats"],
-            **({"frames": len(s["frames"])} if "frames" in s else {}),  # a clip's window (absent: an image)
+            # a clip's window: its frames and the frame rate they were sampled at (absent: an image)
+            **({"frames": len(s["frames"]), "fps": s["fps"]} if "frames" in s else {}),
             "latent": keys.latent[s["id"]], "text": texts[0], **variants, **flip, **masks,
             **({"role": s["role"]} if "role" in s else {}),  # a prior sample's (absent: train, as before)
         }

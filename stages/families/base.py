@@ -65,6 +65,7 @@ class ImageGeometry(Protocol):
     crop_box: tuple[int, int, int, int]  # (left, top, right, bottom) in resized pixels
     size: tuple[int, int]  # (height, width) of the encoded image
     resized: tuple[int, int] | None  # (height, width) before the crop
+    fps: float  # a clip's frames per second (preprocess.video.fps); 0: an image
 
 
 class TextEncoder(Protocol):

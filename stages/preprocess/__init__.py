@@ -204,7 +204,7 @@ def _clip_samples(c: Candidate, sample_id: str, info: ImageInfo, clip: ClipInfo,
         digest = window_digest(clip, window)
         sample = _sample(c, sample_id if len(chosen) == 1 else f"{sample_id}@{k}",
                          ImageInfo(info.width, info.height, False, digest), caption, source, params)
-        sample["frames"] = list(window.frames)
+        sample["frames"], sample["fps"] = list(window.frames), sampling.fps
         sample["clip"] = {"digest": info.digest, "duration": round(clip.duration, 3), "fps": round(clip.fps, 3),
                           "start": window.start, "cut": cut_summary(clip, chosen, sampling.fps)}
         samples.append(sample)
