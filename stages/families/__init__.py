@@ -1,5 +1,5 @@
 """Model families: everything that differs between model lines (SD1.x/2.x, SDXL, Flux.1,
-Flux.2-klein, Z-Image, Qwen-Image, Wan), behind one seam. Outside this package no code should branch on
+Flux.2-klein, Z-Image, Qwen-Image, Wan, LTX-2), behind one seam. Outside this package no code should branch on
 a family or name a model part.
 
 A family (base.Family) is a frozen dataclass: a declarative head (pipeline class, components by
@@ -32,7 +32,7 @@ The seam (what a stage calls; all model-dependent data is read from the folder's
     family.load_latent_encoder(path, device) -> LatentEncoder   pixels -> (mean, std)
     family.latent_normalisation(path) -> LatentNormalisation    .apply(z); recorded in samples.json, read back
       by latents.normalisation_from_json (stages/encoded.py) and applied by train and evaluate; kinds:
-      scale_shift, channel_mean_std (Qwen-Image, Wan), patched_batch_norm (Flux.2: apply returns the
+      scale_shift, channel_mean_std (Qwen-Image, Wan, LTX-2), patched_batch_norm (Flux.2: apply returns the
       2x2-patchified layout, so noise is drawn after apply, in its shape)
   the objective (one definition for train and evaluate) and the denoiser call
     family.check_objective(ObjectiveParams)        refuses train settings that do not apply (train, before launch)
@@ -49,12 +49,13 @@ The seam (what a stage calls; all model-dependent data is read from the folder's
       records arrive as stored, so a family with variable-length records pads them here by its rule
       (base.pad_sequences: zeros to the batch's longest and a bool mask; Qwen-Image drops the mask
       when nothing is padded, as its pipeline does; Wan pads to the length its records carry, unmasked).
+      A geometry is the encoded Sample: size, crop, and a clip's frames and frame rate (LTX-2's positions).
       Every value is a tensor with the batch first.
     family.predict(denoiser, noisy, t, conditioning, dtype) -> float32 prediction in the latent layout
   LoRA (train)
     family.lora_target_modules(denoiser, preset or tuple) -> peft target_modules
     family.export_lora(denoiser, out_dir, provenance, kohya_metadata) -> [diffusers file, then the family's
-      original-name files: SD kohya + comfyui; Flux.1, Flux.2, Wan kohya + comfyui; Z-Image, Qwen-Image comfyui]
+      original-name files: SD kohya + comfyui; Flux.1, Flux.2, Wan kohya + comfyui; Z-Image, Qwen-Image, LTX-2 comfyui]
     checkpoints: stages/train/lora_files.py write/load_diffusers_lora(..., prefix=components.denoiser)
   rendering (evaluate) and tests
     family.render_defaults() / render_kwargs(settings, guidance, negative) / prepare_pipeline(pipe, sampler, objective)
@@ -83,6 +84,7 @@ from .base import ALL_LINEAR, Components, Family, TextOptions
 from .flux1 import FLUX1
 from .flux2 import FLUX2_KLEIN
 from .folders import check_weights_file, is_single_file, model_index
+from .ltx2 import LTX2
 from .objectives import ObjectiveParams, TimestepSampling
 from .qwenimage import QWEN_IMAGE
 from .sd import SD15, SDXL
@@ -90,7 +92,7 @@ from .wan import WAN
 from .zimage import ZIMAGE
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FLUX1, FLUX2_KLEIN, ZIMAGE, QWEN_IMAGE,
-                                                                  WAN)}
+                                                                  WAN, LTX2)}
 # single files: SDXL's marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's before Flux.1's,
 # whose markers Flux.2 checkpoints also carry
 SINGLE_FILE_DETECTION = (SDXL, SD15, FLUX2_KLEIN, FLUX1, ZIMAGE, QWEN_IMAGE)

@@ -1,4 +1,4 @@
-"""What the flow-matching transformer families (Flux.1, Flux.2-klein, Z-Image, Qwen-Image, Wan) share:
+"""What the flow-matching transformer families (Flux.1, Flux.2-klein, Z-Image, Qwen-Image, Wan, LTX-2) share:
 variants as data, detected from the model's configs; the objective built from the scheduler config;
 LoRA presets as regular expressions over module names; the exports (diffusers format, then the
 original-name files of `original_formats`); rendering with the pipeline's own sampler (flow-matching

@@ -5,11 +5,12 @@ normalisation never re-encodes an image. The normalisation is data read from the
 and recorded in the encode index, so train and evaluate apply the one the records were made with,
 and its values reach the train key through the encode artifact's digest. Records are (C, H, W) for
 the image families (a video VAE's one frame, Qwen-Image's, is squeezed out by its encoder) and
-(C, F, H, W) for the video families (Wan): every kind applies per channel to a batch of either rank.
+(C, F, H, W) for the video families (Wan, LTX-2): every kind applies per channel to a batch of either rank.
 
 Kinds, told apart by `kind`:
 - `scale_shift` (SD, Flux.1, Z-Image): `(z - shift) * scale` from the VAE config;
-- `channel_mean_std` (Qwen-Image, Wan): `(z - mean_c) * (1 / std_c)` from the config's latents_mean/std;
+- `channel_mean_std` (Qwen-Image, Wan, LTX-2): `(z - mean_c) * (1 / std_c)` from the config's latents_mean/std
+  (LTX-2: its VAE's buffers, std divided by its scaling_factor);
 - `patched_batch_norm` (Flux.2): z patchified 2x2 (C -> 4C channels, half the sides), then
   `(z - running_mean_c) / sqrt(running_var_c + eps)` with the VAE's batch-norm statistics (weights,
   not config: read from its safetensors). Its output layout is the patchified one: the objective and

@@ -51,7 +51,7 @@ class TimestepSampling(Frozen):
     mode_scale: float = 1.29
     shift: Literal["model", "none", "static", "resolution", "empirical"] = Field(
         "model", description="s = shift(u): static s*u/(1+(s-1)u); resolution: BFL's exp(mu) time shift, mu"
-        " linear in the image's token count from base_shift to max_shift; empirical: the same time shift at"
+        " linear in the image's token count (a clip's: every frame's) from base_shift to max_shift; empirical: the same time shift at"
         " Flux.2's empirical mu of the token count and shift_steps; model: as the model's pipeline samples")
     shift_value: float | None = Field(None, gt=0, description="static shift; None: the scheduler config's `shift`")
     base_shift: float | None = Field(None, description="resolution shift at 256 tokens; None: the scheduler config's")
@@ -323,7 +323,7 @@ class FlowMatchingObjective(Objective):
         else:
             u = compute_density_for_timestep_sampling(s.distribution, shape[0], s.logit_mean, s.logit_std,
                                                       s.mode_scale, generator=rng)
-        return self.shifted(u, (shape[-2] // self.patch_size) * (shape[-1] // self.patch_size))
+        return self.shifted(u, sequence_length(shape, self.patch_size))
 
     def shifted(self, u: torch.Tensor, image_seq_len: int) -> torch.Tensor:
         """The scheduler's shifts: FlowMatchEulerDiscreteScheduler's static one and its exponential
@@ -360,3 +360,9 @@ class FlowMatchingObjective(Objective):
 
         self._check_steps(steps)
         return torch.tensor(steps, dtype=torch.float32) / self.num_train_timesteps
+
+
+def sequence_length(shape: tuple[int, ...], patch_size: int) -> int:
+    """The denoiser's image tokens for latents of `shape` (B, C, [F,] H, W): (H/p)(W/p) patches of
+    each frame (a video latent's every frame: LTX-2's shift counts them all)."""
+    return math.prod(shape[2:-2]) * (shape[-2] // patch_size) * (shape[-1] // patch_size)
