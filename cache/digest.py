@@ -11,7 +11,7 @@ import os
 import sqlite3
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from blake3 import blake3
 
@@ -41,7 +41,8 @@ def digest_file(path: Path) -> str:
 
 
 class StatCache:
-    """Maps (path, size, mtime_ns, inode) to a content digest, persisted in sqlite."""
+    """Maps (path, size, mtime_ns, inode) to a content digest, persisted in sqlite; and, per file
+    version too, values derived from a file's content by a named computation (`derived`)."""
 
     def __init__(self, db_path: Path, read_only: bool = False):
         """read_only: for a folder this process may not write: the digests the database holds are
@@ -58,6 +59,14 @@ class StatCache:
             "CREATE TABLE IF NOT EXISTS digests (path TEXT PRIMARY KEY, size INTEGER,"
             " mtime_ns INTEGER, inode INTEGER, digest TEXT)"
         )
+        try:
+            self._db.execute(
+                "CREATE TABLE IF NOT EXISTS derived (path TEXT, what TEXT, size INTEGER, mtime_ns INTEGER,"
+                " inode INTEGER, value TEXT, PRIMARY KEY (path, what))"
+            )
+            self._has_derived = True
+        except sqlite3.OperationalError:  # a read-only database made before derived values existed
+            self._has_derived = False
         self._lock = threading.Lock()
         self._known: dict[str, tuple] | None = None  # every row, loaded on first use: one query, not one a file
         self._pending: dict[str, tuple] = {}  # rows not yet committed
@@ -70,6 +79,25 @@ class StatCache:
         path = os.path.abspath(path)
         st = os.stat(path)
         return self._cached(path, (st.st_size, st.st_mtime_ns, st.st_ino), lambda: digest_file(Path(path)))
+
+    def derived(self, path: str | Path, what: str, compute: Callable[[Path], str]) -> str:
+        """compute(path), a string derived from the file's content (`what` names the computation and
+        its version), computed once per file version: the same file unchanged is never read again."""
+        path = os.path.abspath(path)
+        st = os.stat(path)
+        version = (st.st_size, st.st_mtime_ns, st.st_ino)
+        with self._lock:
+            row = self._has_derived and self._db.execute(
+                "SELECT size, mtime_ns, inode, value FROM derived WHERE path = ? AND what = ?", (path, what)).fetchone()
+        if row and tuple(row[:3]) == version:
+            return row[3]
+        value = compute(Path(path))
+        with self._lock:
+            self.hashed += 1
+            if self._has_derived and not self.read_only:
+                self._db.execute("INSERT OR REPLACE INTO derived VALUES (?,?,?,?,?,?)", (path, what, *version, value))
+                self._db.commit()
+        return value
 
     def _cached(self, name: str, version: tuple, compute) -> str:
         with self._lock:

@@ -91,6 +91,13 @@ class Sample:
     mask: Record | None = None  # its loss mask (None: weight 1 everywhere)
     mask_flip: Record | None = None  # the mirrored image's loss mask (encode.flip)
     role: str = "train"  # "prior": a regularisation image of a dataset with role: prior (train.prior_loss_weight)
+    frames: int = 0  # a clip's window: its frames (its latent record has a frame axis); 0: an image
+    fps: float = 0.0  # a clip's window: the frames per second it was sampled at; 0: an image
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(frames, height, width): samples of one shape batch together (frames 0: images)."""
+        return (self.frames, *self.size)
 
     @property
     def content_id(self) -> str:
@@ -106,6 +113,7 @@ class Sample:
             records[v["latent_flip"]] if "latent_flip" in v else None, source["dataset"], tuple(v["resized"]),
             tuple(records[key] for key in v.get("text_variants", ())),
             *(records[v[name]] if name in v else None for name in ("mask", "mask_flip")), v.get("role", "train"),
+            v.get("frames", 0), v.get("fps", 0.0),
         )
 
 

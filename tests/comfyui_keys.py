@@ -16,7 +16,9 @@ names (Z-Image's and Flux.2's diffusers names under `transformer.`), which no fi
   each onto its rows of the fused weight; not modelled for Flux.2, whose names that table lacked;
 - Z-Image (ComfyUI's Lumina2): diffusers names under `diffusion_model.` (and `lycoris_`, bare) onto
   their rows of the fused weights (`transformer.` only in later versions);
-- Qwen-Image: its (diffusers-named) weights bare, under `transformer.` and `lycoris_`.
+- Qwen-Image: its (diffusers-named) weights bare, under `transformer.` and `lycoris_`;
+- Wan: no table of its own (its model holds Wan's original names, `blocks.N.self_attn.q`): only the
+  two names every model has, so diffusers-named Wan files are not modelled as read.
 A module's tensors are read by ComfyUI's suffixes (`lora_up/lora_down`, `lora_B/lora_A`, `alpha`,
 `dora_scale`, `hada_*`, `lokr_*`); a file without `.alpha` is applied at scale 1.
 """
@@ -100,7 +102,7 @@ def _layout(family, denoiser) -> OriginalNames:
         return flux2.original_names(config.num_layers, config.num_single_layers, config.guidance_embeds)
     if family.name == "z-image":
         return zimage.original_names(config.n_layers, config.n_refiner_layers)
-    return family.original_names(denoiser)  # Qwen-Image: the diffusers names are the original ones
+    return family.original_names(denoiser)  # Qwen-Image (the diffusers names are the original ones), Wan
 
 
 def _diffusers_keys(table: str | None, module: str) -> list[str]:

@@ -173,5 +173,5 @@ def test_evaluate_renders_with_guidance_and_no_negative_prompt(base):
 
     family = families.for_model(base)
     text = family.text_settings(base, TextOptions())
-    settings = RenderSettings(["a photo of a cat"], [0], 1, 32, 1, family.render_kwargs(text, 4.0, ""))
-    assert [image.size for image in render_column(_pipeline(base), settings)] == [(32, 32)]
+    settings = RenderSettings(["a photo of a cat"], [0], 1, 32, 1, family.render_kwargs(text, 4.0, ""), family.rendered)
+    assert [[image.size for image in clip] for clip in render_column(_pipeline(base), settings)] == [[(32, 32)]]

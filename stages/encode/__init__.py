@@ -220,6 +220,7 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
     family = inputs.bound_family()
     check_sizes(dataset, family.pixel_multiple(inputs.model_path), family.label)
+    check_frames(dataset, family, inputs.model_path, inputs.datasets)
     settings = family.text_settings(inputs.model_path, params)
     keys = SampleKeys.of(dataset, params, family.components.latent_digest(inputs.model_digests),
                          text_ingredients(family, settings, inputs), family.latent_downsampling(inputs.model_path),
@@ -294,6 +295,16 @@ def check_sizes(dataset: list[dict], multiple: int, label: str) -> None:
                         f" a resolution that is a multiple of {multiple}")
 
 
+def check_frames(dataset: list[dict], family: families.Family, model_path: Path,
+                 datasets: tuple[DatasetSource, ...]) -> None:
+    """Refuse clip windows of a length the model cannot take (before anything is encoded)."""
+    for s in dataset:
+        problem = family.frames_problem(model_path, len(s.get("frames", ())))
+        if problem:
+            raise UserError(f"preprocess.video.num_frames / frame_buckets: {problem}; {sample_label(s, datasets)} has"
+                            f" a window of {len(s['frames'])} frames")
+
+
 def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: SampleStore,
                  datasets: tuple[DatasetSource, ...], header: dict) -> dict:
     """Write samples.json (in record-key order, after `header`) and locations/index.json; return the
@@ -311,6 +322,8 @@ def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: Sa
         return {
             "split": s["split"], "caption": s["caption"], "original_size": s["original_size"],
             "crop_box": s["crop_box"], "resized": s["resized"], "size": s["size"], "repeats": s["repeats"],
+            # a clip's window: its frames and the frame rate they were sampled at (absent: an image)
+            **({"frames": len(s["frames"]), "fps": s["fps"]} if "frames" in s else {}),
             "latent": keys.latent[s["id"]], "text": texts[0], **variants, **flip, **masks,
             **({"role": s["role"]} if "role" in s else {}),  # a prior sample's (absent: train, as before)
         }

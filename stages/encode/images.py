@@ -1,4 +1,8 @@
-"""Pixel work, in decode threads: read, check, decode, orient, convert to RGB, resize, crop, flip."""
+"""Pixel work, in decode threads: read, check, decode, orient, convert to RGB, resize, crop, flip.
+
+An image becomes (3, H, W) pixels; a clip's window (preprocess: `frames`) becomes (3, F, H, W):
+each frame decoded upright (stages/video.py), checked against the window's digest, then resized,
+cropped and mirrored as an image of the clip's size is."""
 from __future__ import annotations
 
 import io
@@ -6,10 +10,11 @@ from typing import TYPE_CHECKING, Callable
 
 from PIL import ExifTags, Image
 
-from lorapipe.cache.digest import digest_bytes
+from lorapipe.cache.digest import digest_bytes, digest_json
 
-from ..preprocess.sources import DatasetSource, read_image_bytes
+from ..preprocess.sources import DatasetSource, local_file, read_image_bytes
 from ..preprocess.validation import TRANSPOSED
+from ..video import VideoProblem, decode_frames, frame_digest
 
 if TYPE_CHECKING:  # torch is imported where encoding happens, not by config loading
     import torch
@@ -80,15 +85,41 @@ class ImageCrops:
 
         s = self.samples[i]
         try:
-            data = read_image_bytes(self.datasets[s["source"]], s["path"])
-            if digest_bytes(data) != s["digest"]:
-                return i, None, "changed since preprocess ran (run the pipeline again)"
-            with Image.open(io.BytesIO(data)) as im:
-                im = placed(im, s, self.flips[i], lambda decoded: to_rgb(decoded, s.get("background")))
-            pixels = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+            frames = (self._placed_clip if "frames" in s else self._placed_image)(s, self.flips[i])
+        except VideoProblem as problem:
+            return i, None, f"cannot decode ({problem})"
         except (OSError, ValueError, SyntaxError) as e:
             return i, None, f"cannot decode ({type(e).__name__}: {e})"
-        return i, pixels.view(im.height, im.width, 3).permute(2, 0, 1).float() / 127.5 - 1.0, ""
+        if frames is None:
+            return i, None, "changed since preprocess ran (run the pipeline again)"
+        pixels = torch.stack([_tensor(im) for im in frames], dim=1)  # (3, F, H, W)
+        return i, pixels if "frames" in s else pixels[:, 0], ""
+
+    def _placed_image(self, s: dict, flip: bool) -> list[Image.Image] | None:
+        data = read_image_bytes(self.datasets[s["source"]], s["path"])
+        if digest_bytes(data) != s["digest"]:
+            return None
+        with Image.open(io.BytesIO(data)) as im:  # placed while open: a JPEG is drafted before it decodes
+            return [placed(im, s, flip, lambda decoded: to_rgb(decoded, s.get("background")))]
+
+    def _placed_clip(self, s: dict, flip: bool) -> list[Image.Image] | None:
+        frames = decode_frames(local_file(self.datasets[s["source"]], s["path"]), s["frames"])
+        if digest_json([frame_digest(frame) for frame in frames]) != s["digest"]:
+            return None
+        return [placed(Image.fromarray(frame), s, flip, lambda decoded: decoded) for frame in frames]
+
+
+def _tensor(im: Image.Image) -> torch.Tensor:
+    """(3, H, W) in [-1, 1]."""
+    import torch
+
+    pixels = torch.frombuffer(bytearray(im.tobytes()), dtype=torch.uint8)
+    return pixels.view(im.height, im.width, 3).permute(2, 0, 1).float() / 127.5 - 1.0
+
+
+def sample_shape(sample: dict) -> tuple[int, int, int]:
+    """A preprocess sample's pixel shape as batches group it: (window frames, or 0 for an image, H, W)."""
+    return (len(sample.get("frames", ())), *sample["size"])
 
 
 def size_batches(sizes: list[tuple[int, ...]], batch_size: int) -> list[list[int]]:

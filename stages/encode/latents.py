@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 from ..contract import Log
 from ..encoded import encode_record
 from ..progress import ProgressLines
-from .images import ImageCrops, sample_label, size_batches
+from .images import ImageCrops, sample_label, sample_shape, size_batches
 
 if TYPE_CHECKING:
     import torch
@@ -76,7 +76,7 @@ def encode_latents(jobs: list[tuple[str, dict, bool]], datasets: tuple[DatasetSo
 
     posterior = encoder()
     groups = chunks or [0] * len(jobs)
-    batches = size_batches([(g, *s["size"]) for g, (_, s, _) in zip(groups, jobs)], batch_size)
+    batches = size_batches([(g, *sample_shape(s)) for g, (_, s, _) in zip(groups, jobs)], batch_size)
     crops = ImageCrops(datasets, [s for _, s, _ in jobs], [f for _, _, f in jobs])
     with torch.inference_mode():
         for batch in decoded_batches(crops, batches, num_workers):

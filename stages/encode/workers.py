@@ -25,7 +25,7 @@ from ..contract import Log
 from ..encoded import encode_record
 from ..jobs import Job
 from ..optional_libraries import OPTIONAL
-from .images import sample_label
+from .images import sample_label, sample_shape
 from .latents import Progress, encode_latents
 from .masks import encode_masks
 
@@ -58,7 +58,7 @@ class EncodeJobs:
         for i, s in enumerate(dataset):
             for flip, table in ((False, keys.latent), (True, keys.latent_flip)):
                 if s["id"] in table:
-                    latents[table[s["id"]]] = (tuple(s["size"]), i, flip)
+                    latents[table[s["id"]]] = (sample_shape(s), i, flip)
         todo = sorted((size, key, i, flip) for key, (size, i, flip) in latents.items() if key in missing)
         masks = {table[s["id"]]: (i, flip) for i, s in enumerate(dataset)
                  for flip, table in ((False, keys.mask), (True, keys.mask_flip)) if s["id"] in table}

@@ -22,7 +22,7 @@ from .fid import fid_kid
 from .losses import LossResult, Scoring, denoising_loss, loss_subset
 from .params import (CHECKPOINT_CHART, CHECKPOINT_LOSSES, GRID, METRICS, REPORT, VERSION, EvalInputs, EvalOptions,
                      EvalParams)
-from .render import RenderSettings, compose_grid, render_column
+from .render import Clip, RenderSettings, compose_grid, first_frames, render_column, write_clips
 from .report import plot_checkpoint_losses, write_report
 
 if TYPE_CHECKING:
@@ -69,7 +69,8 @@ def run(
         adapters[name] = _split_losses(denoiser, scoring["lora"], encoded, splits, params)
 
     rows = [(prompt, seed) for prompt in params.prompts for seed in params.seeds]
-    compose_grid(columns, rows, params.resolution).save(out_dir / GRID)
+    compose_grid(first_frames(columns), rows, params.resolution).save(out_dir / GRID)
+    clips = write_clips(columns, rows, params.resolution, render_family.clip_fps(), out_dir)
     metrics = {
         "loss": {
             name: {"base": base[name], **{adapter: scored[name] for adapter, scored in adapters.items()}}
@@ -77,8 +78,8 @@ def run(
             else {"skipped": f"the {name} split is empty"}
             for name in SPLITS
         },
-        "clip_score": _clip_metrics(params, columns, [prompt for prompt, _ in rows], pipe.device, log),
-        "fid_kid": _fid_metrics(params, columns, log),
+        "clip_score": _clip_metrics(params, stills, [prompt for prompt, _ in rows], pipe.device, log),
+        "fid_kid": _fid_metrics(params, stills, log),
         "n_samples": {name: len(samples) for name, samples in splits.items()},  # scored for the loss
         "n_samples_in_split": {name: len(samples) for name, samples in in_split.items()},
         "prediction_type": {name: s.objective.prediction for name, s in scoring.items()},
@@ -86,6 +87,7 @@ def run(
             "base_model": inputs.base_model_digest, "encoded": inputs.encoded_digest,
             "lora": inputs.lora_digest, "evaluate_version": VERSION,
         },
+        **({"clips": clips} if clips else {}),  # the animated grid and one mp4 per clip (video models)
     }
     _write_json(out_dir / METRICS, metrics)
     checkpoints = _checkpoint_losses(pipe, scoring["lora"], inputs.train_dir, encoded, splits["holdout"], base, params)
@@ -149,12 +151,12 @@ def _load_adapters(pipe: DiffusionPipeline, family: families.Family, train_dir: 
 
 
 def _render_grid(pipe: DiffusionPipeline, family: families.Family, model_path: Path, settings: RenderSettings,
-                 params: EvalParams, train_dir: Path, log: Log) -> dict[str, list[Image.Image]]:
+                 params: EvalParams, train_dir: Path, log: Log) -> dict[str, list[Clip]]:
     """The grid's columns: `pipe` without the LoRA, then with it at each scale, then its EMA at each
     scale when there is one (the adapters stay loaded)."""
     sampler = params.scheduler or family.render_defaults()["sampler"]
     scoring = _scorings(family, model_path, train_dir)  # a LoRA trained to predict v is sampled as v
-    log(f"evaluate: {family.label} {model_path.name} renders {len(params.prompts) * len(params.seeds)} images"
+    log(f"evaluate: {family.label} {model_path.name} renders {len(params.prompts) * len(params.seeds)} samples"
         f" per column, {settings.num_inference_steps} steps, {torch.get_num_threads()} torch threads")
     family.prepare_pipeline(pipe, sampler, scoring["base"].objective)
     columns = {"base": render_column(pipe, settings)}
@@ -178,9 +180,14 @@ def _render_settings(family: families.Family, model_path: Path, encoded: Encoded
     defaults = family.render_defaults()
     guidance = defaults["guidance_scale"] if params.guidance_scale is None else params.guidance_scale
     text = family.text_settings(model_path, encoded.text_options)
+    try:
+        clip = family.clip_kwargs(model_path, params.num_frames)
+    except ValueError as problem:
+        raise UserError(str(problem)) from None
     return RenderSettings(list(params.prompts), list(params.seeds),
                           params.num_inference_steps or defaults["num_inference_steps"], params.resolution,
-                          options.render_batch_size, family.render_kwargs(text, guidance, params.negative_prompt))
+                          options.render_batch_size,
+                          {**family.render_kwargs(text, guidance, params.negative_prompt), **clip}, family.rendered)
 
 
 def _split_losses(denoiser: torch.nn.Module, scoring: Scoring, encoded: EncodedData,

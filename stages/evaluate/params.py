@@ -11,9 +11,11 @@ from lorapipe.stages.contract import Frozen, JsonInputs, OutputFile
 
 VERSION = "2"  # 2: fixed noise and loss subset seeded by content, not file name
 GRID, METRICS, REPORT = "grid.png", "metrics.json", "report.md"
+ANIMATED_GRID, CLIPS_DIR = "grid.webp", "clips"  # a video model's grid of clips, animated; each clip as an mp4
 CHECKPOINT_CHART, CHECKPOINT_LOSSES = "checkpoint_loss.png", "checkpoint_losses.json"  # with checkpoints
-OUTPUT_FILES = (OutputFile(GRID, "sample grid"), OutputFile(METRICS, "metrics"), OutputFile(REPORT),
-                OutputFile(CHECKPOINT_CHART), OutputFile(CHECKPOINT_LOSSES))
+OUTPUT_FILES = (OutputFile(GRID, "sample grid"), OutputFile(ANIMATED_GRID, "animated sample grid"),
+                OutputFile(METRICS, "metrics"), OutputFile(REPORT), OutputFile(CHECKPOINT_CHART),
+                OutputFile(CHECKPOINT_LOSSES))
 LOCAL_PATHS = ("clip_model", "fid_reference", "inception_weights", "render_model")  # keyed by content, not path
 
 
@@ -33,9 +35,11 @@ class EvalParams(Frozen):
                                  " it)")
     resolution: int = Field(64, gt=0, multiple_of=8, description="the rendered images' side in pixels (a multiple"
                             " of the family's: SD 8, the flow-matching families 16)")
-    scheduler: Literal["dpm_solver_multistep", "ddim", "euler", "flow_match_euler"] | None = Field(
-        None, description="the sampler; null: the model's (SD dpm_solver_multistep; flow-matching models"
-        " flow_match_euler)")
+    num_frames: int | None = Field(None, ge=1, description="frames of each rendered clip (video models); null: the"
+                                   " model's default")
+    scheduler: Literal["dpm_solver_multistep", "ddim", "euler", "flow_match_euler", "flow_unipc"] | None = Field(
+        None, description="the sampler; null: the model's (SD dpm_solver_multistep; flow-matching image models"
+        " flow_match_euler; Wan flow_unipc)")
     loss_timesteps: tuple[int, ...] = Field((100, 300, 500, 700, 900), min_length=1, description="the noise levels"
                                             " of the denoising loss, as steps out of the model's training"
                                             " timesteps (flow matching: sigma = step / num_train_timesteps)")

@@ -1,15 +1,21 @@
-"""Sample images for fixed prompts and seeds, and the labelled comparison grid.
+"""Samples for fixed prompts and seeds, and the labelled comparison grid.
 
-Every image gets its own CPU generator seeded with its seed, so an image depends on its prompt,
-seed and settings, not on what was rendered before it (batch size: see EvalOptions).
+Every sample gets its own CPU generator seeded with its seed, so it depends on its prompt, seed
+and settings, not on what was rendered before it (batch size: see EvalOptions). A sample is a clip:
+a list of frames, one for an image model (family.rendered). The grid shows each clip's first frame;
+where clips have more, the grid is also written animated (every cell at its k-th frame), and each
+clip as an mp4 of its own.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
+
+from .params import ANIMATED_GRID, CLIPS_DIR
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -27,23 +33,75 @@ class RenderSettings:
     resolution: int
     batch_size: int
     family_kwargs: dict[str, Any]  # the family's pipeline arguments: guidance, negative prompt (one per
-    # prompt, as the pipelines want a list with a list of prompts), text length
+    # prompt, as the pipelines want a list with a list of prompts), text length, a clip's frames
+    rendered: Callable[[Any], list[Clip]]  # the pipeline's output as clips (family.rendered)
+
+
+Clip = list[Image.Image]  # a rendered sample's frames (one for an image)
 
 
 @torch.inference_mode()
-def render_column(pipe: DiffusionPipeline, settings: RenderSettings) -> list[Image.Image]:
-    """One image per (prompt, seed), prompt-major, with the pipeline's current adapters."""
-    images = []
+def render_column(pipe: DiffusionPipeline, settings: RenderSettings) -> list[Clip]:
+    """One clip per (prompt, seed), prompt-major, with the pipeline's current adapters."""
+    clips: list[Clip] = []
     for prompt in settings.prompts:
         for start in range(0, len(settings.seeds), settings.batch_size):
             seeds = settings.seeds[start:start + settings.batch_size]
             per_prompt = {k: [v] * len(seeds) if k == "negative_prompt" else v for k, v in settings.family_kwargs.items()}
-            images += pipe(
+            clips += settings.rendered(pipe(
                 prompt=[prompt] * len(seeds), generator=[torch.Generator().manual_seed(seed) for seed in seeds],
                 num_inference_steps=settings.num_inference_steps, height=settings.resolution,
                 width=settings.resolution, output_type="pil", **per_prompt,
-            ).images
-    return images
+            ))
+    return clips
+
+
+def first_frames(columns: dict[str, list[Clip]]) -> dict[str, list[Image.Image]]:
+    """Each clip as one image: its first frame (what the still grid and the image metrics read)."""
+    return {label: [clip[0] for clip in clips] for label, clips in columns.items()}
+
+
+def write_clips(columns: dict[str, list[Clip]], rows: list[tuple[str, int]], resolution: int, fps: int,
+                out_dir: Path) -> list[str]:
+    """Where clips have more than one frame: the animated grid (grid.webp) and clips/<column>/
+    <row>.mp4; returns the files written (none for images)."""
+    frames = max(len(clip) for clips in columns.values() for clip in clips)
+    if frames == 1:
+        return []
+    animated = [compose_grid({label: [clip[min(k, len(clip) - 1)] for clip in clips] for label, clips in columns.items()},
+                             rows, resolution) for k in range(frames)]
+    animated[0].save(out_dir / ANIMATED_GRID, save_all=True, append_images=animated[1:], duration=round(1000 / fps),
+                     loop=0, lossless=True)
+    written = [ANIMATED_GRID]
+    for c, (label, clips) in enumerate(columns.items()):
+        for r, clip in enumerate(clips):
+            name = f"{CLIPS_DIR}/{c:02d}-{_slug(label)}/{r:02d}-seed{rows[r][1]}.mp4"
+            write_mp4(clip, fps, out_dir / name)
+            written.append(name)
+    return written
+
+
+def write_mp4(frames: Clip, fps: int, path: Path) -> None:
+    """H.264 in MP4 (yuv420p: what every player plays), one encoder thread: the same bytes each time."""
+    import av
+    import numpy as np
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    width, height = (side - side % 2 for side in frames[0].size)  # yuv420p needs even sides
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        stream.options = {"crf": "18", "threads": "1"}
+        for image in frames:
+            pixels = np.asarray(image.convert("RGB"))[:height, :width]
+            for packet in stream.encode(av.VideoFrame.from_ndarray(np.ascontiguousarray(pixels), format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)
+
+
+def _slug(label: str) -> str:
+    return "".join(ch if ch.isalnum() else "-" for ch in label).strip("-").lower()
 
 
 def grid_size(rows: int, columns: int, resolution: int) -> tuple[int, int]:

@@ -8,12 +8,12 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .params import CHECKPOINT_CHART, GRID
+from .params import ANIMATED_GRID, CHECKPOINT_CHART, GRID
 
 EMBED_MAX_SIDE = 2048  # px: as wide as a screen shows; keeps a grid's prompt labels readable
 EMBED_MAX_BYTES = 1_500_000  # per image before base64: the UI fetches an artifact as one JSON document
-LOCAL_IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s/:]+\.(?:png|jpe?g))\)")  # a file next to the report
-MIME = {"PNG": "image/png", "JPEG": "image/jpeg"}
+LOCAL_IMAGE = re.compile(r"!\[([^\]]*)\]\(([^)\s/:]+\.(?:png|jpe?g|webp))\)")  # a file next to the report
+MIME = {"PNG": "image/png", "JPEG": "image/jpeg", "WEBP": "image/webp"}  # an animated WebP stays animated
 
 
 def _loss_rows(split: str, result: dict[str, Any], timesteps: list[int]) -> list[str]:
@@ -54,7 +54,8 @@ def write_report(
         lines.append(f"base {clip['base']:.3f}; " + "; ".join(f"{label} x{s} {v:.3f}" for model, label in
                                                              (("lora", "LoRA"), ("ema", "EMA")) if model in clip
                                                              for s, v in clip[model].items()))
-    lines += ["", "## Samples", "", f"![base and LoRA samples]({GRID})", ""]
+    grid = ANIMATED_GRID if metrics.get("clips") else GRID
+    lines += ["", "## Samples", "", f"![base and LoRA samples]({grid})", ""]
     if checkpoints is not None:
         lines += ["## Held-out loss by checkpoint", ""]
         if "skipped" in checkpoints:

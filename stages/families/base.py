@@ -65,6 +65,7 @@ class ImageGeometry(Protocol):
     crop_box: tuple[int, int, int, int]  # (left, top, right, bottom) in resized pixels
     size: tuple[int, int]  # (height, width) of the encoded image
     resized: tuple[int, int] | None  # (height, width) before the crop
+    fps: float  # a clip's frames per second (preprocess.video.fps); 0: an image
 
 
 class TextEncoder(Protocol):
@@ -97,15 +98,18 @@ def stack(records: list[TextRecord], name: str) -> torch.Tensor:
     return torch.stack([r[name].float() for r in records])
 
 
-def pad_sequences(records: list[TextRecord], name: str) -> tuple[torch.Tensor, torch.Tensor]:
+def pad_sequences(records: list[TextRecord], name: str,
+                  length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch of variable-length records (L_i, D), stored unpadded, as one float32 tensor zero-padded
     to the batch's longest (B, L, D) and its mask (B, L), True on each record's own tokens: the
-    padding rule of the pipelines that read masked prompt embeddings (Z-Image, Qwen-Image)."""
+    padding rule of the pipelines that read masked prompt embeddings (Z-Image, Qwen-Image).
+    `length`: pad to that many tokens instead (Wan's pipeline pads to its max_sequence_length)."""
     import torch
 
     lengths = [r[name].shape[0] for r in records]
-    padded = torch.zeros(len(records), max(lengths), records[0][name].shape[-1])
-    mask = torch.zeros(len(records), max(lengths), dtype=torch.bool)
+    length = max(lengths) if length is None else length
+    padded = torch.zeros(len(records), length, records[0][name].shape[-1])
+    mask = torch.zeros(len(records), length, dtype=torch.bool)
     for i, (record, length) in enumerate(zip(records, lengths)):
         padded[i, :length] = record[name].float()
         mask[i, :length] = True
@@ -206,6 +210,11 @@ class Family(ABC):
         """Image sides must be multiples of this: the VAE's downsampling times the latent patch."""
         return self.latent_downsampling(model_path) * self.latent_patch
 
+    def frames_problem(self, model_path: Path, frames: int) -> str | None:
+        """Why the model cannot be trained on a clip window of `frames` frames (None: it can; 0 is an
+        image). An image model takes no clip; a video family says which frame counts its VAE takes."""
+        return None if frames == 0 else f"{self.label} is an image model: it trains on images, not clips"
+
     def latent_downsampling(self, model_path: Path) -> int:
         """Image pixels per latent record pixel, along each side (the VAE's downsampling)."""
         return vae_scale_factor(model_path, self.components.latent[0])
@@ -282,6 +291,22 @@ class Family(ABC):
     @abstractmethod
     def render_kwargs(self, settings: Frozen, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
         """The pipeline call's family-specific arguments (besides prompt, size, steps and generator)."""
+
+    def clip_kwargs(self, model_path: Path, num_frames: int | None) -> dict[str, Any]:
+        """The pipeline call's arguments for the length of a rendered clip (evaluate.num_frames; None:
+        the model's default). An image model renders no clip: a set num_frames is refused."""
+        if num_frames is not None:
+            raise ValueError(f"evaluate.num_frames: {self.label} renders images, not clips; remove it")
+        return {}
+
+    def rendered(self, output: Any) -> list[list[Any]]:
+        """The pipeline's output as clips: a list of frames (PIL images) per prompt; an image is a
+        one-frame clip."""
+        return [[image] for image in output.images]
+
+    def clip_fps(self) -> int:
+        """Frames per second a rendered clip is written at."""
+        return 16
 
     @abstractmethod
     def prepare_pipeline(self, pipe: Any, sampler: str, objective: Objective) -> None:

@@ -1,8 +1,8 @@
-"""What the flow-matching transformer families (Flux.1, Flux.2-klein, Z-Image, Qwen-Image) share:
+"""What the flow-matching transformer families (Flux.1, Flux.2-klein, Z-Image, Qwen-Image, Wan, LTX-2) share:
 variants as data, detected from the model's configs; the objective built from the scheduler config;
 LoRA presets as regular expressions over module names; the exports (diffusers format, then the
-original-name files of `original_formats`); rendering with the pipeline's own flow-matching Euler
-sampler at the variant's steps and guidance.
+original-name files of `original_formats`); rendering with the pipeline's own sampler (flow-matching
+Euler; Wan's UniPC) at the variant's steps and guidance.
 
 A family module fills in the data head and writes what differs: text settings and encoder,
 `conditioning`, `predict`, `original_names` (derived from diffusers' single-file converter) and its
@@ -56,6 +56,7 @@ class FlowFamily(Family):
     sequence_patch: int = 2  # normalised-latent pixels per image token side (the objective's token count)
     original_formats: tuple[KeySpelling, ...] = (COMFYUI,)  # exported besides the diffusers file
     comfyui_slice_prefix: str | None = None  # ComfyUI maps <prefix><diffusers module> to its rows of a fused weight
+    sampler: str = SAMPLER  # the pipeline's own scheduler, the one it renders with
 
     def for_model(self, model_path: Path) -> FlowFamily:
         return replace(self, variant=next(v for v in self.variants if v.matches(model_path)))
@@ -132,11 +133,11 @@ class FlowFamily(Family):
     # ---- rendering
     def render_defaults(self) -> dict[str, Any]:
         return {"num_inference_steps": self.bound.render_steps, "guidance_scale": self.bound.render_guidance,
-                "sampler": SAMPLER}
+                "sampler": self.sampler}
 
     def prepare_pipeline(self, pipe: Any, sampler: str, objective: FlowMatchingObjective) -> None:
-        if sampler != SAMPLER:
-            raise ValueError(f"evaluate.scheduler: {self.label} renders with {SAMPLER}, not {sampler}")
+        if sampler != self.sampler:
+            raise ValueError(f"evaluate.scheduler: {self.label} renders with {self.sampler}, not {sampler}")
 
     def build_tiny(self, out_dir: Path, arch: str) -> Path:
         return self.build_tiny_variant(Path(out_dir), next(v for v in self.variants if v.tiny_arch == arch))

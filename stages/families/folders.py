@@ -70,12 +70,17 @@ def empty_component(model_path: Path, name: str) -> Any:
 
 
 def component_class(model_path: Path, name: str) -> type:
-    """The class model_index.json names for a component, its library's modules imported."""
+    """The class model_index.json names for a component, its library's modules imported (a library
+    that is a diffusers pipeline's own module, as LTX-2's connectors' "ltx2", from there)."""
     spec = model_index(model_path).get(name)
     if not isinstance(spec, list) or spec[0] is None:
         raise ValueError(f"{model_path}/model_index.json has no {name}: the model folder is incomplete")
     library, class_name = spec
-    return getattr(importlib.import_module(library), class_name)
+    try:
+        module = importlib.import_module(library)
+    except ModuleNotFoundError:
+        module = importlib.import_module(f"diffusers.pipelines.{library}")
+    return getattr(module, class_name)
 
 
 def vae_scale_factor(model_path: Path, vae: str) -> int:

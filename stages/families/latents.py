@@ -4,11 +4,13 @@ A latent record holds the VAE posterior unscaled (mean and std, stages/encoded.p
 normalisation never re-encodes an image. The normalisation is data read from the VAE at encode time
 and recorded in the encode index, so train and evaluate apply the one the records were made with,
 and its values reach the train key through the encode artifact's digest. Records are (C, H, W) for
-every family: a video VAE's one frame (Qwen-Image) is squeezed out by its encoder.
+the image families (a video VAE's one frame, Qwen-Image's, is squeezed out by its encoder) and
+(C, F, H, W) for the video families (Wan, LTX-2): every kind applies per channel to a batch of either rank.
 
 Kinds, told apart by `kind`:
 - `scale_shift` (SD, Flux.1, Z-Image): `(z - shift) * scale` from the VAE config;
-- `channel_mean_std` (Qwen-Image): `(z - mean_c) * (1 / std_c)` from the config's latents_mean/std;
+- `channel_mean_std` (Qwen-Image, Wan, LTX-2): `(z - mean_c) * (1 / std_c)` from the config's latents_mean/std
+  (LTX-2: its VAE's buffers, std divided by its scaling_factor);
 - `patched_batch_norm` (Flux.2): z patchified 2x2 (C -> 4C channels, half the sides), then
   `(z - running_mean_c) / sqrt(running_var_c + eps)` with the VAE's batch-norm statistics (weights,
   not config: read from its safetensors). Its output layout is the patchified one: the objective and
@@ -41,13 +43,14 @@ class ScaleShift(Frozen):
 
 
 def _per_channel(values: tuple[float, ...], latents: torch.Tensor) -> torch.Tensor:
+    """`values` shaped to broadcast over the channel axis of (B, C, ...) latents of any rank."""
     import torch
 
-    return torch.tensor(values).view(1, -1, 1, 1).to(latents.device, latents.dtype)
+    return torch.tensor(values).view(1, -1, *[1] * (latents.ndim - 2)).to(latents.device, latents.dtype)
 
 
 class ChannelMeanStd(Frozen):
-    """`(z - mean) * (1 / std)` per channel, as QwenImage's pipelines compute it."""
+    """`(z - mean) * (1 / std)` per channel, as the QwenImage and Wan pipelines compute it."""
 
     kind: Literal["channel_mean_std"] = "channel_mean_std"
     mean: tuple[float, ...]

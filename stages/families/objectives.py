@@ -51,7 +51,7 @@ class TimestepSampling(Frozen):
     mode_scale: float = Field(1.29, description="mode: the scale s of SD3's mode sampling (0: uniform)")
     shift: Literal["model", "none", "static", "resolution", "empirical"] = Field(
         "model", description="s = shift(u): static s*u/(1+(s-1)u); resolution: BFL's exp(mu) time shift, mu"
-        " linear in the image's token count from base_shift to max_shift; empirical: the same time shift at"
+        " linear in the image's token count (a clip's: every frame's) from base_shift to max_shift; empirical: the same time shift at"
         " Flux.2's empirical mu of the token count and shift_steps; model: as the model's pipeline samples")
     shift_value: float | None = Field(None, gt=0, description="static: the shift s; null: the scheduler config's"
                                       " `shift`")
@@ -301,7 +301,8 @@ class FlowMatchingObjective(Objective):
         """Unset shift settings take the scheduler config's values (FlowMatchEulerDiscreteScheduler's
         defaults where the config has none). `model_shift`: what shift "model" means when the family's
         pipeline samples otherwise than its scheduler config says (Flux.2: empirical, with the
-        variant's render steps); its set fields fill the user's unset ones."""
+        variant's render steps; Wan: static at its UniPC scheduler's flow_shift); its set fields fill
+        the user's unset ones."""
         s = params.timestep_sampling
         shift = s.shift
         if shift == "model":
@@ -312,7 +313,7 @@ class FlowMatchingObjective(Objective):
             raise ValueError("train.timestep_sampling.shift_steps: the empirical shift needs the inference steps")
         resolved = s.model_copy(update={
             "shift": shift,
-            "shift_value": s.shift_value or config.get("shift", 1.0),
+            "shift_value": s.shift_value or (model_shift and model_shift.shift_value) or config.get("shift", 1.0),
             "base_shift": config.get("base_shift", 0.5) if s.base_shift is None else s.base_shift,
             "max_shift": config.get("max_shift", 1.15) if s.max_shift is None else s.max_shift,
             "shift_steps": steps,
@@ -330,7 +331,7 @@ class FlowMatchingObjective(Objective):
         else:
             u = compute_density_for_timestep_sampling(s.distribution, shape[0], s.logit_mean, s.logit_std,
                                                       s.mode_scale, generator=rng)
-        return self.shifted(u, (shape[-2] // self.patch_size) * (shape[-1] // self.patch_size))
+        return self.shifted(u, sequence_length(shape, self.patch_size))
 
     def shifted(self, u: torch.Tensor, image_seq_len: int) -> torch.Tensor:
         """The scheduler's shifts: FlowMatchEulerDiscreteScheduler's static one and its exponential
@@ -367,3 +368,9 @@ class FlowMatchingObjective(Objective):
 
         self._check_steps(steps)
         return torch.tensor(steps, dtype=torch.float32) / self.num_train_timesteps
+
+
+def sequence_length(shape: tuple[int, ...], patch_size: int) -> int:
+    """The denoiser's image tokens for latents of `shape` (B, C, [F,] H, W): (H/p)(W/p) patches of
+    each frame (a video latent's every frame: LTX-2's shift counts them all)."""
+    return math.prod(shape[2:-2]) * (shape[-2] // patch_size) * (shape[-1] // patch_size)

@@ -29,6 +29,8 @@ from lorapipe.cache.fsutil import write_json_rows
 from lorapipe.cache.store import Built
 
 from ..contract import Frozen, Log, OutputFile
+from ..video import ClipInfo
+from .clips import VideoSampling, cut_summary, inspect_clip, window_digest, windows
 from .crops import generated_buckets, nearest_bucket, place, shrink_to_fit
 from .sources import BadRow, Candidate, DatasetSource, MissingCaption, candidates, fingerprint
 from .validation import ImageInfo, Rejected, inspect_image, mask_entry, summary_lines
@@ -69,6 +71,9 @@ class PreprocessParams(Frozen):
                                 " (sides multiples of 64) instead of being enlarged")
     min_side: int = Field(0, ge=0, description="reject images whose short side is smaller")
     background: tuple[int, int, int] = Field((255, 255, 255), description="RGB that alpha is composited on")
+    video: VideoSampling = Field(  # at its default out of the key: image-only configs keep their keys
+        VideoSampling(), exclude_if=lambda v: v == VideoSampling(), description="how clips (video files)"
+        " are cut into windows of frames")
 
     @field_validator("bucket_sizes")
     @classmethod
@@ -120,16 +125,17 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
         raise ValueError(f"no usable image in {where} ({_reasons(rejected)})")
     _check_every_dataset_used(datasets, samples, rejected)
     fixed = {s["id"]: _fixed_split(inputs.datasets[s["source"]]) for s in samples}  # a dataset may name its split
-    holdout = _holdout_ids({s["id"]: s["digest"] for s in samples if fixed[s["id"]] == "auto"},
-                           params.holdout_fraction)
+    group = {s["id"]: s["clip"]["digest"] if "clip" in s else s["digest"] for s in samples}  # a clip's windows: one
+    held = _holdout_ids({group[i]: group[i] for i, split in fixed.items() if split == "auto"}, params.holdout_fraction)
+    holdout = {i for i, split in fixed.items() if split == "auto" and group[i] in held}
     holdout |= {i for i, split in fixed.items() if split == "holdout"}
     for s in samples:
         s["split"] = "holdout" if s["id"] in holdout else "train"
     counts = dict(sorted(Counter(r["reason"] for r in rejected).items()))
     buckets = dict(sorted(Counter(f"{s['size'][1]}x{s['size'][0]}" for s in samples).items()))
     write_json_rows(out_dir / DATASET_FILE, {"format": 2}, "samples", samples)
-    (out_dir / REPORT_FILE).write_text(json.dumps({"rejected": rejected, "counts": counts, "warnings": warnings},
-                                                  indent=1, sort_keys=True))
+    report = {"rejected": rejected, "counts": counts, "warnings": warnings, **_clips_report(samples, datasets)}
+    (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True))
     for line in summary_lines(rejected, "rejected") + summary_lines(warnings, "warning:"):
         log(line)
     prior = sum(s.get("role") == "prior" for s in samples)
@@ -164,19 +170,24 @@ def _validate(found: list[Candidate], params: PreprocessParams,
         source = datasets[c.source]
         sample_id = c.label.rsplit(".", 1)[0]
         try:
-            info = inspect_image(c, params.min_side)
+            info, clip = inspect_clip(c, params.min_side) if c.clip else (inspect_image(c, params.min_side), None)
             caption = _caption(c, source.missing_caption)
             if caption is None:
                 uncaptioned.append(c)
                 continue
-            for seen, what in ((info.digest, "same bytes as"), (sample_id, "same name (so the same id) as")):
+            for seen, what in ((info.digest, "same frames as" if clip else "same bytes as"),
+                               (sample_id, "same name (so the same id) as")):
                 if seen in first_of:
                     raise Rejected("duplicate", f"{what} {first_of[seen]}")
-            mask = mask_entry(c, info, source)
+            if clip:
+                samples.extend(_clip_samples(c, sample_id, info, clip, caption, source, params))
+                warnings.extend(_clip_warnings(c, clip))
+            else:
+                mask = mask_entry(c, info, source)
+                samples.append(_sample(c, sample_id, info, caption, source, params))
+                if mask:
+                    samples[-1]["mask"] = mask
             first_of.update({info.digest: c.label, sample_id: c.label})
-            samples.append(_sample(c, sample_id, info, caption, source, params))
-            if mask:
-                samples[-1]["mask"] = mask
         except Rejected as r:
             rejected.append({"path": c.label, "reason": r.reason, "detail": r.detail})
             continue
@@ -187,6 +198,46 @@ def _validate(found: list[Candidate], params: PreprocessParams,
         raise ValueError(f"{datasets[c.source].path}/{c.rel}: no caption ({c.caption_problem}){more}; set"
                          " missing_caption (preprocess or the dataset's) to skip, filename or empty")
     return samples, rejected, warnings
+
+
+def _clip_samples(c: Candidate, sample_id: str, info: ImageInfo, clip: ClipInfo, caption: str,
+                  source: DatasetSource, params: PreprocessParams) -> list[dict]:
+    """One sample per window of the clip (preprocess.video), each placed as an image of the clip's
+    frame size would be, known by the digest of the frames it shows; `clip` says where it comes from
+    (its windows share the clip's digest: held out together)."""
+    sampling = params.video
+    chosen = windows(clip, sampling)
+    samples = []
+    for k, window in enumerate(chosen):
+        digest = window_digest(clip, window)
+        sample = _sample(c, sample_id if len(chosen) == 1 else f"{sample_id}@{k}",
+                         ImageInfo(info.width, info.height, False, digest), caption, source, params)
+        sample["frames"], sample["fps"] = list(window.frames), sampling.fps
+        sample["clip"] = {"digest": info.digest, "duration": round(clip.duration, 3), "fps": round(clip.fps, 3),
+                          "start": window.start, "cut": cut_summary(clip, chosen, sampling.fps)}
+        samples.append(sample)
+    return samples
+
+
+def _clips_report(samples: list[dict], datasets: tuple[DatasetSource, ...]) -> dict:
+    """Per clip: its duration and frame rate, each window's start, frames and bucket, and what the
+    windows leave out (absent when there is no clip, so an image dataset's report is unchanged)."""
+    clips: dict[str, dict] = {}
+    for s in (s for s in samples if "clip" in s):
+        label = f"{datasets[s['source']].label}/{s['path']}" if len(datasets) > 1 else s["path"]
+        entry = clips.setdefault(label, {"path": label, "duration": s["clip"]["duration"], "fps": s["clip"]["fps"],
+                                         "cut": s["clip"]["cut"], "windows": []})
+        entry["windows"].append({"id": s["id"], "start": s["clip"]["start"], "frames": len(s["frames"]),
+                                 "size": f"{s['size'][1]}x{s['size'][0]}", "split": s["split"]})
+    return {"clips": list(clips.values())} if clips else {}
+
+
+def _clip_warnings(c: Candidate, clip: ClipInfo) -> list[dict]:
+    if not clip.variable_frame_rate:
+        return []
+    return [{"path": c.label, "reason": "variable_frame_rate",
+             "detail": f"frame intervals vary around {clip.frame_interval * 1000:.1f} ms: sampled by the frames'"
+                       " own timestamps"}]
 
 
 def _small_image(sample: dict) -> str:
@@ -241,7 +292,7 @@ def _sample(c: Candidate, sample_id: str, info: ImageInfo, caption: str, source:
 
 
 def _holdout_ids(digests: dict[str, str], fraction: float) -> set[str]:
-    """The ids of the images (id -> content digest) held out: the same images for the same
+    """The ids of the images or clips (id -> content digest) held out: the same ones for the same
     fraction, whatever the folder order or the files' names: those of the smallest digests."""
     if fraction == 0 or len(digests) < 2:
         return set()

@@ -1,9 +1,11 @@
-"""Where images and captions come from: one or more datasets, each listed as candidates.
+"""Where images, clips and captions come from: one or more datasets, each listed as candidates.
 
 Formats: `folder` (nested image files with caption sidecars, and/or `metadata.jsonl` /
 `metadata.csv` files in the diffusers imagefolder convention, `file_name` relative to the
 metadata file: stages/preprocess/metadata.py), `hf` (a `datasets.save_to_disk` folder) and
-`parquet` (a folder of parquet files); the last two need the `datasets` package.
+`parquet` (a folder of parquet files); the last two need the `datasets` package. A local folder
+dataset may hold video files beside its images (stages/video.py): each is a clip candidate, known by
+its decoded frames (read once per file version into the stat cache).
 
 Nothing outside a dataset's folder is read, not even to hash it for the key: links leading
 outside are refused (`outside_dataset`) unless the dataset sets `follow_symlinks`.
@@ -14,6 +16,7 @@ known by URL, size and ETag, so an unchanged object is never downloaded again to
 from __future__ import annotations
 
 import io
+import json
 import os
 import posixpath
 from dataclasses import dataclass
@@ -27,10 +30,12 @@ from lorapipe.cache.digest import StatCache, digest_bytes, digest_json
 from lorapipe.cache.objects import ObjectFile, is_url, join, read_url
 
 from ..contract import Frozen, PathOrUrl, location_name
+from ..video import VIDEO_SUFFIXES, ClipInfo, read_clip
 from .listing import Listing, list_folder, named_inside, within
 from .metadata import METADATA_FILES, MetadataCaption, RowProblem, metadata_captions
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
+CLIP_RECORD = "clip-frames-1"  # the stat cache's name for a clip's frame times and digests (stages/video.py)
 MASK_SUFFIX = ".mask.png"  # <image stem>.mask.png: that image's loss mask, never an image itself
 DEFAULT_CAPTION_EXTS = (".txt", ".caption")  # caption_ext unset: kohya's .caption where no .txt exists
 MissingCaption = Literal["error", "skip", "filename", "empty"]
@@ -123,6 +128,7 @@ class Candidate:
     open: Callable[[], BinaryIO]  # the image file, opened for reading (OSError when unreadable)
     digest: Callable[[], str]  # content digest of those bytes (stat-cached for files)
     mask: MaskFile | None = None  # its sidecar mask (a folder dataset with mask: sidecar)
+    clip: Callable[[], ClipInfo] | None = None  # a video file's frames (VideoProblem if it is not a clip)
 
 
 @dataclass(frozen=True)
@@ -165,7 +171,8 @@ def scan_folder(source: DatasetSource) -> FolderScan:
 
 
 def _image_name(rel: str) -> bool:
-    return rel.lower().endswith(IMAGE_SUFFIXES) and not rel.lower().endswith(MASK_SUFFIX)
+    """An image or a clip: a file that can be a sample."""
+    return rel.lower().endswith(IMAGE_SUFFIXES + VIDEO_SUFFIXES) and not rel.lower().endswith(MASK_SUFFIX)
 
 
 def _offered_name(rel: str) -> bool:
@@ -209,10 +216,24 @@ def candidates(source: DatasetSource, index: int, prefix: str, stat_cache: StatC
         path = scan.listing.files[rel]
         caption, problem = _caption(source, rel, captions.get(rel), sidecar and scan.listing.files[sidecar])
         found.append(Candidate(index, rel, prefix + rel, caption, problem, lambda path=path: path.open("rb"),
-                               lambda path=path: stat_cache.digest(path), _mask_file(scan, rel, stat_cache)))
+                               lambda path=path: stat_cache.digest(path), _mask_file(scan, rel, stat_cache),
+                               _clip(path, stat_cache) if rel.lower().endswith(VIDEO_SUFFIXES) else None))
     refused = [{"path": prefix + rel, "reason": reason, "detail": detail} for rel, reason, detail in scan.refused]
     refused += [{"path": prefix + p.where, "reason": p.reason, "detail": p.detail} for p in problems]
     return Offered(found, refused)
+
+
+def _clip(path: Path | ObjectFile, stat_cache: StatCache) -> Callable[[], ClipInfo]:
+    """A video file's frame record, decoded once per file version (the stat cache keeps it)."""
+    def read() -> ClipInfo:
+        if isinstance(path, ObjectFile):
+            from ..video import VideoProblem
+
+            raise VideoProblem("unsupported", "clips on object storage are not read yet: copy them to a local folder")
+        record = stat_cache.derived(path, CLIP_RECORD, lambda local: json.dumps(read_clip(local).to_json()))
+        return ClipInfo.from_json(json.loads(record))
+
+    return read
 
 
 def _mask_file(scan: FolderScan, image: str, stat_cache: StatCache) -> MaskFile | None:
@@ -293,8 +314,13 @@ def read_image_bytes(source: DatasetSource, rel: str) -> bytes:
     if source.format == "folder" and is_url(source.path):
         return read_url(join(source.path, rel))
     if source.format == "folder":
-        path = source.path / rel
-        if not (source.follow_symlinks or within(os.path.realpath(path), os.path.realpath(source.path))):
-            raise OSError(f"{rel} now leads outside the dataset folder (a link?): not read")
-        return path.read_bytes()
+        return local_file(source, rel).read_bytes()
     return row_image_bytes(source, int(rel.removeprefix("row-")))
+
+
+def local_file(source: DatasetSource, rel: str) -> Path:
+    """A local folder dataset's file (a clip, which PyAV reads from a path), still inside the dataset."""
+    path = source.path / rel
+    if not (source.follow_symlinks or within(os.path.realpath(path), os.path.realpath(source.path))):
+        raise OSError(f"{rel} now leads outside the dataset folder (a link?): not read")
+    return path

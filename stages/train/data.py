@@ -41,13 +41,13 @@ class BatchPlan:
 
     def __init__(self, samples: list[Sample], seed: int, batch_size: int, num_processes: int):
         self.seed, self.batch_size, self.global_batch = seed, batch_size, batch_size * num_processes
-        buckets: dict[tuple[int, int], list[tuple[Sample, int]]] = {}  # each sample once per repeat (its copy)
+        buckets: dict[tuple[int, int, int], list[tuple[Sample, int]]] = {}  # each sample once per repeat (its copy)
         for sample in sorted(samples, key=lambda s: s.content_id):  # not by file name: a rename changes nothing
-            buckets.setdefault(sample.size, []).extend((sample, copy) for copy in range(sample.repeats))
-        self.buckets = [buckets[size] for size in sorted(buckets)]
+            buckets.setdefault(sample.shape, []).extend((sample, copy) for copy in range(sample.repeats))
+        self.buckets = [buckets[shape] for shape in sorted(buckets)]
         self.batches_per_epoch = sum(len(b) // self.global_batch for b in self.buckets)
         if self.batches_per_epoch == 0:
-            sizes = {f"{s[0]}x{s[1]}": len(b) for s, b in sorted(buckets.items())}
+            sizes = {(f"{f}x" if f else "") + f"{h}x{w}": len(b) for (f, h, w), b in sorted(buckets.items())}
             raise ValueError(
                 f"no bucket of the train split holds a global batch of {self.global_batch} samples"
                 f" (batch_size x num_processes); samples per bucket: {sizes}. Lower batch_size."

@@ -1,0 +1,56 @@
+"""What the video families (Wan, LTX-2) share: a causal 3-D VAE that keeps a clip's first frame and
+packs every `temporal_compression` frames after it into one latent frame, so it takes windows of
+k x step + 1 frames (an image is a one-frame clip); clips rendered at the variant's length by
+default, and the pipeline's output read as clips.
+"""
+from __future__ import annotations
+
+from abc import abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .flow import FlowFamily, FlowVariant
+from .latents import VaePosterior
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass(frozen=True)
+class VideoVariant(FlowVariant):
+    render_frames: int = 81  # frames a rendered clip has unless evaluate.num_frames says (k x step + 1)
+
+
+class ClipPosterior(VaePosterior):
+    """A 3-D VAE: clips (B, 3, F, H, W) in [-1, 1], or images (B, 3, H, W) as one-frame clips ->
+    the posterior's mean and std (B, C, F', H', W') on the CPU."""
+
+    def __call__(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return super().__call__(pixels if pixels.ndim == 5 else pixels.unsqueeze(2))
+
+
+@dataclass(frozen=True)
+class VideoFamily(FlowFamily):
+    @abstractmethod
+    def temporal_compression(self, model_path: Path) -> int:
+        """Clip frames per latent frame after the first (the VAE's temporal downsampling)."""
+
+    def frames_problem(self, model_path: Path, frames: int) -> str | None:
+        step = self.temporal_compression(model_path)
+        if frames and (frames - 1) % step:
+            return f"{self.label} takes windows of {step}k+1 frames (1, {step + 1}, {2 * step + 1}, ...), not {frames}"
+        return None
+
+    def load_latent_encoder(self, model_path: Path, device: str) -> ClipPosterior:
+        return ClipPosterior(model_path, self.components.latent[0], device)
+
+    def clip_kwargs(self, model_path: Path, num_frames: int | None) -> dict[str, Any]:
+        frames = num_frames or self.bound.render_frames
+        problem = self.frames_problem(model_path, frames)
+        if problem:
+            raise ValueError(f"evaluate.num_frames: {problem}")
+        return {"num_frames": frames}
+
+    def rendered(self, output: Any) -> list[list[Any]]:
+        return [list(frames) for frames in output.frames]

@@ -1,0 +1,210 @@
+"""Wan (2.1 T2V, 2.2 TI2V-5B): a flow-matching video transformer on the latents of a 3-D VAE,
+conditioned on UMT5 prompt embeddings.
+
+As WanPipeline does it: the caption cleaned by its `prompt_clean` (ftfy's fix_text when ftfy is
+installed, HTML unescaped, whitespace collapsed: ftfy's version is a text setting), tokenized padded
+to max_sequence_length (512, the pipeline's default) with a mask, UMT5's last hidden state at the
+caption's own tokens: records are stored unpadded (L_i, 4096 at full size) and carry the length the
+pipeline zero-pads them to (`pad_to`), because the transformer reads the padding, unmasked.
+
+Latents: records (C, F', H', W') of the 3-D VAE's posterior, unscaled; clips of F = 4k + 1 frames
+become k + 1 latent frames, an image (B, 3, H, W) is a one-frame clip. Normalised per channel with
+the VAE config's latents_mean/latents_std (latents.ChannelMeanStd). The transformer patchifies 1x2x2
+itself, so predict hands it the latents as they are, with the timestep 1000 sigma in float32 (its
+time embedding runs in float32; bfloat16 rounds integers above 256).
+
+Variants are data, told apart by model_index.json: Wan 2.1 T2V (16-channel VAE, 8x spatial) and
+Wan 2.2 TI2V-5B (`expand_timesteps`: one timestep per latent token; a 48-channel VAE that patchifies
+pixels 2x2 first, 16x spatial). The shift is the UniPC scheduler's `flow_shift`, static. Wan 2.2
+A14B (a high-noise `transformer` and a low-noise `transformer_2` switching at `boundary_ratio`) is
+refused: it needs one LoRA per denoiser.
+
+Exports: diffusers format, and Wan's original names (`blocks.N.self_attn.q`, `cross_attn.o`,
+`ffn.0`, ... one to one with diffusers' modules, as diffusers' convert_wan_transformer_to_diffusers
+maps them) spelt as ComfyUI reads them (`diffusion_model.*`) and as musubi-tuner writes them
+(`lora_unet_*` with `.alpha`; diffusers' converter for that spelling reads a file only when it has
+every Linear of every block: the attention_ff and all_linear presets). Hand-written: the original
+module names (`ORIGINAL_*`), the converter's input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import Field
+
+from lorapipe.cache.errors import UserError
+from lorapipe.stages.contract import Frozen
+
+from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
+from .flow import MODEL_INDEX, FlowVariant, presets_field
+from .folders import component_config, load_component, model_index
+from .latents import ChannelMeanStd, channel_mean_std_of
+from .objectives import ObjectiveParams, TimestepSampling
+from lorapipe.stages.lora_formats.original_names import COMFYUI, KOHYA, OriginalNames, derive_original_names
+from .video import VideoFamily, VideoVariant
+
+if TYPE_CHECKING:
+    import torch
+
+BLOCK = r"blocks\.\d+\."
+ATTENTION = (BLOCK + r"(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)",)
+FEED_FORWARD = (BLOCK + r"ffn\.net\.(0\.proj|2)",)
+ORIGINAL_BLOCK_MODULES = (*(f"{attention}.{p}" for attention in ("self_attn", "cross_attn") for p in "qkvo"),
+                          "ffn.0", "ffn.2")
+ORIGINAL_TOP_MODULES = ("text_embedding.0", "text_embedding.2", "time_embedding.0", "time_embedding.2",
+                        "time_projection.1", "head.head")
+TIMESTEP_SCALE = 1000  # the pipeline's timesteps are 1000 sigma, as the transformer reads them
+SPATIAL_DOWNSAMPLING = 8  # AutoencoderKLWan's default scale_factor_spatial (Wan 2.1's configs predate the key)
+SAMPLER = "flow_unipc"  # the pipelines' own UniPCMultistepScheduler with flow sigmas
+
+
+@dataclass(frozen=True)
+class WanVariant(VideoVariant):
+    per_token_timesteps: bool = False  # the pipeline's expand_timesteps: one timestep per latent token
+
+
+VARIANTS = (
+    WanVariant("2.2-ti2v-5b", "wan2.2-5b", 50, 5.0, markers=((MODEL_INDEX, "expand_timesteps", True),),
+               per_token_timesteps=True, render_frames=121),
+    WanVariant("2.1-t2v", "wan2.1", 50, 5.0),
+)
+
+
+class WanTextSettings(Frozen):
+    max_sequence_length: int = Field(gt=0, description="UMT5 tokens: a record holds the caption's own, the"
+                                     " transformer reads them zero-padded to this length, unmasked")
+    ftfy: str | None = Field(description="the ftfy version WanPipeline's prompt_clean fixes captions with"
+                             " (None: ftfy is not installed and captions are not fixed)")
+
+
+def ftfy_version() -> str | None:
+    """The installed ftfy's version when diffusers' Wan pipeline uses it, else None."""
+    from importlib.metadata import version
+
+    from diffusers.utils import is_ftfy_available
+
+    return version("ftfy") if is_ftfy_available() else None
+
+
+class WanTextEncoder:
+    """WanPipeline._get_t5_prompt_embeds, batched: cleaned captions, UMT5's last hidden state at each
+    caption's own tokens, and the length the pipeline pads them to."""
+
+    def __init__(self, model_path: Path, settings: WanTextSettings, dtype: torch.dtype, device: str):
+        if settings.ftfy != ftfy_version():
+            raise UserError(f"encode: the text settings clean captions with ftfy {settings.ftfy or '(none)'}, this"
+                            f" process has ftfy {ftfy_version() or '(none)'}: install the same ftfy where encode runs")
+        self.settings, self.dtype, self.device = settings, dtype, device
+        self.tokenizer = load_component(model_path, "tokenizer")
+        self.encoder = load_component(model_path, "text_encoder").eval().requires_grad_(False).to(device)
+
+    def too_long(self, caption: str) -> bool:
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        return len(self.tokenizer(prompt_clean(caption)).input_ids) > self.settings.max_sequence_length
+
+    def __call__(self, captions: list[str]) -> list[TextRecord]:
+        import torch
+        from diffusers.pipelines.wan.pipeline_wan import prompt_clean
+
+        length = self.settings.max_sequence_length
+        tokens = self.tokenizer([prompt_clean(c) for c in captions], padding="max_length", max_length=length,
+                                truncation=True, add_special_tokens=True, return_attention_mask=True,
+                                return_tensors="pt")
+        mask = tokens.attention_mask.to(self.device)
+        with torch.inference_mode():
+            hidden = self.encoder(tokens.input_ids.to(self.device), mask).last_hidden_state
+        return [{"hidden_states": hidden[i, :int(n)].to(self.dtype).cpu(), "pad_to": torch.tensor(length)}
+                for i, n in enumerate(mask.gt(0).sum(dim=1))]
+
+
+@dataclass(frozen=True)
+class Wan(VideoFamily):
+    variants: tuple[FlowVariant, ...] = VARIANTS
+    lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (BLOCK,))
+
+    def for_model(self, model_path: Path) -> Wan:
+        index = model_index(model_path)
+        if index.get("boundary_ratio") is not None or (index.get("transformer_2") or [None])[0] is not None:
+            raise UserError(f"{model_path}/model_index.json: a Wan 2.2 A14B model (transformer and transformer_2"
+                            f" switching at boundary_ratio {index.get('boundary_ratio')}) needs a LoRA per denoiser,"
+                            " which lorapipe does not train yet; use Wan 2.1 or Wan 2.2 TI2V-5B")
+        return super().for_model(model_path)
+
+    def temporal_compression(self, model_path: Path) -> int:
+        return component_config(model_path, self.components.latent[0]).get("scale_factor_temporal", 4)
+
+    def latent_downsampling(self, model_path: Path) -> int:
+        return component_config(model_path, self.components.latent[0]).get("scale_factor_spatial", SPATIAL_DOWNSAMPLING)
+
+    # ---- text
+    def text_settings(self, model_path: Path, options: TextOptions) -> WanTextSettings:
+        return WanTextSettings(max_sequence_length=options.max_sequence_length or self.bound.max_sequence_length,
+                               ftfy=ftfy_version())
+
+    def load_text_encoder(self, model_path: Path, settings: WanTextSettings, dtype: torch.dtype,
+                          device: str) -> WanTextEncoder:
+        return WanTextEncoder(model_path, settings, dtype, device)
+
+    # ---- latents and objective
+    def latent_normalisation(self, model_path: Path) -> ChannelMeanStd:
+        return channel_mean_std_of(model_path, self.components.latent[0])
+
+    def model_shift(self, scheduler_config: dict) -> TimestepSampling | None:
+        if "flow_shift" not in scheduler_config:
+            return None  # a FlowMatchEulerDiscreteScheduler: its own `shift`
+        return TimestepSampling(shift="static", shift_value=scheduler_config["flow_shift"])
+
+    # ---- denoiser
+    def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
+                     params: ObjectiveParams) -> Conditioning:
+        embeds, _ = pad_sequences(texts, "hidden_states", int(texts[0]["pad_to"]))
+        return {"encoder_hidden_states": embeds}
+
+    def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
+        """As WanPipeline calls its transformer: the latents (B, C, F, H, W) as they are, 1000 sigma as
+        the timestep (TI2V-5B: repeated for each of the F x H/2 x W/2 tokens), the padded text."""
+        t = timesteps.float() * TIMESTEP_SCALE
+        if self.bound.per_token_timesteps:
+            frames, height, width = noisy.shape[2:]
+            t = t[:, None].expand(-1, frames * (height // self.latent_patch) * (width // self.latent_patch))
+        text = conditioning["encoder_hidden_states"].to(device=noisy.device, dtype=dtype)
+        return transformer(hidden_states=noisy.to(dtype), timestep=t.to(noisy.device), encoder_hidden_states=text,
+                           return_dict=False)[0].float()
+
+    # ---- LoRA
+    def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
+        return original_names(transformer.config.num_layers)
+
+    # ---- rendering
+    def render_kwargs(self, settings: WanTextSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
+        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt,
+                "max_sequence_length": settings.max_sequence_length}
+
+    # ---- tiny model
+    def build_tiny_variant(self, out_dir: Path, variant: WanVariant) -> Path:
+        from .tiny.wan import build_tiny_wan
+
+        return build_tiny_wan(out_dir, variant.per_token_timesteps)
+
+
+@cache
+def original_names(num_layers: int) -> OriginalNames:
+    """Wan's original module names for a T2V transformer of this depth, from diffusers' converter."""
+    from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
+
+    seeds = [f"blocks.{i}.{module}.weight" for i in range(num_layers) for module in ORIGINAL_BLOCK_MODULES]
+    seeds += [f"{module}.weight" for module in ORIGINAL_TOP_MODULES]
+    return derive_original_names(convert_wan_transformer_to_diffusers, seeds)
+
+
+WAN = Wan(
+    name="wan", label="Wan", pipeline_class="WanPipeline",
+    components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
+    kohya_base_model="wan", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
+    original_formats=(KOHYA, COMFYUI), sampler=SAMPLER,
+)

@@ -1,0 +1,136 @@
+"""Block swap: the last N blocks of a transformer live off the accelerator and are brought in just
+before they run, forward and backward, so a base bigger than the card trains (train.blocks_to_swap).
+
+Each swapped block's frozen weights are kept once, off the accelerator (pinned CPU memory on CUDA);
+the block holds them on the accelerator only while it runs. A copy stream brings the next block in
+while the current one computes (forward: the next block; backward, which runs the blocks in reverse:
+the previous one), and takes a block out once the compute stream is past it. Between its uses a
+swapped block's frozen weights are empty tensors (no elements), so a use the hooks did not
+prepare fails at once instead of reading stale memory. Trainable parameters (the adapter) and
+buffers stay where they are: they are small, and the optimizer and DDP hold them.
+
+Forward-pre hooks cover the block's own forward; backward-pre hooks cover autograd, which reads
+the same parameter tensors the forward saved (their data is swapped, not the tensors), and the
+re-forward of gradient checkpointing, which runs inside the block's backward. A block's backward
+is not over when its inputs' gradients are (its hook fires then, while the branches to its
+adapter's weights may still run); it is over when the block before it starts its backward: the
+engine runs the ready node created last first, and every node of a block was created after every
+node of the blocks before it. So a block leaves at the next block's backward, the last ones at the
+end of the backward pass. With the swap the step computes what it computes without it,
+bit for bit: only where the frozen weights wait between uses changes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+@dataclass
+class _Swapped:
+    """One block's frozen weights: the kept copy off the accelerator, and its state."""
+
+    params: list[torch.nn.Parameter]
+    kept: list[torch.Tensor]  # off the accelerator (pinned on CUDA)
+    loaded: bool = False
+    in_backward: bool = False
+    ready: torch.cuda.Event | None = field(default=None, repr=False)  # set when its copy in finished
+
+
+class BlockSwap:
+    def __init__(self, blocks: list[nn.Module], count: int, device: torch.device):
+        if not 0 < count <= len(blocks):
+            raise ValueError(f"train.blocks_to_swap: {count} of {len(blocks)} blocks; give 1 to {len(blocks)}")
+        self.blocks, self.device = blocks, torch.device(device)
+        self.first = len(blocks) - count  # blocks [first, len) are swapped
+        cuda = self.device.type == "cuda"
+        self.copy_stream = torch.cuda.Stream(self.device) if cuda else None
+        self.swapped: dict[int, _Swapped] = {}
+        self.backward_pass = False  # a checkpoint's re-forward happens in it: no block after it is needed again
+        for i in range(self.first, len(blocks)):
+            params = [p for p in blocks[i].parameters() if not p.requires_grad]
+            kept = [p.detach().to("cpu", copy=True).pin_memory() if cuda else p.detach().to("cpu", copy=True)
+                    for p in params]
+            self.swapped[i] = _Swapped(params, kept)
+            self._unload(i)
+        self.handles = [hook for i, block in enumerate(blocks) for hook in self._install(i, block)]
+
+    def remove(self) -> None:
+        """Put every swapped block back whole on the accelerator and drop the hooks."""
+        for handle in self.handles:
+            handle.remove()
+        for i in self.swapped:
+            self._load(i)
+            self._wait(i)
+
+    def _install(self, i: int, block: nn.Module) -> list:
+        return [block.register_forward_pre_hook(lambda *_: self._enter(i, None if self.backward_pass else i + 1)),
+                block.register_forward_hook(lambda *_: self._leave_forward(i)),
+                block.register_full_backward_pre_hook(lambda *_: self._enter_backward(i))]
+
+    def _enter(self, i: int, after: int | None) -> None:
+        """Block i is about to run: have it loaded; start bringing in the block that runs after it."""
+        if i in self.swapped:
+            self._load(i)
+            self._wait(i)
+        if after in self.swapped:
+            self._load(after)
+
+    def _leave_forward(self, i: int) -> None:
+        s = self.swapped.get(i)
+        if s is not None and not s.in_backward:  # else a checkpoint's re-forward: its backward goes on
+            self._unload(i)
+
+    def _enter_backward(self, i: int) -> None:
+        """Block i starts its backward: the blocks after it are done with theirs."""
+        if not self.backward_pass:
+            self.backward_pass = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+        for j, s in self.swapped.items():
+            if j > i and s.in_backward:
+                s.in_backward = False
+                self._unload(j)
+        if i in self.swapped:
+            self.swapped[i].in_backward = True
+        self._enter(i, i - 1)
+
+    def _end_backward(self) -> None:
+        self.backward_pass = False
+        for j, s in self.swapped.items():
+            if s.in_backward:
+                s.in_backward = False
+                self._unload(j)
+
+    def _load(self, i: int) -> None:
+        s = self.swapped[i]
+        if s.loaded:
+            return
+        if self.copy_stream is None:  # no copy to overlap: the block reads its kept weights where they are
+            for p, kept in zip(s.params, s.kept):
+                p.data = kept.to(self.device)
+        else:
+            with torch.cuda.stream(self.copy_stream):
+                for p, kept in zip(s.params, s.kept):
+                    p.data = kept.to(self.device, non_blocking=True)
+                s.ready = torch.cuda.Event()
+                s.ready.record(self.copy_stream)
+        s.loaded = True
+
+    def _wait(self, i: int) -> None:
+        s = self.swapped[i]
+        if s.ready is not None:
+            torch.cuda.current_stream(self.device).wait_event(s.ready)
+            for p in s.params:  # the compute stream uses memory the copy stream allocated
+                p.data.record_stream(torch.cuda.current_stream(self.device))
+            s.ready = None
+
+    def _unload(self, i: int) -> None:
+        """Drop block i's weights from the accelerator (the kept copy is unchanged: they are frozen)."""
+        s = self.swapped[i]
+        for p in s.params:
+            p.data = torch.empty(0, dtype=p.dtype, device=self.device)
+        s.loaded = False

@@ -1,0 +1,265 @@
+"""The LTX-2 family against LTX2Pipeline on the tiny offline LTX-2: the cached text record is what the
+pipeline's connectors make of its Gemma prompt embeddings, the latents' per-channel normalisation is
+what the pipeline inverts before decoding, the frame rule is the VAE's temporal compression, the
+denoiser call is the pipeline's video-only (modality-isolation) call at the clip's frame rate, the
+shift counts every frame's tokens, and the exports load through diffusers' own loader and ComfyUI's
+key map and mean what was trained."""
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+from comfyui_keys import assert_comfyui_applies_the_merged_model
+from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
+    trained_lora
+from safetensors import safe_open
+from test_adapters import exported_comfyui_file, trained_adapter
+
+import lorapipe.stages.families as families
+from lorapipe.stages.families import ObjectiveParams, TextOptions
+from lorapipe.stages.train.adapter import AdapterParams
+
+CAPTIONS = ["  a red ball rolling to the left across a green field ", "a rocket", ""]
+
+
+@dataclass(frozen=True)
+class Clip:
+    """What conditioning reads of a sample: its frame rate (0: an image)."""
+
+    fps: float
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return families.build_tiny_model(tmp_path_factory.mktemp("ltx2") / "ltx2", "ltx2")
+
+
+def _pipeline(model: Path):
+    from diffusers import LTX2Pipeline
+
+    pipe = LTX2Pipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _records(model: Path, captions: list[str], options: TextOptions = TextOptions()):
+    family = families.for_model(model)
+    return family, family.load_text_encoder(model, family.text_settings(model, options), torch.float32, "cpu")(captions)
+
+
+def test_tiny_ltx2_builds_byte_identically_and_is_told_apart(model, tmp_path):
+    files = assert_builds_byte_identically(model, "ltx2", tmp_path / "again")
+    assert {"connectors/diffusion_pytorch_model.safetensors", "tokenizer/tokenizer.json"} <= set(files)
+    family = families.for_model(model)
+    assert (family.name, family.tiny_arch(), family.components.text) == \
+        ("ltx2", "ltx2", ("text_encoder", "tokenizer", "connectors"))
+    assert (family.latent_downsampling(model), family.pixel_multiple(model)) == (32, 32)
+    assert family.render_defaults() == {"num_inference_steps": 30, "guidance_scale": 3.0, "sampler": "flow_match_euler"}
+
+
+@pytest.mark.parametrize("length", [None, 16])
+def test_text_records_are_what_the_pipelines_connectors_make(model, length):
+    """A record is the video connector's output for the stripped caption left-padded to the pipeline's
+    max_sequence_length (1024, or encode.max_sequence_length) and its mask: stacked, exactly the
+    text embedding and mask the pipeline gives its transformer."""
+    family, records = _records(model, CAPTIONS, TextOptions(max_sequence_length=length))
+    pipe = _pipeline(model)
+    with torch.no_grad():
+        embeds, mask, _, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
+                                                max_sequence_length=length or 1024)
+        video, _, video_mask = pipe.connectors(embeds, mask, padding_side="left")
+    cond = family.conditioning(records, [(Clip(16.0), False)] * 3, ObjectiveParams())
+    assert cond["encoder_hidden_states"].shape == (3, length or 1024, 16)
+    assert torch.equal(cond["encoder_hidden_states"], video)
+    assert torch.equal(cond["encoder_attention_mask"], video_mask.float())
+    assert torch.equal(cond["frame_rate"], torch.tensor([16.0] * 3))
+
+
+def test_text_lengths_the_connectors_cannot_take_are_refused(model):
+    """The connectors replace the padding with their 8 registers at a time: a max_sequence_length that
+    is not a multiple is refused naming the key, before any encoding."""
+    family = families.for_model(model)
+    assert family.text_settings(model, TextOptions()).model_dump() == {"max_sequence_length": 1024}
+    with pytest.raises(ValueError, match=r"encode.max_sequence_length: .* 8 learnable registers .* not 12"):
+        family.text_settings(model, TextOptions(max_sequence_length=12))
+    encoder = family.load_text_encoder(model, family.text_settings(model, TextOptions(max_sequence_length=8)),
+                                       torch.float32, "cpu")
+    assert encoder.too_long(CAPTIONS[0]) and not encoder.too_long(CAPTIONS[1])
+
+
+def test_latents_and_their_normalisation_are_the_pipelines(model):
+    """A 9-frame clip and a one-frame image through the family's encoder are the VAE's posterior,
+    (C, F', H', W'); normalised per channel (the VAE's latents_mean/latents_std buffers), they are what
+    LTX2Pipeline turns back into the VAE's latents before decoding (the decoder's first input)."""
+    from diffusers import LTX2Pipeline
+
+    family, pipe = families.for_model(model), _pipeline(model)
+    encoder = family.load_latent_encoder(model, "cpu")
+    clip = torch.rand(1, 3, 9, 64, 96, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    mean, std = encoder(clip)
+    assert mean.shape == std.shape == (1, 8, 2, 2, 3)
+    with torch.no_grad():
+        assert torch.equal(mean, pipe.vae.encode(clip).latent_dist.mode())
+    assert torch.equal(encoder(clip[:, :, 0])[0], encoder(clip[:, :, :1])[0])  # an image is a one-frame clip
+    normalised = LTX2Pipeline._pack_latents(family.latent_normalisation(model).apply(mean))
+
+    def replace_latents(pipe, step, t, tensors):
+        return {"latents": normalised}
+
+    args, _, _ = first_call(pipe.vae.decoder.conv_in, lambda: pipe(
+        "a cat", num_inference_steps=2, height=64, width=96, num_frames=9, guidance_scale=1.0,
+        callback_on_step_end=replace_latents, output_type="pt"))
+    assert torch.allclose(args[0], mean, atol=1e-5)
+
+
+def test_window_lengths_follow_the_vaes_temporal_compression(model, tmp_path):
+    """8k+1 frames from the VAE config's temporal_compression_ratio; without one, the ratio the VAE
+    computes itself (its patch_size_t times 2 per downsampling block), which the pipeline reads."""
+    from diffusers import AutoencoderKLLTX2Video
+
+    family = families.for_model(model)
+    assert family.frames_problem(model, 9) is None and family.frames_problem(model, 0) is None
+    assert family.frames_problem(model, 8) == "LTX-2 takes windows of 8k+1 frames (1, 9, 17, ...), not 8"
+    shutil.copytree(model, tmp_path / "m")
+    config_file = tmp_path / "m" / "vae" / "config.json"
+    config = json.loads(config_file.read_text())
+    config.update(temporal_compression_ratio=None, spatial_compression_ratio=None)
+    config_file.write_text(json.dumps(config))
+    vae = AutoencoderKLLTX2Video.from_config(config)
+    assert (family.temporal_compression(tmp_path / "m"), family.latent_downsampling(tmp_path / "m")) == \
+        (vae.temporal_compression_ratio, vae.spatial_compression_ratio) == (16, 64)
+
+
+def test_denoiser_call_is_the_pipelines_video_without_audio(model):
+    """The transformer's inputs and output in LTX2Pipeline's first modality-isolation pass (its
+    video with no audio cross-attention; two prompts at 25 fps) against family.predict on the same
+    latents, the cached records and sigma = t / 1000, the clips' frame rate from their samples: the
+    same timesteps and the same prediction, whatever the audio stream holds."""
+    from diffusers import LTX2Pipeline
+
+    family, pipe = families.for_model(model), _pipeline(model)
+    calls = []
+    handle = pipe.transformer.register_forward_hook(lambda m, a, kw, out: calls.append((kw, out)), with_kwargs=True)
+    pipe(CAPTIONS[:2], num_inference_steps=2, height=64, width=32, num_frames=9, frame_rate=25.0,
+         guidance_scale=1.0, max_sequence_length=16, generator=torch.Generator().manual_seed(0), output_type="latent")
+    handle.remove()
+    kwargs, output = next((kw, out) for kw, out in calls if kw["isolate_modalities"])
+    cond = family.conditioning(_records(model, CAPTIONS[:2], TextOptions(max_sequence_length=16))[1],
+                               [(Clip(25.0), False)] * 2, ObjectiveParams())
+    noisy = LTX2Pipeline._unpack_latents(kwargs["hidden_states"], 2, 2, 1)
+    sigma, predicted = kwargs["timestep"].float() / 1000, []
+    with torch.no_grad():
+        _, ours, _ = first_call(pipe.transformer, lambda: predicted.append(
+            family.predict(pipe.transformer, noisy, sigma, cond, torch.float32)))
+        audio = torch.randn_like(kwargs["audio_hidden_states"])
+        other_audio = pipe.transformer(**{**kwargs, "audio_hidden_states": audio})
+    assert torch.equal(ours["timestep"], kwargs["timestep"].float())
+    assert torch.equal(LTX2Pipeline._pack_latents(predicted[0]), output[0])
+    assert torch.equal(other_audio[0], output[0])
+
+
+def test_shift_is_the_pipelines_and_counts_every_frame(model):
+    """Resolution-dependent shift as LTX2Pipeline shifts its sigmas: mu linear in the token count from
+    the scheduler config's (1024, 0.95) to (4096, 2.05), the tokens of a clip being frames x height x
+    width latent pixels; the objective noises 5-D latents per sample."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.pipelines.ltx2.pipeline_ltx2 import calculate_shift
+
+    objective = families.for_model(model).objective(model, ObjectiveParams())
+    assert (objective.sampling.shift, objective.base_seq_len, objective.max_seq_len) == ("resolution", 1024, 4096)
+    scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model, subfolder="scheduler")
+    u = torch.tensor([0.9, 0.5, 0.1])
+    mu = calculate_shift(3 * 4 * 6, 1024, 4096, 0.95, 2.05)
+    assert torch.allclose(objective.shifted(u, 3 * 4 * 6), scheduler.time_shift(mu, 1.0, u))
+    latents = torch.randn(2, 8, 3, 4, 6, generator=torch.Generator().manual_seed(0))
+    t = objective.sample_timesteps(tuple(latents.shape), torch.Generator().manual_seed(1))
+    assert torch.equal(t, objective.shifted(torch.rand(2, generator=torch.Generator().manual_seed(1)), 3 * 4 * 6))
+    noise = torch.randn(latents.shape, generator=torch.Generator().manual_seed(2))
+    noised = objective.noised(latents, noise, t)
+    assert torch.equal(noised.noisy[1], (1 - t[1]) * latents[1] + t[1] * noise[1])
+
+
+def test_lora_presets_adapt_the_video_stream(model):
+    family = families.for_model(model)
+    transformer = family.load_denoiser(model, torch.float32)
+    attention = family.lora_target_modules(transformer, "attention")
+    assert attention == sorted(f"transformer_blocks.{i}.{a}.{m}" for i in range(2) for a in ("attn1", "attn2")
+                               for m in ("to_q", "to_k", "to_v", "to_out.0"))
+    with_ff = family.lora_target_modules(transformer, "attention_ff")
+    assert set(with_ff) - set(attention) == {f"transformer_blocks.{i}.ff.net.{p}" for i in range(2)
+                                             for p in ("0.proj", "2")}
+    assert family.lora_target_modules(transformer, "all_linear") == with_ff  # no audio module: a video loss
+    # leaves them untrained
+
+
+@pytest.fixture(scope="module")
+def exported(model, tmp_path_factory):
+    family = families.for_model(model)
+    transformer, targets = trained_lora(family, model, "all_linear")
+    return transformer, targets, family.export_lora(transformer, tmp_path_factory.mktemp("exports"), {}, {})
+
+
+def test_diffusers_export_loads_and_means_what_was_trained(model, exported):
+    transformer, targets, written = exported
+    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
+    with safe_open(written[0], "pt") as f:
+        assert set(f.keys()) == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[0]))
+
+
+def test_comfyui_export_loads_in_diffusers_and_comfyui(model, exported):
+    """LTX-2's original names under `diffusion_model.` (transformer_blocks.N.attn1.to_q, ff.net.2), the
+    scale in lora_B and no `.alpha`: read by LTX2Pipeline's non-diffusers converter and by ComfyUI,
+    both applying the trained model."""
+    transformer, targets, written = exported
+    with safe_open(written[1], "pt") as f:
+        keys = set(f.keys())
+    assert {"diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight",
+            "diffusion_model.transformer_blocks.1.ff.net.2.lora_B.weight"} <= keys and len(keys) == 2 * len(targets)
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[1]))
+    assert_comfyui_applies_the_merged_model(written[1], transformer, families.for_model(model))
+
+
+def test_modules_outside_the_blocks_are_exported_in_ltx2s_names(model, tmp_path):
+    """A LoRA on the patchify projection and the timestep embedder is written under LTX-2's own
+    names (patchify_proj, adaln_single), which diffusers' loader renames back: the derived names are
+    the converter's."""
+    family = families.for_model(model)
+    targets = ("proj_in", "time_embed.linear", "transformer_blocks.0.attn2.to_k")
+    transformer, _ = trained_lora(family, model, targets)
+    comfy = family.export_lora(transformer, tmp_path, {}, {})[1]
+    with safe_open(comfy, "pt") as f:
+        assert {"diffusion_model.patchify_proj.lora_A.weight", "diffusion_model.adaln_single.linear.lora_B.weight"} \
+            <= set(f.keys())
+    assert_means_what_was_trained(transformer, list(targets), fused_change(_pipeline(model), "transformer", comfy))
+
+
+@pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
+def test_lycoris_types_are_written_for_comfyui(kind, model, tmp_path):
+    family = families.for_model(model)
+    transformer = trained_adapter(family, model, AdapterParams(adapter=kind, rank=2, alpha=3), "attention_ff")
+    assert_comfyui_applies_the_merged_model(exported_comfyui_file(family, transformer, tmp_path), transformer, family)
+
+
+def test_the_pipeline_renders_with_the_familys_arguments(model):
+    """evaluate's render arguments (guidance, negative prompt, text length, the clip's frames: 121 by
+    default, evaluate.num_frames when of LTX-2's 8k+1 form, at the pipeline's 24 fps) are
+    LTX2Pipeline's, and its output is read as clips."""
+    family = families.for_model(model)
+    kwargs = family.render_kwargs(family.text_settings(model, TextOptions(max_sequence_length=16)), 3.0, "blurry")
+    assert kwargs == {"guidance_scale": 3.0, "negative_prompt": "blurry", "max_sequence_length": 16}
+    assert family.clip_kwargs(model, None) == {"num_frames": 121, "frame_rate": 24.0}
+    with pytest.raises(ValueError, match=r"evaluate.num_frames: LTX-2 takes windows of 8k\+1 frames .*, not 8"):
+        family.clip_kwargs(model, 8)
+    kwargs |= family.clip_kwargs(model, 9)
+    assert family.clip_fps() == 24
+    pipe = _pipeline(model)
+    family.prepare_pipeline(pipe, family.render_defaults()["sampler"], None)
+    clips = family.rendered(pipe(["a cat"], num_inference_steps=2, height=64, width=96, output_type="pil",
+                                 generator=[torch.Generator().manual_seed(0)],
+                                 **{**kwargs, "negative_prompt": ["blurry"]}))
+    assert len(clips) == 1 and len(clips[0]) == 9 and clips[0][0].size == (96, 64)

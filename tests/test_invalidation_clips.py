@@ -1,0 +1,113 @@
+"""The cache invariants for clips, on the tiny Wan 2.1 and the tiny LTX-2 through the real stages (all
+four run on the demo's clips), with encodes counted by forward hooks on their 3-D VAE encoders and
+text encoders (UMT5, Gemma 3): a caption edit encodes one text record and no latent; the frame
+count, frame rate or window strategy re-encode only the windows whose frames changed, never a text;
+a clip re-muxed into another container keeps its latents (it is known by its decoded frames); the
+timestep shift reruns training only."""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import av
+import pytest
+from test_invalidation import make_config, run_all, statuses
+
+from lorapipe.flows.plan import STAGES, Context
+from lorapipe.flows.runner import explain
+from lorapipe.stages.demo_clips import SCENES, write_demo_clips
+from lorapipe.stages.encoded import EncodedData
+from lorapipe.stages.families import build_tiny_model
+
+pytestmark = pytest.mark.slow
+
+VIDEO = {"preprocess": {"video": {"fps": 16, "num_frames": 9}},
+         "train": {"max_steps": 4, "checkpoint_every": 2, "log_every": 2, "batch_size": 2},
+         "evaluate": {"num_frames": 9}}
+CLIPS = len(SCENES)
+
+
+@pytest.fixture(scope="module", params=["wan2.1", "ltx2"])
+def baseline(request, tmp_path_factory, count_encoder_rows):
+    """One complete run over the demo clips per video family; every test starts from copies of its
+    model and clips over its cache."""
+    root = tmp_path_factory.mktemp(f"{request.param}-baseline")
+    build_tiny_model(root / "model", request.param)
+    write_demo_clips(root / "data")
+    config = make_config(root, root / "model", root / "data", root / "cache", **VIDEO)
+    with count_encoder_rows() as counts:
+        encoded = run_all(config, STAGES[:2])
+    assert statuses(encoded) == {"preprocess": "computed", "encode": "computed"}
+    assert counts == {"vae": CLIPS, "text": CLIPS + 1}  # one window per clip; its caption, the empty prompt
+    samples = EncodedData(Path(encoded["encode"].path), root / "cache").samples
+    assert {(s.frames, s.fps) for s in samples} == {(9, 16.0)}  # what a family conditions on
+    results = run_all(config)
+    assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed", "evaluate": "computed"}
+    return root
+
+
+def clip_copy(baseline: Path, tmp_path: Path, video: dict | None = None, **sections):
+    shutil.copytree(baseline / "model", tmp_path / "model")
+    shutil.copytree(baseline / "data", tmp_path / "data")
+    merged = {k: {**VIDEO.get(k, {}), **sections.get(k, {})} for k in {*VIDEO, *sections}}
+    merged["preprocess"] = {"video": {**VIDEO["preprocess"]["video"], **(video or {})}}
+    return make_config(tmp_path, tmp_path / "model", tmp_path / "data", baseline / "cache", **merged)
+
+
+def encode_counted(config, count_encoder_rows) -> tuple[dict, dict]:
+    with count_encoder_rows() as counts:
+        results = run_all(config, STAGES[:2])
+    return results, counts
+
+
+def test_a_clip_caption_edit_encodes_one_text_record_and_no_latent(baseline, tmp_path, count_encoder_rows):
+    config = clip_copy(baseline, tmp_path)
+    (tmp_path / "data" / f"{SCENES[0][0]}.txt").write_text("a red ball speeding to the right")
+    results, counts = encode_counted(config, count_encoder_rows)
+    assert statuses(results) == {"preprocess": "computed", "encode": "computed"}
+    assert counts == {"vae": 0, "text": 1}
+
+
+@pytest.mark.parametrize("video", [{"num_frames": 1}, {"fps": 8}], ids=["num_frames", "fps"])
+def test_the_frames_a_window_takes_re_encode_its_latents_and_no_text(baseline, tmp_path, count_encoder_rows,
+                                                                     video):
+    config = clip_copy(baseline, tmp_path, video)
+    results, counts = encode_counted(config, count_encoder_rows)
+    assert statuses(results) == {"preprocess": "computed", "encode": "computed"}
+    assert counts == {"vae": CLIPS, "text": 0}
+
+
+def test_a_second_window_per_clip_encodes_only_the_new_windows(baseline, tmp_path, count_encoder_rows):
+    config = clip_copy(baseline, tmp_path, {"windows": "sequential", "max_windows": 2})
+    results, counts = encode_counted(config, count_encoder_rows)
+    assert counts == {"vae": CLIPS, "text": 0}  # each clip's first window is the head window of before
+    assert results["encode"].info["latents_reused"] == CLIPS
+
+
+def test_a_clip_remuxed_into_another_container_keeps_its_latents(baseline, tmp_path, count_encoder_rows):
+    config = clip_copy(baseline, tmp_path)
+    name = SCENES[0][0]
+    remux(tmp_path / "data" / f"{name}.mp4", tmp_path / "data" / f"{name}.mkv")
+    (tmp_path / "data" / f"{name}.mp4").unlink()
+    results, counts = encode_counted(config, count_encoder_rows)
+    assert counts == {"vae": 0, "text": 0}  # encode reruns for the new file name, and encodes nothing
+    assert results["encode"].digest == run_all(clip_copy(baseline, tmp_path / "b"), STAGES[:2])["encode"].digest
+    rows = {r["stage"]: r for r in explain(Context(config), STAGES)}
+    assert rows["train"]["status"] == "hit"  # the same encoded data: training and evaluation stand
+
+
+def test_the_timestep_shift_reruns_training_only(baseline, tmp_path, count_encoder_rows):
+    config = clip_copy(baseline, tmp_path, train={"timestep_sampling": {"shift": "static", "shift_value": 5.0}})
+    rows = {r["stage"]: r for r in explain(Context(config), STAGES)}
+    assert [rows[s]["status"] for s in STAGES] == ["hit", "hit", "miss", "miss"]
+    assert "params.timestep_sampling" in rows["train"]["reason"]
+
+
+def remux(source: Path, target: Path) -> None:
+    """The same coded frames in another container (no decode, no re-encode)."""
+    with av.open(str(source)) as inp, av.open(str(target), "w") as out:
+        stream = out.add_stream_from_template(inp.streams.video[0])
+        for packet in inp.demux(inp.streams.video[0]):
+            if packet.dts is not None:
+                packet.stream = stream
+                out.mux(packet)
