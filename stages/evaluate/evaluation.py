@@ -69,7 +69,8 @@ def run(
         adapters[name] = _split_losses(denoiser, scoring["lora"], encoded, splits, params)
 
     rows = [(prompt, seed) for prompt in params.prompts for seed in params.seeds]
-    compose_grid(first_frames(columns), rows, params.resolution).save(out_dir / GRID)
+    stills = first_frames(columns)
+    compose_grid(stills, rows, params.resolution).save(out_dir / GRID)
     clips = write_clips(columns, rows, params.resolution, render_family.clip_fps(), out_dir)
     metrics = {
         "loss": {
