@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,6 +60,24 @@ def test_tiny_ltx2_builds_byte_identically_and_is_told_apart(model, tmp_path):
         ("ltx2", "ltx2", ("text_encoder", "tokenizer", "connectors"))
     assert (family.latent_downsampling(model), family.pixel_multiple(model)) == (32, 32)
     assert family.render_defaults() == {"num_inference_steps": 30, "guidance_scale": 3.0, "sampler": "flow_match_euler"}
+
+
+def test_a_folder_named_ltx2_in_the_working_directory_does_not_hide_the_connectors(tmp_path, monkeypatch):
+    """`lorapipe demo --arch ltx2 --workdir ltx2` through `python -m` (the working directory first on
+    sys.path): the connectors' library "ltx2" is diffusers' pipeline module, not that folder."""
+    from diffusers.pipelines.ltx2 import LTX2TextConnectors
+
+    from lorapipe.stages.families.folders import component_class
+
+    (tmp_path / "ltx2" / "model").mkdir(parents=True)
+    (tmp_path / "ltx2" / "model" / "model_index.json").write_text(
+        json.dumps({"_class_name": "LTX2Pipeline", "connectors": ["ltx2", "LTX2TextConnectors"]}))
+    monkeypatch.syspath_prepend(tmp_path)
+    monkeypatch.delitem(sys.modules, "ltx2", raising=False)
+    try:
+        assert component_class(tmp_path / "ltx2" / "model", "connectors") is LTX2TextConnectors
+    finally:
+        sys.modules.pop("ltx2", None)  # the folder, imported as a namespace package without the fix
 
 
 @pytest.mark.parametrize("length", [None, 16])

@@ -70,17 +70,18 @@ def empty_component(model_path: Path, name: str) -> Any:
 
 
 def component_class(model_path: Path, name: str) -> type:
-    """The class model_index.json names for a component, its library's modules imported (a library
-    that is a diffusers pipeline's own module, as LTX-2's connectors' "ltx2", from there)."""
+    """The class model_index.json names for a component, its library's modules imported. A library
+    that is a diffusers pipeline's own module (LTX-2's connectors' "ltx2") is looked up there first,
+    as diffusers' loader does: a folder of that name in the working directory is not it."""
     spec = model_index(model_path).get(name)
     if not isinstance(spec, list) or spec[0] is None:
         raise ValueError(f"{model_path}/model_index.json has no {name}: the model folder is incomplete")
     library, class_name = spec
-    try:
-        module = importlib.import_module(library)
-    except ModuleNotFoundError:
-        module = importlib.import_module(f"diffusers.pipelines.{library}")
-    return getattr(module, class_name)
+    import diffusers.pipelines
+
+    if hasattr(diffusers.pipelines, library):
+        return getattr(getattr(diffusers.pipelines, library), class_name)
+    return getattr(importlib.import_module(library), class_name)
 
 
 def vae_scale_factor(model_path: Path, vae: str) -> int:
