@@ -100,9 +100,10 @@ def print_summary(config: PipelineConfig, summary: list[dict], log_path: Path, a
                   f"{encode_counts(repair['info']) if row['stage'] == 'encode' else 'computed again'}")
     from .outputs import named_files
 
-    for label, path in named_files(config.output_dir):
-        print(f"{label + ':':<13}{path}")
-    print(f"{'run log:':<13}{log_path}")
+    named = [*named_files(config.output_dir), ("run log", log_path)]
+    width = max(13, *(len(label) + 2 for label, _ in named))
+    for label, path in named:
+        print(f"{label + ':':<{width}}{path}")
     return 0
 
 

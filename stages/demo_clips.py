@@ -34,7 +34,7 @@ def frame(ball: tuple[int, int, int], sky: tuple[int, int, int], direction: int,
 
 
 def write_demo_clips(folder: Path) -> list[Path]:
-    """Write every scene as <name>.mp4 with its <name>.txt caption into `folder` (kept if present)."""
+    """Write every scene as <name>.mp4 with its <name>.txt caption into `folder` (files already there are kept)."""
     import av
 
     folder.mkdir(parents=True, exist_ok=True)
@@ -53,6 +53,7 @@ def write_demo_clips(folder: Path) -> list[Path]:
                         container.mux(packet)
                 for packet in stream.encode():
                     container.mux(packet)
-        (folder / f"{name}.txt").write_text(caption)
+        if not (folder / f"{name}.txt").exists():
+            (folder / f"{name}.txt").write_text(caption)
         written.append(path)
     return written

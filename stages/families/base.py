@@ -9,8 +9,10 @@ import the registry to build cache keys.
 from __future__ import annotations
 
 import re
+import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -29,6 +31,7 @@ if TYPE_CHECKING:
 TextRecord = dict[str, "torch.Tensor"]  # one caption's tensors, as cached in the sample store
 Conditioning = dict[str, "torch.Tensor"]  # a batch's denoiser inputs besides x_t and t, named as its arguments
 ALL_LINEAR = "all_linear"  # the LoRA preset every family offers
+DEMO_PHOTOS = Path(files("lorapipe.stages") / "assets" / "demo_images")  # with their .txt captions
 
 
 @dataclass(frozen=True)
@@ -167,6 +170,8 @@ class Family(ABC):
                                        diffusers file, then the family's original-name files
       rendering (evaluate) and the tiny model (the demo, tests)
         render_defaults(), render_kwargs(...), prepare_pipeline(...), build_tiny(out_dir, arch)
+        demo_config(), write_demo_data(folder)   what `lorapipe demo` runs: its config in configs/
+                                       and the data that config trains on
     """
 
     name: str  # the registry key, recorded in encode manifests and text record keys
@@ -317,3 +322,15 @@ class Family(ABC):
     def build_tiny(self, out_dir: Path, arch: str) -> Path:
         """A tiny model of `arch` (one of tiny_arches) in out_dir: random weights from a fixed seed,
         tokenizers built offline, byte-identical when rebuilt, loadable by `pipeline_class`."""
+
+    def demo_config(self) -> str:
+        """The file in configs/ that `lorapipe demo` runs on this family's tiny model."""
+        return "demo.yaml"
+
+    def write_demo_data(self, folder: Path) -> None:
+        """Write the data demo_config trains on into folder, keeping the files already there: the
+        bundled photos and their captions."""
+        folder.mkdir(parents=True, exist_ok=True)
+        for src in sorted(DEMO_PHOTOS.iterdir()):
+            if src.suffix in (".jpg", ".txt") and not (folder / src.name).exists():
+                shutil.copy2(src, folder / src.name)

@@ -1,7 +1,8 @@
 """What the video families (Wan, LTX-2) share: a causal 3-D VAE that keeps a clip's first frame and
 packs every `temporal_compression` frames after it into one latent frame, so it takes windows of
 k x step + 1 frames (an image is a one-frame clip); clips rendered at the variant's length by
-default, and the pipeline's output read as clips.
+default, and the pipeline's output read as clips. `lorapipe demo` trains them on the generated clips
+(stages/demo_clips.py) with configs/video-demo.yaml.
 """
 from __future__ import annotations
 
@@ -54,3 +55,11 @@ class VideoFamily(FlowFamily):
 
     def rendered(self, output: Any) -> list[list[Any]]:
         return [list(frames) for frames in output.frames]
+
+    def demo_config(self) -> str:
+        return "video-demo.yaml"
+
+    def write_demo_data(self, folder: Path) -> None:
+        from lorapipe.stages.demo_clips import write_demo_clips
+
+        write_demo_clips(folder)

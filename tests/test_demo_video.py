@@ -1,0 +1,58 @@
+"""`lorapipe demo --arch ARCH` for the video families end to end through Prefect, twice: the demo
+writes the generated clips (stages/demo_clips.py) into its data folder, trains the tiny model on
+17-frame windows of them, renders clips, and a second run is all cache hits."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+from test_demo import lorapipe
+
+from lorapipe.stages.demo_clips import SCENES
+
+pytestmark = pytest.mark.slow
+
+LORA_FILES = {"wan2.1": ("", "_comfyui", "_kohya"), "ltx2": ("", "_comfyui")}
+FRAMES = 17  # configs/video-demo.yaml's preprocess.video.num_frames and evaluate.num_frames
+RENDERED = 2 * 2 * 2  # prompts x seeds x columns (the base model, the LoRA at scale 1)
+
+
+@pytest.mark.parametrize("arch", list(LORA_FILES))
+def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_path, arch):
+    """The workdir is named after the arch, as a user may name it: a folder `ltx2` in the working
+    directory once hid the LTX-2 connectors' module."""
+    first = lorapipe("demo", "--arch", arch, "--workdir", arch, cwd=tmp_path)
+    assert first.returncode == 0, first.stderr[-3000:]
+    run = tmp_path / arch
+    assert sorted(p.name for p in (run / "data").iterdir()) == sorted(
+        f"{name}{suffix}" for name, *_ in SCENES for suffix in (".mp4", ".txt"))  # the clips, not the photos
+    outputs = run / "outputs"
+    names = [f"pytorch_lora_weights{suffix}.safetensors" for suffix in LORA_FILES[arch]]
+    for name in (*names, "grid.png", "grid.webp", "metrics.json", "run-summary.json"):
+        assert (outputs / name).is_file(), name
+    named = {"LoRA": names[0], "sample grid": "grid.png", "animated sample grid": "grid.webp",
+             "metrics": "metrics.json", "run summary": "run-summary.json"}
+    said = dict(line.split(": ", 1) for line in first.stdout.splitlines() if line.split(": ")[0] in named)
+    assert {label: path.strip() for label, path in said.items()} == {k: str(outputs / v) for k, v in named.items()}
+    with Image.open(outputs / "grid.webp") as grid:
+        assert grid.n_frames == FRAMES
+
+    metrics = json.loads((outputs / "metrics.json").read_text())
+    assert metrics["n_samples_in_split"] == {"holdout": 2, "train": len(SCENES) - 2}
+    train = metrics["loss"]["train"]
+    assert train["lora"]["overall"] < train["base"]["overall"]
+    summary = json.loads((outputs / "run-summary.json").read_text())
+    assert [s["status"] for s in summary["stages"]] == ["computed"] * 4
+    assert summary["stages"][1]["info"]["latents_encoded"] == len(SCENES)
+    evaluated = Path(summary["stages"][3]["path"])
+    assert metrics["clips"][0] == "grid.webp" and len(metrics["clips"]) == 1 + RENDERED
+    assert all((evaluated / clip).is_file() for clip in metrics["clips"])
+
+    second = lorapipe("demo", "--arch", arch, "--workdir", arch, cwd=tmp_path)
+    assert second.returncode == 0, second.stderr[-3000:]
+    again = json.loads((outputs / "run-summary.json").read_text())
+    assert [s["status"] for s in again["stages"]] == ["hit"] * 4
+    assert [s["key"] for s in again["stages"]] == [s["key"] for s in summary["stages"]]
+    assert all(s["info"] == {} for s in again["stages"])  # a hit encodes, trains and renders nothing
