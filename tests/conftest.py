@@ -163,9 +163,10 @@ def run_stages():
 
 
 def _encode_demo_images(root: Path, model: Path, params, sources: tuple | None = None,
-                        placement=None) -> EncodedSet:
+                        placement=None, video=None) -> EncodedSet:
     """The demo photos (or these DatasetSources) at 64 px through the real preprocess and encode
-    stages (the demo photos: 6 train, 2 held out); encoded where `placement` says (default: here)."""
+    stages (the demo photos: 6 train, 2 held out); encoded where `placement` says (default: here);
+    clips sampled as `video` says (preprocess.VideoSampling; default: its defaults)."""
     from lorapipe.cache.digest import StatCache
     from lorapipe.cache.store import ArtifactStore, StageKey
     from lorapipe.stages import encode, families, preprocess
@@ -173,7 +174,8 @@ def _encode_demo_images(root: Path, model: Path, params, sources: tuple | None =
 
     store = ArtifactStore(root)
     with StatCache(root / "stat.sqlite") as stat_cache:
-        pre_params = preprocess.PreprocessParams(resolution=64, holdout_fraction=0.25)
+        pre_params = preprocess.PreprocessParams(resolution=64, holdout_fraction=0.25,
+                                                 video=video or preprocess.VideoSampling())
         sources = sources or (preprocess.DatasetSource(path=DEMO_IMAGES),)
         inputs = preprocess.PreprocessInputs(sources, stat_cache)
         ingredients = preprocess.dataset_ingredients(sources, pre_params, stat_cache)
@@ -267,6 +269,25 @@ def _demo_encoded(model_fixture: str, label: str):
 
     encoded_set.__doc__ = f"The demo photos at 64 px through the tiny {label}."
     return encoded_set
+
+
+@pytest.fixture(scope="session")
+def wan_model(tmp_path_factory) -> Path:
+    return _tiny(tmp_path_factory, "wan2.1")
+
+
+@pytest.fixture(scope="session")
+def wan_clips_encoded(tmp_path_factory, wan_model) -> EncodedSet:
+    """The demo clips (stages/demo_clips.py: 4 train, 2 held out) through the tiny Wan 2.1, one
+    window of 9 frames at 16 fps each."""
+    from lorapipe.stages.demo_clips import write_demo_clips
+    from lorapipe.stages.encode import EncodeParams
+    from lorapipe.stages.preprocess import DatasetSource, VideoSampling
+
+    clips = write_demo_clips(tmp_path_factory.mktemp("demo-clips"))[0].parent
+    return _encode_demo_images(tmp_path_factory.mktemp("wan-clips-encoded-cache"), wan_model, EncodeParams(),
+                               (DatasetSource(path=clips),),
+                               video=VideoSampling(fps=16, num_frames=9))
 
 
 flux2_encoded = _demo_encoded("flux2_model", "Flux.2-klein base")

@@ -5,7 +5,7 @@ for DDP or a user's accelerate config).
 One 120-step training (`trained`) is shared: its files, its loss curve, exact resume against it,
 that its exported LoRA files reproduce the trained UNet, and a start from its LoRA (init_lora).
 Also: SDXL export into StableDiffusionXLPipeline, a non-finite loss, repeats and mirrored latents,
-and that no worker outlives its parent (SIGINT, SIGKILL).
+that no worker outlives its parent (SIGINT, SIGKILL), and exact resume on clips (the tiny Wan 2.1).
 """
 from __future__ import annotations
 
@@ -150,6 +150,22 @@ def test_resume_with_lora_dropout_is_exact(tmp_path, tiny_model, encoded):
     run_train(tmp_path, "half", inputs, tmp_path / "work", max_steps=10, **dropout)
     resumed, built = run_train(tmp_path, "resumed", inputs, tmp_path / "work", max_steps=20, **dropout)
     assert built.info["resumed_from"] == 10 and trajectory(resumed) == trajectory(straight)
+
+
+@pytest.mark.slow
+def test_resume_on_clips_is_exact(tmp_path, wan_model, wan_clips_encoded):
+    """The tiny Wan 2.1 on 9-frame clip windows: 10 steps, then max_steps raised to 20 over the same
+    work folder, trains what 20 straight steps train, bit for bit (losses and LoRA files)."""
+    inputs, clips = train_inputs(wan_model, wan_clips_encoded), dict(target_modules="attention", checkpoint_every=5)
+    straight, _ = run_train(tmp_path, "straight", inputs, max_steps=20, **clips)
+    run_train(tmp_path, "first-half", inputs, tmp_path / "work", max_steps=10, **clips)
+    resumed, built = run_train(tmp_path, "resumed", inputs, tmp_path / "work", max_steps=20, **clips)
+    assert built.info["resumed_from"] == 10
+    assert [e["step"] for e in losses(resumed)] == list(range(1, 21))
+    assert trajectory(resumed) == trajectory(straight)
+    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors",
+                 "pytorch_lora_weights_kohya.safetensors"):
+        assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
 
 
 def test_loader_threads_train_what_the_step_would_prepare_itself(trained, tmp_path, tiny_model, encoded):
