@@ -42,7 +42,8 @@ def _parser() -> argparse.ArgumentParser:
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="print tracebacks and everything Prefect logs")
     sub = p.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", parents=[common], help="tiny model + bundled photos through the whole pipeline")
+    demo = sub.add_parser("demo", parents=[common], help="a tiny model through the whole pipeline on the bundled photos"
+                          " (a video arch: on generated clips)")
     demo.add_argument("--workdir", type=Path, default=Path("demo-run"))
     demo.add_argument("--arch", choices=arches, default=arches[0], help="the tiny model to train")
     demo.add_argument("--json", action="store_true")
