@@ -1,12 +1,21 @@
 """Block swap on the CPU: a swapped block holds its frozen weights only while it runs (empty tensors
 otherwise), and a LoRA step computes the same loss and gradients, bit for bit, with and without the
-swap, with and without gradient checkpointing."""
+swap, with and without gradient checkpointing. Through the train stage (the tiny Flux.1 and its
+encoded demo photos): the same losses and LoRA files as without it; where it cannot apply, one line
+naming train.blocks_to_swap before training starts."""
 from __future__ import annotations
+
+import json
+from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
-from lorapipe.stages.train.block_swap import BlockSwap
+from lorapipe.cache.errors import UserError
+from lorapipe.stages import families, train
+from lorapipe.stages.train.block_swap import BlockSwap, swap_count
+from lorapipe.stages.train.launch import check_block_swap
 
 
 def flux_transformer(checkpointing: bool):
@@ -66,6 +75,65 @@ def test_a_swapped_block_used_without_its_hooks_fails_instead_of_reading_stale_m
         torch.nn.functional.linear(torch.randn(1, 48), last.proj_out.base_layer.weight)
 
 
-def test_swapping_more_blocks_than_the_model_has_is_one_line():
-    with pytest.raises(ValueError, match=r"train.blocks_to_swap: 5 of 4 blocks; give 1 to 4"):
-        BlockSwap(blocks(flux_transformer(False)), 5, torch.device("cpu"))
+def test_blocks_to_swap_is_a_count_or_a_fraction_of_the_blocks():
+    assert [swap_count(3, 40), swap_count(0.5, 40), swap_count(0.01, 40)] == [3, 20, 1]
+    with pytest.raises(UserError, match=r"^train.blocks_to_swap: 5 of 4 blocks; give 1 to 4, or a fraction$"):
+        swap_count(5, 4)
+
+
+def check(family: str, options: dict, **params) -> None:
+    check_block_swap(families.get(family), train.TrainParams(**params), train.TrainOptions(**options))
+
+
+@pytest.mark.parametrize(("family", "params", "refusal"), [
+    ("sd15", {}, "Stable Diffusion 1.x/2.x's denoiser has no chain of blocks to swap; remove it"),
+    ("wan", {"base_quantization": "int8"}, "not with train.base_quantization int8: a quantised weight cannot"),
+    ("flux1", {"init": "pissa"}, "not with train.init pissa, which rewrites the base weights"),
+])
+def test_block_swap_where_it_cannot_apply_is_refused_in_one_line(family, params, refusal):
+    check(family, {}, **params)  # without blocks_to_swap: nothing to refuse
+    with pytest.raises(UserError) as refused:
+        check(family, {"blocks_to_swap": 1}, **params)
+    assert str(refused.value).startswith(f"train.blocks_to_swap: {refusal}") and "\n" not in str(refused.value)
+
+
+def test_a_unet_refuses_block_swap_before_training_starts(tmp_path, tiny_model, encoded):
+    inputs = train.TrainInputs(encoded.artifact_dir, encoded.cache_root, tiny_model, "base", encoded.digest)
+    with pytest.raises(UserError, match=r"^train.blocks_to_swap: Stable Diffusion 1.x/2.x's denoiser has no chain"):
+        train.run(train.TrainParams(max_steps=1), inputs, tmp_path / "out", tmp_path / "work",
+                  train.TrainOptions(blocks_to_swap=1, log_with="none"), log=lambda line: None)
+    assert not (tmp_path / "work").exists()  # no training process was started
+
+
+def train_flux(tmp: Path, name: str, model: Path, encoded, processes: int = 1,
+               **options) -> tuple[list[float], dict, str]:
+    """Four steps of the tiny Flux.1 (a LoRA on every Linear of both its blocks): losses, LoRA, log."""
+    inputs = train.TrainInputs(encoded.artifact_dir, encoded.cache_root, model, "base", encoded.digest)
+    params = train.TrainParams(rank=4, target_modules="all_linear", learning_rate=1e-2, batch_size=2, max_steps=4,
+                               checkpoint_every=4, seed=5, num_processes=processes)
+    out = tmp / name
+    train.run(params, inputs, out, tmp / f"work-{name}", train.TrainOptions(log_with="none", **options),
+              log=lambda line: None)
+    losses = [json.loads(line)["loss"] for line in (out / "logs" / "loss.jsonl").read_text().splitlines()]
+    return losses, load_file(out / "pytorch_lora_weights.safetensors"), (out / "logs" / "train.log").read_text()
+
+
+@pytest.mark.slow
+def test_training_with_block_swap_is_bit_for_bit_training_without(tmp_path, flux_model, flux_encoded):
+    plain_losses, plain_lora, _ = train_flux(tmp_path, "plain", flux_model, flux_encoded)
+    for name, options, swapped in [("all", {"blocks_to_swap": 2}, 2),
+                                   ("half-checkpointed", {"blocks_to_swap": 0.5, "gradient_checkpointing": True}, 1)]:
+        losses, lora, log = train_flux(tmp_path, name, flux_model, flux_encoded, **options)
+        assert f"block swap: the last {swapped} of 2 blocks wait off cpu between their uses" in log
+        assert losses == plain_losses, name
+        assert lora.keys() == plain_lora.keys() and all(torch.equal(lora[k], plain_lora[k]) for k in lora), name
+
+
+
+@pytest.mark.slow
+def test_ddp_training_with_block_swap_is_bit_for_bit_ddp_training_without(tmp_path, flux_model, flux_encoded):
+    plain_losses, plain_lora, _ = train_flux(tmp_path, "plain", flux_model, flux_encoded, processes=2)
+    losses, lora, log = train_flux(tmp_path, "swapped", flux_model, flux_encoded, processes=2, blocks_to_swap=2,
+                                   gradient_checkpointing=True)
+    assert "rank 1/2" in log and "block swap: the last 2 of 2 blocks wait off cpu" in log
+    assert losses == plain_losses and all(torch.equal(lora[k], plain_lora[k]) for k in plain_lora)

@@ -168,6 +168,10 @@ class Family(ABC):
         lora_target_modules(denoiser, preset), check_adapter(denoiser), export_lora(...)
                                        presets as regular expressions over module names; the
                                        diffusers file, then the family's original-name files
+      memory (train)
+        swappable_blocks(denoiser)     the blocks train.blocks_to_swap may keep off the accelerator,
+                                       in the order they run (the last N are swapped); [] for a
+                                       denoiser without a chain of blocks (SD's UNet), which refuses it
       rendering (evaluate) and the tiny model (the demo, tests)
         render_defaults(), render_kwargs(...), prepare_pipeline(...), build_tiny(out_dir, arch)
         demo_config(), write_demo_data(folder)   what `lorapipe demo` runs: its config in configs/
@@ -183,6 +187,7 @@ class Family(ABC):
     single_file_markers: tuple[str, ...] = ()  # a tensor name that identifies a single-file checkpoint
     latent_patch: int = 1  # latent pixels per image token side (Flux: 2x2 patches)
     lora_presets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> what lora_target_modules reads
+    block_lists: tuple[str, ...] = ()  # the denoiser's lists of blocks, in run order (swappable_blocks)
 
     # ---- identity and loading
     def for_model(self, model_path: Path) -> Family:
@@ -283,6 +288,10 @@ class Family(ABC):
     def export_lora(self, denoiser: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
                     kohya_metadata: dict[str, str]) -> list[Path]:
         """Write every LoRA file the family exports (diffusers format first) into out_dir."""
+
+    def swappable_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+        """The blocks of `block_lists`, in the order the denoiser runs them."""
+        return [block for name in self.block_lists for block in getattr(denoiser, name)]
 
     def check_adapter(self, denoiser: torch.nn.Module) -> None:
         """Refuse, before training starts, an adapter that export_lora could not write (one line

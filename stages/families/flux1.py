@@ -166,4 +166,5 @@ FLUX1 = Flux1(
     original_formats=(KOHYA, COMFYUI_DOWN_UP), comfyui_slice_prefix="transformer.",
     single_file_markers=("double_blocks.0.img_attn.qkv.weight",  # BFL's, bare or under ComfyUI's prefix
                          "model.diffusion_model.double_blocks.0.img_attn.qkv.weight"),
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
 )

@@ -145,4 +145,5 @@ FLUX2_KLEIN = Flux2Klein(
     sequence_patch=1, original_formats=(KOHYA, COMFYUI),
     single_file_markers=("double_stream_modulation_img.lin.weight",  # shared modulation: Flux.2's, not Flux.1's
                          "model.diffusion_model.double_stream_modulation_img.lin.weight"),
+    block_lists=("transformer_blocks", "single_transformer_blocks"),
 )

@@ -235,4 +235,5 @@ LTX2 = LTX2Family(
     name="ltx2", label="LTX-2", pipeline_class="LTX2Pipeline",
     components=Components(text=("text_encoder", "tokenizer", "connectors"), latent=("vae",), denoiser="transformer"),
     kohya_base_model="ltx2", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), sequence_patch=1,
+    block_lists=("transformer_blocks",),
 )

@@ -127,4 +127,5 @@ QWEN_IMAGE = QwenImage(
     kohya_base_model="qwen_image", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
     single_file_markers=("transformer_blocks.0.img_mlp.net.0.proj.weight",
                          "model.diffusion_model.transformer_blocks.0.img_mlp.net.0.proj.weight"),
+    block_lists=("transformer_blocks",),
 )

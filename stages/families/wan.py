@@ -207,4 +207,5 @@ WAN = Wan(
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
     kohya_base_model="wan", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
     original_formats=(KOHYA, COMFYUI), sampler=SAMPLER,
+    block_lists=("blocks",),
 )

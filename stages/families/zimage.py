@@ -123,4 +123,5 @@ ZIMAGE = ZImage(
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
     kohya_base_model="z_image", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
     single_file_markers=("layers.0.attention.qkv.weight", "model.diffusion_model.layers.0.attention.qkv.weight"),
+    block_lists=("noise_refiner", "context_refiner", "layers"),
 )

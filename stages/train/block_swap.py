@@ -7,7 +7,7 @@ while the current one computes (forward: the next block; backward, which runs th
 the previous one), and takes a block out once the compute stream is past it. Between its uses a
 swapped block's frozen weights are empty tensors (no elements), so a use the hooks did not
 prepare fails at once instead of reading stale memory. Trainable parameters (the adapter) and
-buffers stay where they are: they are small, and the optimizer and DDP hold them.
+buffers stay on the accelerator: they are small, and the optimizer and DDP hold them.
 
 Forward-pre hooks cover the block's own forward; backward-pre hooks cover autograd, which reads
 the same parameter tensors the forward saved (their data is swapped, not the tensors), and the
@@ -18,16 +18,45 @@ engine runs the ready node created last first, and every node of a block was cre
 node of the blocks before it. So a block leaves at the next block's backward, the last ones at the
 end of the backward pass. With the swap the step computes what it computes without it,
 bit for bit: only where the frozen weights wait between uses changes.
+
+Which blocks a denoiser has is its family's (Family.swappable_blocks). The swapped blocks' frozen
+weights never reach the accelerator whole: `to_device_leaving` moves the rest of the model, the
+adapter is added, then BlockSwap takes the blocks' weights from the host and moves what else they
+hold (the adapter, buffers) to the accelerator. A quantised base is refused: its weights are tensor
+subclasses (torchao) or parameters carrying their quantisation state (bitsandbytes), whose data
+cannot be exchanged by assigning `.data` as done here. So is a PiSSA/OLoRA init, which rewrites the
+base weights at every checkpoint (both refused by stages/train/launch.py, before training starts).
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import TYPE_CHECKING
 
 import torch
 
+from lorapipe.cache.errors import UserError
+
 if TYPE_CHECKING:
     from torch import nn
+
+
+def swap_count(setting: int | float, blocks: int) -> int:
+    """How many of `blocks` blocks train.blocks_to_swap means: N, or a fraction of them (at least one)."""
+    count = setting if isinstance(setting, int) else max(1, round(setting * blocks))
+    if count > blocks:
+        raise UserError(f"train.blocks_to_swap: {count} of {blocks} blocks; give 1 to {blocks}, or a fraction")
+    return count
+
+
+def to_device_leaving(model: nn.Module, device: torch.device, blocks: list[nn.Module]) -> None:
+    """Move the model's parameters and buffers to `device`, except those of `blocks` (for BlockSwap)."""
+    staying = {id(t) for block in blocks for t in chain(block.parameters(), block.buffers())}
+    with torch.no_grad():
+        for tensor in chain(model.parameters(), model.buffers()):
+            if id(tensor) not in staying:
+                tensor.data = tensor.data.to(device)
 
 
 @dataclass
@@ -43,8 +72,6 @@ class _Swapped:
 
 class BlockSwap:
     def __init__(self, blocks: list[nn.Module], count: int, device: torch.device):
-        if not 0 < count <= len(blocks):
-            raise ValueError(f"train.blocks_to_swap: {count} of {len(blocks)} blocks; give 1 to {len(blocks)}")
         self.blocks, self.device = blocks, torch.device(device)
         self.first = len(blocks) - count  # blocks [first, len) are swapped
         cuda = self.device.type == "cuda"
@@ -53,19 +80,23 @@ class BlockSwap:
         self.backward_pass = False  # a checkpoint's re-forward happens in it: no block after it is needed again
         for i in range(self.first, len(blocks)):
             params = [p for p in blocks[i].parameters() if not p.requires_grad]
-            kept = [p.detach().to("cpu", copy=True).pin_memory() if cuda else p.detach().to("cpu", copy=True)
-                    for p in params]
+            kept = [p.detach().to("cpu").pin_memory() if cuda else p.detach().to("cpu") for p in params]
             self.swapped[i] = _Swapped(params, kept)
             self._unload(i)
+            blocks[i].to(self.device)  # what else it holds (the adapter, buffers) lives on the accelerator
         self.handles = [hook for i, block in enumerate(blocks) for hook in self._install(i, block)]
+        # the first block's inputs need no gradient: its backward-pre hook fires all the same, as wanted
+        warnings.filterwarnings("ignore", message="Full backward hook is firing when gradients are computed")
 
     def remove(self) -> None:
-        """Put every swapped block back whole on the accelerator and drop the hooks."""
+        """Drop the hooks and give every swapped block its frozen weights back where they were kept
+        (the host: the accelerator had no room for them); the adapter stays on the accelerator."""
         for handle in self.handles:
             handle.remove()
-        for i in self.swapped:
-            self._load(i)
-            self._wait(i)
+        for s in self.swapped.values():
+            for p, kept in zip(s.params, s.kept):
+                p.data = kept
+            s.loaded = True
 
     def _install(self, i: int, block: nn.Module) -> list:
         return [block.register_forward_pre_hook(lambda *_: self._enter(i, None if self.backward_pass else i + 1)),

@@ -40,7 +40,7 @@ def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
     out_dir, work_dir = Path(out_dir), Path(work_dir)
     if machines(params, options).rank:
         raise RuntimeError("only machine rank 0 publishes: the other machines run lorapipe.stages.train.launch.follow")
-    warn_if_distilled(check_inputs(params, inputs), inputs.model_path, log)
+    warn_if_distilled(check_inputs(params, inputs, options), inputs.model_path, log)
     launch(params, inputs, work_dir, options, log, lambda: interrupted_at(work_dir), placement)
     return publish(work_dir, out_dir, params.max_steps, log)
 
@@ -51,7 +51,7 @@ def follow(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: Tr
     join rank 0's, read the encoded data from the same cache and receive a resumed state from rank 0);
     work_dir, private to this machine, holds only their job and log. Rank 0 checkpoints and publishes."""
     nodes = machines(params, options)
-    check_inputs(params, inputs)
+    check_inputs(params, inputs, options)
     launch(params, inputs, Path(work_dir), options, log,
            lambda: f"training interrupted on machine rank {nodes.rank}: machine rank 0's checkpoints say where"
                    " a rerun (on every machine) resumes", placement)
@@ -83,16 +83,32 @@ def where(params: TrainParams, options: TrainOptions) -> Where:
                  own_process=True)
 
 
-def check_inputs(params: TrainParams, inputs: TrainInputs) -> families.Family:
+def check_inputs(params: TrainParams, inputs: TrainInputs, options: TrainOptions) -> families.Family:
     """Before anything starts: the encoded data was made by this model's encoders, and every
-    objective setting applies to its family, and prior settings have prior samples to apply to (one
-    line naming the key otherwise). Returns the family."""
+    objective setting applies to its family, and prior settings have prior samples to apply to, and
+    block swap can apply (one line naming the key otherwise). Returns the family."""
     family = families.for_model(inputs.model_path)
     data = EncodedData(inputs.encoded_dir, inputs.cache_root)
     data.check_model(inputs.model_path, family.name, inputs.model_digests)
     family.check_objective(params)
     check_prior_settings(params, data)
+    check_block_swap(family, params, options)
     return family
+
+
+def check_block_swap(family: families.Family, params: TrainParams, options: TrainOptions) -> None:
+    """Refuse, in one line naming the key, train.blocks_to_swap where it cannot apply (no model file read)."""
+    setting = options.blocks_to_swap
+    if setting is None:
+        return
+    if not family.block_lists:
+        raise UserError(f"train.blocks_to_swap: {family.label}'s denoiser has no chain of blocks to swap; remove it")
+    if params.base_quantization != "none":
+        raise UserError(f"train.blocks_to_swap: not with train.base_quantization {params.base_quantization}: a"
+                        " quantised weight cannot be swapped in and out yet; use one or the other")
+    if params.init != "default":
+        raise UserError(f"train.blocks_to_swap: not with train.init {params.init}, which rewrites the base weights"
+                        " at every checkpoint; use init default")
 
 
 def check_prior_settings(params: TrainParams, data: EncodedData) -> None:

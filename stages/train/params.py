@@ -121,6 +121,11 @@ class TrainOptions(Frozen):
     log_every: int = Field(10, gt=0, description="print a progress line every N steps")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less"
                                          " memory, slower steps, the same result")
+    blocks_to_swap: int | float | None = Field(
+        None, gt=0, description="keep the frozen weights of the denoiser's last N blocks (or this fraction of its"
+        " blocks, below 1) off the accelerator and bring each in just before it runs, forward and backward: a"
+        " transformer bigger than the card trains, the same result, slower steps (docs/training.md); not with"
+        " base_quantization or a PiSSA/OLoRA init")
     loader_workers: int | None = Field(None, ge=0, description="threads preparing micro-batches before the"
                                        " step (read, sample, noise, pin), the same result; 0: in the step; default"
                                        " 2 on CUDA, 0 on CPU (where their share of the GIL slows the step)")
@@ -143,6 +148,13 @@ class TrainOptions(Frozen):
         if self.log_with != "none" and not installed(self.log_with):
             raise ValueError(f"log_with: {self.log_with} is not installed (pip install {self.log_with}),"
                              " or set log_with: none")
+        return self
+
+    @model_validator(mode="after")
+    def _swap_count_or_fraction(self) -> "TrainOptions":
+        if isinstance(self.blocks_to_swap, float) and self.blocks_to_swap >= 1:
+            raise ValueError(f"blocks_to_swap: {self.blocks_to_swap} is neither a number of blocks (a whole"
+                             " number) nor a fraction of them (below 1)")
         return self
 
     @model_validator(mode="after")

@@ -58,6 +58,7 @@ from lorapipe.stages.jobs import Job
 from lorapipe.stages.lora_formats.lora_folder import TRAIN_CONFIG, step_name
 from lorapipe.stages.progress import progress_line
 from lorapipe.stages.train.adapter import check_targets, kohya_network_dim_alpha, load_init_lora
+from lorapipe.stages.train.block_swap import BlockSwap, swap_count, to_device_leaving
 from lorapipe.stages.train.checkpoints import CheckpointDir
 from lorapipe.stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
 from lorapipe.stages.train.params import TRACKER_RUN, VERSION, TrainInputs, TrainOptions, TrainParams
@@ -95,8 +96,10 @@ class LoRATrainingRecipe:
     prior preservation (a `role: prior` dataset's samples weighted by prior_loss_weight, or scored
     against the base model's prediction with prior_target base_output: one extra no-grad forward over
     a micro-batch's prior samples, stages/train/prior.py),
-    gradient checkpointing (less memory, slower steps), exact resume from atomic checkpoints that
-    hold only the adapter (with its PiSSA/OLoRA start and its EMA), optimizer, LR scheduler and RNG
+    gradient checkpointing (less memory, slower steps), block swap (the frozen weights of the last
+    blocks off the accelerator between their uses: less memory, slower steps, the same result;
+    block_swap.py), exact resume from atomic checkpoints that hold only the adapter (with its
+    PiSSA/OLoRA start and its EMA), optimizer, LR scheduler and RNG
     states. A non-finite loss or LoRA weight stops the run before it can be checkpointed.
     """
 
@@ -159,10 +162,15 @@ class LoRATrainingRecipe:
         structure = self.family.empty_denoiser(model_path)  # the targets are checked before the weights load
         targets = self.family.lora_target_modules(structure, p.target_modules)
         check_targets(structure, p.adapter, targets)
+        swapped = self._blocks_to_swap(structure)
         denoiser = self.family.load_denoiser(model_path, self.dtype)
         denoiser.requires_grad_(False)
         quantize_base(denoiser, p.base_quantization, self.accelerator.device)
-        denoiser.to(self.accelerator.device)
+        blocks = self.family.swappable_blocks(denoiser)
+        if swapped:  # the swapped blocks' frozen weights stay on the host (BlockSwap takes them there)
+            to_device_leaving(denoiser, self.accelerator.device, blocks[-swapped:])
+        else:
+            denoiser.to(self.accelerator.device)
         self.adapter = TrainedAdapter(p, self.family, targets)
         torch.manual_seed(derived_seed(p.seed, "init"))  # the adapter's random init
         self.adapter.add_to(denoiser, self._saved_start(latest))
@@ -171,11 +179,20 @@ class LoRATrainingRecipe:
             load_init_lora(denoiser, Path(p.init_lora), p, self.family.components.denoiser)
         cast_training_params(denoiser, dtype=torch.float32)
         keep_base_out_of_ddp_sync(denoiser, p.base_quantization)
-        if self.accelerator.is_main_process:  # rank 0 alone saves and exports the EMA
-            self.adapter.start_ema(denoiser)
         if self.options.gradient_checkpointing:
             denoiser.enable_gradient_checkpointing()
+        self.block_swap = BlockSwap(blocks, swapped, self.accelerator.device) if swapped else None
+        if swapped:
+            self.accelerator.print(f"block swap: the last {swapped} of {len(blocks)} blocks wait off"
+                                   f" {self.accelerator.device} between their uses", flush=True)
+        if self.accelerator.is_main_process:  # rank 0 alone saves and exports the EMA
+            self.adapter.start_ema(denoiser)
         self.denoiser = denoiser
+
+    def _blocks_to_swap(self, structure: torch.nn.Module) -> int:
+        """How many of the denoiser's last blocks train.blocks_to_swap keeps off the accelerator (0: none)."""
+        setting = self.options.blocks_to_swap
+        return 0 if setting is None else swap_count(setting, len(self.family.swappable_blocks(structure)))
 
     def _setup_optimizer(self) -> None:
         from diffusers.optimization import get_scheduler
@@ -297,6 +314,8 @@ class LoRATrainingRecipe:
             self._train_loop()
         finally:
             self.batches.close()
+            if self.block_swap is not None:  # every weight in its place again, for the export
+                self.block_swap.remove()
 
     def micro_batches(self) -> MicroBatches:
         """The micro-batches from the current step to max_steps, prepared before the step needs them."""
