@@ -11,6 +11,7 @@ process (no accelerate launch; nothing from flows/, so no Prefect). Settings (`-
     flux2-klein             Flux.2-klein base 4B at 1024 px, batch 1
     flux2-klein-9b          Flux.2-klein base 9B at 1024 px, batch 1, gradient checkpointing on,
       -int8, -fp8, -nf4     and with each base_quantization
+      -swap                 and with train.blocks_to_swap 0.5 (half its blocks' frozen weights on the host)
     z-image                 Z-Image (base) at 1024 px, batch 1
 
 Nothing here knows a family: every setting names an architecture folder, and its model, encoders,
@@ -108,6 +109,7 @@ class Setting:
     gradient_checkpointing: bool = False
     timing: Timing | None = None  # None: the mode's
     base_quantization: str = "none"  # train.base_quantization
+    blocks_to_swap: int | float | None = None  # train.blocks_to_swap
 
 
 @dataclass(frozen=True)
@@ -134,11 +136,13 @@ GPU = Mode(True, {
     **{"flux2-klein-9b" + ("" if q == "none" else f"-{q}"):
        Setting("flux2-klein-9b", 1024, 1, 32, 4, ("sdpa", "sdpa" + OFFLOADED), True, FLOW_TIMING, q)
        for q in ("none", *QUANTISED)},
+    "flux2-klein-9b-swap": Setting("flux2-klein-9b", 1024, 1, 32, 4, ("sdpa",), True, FLOW_TIMING, blocks_to_swap=0.5),
     "z-image": Setting("z-image", 1024, 1, 32, 4, ("sdpa", "sdpa" + COMPILED), False, FLOW_TIMING),
 }, Timing(warmup=3, rounds=3, steps=10), "bfloat16", "bf16", 4)
 SMOKE = Mode(False, {  # each GPU setting on the tiny model of its arch's family, its checkpointing kept
     name: Setting(setting.arch, 64, 2, 8, 4, tuple(v for v in setting.variants if not v.endswith(COMPILED)),
-                  setting.gradient_checkpointing, base_quantization=setting.base_quantization)
+                  setting.gradient_checkpointing, base_quantization=setting.base_quantization,
+                  blocks_to_swap=setting.blocks_to_swap)
     for name, setting in GPU.settings.items()
 }, Timing(warmup=1, rounds=2, steps=2), "float32", "no", 0)
 
@@ -357,22 +361,25 @@ def train_figures(setting: Setting, mode: Mode, inputs: EncodeInputs, encoded: P
     import torch
 
     timing, checkpointing = setting.timing or mode.timing, setting.gradient_checkpointing
-    quantization = setting.base_quantization
+    quantization, swap = setting.base_quantization, setting.blocks_to_swap
     recipe = training_recipe(inputs, encoded, encoded.parent / "work", setting.batch, mode.mixed_precision,
-                             LORA_RANK, gradient_checkpointing=checkpointing, base_quantization=quantization)
+                             LORA_RANK, gradient_checkpointing=checkpointing, base_quantization=quantization,
+                             blocks_to_swap=swap)
     inline = training_recipe(inputs, encoded, encoded.parent / "work-inline", setting.batch, mode.mixed_precision,
                              LORA_RANK, loader_workers=0, gradient_checkpointing=checkpointing,
-                             base_quantization=quantization)
+                             base_quantization=quantization, blocks_to_swap=swap)
     try:
         seconds = interleaved(step_calls(recipe, inline, inputs), timing, device_sync(device))
         del inline
         release_memory(device)  # the on-the-fly step's VAE and text encoders, the inline recipe's denoiser
         params = list(recipe._lora_denoiser().parameters())
+        on_host = [t for s in recipe.block_swap.swapped.values() for t in s.kept] if recipe.block_swap else []
         gpu, peak = peak_bf16_flops(device)
         yield "train steps", {
             "resolution": setting.resolution, "batch": setting.batch, "mixed_precision": mode.mixed_precision,
-            "gradient_checkpointing": checkpointing, "base_quantization": quantization, "lora_rank": LORA_RANK,
-            "denoiser_params_m": round(sum(p.numel() for p in params) / 1e6, 1),
+            "gradient_checkpointing": checkpointing, "base_quantization": quantization, "blocks_to_swap": swap,
+            "lora_rank": LORA_RANK,
+            "denoiser_params_m": round(sum(t.numel() for t in params + on_host) / 1e6, 1),  # swapped ones too
             "lora_params_m": round(sum(p.numel() for p in params if p.requires_grad) / 1e6, 2),
             "steps": str(timing), "torch_threads": torch.get_num_threads(), "device": gpu,
             "dense_bf16_peak_tflop_s": peak / 1e12 if peak else None,

@@ -39,7 +39,7 @@ TIMING = Timing(warmup=3, rounds=10, steps=10)
 def training_recipe(enc_inputs, encoded_dir: Path, work: Path, batch_size: int = BATCH,
                     mixed_precision: str = "no", rank: int = 4, loader_workers: int = 2,
                     gradient_checkpointing: bool = False, base_quantization: str = "none",
-                    prior_target: str = "data") -> LoRATrainingRecipe:
+                    prior_target: str = "data", blocks_to_swap: int | float | None = None) -> LoRATrainingRecipe:
     """The train stage's recipe, set up in this process over the encoded shards (LoRA alpha = rank)."""
     from lorapipe.stages.train import TrainInputs, TrainOptions, TrainParams
     from lorapipe.stages.train.recipe import LoRATrainingRecipe
@@ -49,7 +49,7 @@ def training_recipe(enc_inputs, encoded_dir: Path, work: Path, batch_size: int =
                          prior_target=prior_target)
     inputs = TrainInputs(encoded_dir, enc_inputs.cache_root, enc_inputs.model_path, "bench", "bench")
     options = TrainOptions(log_with="none", loader_workers=loader_workers,
-                           gradient_checkpointing=gradient_checkpointing)
+                           gradient_checkpointing=gradient_checkpointing, blocks_to_swap=blocks_to_swap)
     recipe = LoRATrainingRecipe(params, inputs, options, work)
     recipe.setup()
     recipe.denoiser.train()

@@ -1,8 +1,8 @@
 """benchmarks/gpu_bench.py: the full-size architecture configs it builds the flow-matching models
 from, and its smoke mode: the GPU benchmark's code, every setting (SD1.5, SDXL, Flux.1 with and
-without gradient checkpointing, Flux.1 with an nf4 base, Flux.2-klein, Z-Image; group offloading as
-the last variant of the Flux.1 ones) on the tiny model of its family on the CPU, so
-that the script a lent GPU will run is known to work. It prints its figures and must leave
+without gradient checkpointing, Flux.1 with an nf4 base, Flux.2-klein, Z-Image, Flux.2-klein with
+block swap; group offloading as the last variant of the Flux.1 ones) on the tiny model of its
+family on the CPU, so that the script a lent GPU will run is known to work. It prints its figures and must leave
 BENCHMARKS.md alone."""
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {  # setting -> the cached-step variants its smoke run measures
     "sd15": ("sdpa", "classic"), "sdxl": ("sdpa",), "flux1": ("sdpa", "sdpa+offload"),
     "flux1-nf4": ("sdpa", "sdpa+offload"), "flux1-no-checkpointing": ("sdpa",), "flux2-klein": ("sdpa",), "z-image": ("sdpa",),
+    "flux2-klein-9b-swap": ("sdpa",),
 }
 RATES = {
     "encode": ("stage_img_s", "bare_img_s", "ratio"),
@@ -90,6 +91,7 @@ def test_smoke_prints_every_figure_for_every_setting_and_leaves_benchmarks_md_al
     assert (figures["flux1 cached step sdpa"]["tflop_per_step"]
             > figures["flux1-no-checkpointing cached step sdpa"]["tflop_per_step"])
     assert figures["flux1-nf4 train steps"]["base_quantization"] == "nf4"
+    assert figures["flux2-klein-9b-swap train steps"]["blocks_to_swap"] == 0.5
     assert benchmarks_md.read_bytes() == before
 
 
