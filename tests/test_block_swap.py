@@ -1,11 +1,13 @@
 """Block swap on the CPU: a swapped block holds its frozen weights only while it runs (empty tensors
 otherwise), and a LoRA step computes the same loss and gradients, bit for bit, with and without the
-swap, with and without gradient checkpointing. Through the train stage (the tiny Flux.1 and its
-encoded demo photos): the same losses and LoRA files as without it; where it cannot apply, one line
-naming train.blocks_to_swap before training starts."""
+swap, with and without gradient checkpointing, for every transformer family's blocks (the family
+seam's swappable_blocks). Through the train stage (the tiny Flux.1 and its encoded demo photos): the
+same losses and LoRA files as without it, in one process and under 2-process DDP; where it cannot
+apply, one line naming train.blocks_to_swap before training starts."""
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -65,6 +67,67 @@ def test_a_swapped_step_is_bit_for_bit_the_plain_one(checkpointing, count):
     swap.remove()
     assert all(p.numel() for p in model.parameters())
     assert torch.equal(step(model)[0], plain[0])
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """What a family's conditioning may read of a sample (families.base.ImageGeometry)."""
+
+    original_size: tuple[int, int] = (64, 64)
+    crop_box: tuple[int, int, int, int] = (0, 0, 64, 64)
+    size: tuple[int, int] = (64, 64)
+    resized: tuple[int, int] | None = None
+    fps: float = 16.0
+
+
+@pytest.fixture(scope="module")
+def denoiser_step_inputs(tmp_path_factory):
+    """arch -> (model folder, its family, a 2-sample batch: noisy latents, sigmas, conditioning), made
+    through the family's own text encoder and VAE on its tiny model (a 5-frame clip for video)."""
+    made = {}
+
+    def inputs(arch: str):
+        if arch not in made:
+            model = families.build_tiny_model(tmp_path_factory.mktemp("swap") / arch, arch)
+            family = families.for_model(model)
+            texts = family.load_text_encoder(model, family.text_settings(model, families.TextOptions()),
+                                             torch.float32, "cpu")(["a red ball", "a blue sky over a field"])
+            frames = (5,) if family.frames_problem(model, 5) is None else ()
+            pixels = torch.rand(2, 3, *frames, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
+            latents = family.latent_normalisation(model).apply(family.load_latent_encoder(model, "cpu")(pixels)[0])
+            cond = family.conditioning(texts, [(Geometry(), False)] * 2, families.ObjectiveParams())
+            made[arch] = model, family, (torch.randn_like(latents), torch.tensor([0.3, 0.8]), cond)
+        return made[arch]
+
+    return inputs
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
+@pytest.mark.parametrize("arch", ["flux1", "flux2-klein", "z-image", "qwen-image", "wan2.1", "wan2.2-5b", "ltx2"])
+def test_every_transformer_familys_blocks_swap_bit_for_bit(arch, checkpointing, denoiser_step_inputs):
+    from peft import LoraConfig
+
+    model, family, (noisy, sigmas, cond) = denoiser_step_inputs(arch)
+
+    def lora_step(swap: bool) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        denoiser = family.load_denoiser(model, torch.float32).requires_grad_(False)
+        torch.manual_seed(0)
+        denoiser.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian",
+                                        target_modules=family.lora_target_modules(denoiser, "all_linear")))
+        if checkpointing:
+            denoiser.enable_gradient_checkpointing()
+        blocks = family.swappable_blocks(denoiser)
+        if swap:
+            BlockSwap(blocks, len(blocks), torch.device("cpu"))
+        loss = family.predict(denoiser.train(), noisy, sigmas, cond, torch.float32).pow(2).mean()
+        loss.backward()
+        frozen = [p for block in blocks for p in block.parameters() if not p.requires_grad]
+        assert frozen and all(p.numel() == 0 for p in frozen) == swap  # the family's blocks, off between uses
+        return loss.detach(), [p.grad for p in denoiser.parameters() if p.requires_grad]  # None: an unused layer
+
+    (plain_loss, plain_grads), (loss, grads) = lora_step(False), lora_step(True)
+    assert torch.equal(loss, plain_loss)
+    assert all(a is b is None or torch.equal(a, b) for a, b in zip(grads, plain_grads, strict=True))
 
 
 def test_a_swapped_block_used_without_its_hooks_fails_instead_of_reading_stale_memory():
