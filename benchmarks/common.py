@@ -37,6 +37,23 @@ def generated_images(folder: Path, count: int, size: int = 64, seed: int = 0) ->
     return folder
 
 
+def generated_clips(folder: Path, count: int, frames: int, size: tuple[int, int], fps: int = 16) -> Path:
+    """`count` mp4 clips of `frames` frames, (width, height) `size`, with captions (kept if already
+    there): random noise sliding sideways, so every frame differs."""
+    import numpy as np
+
+    from lorapipe.stages.demo_clips import write_clip
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(count):
+        path = folder / f"clip{i:04d}.mp4"
+        if not path.exists():
+            noise = np.random.default_rng(i).integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)
+            write_clip(path, (np.roll(noise, 4 * k, axis=1) for k in range(frames)), fps)
+        path.with_suffix(".txt").write_text(f"generated clip number {i}, noise sliding sideways")
+    return folder
+
+
 def tiny_model(root: Path, arch: str = "sd15") -> Path:
     from lorapipe.stages.families import build_tiny_model
 

@@ -16,9 +16,9 @@ if TYPE_CHECKING:
 BATCH = 16
 
 
-def encode_inputs(data: Path, cache: Path, model: Path, resolution: int = 64, role: str = "train"):
-    """Preprocess `data` (a dataset of this `role`) at `resolution` into `cache`/pre (every image in
-    the train split); the encode stage's inputs for it."""
+def encode_inputs(data: Path, cache: Path, model: Path, resolution: int = 64, role: str = "train", **settings):
+    """Preprocess `data` (a dataset of this `role`) at `resolution` (and the other preprocess
+    `settings`) into `cache`/pre (every image in the train split); the encode stage's inputs for it."""
     from lorapipe.cache.digest import StatCache
     from lorapipe.stages import encode, families, preprocess
     from lorapipe.stages.models import component_digests
@@ -27,7 +27,7 @@ def encode_inputs(data: Path, cache: Path, model: Path, resolution: int = 64, ro
     shutil.rmtree(pre, ignore_errors=True)
     pre.mkdir(parents=True)
     with StatCache(cache / "stat.sqlite") as stats:
-        preprocess.run(preprocess.PreprocessParams(resolution=resolution, holdout_fraction=0.0),
+        preprocess.run(preprocess.PreprocessParams(resolution=resolution, holdout_fraction=0.0, **settings),
                        preprocess.PreprocessInputs(sources, stats), pre, cache, None, lambda m: None)
         family = families.for_model(model)
         digests = component_digests(model, stats, family)

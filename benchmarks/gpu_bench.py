@@ -12,6 +12,10 @@ process (no accelerate launch; nothing from flows/, so no Prefect). Settings (`-
     flux2-klein-9b          Flux.2-klein base 9B at 1024 px, batch 1, gradient checkpointing on,
       -int8, -fp8, -nf4     and with each base_quantization
       -swap                 and with train.blocks_to_swap 0.5 (half its blocks' frozen weights on the host)
+    wan2.1-14b              Wan 2.1 T2V 14B on clips of 81 frames at 832x448 (480p with sides of 64s),
+      -swap                 batch 1, gradient checkpointing on; and with all 40 blocks swapped. Without
+                            swap it needs more than an H100's 80 GB (the inline recipe holds a second
+                            denoiser, the on-the-fly step the text encoder): run it on an H200
     z-image                 Z-Image (base) at 1024 px, batch 1
 
 Nothing here knows a family: every setting names an architecture folder, and its model, encoders,
@@ -21,8 +25,8 @@ step and LoRA come through the family layer (stages/families) as the stages get 
            (full-size text encoders included: CLIP, T5-XXL, Qwen3-4B, Qwen3-8B) with the tokenizers of the
            family's tiny model (built offline; checked to fit the text encoders' vocabularies),
            initialised on the GPU in bf16 from a fixed seed and saved under ROOT/models/<arch>
-           (reused after; about 2, 7, 34, 16, 35 and 20 GB for sd15, sdxl, flux1, flux2-klein, flux2-klein-9b,
-           z-image).
+           (reused after; about 2, 7, 34, 16, 35, 20 and 40 GB for sd15, sdxl, flux1, flux2-klein,
+           flux2-klein-9b, z-image and wan2.1-14b). Clip settings encode generated mp4 clips.
 2. encode: N generated noise images through the real encode stage (records in bf16) vs the bare
            latent + text encoders' forward on the same pre-decoded batches, both loaded as the stage
            loads them; ratio = bare / stage time (goal >= 0.9), also without the encoders' load time.
@@ -80,7 +84,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from .common import ResultsSection, Timing, device_sync, generated_images, interleaved, tiny_model
+from .common import ResultsSection, Timing, device_sync, generated_clips, generated_images, interleaved, tiny_model
 from .encode_bench import bare_forward_seconds, encode_inputs, load_encoders, run_encode
 from .train_bench import cached_step, step_calls, step_figures, training_recipe
 
@@ -110,6 +114,8 @@ class Setting:
     timing: Timing | None = None  # None: the mode's
     base_quantization: str = "none"  # train.base_quantization
     blocks_to_swap: int | float | None = None  # train.blocks_to_swap
+    frames: int = 0  # clips of this many frames (preprocess.video.num_frames); 0: images
+    size: tuple[int, int] | None = None  # (width, height) of every clip, a multiple of 64; None: square
 
 
 @dataclass(frozen=True)
@@ -125,6 +131,7 @@ class Mode:
 # images: enough that loading the encoders (seconds, also in the stage's time) does not swamp the encode rate;
 # the flow-matching transformers' steps take seconds: fewer of them, so that a setting fits a 10-minute command
 FLOW_TIMING = Timing(warmup=2, rounds=2, steps=5)
+CLIP_TIMING = Timing(warmup=1, rounds=1, steps=3)  # a 14B step over 30k tokens takes several seconds
 GPU = Mode(True, {
     "sd15": Setting("sd15", 512, 8, 256, 16, ("sdpa", "classic", "sdpa" + COMPILED)),
     "sdxl": Setting("sdxl", 1024, 4, 128, 8, ("sdpa", "sdpa" + COMPILED)),
@@ -138,11 +145,18 @@ GPU = Mode(True, {
        for q in ("none", *QUANTISED)},
     "flux2-klein-9b-swap": Setting("flux2-klein-9b", 1024, 1, 32, 4, ("sdpa",), True, FLOW_TIMING, blocks_to_swap=0.5),
     "z-image": Setting("z-image", 1024, 1, 32, 4, ("sdpa", "sdpa" + COMPILED), False, FLOW_TIMING),
+    **{"wan2.1-14b" + suffix: Setting("wan2.1-14b", 640, 1, 4, 1, ("sdpa",), True, CLIP_TIMING, blocks_to_swap=swap,
+                                      frames=81, size=(832, 448)) for suffix, swap in (("", None), ("-swap", 40))},
 }, Timing(warmup=3, rounds=3, steps=10), "bfloat16", "bf16", 4)
+def tiny_swap(blocks_to_swap: int | float | None) -> int | float | None:
+    """A setting's train.blocks_to_swap on the tiny model: a fraction as it is, a count as one block."""
+    return 1 if isinstance(blocks_to_swap, int) else blocks_to_swap
+
+
 SMOKE = Mode(False, {  # each GPU setting on the tiny model of its arch's family, its checkpointing kept
     name: Setting(setting.arch, 64, 2, 8, 4, tuple(v for v in setting.variants if not v.endswith(COMPILED)),
                   setting.gradient_checkpointing, base_quantization=setting.base_quantization,
-                  blocks_to_swap=setting.blocks_to_swap)
+                  blocks_to_swap=tiny_swap(setting.blocks_to_swap), frames=min(setting.frames, 5))
     for name, setting in GPU.settings.items()
 }, Timing(warmup=1, rounds=2, steps=2), "float32", "no", 0)
 
@@ -254,11 +268,16 @@ def encode_figures(name: str, setting: Setting, mode: Mode, model: Path, root: P
     import torch
 
     import_encoder_classes(model)
-    n = setting.images
-    data = generated_images(root / f"images-{n}-{setting.resolution}px", n, setting.resolution)
+    n, size = setting.images, setting.size or (setting.resolution, setting.resolution)
+    if setting.frames:
+        data = generated_clips(root / f"clips-{n}-{setting.frames}x{size[0]}x{size[1]}", n, setting.frames, size)
+        preprocess = {"video": {"num_frames": setting.frames}, **({"buckets": True, "bucket_sizes": (size,)}
+                                                                 if setting.size else {})}
+    else:
+        data, preprocess = generated_images(root / f"images-{n}-{setting.resolution}px", n, setting.resolution), {}
     cache = root / f"gpu-bench-{name}"
     shutil.rmtree(cache, ignore_errors=True)
-    inputs = encode_inputs(data, cache, model, setting.resolution)
+    inputs = encode_inputs(data, cache, model, setting.resolution, **preprocess)
     started = time.perf_counter()
     encoders = load_encoders(inputs, str(device), getattr(torch, mode.encode_dtype))
     load_s = time.perf_counter() - started
@@ -269,7 +288,8 @@ def encode_figures(name: str, setting: Setting, mode: Mode, model: Path, root: P
     run_encode(inputs, cache / "encoded", mode.encode_workers, setting.encode_batch, mode.encode_dtype)
     stage_s = time.perf_counter() - started
     return {
-        "images": n, "resolution": setting.resolution, "batch": setting.encode_batch, "dtype": mode.encode_dtype,
+        "images": n, "frames": setting.frames, "resolution": setting.size or setting.resolution,
+        "batch": setting.encode_batch, "dtype": mode.encode_dtype,
         "decode_threads": mode.encode_workers, "stage_img_s": round(n / stage_s, 1), "bare_img_s": round(n / bare_s, 1),
         "ratio": round(bare_s / stage_s, 3), "encoders_load_s": round(load_s, 2),
         "ratio_without_load": round(bare_s / (stage_s - load_s), 3),
@@ -376,7 +396,7 @@ def train_figures(setting: Setting, mode: Mode, inputs: EncodeInputs, encoded: P
         on_host = [t for s in recipe.block_swap.swapped.values() for t in s.kept] if recipe.block_swap else []
         gpu, peak = peak_bf16_flops(device)
         yield "train steps", {
-            "resolution": setting.resolution, "batch": setting.batch, "mixed_precision": mode.mixed_precision,
+            "resolution": setting.size or setting.resolution, "frames": setting.frames, "batch": setting.batch, "mixed_precision": mode.mixed_precision,
             "gradient_checkpointing": checkpointing, "base_quantization": quantization, "blocks_to_swap": swap,
             "lora_rank": LORA_RANK,
             "denoiser_params_m": round(sum(t.numel() for t in params + on_host) / 1e6, 1),  # swapped ones too

@@ -4,6 +4,8 @@ the same PyAV), each with a caption that says what moves where.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable
+from itertools import chain
 from pathlib import Path
 
 import numpy as np
@@ -35,25 +37,31 @@ def frame(ball: tuple[int, int, int], sky: tuple[int, int, int], direction: int,
 
 def write_demo_clips(folder: Path) -> list[Path]:
     """Write every scene as <name>.mp4 with its <name>.txt caption into `folder` (files already there are kept)."""
-    import av
-
     folder.mkdir(parents=True, exist_ok=True)
     written = []
     for name, ball, sky, direction, caption in SCENES:
         path = folder / f"{name}.mp4"
         if not path.exists():
-            with av.open(str(path), "w") as container:
-                stream = container.add_stream("libx264", rate=FPS)
-                stream.width = stream.height = SIZE
-                stream.pix_fmt = "yuv420p"
-                stream.options = {"crf": "18", "threads": "1"}
-                for k in range(FRAMES):
-                    pixels = frame(ball, sky, direction, k / (FRAMES - 1))
-                    for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                        container.mux(packet)
-                for packet in stream.encode():
-                    container.mux(packet)
+            write_clip(path, (frame(ball, sky, direction, k / (FRAMES - 1)) for k in range(FRAMES)), FPS)
         if not (folder / f"{name}.txt").exists():
             (folder / f"{name}.txt").write_text(caption)
         written.append(path)
     return written
+
+
+def write_clip(path: Path, frames: Iterable[np.ndarray], fps: int) -> None:
+    """RGB frames (H, W, 3 uint8, sides even) as an H.264 mp4, encoded on one thread."""
+    import av
+
+    frames = iter(frames)
+    first = next(frames)
+    with av.open(str(path), "w") as container:
+        stream = container.add_stream("libx264", rate=fps)
+        stream.height, stream.width = first.shape[:2]
+        stream.pix_fmt = "yuv420p"
+        stream.options = {"crf": "18", "threads": "1"}
+        for pixels in chain([first], frames):
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                container.mux(packet)
+        for packet in stream.encode():
+            container.mux(packet)

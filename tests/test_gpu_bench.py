@@ -1,8 +1,8 @@
 """benchmarks/gpu_bench.py: the full-size architecture configs it builds the flow-matching models
 from, and its smoke mode: the GPU benchmark's code, every setting (SD1.5, SDXL, Flux.1 with and
-without gradient checkpointing, Flux.1 with an nf4 base, Flux.2-klein, Z-Image, Flux.2-klein with
-block swap; group offloading as the last variant of the Flux.1 ones) on the tiny model of its
-family on the CPU, so that the script a lent GPU will run is known to work. It prints its figures and must leave
+without gradient checkpointing, Flux.1 with an nf4 base, Flux.2-klein, Z-Image, Flux.2-klein and
+Wan 2.1 on clips with block swap; group offloading as the last variant of the Flux.1 ones) on the
+tiny model of its family on the CPU, so that the script a lent GPU will run is known to work. It prints its figures and must leave
 BENCHMARKS.md alone."""
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parent.parent
 SETTINGS = {  # setting -> the cached-step variants its smoke run measures
     "sd15": ("sdpa", "classic"), "sdxl": ("sdpa",), "flux1": ("sdpa", "sdpa+offload"),
     "flux1-nf4": ("sdpa", "sdpa+offload"), "flux1-no-checkpointing": ("sdpa",), "flux2-klein": ("sdpa",), "z-image": ("sdpa",),
-    "flux2-klein-9b-swap": ("sdpa",),
+    "flux2-klein-9b-swap": ("sdpa",), "wan2.1-14b-swap": ("sdpa",),
 }
 RATES = {
     "encode": ("stage_img_s", "bare_img_s", "ratio"),
@@ -31,13 +31,16 @@ RATES = {
 }
 VARIANT_RATES = ("step_ms", "it_s", "tflop_per_step", "achieved_tflop_s")
 PUBLISHED = {  # arch folder -> (family, variant), parameters by component (Flux.1-dev 12B with T5-XXL;
-    # Flux.2-klein base 4B with Qwen3-4B; Z-Image 6B with Qwen3-4B; Flux.1's VAE for both)
+    # Flux.2-klein base 4B with Qwen3-4B; Z-Image 6B with Qwen3-4B; Flux.1's VAE for both; Wan 2.1 T2V 14B
+    # with UMT5-XXL's encoder and Wan 2.1's VAE)
     "flux1": (("flux1", "dev"), {"transformer": 11_901_408_320, "text_encoder_2": 4_762_310_656,
                                  "text_encoder": 123_060_480, "vae": 83_819_683}),
     "flux2-klein": (("flux2-klein", "base"), {"transformer": 3_875_544_576, "text_encoder": 4_022_468_096,
                                               "vae": 84_046_115}),
     "z-image": (("z-image", "base"), {"transformer": 6_154_908_736, "text_encoder": 4_022_468_096,
                                       "vae": 83_819_683}),
+    "wan2.1-14b": (("wan", "2.1-t2v"), {"transformer": 14_288_491_584, "text_encoder": 5_680_910_336,
+                                        "vae": 126_892_531}),
 }
 
 
@@ -92,6 +95,7 @@ def test_smoke_prints_every_figure_for_every_setting_and_leaves_benchmarks_md_al
             > figures["flux1-no-checkpointing cached step sdpa"]["tflop_per_step"])
     assert figures["flux1-nf4 train steps"]["base_quantization"] == "nf4"
     assert figures["flux2-klein-9b-swap train steps"]["blocks_to_swap"] == 0.5
+    assert figures["wan2.1-14b-swap train steps"]["frames"] == 5  # clips, of the tiny Wan's frame rule
     assert benchmarks_md.read_bytes() == before
 
 
