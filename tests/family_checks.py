@@ -57,15 +57,16 @@ def trained_lora(family, model: Path, targets: str | tuple[str, ...], alpha: flo
     return denoiser, list(targets)
 
 
-def fused_change(pipe, denoiser: str, lora: Path | dict) -> dict[str, torch.Tensor]:
-    """Each Linear's weight change after load_lora_weights + fuse_lora in `pipe` (fresh)."""
+def fused_change(pipe, denoiser: str, lora: Path | dict, **load_kwargs) -> dict[str, torch.Tensor]:
+    """Each Linear's weight change after load_lora_weights (with `load_kwargs`) + fuse_lora of
+    `denoiser` in `pipe` (fresh)."""
     model = getattr(pipe, denoiser)
     base = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     if isinstance(lora, Path):
-        pipe.load_lora_weights(lora.parent, weight_name=lora.name)
+        pipe.load_lora_weights(lora.parent, weight_name=lora.name, **load_kwargs)
     else:
-        pipe.load_lora_weights(lora)
-    pipe.fuse_lora()
+        pipe.load_lora_weights(lora, **load_kwargs)
+    pipe.fuse_lora(components=[denoiser])
     return {n: m.weight.detach() - base[n] for n, m in model.named_modules() if n in base}
 
 

@@ -1,13 +1,15 @@
-"""The Wan family against WanPipeline on the tiny offline Wan 2.1 T2V and Wan 2.2 TI2V-5B: the cached
+"""The Wan family against WanPipeline on the tiny offline Wan 2.1 T2V, Wan 2.2 TI2V-5B and A14B: the cached
 text record (cleaned as the pipeline cleans prompts, unpadded, zero-padded by the family to the
 pipeline's max_sequence_length) is what inference encodes, the 3-D latents' per-channel
 normalisation is what the pipeline inverts before decoding, the denoiser call is the pipeline's
-(TI2V-5B's timestep per token included), the shift is the UniPC scheduler's flow_shift, A14B is
-refused, and the three LoRA exports load through diffusers' own loader and ComfyUI's key map and
-mean what was trained."""
+(TI2V-5B's timestep per token included; A14B's expert for each noise level), the shift is the UniPC
+scheduler's flow_shift, A14B trains one expert per LoRA on its noise levels only, and the three LoRA
+exports load through diffusers' own loader (A14B's low-noise one into transformer_2) and ComfyUI's
+key map and mean what was trained."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -25,7 +27,7 @@ from lorapipe.stages.families import ObjectiveParams, TextOptions
 from lorapipe.stages.train.adapter import AdapterParams
 
 CAPTIONS = ["a photo of a tabby cat   looking to the side &amp; up", "a rocket", ""]  # the first needs cleaning
-ARCHES = ("wan2.1", "wan2.2-5b")
+ARCHES = ("wan2.1", "wan2.2-5b", "wan2.2-a14b")
 
 
 @pytest.fixture(scope="module")
@@ -52,22 +54,79 @@ def test_tiny_wan_builds_byte_identically_and_is_told_apart(arch, models, tmp_pa
     assert "vae/diffusion_pytorch_model.safetensors" in assert_builds_byte_identically(models[arch], arch,
                                                                                           tmp_path / "again")
     family = families.for_model(models[arch])
-    five_b = arch == "wan2.2-5b"
+    five_b, a14b = arch == "wan2.2-5b", arch == "wan2.2-a14b"
     assert (family.name, family.tiny_arch(), family.bound.per_token_timesteps) == ("wan", arch, five_b)
+    assert (family.bound.boundary_ratio, family.components.denoisers()) == \
+        ((0.875, ("transformer", "transformer_2")) if a14b else (None, ("transformer",)))
     assert (family.latent_downsampling(models[arch]), family.pixel_multiple(models[arch])) == \
         ((16, 32) if five_b else (8, 16))
-    assert family.render_defaults() == {"num_inference_steps": 50, "guidance_scale": 5.0, "sampler": "flow_unipc"}
+    steps, guidance = (40, 4.0) if a14b else (50, 5.0)
+    assert family.render_defaults() == {"num_inference_steps": steps, "guidance_scale": guidance,
+                                        "sampler": "flow_unipc"}
 
 
-def test_a14b_with_two_denoisers_is_refused_in_one_line(models, tmp_path):
-    model = tmp_path / "a14b"
-    shutil.copytree(models["wan2.1"], model)
+def test_a14b_shares_wan21s_encoders_so_encode_records_are_reused(models):
+    """The tiny A14B's text encoder, tokenizer and VAE are the tiny Wan 2.1's, byte for byte (as the
+    real A14B uses Wan 2.1's VAE); its two experts differ."""
+    def files(arch, part):
+        return {p.relative_to(models[arch]): p.read_bytes() for p in (models[arch] / part).rglob("*") if p.is_file()}
+
+    for part in ("text_encoder", "tokenizer", "vae"):
+        assert files("wan2.2-a14b", part) == files("wan2.1", part)
+    experts = [(models["wan2.2-a14b"] / name / "diffusion_pytorch_model.safetensors").read_bytes()
+               for name in ("transformer", "transformer_2")]
+    assert experts[0] != experts[1]
+
+
+def test_train_denoiser_is_refused_in_one_line_where_it_does_not_apply(models, tmp_path):
+    """A model with one denoiser takes no train.denoiser; A14B needs one of its experts; a model
+    index with a transformer_2 but no boundary_ratio names the file."""
+    with pytest.raises(UserError, match=r"^train.denoiser: Wan has one denoiser, there is none to choose; remove it"
+                                        r" \(it is 'low_noise'\)$"):
+        families.for_model(models["wan2.1"]).with_denoiser("low_noise")
+    a14b = families.for_model(models["wan2.2-a14b"])
+    for choice, said in ((None, ""), ("both", " (not 'both')")):
+        with pytest.raises(UserError, match=r"^train.denoiser: this Wan model has 2 denoisers, each trained by a LoRA"
+                                            rf" of its own: set it to one of high_noise, low_noise{re.escape(said)}$"):
+            a14b.with_denoiser(choice)
+    model = tmp_path / "no-boundary"
+    shutil.copytree(models["wan2.2-a14b"], model)
     index = json.loads((model / "model_index.json").read_text())
-    index.update(boundary_ratio=0.875, transformer_2=["diffusers", "WanTransformer3DModel"])
-    (model / "model_index.json").write_text(json.dumps(index))
-    with pytest.raises(UserError, match=r"a14b/model_index.json: a Wan 2.2 A14B model .* boundary_ratio 0.875\)"
-                                        " needs a LoRA per denoiser"):
+    (model / "model_index.json").write_text(json.dumps({**index, "boundary_ratio": None}))
+    with pytest.raises(UserError, match=r"no-boundary/model_index.json: a Wan model with a transformer_2 needs the"
+                                        r" boundary_ratio \(between 0 and 1\) where the pipeline switches to it"):
         families.for_model(model)
+
+
+@pytest.mark.parametrize("choice, component", [("high_noise", "transformer"), ("low_noise", "transformer_2")])
+def test_each_a14b_expert_predicts_as_the_pipeline_at_its_noise_levels_only(choice, component, models):
+    """Over a 12-step render, WanPipeline calls `transformer` at t >= 875 and `transformer_2` below;
+    the chosen expert is the component the pipeline calls in its range, family.predict with it is the
+    pipeline's prediction there, and training draws noise levels only in that range."""
+    model = models["wan2.2-a14b"]
+    family, pipe = families.for_model(model).with_denoiser(choice), _pipeline(model)
+    assert family.components.denoiser == component and family.lora_prefix() == "transformer"
+    calls = {name: [] for name in ("transformer", "transformer_2")}
+    handles = [getattr(pipe, name).register_forward_hook(
+        lambda _, args, kwargs, out, name=name: calls[name].append((kwargs, out)), with_kwargs=True) for name in calls]
+    pipe(CAPTIONS[:1], num_inference_steps=12, height=32, width=32, num_frames=5, guidance_scale=1.0,
+         generator=torch.Generator().manual_seed(0), output_type="latent")
+    for handle in handles:
+        handle.remove()
+    assert all(k["timestep"] >= 875 for k, _ in calls["transformer"]) and calls["transformer"]
+    assert all(k["timestep"] < 875 for k, _ in calls["transformer_2"]) and calls["transformer_2"]
+    objective = family.objective(model, ObjectiveParams())
+    cond = family.conditioning(_records(model, CAPTIONS[:1])[1], [], ObjectiveParams())
+    for kwargs, output in calls[component]:
+        sigma = kwargs["timestep"].float() / 1000
+        assert objective.in_range(sigma).all()
+        with torch.no_grad():
+            predicted = family.predict(getattr(pipe, component), kwargs["hidden_states"], sigma, cond, torch.float32)
+        assert torch.equal(predicted, output[0])
+    drawn = objective.sample_timesteps((256, 16, 2, 4, 4), torch.Generator().manual_seed(0))
+    assert ((drawn >= 0.875) == (choice == "high_noise")).all() and len(drawn.unique()) == 256
+    assert objective.steps_scored([100, 500, 874, 875, 900]) == ([875, 900] if choice == "high_noise" else
+                                                                 [100, 500, 874])
 
 
 @pytest.mark.parametrize("length", [None, 16])
@@ -243,6 +302,26 @@ def test_lycoris_types_are_written_for_comfyui(kind, models, tmp_path):
     family = families.for_model(models["wan2.1"])
     transformer = trained_adapter(family, models["wan2.1"], AdapterParams(adapter=kind, rank=2, alpha=3), "all_linear")
     assert_comfyui_applies_the_merged_model(exported_comfyui_file(family, transformer, tmp_path), transformer, family)
+
+
+@pytest.mark.parametrize("choice", ["high_noise", "low_noise"])
+def test_a14b_expert_exports_load_into_their_expert_and_mean_what_was_trained(choice, models, tmp_path):
+    """Each expert's files use transformer's names, as the ecosystem loads them: diffusers loads the
+    low-noise one with load_into_transformer_2 (the family's load arguments), the other expert is
+    left as it was; the diffusers, musubi and ComfyUI files all mean the trained delta."""
+    model = models["wan2.2-a14b"]
+    family = families.for_model(model).with_denoiser(choice)
+    transformer, targets = trained_lora(family, model, "all_linear")
+    written = family.export_lora(transformer, tmp_path, {}, {})
+    with safe_open(written[0], "pt") as f:
+        assert set(f.keys()) == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
+    other = ({"transformer", "transformer_2"} - {family.components.denoiser}).pop()
+    for file in written:
+        pipe = _pipeline(model)
+        before = {n: p.clone() for n, p in getattr(pipe, other).named_parameters()}
+        assert_means_what_was_trained(transformer, targets, fused_change(pipe, family.components.denoiser, file,
+                                                                         **family.lora_load_kwargs()))
+        assert all(torch.equal(p, before[n]) for n, p in getattr(pipe, other).named_parameters())
 
 
 def test_the_pipeline_renders_with_the_familys_arguments(models):

@@ -41,14 +41,16 @@ def run(
     """Write the evaluation of inputs.train_dir's LoRA into out_dir (work_dir is not needed)."""
     if not (Path(inputs.train_dir) / LORA_FILE).is_file():
         raise FileNotFoundError(f"{inputs.train_dir} has no {LORA_FILE}: it is not a train artifact; re-run train")
-    family = families.for_model(inputs.model_path)
+    trained = _trained_params(inputs.train_dir)
+    family = families.for_model(inputs.model_path).with_denoiser(trained.get("denoiser"))
     encoded = EncodedData(inputs.encoded_dir, inputs.cache_root)
     encoded.check_model(inputs.model_path, family.name, inputs.model_digests)
     scoring = _scorings(family, inputs.model_path, inputs.train_dir)
+    loss_timesteps = _loss_timesteps(scoring["lora"], params, trained.get("denoiser"))
     # the subject's samples: a prior dataset's images (train.prior_loss_weight) are not what the LoRA learns
     in_split = {name: [s for s in encoded.split(name) if s.role == "train"] for name in SPLITS}
     splits = {name: loss_subset(samples, params.loss_samples, params.loss_seed) for name, samples in in_split.items()}
-    render_family, render_path = _renderer(family, inputs, params)
+    render_family, render_path = _renderer(family, inputs, params, trained.get("denoiser"))
     settings = _render_settings(render_family, render_path, encoded, params, options)  # bad settings: before loading
     columns = None
     if render_path != inputs.model_path:  # rendered first and released, so one pipeline is in memory at a time
@@ -58,7 +60,7 @@ def run(
     denoiser = getattr(pipe, family.components.denoiser)
 
     log(f"evaluate: base model, {len(splits['holdout'])} held-out losses")
-    base = _split_losses(denoiser, scoring["base"], encoded, splits, params)
+    base = _split_losses(denoiser, scoring["base"], encoded, splits, loss_timesteps, params)
     if columns is None:
         columns = _render_grid(pipe, family, inputs.model_path, settings, params, inputs.train_dir, log)
     else:
@@ -66,7 +68,7 @@ def run(
     adapters = {}
     for name in _adapter_files(inputs.train_dir):
         pipe.set_adapters([name], adapter_weights=[1.0])
-        adapters[name] = _split_losses(denoiser, scoring["lora"], encoded, splits, params)
+        adapters[name] = _split_losses(denoiser, scoring["lora"], encoded, splits, loss_timesteps, params)
 
     rows = [(prompt, seed) for prompt in params.prompts for seed in params.seeds]
     stills = first_frames(columns)
@@ -91,37 +93,51 @@ def run(
         **({"clips": clips} if clips else {}),  # the animated grid and one mp4 per clip (video models)
     }
     _write_json(out_dir / METRICS, metrics)
-    checkpoints = _checkpoint_losses(pipe, scoring["lora"], inputs.train_dir, encoded, splits["holdout"], base, params)
+    checkpoints = _checkpoint_losses(pipe, scoring["lora"], inputs.train_dir, encoded, splits["holdout"], base,
+                                     loss_timesteps, params)
     if checkpoints is not None:
         _write_json(out_dir / CHECKPOINT_LOSSES, checkpoints)
         if "skipped" not in checkpoints:
             plot_checkpoint_losses(out_dir / CHECKPOINT_CHART, checkpoints)
-    write_report(out_dir / REPORT, metrics, list(params.loss_timesteps), checkpoints)
+    write_report(out_dir / REPORT, metrics, loss_timesteps, checkpoints)
     return Built(info=_headline(metrics))
+
+
+def _trained_params(train_dir: Path) -> dict[str, Any]:
+    """The train settings train_config.json records ({} without one)."""
+    config = Path(train_dir) / TRAIN_CONFIG
+    return json.loads(config.read_text()).get("params", {}) if config.is_file() else {}
+
+
+def _loss_timesteps(scoring: Scoring, params: EvalParams, denoiser: str | None) -> list[int]:
+    """evaluate.loss_timesteps at which the trained denoiser works (all of them, for a model with one)."""
+    steps = scoring.objective.steps_scored(list(params.loss_timesteps))
+    if not steps:
+        raise UserError(f"evaluate.loss_timesteps: the trained denoiser ({denoiser}) works at none of"
+                        f" {list(params.loss_timesteps)}; add timesteps of its range")
+    return steps
 
 
 def _scorings(family: families.Family, model_path: Path, train_dir: Path) -> dict[str, Scoring]:
     """The base model scored as it predicts, the LoRA as it was trained (train_config.json's objective
     settings: a LoRA trained to predict v against v), both conditioned as training was."""
-    trained = ObjectiveParams()
-    config = Path(train_dir) / TRAIN_CONFIG
-    if config.is_file():
-        recorded = json.loads(config.read_text()).get("params", {})
-        trained = ObjectiveParams(**{k: v for k, v in recorded.items() if k in ObjectiveParams.model_fields})
+    recorded = _trained_params(train_dir)
+    trained = ObjectiveParams(**{k: v for k, v in recorded.items() if k in ObjectiveParams.model_fields})
     base = trained.model_copy(update={"prediction_type": None})
     return {"base": Scoring(family, family.objective(model_path, base), trained),
             "lora": Scoring(family, family.objective(model_path, trained), trained)}
 
 
-def _renderer(family: families.Family, inputs: EvalInputs, params: EvalParams) -> tuple[families.Family, Path]:
-    """The family (bound to its variant) and folder of the model that renders the grid: evaluate.render_model,
-    else the training model."""
+def _renderer(family: families.Family, inputs: EvalInputs, params: EvalParams,
+              denoiser: str | None) -> tuple[families.Family, Path]:
+    """The family (bound to its variant and the trained denoiser) and folder of the model that renders
+    the grid: evaluate.render_model, else the training model."""
     if params.render_model is None:
         return family, inputs.model_path
     path = Path(params.render_model)
     if not (path / "model_index.json").is_file():
         raise UserError(f"evaluate.render_model: {path} is not a diffusers model folder (no model_index.json)")
-    renderer = families.for_model(path)
+    renderer = families.for_model(path).with_denoiser(denoiser)
     if renderer.name != family.name:
         raise UserError(f"evaluate.render_model: {path} is a {renderer.label} model, but the LoRA is trained on"
                         f" {family.label} ({inputs.model_path}); give a checkpoint of the same family")
@@ -137,11 +153,11 @@ def _adapter_files(train_dir: Path) -> dict[str, Path]:
 def _load_adapter(pipe: DiffusionPipeline, family: families.Family, file: Path, name: str) -> None:
     """A LoRA or DoRA file through diffusers' own loader (as a user loads it); LoKr and LoHa, which it
     refuses, through peft with the config the file records."""
-    prefix = family.components.denoiser
+    prefix = family.lora_prefix()
     if adapter_kind(recorded_adapter(file, prefix)) in ("lora", "dora"):
-        pipe.load_lora_weights(file.parent, weight_name=file.name, adapter_name=name)
+        pipe.load_lora_weights(file.parent, weight_name=file.name, adapter_name=name, **family.lora_load_kwargs())
     else:
-        add_adapter_from_file(getattr(pipe, prefix), file, prefix, name)
+        add_adapter_from_file(getattr(pipe, family.components.denoiser), file, prefix, name)
 
 
 def _load_adapters(pipe: DiffusionPipeline, family: families.Family, train_dir: Path) -> dict[str, Path]:
@@ -192,9 +208,8 @@ def _render_settings(family: families.Family, model_path: Path, encoded: Encoded
 
 
 def _split_losses(denoiser: torch.nn.Module, scoring: Scoring, encoded: EncodedData,
-                  splits: dict[str, list[Sample]], params: EvalParams) -> dict[str, LossResult]:
+                  splits: dict[str, list[Sample]], timesteps: list[int], params: EvalParams) -> dict[str, LossResult]:
     """Denoising loss of the pipeline's denoiser, as it is now, on every non-empty split."""
-    timesteps = list(params.loss_timesteps)
     return {
         name: denoising_loss(denoiser, scoring, encoded, samples, timesteps, params.loss_seed)
         for name, samples in splits.items() if samples
@@ -234,7 +249,7 @@ def _fid_metrics(params: EvalParams, columns: dict[str, list[Image.Image]], log:
 
 def _checkpoint_losses(
     pipe: DiffusionPipeline, scoring: Scoring, train_dir: Path, encoded: EncodedData,
-    holdout: list[Sample], base: dict[str, LossResult], params: EvalParams,
+    holdout: list[Sample], base: dict[str, LossResult], timesteps: list[int], params: EvalParams,
 ) -> dict[str, Any] | None:
     """Held-out loss of every retained checkpoint's LoRA; None when the train artifact has none."""
     found = checkpoint_loras(train_dir)
@@ -247,7 +262,7 @@ def _checkpoint_losses(
     for step, file in found:  # one adapter at a time: unloading restores the base denoiser
         pipe.unload_lora_weights()
         _load_adapter(pipe, scoring.family, file, LORA_ADAPTER)
-        loss = _split_losses(denoiser, scoring, encoded, {"holdout": holdout}, params)["holdout"]
+        loss = _split_losses(denoiser, scoring, encoded, {"holdout": holdout}, timesteps, params)["holdout"]
         results.append({"step": step, **loss})
     return {"split": "holdout", "base": base["holdout"]["overall"], "checkpoints": results}
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import shutil
 from abc import ABC, abstractmethod
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -43,22 +43,37 @@ class Components:
     latent: tuple[str, ...]  # the VAE: latent records and the latent normalisation
     denoiser: str  # what the LoRA adapts; its digest is the model's identity
     scheduler: str = "scheduler"
+    other_denoisers: tuple[str, ...] = ()  # a model with several (train.denoiser picks which one trains)
+    lora_prefix: str | None = None  # the denoiser's name in LoRA files, when not its own (Family.lora_prefix)
 
     def for_stage(self, stage: str) -> tuple[str, ...]:
         parts = {
             "encode": (*self.text, *self.latent),
-            "train": (self.denoiser, self.scheduler),
+            "train": (*self.denoisers(), self.scheduler),  # every denoiser: train.denoiser picks one
             "evaluate": self.all(),
         }
         return parts.get(stage, ())
 
+    def denoisers(self) -> tuple[str, ...]:
+        return (self.denoiser, *self.other_denoisers)
+
     def all(self) -> tuple[str, ...]:
-        return (*self.text, *self.latent, self.denoiser, self.scheduler)
+        return (*self.text, *self.latent, *self.denoisers(), self.scheduler)
 
     def latent_digest(self, digests: dict[str, str]) -> str:
         """What a latent record's key holds of the model: the VAE's weights digest (its components'
         digests joined, for a family with more than one)."""
         return "+".join(digests[name] for name in self.latent)
+
+
+@dataclass(frozen=True)
+class Denoiser:
+    """One denoiser of a model that has several, each used by the pipeline at its own noise levels
+    (train.denoiser picks the one to train)."""
+
+    component: str  # its folder in the model
+    sigmas: tuple[float, float]  # the noise levels the pipeline uses it at: low <= sigma < high
+    load_kwargs: tuple[tuple[str, Any], ...] = ()  # what the pipeline's load_lora_weights takes to load into it
 
 
 class ImageGeometry(Protocol):
@@ -143,8 +158,12 @@ class Family(ABC):
     The seam, by caller:
       identity and loading (the flow's plan, every stage)
         components.for_stage(stage)    the components whose digests key a stage (encode: text and
-                                       latent; train: denoiser and scheduler; evaluate: all)
+                                       latent; train: denoiser(s) and scheduler; evaluate: all)
         identity(digests)              the denoiser's digest: the model a LoRA is made for
+        denoiser_choices(), with_denoiser(choice)   a model with several denoisers (Wan 2.2
+                                       A14B's experts): the one train.denoiser trains, its noise
+                                       levels (the objective draws only those) and how its LoRA
+                                       loads (lora_prefix(), lora_load_kwargs())
         single_file_folder(...)        a single-file checkpoint converted once into a diffusers folder
         pixel_multiple(path), latent_downsampling(path)   image geometry (encode, evaluate)
       text records (encode)
@@ -188,6 +207,7 @@ class Family(ABC):
     latent_patch: int = 1  # latent pixels per image token side (Flux: 2x2 patches)
     lora_presets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> what lora_target_modules reads
     block_lists: tuple[str, ...] = ()  # the denoiser's lists of blocks, in run order (swappable_blocks)
+    chosen: Denoiser | None = None  # set by with_denoiser on a model with several denoisers
 
     # ---- identity and loading
     def for_model(self, model_path: Path) -> Family:
@@ -197,6 +217,41 @@ class Family(ABC):
     def identity(self, digests: dict[str, str]) -> str:
         """The model's identity: its denoiser's weights digest (what a LoRA is made for)."""
         return digests[self.components.denoiser]
+
+    def denoiser_choices(self) -> dict[str, Denoiser]:
+        """train.denoiser's values -> the denoiser each trains; {} for a model with one denoiser."""
+        return {}
+
+    def with_denoiser(self, choice: str | None) -> Family:
+        """This (bound) family training the denoiser train.denoiser names: refuses, in one line naming
+        the key, a choice on a model with one denoiser and no choice (or an unknown one) on a model
+        with several."""
+        from lorapipe.cache.errors import UserError
+
+        choices = self.denoiser_choices()
+        if not choices:
+            if choice is not None:
+                raise UserError(f"train.denoiser: {self.label} has one denoiser, there is none to choose;"
+                                f" remove it (it is {choice!r})")
+            return self
+        if choice not in choices:
+            raise UserError(f"train.denoiser: this {self.label} model has {len(choices)} denoisers, each trained by"
+                            f" a LoRA of its own: set it to one of {', '.join(choices)}"
+                            f"{'' if choice is None else f' (not {choice!r})'}")
+        picked = choices[choice]
+        others = tuple(c for c in self.components.denoisers() if c != picked.component)
+        components = replace(self.components, denoiser=picked.component, other_denoisers=others,
+                             lora_prefix=self.lora_prefix())
+        return replace(self, components=components, chosen=picked)
+
+    def lora_prefix(self) -> str:
+        """The denoiser's name in the keys of the diffusers LoRA file (a model's second denoiser takes
+        files written for its first, loaded with lora_load_kwargs)."""
+        return self.components.lora_prefix or self.components.denoiser
+
+    def lora_load_kwargs(self) -> dict[str, Any]:
+        """What the pipeline's load_lora_weights takes to load a LoRA into the trained denoiser."""
+        return dict(self.chosen.load_kwargs) if self.chosen else {}
 
     def is_single_file(self, tensor_names: set[str]) -> bool:
         return any(marker in tensor_names for marker in self.single_file_markers)

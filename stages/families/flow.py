@@ -90,8 +90,9 @@ class FlowFamily(Family):
     def objective(self, model_path: Path, params: ObjectiveParams) -> FlowMatchingObjective:
         self.check_objective(params)
         config = component_config(model_path, self.components.scheduler)
-        return FlowMatchingObjective.from_scheduler_config(config, params, self.sequence_patch,
-                                                           self.model_shift(config))
+        objective = FlowMatchingObjective.from_scheduler_config(config, params, self.sequence_patch,
+                                                                self.model_shift(config))
+        return replace(objective, sigma_range=self.chosen.sigmas) if self.chosen else objective
 
     # ---- LoRA
     def lora_target_modules(self, transformer: torch.nn.Module, spec: str | tuple[str, ...]) -> list[str]:
@@ -118,7 +119,7 @@ class FlowFamily(Family):
         from lorapipe.stages.lora_formats.lycoris import write_lycoris
 
         written = [Path(out_dir) / LORA_FILE]
-        write_diffusers_lora(transformer, written[0], provenance, self.components.denoiser)
+        write_diffusers_lora(transformer, written[0], provenance, self.lora_prefix())
         adapter, names, lora = transformer.peft_config[ADAPTER], self.original_names(transformer), None
         metadata = {**provenance, **kohya_metadata, "ss_base_model_version": self.kohya_base_model}
         lycoris = write_lycoris(transformer, names, out_dir, metadata, self.comfyui_slice_prefix)  # DoRA, LoKr, LoHa

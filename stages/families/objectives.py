@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from diffusers import DDPMScheduler
 
 PredictionType = Literal["epsilon", "v_prediction", "sample"]
+MAX_REDRAWS = 100  # rounds of drawing again the noise levels outside a denoiser's range
 
 
 class TimestepSampling(Frozen):
@@ -205,6 +206,10 @@ class Objective(ABC):
     def fixed_timesteps(self, steps: list[int]) -> torch.Tensor:
         """Evaluate's fixed noise levels, given as integer steps in [0, num_train_timesteps)."""
 
+    def steps_scored(self, steps: list[int]) -> list[int]:
+        """Of evaluate's fixed steps, those at the noise levels the trained denoiser works at."""
+        return steps
+
     def _check_steps(self, steps: list[int]) -> None:
         if max(steps) >= self.num_train_timesteps:
             raise ValueError(f"evaluate.loss_timesteps must be below {self.num_train_timesteps},"
@@ -293,6 +298,7 @@ class FlowMatchingObjective(Objective):
     max_seq_len: int
     input_perturbation: float = 0.0
     loss_function: LossFunction = LossFunction()
+    sigma_range: tuple[float, float] = (0.0, math.inf)  # low <= sigma < high: one denoiser's of several
     prediction = "flow"  # the velocity noise - x0
 
     @classmethod
@@ -323,15 +329,33 @@ class FlowMatchingObjective(Objective):
                    params.input_perturbation, LossFunction.of(params))
 
     def sample_timesteps(self, shape: tuple[int, ...], rng: torch.Generator) -> torch.Tensor:
+        """Noise levels from the sampling distribution; inside sigma_range, that distribution
+        conditioned on the range (a draw outside it is drawn again, in a fixed order)."""
+        seq_len = sequence_length(shape, self.patch_size)
+        sigmas = self._draw(shape[0], seq_len, rng)
+        for _ in range(MAX_REDRAWS):
+            outside = ~self.in_range(sigmas)
+            if not outside.any():
+                return sigmas
+            sigmas[outside] = self._draw(int(outside.sum()), seq_len, rng)
+        low, high = self.sigma_range
+        raise ValueError(f"train.timestep_sampling: hardly any noise level it draws is in [{low:g}, {high:g}), where"
+                         " the trained denoiser works; sample nearer that range")
+
+    def in_range(self, sigmas: torch.Tensor) -> torch.Tensor:
+        low, high = self.sigma_range
+        return (sigmas >= low) & (sigmas < high)
+
+    def _draw(self, n: int, image_seq_len: int, rng: torch.Generator) -> torch.Tensor:
         from diffusers.training_utils import compute_density_for_timestep_sampling
 
         s = self.sampling
         if s.distribution == "sigmoid":
-            u = compute_density_for_timestep_sampling("logit_normal", shape[0], 0.0, s.sigmoid_scale, generator=rng)
+            u = compute_density_for_timestep_sampling("logit_normal", n, 0.0, s.sigmoid_scale, generator=rng)
         else:
-            u = compute_density_for_timestep_sampling(s.distribution, shape[0], s.logit_mean, s.logit_std,
+            u = compute_density_for_timestep_sampling(s.distribution, n, s.logit_mean, s.logit_std,
                                                       s.mode_scale, generator=rng)
-        return self.shifted(u, sequence_length(shape, self.patch_size))
+        return self.shifted(u, image_seq_len)
 
     def shifted(self, u: torch.Tensor, image_seq_len: int) -> torch.Tensor:
         """The scheduler's shifts: FlowMatchEulerDiscreteScheduler's static one and its exponential
@@ -361,6 +385,10 @@ class FlowMatchingObjective(Objective):
         if self.loss_weighting != "none":
             weight = compute_loss_weighting_for_sd3(self.loss_weighting, timesteps)
         return Noised(noisy, timesteps, noise - latents, weight)
+
+    def steps_scored(self, steps: list[int]) -> list[int]:
+        low, high = self.sigma_range
+        return [step for step in steps if low <= step / self.num_train_timesteps < high]
 
     def fixed_timesteps(self, steps: list[int]) -> torch.Tensor:
         """sigma = step / num_train_timesteps, unshifted: the same noise levels for every model."""

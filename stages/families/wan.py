@@ -16,8 +16,11 @@ time embedding runs in float32; bfloat16 rounds integers above 256).
 Variants are data, told apart by model_index.json: Wan 2.1 T2V (16-channel VAE, 8x spatial) and
 Wan 2.2 TI2V-5B (`expand_timesteps`: one timestep per latent token; a 48-channel VAE that patchifies
 pixels 2x2 first, 16x spatial). The shift is the UniPC scheduler's `flow_shift`, static. Wan 2.2
-A14B (a high-noise `transformer` and a low-noise `transformer_2` switching at `boundary_ratio`) is
-refused: it needs one LoRA per denoiser.
+A14B has two experts: WanPipeline denoises with `transformer` while t >= boundary_ratio x 1000 (high
+noise) and with `transformer_2` below (low noise). Each is trained by a LoRA of its own, as the
+ecosystem loads them (train.denoiser: high_noise or low_noise), on the noise levels of its range only;
+both files use the names of `transformer` (diffusers loads the low-noise one with
+`load_into_transformer_2=True`, ComfyUI into its low-noise model).
 
 Exports: diffusers format, and Wan's original names (`blocks.N.self_attn.q`, `cross_attn.o`,
 `ffn.0`, ... one to one with diffusers' modules, as diffusers' convert_wan_transformer_to_diffusers
@@ -28,7 +31,8 @@ module names (`ORIGINAL_*`), the converter's input.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -38,7 +42,7 @@ from pydantic import Field
 from lorapipe.cache.errors import UserError
 from lorapipe.stages.contract import Frozen
 
-from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
+from .base import Components, Conditioning, Denoiser, ImageGeometry, TextOptions, TextRecord, pad_sequences
 from .flow import MODEL_INDEX, FlowVariant, presets_field
 from .folders import component_config, load_component, model_index
 from .latents import ChannelMeanStd, channel_mean_std_of
@@ -59,13 +63,18 @@ ORIGINAL_TOP_MODULES = ("text_embedding.0", "text_embedding.2", "time_embedding.
 TIMESTEP_SCALE = 1000  # the pipeline's timesteps are 1000 sigma, as the transformer reads them
 SPATIAL_DOWNSAMPLING = 8  # AutoencoderKLWan's default scale_factor_spatial (Wan 2.1's configs predate the key)
 SAMPLER = "flow_unipc"  # the pipelines' own UniPCMultistepScheduler with flow sigmas
+HIGH_NOISE, LOW_NOISE = "transformer", "transformer_2"  # A14B's experts; every other Wan has the first only
+
+
 
 
 @dataclass(frozen=True)
 class WanVariant(VideoVariant):
     per_token_timesteps: bool = False  # the pipeline's expand_timesteps: one timestep per latent token
+    boundary_ratio: float | None = None  # A14B: sigma where the pipeline switches from transformer to transformer_2
 
 
+A14B = WanVariant("2.2-t2v-a14b", "wan2.2-a14b", 40, 4.0)  # its boundary_ratio: the model's (for_model)
 VARIANTS = (
     WanVariant("2.2-ti2v-5b", "wan2.2-5b", 50, 5.0, markers=((MODEL_INDEX, "expand_timesteps", True),),
                per_token_timesteps=True, render_frames=121),
@@ -128,11 +137,21 @@ class Wan(VideoFamily):
 
     def for_model(self, model_path: Path) -> Wan:
         index = model_index(model_path)
-        if index.get("boundary_ratio") is not None or (index.get("transformer_2") or [None])[0] is not None:
-            raise UserError(f"{model_path}/model_index.json: a Wan 2.2 A14B model (transformer and transformer_2"
-                            f" switching at boundary_ratio {index.get('boundary_ratio')}) needs a LoRA per denoiser,"
-                            " which lorapipe does not train yet; use Wan 2.1 or Wan 2.2 TI2V-5B")
-        return super().for_model(model_path)
+        if (index.get("transformer_2") or [None])[0] is None:
+            return super().for_model(model_path)
+        ratio = index.get("boundary_ratio")
+        if not isinstance(ratio, (int, float)) or not 0 < ratio < 1:
+            raise UserError(f"{model_path}/model_index.json: a Wan model with a transformer_2 needs the boundary_ratio"
+                            f" (between 0 and 1) where the pipeline switches to it, not {ratio!r}")
+        components = replace(self.components, other_denoisers=(LOW_NOISE,))
+        return replace(self, variant=replace(A14B, boundary_ratio=ratio), components=components)
+
+    def denoiser_choices(self) -> dict[str, Denoiser]:
+        ratio = self.bound.boundary_ratio
+        if ratio is None:
+            return {}
+        return {"high_noise": Denoiser(HIGH_NOISE, (ratio, math.inf)),
+                "low_noise": Denoiser(LOW_NOISE, (0.0, ratio), (("load_into_transformer_2", True),))}
 
     def temporal_compression(self, model_path: Path) -> int:
         return component_config(model_path, self.components.latent[0]).get("scale_factor_temporal", 4)
@@ -186,10 +205,15 @@ class Wan(VideoFamily):
                 "max_sequence_length": settings.max_sequence_length}
 
     # ---- tiny model
+    def build_tiny(self, out_dir: Path, arch: str) -> Path:
+        if arch == A14B.tiny_arch:
+            return self.build_tiny_variant(Path(out_dir), A14B)
+        return super().build_tiny(out_dir, arch)
+
     def build_tiny_variant(self, out_dir: Path, variant: WanVariant) -> Path:
         from .tiny.wan import build_tiny_wan
 
-        return build_tiny_wan(out_dir, variant.per_token_timesteps)
+        return build_tiny_wan(out_dir, variant.per_token_timesteps, experts=variant is A14B)
 
 
 @cache
@@ -204,8 +228,8 @@ def original_names(num_layers: int) -> OriginalNames:
 
 WAN = Wan(
     name="wan", label="Wan", pipeline_class="WanPipeline",
-    components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
-    kohya_base_model="wan", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
+    components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser=HIGH_NOISE),
+    kohya_base_model="wan", tiny_arches=(*(v.tiny_arch for v in VARIANTS), A14B.tiny_arch), latent_patch=2,
     original_formats=(KOHYA, COMFYUI), sampler=SAMPLER,
     block_lists=("blocks",),
 )

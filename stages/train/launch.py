@@ -84,10 +84,11 @@ def where(params: TrainParams, options: TrainOptions) -> Where:
 
 
 def check_inputs(params: TrainParams, inputs: TrainInputs, options: TrainOptions) -> families.Family:
-    """Before anything starts: the encoded data was made by this model's encoders, and every
-    objective setting applies to its family, and prior settings have prior samples to apply to, and
-    block swap can apply (one line naming the key otherwise). Returns the family."""
-    family = families.for_model(inputs.model_path)
+    """Before anything starts: the encoded data was made by this model's encoders, train.denoiser
+    names one of its denoisers where it has several, every objective setting applies to its
+    family, prior settings have prior samples to apply to, and block swap can apply (one line
+    naming the key otherwise). Returns the family."""
+    family = families.for_model(inputs.model_path).with_denoiser(params.denoiser)
     data = EncodedData(inputs.encoded_dir, inputs.cache_root)
     data.check_model(inputs.model_path, family.name, inputs.model_digests)
     family.check_objective(params)

@@ -36,6 +36,9 @@ class TrainParams(ObjectiveParams, AdapterParams, EMAParams):
     target_modules: Literal["attention", "attention_ff", "all_linear"] | tuple[str, ...] = Field(
         "attention", description="which layers get an adapter: a preset of the model's family (attention,"
         " attention_ff, all_linear) or a list of layer names, each matching the end of a name (to_out.0)")
+    denoiser: str | None = Field(None, exclude_if=lambda v: v is None, description="a model with several"
+                                 " denoisers (Wan 2.2 A14B: high_noise, low_noise): the one this LoRA trains, on"
+                                 " the noise levels the model uses it at; null for a model with one")
     init_lora: str | None = Field(None, description="start from this diffusers-format LoRA file instead of"
                                   " zero-initialised adapters (same rank, alpha and targets); keyed by its"
                                   " content, not its path")

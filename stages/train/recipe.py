@@ -157,7 +157,7 @@ class LoRATrainingRecipe:
 
         p, model_path = self.params, self.inputs.model_path
         self.dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.mixed_precision]
-        self.family = families.for_model(model_path)
+        self.family = families.for_model(model_path).with_denoiser(p.denoiser)
         self.objective = self.family.objective(model_path, p)
         structure = self.family.empty_denoiser(model_path)  # the targets are checked before the weights load
         targets = self.family.lora_target_modules(structure, p.target_modules)
@@ -176,7 +176,7 @@ class LoRATrainingRecipe:
         self.adapter.add_to(denoiser, self._saved_start(latest))
         self.family.check_adapter(denoiser)  # before a step is spent on what export would refuse
         if p.init_lora:
-            load_init_lora(denoiser, Path(p.init_lora), p, self.family.components.denoiser)
+            load_init_lora(denoiser, Path(p.init_lora), p, self.family.lora_prefix())
         cast_training_params(denoiser, dtype=torch.float32)
         keep_base_out_of_ddp_sync(denoiser, p.base_quantization)
         if self.options.gradient_checkpointing:
