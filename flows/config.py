@@ -173,7 +173,7 @@ def split(section: Frozen, params_cls: type[Frozen], options_cls: type[Frozen] |
     return params, options
 
 
-def _apply_override(raw: dict, assignment: str, source: str) -> None:
+def apply_override(raw: dict, assignment: str, source: str) -> None:
     dotted, sep, value = assignment.partition("=")
     if not sep or not dotted:
         raise ConfigError(f"{source}: --set expects key=value, got {assignment!r}")
@@ -212,7 +212,7 @@ def load_config(path: Path, overrides: list[str] = ()) -> PipelineConfig:
     if not isinstance(raw, dict):
         raise ConfigError(f"{path}: the config must be a mapping of sections")
     for assignment in overrides:
-        _apply_override(raw, assignment, str(path))
+        apply_override(raw, assignment, str(path))
     _resolve_paths(raw, path.parent.resolve())
     return validate_config(raw, str(path))
 

@@ -6,7 +6,11 @@ from __future__ import annotations
 from importlib.resources import files
 from pathlib import Path
 
+import yaml
+
 from lorapipe.cache.errors import UserError
+
+from .config import apply_override
 
 CONFIGS = files("lorapipe.configs")
 
@@ -25,5 +29,17 @@ def prepare_demo(workdir: Path, arch: str) -> Path:
         raise UserError(f"{model} holds the tiny {built} model, not {arch}: give another --workdir for the {arch} demo")
     family.write_demo_data(workdir / "data")
     config = workdir / "demo.yaml"
-    config.write_text((CONFIGS / family.demo_config()).read_text())
+    config.write_text(demo_config_text(family.demo_config(), family.demo_settings()))
     return config
+
+
+def demo_config_text(preset: str, settings: dict[str, str]) -> str:
+    """The preset's text, or with `settings` set in it (its comments are then lost: a line says so)."""
+    text = (CONFIGS / preset).read_text()
+    if not settings:
+        return text
+    raw = yaml.safe_load(text)
+    for key, value in settings.items():
+        apply_override(raw, f"{key}={value}", "demo")
+    said = ", ".join(f"{key}: {value}" for key, value in settings.items())
+    return f"# configs/{preset} (see its comments) with {said} for this model\n" + yaml.safe_dump(raw, sort_keys=False)

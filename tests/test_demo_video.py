@@ -14,7 +14,7 @@ from lorapipe.stages.demo_clips import SCENES
 
 pytestmark = pytest.mark.slow
 
-LORA_FILES = {"wan2.1": ("", "_comfyui", "_kohya"), "ltx2": ("", "_comfyui")}
+LORA_FILES = {"wan2.1": ("", "_comfyui", "_kohya"), "wan2.2-a14b": ("", "_comfyui", "_kohya"), "ltx2": ("", "_comfyui")}
 FRAMES = 17  # configs/video-demo.yaml's preprocess.video.num_frames and evaluate.num_frames
 RENDERED = 2 * 2 * 2  # prompts x seeds x columns (the base model, the LoRA at scale 1)
 
@@ -28,6 +28,8 @@ def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_pa
     run = tmp_path / arch
     assert sorted(p.name for p in (run / "data").iterdir()) == sorted(
         f"{name}{suffix}" for name, *_ in SCENES for suffix in (".mp4", ".txt"))  # the clips, not the photos
+    if arch == "wan2.2-a14b":  # two denoisers: the demo trains the first, and its config says so
+        assert "with train.denoiser: high_noise" in (run / "demo.yaml").read_text().splitlines()[0]
     outputs = run / "outputs"
     names = [f"pytorch_lora_weights{suffix}.safetensors" for suffix in LORA_FILES[arch]]
     for name in (*names, "grid.png", "grid.webp", "metrics.json", "run-summary.json"):

@@ -193,7 +193,8 @@ class Family(ABC):
                                        denoiser without a chain of blocks (SD's UNet), which refuses it
       rendering (evaluate) and the tiny model (the demo, tests)
         render_defaults(), render_kwargs(...), prepare_pipeline(...), build_tiny(out_dir, arch)
-        demo_config(), write_demo_data(folder)   what `lorapipe demo` runs: its config in configs/
+        demo_config(), demo_settings(), write_demo_data(folder)   what `lorapipe demo` runs: its
+                                       config in configs/, the values it sets in it for this model,
                                        and the data that config trains on
     """
 
@@ -390,6 +391,11 @@ class Family(ABC):
     def demo_config(self) -> str:
         """The file in configs/ that `lorapipe demo` runs on this family's tiny model."""
         return "demo.yaml"
+
+    def demo_settings(self) -> dict[str, str]:
+        """Config values (as `--set` takes them) the demo sets beyond demo_config for this model: on a
+        model with several denoisers, the first of train.denoiser's choices."""
+        return {"train.denoiser": next(iter(choices))} if (choices := self.denoiser_choices()) else {}
 
     def write_demo_data(self, folder: Path) -> None:
         """Write the data demo_config trains on into folder, keeping the files already there: the
