@@ -86,14 +86,15 @@ def where(params: TrainParams, options: TrainOptions) -> Where:
 def check_inputs(params: TrainParams, inputs: TrainInputs, options: TrainOptions) -> families.Family:
     """Before anything starts: the encoded data was made by this model's encoders, train.denoiser
     names one of its denoisers where it has several, every objective setting applies to its
-    family, prior settings have prior samples to apply to, and block swap can apply (one line
-    naming the key otherwise). Returns the family."""
+    family, prior settings have prior samples to apply to, and block swap and compile can apply
+    (one line naming the key otherwise). Returns the family."""
     family = families.for_model(inputs.model_path).with_denoiser(params.denoiser)
     data = EncodedData(inputs.encoded_dir, inputs.cache_root)
     data.check_model(inputs.model_path, family.name, inputs.model_digests)
     family.check_objective(params)
     check_prior_settings(params, data)
     check_block_swap(family, params, options)
+    check_compile(family, options)
     return family
 
 
@@ -110,6 +111,17 @@ def check_block_swap(family: families.Family, params: TrainParams, options: Trai
     if params.init != "default":
         raise UserError(f"train.blocks_to_swap: not with train.init {params.init}, which rewrites the base weights"
                         " at every checkpoint; use init default")
+
+
+def check_compile(family: families.Family, options: TrainOptions) -> None:
+    """Refuse, in one line naming the key, train.compile where it cannot apply (no model file read)."""
+    if not options.compile:
+        return
+    if not family.block_lists:
+        raise UserError(f"train.compile: {family.label}'s denoiser has no chain of blocks to compile; remove it")
+    if options.blocks_to_swap is not None:
+        raise UserError("train.compile: not with train.blocks_to_swap, whose hooks move a block's weights while it"
+                        " runs, which a compiled block cannot follow; use one or the other")
 
 
 def check_prior_settings(params: TrainParams, data: EncodedData) -> None:

@@ -119,7 +119,8 @@ class TrainParams(ObjectiveParams, AdapterParams, EMAParams):
 
 class TrainOptions(Frozen):
     """Settings that do not change the result. Gradient checkpointing recomputes the same
-    activations (with the same RNG state) to save memory, so it trades speed, not outcome."""
+    activations (with the same RNG state) to save memory, so it trades speed, not outcome;
+    compile changes float rounding only (stages/train/compile.py), as the thread count does."""
 
     log_every: int = Field(10, gt=0, description="print a progress line every N steps")
     gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less"
@@ -129,6 +130,10 @@ class TrainOptions(Frozen):
         " blocks, below 1) off the accelerator and bring each in just before it runs, forward and backward: a"
         " transformer bigger than the card trains, the same result, slower steps (docs/training.md); not with"
         " base_quantization or a PiSSA/OLoRA init")
+    compile: bool = Field(False, description="torch.compile each block of the denoiser (transformer families): a slow"
+                          " first step per input size, then compiled kernels; the same result up to float rounding, like"
+                          " a change of cpu_threads, so not keyed; needs a C++ compiler on the CPU; not with"
+                          " blocks_to_swap (docs/training.md)")
     loader_workers: int | None = Field(None, ge=0, description="threads preparing micro-batches before the"
                                        " step (read, sample, noise, pin), the same result; 0: in the step; default"
                                        " 2 on CUDA, 0 on CPU (where their share of the GIL slows the step)")

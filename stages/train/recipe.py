@@ -60,6 +60,7 @@ from lorapipe.stages.progress import progress_line
 from lorapipe.stages.train.adapter import check_targets, kohya_network_dim_alpha, load_init_lora
 from lorapipe.stages.train.block_swap import BlockSwap, swap_count, to_device_leaving
 from lorapipe.stages.train.checkpoints import CheckpointDir
+from lorapipe.stages.train.compile import compile_blocks
 from lorapipe.stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
 from lorapipe.stages.train.params import TRACKER_RUN, VERSION, TrainInputs, TrainOptions, TrainParams
 from lorapipe.stages.train.prior import base_output_target
@@ -96,7 +97,8 @@ class LoRATrainingRecipe:
     prior preservation (a `role: prior` dataset's samples weighted by prior_loss_weight, or scored
     against the base model's prediction with prior_target base_output: one extra no-grad forward over
     a micro-batch's prior samples, stages/train/prior.py),
-    gradient checkpointing (less memory, slower steps), block swap (the frozen weights of the last
+    gradient checkpointing (less memory, slower steps), torch.compile of the denoiser's blocks
+    (compile.py), block swap (the frozen weights of the last
     blocks off the accelerator between their uses: less memory, slower steps, the same result;
     block_swap.py), exact resume from atomic checkpoints that hold only the adapter (with its
     PiSSA/OLoRA start and its EMA), optimizer, LR scheduler and RNG
@@ -181,6 +183,8 @@ class LoRATrainingRecipe:
         keep_base_out_of_ddp_sync(denoiser, p.base_quantization)
         if self.options.gradient_checkpointing:
             denoiser.enable_gradient_checkpointing()
+        if self.options.compile:
+            compile_blocks(blocks)
         self.block_swap = BlockSwap(blocks, swapped, self.accelerator.device) if swapped else None
         if swapped:
             self.accelerator.print(f"block swap: the last {swapped} of {len(blocks)} blocks wait off"
