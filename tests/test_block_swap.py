@@ -20,7 +20,7 @@ from lorapipe.stages.train.block_swap import BlockSwap, swap_count
 from lorapipe.stages.train.launch import check_block_swap
 
 
-def flux_transformer(checkpointing: bool):
+def flux_transformer(checkpointing: bool, dropout: float = 0.0):
     from diffusers import FluxTransformer2DModel
     from peft import LoraConfig
 
@@ -29,7 +29,7 @@ def flux_transformer(checkpointing: bool):
                                    attention_head_dim=8, num_attention_heads=2, joint_attention_dim=16,
                                    pooled_projection_dim=16, guidance_embeds=False, axes_dims_rope=(2, 2, 4))
     model.requires_grad_(False)
-    model.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian",
+    model.add_adapter(LoraConfig(r=2, lora_alpha=2, init_lora_weights="gaussian", lora_dropout=dropout,
                                  target_modules=["to_q", "to_k", "to_v", "proj_mlp", "proj_out"]))
     if checkpointing:
         model.enable_gradient_checkpointing()
