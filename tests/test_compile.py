@@ -56,6 +56,13 @@ def test_compile_where_it_cannot_apply_is_refused_in_one_line(family, options, r
     assert str(refused.value).startswith(f"train.compile: {refusal}") and "\n" not in str(refused.value)
 
 
+def test_compile_without_a_cpp_compiler_is_refused_in_one_line(monkeypatch):
+    monkeypatch.setenv("CXX", "no-such-c++-compiler")
+    with pytest.raises(UserError, match=r"^train.compile: torch compiles CPU kernels with a C\+\+ compiler and"
+                                        r" no-such-c\+\+-compiler is not on the PATH: install one"):
+        check_compile(families.get("flux1"), train.TrainOptions(compile=True))
+
+
 def test_a_unet_refuses_compile_before_training_starts(tmp_path, tiny_model, encoded):
     inputs = train.TrainInputs(encoded.artifact_dir, encoded.cache_root, tiny_model, "base", encoded.digest)
     with pytest.raises(UserError, match=r"^train.compile: Stable Diffusion 1.x/2.x's denoiser has no chain"):

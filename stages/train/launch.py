@@ -122,6 +122,12 @@ def check_compile(family: families.Family, options: TrainOptions) -> None:
     if options.blocks_to_swap is not None:
         raise UserError("train.compile: not with train.blocks_to_swap, whose hooks move a block's weights while it"
                         " runs, which a compiled block cannot follow; use one or the other")
+    import torch
+
+    compiler = os.environ.get("CXX", "g++")  # what torch's inductor calls to build CPU kernels
+    if not torch.cuda.is_available() and not shutil.which(compiler):
+        raise UserError(f"train.compile: torch compiles CPU kernels with a C++ compiler and {compiler} is not on the"
+                        " PATH: install one (apt-get install g++), set CXX to yours, or remove train.compile")
 
 
 def check_prior_settings(params: TrainParams, data: EncodedData) -> None:
