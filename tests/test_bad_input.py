@@ -9,7 +9,6 @@ task, which shows that Prefect's own tracebacks and repeats stay off the termina
 """
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 import shutil
@@ -25,12 +24,12 @@ import pytest
 from lorapipe.cache.store import ArtifactStore
 from lorapipe.flows.plan import STAGES
 from mounts import tmpfs
+from permissions import as_a_plain_user
 from lorapipe.stages.train.checkpoints import CheckpointDir
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 MAX_FLOW_LINES = 20  # Prefect's progress lines for three stages, the log's path, the error
-PR_CAPBSET_DROP, CAP_DAC_OVERRIDE = 24, 1  # linux/prctl.h, linux/capability.h
 
 
 @dataclass(frozen=True)
@@ -152,12 +151,6 @@ def unwritable_cache(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
         (tmp / "cache").chmod(0o755)
 
 
-def _as_a_plain_user() -> Callable[[], None]:
-    """A pre-exec hook that drops CAP_DAC_OVERRIDE, so that even root meets file permissions."""
-    prctl = ctypes.CDLL(None, use_errno=True).prctl
-    return lambda: prctl(PR_CAPBSET_DROP, CAP_DAC_OVERRIDE, 0, 0, 0)
-
-
 @contextmanager
 def no_images(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
     (tmp / "empty").mkdir()
@@ -271,7 +264,7 @@ def lorapipe(ws: Workspace, argv: list[str], plain_user: bool) -> subprocess.Com
     env = {**os.environ, "PREFECT_HOME": str(ws.root / "prefect-home")}
     demote = plain_user and os.geteuid() == 0
     return subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", *argv], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600, preexec_fn=_as_a_plain_user() if demote else None)
+                          text=True, timeout=600, preexec_fn=as_a_plain_user() if demote else None)
 
 
 def assert_nothing_cached_was_lost(ws: Workspace) -> None:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 from blake3 import blake3
@@ -17,6 +19,9 @@ from lorapipe.stages.preprocess import (DATASET_FILE, DatasetSource, PreprocessI
                                run)
 from lorapipe.stages.preprocess.crops import generated_buckets, place
 from lorapipe.stages.preprocess.sources import read_image_bytes
+from permissions import as_a_plain_user
+
+TESTS = Path(__file__).resolve().parent
 
 
 def preprocess(datasets, tmp_path, **params):
@@ -68,11 +73,15 @@ def test_every_kind_of_bad_image_is_reported_by_reason_and_name(folder, tmp_path
     assert "preprocess: rejected 2 duplicate: rocket.png, zz-copy.jpg" in logs
 
 
-@pytest.mark.skipif(os.geteuid() == 0, reason="root reads files whatever their permissions")
 def test_a_file_without_read_permission_is_reported(folder, tmp_path):
+    """In a child process without root's right to read any file, so that it holds under root too."""
     (folder / "coffee.jpg").chmod(0)
-    _, report, _, _ = preprocess(folder, tmp_path)
-    assert report["rejected"][0]["path"] == "coffee.jpg" and report["rejected"][0]["reason"] == "unreadable"
+    code = ("import json, sys, pathlib; sys.path.insert(0, sys.argv[1]); from test_preprocess import preprocess;"
+            " print(json.dumps(preprocess(pathlib.Path(sys.argv[2]), pathlib.Path(sys.argv[3]))[1]['rejected']))")
+    child = subprocess.run([sys.executable, "-c", code, str(TESTS), str(folder), str(tmp_path)], capture_output=True,
+                           text=True, check=True, preexec_fn=as_a_plain_user())
+    rejected = json.loads(child.stdout.splitlines()[-1])
+    assert [(r["path"], r["reason"]) for r in rejected] == [("coffee.jpg", "unreadable")]
 
 
 def test_missing_and_empty_caption_policies(folder, tmp_path):
