@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
 import lorapipe.stages.families as families
+from lorapipe.stages.families import ObjectiveParams
 from lorapipe.stages.lora_formats.lycoris import adapted_modules
 from lorapipe.stages.lora_formats.original_names import kohya_name
 
@@ -38,6 +40,20 @@ def first_call(module: torch.nn.Module, run) -> tuple[tuple, dict, object]:
     finally:
         handle.remove()
     return seen[0]
+
+
+def assert_shift_is_the_schedulers(model: Path, mu_of: Callable[[int], float]):
+    """The objective's shifted sigmas are the scheduler's, at `mu_of(image tokens)` (64 x 48 px and
+    1024 x 1024 px at 16 px a token); returns the objective."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    objective = families.for_model(model).objective(model, ObjectiveParams())
+    u = torch.tensor([0.9, 0.5, 0.1])
+    for tokens in (12, 4096):
+        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model, subfolder="scheduler")
+        scheduler.set_timesteps(sigmas=u.tolist(), mu=mu_of(tokens))
+        assert torch.allclose(objective.shifted(u, tokens), scheduler.sigmas[:-1])
+    return objective
 
 
 def trained_lora(family, model: Path, targets: str | tuple[str, ...], alpha: float = 3.0, rank: int = 4):

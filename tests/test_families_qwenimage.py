@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
-from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    trained_lora
+from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, \
+    assert_shift_is_the_schedulers, first_call, fused_change, trained_lora
 from safetensors import safe_open
 
 import lorapipe.stages.families as families
@@ -92,16 +92,10 @@ def test_denoiser_call_is_the_pipelines(model):
 
 
 def test_shift_is_the_schedulers(model):
-    from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.pipelines.qwenimage.pipeline_qwenimage import calculate_shift
 
-    objective = families.for_model(model).objective(model, ObjectiveParams())
+    objective = assert_shift_is_the_schedulers(model, lambda tokens: calculate_shift(tokens, 256, 4096, 0.5, 0.9))
     assert (objective.sampling.shift, objective.sampling.max_shift) == ("resolution", 0.9)
-    u = torch.tensor([0.9, 0.5, 0.1])
-    for tokens in (12, 4096):
-        scheduler = FlowMatchEulerDiscreteScheduler.from_pretrained(model, subfolder="scheduler")
-        scheduler.set_timesteps(sigmas=u.tolist(), mu=calculate_shift(tokens, 256, 4096, 0.5, 0.9))
-        assert torch.allclose(objective.shifted(u, tokens), scheduler.sigmas[:-1])
 
 
 def test_lora_presets(model):

@@ -95,11 +95,7 @@ class QwenImage(FlowFamily):
 
     # ---- LoRA
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
-        import torch
-
-        linear = {name.removesuffix(".base_layer") for name, module in transformer.named_modules()
-                  if isinstance(module, torch.nn.Linear) and ".lora_" not in name}  # a LoRA's base layers too
-        return original_names(tuple(sorted(linear)))
+        return original_names(tuple(sorted(linear_names(transformer))))
 
     # ---- rendering
     def render_kwargs(self, settings: QwenPromptSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
@@ -111,6 +107,14 @@ class QwenImage(FlowFamily):
         from .tiny.qwenimage import build_tiny_qwenimage
 
         return build_tiny_qwenimage(out_dir)
+
+
+def linear_names(transformer: torch.nn.Module) -> set[str]:
+    """The transformer's Linear modules, a LoRA's base layers by their own names."""
+    import torch
+
+    return {name.removesuffix(".base_layer") for name, module in transformer.named_modules()
+            if isinstance(module, torch.nn.Linear) and ".lora_" not in name}
 
 
 @cache

@@ -1,0 +1,148 @@
+"""The Qwen-Image 2.1 family against QwenImage21Pipeline on the tiny offline Qwen-Image 2.1: the
+cached text record (the caption's tokens after the system message's, unpadded, before the encoder's
+final norm) padded per batch by the family is what inference encodes, the one-frame latents'
+per-channel normalisation and the joint-sequence denoiser call are the pipeline's, and the LoRA
+exports load through the pipeline's own loader (and ComfyUI's key map) and mean what was trained.
+
+The tiny model's processor is a LlavaProcessor around Qwen's tokenizer, not a Qwen3VLProcessor:
+transformers cannot build any processor with a video processor without torchvision, which has no
+build here; the family reads only the processor's tokenizer, which both hold."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
+from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, \
+    assert_shift_is_the_schedulers, first_call, fused_change, trained_lora
+from safetensors import safe_open
+
+import lorapipe.stages.families as families
+from lorapipe.stages.families import ObjectiveParams, TextOptions
+
+CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return families.build_tiny_model(tmp_path_factory.mktemp("qwen21") / "model", "qwen-image-2.1")
+
+
+def _pipeline(model: Path):
+    from diffusers import QwenImage21Pipeline
+
+    pipe = QwenImage21Pipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _records(model: Path, captions: list[str]):
+    family = families.for_model(model)
+    encoder = family.load_text_encoder(model, family.text_settings(model, TextOptions()), torch.float32, "cpu")
+    return family, encoder(captions)
+
+
+def test_tiny_qwen_image_21_builds_byte_identically_and_loads(model, tmp_path):
+    assert "processor/tokenizer.json" in assert_builds_byte_identically(model, "qwen-image-2.1", tmp_path / "again")
+    family = families.for_model(model)
+    assert (family.name, family.pixel_multiple(model), family.train_instead()) == ("qwen-image-2.1", 32, None)
+    assert family.text_settings(model, TextOptions()).drop_tokens == _pipeline(model)._drop_idx
+
+
+@pytest.mark.parametrize("captions", [CAPTIONS, CAPTIONS[:1]])
+def test_text_records_are_what_the_pipeline_encodes(model, captions):
+    """Unpadded records; padded per batch they are the pipeline's embeddings and mask, and the mask is
+    left out, as the pipeline leaves it out, when nothing in the batch is padded."""
+    family, records = _records(model, captions)
+    with torch.no_grad():
+        embeds, mask, _ = _pipeline(model).encode_prompt(list(captions), device="cpu")
+    cond = family.conditioning(records, [], ObjectiveParams())
+    assert torch.equal(cond["encoder_hidden_states"], embeds)
+    if mask is None:
+        assert "encoder_hidden_states_mask" not in cond and len(captions) == 1
+    else:
+        assert torch.equal(cond["encoder_hidden_states_mask"], mask.bool())
+        assert [r["hidden_states"].shape[0] for r in records] == mask.sum(1).tolist()
+
+
+def test_latent_normalisation_is_the_pipelines(model):
+    """The VAE's one frame, squeezed into (C, H, W) records, normalised per channel as the pipeline
+    normalises a condition image's latents on (B, C, 1, H, W)."""
+    family, pipe = families.for_model(model), _pipeline(model)
+    pixels = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    mean, std = family.load_latent_encoder(model, "cpu")(pixels)
+    assert mean.shape == std.shape == (2, 4, 4, 6)
+    with torch.no_grad():
+        expected = pipe._encode_vae_image(pixels.unsqueeze(2), None)  # the posterior's mode, as the pipeline takes
+    assert torch.allclose(family.latent_normalisation(model).apply(mean), expected.squeeze(2), atol=1e-6)
+
+
+def test_denoiser_call_is_the_pipelines(model):
+    family, pipe = families.for_model(model), _pipeline(model)
+    _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
+        CAPTIONS[:2], num_inference_steps=2, height=64, width=96, true_cfg_scale=1.0,
+        generator=torch.Generator().manual_seed(0), output_type="latent"))
+    _, records = _records(model, CAPTIONS[:2])
+    cond = family.conditioning(records, [], ObjectiveParams())
+    noisy = pipe._unpack_latents(kwargs["hidden_states"], 64, 96, pipe.vae_scale_factor).squeeze(2)
+    with torch.no_grad():
+        predicted = family.predict(pipe.transformer, noisy, pipe.scheduler.sigmas[0].expand(2), cond, torch.float32)
+    assert noisy.shape == (2, 4, 4, 6)
+    expected = pipe._unpack_latents(output[0][:, -24:], 64, 96, pipe.vae_scale_factor).squeeze(2)
+    assert torch.equal(predicted, expected)
+
+
+def test_shift_is_the_schedulers(model):
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
+    objective = assert_shift_is_the_schedulers(model, lambda tokens: calculate_shift(tokens, 256, 4096, 0.5, 0.9))
+    assert (objective.sampling.shift, objective.sampling.max_shift) == ("resolution", 0.9)
+
+
+def test_lora_presets(model):
+    family = families.for_model(model)
+    transformer = family.load_denoiser(model, torch.float32)
+    attention = family.lora_target_modules(transformer, "attention")
+    assert set(attention) == {f"transformer_blocks.{i}.attn.{m}" for i in range(2)
+                              for m in ("to_q", "to_k", "to_v", "to_out.0")}
+    with_ff = family.lora_target_modules(transformer, "attention_ff")
+    assert set(with_ff) - set(attention) == {f"transformer_blocks.{i}.img_mlp.{m}" for i in range(2)
+                                             for m in ("gate_layer", "proj", "out")}
+    assert set(family.lora_target_modules(transformer, "all_linear")) == set(with_ff)
+
+
+@pytest.fixture(scope="module")
+def exported(model, tmp_path_factory):
+    family = families.for_model(model)
+    transformer, targets = trained_lora(family, model, "all_linear")
+    return transformer, targets, family.export_lora(transformer, tmp_path_factory.mktemp("exports"), {}, {})
+
+
+def test_diffusers_export_loads_and_means_what_was_trained(model, exported):
+    transformer, targets, written = exported
+    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[0]))
+
+
+def test_comfyui_export_fuses_gate_and_up_as_the_original_checkpoint(model, exported):
+    """`diffusion_model.<name>`, the MLP's gate and up one `gate_up` LoRA (downs stacked, ups
+    block-diagonal, gate rows first): ComfyUI's model applies the trained model from it and reads
+    every key."""
+    transformer, _, written = exported
+    with safe_open(written[1], "pt") as f:
+        keys = set(f.keys())
+    assert "diffusion_model.transformer_blocks.0.img_mlp.gate_up.lora_A.weight" in keys
+    assert not any(".gate_layer." in k or ".img_mlp.proj." in k for k in keys)
+    family = families.for_model(model)
+    assert_comfyui_applies_the_merged_model(written[1], transformer, family)
+    assert not comfyui_unread(written[1], transformer, family)
+
+
+def test_comfyui_attention_export_loads_in_diffusers(model, tmp_path):
+    """Without the fused MLP, the ComfyUI file is read by the pipeline's own non-diffusers converter
+    as it is, and means what was trained."""
+    family = families.for_model(model)
+    transformer, targets = trained_lora(family, model, "attention")
+    comfyui = family.export_lora(transformer, tmp_path, {}, {})[1]
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", comfyui))
