@@ -114,6 +114,11 @@ def qwenimage_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def qwenimage21_model(tmp_path_factory) -> Path:
+    return _tiny(tmp_path_factory, "qwen-image-2.1")
+
+
+@pytest.fixture(scope="session")
 def demo_images() -> Path:
     return DEMO_IMAGES
 
@@ -293,3 +298,4 @@ def wan_clips_encoded(tmp_path_factory, wan_model) -> EncodedSet:
 flux2_encoded = _demo_encoded("flux2_model", "Flux.2-klein base")
 zimage_encoded = _demo_encoded("zimage_model", "Z-Image base")
 qwenimage_encoded = _demo_encoded("qwenimage_model", "Qwen-Image")
+qwenimage21_encoded = _demo_encoded("qwenimage21_model", "Qwen-Image 2.1")

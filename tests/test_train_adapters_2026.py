@@ -1,5 +1,5 @@
-"""train.adapter and the EMA through the real train stage on the tiny Flux.2-klein, Z-Image and
-Qwen-Image models, as tests/test_train_adapters.py does for SD1.x and Flux.1: each adapter type trains
+"""train.adapter and the EMA through the real train stage on the tiny Flux.2-klein, Z-Image,
+Qwen-Image and Qwen-Image 2.1 models, as tests/test_train_adapters.py does for SD1.x and Flux.1: each adapter type trains
 with an EMA, a run resumed from the halfway checkpoint publishes the same files byte for byte, and
 every published file (trained and EMA) means the trained adapter. The reference is the model as
 training left it, rebuilt from the last checkpoint as a resumed run rebuilds it (a PiSSA/OLoRA base
@@ -46,21 +46,22 @@ ADAPTERS = {"lora": {}, "dora": {"adapter": "dora", "rslora": True}, "lokr": {"a
             "loha": {"adapter": "loha"}, "pissa": {"init": "pissa"}, "olora": {"init": "olora", "rslora": True}}
 # a LoKr cannot be split by rows: on Flux.2, where q/k/v are fused in the original layout, it trains on
 # whole modules (the attention preset is refused: test_lokr_on_fused_modules_is_refused...); Z-Image's and
-# Qwen-Image's ComfyUI files name q/k/v apart
+# the Qwen-Images' ComfyUI files name q/k/v apart
 WHOLE_MODULES = {"flux2-klein": ("attn.to_out.0", "attn.to_add_out", "attn.to_qkv_mlp_proj"),
-                 "z-image": "attention", "qwen-image": "attention"}
+                 "z-image": "attention", "qwen-image": "attention", "qwen-image-2.1": "attention"}
 # where diffusers 0.42.1's load_lora_weights reads a LoKr/LoHa: the diffusers file of a LoKr on Flux.2 and
 # Z-Image, and their ComfyUI LoKr files (it reads no LoHa); a DoRA ComfyUI file loads with its dora_scale
 # dropped, so it is read through ComfyUI's key tables only
 DIFFUSERS_READS = {("flux2-klein", "lokr"), ("z-image", "lokr")}
 DIFFUSERS_READS_COMFYUI = DIFFUSERS_READS
-FAMILIES = ("flux2-klein", "z-image", "qwen-image")
+FAMILIES = ("flux2-klein", "z-image", "qwen-image", "qwen-image-2.1")
 # the cases whose halfway checkpoint a second launch resumes (the others' resume runs in process): each
 # type once, where its checkpoint's names are least usual: Flux.2's DoRA (a magnitude on the single
 # blocks' bare to_out) and LoKr (on the fused to_qkv_mlp_proj), Z-Image's PiSSA (the saved start, on
-# separate q/k/v of a fused original) and LoHa, Qwen-Image's OLoRA with rsLoRA and plain LoRA
+# separate q/k/v of a fused original) and LoHa, Qwen-Image's OLoRA with rsLoRA and plain LoRA, Qwen-Image
+# 2.1's DoRA (a magnitude on its single-stream blocks)
 REAL_RESUME = {("flux2-klein", "dora"), ("flux2-klein", "lokr"), ("z-image", "pissa"), ("z-image", "loha"),
-               ("qwen-image", "olora"), ("qwen-image", "lora")}
+               ("qwen-image", "olora"), ("qwen-image", "lora"), ("qwen-image-2.1", "dora")}
 LORA_FILE, COMFYUI_FILE, KOHYA_FILE = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors",
                                        "pytorch_lora_weights_kohya.safetensors")
 
@@ -69,7 +70,8 @@ LORA_FILE, COMFYUI_FILE, KOHYA_FILE = ("pytorch_lora_weights.safetensors", "pyto
 def models(request) -> dict:
     """family -> (tiny model, encoded set), built when a test first asks for the family."""
     fixtures = {"flux2-klein": ("flux2_model", "flux2_encoded"), "z-image": ("zimage_model", "zimage_encoded"),
-                "qwen-image": ("qwenimage_model", "qwenimage_encoded")}
+                "qwen-image": ("qwenimage_model", "qwenimage_encoded"),
+                "qwen-image-2.1": ("qwenimage21_model", "qwenimage21_encoded")}
     return {name: (lambda m=m, e=e: (request.getfixturevalue(m), request.getfixturevalue(e)))
             for name, (m, e) in fixtures.items()}
 
@@ -162,8 +164,8 @@ def assert_fused_means(model: Path, lora: Path | dict, expected: torch.nn.Module
         assert torch.allclose(base[name] + delta, want, atol=1e-5), name
 
 
-CASES = [pytest.param(f, k, id=f"{f}-{k}", marks=[] if (f, k) in {("flux2-klein", "lokr"), ("z-image", "pissa"),
-                                                                   ("qwen-image", "dora")} else [pytest.mark.slow])
+FAST_CASES = {("flux2-klein", "lokr"), ("z-image", "pissa"), ("qwen-image", "dora"), ("qwen-image-2.1", "lora")}
+CASES = [pytest.param(f, k, id=f"{f}-{k}", marks=[] if (f, k) in FAST_CASES else [pytest.mark.slow])
          for f in FAMILIES for k in ADAPTERS]
 
 
