@@ -45,7 +45,7 @@ RESOLUTION = 64
 
 @dataclass(frozen=True)
 class Variant:
-    arch: str  # the tiny model: sd15, sdxl, flux1 or flux1-schnell
+    arch: str  # the tiny model: sd15, sdxl, flux1, flux1-schnell or qwen-image-2.1
     prediction_type: str | None = None  # written into a copy's scheduler config (SD2-style: v_prediction)
     train: dict = field(default_factory=dict)
     encode: dict = field(default_factory=dict)
@@ -156,3 +156,13 @@ def test_flux_golden_numbers(name, tmp_path, flux_model, flux_schnell_model, run
     variant = FLUX_VARIANTS[name]
     model = flux_model if variant.arch == "flux1" else flux_schnell_model
     assert_golden(name, measure(run_stages(write_config(tmp_path, model, variant), STAGES)), FLUX_GOLDEN[name])
+
+
+# Recorded at Qwen-Image 2.1's first run through the stages, once tests/test_families_qwenimage21.py had
+# checked its text records, normalisation and transformer call against QwenImage21Pipeline.
+QWEN_IMAGE_21_GOLDEN = Golden(1.9728320837020874, 1.4163203438123066, 1.415086805820465, "4a8d2f9bec4f9f83")
+
+
+def test_qwen_image_21_golden_numbers(tmp_path, qwenimage21_model, run_stages):
+    config = write_config(tmp_path, qwenimage21_model, Variant("qwen-image-2.1"))
+    assert_golden("qwen-image-2.1", measure(run_stages(config, STAGES)), QWEN_IMAGE_21_GOLDEN)

@@ -3,8 +3,10 @@ qwen-image-2.1`.
 
 Transformer: 2 single-stream blocks, 3 heads of 16, rope axes (8, 4, 4) on 4-channel latents read
 unpatched; text encoder: a Qwen3-VL with a 16-dim, 2-layer language model and a 1-layer vision
-tower, in a Qwen3VLProcessor around the shared tiny Qwen tokenizer (its chat template renders the
-system message whose token count the pipeline drops); VAE: Qwen-Image 2.1's at 4 latent channels
+tower, its final norm's weights seeded (the pipeline reads the states before it), in a processor
+around the shared tiny Qwen tokenizer whose chat template renders the system message whose token
+count the pipeline drops (a LlavaProcessor: transformers builds no Qwen3VLProcessor without
+torchvision, and text-to-image reads only the tokenizer); VAE: Qwen-Image 2.1's at 4 latent channels
 and 16x spatial downsampling, its per-channel latents_mean/latents_std set to seeded values (zeros
 and ones would hide a wrong normalisation).
 """
@@ -62,7 +64,10 @@ def _text_encoder(tokenizer):
                        "out_hidden_size": TEXT_DIM, "num_position_embeddings": 64, "deepstack_visual_indexes": [0]},
         **ids,
     )
-    return Qwen3VLForConditionalGeneration(config).eval()
+    encoder = Qwen3VLForConditionalGeneration(config).eval()
+    with torch.no_grad():  # all ones would make the final norm invisible behind the transformer's own text norm
+        encoder.model.language_model.norm.weight.uniform_(0.5, 1.5)
+    return encoder
 
 
 def _processor(tokenizer):
