@@ -24,8 +24,12 @@ ENCODE = STAGES[:2]
 @pytest.fixture(scope="module")
 def zimage_baseline(tmp_path_factory, zimage_model, demo_images, count_encoder_rows):
     """One encoded Z-Image set; every test starts from copies of its model and data over its cache."""
-    root = tmp_path_factory.mktemp("zimage-baseline")
-    shutil.copytree(zimage_model, root / "model")
+    return encoded_baseline(tmp_path_factory.mktemp("zimage-baseline"), zimage_model, demo_images, count_encoder_rows)
+
+
+def encoded_baseline(root: Path, model: Path, demo_images: Path, count_encoder_rows) -> Path:
+    """The demo photos encoded by `model` (copied, with the data, into root), every encode counted."""
+    shutil.copytree(model, root / "model")
     shutil.copytree(demo_images, root / "data")
     with count_encoder_rows() as counts:
         results = run_all(make_config(root, root / "model", root / "data", root / "cache"), ENCODE)
@@ -34,7 +38,7 @@ def zimage_baseline(tmp_path_factory, zimage_model, demo_images, count_encoder_r
     return root
 
 
-def zimage_copy(baseline: Path, tmp_path: Path, **sections):
+def baseline_copy(baseline: Path, tmp_path: Path, **sections):
     shutil.copytree(baseline / "model", tmp_path / "model")
     shutil.copytree(baseline / "data", tmp_path / "data")
     return make_config(tmp_path, tmp_path / "model", tmp_path / "data", baseline / "cache", **sections)
@@ -60,17 +64,35 @@ def assert_every_text_record_and_no_latent_re_encoded(config, reason: str, count
     assert results["encode"].info["latents_encoded"] == 0
 
 
-def test_zimage_caption_edit_encodes_one_text_record_and_no_latent(zimage_baseline, tmp_path, count_encoder_rows):
-    config = zimage_copy(zimage_baseline, tmp_path)
-    (tmp_path / "data" / "coffee.txt").write_text("a photo of an espresso\n")
+def assert_caption_edit_encodes_one_text_record_and_no_latent(config, data: Path, count_encoder_rows) -> None:
+    (data / "coffee.txt").write_text("a photo of an espresso\n")
     results, counts = encode_counted(config, count_encoder_rows)
     assert statuses(results) == {"preprocess": "computed", "encode": "computed"}
     assert counts == {"vae": 0, "text": 1}
     assert results["encode"].info["texts_encoded"] == 1 and results["encode"].info["latents_encoded"] == 0
 
 
+def assert_new_vae_weights_re_encode_latents_but_no_text(config, model: Path, count_encoder_rows) -> None:
+    from safetensors.torch import load_file, save_file
+
+    weights = model / "vae" / "diffusion_pytorch_model.safetensors"
+    tensors = {k: v * 1.01 if v.is_floating_point() else v for k, v in load_file(weights).items()}
+    save_file(tensors, weights, metadata={"format": "pt"})
+    row = encode_row(config)
+    assert row["status"] == "miss" and "models.vae" in row["reason"]
+    results, counts = encode_counted(config, count_encoder_rows)
+    assert statuses(results) == {"preprocess": "hit", "encode": "computed"}
+    assert counts == {"vae": IMAGES, "text": 0}
+    assert results["encode"].info["texts_encoded"] == 0
+
+
+def test_zimage_caption_edit_encodes_one_text_record_and_no_latent(zimage_baseline, tmp_path, count_encoder_rows):
+    config = baseline_copy(zimage_baseline, tmp_path)
+    assert_caption_edit_encodes_one_text_record_and_no_latent(config, tmp_path / "data", count_encoder_rows)
+
+
 def test_zimage_chat_template_change_re_encodes_text_records_only(zimage_baseline, tmp_path, count_encoder_rows):
-    config = zimage_copy(zimage_baseline, tmp_path)
+    config = baseline_copy(zimage_baseline, tmp_path)
     template = tmp_path / "model" / "tokenizer" / "chat_template.jinja"
     template.write_text("{{- '<|im_start|>system\\nDraw it.<|im_end|>\\n' }}" + template.read_text())
     assert_every_text_record_and_no_latent_re_encoded(config, "models.tokenizer", count_encoder_rows)
@@ -83,25 +105,15 @@ def test_zimage_hidden_layer_change_re_encodes_text_records_only(zimage_baseline
     released = ZImage.text_settings
     monkeypatch.setattr(ZImage, "text_settings", lambda self, model_path, options: released(
         self, model_path, options).model_copy(update={"hidden_layers": (-3,)}))
-    config = zimage_copy(zimage_baseline, tmp_path)
+    config = baseline_copy(zimage_baseline, tmp_path)
     assert_every_text_record_and_no_latent_re_encoded(config, "resolved.text.hidden_layers", count_encoder_rows)
 
 
 def test_zimage_max_sequence_length_re_encodes_text_records_only(zimage_baseline, tmp_path, count_encoder_rows):
-    config = zimage_copy(zimage_baseline, tmp_path, encode={"max_sequence_length": 64})
+    config = baseline_copy(zimage_baseline, tmp_path, encode={"max_sequence_length": 64})
     assert_every_text_record_and_no_latent_re_encoded(config, "params.max_sequence_length", count_encoder_rows)
 
 
 def test_zimage_new_vae_weights_re_encode_latents_but_no_text(zimage_baseline, tmp_path, count_encoder_rows):
-    from safetensors.torch import load_file, save_file
-
-    config = zimage_copy(zimage_baseline, tmp_path)
-    weights = tmp_path / "model" / "vae" / "diffusion_pytorch_model.safetensors"
-    tensors = {k: v * 1.01 if v.is_floating_point() else v for k, v in load_file(weights).items()}
-    save_file(tensors, weights, metadata={"format": "pt"})
-    row = encode_row(config)
-    assert row["status"] == "miss" and "models.vae" in row["reason"]
-    results, counts = encode_counted(config, count_encoder_rows)
-    assert statuses(results) == {"preprocess": "hit", "encode": "computed"}
-    assert counts == {"vae": IMAGES, "text": 0}
-    assert results["encode"].info["texts_encoded"] == 0
+    config = baseline_copy(zimage_baseline, tmp_path)
+    assert_new_vae_weights_re_encode_latents_but_no_text(config, tmp_path / "model", count_encoder_rows)
