@@ -1,17 +1,18 @@
-"""train.adapter and the EMA through the real train stage on the tiny Flux.2-klein, Z-Image,
-Qwen-Image and Qwen-Image 2.1 models, as tests/test_train_adapters.py does for SD1.x and Flux.1: each adapter type trains
-with an EMA, a run resumed from the halfway checkpoint publishes the same files byte for byte, and
-every published file (trained and EMA) means the trained adapter. The reference is the model as
-training left it, rebuilt from the last checkpoint as a resumed run rebuilds it (a PiSSA/OLoRA base
-minus its saved start); a file's effect on the weights must equal that model's merged weights:
-loaded by diffusers' own loader (load_lora_weights + fuse_lora) where diffusers reads the format,
-else by peft (LoKr/LoHa diffusers files); and every ComfyUI (and kohya) file read through ComfyUI's
-key tables (tests/comfyui_keys.py) and recomputed by its rules, its LyCORIS key set checked too.
+"""train.adapter and the EMA through the real train stage on the tiny Flux.2-klein, Z-Image, Qwen-Image
+and Qwen-Image 2.1 models, as tests/test_train_adapters.py does for SD1.x and Flux.1: each adapter
+type trains with an EMA, a run resumed from the halfway checkpoint publishes the same files byte for
+byte, and every published file (trained and EMA) means the trained adapter. The reference is the
+model as training left it, rebuilt from the last checkpoint as a resumed run rebuilds it (a
+PiSSA/OLoRA base minus its saved start); a file's effect on the weights must equal that model's
+merged weights: loaded by diffusers' own loader (load_lora_weights + fuse_lora) where diffusers
+reads the format, else by peft (LoKr/LoHa diffusers files); and every ComfyUI (and kohya) file read
+through ComfyUI's key tables (tests/comfyui_keys.py) and recomputed by its rules, its LyCORIS key
+set checked too.
 
 One run per (family, adapter) is trained once per module and shared by its tests; 2 steps with a
-checkpoint after each. A resumed run (a second launch) is trained for two types per family
-(REAL_RESUME); every type's halfway checkpoint also goes through what a resume does with it, in
-process (test_checkpoint_round_trips_bit_for_bit)."""
+checkpoint after each. A resumed run (a second launch) is trained for two types per family (one for
+Qwen-Image 2.1: REAL_RESUME); every type's halfway checkpoint also goes through what a resume does
+with it, in process (test_checkpoint_round_trips_bit_for_bit)."""
 from __future__ import annotations
 
 import copy

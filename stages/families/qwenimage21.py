@@ -5,11 +5,11 @@ As QwenImage21Pipeline does it: the caption in the pipeline's own system templat
 tokenized with the processor's tokenizer, padded on the left to the batch's longest; Qwen3-VL's last
 decoder layer's output before the language model's final norm (the pipeline hooks the norm away),
 at the caption's own tokens, the system message's tokens dropped (as many as the tokenizer makes of
-it), an empty caption read as " ". Records are stored unpadded and padded per batch with zeros and a mask, dropped when nothing in
-the batch is padded (Qwen-Image's rule, which this pipeline keeps). The VAE's records are
-(C, H/16, W/16), normalised per channel with latents_mean/latents_std. The transformer reads the
-text and the latents as one sequence: `img_mask` marks one slot per 2x2 group of latent tokens
-after the text, the timestep is sigma, the prediction is the sequence's image tail.
+it), an empty caption read as " ". Records are stored unpadded and padded per batch with zeros and a
+mask, dropped when nothing in the batch is padded (Qwen-Image's rule, which this pipeline keeps).
+The VAE's records are (C, H/16, W/16), normalised per channel with latents_mean/latents_std. The
+transformer reads the text and the latents as one sequence: `img_mask` marks one slot per 2x2 group
+of latent tokens after the text, the timestep is sigma, the prediction is the sequence's image tail.
 
 Exports: diffusers format, and ComfyUI's names under `diffusion_model.` (diffusers' module names,
 except the MLP's gate and up projections, which the original checkpoint fuses into `gate_up`, gate
