@@ -12,7 +12,8 @@ from pathlib import Path
 from lorapipe.cache.digest import StatCache, digest_tree
 from lorapipe.cache.errors import UserError
 from lorapipe.stages.families import Family, is_single_file
-from lorapipe.stages.families.folders import SINGLE_FILE_SUFFIX, check_weights_file, component_class, model_index
+from lorapipe.stages.families.folders import SINGLE_FILE_SUFFIX, check_weights_file, component_class, is_component, \
+    model_index
 
 
 def component_digests(model_path: Path, stat_cache: StatCache, family: Family) -> dict[str, str]:
@@ -35,7 +36,7 @@ def component_digests(model_path: Path, stat_cache: StatCache, family: Family) -
 
 def _components(model_path: Path) -> list[str]:
     return [name for name, spec in sorted(model_index(model_path).items())
-            if not name.startswith("_") and isinstance(spec, list) and spec[0] is not None]
+            if not name.startswith("_") and is_component(spec)]
 
 
 def import_model_code(model_path: Path, family: Family, stage: str) -> None:

@@ -139,6 +139,23 @@ def test_each_stage_depends_on_the_components_the_family_names(models, tmp_path)
         families.for_model(models["sd15"][0], "sdxl")
 
 
+def test_a_list_valued_pipeline_setting_is_not_a_component(tiny_model, tmp_path):
+    """model_index.json may hold a pipeline's own setting that is a list, as component entries are
+    (Krea2Pipeline's text_encoder_select_layers): the model's components stay those it names."""
+    import json
+    import shutil
+
+    from lorapipe.cache.digest import StatCache
+    from lorapipe.stages.models import component_digests
+
+    model = Path(shutil.copytree(tiny_model, tmp_path / "model"))
+    index = model / "model_index.json"
+    index.write_text(json.dumps({**json.loads(index.read_text()), "text_encoder_select_layers": [1, 2, 4]}))
+    with StatCache(tmp_path / "stat.sqlite") as stat_cache:
+        assert component_digests(model, stat_cache, families.get("sd15")) == \
+            component_digests(tiny_model, stat_cache, families.get("sd15"))
+
+
 def test_objective_refuses_flow_matching_settings(tiny_model):
     family = families.for_model(tiny_model)
     with pytest.raises(ValueError, match="train.timestep_sampling: applies to flow-matching models"):

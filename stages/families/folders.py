@@ -69,12 +69,18 @@ def empty_component(model_path: Path, name: str) -> Any:
         return component_class(model_path, name).from_config(component_config(model_path, name))
 
 
+def is_component(spec: Any) -> bool:
+    """Whether a model_index.json entry names a component ([library, class]), not a pipeline setting
+    that is a list too (Krea 2's text_encoder_select_layers) nor a component left out ([null, null])."""
+    return isinstance(spec, list) and len(spec) == 2 and all(isinstance(part, str) for part in spec)
+
+
 def component_class(model_path: Path, name: str) -> type:
     """The class model_index.json names for a component, its library's modules imported. A library
     that is a diffusers pipeline's own module (LTX-2's connectors' "ltx2") is looked up there first,
     as diffusers' loader does: a folder of that name in the working directory is not it."""
     spec = model_index(model_path).get(name)
-    if not isinstance(spec, list) or spec[0] is None:
+    if not is_component(spec):
         raise ValueError(f"{model_path}/model_index.json has no {name}: the model folder is incomplete")
     library, class_name = spec
     import diffusers.pipelines
