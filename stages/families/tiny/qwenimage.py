@@ -26,7 +26,7 @@ def _transformer():
                                        guidance_embeds=False, axes_dims_rope=(8, 4, 4))
 
 
-def _vae():
+def tiny_qwenimage_vae():
     from diffusers import AutoencoderKLQwenImage
 
     generator = torch.Generator().manual_seed(1)
@@ -61,7 +61,7 @@ def build_tiny_qwenimage(out_dir: Path) -> Path:
     pipe = QwenImagePipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
                                                   max_shift=0.9, time_shift_type="exponential"),
-        vae=seeded(_vae), text_encoder=seeded(_text_encoder, tokenizer), tokenizer=tokenizer,
+        vae=seeded(tiny_qwenimage_vae), text_encoder=seeded(_text_encoder, tokenizer), tokenizer=tokenizer,
         transformer=seeded(_transformer),
     )
     pipe.save_pretrained(Path(out_dir), safe_serialization=True)
