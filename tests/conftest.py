@@ -121,6 +121,11 @@ def qwenimage21_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def krea2_model(tmp_path_factory) -> Path:
+    return _tiny(tmp_path_factory, "krea2")
+
+
+@pytest.fixture(scope="session")
 def demo_images() -> Path:
     return DEMO_IMAGES
 

@@ -166,3 +166,14 @@ QWEN_IMAGE_21_GOLDEN = Golden(1.9728320837020874, 1.4163203438123066, 1.41508680
 def test_qwen_image_21_golden_numbers(tmp_path, qwenimage21_model, run_stages):
     config = write_config(tmp_path, qwenimage21_model, Variant("qwen-image-2.1"))
     assert_golden("qwen-image-2.1", measure(run_stages(config, STAGES)), QWEN_IMAGE_21_GOLDEN)
+
+
+# Recorded at Krea 2's first run through the stages (commit "Add the Krea 2 family (base and
+# distilled) with its tiny model"), once tests/test_families_krea2.py had checked its text records,
+# normalisation, transformer call and shift against Krea2Pipeline: they pin its numbers from then on.
+KREA2_GOLDEN = Golden(2.296745538711548, 1.3591198921203613, 1.356546441713969, "87645f9883e98c0c")
+
+
+def test_krea2_golden_numbers(tmp_path, krea2_model, run_stages):
+    measured = measure(run_stages(write_config(tmp_path, krea2_model, Variant("krea2")), STAGES))
+    assert_golden("krea2", measured, KREA2_GOLDEN)
