@@ -1,13 +1,13 @@
-"""train.adapter and the EMA through the real train stage on the tiny Flux.2-klein, Z-Image, Qwen-Image
-and Qwen-Image 2.1 models, as tests/test_train_adapters.py does for SD1.x and Flux.1: each adapter
-type trains with an EMA, a run resumed from the halfway checkpoint publishes the same files byte for
-byte, and every published file (trained and EMA) means the trained adapter. The reference is the
-model as training left it, rebuilt from the last checkpoint as a resumed run rebuilds it (a
-PiSSA/OLoRA base minus its saved start); a file's effect on the weights must equal that model's
-merged weights: loaded by diffusers' own loader (load_lora_weights + fuse_lora) where diffusers
-reads the format, else by peft (LoKr/LoHa diffusers files); and every ComfyUI (and kohya) file read
-through ComfyUI's key tables (tests/comfyui_keys.py) and recomputed by its rules, its LyCORIS key
-set checked too.
+"""train.adapter and the EMA through the real train stage on the tiny Flux.2-klein, Z-Image,
+Qwen-Image, Qwen-Image 2.1 and Krea 2 models, as tests/test_train_adapters.py does for SD1.x and
+Flux.1: each adapter type trains with an EMA, a run resumed from the halfway checkpoint publishes the
+same files byte for byte, and every published file (trained and EMA) means the trained adapter. The
+reference is the model as training left it, rebuilt from the last checkpoint as a resumed run
+rebuilds it (a PiSSA/OLoRA base minus its saved start); a file's effect on the weights must equal
+that model's merged weights: loaded by diffusers' own loader (load_lora_weights + fuse_lora) where
+diffusers reads the format, else by peft (LoKr/LoHa diffusers files); and every ComfyUI (and kohya)
+file read through ComfyUI's key tables (tests/comfyui_keys.py) and recomputed by its rules, its
+LyCORIS key set checked too.
 
 One run per (family, adapter) is trained once per module and shared by its tests; 2 steps with a
 checkpoint after each. A resumed run (a second launch) is trained for two types per family (one for
@@ -46,23 +46,24 @@ PARAMS = dict(rank=2, alpha=3.0, learning_rate=1e-2, batch_size=2, max_steps=STE
 ADAPTERS = {"lora": {}, "dora": {"adapter": "dora", "rslora": True}, "lokr": {"adapter": "lokr"},
             "loha": {"adapter": "loha"}, "pissa": {"init": "pissa"}, "olora": {"init": "olora", "rslora": True}}
 # a LoKr cannot be split by rows: on Flux.2, where q/k/v are fused in the original layout, it trains on
-# whole modules (the attention preset is refused: test_lokr_on_fused_modules_is_refused...); Z-Image's and
-# the Qwen-Images' ComfyUI files name q/k/v apart
+# whole modules (the attention preset is refused: test_lokr_on_fused_modules_is_refused...); Z-Image's,
+# the Qwen-Images' and Krea 2's ComfyUI files name q/k/v apart
 WHOLE_MODULES = {"flux2-klein": ("attn.to_out.0", "attn.to_add_out", "attn.to_qkv_mlp_proj"),
-                 "z-image": "attention", "qwen-image": "attention", "qwen-image-2.1": "attention"}
+                 "z-image": "attention", "qwen-image": "attention", "qwen-image-2.1": "attention", "krea2": "attention"}
 # where diffusers 0.42.1's load_lora_weights reads a LoKr/LoHa: the diffusers file of a LoKr on Flux.2 and
 # Z-Image, and their ComfyUI LoKr files (it reads no LoHa); a DoRA ComfyUI file loads with its dora_scale
 # dropped, so it is read through ComfyUI's key tables only
 DIFFUSERS_READS = {("flux2-klein", "lokr"), ("z-image", "lokr")}
 DIFFUSERS_READS_COMFYUI = DIFFUSERS_READS
-FAMILIES = ("flux2-klein", "z-image", "qwen-image", "qwen-image-2.1")
+FAMILIES = ("flux2-klein", "z-image", "qwen-image", "qwen-image-2.1", "krea2")
 # the cases whose halfway checkpoint a second launch resumes (the others' resume runs in process): each
 # type once, where its checkpoint's names are least usual: Flux.2's DoRA (a magnitude on the single
 # blocks' bare to_out) and LoKr (on the fused to_qkv_mlp_proj), Z-Image's PiSSA (the saved start, on
 # separate q/k/v of a fused original) and LoHa, Qwen-Image's OLoRA with rsLoRA and plain LoRA, Qwen-Image
-# 2.1's DoRA (a magnitude on its single-stream blocks)
+# 2.1's DoRA (a magnitude on its single-stream blocks), Krea 2's DoRA (a magnitude on the gated
+# attention's to_gate)
 REAL_RESUME = {("flux2-klein", "dora"), ("flux2-klein", "lokr"), ("z-image", "pissa"), ("z-image", "loha"),
-               ("qwen-image", "olora"), ("qwen-image", "lora"), ("qwen-image-2.1", "dora")}
+               ("qwen-image", "olora"), ("qwen-image", "lora"), ("qwen-image-2.1", "dora"), ("krea2", "dora")}
 LORA_FILE, COMFYUI_FILE, KOHYA_FILE = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors",
                                        "pytorch_lora_weights_kohya.safetensors")
 
@@ -72,7 +73,8 @@ def models(request) -> dict:
     """family -> (tiny model, encoded set), built when a test first asks for the family."""
     fixtures = {"flux2-klein": ("flux2_model", "flux2_encoded"), "z-image": ("zimage_model", "zimage_encoded"),
                 "qwen-image": ("qwenimage_model", "qwenimage_encoded"),
-                "qwen-image-2.1": ("qwenimage21_model", "qwenimage21_encoded")}
+                "qwen-image-2.1": ("qwenimage21_model", "qwenimage21_encoded"),
+                "krea2": ("krea2_model", "krea2_encoded")}
     return {name: (lambda m=m, e=e: (request.getfixturevalue(m), request.getfixturevalue(e)))
             for name, (m, e) in fixtures.items()}
 
@@ -165,7 +167,8 @@ def assert_fused_means(model: Path, lora: Path | dict, expected: torch.nn.Module
         assert torch.allclose(base[name] + delta, want, atol=1e-5), name
 
 
-FAST_CASES = {("flux2-klein", "lokr"), ("z-image", "pissa"), ("qwen-image", "dora"), ("qwen-image-2.1", "lora")}
+FAST_CASES = {("flux2-klein", "lokr"), ("z-image", "pissa"), ("qwen-image", "dora"), ("qwen-image-2.1", "lora"),
+              ("krea2", "loha")}
 CASES = [pytest.param(f, k, id=f"{f}-{k}", marks=[] if (f, k) in FAST_CASES else [pytest.mark.slow])
          for f in FAMILIES for k in ADAPTERS]
 
