@@ -33,9 +33,9 @@ class EncodedSet:
 @contextmanager
 def _count_encoder_rows():
     """Rows pushed through the VAE encoder and through each text encoder (CLIP, T5: a Flux.1 caption
-    is two rows; Qwen3: Z-Image, Flux.2-klein; Qwen3-VL: Qwen-Image 2.1; UMT5: Wan; Gemma 3: LTX-2),
-    whatever calls them. Wan's 3-D VAE encodes a clip in chunks, the first of one frame: a clip (or an
-    image) is counted at that chunk."""
+    is two rows; Qwen3: Z-Image, Flux.2-klein; Qwen3-VL: Qwen-Image 2.1, Krea 2; UMT5: Wan; Gemma 3:
+    LTX-2), whatever calls them. Wan's and Qwen-Image's 3-D VAEs encode a clip in chunks, the first of
+    one frame: a clip (or an image) is counted at that chunk."""
     import torch
 
     counts = {"vae": 0, "text": 0}
@@ -45,10 +45,10 @@ def _count_encoder_rows():
         if name in ("Encoder", "LTX2VideoEncoder3d", "QwenImage21Encoder3d") and \
                 type(module).__module__.startswith("diffusers"):
             counts["vae"] += args[0].shape[0]
-        elif name == "WanEncoder3d" and args[0].shape[2] == 1:
+        elif name in ("WanEncoder3d", "QwenImageEncoder3d") and args[0].shape[2] == 1:
             counts["vae"] += args[0].shape[0]
         elif name in ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel", "Qwen3Model",
-                      "UMT5EncoderModel", "Gemma3ForConditionalGeneration", "Qwen3VLForConditionalGeneration"):
+                      "Qwen3VLModel", "UMT5EncoderModel", "Gemma3ForConditionalGeneration"):
             ids = args[0] if args else kwargs["input_ids"]
             counts["text"] += ids.shape[0]
 
