@@ -14,7 +14,9 @@ Kinds, told apart by `kind`:
 - `patched_batch_norm` (Flux.2): z patchified 2x2 (C -> 4C channels, half the sides), then
   `(z - running_mean_c) / sqrt(running_var_c + eps)` with the VAE's batch-norm statistics (weights,
   not config: read from its safetensors). Its output layout is the patchified one: the objective and
-  the denoiser see (4C, H/2, W/2) latents, so noise is drawn after `apply`.
+  the denoiser see (4C, H/2, W/2) latents, so noise is drawn after `apply`;
+- `patch_major_batch_norm` (Ideogram 4): the same with the patched channels ordered (row, column,
+  channel), the order its VAE's statistics and its transformer's tokens use.
 """
 from __future__ import annotations
 
@@ -68,16 +70,32 @@ class PatchedBatchNorm(Frozen):
     running_var: tuple[float, ...]
     eps: float
 
-    def apply(self, latents: torch.Tensor) -> torch.Tensor:
-        import torch
+    def patchify(self, latents: torch.Tensor) -> torch.Tensor:
         from diffusers import Flux2KleinPipeline
 
-        patched = Flux2KleinPipeline._patchify_latents(latents)
+        return Flux2KleinPipeline._patchify_latents(latents)
+
+    def apply(self, latents: torch.Tensor) -> torch.Tensor:
+        import torch
+
+        patched = self.patchify(latents)
         std = torch.sqrt(_per_channel(self.running_var, patched) + self.eps)
         return (patched - _per_channel(self.running_mean, patched)) / std
 
 
-LatentNormalisation = Annotated[ScaleShift | ChannelMeanStd | PatchedBatchNorm, Field(discriminator="kind")]
+class PatchMajorBatchNorm(PatchedBatchNorm):
+    """PatchedBatchNorm with (row, column, channel) patched channels (Ideogram 4)."""
+
+    kind: Literal["patch_major_batch_norm"] = "patch_major_batch_norm"
+
+    def patchify(self, latents: torch.Tensor) -> torch.Tensor:
+        b, c, h, w = latents.shape
+        patched = latents.view(b, c, h // 2, 2, w // 2, 2).permute(0, 3, 5, 1, 2, 4)
+        return patched.reshape(b, 4 * c, h // 2, w // 2)
+
+
+LatentNormalisation = Annotated[ScaleShift | ChannelMeanStd | PatchedBatchNorm | PatchMajorBatchNorm,
+                                Field(discriminator="kind")]
 _NORMALISATION = TypeAdapter(LatentNormalisation)
 
 
@@ -93,10 +111,11 @@ def channel_mean_std_of(model_path: Path, vae: str) -> ChannelMeanStd:
     return ChannelMeanStd(mean=tuple(config["latents_mean"]), std=tuple(config["latents_std"]))
 
 
-def patched_batch_norm_of(model_path: Path, vae: str) -> PatchedBatchNorm:
+def patched_batch_norm_of(model_path: Path, vae: str,
+                          kind: type[PatchedBatchNorm] = PatchedBatchNorm) -> PatchedBatchNorm:
     config = component_config(model_path, vae)
     stats = component_tensors(model_path, vae, ("bn.running_mean", "bn.running_var"))
-    return PatchedBatchNorm(running_mean=tuple(stats["bn.running_mean"].double().tolist()),
+    return kind(running_mean=tuple(stats["bn.running_mean"].double().tolist()),
                             running_var=tuple(stats["bn.running_var"].double().tolist()),
                             eps=config.get("batch_norm_eps", 1e-4))
 

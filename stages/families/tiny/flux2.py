@@ -26,7 +26,7 @@ def _transformer():
                                    timestep_guidance_channels=256, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
 
 
-def _vae():
+def tiny_flux2_vae():
     from diffusers import AutoencoderKLFlux2
 
     vae = AutoencoderKLFlux2(in_channels=3, out_channels=3, block_out_channels=(8, 16, 32, 32), layers_per_block=1,
@@ -44,7 +44,7 @@ def build_tiny_flux2(out_dir: Path, distilled: bool = False) -> Path:
 
     tokenizer = qwen_tokenizer()
     pipe = Flux2KleinPipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True), vae=seeded(_vae),
+        scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True), vae=seeded(tiny_flux2_vae),
         text_encoder=seeded(Qwen3ForCausalLM, qwen3_config(len(tokenizer))), tokenizer=tokenizer,
         transformer=seeded(_transformer), is_distilled=distilled,
     )

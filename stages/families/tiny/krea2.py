@@ -28,14 +28,15 @@ def _transformer():
                                    num_layerwise_text_blocks=1, num_refiner_text_blocks=1, axes_dims_rope=(4, 6, 6))
 
 
-def _text_encoder(tokenizer):
+def tiny_qwen3_vl(tokenizer, layers: int = 4):
+    """A Qwen3-VL with a 16-dim language model of `layers` layers and a 1-layer vision tower."""
     from transformers import Qwen3VLConfig, Qwen3VLModel
 
     ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
                    tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
                                                     "<|video_pad|>"])))
     config = Qwen3VLConfig(
-        text_config={"hidden_size": TEXT_DIM, "intermediate_size": 32, "num_hidden_layers": 4,
+        text_config={"hidden_size": TEXT_DIM, "intermediate_size": 32, "num_hidden_layers": layers,
                      "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 8, "vocab_size": len(tokenizer),
                      "max_position_embeddings": 1024,
                      "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
@@ -56,7 +57,7 @@ def build_tiny_krea2(out_dir: Path, distilled: bool = False) -> Path:
         scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
                                                   max_shift=1.15, base_image_seq_len=256, max_image_seq_len=6400,
                                                   time_shift_type="exponential"),
-        vae=seeded(tiny_qwenimage_vae), text_encoder=seeded(_text_encoder, tokenizer), tokenizer=tokenizer,
+        vae=seeded(tiny_qwenimage_vae), text_encoder=seeded(tiny_qwen3_vl, tokenizer), tokenizer=tokenizer,
         transformer=seeded(_transformer), text_encoder_select_layers=SELECT_LAYERS,
         is_distilled=distilled,
     )

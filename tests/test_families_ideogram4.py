@@ -1,0 +1,143 @@
+"""The Ideogram 4 family against Ideogram4Pipeline on the tiny offline Ideogram 4: the cached text
+record (the caption's own tokens, the pipeline's 13 tapped layers interleaved, unpadded) is what
+inference encodes, the patch-major batch-normalised latents are what the pipeline decodes, the
+conditional transformer's call is the pipeline's, and both LoRA exports load through
+Ideogram4Pipeline's own loader and mean what was trained."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from comfyui_keys import assert_comfyui_applies_the_merged_model
+from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
+    trained_lora
+from safetensors import safe_open
+
+import lorapipe.stages.families as families
+from lorapipe.stages.families import ObjectiveParams, TextOptions
+from lorapipe.stages.families.latents import PatchedBatchNorm
+
+CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
+TEXT_WINDOW = 64  # the pipeline's max_sequence_length in these calls: its left padding
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory) -> Path:
+    return families.build_tiny_model(tmp_path_factory.mktemp("ideogram4") / "model", "ideogram4")
+
+
+def _pipeline(model: Path):
+    from diffusers import Ideogram4Pipeline
+
+    pipe = Ideogram4Pipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+def _records(family, model: Path, captions: list[str]):
+    return family.load_text_encoder(model, family.text_settings(model, TextOptions()), torch.float32, "cpu")(captions)
+
+
+def _tokens_to_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    """The pipeline's image tokens as (B, 4C, H/16, W/16), the layout the objective sees."""
+    return tokens.unflatten(1, (height // 16, width // 16)).permute(0, 3, 1, 2)
+
+
+def test_tiny_ideogram4_builds_byte_identically(model, tmp_path):
+    assert "unconditional_transformer/config.json" in assert_builds_byte_identically(model, "ideogram4",
+                                                                                     tmp_path / "again")
+    family = families.for_model(model)
+    assert (family.name, family.pixel_multiple(model), family.train_instead()) == ("ideogram4", 16, None)
+    assert family.render_defaults()["num_inference_steps"] == 48
+
+
+def test_text_records_are_what_the_pipeline_encodes(model):
+    """Each record is the pipeline's text features at its own tokens (left of them: padding)."""
+    family = families.for_model(model)
+    records = _records(family, model, CAPTIONS)
+    with torch.no_grad():
+        embeds, _, _, indicator = _pipeline(model).encode_prompt(CAPTIONS, grid_h=2, grid_w=2,
+                                                                 max_sequence_length=TEXT_WINDOW, device="cpu")
+    text = indicator[:, :TEXT_WINDOW] == 3  # LLM_TOKEN_INDICATOR
+    assert embeds.shape[2] == 13 * 16 and not text.all()
+    for record, embed, own in zip(records, embeds[:, :TEXT_WINDOW], text):
+        assert torch.allclose(record["hidden_states"], embed[own], atol=1e-6)
+    cond = family.conditioning(records, [], ObjectiveParams())
+    assert cond["encoder_attention_mask"].sum(1).tolist() == text.sum(1).tolist()
+
+
+def test_latent_normalisation_is_the_pipelines(model):
+    """Patchified (row, column, channel) and batch-normalised: the inverse of the pipeline's decode."""
+    family, pipe = families.for_model(model), _pipeline(model)
+    pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    mean, _ = family.load_latent_encoder(model, "cpu")(pixels)
+    normalisation = family.latent_normalisation(model)
+    normalised = normalisation.apply(mean)
+    assert normalisation.kind == "patch_major_batch_norm" and normalised.shape == (2, 32, 4, 3)
+    z = normalised.permute(0, 2, 3, 1).flatten(1, 2)  # as the pipeline's latents, then its decode:
+    z = z * torch.sqrt(pipe.vae.bn.running_var + pipe.vae.config.batch_norm_eps) + pipe.vae.bn.running_mean
+    z = z.view(2, 4, 3, 2, 2, 8).permute(0, 5, 1, 3, 2, 4).reshape(2, 8, 8, 6)
+    assert torch.allclose(z, mean, atol=1e-5)
+    flux2_order = PatchedBatchNorm(**normalisation.model_dump(exclude={"kind"})).apply(mean)
+    assert not torch.allclose(normalised, flux2_order, atol=1e-3)  # Flux.2's (channel, row, column) differs
+
+
+def test_denoiser_call_is_the_pipelines(model):
+    """The pipeline left-pads its text to max_sequence_length, the family to the batch's longest:
+    the segment ids keep the padding apart, so the prediction agrees to rounding; the family's is
+    the objective's velocity, the negative of the transformer's."""
+    family, pipe = families.for_model(model), _pipeline(model)
+    _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
+        CAPTIONS[:2], num_inference_steps=2, height=64, width=48, guidance_scale=3.0, guidance_schedule=None,
+        max_sequence_length=TEXT_WINDOW, generator=torch.Generator().manual_seed(0), output_type="latent"))
+    cond = family.conditioning(_records(family, model, CAPTIONS[:2]), [], ObjectiveParams())
+    noisy = _tokens_to_latents(kwargs["hidden_states"][:, TEXT_WINDOW:], 64, 48)
+    sigma = pipe.scheduler.sigmas[0]
+    assert torch.allclose(kwargs["timestep"], 1 - sigma.expand(2))
+    with torch.no_grad():
+        predicted = family.predict(pipe.transformer, noisy, sigma.expand(2), cond, torch.float32)
+    assert noisy.shape == (2, 32, 4, 3)
+    assert torch.allclose(predicted, -_tokens_to_latents(output[0][:, TEXT_WINDOW:], 64, 48), atol=1e-5)
+
+
+def test_lora_presets(model):
+    family = families.for_model(model)
+    transformer = family.load_denoiser(model, torch.float32)
+    attention = family.lora_target_modules(transformer, "attention")
+    assert set(attention) == {f"layers.{i}.attention.{m}" for i in range(2) for m in ("to_q", "to_k", "to_v",
+                                                                                     "to_out.0")}
+    with_ff = family.lora_target_modules(transformer, "attention_ff")
+    assert set(with_ff) - set(attention) == {f"layers.{i}.feed_forward.{m}" for i in range(2) for m in ("w1", "w2",
+                                                                                                       "w3")}
+    assert set(family.lora_target_modules(transformer, "all_linear")) - set(with_ff) == \
+        {f"layers.{i}.adaln_modulation" for i in range(2)}
+
+
+@pytest.fixture(scope="module")
+def exported(model, tmp_path_factory):
+    """Every Linear of the blocks adapted (the names Ideogram's files have)."""
+    family = families.for_model(model)
+    transformer = family.load_denoiser(model, torch.float32)
+    transformer, targets = trained_lora(family, model, tuple(family.lora_target_modules(transformer, "all_linear")))
+    return transformer, targets, family.export_lora(transformer, tmp_path_factory.mktemp("exports"), {}, {})
+
+
+def test_diffusers_export_loads_and_means_what_was_trained(model, exported):
+    transformer, targets, written = exported
+    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[0]))
+
+
+def test_original_export_is_in_ideogram_names_and_loads_in_diffusers(model, exported):
+    """`diffusion_model.layers.N.attention.qkv` (q|k|v fused), `attention.o`, the scale in lora_B:
+    read by Ideogram4Pipeline's own non-diffusers converter."""
+    transformer, targets, written = exported
+    with safe_open(written[1], "pt") as f:
+        keys = set(f.keys())
+    assert {"diffusion_model.layers.0.attention.qkv.lora_A.weight",
+            "diffusion_model.layers.1.attention.o.lora_B.weight",
+            "diffusion_model.layers.1.feed_forward.w3.lora_A.weight",
+            "diffusion_model.layers.0.adaln_modulation.lora_B.weight"} <= keys
+    assert len(keys) == 2 * (len(targets) - 2 * 2) and not any(k.endswith(".alpha") for k in keys)
+    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[1]))
