@@ -126,6 +126,11 @@ def krea2_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def ideogram4_model(tmp_path_factory) -> Path:
+    return _tiny(tmp_path_factory, "ideogram4")
+
+
+@pytest.fixture(scope="session")
 def demo_images() -> Path:
     return DEMO_IMAGES
 
@@ -307,3 +312,4 @@ zimage_encoded = _demo_encoded("zimage_model", "Z-Image base")
 qwenimage_encoded = _demo_encoded("qwenimage_model", "Qwen-Image")
 qwenimage21_encoded = _demo_encoded("qwenimage21_model", "Qwen-Image 2.1")
 krea2_encoded = _demo_encoded("krea2_model", "Krea 2 base")
+ideogram4_encoded = _demo_encoded("ideogram4_model", "Ideogram 4")

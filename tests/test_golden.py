@@ -177,3 +177,14 @@ KREA2_GOLDEN = Golden(2.296745538711548, 1.3591198921203613, 1.356546441713969, 
 def test_krea2_golden_numbers(tmp_path, krea2_model, run_stages):
     measured = measure(run_stages(write_config(tmp_path, krea2_model, Variant("krea2")), STAGES))
     assert_golden("krea2", measured, KREA2_GOLDEN)
+
+
+# Recorded at Ideogram 4's first run through the stages (commit "Add the Ideogram 4 family with its
+# tiny model"), once tests/test_families_ideogram4.py had checked its text records, normalisation
+# and transformer call against Ideogram4Pipeline: they pin its numbers from then on.
+IDEOGRAM4_GOLDEN = Golden(2.6110188961029053, 1.4251568516095479, 1.40516597032547, "5dbd85139005dbb0")
+
+
+def test_ideogram4_golden_numbers(tmp_path, ideogram4_model, run_stages):
+    measured = measure(run_stages(write_config(tmp_path, ideogram4_model, Variant("ideogram4")), STAGES))
+    assert_golden("ideogram4", measured, IDEOGRAM4_GOLDEN)
