@@ -1,5 +1,5 @@
 """train.adapter and the EMA through the real train stage on the tiny Flux.2-klein, Z-Image,
-Qwen-Image, Qwen-Image 2.1 and Krea 2 models, as tests/test_train_adapters.py does for SD1.x and
+Qwen-Image, Qwen-Image 2.1, Krea 2 and Ideogram 4 models, as tests/test_train_adapters.py does for SD1.x and
 Flux.1: each adapter type trains with an EMA, a run resumed from the halfway checkpoint publishes the
 same files byte for byte, and every published file (trained and EMA) means the trained adapter. The
 reference is the model as training left it, rebuilt from the last checkpoint as a resumed run
@@ -46,16 +46,18 @@ PARAMS = dict(rank=2, alpha=3.0, learning_rate=1e-2, batch_size=2, max_steps=STE
 ADAPTERS = {"lora": {}, "dora": {"adapter": "dora", "rslora": True}, "lokr": {"adapter": "lokr"},
             "loha": {"adapter": "loha"}, "pissa": {"init": "pissa"}, "olora": {"init": "olora", "rslora": True}}
 # a LoKr cannot be split by rows: on Flux.2, where q/k/v are fused in the original layout, it trains on
-# whole modules (the attention preset is refused: test_lokr_on_fused_modules_is_refused...); Z-Image's,
+# whole modules (the attention preset is refused: test_lokr_on_fused_modules_is_refused...), as on
+# Ideogram 4 (its attention.qkv); Z-Image's,
 # the Qwen-Images' and Krea 2's ComfyUI files name q/k/v apart
 WHOLE_MODULES = {"flux2-klein": ("attn.to_out.0", "attn.to_add_out", "attn.to_qkv_mlp_proj"),
-                 "z-image": "attention", "qwen-image": "attention", "qwen-image-2.1": "attention", "krea2": "attention"}
+                 "z-image": "attention", "qwen-image": "attention", "qwen-image-2.1": "attention", "krea2": "attention",
+                 "ideogram4": ("attention.to_out.0", "feed_forward.w1", "feed_forward.w2", "feed_forward.w3")}
 # where diffusers 0.42.1's load_lora_weights reads a LoKr/LoHa: the diffusers file of a LoKr on Flux.2 and
 # Z-Image, and their ComfyUI LoKr files (it reads no LoHa); a DoRA ComfyUI file loads with its dora_scale
 # dropped, so it is read through ComfyUI's key tables only
 DIFFUSERS_READS = {("flux2-klein", "lokr"), ("z-image", "lokr")}
 DIFFUSERS_READS_COMFYUI = DIFFUSERS_READS
-FAMILIES = ("flux2-klein", "z-image", "qwen-image", "qwen-image-2.1", "krea2")
+FAMILIES = ("flux2-klein", "z-image", "qwen-image", "qwen-image-2.1", "krea2", "ideogram4")
 # the cases whose halfway checkpoint a second launch resumes (the others' resume runs in process): each
 # type once, where its checkpoint's names are least usual: Flux.2's DoRA (a magnitude on the single
 # blocks' bare to_out) and LoKr (on the fused to_qkv_mlp_proj), Z-Image's PiSSA (the saved start, on
@@ -74,7 +76,8 @@ def models(request) -> dict:
     fixtures = {"flux2-klein": ("flux2_model", "flux2_encoded"), "z-image": ("zimage_model", "zimage_encoded"),
                 "qwen-image": ("qwenimage_model", "qwenimage_encoded"),
                 "qwen-image-2.1": ("qwenimage21_model", "qwenimage21_encoded"),
-                "krea2": ("krea2_model", "krea2_encoded")}
+                "krea2": ("krea2_model", "krea2_encoded"),
+                "ideogram4": ("ideogram4_model", "ideogram4_encoded")}
     return {name: (lambda m=m, e=e: (request.getfixturevalue(m), request.getfixturevalue(e)))
             for name, (m, e) in fixtures.items()}
 
@@ -168,7 +171,7 @@ def assert_fused_means(model: Path, lora: Path | dict, expected: torch.nn.Module
 
 
 FAST_CASES = {("flux2-klein", "lokr"), ("z-image", "pissa"), ("qwen-image", "dora"), ("qwen-image-2.1", "lora"),
-              ("krea2", "loha")}
+              ("krea2", "loha"), ("ideogram4", "dora")}
 CASES = [pytest.param(f, k, id=f"{f}-{k}", marks=[] if (f, k) in FAST_CASES else [pytest.mark.slow])
          for f in FAMILIES for k in ADAPTERS]
 
