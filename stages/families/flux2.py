@@ -31,7 +31,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lorapipe.stages.lora_formats.original_names import COMFYUI, KOHYA, OriginalNames, derive_original_names
+from lorapipe.stages.lora_formats.original_names import (COMFYUI, KOHYA, OriginalNames, derive_original_names,
+                                                         weight_keys)
 
 from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, stack
 from .flow import MODEL_INDEX, FlowFamily, FlowVariant, presets_field
@@ -131,9 +132,8 @@ def original_names(num_layers: int, num_single_layers: int, guidance: bool) -> O
     """BFL's Flux.2 module names for a transformer of this shape, from diffusers' converter."""
     from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
 
-    seeds = [f"double_blocks.{i}.{m}.weight" for i in range(num_layers) for m in ORIGINAL_DOUBLE]
-    seeds += [f"single_blocks.{i}.{m}.weight" for i in range(num_single_layers) for m in ORIGINAL_SINGLE]
-    seeds += [f"{m}.weight" for m in ORIGINAL_TOP]
+    seeds = weight_keys((f"double_blocks.{i}" for i in range(num_layers)), ORIGINAL_DOUBLE)
+    seeds += weight_keys((f"single_blocks.{i}" for i in range(num_single_layers)), ORIGINAL_SINGLE, ORIGINAL_TOP)
     seeds += ["guidance_in.in_layer.weight", "guidance_in.out_layer.weight"] if guidance else []
     return derive_original_names(convert_flux2_transformer_checkpoint_to_diffusers, seeds)
 

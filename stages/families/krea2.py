@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
-from lorapipe.stages.lora_formats.original_names import OriginalNames, derive_original_names
+from lorapipe.stages.lora_formats.original_names import OriginalNames, derive_original_names, weight_keys
 
 from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
 from .flow import MODEL_INDEX, FlowFamily, FlowVariant, presets_field
@@ -168,9 +168,8 @@ def original_names(num_layers: int, layerwise_blocks: int, refiner_blocks: int) 
     blocks = [f"blocks.{i}" for i in range(num_layers)]
     blocks += [f"txtfusion.layerwise_blocks.{i}" for i in range(layerwise_blocks)]
     blocks += [f"txtfusion.refiner_blocks.{i}" for i in range(refiner_blocks)]
-    seeds = [f"{block}.{m}.weight" for block in blocks for m in ORIGINAL_ATTENTION]
     return derive_original_names(convert_krea2_transformer_checkpoint_to_diffusers,
-                                 seeds + [f"{m}.weight" for m in ORIGINAL_TOP])
+                                 weight_keys(blocks, ORIGINAL_ATTENTION, ORIGINAL_TOP))
 
 
 KREA2 = Krea2(

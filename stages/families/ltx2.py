@@ -53,7 +53,7 @@ from .flow import presets_field
 from .folders import component_config, component_tensors, load_component
 from .latents import ChannelMeanStd
 from .objectives import ObjectiveParams
-from lorapipe.stages.lora_formats.original_names import OriginalNames, derive_original_names
+from lorapipe.stages.lora_formats.original_names import OriginalNames, derive_original_names, weight_keys
 from .video import VideoFamily, VideoVariant
 
 if TYPE_CHECKING:
@@ -226,8 +226,8 @@ def original_names(num_layers: int) -> OriginalNames:
     """LTX-2's original module names for a transformer of this depth, from diffusers' converter."""
     from diffusers.loaders.single_file_utils import convert_ltx2_transformer_to_diffusers
 
-    seeds = [f"transformer_blocks.{i}.{module}.weight" for i in range(num_layers) for module in ORIGINAL_BLOCK_MODULES]
-    seeds += [f"{module}.weight" for module in ORIGINAL_TOP_MODULES]
+    blocks = (f"transformer_blocks.{i}" for i in range(num_layers))
+    seeds = weight_keys(blocks, ORIGINAL_BLOCK_MODULES, ORIGINAL_TOP_MODULES)
     return derive_original_names(convert_ltx2_transformer_to_diffusers, seeds)
 
 

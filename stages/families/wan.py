@@ -47,7 +47,8 @@ from .flow import MODEL_INDEX, FlowVariant, presets_field
 from .folders import component_config, load_component, model_index
 from .latents import ChannelMeanStd, channel_mean_std_of
 from .objectives import ObjectiveParams, TimestepSampling
-from lorapipe.stages.lora_formats.original_names import COMFYUI, KOHYA, OriginalNames, derive_original_names
+from lorapipe.stages.lora_formats.original_names import (COMFYUI, KOHYA, OriginalNames, derive_original_names,
+                                                         weight_keys)
 from .video import VideoFamily, VideoVariant
 
 if TYPE_CHECKING:
@@ -221,8 +222,7 @@ def original_names(num_layers: int) -> OriginalNames:
     """Wan's original module names for a T2V transformer of this depth, from diffusers' converter."""
     from diffusers.loaders.single_file_utils import convert_wan_transformer_to_diffusers
 
-    seeds = [f"blocks.{i}.{module}.weight" for i in range(num_layers) for module in ORIGINAL_BLOCK_MODULES]
-    seeds += [f"{module}.weight" for module in ORIGINAL_TOP_MODULES]
+    seeds = weight_keys((f"blocks.{i}" for i in range(num_layers)), ORIGINAL_BLOCK_MODULES, ORIGINAL_TOP_MODULES)
     return derive_original_names(convert_wan_transformer_to_diffusers, seeds)
 
 

@@ -27,7 +27,8 @@ from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from lorapipe.stages.lora_formats.original_names import OriginalNames, by_diffusers_module, derive_original_names
+from lorapipe.stages.lora_formats.original_names import (OriginalNames, by_diffusers_module, derive_original_names,
+                                                         weight_keys)
 
 from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
 from .flow import FlowFamily, FlowVariant, presets_field
@@ -113,8 +114,7 @@ def original_names(n_layers: int, n_refiner_layers: int) -> OriginalNames:
 
     blocks = [f"layers.{i}" for i in range(n_layers)]
     blocks += [f"{kind}.{i}" for kind in ("noise_refiner", "context_refiner") for i in range(n_refiner_layers)]
-    seeds = [f"{block}.{module}.weight" for block in blocks for module in ORIGINAL_BLOCK_MODULES]
-    seeds += [f"{module}.weight" for module in ORIGINAL_TOP_MODULES]
+    seeds = weight_keys(blocks, ORIGINAL_BLOCK_MODULES, ORIGINAL_TOP_MODULES)
     return derive_original_names(convert_z_image_transformer_checkpoint_to_diffusers, seeds)
 
 

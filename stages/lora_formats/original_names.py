@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from fractions import Fraction
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 if TYPE_CHECKING:
     import torch
@@ -75,6 +75,13 @@ class _Probe(dict):
         if key not in self:
             self[key] = self._make(key)
         return super().pop(key)
+
+
+def weight_keys(blocks: Iterable[str], block_modules: Iterable[str], top_modules: Iterable[str] = ()) -> list[str]:
+    """The original checkpoint's weight names of `block_modules` in each block, then of `top_modules`:
+    the seed keys derive_original_names runs a converter on."""
+    return [f"{block}.{module}.weight" for block in blocks for module in block_modules] + \
+        [f"{module}.weight" for module in top_modules]
 
 
 def derive_original_names(convert: Callable[[dict], dict], seed_keys: list[str]) -> OriginalNames:
