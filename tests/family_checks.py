@@ -26,6 +26,15 @@ def assert_builds_byte_identically(model: Path, arch: str, again: Path) -> list[
     return files
 
 
+def quiet_pipeline(model: Path):
+    """The model's diffusers pipeline (the class its model_index.json names), without progress bars."""
+    from diffusers import DiffusionPipeline
+
+    pipe = DiffusionPipeline.from_pretrained(model)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def first_call(module: torch.nn.Module, run) -> tuple[tuple, dict, object]:
     """The args, kwargs and output of the first call of `module` while `run()` runs."""
     seen = []

@@ -10,7 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
-from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, fused_change, trained_lora
+from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, fused_change, trained_lora, \
+    quiet_pipeline
 from safetensors import safe_open
 
 import lorapipe.stages.families as families
@@ -32,17 +33,10 @@ def flux_schnell(flux_schnell_model) -> Path:
     return flux_schnell_model
 
 
-def _pipeline(model: Path):
-    from diffusers import FluxPipeline
-
-    pipe = FluxPipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
 
 def test_tiny_flux_builds_byte_identically_and_loads(flux_dev, tmp_path):
     assert "tokenizer_2/tokenizer.json" in assert_builds_byte_identically(flux_dev, "flux1", tmp_path / "again")
-    pipe = _pipeline(flux_dev)
+    pipe = quiet_pipeline(flux_dev)
     assert pipe.tokenizer_2.unk_token_id not in pipe.tokenizer_2("A photo, 3 cats!").input_ids
 
 
@@ -67,14 +61,14 @@ def test_text_record_is_what_the_pipeline_encodes(variant, flux_dev, flux_schnel
     settings = family.text_settings(model, TextOptions())
     records = family.load_text_encoder(model, settings, torch.float32, "cpu")(CAPTIONS)
     with torch.no_grad():  # as FluxPipeline.__call__ runs it
-        embeds, pooled, _ = _pipeline(model).encode_prompt(CAPTIONS, max_sequence_length=settings.max_sequence_length)
+        embeds, pooled, _ = quiet_pipeline(model).encode_prompt(CAPTIONS, max_sequence_length=settings.max_sequence_length)
     for i, record in enumerate(records):
         assert record["hidden_states"].shape == (settings.max_sequence_length, 32)
         assert torch.equal(record["hidden_states"], embeds[i]) and torch.equal(record["pooled"], pooled[i])
 
 
 def test_latent_normalisation_is_the_pipelines(flux_dev):
-    family, pipe = families.for_model(flux_dev), _pipeline(flux_dev)
+    family, pipe = families.for_model(flux_dev), quiet_pipeline(flux_dev)
     pixels = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(3)) * 2 - 1
     mean, std = family.load_latent_encoder(flux_dev, "cpu")(pixels)  # what a latent record holds
     sample = mean + std * torch.randn(mean.shape, generator=torch.Generator().manual_seed(5))
@@ -92,7 +86,7 @@ def test_denoiser_call_is_the_pipelines(variant, flux_dev, flux_schnell):
     """The transformer's inputs and output in FluxPipeline's first step, against family.predict on
     the unpacked latent, the cached text record and sigma: the same prediction."""
     model = flux_dev if variant == "dev" else flux_schnell
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     seen = {}
 
     def hook(module, args, kwargs, output):
@@ -214,12 +208,12 @@ def test_diffusers_export_loads_and_means_what_was_trained(flux_dev, tmp_path):
     with safe_open(written[0], "pt") as f:
         keys = set(f.keys())
     assert keys == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
-    pipe = _pipeline(flux_dev)  # every key lands on a LoRA weight of that value: nothing unexpected, nothing missing
+    pipe = quiet_pipeline(flux_dev)  # every key lands on a LoRA weight of that value: nothing unexpected, nothing missing
     pipe.load_lora_weights(tmp_path, weight_name=written[0].name, adapter_name="x")
     loaded = {f"transformer.{k.replace('.x.', '.')}": v for k, v in pipe.transformer.state_dict().items() if ".x." in k}
     with safe_open(written[0], "pt") as f:
         assert loaded.keys() == keys and all(torch.equal(loaded[k], f.get_tensor(k)) for k in keys)
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(flux_dev), "transformer", written[0]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(flux_dev), "transformer", written[0]))
     for file in written[1:]:
         assert_comfyui_applies_the_merged_model(file, transformer, family)
     # ComfyUI maps Flux.1's diffusers names (`transformer.*`) too, but reads no adapter config: it applies
@@ -246,7 +240,7 @@ def test_kohya_export_loads_through_diffusers_converter(flux_dev, tmp_path):
                                                    "img_mod_lin", "txt_attn_qkv", "txt_attn_proj", "txt_mlp_0",
                                                    "txt_mlp_2", "txt_mod_lin")}
     assert qkv_down.shape[0] == 12 and qkv_alpha.item() == pytest.approx(3.0 / 4 * 12)  # rank 3 x 4, scale kept
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(flux_dev), "transformer", kohya))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(flux_dev), "transformer", kohya))
 
 
 def test_comfyui_export_loads_through_diffusers_converter(flux_dev, tmp_path):
@@ -263,7 +257,7 @@ def test_comfyui_export_loads_through_diffusers_converter(flux_dev, tmp_path):
         keys = set(f.keys())
         down = f.get_tensor("diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight")
     assert down.shape[0] == 12 and not any(k.endswith(".alpha") for k in keys)
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(flux_dev), "transformer", comfy))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(flux_dev), "transformer", comfy))
 
 
 def test_kohya_export_at_full_width_through_diffusers_converter(tmp_path):

@@ -11,7 +11,7 @@ import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    trained_lora
+    trained_lora, quiet_pipeline
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -31,18 +31,11 @@ def distilled(tmp_path_factory) -> Path:
     return families.build_tiny_model(tmp_path_factory.mktemp("klein") / "distilled", "flux2-klein-distilled")
 
 
-def _pipeline(model: Path):
-    from diffusers import Flux2KleinPipeline
-
-    pipe = Flux2KleinPipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
 
 def test_tiny_klein_builds_byte_identically_and_loads(base, tmp_path):
     assert "vae/diffusion_pytorch_model.safetensors" in assert_builds_byte_identically(base, "flux2-klein",
                                                                                           tmp_path / "again")
-    pipe = _pipeline(base)
+    pipe = quiet_pipeline(base)
     text = pipe.tokenizer.apply_chat_template([{"role": "user", "content": "A cat!"}], tokenize=False,
                                               add_generation_prompt=True, enable_thinking=False)
     assert text == "<|im_start|>user\nA cat!<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
@@ -66,7 +59,7 @@ def test_text_records_are_what_the_pipeline_encodes(base):
     settings = family.text_settings(base, TextOptions())
     records = family.load_text_encoder(base, settings, torch.float32, "cpu")(CAPTIONS)
     with torch.no_grad():
-        embeds, _ = _pipeline(base).encode_prompt(list(CAPTIONS), max_sequence_length=512)
+        embeds, _ = quiet_pipeline(base).encode_prompt(list(CAPTIONS), max_sequence_length=512)
     for i, record in enumerate(records):
         assert record["hidden_states"].shape == (512, 48)
         assert torch.equal(record["hidden_states"], embeds[i])
@@ -75,7 +68,7 @@ def test_text_records_are_what_the_pipeline_encodes(base):
 
 def test_latent_normalisation_is_the_pipelines(base):
     """The VAE's batch-norm statistics after a 2x2 patchify, as Flux2KleinPipeline encodes images."""
-    family, pipe = families.for_model(base), _pipeline(base)
+    family, pipe = families.for_model(base), quiet_pipeline(base)
     pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(3)) * 2 - 1
     mean, _ = family.load_latent_encoder(base, "cpu")(pixels)
     normalise = family.latent_normalisation(base)
@@ -92,7 +85,7 @@ def test_latent_normalisation_is_the_pipelines(base):
 @pytest.mark.parametrize("variant", ["base", "distilled"])
 def test_denoiser_call_is_the_pipelines(variant, base, distilled):
     model = base if variant == "base" else distilled
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
         prompt=CAPTIONS[:2], num_inference_steps=2, height=64, width=48, guidance_scale=1.0, max_sequence_length=64,
         generator=torch.Generator().manual_seed(0), output_type="latent"))
@@ -153,7 +146,7 @@ def test_diffusers_export_loads_and_means_what_was_trained(base, exported):
     transformer, targets, written = exported
     assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
                                          "pytorch_lora_weights_comfyui.safetensors"]
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", written[0]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(base), "transformer", written[0]))
 
 
 def test_kohya_export_loads_through_diffusers_converter(base, exported):
@@ -167,7 +160,7 @@ def test_kohya_export_loads_through_diffusers_converter(base, exported):
     assert modules == {f"lora_unet_double_blocks_0_{m}" for m in (
         "img_attn_qkv", "img_attn_proj", "img_mlp_0", "img_mlp_2", "txt_attn_qkv", "txt_attn_proj", "txt_mlp_0",
         "txt_mlp_2")} | {"lora_unet_single_blocks_0_linear1", "lora_unet_single_blocks_0_linear2"}
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", written[1]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(base), "transformer", written[1]))
 
 
 def test_comfyui_export_loads_in_diffusers_and_comfyui(base, exported):
@@ -179,7 +172,7 @@ def test_comfyui_export_loads_in_diffusers_and_comfyui(base, exported):
     tensors = load_file(written[2])
     assert "diffusion_model.single_blocks.0.linear1.lora_A.weight" in tensors
     assert not any(k.endswith(".alpha") for k in tensors)
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", written[2]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(base), "transformer", written[2]))
     for file in written[1:]:
         assert_comfyui_applies_the_merged_model(file, transformer, families.for_model(base))
 

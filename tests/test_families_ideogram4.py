@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    trained_lora
+    trained_lora, quiet_pipeline
 from safetensors import safe_open
 
 import lorapipe.stages.families as families
@@ -26,13 +25,6 @@ TEXT_WINDOW = 64  # the pipeline's max_sequence_length in these calls: its left 
 def model(tmp_path_factory) -> Path:
     return families.build_tiny_model(tmp_path_factory.mktemp("ideogram4") / "model", "ideogram4")
 
-
-def _pipeline(model: Path):
-    from diffusers import Ideogram4Pipeline
-
-    pipe = Ideogram4Pipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def _records(family, model: Path, captions: list[str]):
@@ -57,7 +49,7 @@ def test_text_records_are_what_the_pipeline_encodes(model):
     family = families.for_model(model)
     records = _records(family, model, CAPTIONS)
     with torch.no_grad():
-        embeds, _, _, indicator = _pipeline(model).encode_prompt(CAPTIONS, grid_h=2, grid_w=2,
+        embeds, _, _, indicator = quiet_pipeline(model).encode_prompt(CAPTIONS, grid_h=2, grid_w=2,
                                                                  max_sequence_length=TEXT_WINDOW, device="cpu")
     text = indicator[:, :TEXT_WINDOW] == 3  # LLM_TOKEN_INDICATOR
     assert embeds.shape[2] == 13 * 16 and not text.all()
@@ -69,7 +61,7 @@ def test_text_records_are_what_the_pipeline_encodes(model):
 
 def test_latent_normalisation_is_the_pipelines(model):
     """Patchified (row, column, channel) and batch-normalised: the inverse of the pipeline's decode."""
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(3)) * 2 - 1
     mean, _ = family.load_latent_encoder(model, "cpu")(pixels)
     normalisation = family.latent_normalisation(model)
@@ -87,7 +79,7 @@ def test_denoiser_call_is_the_pipelines(model):
     """The pipeline left-pads its text to max_sequence_length, the family to the batch's longest:
     the segment ids keep the padding apart, so the prediction agrees to rounding; the family's is
     the objective's velocity, the negative of the transformer's."""
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
         CAPTIONS[:2], num_inference_steps=2, height=64, width=48, guidance_scale=3.0, guidance_schedule=None,
         max_sequence_length=TEXT_WINDOW, generator=torch.Generator().manual_seed(0), output_type="latent"))
@@ -126,7 +118,7 @@ def exported(model, tmp_path_factory):
 def test_diffusers_export_loads_and_means_what_was_trained(model, exported):
     transformer, targets, written = exported
     assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[0]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[0]))
 
 
 def test_original_export_is_in_ideogram_names_and_loads_in_diffusers(model, exported):
@@ -140,4 +132,4 @@ def test_original_export_is_in_ideogram_names_and_loads_in_diffusers(model, expo
             "diffusion_model.layers.1.feed_forward.w3.lora_A.weight",
             "diffusion_model.layers.0.adaln_modulation.lora_B.weight"} <= keys
     assert len(keys) == 2 * (len(targets) - 2 * 2) and not any(k.endswith(".alpha") for k in keys)
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[1]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[1]))

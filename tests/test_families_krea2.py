@@ -12,7 +12,7 @@ import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    trained_lora
+    trained_lora, quiet_pipeline
 from safetensors import safe_open
 
 import lorapipe.stages.families as families
@@ -25,13 +25,6 @@ CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 def model(tmp_path_factory) -> Path:
     return families.build_tiny_model(tmp_path_factory.mktemp("krea2") / "model", "krea2")
 
-
-def _pipeline(model: Path):
-    from diffusers import Krea2Pipeline
-
-    pipe = Krea2Pipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def _records(family, model: Path, captions: list[str]):
@@ -55,7 +48,7 @@ def test_text_records_are_what_the_pipeline_encodes(model):
     family = families.for_model(model)
     records = _records(family, model, CAPTIONS)
     with torch.no_grad():
-        embeds, mask = _pipeline(model).encode_prompt(CAPTIONS, max_sequence_length=512)
+        embeds, mask = quiet_pipeline(model).encode_prompt(CAPTIONS, max_sequence_length=512)
     assert embeds.shape[2] == 3 and not mask.all()
     for record, embed, own in zip(records, embeds, mask):
         assert torch.equal(record["hidden_states"], embed[own].flatten(1))
@@ -65,7 +58,7 @@ def test_text_records_are_what_the_pipeline_encodes(model):
 
 def test_latent_normalisation_is_the_pipelines(model):
     """The VAE's one frame normalised per channel: the inverse of what Krea2Pipeline decodes."""
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(3)) * 2 - 1
     mean, std = family.load_latent_encoder(model, "cpu")(pixels)
     assert mean.shape == std.shape == (2, 4, 8, 6)
@@ -83,7 +76,7 @@ def test_latent_normalisation_is_the_pipelines(model):
 def test_denoiser_call_is_the_pipelines(model):
     """The pipeline pads its text in the middle to a fixed length, the family at the end to the
     batch's longest: the mask leaves the same tokens to attend, so the prediction agrees to rounding."""
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
         CAPTIONS[:2], num_inference_steps=2, height=64, width=48, guidance_scale=0.0,
         generator=torch.Generator().manual_seed(0), output_type="latent"))
@@ -139,7 +132,7 @@ def exported(model, tmp_path_factory):
 def test_diffusers_export_loads_and_means_what_was_trained(model, exported):
     transformer, targets, written = exported
     assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[0]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[0]))
 
 
 def test_comfyui_export_is_in_krea_names_and_loads_in_diffusers(model, exported):
@@ -152,5 +145,5 @@ def test_comfyui_export_is_in_krea_names_and_loads_in_diffusers(model, exported)
             "diffusion_model.txtfusion.refiner_blocks.0.attn.gate.lora_A.weight",
             "diffusion_model.txtfusion.projector.lora_A.weight", "diffusion_model.tproj.1.lora_B.weight"} <= keys
     assert len(keys) == 2 * len(targets) and not any(k.endswith(".alpha") for k in keys)
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[1]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[1]))
     assert_comfyui_applies_the_merged_model(written[1], transformer, families.for_model(model))

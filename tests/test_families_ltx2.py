@@ -16,7 +16,7 @@ import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    trained_lora
+    trained_lora, quiet_pipeline
 from safetensors import safe_open
 from test_adapters import exported_comfyui_file, trained_adapter
 
@@ -38,13 +38,6 @@ class Clip:
 def model(tmp_path_factory) -> Path:
     return families.build_tiny_model(tmp_path_factory.mktemp("ltx2") / "ltx2", "ltx2")
 
-
-def _pipeline(model: Path):
-    from diffusers import LTX2Pipeline
-
-    pipe = LTX2Pipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def _records(model: Path, captions: list[str], options: TextOptions = TextOptions()):
@@ -86,7 +79,7 @@ def test_text_records_are_what_the_pipelines_connectors_make(model, length):
     max_sequence_length (1024, or encode.max_sequence_length) and its mask: stacked, exactly the
     text embedding and mask the pipeline gives its transformer."""
     family, records = _records(model, CAPTIONS, TextOptions(max_sequence_length=length))
-    pipe = _pipeline(model)
+    pipe = quiet_pipeline(model)
     with torch.no_grad():
         embeds, mask, _, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
                                                 max_sequence_length=length or 1024)
@@ -116,7 +109,7 @@ def test_latents_and_their_normalisation_are_the_pipelines(model):
     LTX2Pipeline turns back into the VAE's latents before decoding (the decoder's first input)."""
     from diffusers import LTX2Pipeline
 
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     encoder = family.load_latent_encoder(model, "cpu")
     clip = torch.rand(1, 3, 9, 64, 96, generator=torch.Generator().manual_seed(3)) * 2 - 1
     mean, std = encoder(clip)
@@ -160,7 +153,7 @@ def test_denoiser_call_is_the_pipelines_video_without_audio(model):
     same timesteps and the same prediction, whatever the audio stream holds."""
     from diffusers import LTX2Pipeline
 
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     calls = []
     handle = pipe.transformer.register_forward_hook(lambda m, a, kw, out: calls.append((kw, out)), with_kwargs=True)
     pipe(CAPTIONS[:2], num_inference_steps=2, height=64, width=32, num_frames=9, frame_rate=25.0,
@@ -227,7 +220,7 @@ def test_diffusers_export_loads_and_means_what_was_trained(model, exported):
     assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
     with safe_open(written[0], "pt") as f:
         assert set(f.keys()) == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[0]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[0]))
 
 
 def test_comfyui_export_loads_in_diffusers_and_comfyui(model, exported):
@@ -239,7 +232,7 @@ def test_comfyui_export_loads_in_diffusers_and_comfyui(model, exported):
         keys = set(f.keys())
     assert {"diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight",
             "diffusion_model.transformer_blocks.1.ff.net.2.lora_B.weight"} <= keys and len(keys) == 2 * len(targets)
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[1]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[1]))
     assert_comfyui_applies_the_merged_model(written[1], transformer, families.for_model(model))
 
 
@@ -254,7 +247,7 @@ def test_modules_outside_the_blocks_are_exported_in_ltx2s_names(model, tmp_path)
     with safe_open(comfy, "pt") as f:
         assert {"diffusion_model.patchify_proj.lora_A.weight", "diffusion_model.adaln_single.linear.lora_B.weight"} \
             <= set(f.keys())
-    assert_means_what_was_trained(transformer, list(targets), fused_change(_pipeline(model), "transformer", comfy))
+    assert_means_what_was_trained(transformer, list(targets), fused_change(quiet_pipeline(model), "transformer", comfy))
 
 
 @pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
@@ -276,7 +269,7 @@ def test_the_pipeline_renders_with_the_familys_arguments(model):
         family.clip_kwargs(model, 8)
     kwargs |= family.clip_kwargs(model, 9)
     assert family.clip_fps() == 24
-    pipe = _pipeline(model)
+    pipe = quiet_pipeline(model)
     family.prepare_pipeline(pipe, family.render_defaults()["sampler"], None)
     clips = family.rendered(pipe(["a cat"], num_inference_steps=2, height=64, width=96, output_type="pil",
                                  generator=[torch.Generator().manual_seed(0)],

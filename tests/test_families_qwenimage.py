@@ -11,7 +11,7 @@ import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, \
-    assert_shift_is_the_schedulers, first_call, fused_change, trained_lora
+    assert_shift_is_the_schedulers, first_call, fused_change, trained_lora, quiet_pipeline
 from safetensors import safe_open
 
 import lorapipe.stages.families as families
@@ -24,13 +24,6 @@ CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 def model(tmp_path_factory) -> Path:
     return families.build_tiny_model(tmp_path_factory.mktemp("qwen") / "model", "qwen-image")
 
-
-def _pipeline(model: Path):
-    from diffusers import QwenImagePipeline
-
-    pipe = QwenImagePipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def test_tiny_qwen_image_builds_byte_identically_and_loads(model, tmp_path):
@@ -49,7 +42,7 @@ def test_text_records_are_what_the_pipeline_encodes(model, captions):
     settings = family.text_settings(model, TextOptions())
     records = family.load_text_encoder(model, settings, torch.float32, "cpu")(captions)
     with torch.no_grad():
-        embeds, mask = _pipeline(model).encode_prompt(list(captions), max_sequence_length=512)
+        embeds, mask = quiet_pipeline(model).encode_prompt(list(captions), max_sequence_length=512)
     cond = family.conditioning(records, [], ObjectiveParams())
     assert torch.equal(cond["encoder_hidden_states"], embeds)
     if mask is None:
@@ -64,7 +57,7 @@ def test_latent_normalisation_is_the_pipelines(model):
     Qwen-Image img2img pipeline does on (B, C, 1, H, W)."""
     from diffusers import QwenImageImg2ImgPipeline
 
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(3)) * 2 - 1
     mean, std = family.load_latent_encoder(model, "cpu")(pixels)
     assert mean.shape == std.shape == (2, 4, 8, 6)
@@ -77,7 +70,7 @@ def test_latent_normalisation_is_the_pipelines(model):
 
 
 def test_denoiser_call_is_the_pipelines(model):
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
         CAPTIONS[:2], num_inference_steps=2, height=64, width=48, true_cfg_scale=1.0,
         generator=torch.Generator().manual_seed(0), output_type="latent"))
@@ -120,7 +113,7 @@ def exported(model, tmp_path_factory):
 def test_diffusers_export_loads_and_means_what_was_trained(model, exported):
     transformer, targets, written = exported
     assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[0]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[0]))
 
 
 def test_comfyui_export_loads_in_diffusers_and_comfyui(model, exported):
@@ -133,6 +126,6 @@ def test_comfyui_export_loads_in_diffusers_and_comfyui(model, exported):
         keys = set(f.keys())
     assert "diffusion_model.transformer_blocks.0.attn.to_q.lora_A.weight" in keys
     assert not any(k.endswith(".alpha") for k in keys)
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[1]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[1]))
     assert_comfyui_applies_the_merged_model(written[1], transformer, families.for_model(model))
     assert not comfyui_unread(written[0], transformer, families.for_model(model))

@@ -15,7 +15,7 @@ import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, \
-    assert_shift_is_the_schedulers, first_call, fused_change, trained_lora
+    assert_shift_is_the_schedulers, first_call, fused_change, trained_lora, quiet_pipeline
 from safetensors import safe_open
 
 import lorapipe.stages.families as families
@@ -29,13 +29,6 @@ def model(tmp_path_factory) -> Path:
     return families.build_tiny_model(tmp_path_factory.mktemp("qwen21") / "model", "qwen-image-2.1")
 
 
-def _pipeline(model: Path):
-    from diffusers import QwenImage21Pipeline
-
-    pipe = QwenImage21Pipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
 
 def _records(model: Path, captions: list[str]):
     family = families.for_model(model)
@@ -47,7 +40,7 @@ def test_tiny_qwen_image_21_builds_byte_identically_and_loads(model, tmp_path):
     assert "processor/tokenizer.json" in assert_builds_byte_identically(model, "qwen-image-2.1", tmp_path / "again")
     family = families.for_model(model)
     assert (family.name, family.pixel_multiple(model), family.train_instead()) == ("qwen-image-2.1", 32, None)
-    assert family.text_settings(model, TextOptions()).drop_tokens == _pipeline(model)._drop_idx
+    assert family.text_settings(model, TextOptions()).drop_tokens == quiet_pipeline(model)._drop_idx
 
 
 @pytest.mark.parametrize("captions", [CAPTIONS, CAPTIONS[:1]])
@@ -56,7 +49,7 @@ def test_text_records_are_what_the_pipeline_encodes(model, captions):
     left out, as the pipeline leaves it out, when nothing in the batch is padded."""
     family, records = _records(model, captions)
     with torch.no_grad():
-        embeds, mask, _ = _pipeline(model).encode_prompt(list(captions), device="cpu")
+        embeds, mask, _ = quiet_pipeline(model).encode_prompt(list(captions), device="cpu")
     cond = family.conditioning(records, [], ObjectiveParams())
     assert torch.equal(cond["encoder_hidden_states"], embeds)
     if mask is None:
@@ -69,7 +62,7 @@ def test_text_records_are_what_the_pipeline_encodes(model, captions):
 def test_latent_normalisation_is_the_pipelines(model):
     """The VAE's one frame, squeezed into (C, H, W) records, normalised per channel as the pipeline
     normalises a condition image's latents on (B, C, 1, H, W)."""
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     pixels = torch.rand(2, 3, 64, 96, generator=torch.Generator().manual_seed(3)) * 2 - 1
     mean, std = family.load_latent_encoder(model, "cpu")(pixels)
     assert mean.shape == std.shape == (2, 4, 4, 6)
@@ -79,7 +72,7 @@ def test_latent_normalisation_is_the_pipelines(model):
 
 
 def test_denoiser_call_is_the_pipelines(model):
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
         CAPTIONS[:2], num_inference_steps=2, height=64, width=96, true_cfg_scale=1.0,
         generator=torch.Generator().manual_seed(0), output_type="latent"))
@@ -122,7 +115,7 @@ def exported(model, tmp_path_factory):
 def test_diffusers_export_loads_and_means_what_was_trained(model, exported):
     transformer, targets, written = exported
     assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", written[0]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[0]))
 
 
 def test_comfyui_export_fuses_gate_and_up_as_the_original_checkpoint(model, exported):
@@ -145,4 +138,4 @@ def test_comfyui_attention_export_loads_in_diffusers(model, tmp_path):
     family = families.for_model(model)
     transformer, targets = trained_lora(family, model, "attention")
     comfyui = family.export_lora(transformer, tmp_path, {}, {})[1]
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(model), "transformer", comfyui))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", comfyui))

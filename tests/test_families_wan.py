@@ -17,7 +17,7 @@ import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    trained_lora
+    trained_lora, quiet_pipeline
 from safetensors import safe_open
 from test_adapters import exported_comfyui_file, trained_adapter
 
@@ -35,13 +35,6 @@ def models(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("wan")
     return {arch: families.build_tiny_model(root / arch, arch) for arch in ARCHES}
 
-
-def _pipeline(model: Path):
-    from diffusers import WanPipeline
-
-    pipe = WanPipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 def _records(model: Path, captions: list[str], options: TextOptions = TextOptions()):
@@ -104,7 +97,7 @@ def test_each_a14b_expert_predicts_as_the_pipeline_at_its_noise_levels_only(choi
     the chosen expert is the component the pipeline calls in its range, family.predict with it is the
     pipeline's prediction there, and training draws noise levels only in that range."""
     model = models["wan2.2-a14b"]
-    family, pipe = families.for_model(model).with_denoiser(choice), _pipeline(model)
+    family, pipe = families.for_model(model).with_denoiser(choice), quiet_pipeline(model)
     assert family.components.denoiser == component and family.lora_prefix() == "transformer"
     calls = {name: [] for name in ("transformer", "transformer_2")}
     handles = [getattr(pipe, name).register_forward_hook(
@@ -137,7 +130,7 @@ def test_text_records_are_what_the_pipeline_encodes(models, length):
     model = models["wan2.1"]
     family, records = _records(model, CAPTIONS, TextOptions(max_sequence_length=length))
     with torch.no_grad():
-        embeds, _ = _pipeline(model).encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False,
+        embeds, _ = quiet_pipeline(model).encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False,
                                                    max_sequence_length=length or 512)
     cond = family.conditioning(records, [], ObjectiveParams())
     assert set(cond) == {"encoder_hidden_states"} and cond["encoder_hidden_states"].shape == (3, length or 512, 32)
@@ -167,7 +160,7 @@ def test_latents_and_their_normalisation_are_the_pipelines(arch, models):
     (C, F', H', W'); normalised per channel, they are what WanPipeline turns back into the VAE's
     latents before decoding (the decoder's first input, caught by a hook)."""
     model = models[arch]
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     encoder = family.load_latent_encoder(model, "cpu")
     clip = torch.rand(1, 3, 5, 64, 32, generator=torch.Generator().manual_seed(3)) * 2 - 1
     mean, std = encoder(clip)
@@ -193,7 +186,7 @@ def test_denoiser_call_is_the_pipelines(arch, models):
     family.predict on the same latents, the cached records padded by the family and sigma = t / 1000:
     the same timesteps (TI2V-5B: one per latent token) and the same prediction."""
     model = models[arch]
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
         CAPTIONS[:2], num_inference_steps=2, height=64, width=32, num_frames=5, guidance_scale=1.0,
         generator=torch.Generator().manual_seed(0), output_type="latent"))
@@ -254,7 +247,7 @@ def test_diffusers_export_loads_and_means_what_was_trained(models, exported):
                                          "pytorch_lora_weights_comfyui.safetensors"]
     with safe_open(written[0], "pt") as f:
         assert set(f.keys()) == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(models["wan2.1"]), "transformer",
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(models["wan2.1"]), "transformer",
                                                                      written[0]))
 
 
@@ -268,7 +261,7 @@ def test_comfyui_export_loads_in_diffusers_and_comfyui(models, exported):
     assert {"diffusion_model.blocks.0.self_attn.q.lora_A.weight", "diffusion_model.blocks.1.cross_attn.o.lora_B.weight",
             "diffusion_model.blocks.1.ffn.0.lora_A.weight"} <= keys and len(keys) == 2 * len(targets)
     assert not any(k.endswith(".alpha") for k in keys)
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(models["wan2.1"]), "transformer",
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(models["wan2.1"]), "transformer",
                                                                      written[2]))
     assert_comfyui_applies_the_merged_model(written[2], transformer, families.for_model(models["wan2.1"]))
 
@@ -280,7 +273,7 @@ def test_musubi_export_loads_in_diffusers_and_comfyui(models, exported):
     transformer, targets, written = exported
     with safe_open(written[1], "pt") as f:
         assert "lora_unet_blocks_0_self_attn_q.alpha" in f.keys()
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(models["wan2.1"]), "transformer",
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(models["wan2.1"]), "transformer",
                                                                      written[1]))
     assert_comfyui_applies_the_merged_model(written[1], transformer, families.for_model(models["wan2.1"]))
 
@@ -290,7 +283,7 @@ def test_attention_only_comfyui_export_loads_in_diffusers(models, tmp_path):
     family = families.for_model(models["wan2.1"])
     transformer, targets = trained_lora(family, models["wan2.1"], "attention")
     comfy = family.export_lora(transformer, tmp_path, {}, {})[2]
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(models["wan2.1"]), "transformer", comfy))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(models["wan2.1"]), "transformer", comfy))
 
 
 @pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])
@@ -317,7 +310,7 @@ def test_a14b_expert_exports_load_into_their_expert_and_mean_what_was_trained(ch
         assert set(f.keys()) == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
     other = ({"transformer", "transformer_2"} - {family.components.denoiser}).pop()
     for file in written:
-        pipe = _pipeline(model)
+        pipe = quiet_pipeline(model)
         before = {n: p.clone() for n, p in getattr(pipe, other).named_parameters()}
         assert_means_what_was_trained(transformer, targets, fused_change(pipe, family.components.denoiser, file,
                                                                          **family.lora_load_kwargs()))
@@ -336,7 +329,7 @@ def test_the_pipeline_renders_with_the_familys_arguments(models):
     with pytest.raises(ValueError, match=r"evaluate.num_frames: Wan takes windows of 4k\+1 frames .*, not 8"):
         family.clip_kwargs(models["wan2.1"], 8)
     kwargs |= family.clip_kwargs(models["wan2.1"], None)
-    pipe = _pipeline(models["wan2.1"])
+    pipe = quiet_pipeline(models["wan2.1"])
     family.prepare_pipeline(pipe, family.render_defaults()["sampler"], None)
     with pytest.raises(ValueError, match="evaluate.scheduler: Wan renders with flow_unipc, not flow_match_euler"):
         family.prepare_pipeline(pipe, "flow_match_euler", None)

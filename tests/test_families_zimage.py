@@ -11,7 +11,7 @@ import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    trained_lora
+    trained_lora, quiet_pipeline
 from safetensors import safe_open
 
 import lorapipe.stages.families as families
@@ -30,18 +30,11 @@ def turbo(zimage_turbo_model) -> Path:
     return zimage_turbo_model
 
 
-def _pipeline(model: Path):
-    from diffusers import ZImagePipeline
-
-    pipe = ZImagePipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
 
 def test_tiny_zimage_builds_byte_identically_and_loads(base, tmp_path):
     files = assert_builds_byte_identically(base, "z-image", tmp_path / "again")
     assert {"tokenizer/tokenizer.json", "tokenizer/chat_template.jinja"} <= set(files)
-    pipe = _pipeline(base)
+    pipe = quiet_pipeline(base)
     text = pipe.tokenizer.apply_chat_template([{"role": "user", "content": "A cat!"}], tokenize=False,
                                               add_generation_prompt=True, enable_thinking=True)
     assert text == "<|im_start|>user\nA cat!<|im_end|>\n<|im_start|>assistant\n"  # Qwen3's rendering
@@ -66,7 +59,7 @@ def test_text_records_are_what_the_pipeline_encodes(base):
     settings = family.text_settings(base, TextOptions())
     records = family.load_text_encoder(base, settings, torch.float32, "cpu")(CAPTIONS)
     with torch.no_grad():
-        embeds, _ = _pipeline(base).encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False)
+        embeds, _ = quiet_pipeline(base).encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False)
     lengths = [r["hidden_states"].shape[0] for r in records]
     assert len(set(lengths)) == 3 and all(r["hidden_states"].shape[1] == 16 for r in records)
     for record, expected in zip(records, embeds):
@@ -79,7 +72,7 @@ def test_text_records_are_what_the_pipeline_encodes(base):
 
 
 def test_latent_normalisation_is_the_pipelines(base):
-    family, pipe = families.for_model(base), _pipeline(base)
+    family, pipe = families.for_model(base), quiet_pipeline(base)
     pixels = torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(3)) * 2 - 1
     mean, _ = family.load_latent_encoder(base, "cpu")(pixels)
     normalise = family.latent_normalisation(base)
@@ -96,7 +89,7 @@ def test_denoiser_call_is_the_pipelines(variant, base, turbo):
     lengths, no CFG), against family.predict on the stacked latents, the cached records padded by the
     family and the scheduler's sigma: the same prediction, negated into noise - x0."""
     model = base if variant == "base" else turbo
-    family, pipe = families.for_model(model), _pipeline(model)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
     args, _, output = first_call(pipe.transformer, lambda: pipe(
         CAPTIONS[:2], num_inference_steps=2, height=64, width=48, guidance_scale=0.0,
         generator=torch.Generator().manual_seed(0), output_type="latent"))
@@ -144,7 +137,7 @@ def test_diffusers_export_loads_and_means_what_was_trained(base, tmp_path):
     assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
     with safe_open(written[0], "pt") as f:
         assert set(f.keys()) == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", written[0]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(base), "transformer", written[0]))
 
 
 def test_comfyui_export_loads_in_diffusers_and_comfyui(base, tmp_path):
@@ -161,7 +154,7 @@ def test_comfyui_export_loads_in_diffusers_and_comfyui(base, tmp_path):
     modules = {k.removeprefix("diffusion_model.").rsplit(".", 2)[0] for k in keys}
     assert modules == set(targets) and len(keys) == 2 * len(targets)
     assert "diffusion_model.layers.0.attention.to_q.lora_A.weight" in keys
-    assert_means_what_was_trained(transformer, targets, fused_change(_pipeline(base), "transformer", comfy))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(base), "transformer", comfy))
     assert_comfyui_applies_the_merged_model(comfy, transformer, family)
 
 
@@ -174,4 +167,4 @@ def test_evaluate_renders_with_guidance_and_no_negative_prompt(base):
     family = families.for_model(base)
     text = family.text_settings(base, TextOptions())
     settings = RenderSettings(["a photo of a cat"], [0], 1, 32, 1, family.render_kwargs(text, 4.0, ""), family.rendered)
-    assert [[image.size for image in clip] for clip in render_column(_pipeline(base), settings)] == [[(32, 32)]]
+    assert [[image.size for image in clip] for clip in render_column(quiet_pipeline(base), settings)] == [[(32, 32)]]

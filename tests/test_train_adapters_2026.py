@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
-from family_checks import fused_change, merged, weight
+from family_checks import fused_change, merged, weight, quiet_pipeline
 from parallel import case_by_test, selected, started
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -152,18 +152,11 @@ def trained_model(model: Path, work: Path, family: str, kind: str, ema: bool) ->
         return copy.deepcopy(denoiser)
 
 
-def _pipeline(model: Path):
-    from diffusers import DiffusionPipeline
-
-    pipe = DiffusionPipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
 
 def assert_fused_means(model: Path, lora: Path | dict, expected: torch.nn.Module, adapted: list[str]) -> None:
     """diffusers' load_lora_weights + fuse_lora of `lora` in a fresh pipeline gives every adapted
     module the expected (merged) weight and leaves every other Linear as it was."""
-    pipe = _pipeline(model)
+    pipe = quiet_pipeline(model)
     base = {n: m.weight.detach().clone() for n, m in pipe.transformer.named_modules() if isinstance(m, torch.nn.Linear)}
     for name, delta in fused_change(pipe, "transformer", lora).items():
         want = weight(expected, name) if name in adapted else base[name]
@@ -227,7 +220,7 @@ def test_every_exported_file_means_the_trained_model(family, kind, ema, runs):
         assert_fused_means(model, folder / LORA_FILE, expected, adapted)
     else:
         with pytest.raises(ValueError, match=r"Invalid (LoRA|adapter) checkpoint"):
-            _pipeline(model).load_lora_weights(folder, weight_name=LORA_FILE)
+            quiet_pipeline(model).load_lora_weights(folder, weight_name=LORA_FILE)
         fresh = families.for_model(model).load_denoiser(model, torch.float32)
         add_adapter_from_file(fresh, folder / LORA_FILE, "transformer", "default")
         loaded = merged(fresh)
