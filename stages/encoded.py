@@ -3,7 +3,8 @@
 An encode artifact holds what training sees in `samples.json` (in its digest): for every sample
 its split, caption, original size, crop box, size (samples of different buckets differ: batch by
 size), repeats, `role: prior` for a prior dataset's sample (no role: train), and the keys of its
-latent (and, with encode.flip, mirrored `latent_flip`) and text records, ordered by record keys. With encode.caption_variants K > 1 a training sample also has
+latent (and, with encode.flip, mirrored `latent_flip`) and text records, ordered by record keys, and
+for an edit pair the latent records of its reference images (`references`, `references_flip`). With encode.caption_variants K > 1 a training sample also has
 `text_variants` (K keys, `text` is the first) and `caption_variants` (their captions, to read). Where those records are kept lives in
 `locations/index.json` (out of the digest, cache/store.py): each record's shard, offsets and
 content digests, and each sample's id (its file) and dataset. So records moved to other shards,
@@ -93,6 +94,8 @@ class Sample:
     role: str = "train"  # "prior": a regularisation image of a dataset with role: prior (train.prior_loss_weight)
     frames: int = 0  # a clip's window: its frames (its latent record has a frame axis); 0: an image
     fps: float = 0.0  # a clip's window: the frames per second it was sampled at; 0: an image
+    references: tuple[Record, ...] = ()  # its reference images' latent records, in order (an edit pair's)
+    references_flip: tuple[Record, ...] = ()  # theirs mirrored (encode.flip)
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -114,6 +117,7 @@ class Sample:
             tuple(records[key] for key in v.get("text_variants", ())),
             *(records[v[name]] if name in v else None for name in ("mask", "mask_flip")), v.get("role", "train"),
             v.get("frames", 0), v.get("fps", 0.0),
+            *(tuple(records[key] for key in v.get(name, ())) for name in ("references", "references_flip")),
         )
 
 
@@ -153,6 +157,16 @@ class EncodedData:
             raise ValueError(f"sample {sample.id} has no flipped latent: encode with encode.flip: true")
         t = self._tensors(sample.latent_flip if flipped else sample.latent)
         return t["mean"], t["std"]
+
+    def reference_latents(self, sample: Sample, flipped: bool = False) -> torch.Tensor | None:
+        """Its reference images' posterior means (K, C, h, w) under the latent normalisation, as edit
+        pipelines encode their input images (argmax, not a sample); None: it has none."""
+        import torch
+
+        records = sample.references_flip if flipped else sample.references
+        if not sample.references:
+            return None
+        return self.normalisation.apply(torch.stack([self._tensors(r)["mean"].float() for r in records]))
 
     def mask(self, sample: Sample, flipped: bool = False) -> torch.Tensor | None:
         """The loss weights (1, h, w) of the (mirrored) latent, or None where the sample has no mask."""

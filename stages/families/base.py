@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 TextRecord = dict[str, "torch.Tensor"]  # one caption's tensors, as cached in the sample store
 Conditioning = dict[str, "torch.Tensor"]  # a batch's denoiser inputs besides x_t and t, named as its arguments
+REFERENCE_LATENTS = "reference_latents"  # the conditioning's reference images (Family.max_references)
 ALL_LINEAR = "all_linear"  # the LoRA preset every family offers
 DEMO_PHOTOS = Path(files("lorapipe.stages") / "assets" / "demo_images")  # with their .txt captions
 
@@ -87,9 +88,11 @@ class ImageGeometry(Protocol):
 
 
 class TextEncoder(Protocol):
-    """A loaded prompt encoder: captions -> one text record each, tensors in the encode dtype."""
+    """A loaded prompt encoder: captions -> one text record each, tensors in the encode dtype. A
+    family whose text encoder reads images (text_takes_references) also takes each caption's
+    reference images: references[i] for captions[i]."""
 
-    def __call__(self, captions: list[str]) -> list[TextRecord]: ...
+    def __call__(self, captions: list[str], references: list[list[Any]] | None = None) -> list[TextRecord]: ...
 
     def too_long(self, caption: str) -> bool: ...
 
@@ -183,6 +186,14 @@ class Family(ABC):
                                        the batch's conditioning on the CPU, batch first, records
                                        padded by the family's rule; the prediction in float32, in
                                        the latent layout, as the pipeline calls its denoiser
+      references (edit models: preprocess, train, evaluate)
+        max_references, check_references(count)   how many reference images a sample may have; a
+                                       batch's references reach predict as conditioning[REFERENCE_LATENTS]:
+                                       (B, K, C, h, w) normalised posterior means at the target's size
+        reference_render_kwargs(images)   the pipeline call's arguments for a sample's reference images
+        text_takes_references          its text encoder is called encoder(captions, references): each
+                                       caption's reference images (PIL, placed as their latents are),
+                                       and the references' content is in that text record's key
       LoRA (train)
         lora_target_modules(denoiser, preset), check_adapter(denoiser), export_lora(...)
                                        presets as regular expressions over module names; the
@@ -208,6 +219,8 @@ class Family(ABC):
     latent_patch: int = 1  # latent pixels per image token side (Flux: 2x2 patches)
     lora_presets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> what lora_target_modules reads
     block_lists: tuple[str, ...] = ()  # the denoiser's lists of blocks, in run order (swappable_blocks)
+    max_references: int = 0  # reference images a sample may have (an edit model's); 0: none
+    text_takes_references: bool = False  # its text encoder reads the references too (a vision-language one)
     chosen: Denoiser | None = None  # set by with_denoiser on a model with several denoisers
 
     # ---- identity and loading
@@ -334,6 +347,20 @@ class Family(ABC):
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """The denoiser's prediction for x_t (latent layout, already on the denoiser's device),
         packed and unpacked as the family needs, in float32, comparable with the objective's target."""
+
+    # ---- references (edit models)
+    def check_references(self, count: int) -> None:
+        """Refuse, naming the data keys, samples with more reference images than the model takes."""
+        from lorapipe.cache.errors import UserError
+
+        if count > self.max_references:
+            takes = f"takes at most {self.max_references}" if self.max_references else "takes none"
+            raise UserError(f"data.datasets: samples have {count} reference image(s) (control_dir /"
+                            f" reference_columns), but {self.label} {takes}: train an edit model, or remove them")
+
+    def reference_render_kwargs(self, images: list[Any]) -> dict[str, Any]:
+        """The pipeline call's arguments for one sample's reference images (PIL, in order)."""
+        return {"image": images[0] if len(images) == 1 else images}
 
     # ---- LoRA
     @abstractmethod

@@ -28,6 +28,7 @@ import torch
 
 from lorapipe.stages.contract import derived_seed
 from lorapipe.stages.encoded import EncodedData, Sample
+from lorapipe.stages.families.base import REFERENCE_LATENTS
 from lorapipe.stages.train.params import TrainParams
 
 if TYPE_CHECKING:
@@ -41,13 +42,14 @@ class BatchPlan:
 
     def __init__(self, samples: list[Sample], seed: int, batch_size: int, num_processes: int):
         self.seed, self.batch_size, self.global_batch = seed, batch_size, batch_size * num_processes
-        buckets: dict[tuple[int, int, int], list[tuple[Sample, int]]] = {}  # each sample once per repeat (its copy)
+        buckets: dict[tuple[int, ...], list[tuple[Sample, int]]] = {}  # by shape and reference count  # each sample once per repeat (its copy)
         for sample in sorted(samples, key=lambda s: s.content_id):  # not by file name: a rename changes nothing
-            buckets.setdefault(sample.shape, []).extend((sample, copy) for copy in range(sample.repeats))
+            buckets.setdefault((*sample.shape, len(sample.references)), []).extend((sample, copy) for copy in range(sample.repeats))
         self.buckets = [buckets[shape] for shape in sorted(buckets)]
         self.batches_per_epoch = sum(len(b) // self.global_batch for b in self.buckets)
         if self.batches_per_epoch == 0:
-            sizes = {(f"{f}x" if f else "") + f"{h}x{w}": len(b) for (f, h, w), b in sorted(buckets.items())}
+            sizes = {(f"{f}x" if f else "") + f"{h}x{w}" + (f"+{k} references" if k else ""): len(b)
+                     for (f, h, w, k), b in sorted(buckets.items())}
             raise ValueError(
                 f"no bucket of the train split holds a global batch of {self.global_batch} samples"
                 f" (batch_size x num_processes); samples per bucket: {sizes}. Lower batch_size."
@@ -99,6 +101,8 @@ class Batch:
     # sample of the batch has a mask (one without gets weight 1)
     priors: torch.Tensor | None = None  # (B,) bool: which samples come from a dataset with role: prior;
     # None: none of the batch's
+    references: torch.Tensor | None = None  # (B, K, C, h, w) the reference latents of edit pairs (mirrored
+    # with their target); None: the batch's samples have none
 
 
 def draws_flipped(sample: Sample, rng: torch.Generator) -> bool:
@@ -111,7 +115,7 @@ def load_batch(data: EncodedData, samples: list[Sample], rng: torch.Generator, c
     """Pick plain or mirrored latents, sample each posterior and normalise it, drop captions (to the
     cached empty prompt) with probability caption_dropout; the loss masks of the latents picked."""
     empty = data.empty_text()
-    latents, texts, images, masks = [], [], [], []
+    latents, texts, images, masks, references = [], [], [], [], []
     for sample in samples:
         flipped = draws_flipped(sample, rng)
         mean, std = (t.float() for t in data.latent(sample, flipped))
@@ -120,9 +124,11 @@ def load_batch(data: EncodedData, samples: list[Sample], rng: torch.Generator, c
         texts.append(empty if dropped else data.text(sample))
         images.append((sample, flipped))
         masks.append(data.mask(sample, flipped))
+        references.append(data.reference_latents(sample, flipped))
     priors = [sample.role == "prior" for sample in samples]
     return Batch(torch.cat(latents), texts, images, batch_masks(masks, latents[0].shape[-2:]),
-                 torch.tensor(priors) if any(priors) else None)
+                 torch.tensor(priors) if any(priors) else None,
+                 None if references[0] is None else torch.stack(references))
 
 
 def batch_masks(masks: list[torch.Tensor | None], size: torch.Size) -> torch.Tensor | None:
@@ -163,7 +169,10 @@ def step_inputs(family: Family, objective: Objective, batch: Batch, rng: torch.G
     """Noise the batch's latents at timesteps drawn from `rng` (on the CPU): the objective's noisy
     input, target and weight, and the family's conditioning."""
     noised = objective.noised(batch.latents, *objective.draw(batch.latents, rng))
-    return StepInputs(noised.noisy, noised.timesteps, family.conditioning(batch.texts, batch.images, params),
+    conditioning = family.conditioning(batch.texts, batch.images, params)
+    if batch.references is not None:
+        conditioning[REFERENCE_LATENTS] = batch.references
+    return StepInputs(noised.noisy, noised.timesteps, conditioning,
                       noised.target, prior_weighted(noised.weight, batch.priors, params.prior_loss_weight),
                       batch.masks, batch.priors)
 
