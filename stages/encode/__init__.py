@@ -60,6 +60,7 @@ from ..progress import ProgressLines
 from .captions import CaptionAugmentation
 from .images import ImageCrops, sample_label
 from .masks import mask_key
+from .references import reference_id, with_references
 
 VERSION = "5"  # 5: the family, its text settings and latent normalisation in samples.json
 OUTPUT_FILES: tuple[OutputFile, ...] = ()  # its index is train's and evaluate's input, not the user's
@@ -171,6 +172,8 @@ class SampleKeys:
     empty: str
     mask: dict[str, str] = field(default_factory=dict)
     mask_flip: dict[str, str] = field(default_factory=dict)
+    references: dict[str, tuple[str, ...]] = field(default_factory=dict)  # sample id -> its references' ids
+    # (encode/references.py), whose latent keys `latent` and `latent_flip` hold
 
     @classmethod
     def of(cls, dataset: list[dict], params: EncodeParams, vae_digest: str, text: dict,
@@ -189,15 +192,26 @@ class SampleKeys:
             progress.advance()
         empty = text_key("", params, text)
         masked = [s for s in dataset if "mask" in s]
-        return cls({s["id"]: latent_key(s, params, vae_digest) for s in dataset},
-                   {s["id"]: latent_key(s, params, vae_digest, True) for s in dataset} if params.flip else {},
+        images = with_references(dataset)
+        return cls({s["id"]: latent_key(s, params, vae_digest) for s in images},
+                   {s["id"]: latent_key(s, params, vae_digest, True) for s in images} if params.flip else {},
                    texts, {**captions, empty: ""}, empty,
                    {s["id"]: mask_key(s, mask_factor) for s in masked},
-                   {s["id"]: mask_key(s, mask_factor, True) for s in masked} if params.flip else {})
+                   {s["id"]: mask_key(s, mask_factor, True) for s in masked} if params.flip else {},
+                   {s["id"]: tuple(reference_id(s["id"], k) for k in range(len(s["references"])))
+                    for s in dataset if "references" in s})
 
     def of_sample(self, sample_id: str) -> list[str]:
-        return [*(table[sample_id] for table in (self.latent, self.latent_flip, self.mask, self.mask_flip)
-                  if sample_id in table), *self.text[sample_id]]
+        images = (sample_id, *self.references.get(sample_id, ()))
+        return [*(table[image] for image in images for table in (self.latent, self.latent_flip)
+                  if image in table),
+                *(table[sample_id] for table in (self.mask, self.mask_flip) if sample_id in table),
+                *self.text[sample_id]]
+
+    def reference_latents(self, sample_id: str, flip: bool = False) -> list[str]:
+        """Its references' latent keys (mirrored ones with `flip`), in order."""
+        table = self.latent_flip if flip else self.latent
+        return [table[image] for image in self.references.get(sample_id, ())]
 
     def latents(self) -> set[str]:
         return {*self.latent.values(), *self.latent_flip.values()}
@@ -218,9 +232,11 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     from .workers import EncodeJobs, encode_at
 
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
+    images = with_references(dataset)  # what latent jobs index
     family = inputs.bound_family()
     check_sizes(dataset, family.pixel_multiple(inputs.model_path), family.label)
     check_frames(dataset, family, inputs.model_path, inputs.datasets)
+    family.check_references(max(len(s.get("references", ())) for s in dataset))
     settings = family.text_settings(inputs.model_path, params)
     keys = SampleKeys.of(dataset, params, family.components.latent_digest(inputs.model_digests),
                          text_ingredients(family, settings, inputs), family.latent_downsampling(inputs.model_path),
@@ -228,15 +244,22 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     store = open_sample_store(inputs.cache_root)
     _add_member_digests(store, keys, log)
     missing = set(store.missing(keys.all()))
-    jobs = EncodeJobs.plan(dataset, keys, missing, inputs.datasets)
+    jobs = EncodeJobs.plan(images, keys, missing, inputs.datasets)
     masks = f", {len(jobs.masks)} loss masks" if jobs.masks else ""
     log(f"encode: {len(jobs.latents)} latents and {len(jobs.texts)} text embeddings{masks} to encode,"
         f" {jobs.reused_latents} latents reused")
     placement = (placement or place(where(options))).sized(len(jobs.latents))
     failed = encode_at(placement, jobs, params, inputs, options, work_dir, log) if jobs.keys() else {}
-    failed_jobs = sum(1 for _, i, _ in jobs.latents if dataset[i]["id"] in failed)
+    images_by_id = {s["id"]: s for s in images}
+    failed_jobs = sum(1 for _, i, _ in jobs.latents if images[i]["id"] in failed)
+    undecodable = {sample_label(s, inputs.datasets): failed[s["id"]] for s in images if s["id"] in failed}
+    for s in dataset:  # an edit pair whose reference cannot be decoded is left out with it, never trained unpaired
+        broken = next((images_by_id[r] for r in keys.references.get(s["id"], ()) if r in failed), None) \
+            if failed else None
+        if broken is not None and s["id"] not in failed:
+            failed[s["id"]] = f"its reference {sample_label(broken, inputs.datasets)} cannot be decoded"
+            undecodable[sample_label(s, inputs.datasets)] = failed[s["id"]]
     usable = [s for s in dataset if s["id"] not in failed]
-    undecodable = {sample_label(s, inputs.datasets): failed[s["id"]] for s in dataset if s["id"] in failed}
     if not usable:
         first = next(iter(undecodable.items()))
         raise ValueError(f"encode: none of the {len(dataset)} images could be decoded; the first, {first[0]}: {first[1]}")
@@ -254,7 +277,7 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
         "texts_encoded": len(jobs.texts), "texts_reused": len(keys.texts()) - len(jobs.texts),
         "masks_encoded": sum(1 for _, i, _ in jobs.masks if dataset[i]["id"] not in failed),
         "masks_reused": len(keys.masks()) - len(jobs.masks),
-        "undecodable": len(failed), "processes": placement.processes,
+        "undecodable": len(undecodable), "processes": placement.processes,
     }
     log("encode: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
     sizes = dict(sorted(Counter(f"{s['size'][1]}x{s['size'][0]}" for s in usable).items()))
@@ -305,6 +328,14 @@ def check_frames(dataset: list[dict], family: families.Family, model_path: Path,
                             f" a window of {len(s['frames'])} frames")
 
 
+def _reference_entries(keys: SampleKeys, sample_id: str, flip: bool) -> dict:
+    """An edit pair's reference latent keys (absent for a sample without references)."""
+    if sample_id not in keys.references:
+        return {}
+    mirrored = {"references_flip": keys.reference_latents(sample_id, True)} if flip else {}
+    return {"references": keys.reference_latents(sample_id), **mirrored}
+
+
 def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: SampleStore,
                  datasets: tuple[DatasetSource, ...], header: dict) -> dict:
     """Write samples.json (in record-key order, after `header`) and locations/index.json; return the
@@ -326,6 +357,7 @@ def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: Sa
             **({"frames": len(s["frames"]), "fps": s["fps"]} if "frames" in s else {}),
             "latent": keys.latent[s["id"]], "text": texts[0], **variants, **flip, **masks,
             **({"role": s["role"]} if "role" in s else {}),  # a prior sample's (absent: train, as before)
+            **_reference_entries(keys, s["id"], header["flip"]),
         }
 
     used = sorted({keys.empty} | {k for s in ordered for k in keys.of_sample(s["id"])})

@@ -52,7 +52,7 @@ class EncodeJobs:
              datasets: tuple[DatasetSource, ...]) -> "EncodeJobs":
         texts = {keys.empty: ("", "the empty prompt")}
         for s in dataset:
-            for key in keys.text[s["id"]]:
+            for key in keys.text.get(s["id"], ()):  # a reference image has no caption
                 texts.setdefault(key, (keys.captions[key], sample_label(s, datasets)))
         latents = {}
         for i, s in enumerate(dataset):
@@ -198,10 +198,11 @@ def read_spec(job: Job) -> tuple[EncodeParams, EncodeInputs, EncodeOptions, Enco
     """What `encode_at` wrote into the job, and the dataset its latent jobs index."""
     from . import EncodeInputs, EncodeOptions, EncodeParams
     from ..preprocess import DATASET_FILE
+    from .references import with_references
 
     spec = job.spec
     inputs = EncodeInputs.from_json(spec["inputs"])
     jobs = EncodeJobs([tuple(t) for t in spec["texts"]], [tuple(t) for t in spec["latents"]], spec["reused"],
                       [tuple(t) for t in spec["masks"]])
-    dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
+    dataset = with_references(json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"])
     return EncodeParams(**spec["params"]), inputs, EncodeOptions(**spec["options"]), jobs, dataset

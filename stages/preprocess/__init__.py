@@ -6,8 +6,10 @@ Reads:  one or more datasets (stages/preprocess/sources.py): nested image folder
 Writes: dataset.json: per sample id, dataset index (`source`), relative path, content digest,
         caption, repeats, original size, target size (a square or a bucket), resized size, crop
         box, split, `background` for images with alpha, and `mask` for images with a loss mask
-        (a sidecar's path and digest, or the alpha channel: the dataset's `mask` setting), and
-        `role: prior` for images of a prior dataset (never held out);
+        (a sidecar's path and digest, or the alpha channel: the dataset's `mask` setting),
+        `role: prior` for images of a prior dataset (never held out), and for an edit pair its
+        `references` (each reference image's path, digest, sizes and crop box in the target's
+        bucket: stages/preprocess/references.py);
         report.json: every rejected file or metadata row, its reason and detail, counts per
         reason, and warnings (`small_image`).
 Key:    these params + per dataset its settings and a fingerprint of its files (relative paths and
@@ -32,6 +34,7 @@ from ..contract import Frozen, Log, OutputFile
 from ..video import ClipInfo
 from .clips import VideoSampling, cut_summary, inspect_clip, window_digest, windows
 from .crops import generated_buckets, nearest_bucket, place, shrink_to_fit
+from .references import placed_reference
 from .sources import BadRow, Candidate, DatasetSource, MissingCaption, candidates, fingerprint
 from .validation import ImageInfo, Rejected, inspect_image, mask_entry, summary_lines
 
@@ -180,11 +183,16 @@ def _validate(found: list[Candidate], params: PreprocessParams,
                 if seen in first_of:
                     raise Rejected("duplicate", f"{what} {first_of[seen]}")
             if clip:
+                if c.references or c.reference_problem:
+                    raise Rejected("unsupported", "a clip cannot be an edit target (control_dir / reference_columns)")
                 samples.extend(_clip_samples(c, sample_id, info, clip, caption, source, params))
                 warnings.extend(_clip_warnings(c, clip))
             else:
                 mask = mask_entry(c, info, source)
-                samples.append(_sample(c, sample_id, info, caption, source, params))
+                sample = _sample(c, sample_id, info, caption, source, params)
+                if c.references or c.reference_problem:
+                    sample["references"] = _placed_references(c, sample["size"], params)
+                samples.append(sample)
                 if mask:
                     samples[-1]["mask"] = mask
             first_of.update({info.digest: c.label, sample_id: c.label})
@@ -198,6 +206,21 @@ def _validate(found: list[Candidate], params: PreprocessParams,
         raise ValueError(f"{datasets[c.source].path}/{c.rel}: no caption ({c.caption_problem}){more}; set"
                          " missing_caption (preprocess or the dataset's) to skip, filename or empty")
     return samples, rejected, warnings
+
+
+def _placed_references(c: Candidate, size: list[int], params: PreprocessParams) -> list[dict]:
+    """The target's reference images placed in its bucket (stages/preprocess/references.py), or
+    Rejected naming the reference that cannot be used."""
+    if c.reference_problem:
+        raise Rejected(*c.reference_problem)
+    placed = []
+    for ref in c.references:
+        try:
+            info = inspect_image(ref, 0)
+        except Rejected as r:
+            raise Rejected("bad_reference", f"its reference {ref.rel}: {r.reason}: {r.detail}") from None
+        placed.append(placed_reference(ref.rel, info, size, list(params.background)))
+    return placed
 
 
 def _clip_samples(c: Candidate, sample_id: str, info: ImageInfo, clip: ClipInfo, caption: str,

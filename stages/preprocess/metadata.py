@@ -37,6 +37,8 @@ class RowProblem:
 class MetadataCaption:
     text: str | None  # None: the row has no value in the caption column
     where: str  # "metadata.jsonl:3"
+    file: str = ""  # the metadata file, relative to the dataset folder
+    row: dict | None = None  # the whole row (its reference columns: stages/preprocess/references.py)
 
 
 def metadata_captions(listing: Listing, offered: set[str], column: str
@@ -65,7 +67,7 @@ def metadata_captions(listing: Listing, offered: set[str], column: str
                 problems.append(RowProblem(meta, line, reason, detail))
                 continue
             caption = row.get(column)
-            captions[rel] = MetadataCaption(None if caption is None else str(caption), where)
+            captions[rel] = MetadataCaption(None if caption is None else str(caption), where, meta, row)
     return captions, problems
 
 

@@ -24,7 +24,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import BinaryIO, Callable, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from lorapipe.cache.digest import StatCache, digest_bytes, digest_json
 from lorapipe.cache.objects import ObjectFile, is_url, join, read_url
@@ -33,6 +33,7 @@ from ..contract import Frozen, PathOrUrl, location_name
 from ..video import VIDEO_SUFFIXES, ClipInfo, read_clip
 from .listing import Listing, list_folder, named_inside, within
 from .metadata import METADATA_FILES, MetadataCaption, RowProblem, metadata_captions
+from .references import ReferenceNames, column_references, control_reference, control_stems, in_control_dir
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 CLIP_RECORD = "clip-frames-1"  # the stat cache's name for a clip's frame times and digests (stages/video.py)
@@ -79,9 +80,38 @@ class DatasetSource(Frozen):
         " images of its class (DreamBooth prior preservation): trained on with train.prior_loss_weight (and"
         " train.prior_target), never held out for evaluation")
 
+    control_dir: str | None = Field(  # unset: out of the preprocess key
+        None, exclude_if=lambda v: v is None, description="edit pairs: a folder inside the dataset holding each target's reference image, matched by"
+        " relative path without suffix (control/a.png is a.jpg's); its images are not targets")
+    reference_columns: tuple[str, ...] = Field(  # unset: out of the preprocess key
+        (), exclude_if=lambda v: not v, description="edit pairs: metadata columns naming a target's reference"
+        " image(s), a path or a list of paths relative to the metadata file (after control_dir's, in order)")
+
     @property
     def label(self) -> str:
         return self.name or location_name(self.path)
+
+    @property
+    def pairs(self) -> bool:
+        """Its targets come with reference images (an edit dataset)."""
+        return bool(self.control_dir or self.reference_columns)
+
+    @field_validator("control_dir")
+    @classmethod
+    def _control_dir_inside(cls, folder: str | None) -> str | None:
+        if folder is None:
+            return None
+        rel = posixpath.normpath(folder)
+        if rel in (".", "..") or rel.startswith(("../", "/")):
+            raise ValueError(f"control_dir {folder!r} must name a folder inside the dataset, relative to it")
+        return rel
+
+    @model_validator(mode="after")
+    def _pairs_in_folders(self) -> "DatasetSource":
+        if self.pairs and self.format != "folder":
+            raise ValueError(f"{self.path}: control_dir / reference_columns need the folder format (with"
+                             f" metadata files), not {self.format}")
+        return self
 
     @model_validator(mode="after")
     def _prior_not_held_out(self) -> "DatasetSource":
@@ -129,6 +159,8 @@ class Candidate:
     digest: Callable[[], str]  # content digest of those bytes (stat-cached for files)
     mask: MaskFile | None = None  # its sidecar mask (a folder dataset with mask: sidecar)
     clip: Callable[[], ClipInfo] | None = None  # a video file's frames (VideoProblem if it is not a clip)
+    references: tuple[Candidate, ...] = ()  # an edit pair's reference images, in order (references.py)
+    reference_problem: tuple[str, str] | None = None  # (reason, detail): a reference missing, ambiguous, ...
 
 
 @dataclass(frozen=True)
@@ -148,6 +180,7 @@ class FolderScan:
     masks: dict[str, str]  # image -> its sidecar mask (mask: sidecar), by relative path
     metadata: tuple[str, ...]  # metadata files, by relative path
     refused: tuple[tuple[str, str, str], ...]  # (relative path, reason, detail)
+    controls: dict[str, list[str]]  # control_dir's images by relative stem (references.py)
 
 
 def scan_folder(source: DatasetSource) -> FolderScan:
@@ -155,7 +188,7 @@ def scan_folder(source: DatasetSource) -> FolderScan:
     refused = [(rel, skip.reason, SKIPPED_DETAIL[skip.reason]) for rel, skip in listing.skipped.items()
                if skip.folder or _offered_name(rel)]
     images, masks = {}, {}
-    for rel in (r for r in listing.files if _image_name(r)):
+    for rel in (r for r in listing.files if _image_name(r) and not in_control_dir(r, source.control_dir)):
         stem = rel.rsplit(".", 1)[0]
         if source.mask == "sidecar" and stem + MASK_SUFFIX in listing.files:
             masks[rel] = stem + MASK_SUFFIX
@@ -167,7 +200,8 @@ def scan_folder(source: DatasetSource) -> FolderScan:
         else:
             images[rel] = sidecar
     metadata = tuple(r for r in listing.files if posixpath.basename(r) in METADATA_FILES)
-    return FolderScan(listing, images, masks, metadata, tuple(refused))
+    controls = control_stems(listing, source.control_dir, _image_name) if source.control_dir else {}
+    return FolderScan(listing, images, masks, metadata, tuple(refused), controls)
 
 
 def _image_name(rel: str) -> bool:
@@ -197,7 +231,8 @@ def fingerprint(source: DatasetSource, stat_cache: StatCache) -> str:
         files = list_folder(source.path, source.follow_symlinks).files
         return digest_json([[rel, _file_digest(path, stat_cache)] for rel, path in files.items()])
     scan = scan_folder(source)
-    used = sorted({*scan.images, *filter(None, scan.images.values()), *scan.masks.values(), *scan.metadata})
+    controls = (rel for found in scan.controls.values() for rel in found)
+    used = sorted({*scan.images, *filter(None, scan.images.values()), *scan.masks.values(), *scan.metadata, *controls})
     return digest_json({"files": [[rel, _file_digest(scan.listing.files[rel], stat_cache)] for rel in used],
                         "refused": scan.refused})
 
@@ -207,7 +242,8 @@ def candidates(source: DatasetSource, index: int, prefix: str, stat_cache: StatC
     if source.format != "folder":
         return Offered(_table_candidates(source, index, prefix), [])
     scan = scan_folder(source)
-    offered = {rel for rel in (*scan.listing.files, *scan.listing.skipped) if _image_name(rel)}
+    offered = {rel for rel in (*scan.listing.files, *scan.listing.skipped)
+               if _image_name(rel) and not in_control_dir(rel, source.control_dir)}
     captions, problems = metadata_captions(scan.listing, offered, source.caption_column)
     if problems and source.on_bad_row == "error":
         raise ValueError(_bad_row_error(source, problems))
@@ -217,10 +253,33 @@ def candidates(source: DatasetSource, index: int, prefix: str, stat_cache: StatC
         caption, problem = _caption(source, rel, captions.get(rel), sidecar and scan.listing.files[sidecar])
         found.append(Candidate(index, rel, prefix + rel, caption, problem, lambda path=path: path.open("rb"),
                                lambda path=path: stat_cache.digest(path), _mask_file(scan, rel, stat_cache),
-                               _clip(path, stat_cache) if rel.lower().endswith(VIDEO_SUFFIXES) else None))
+                               _clip(path, stat_cache) if rel.lower().endswith(VIDEO_SUFFIXES) else None,
+                               *_references(source, index, scan, rel, captions.get(rel), stat_cache)))
     refused = [{"path": prefix + rel, "reason": reason, "detail": detail} for rel, reason, detail in scan.refused]
     refused += [{"path": prefix + p.where, "reason": p.reason, "detail": p.detail} for p in problems]
     return Offered(found, refused)
+
+
+def _references(source: DatasetSource, index: int, scan: FolderScan, image: str, row: MetadataCaption | None,
+                stat_cache: StatCache) -> tuple[tuple[Candidate, ...], tuple[str, str] | None]:
+    """The image's reference images as candidates (control_dir's, then its metadata row's
+    reference_columns'), or why it has none usable."""
+    found = _reference_names(source, scan, image, row)
+    files = [(rel, scan.listing.files[rel]) for rel in found.paths]
+    return tuple(Candidate(index, rel, rel, None, "", lambda path=path: path.open("rb"),
+                           lambda path=path: stat_cache.digest(path)) for rel, path in files), found.problem
+
+
+def _reference_names(source: DatasetSource, scan: FolderScan, image: str, row: MetadataCaption | None
+                     ) -> ReferenceNames:
+    found = control_reference(image, source.control_dir, scan.controls) if source.control_dir else ReferenceNames()
+    if found.problem or not source.reference_columns:
+        return found
+    if row is None:
+        return ReferenceNames(problem=("missing_reference", "no metadata row names its references"
+                                       f" ({', '.join(source.reference_columns)})"))
+    listed = column_references(row.row, row.where, row.file, source.reference_columns, scan.listing)
+    return ReferenceNames(found.paths + listed.paths, listed.problem)
 
 
 def _clip(path: Path | ObjectFile, stat_cache: StatCache) -> Callable[[], ClipInfo]:
