@@ -7,16 +7,20 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
     trained_lora, quiet_pipeline
+from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import lorapipe.stages.families as families
+from lorapipe.cache.errors import UserError
 from lorapipe.stages.families import ObjectiveParams, TextOptions, TimestepSampling
+from lorapipe.stages.families.base import REFERENCE_LATENTS
 
 CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 
@@ -98,6 +102,64 @@ def test_denoiser_call_is_the_pipelines(variant, base, distilled):
         predicted = family.predict(pipe.transformer, noisy, pipe.scheduler.sigmas[0].expand(2), cond, torch.float32)
     assert noisy.shape == (2, 32, 4, 3)
     assert torch.equal(predicted, pipe._unpack_latents_with_ids(output[0], kwargs["img_ids"], 4, 3))
+
+
+def reference_images(count: int, width: int = 64, height: int = 80) -> list[Image.Image]:
+    generator = torch.Generator().manual_seed(count)
+    return [Image.fromarray(torch.randint(0, 256, (height, width, 3), generator=generator, dtype=torch.uint8).numpy())
+            for _ in range(count)]
+
+
+def reference_latents(family, model: Path, images: list[Image.Image]) -> torch.Tensor:
+    """(K, C, h, w): the images' normalised posterior means, as encode records them and training reads them."""
+    pixels = torch.stack([torch.from_numpy(np.array(image)).permute(2, 0, 1) for image in images]).float()
+    mean, _ = family.load_latent_encoder(model, "cpu")(pixels / 255 * 2 - 1)
+    return family.latent_normalisation(model).apply(mean)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+def test_denoiser_call_with_references_is_the_pipelines(count, base):
+    """An edit pair's references, encoded by our VAE at the target's size, are the tokens and ids
+    Flux2KleinPipeline(image=...) appends to the noisy ones, and the prediction is its own."""
+    family, pipe = families.for_model(base), quiet_pipeline(base)
+    images = reference_images(count)
+    _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
+        prompt=CAPTIONS[:2], num_inference_steps=2, height=80, width=64, guidance_scale=1.0, max_sequence_length=64,
+        generator=torch.Generator().manual_seed(0), output_type="latent", **family.reference_render_kwargs(images)))
+    settings = family.text_settings(base, TextOptions(max_sequence_length=64))
+    cond = family.conditioning(family.load_text_encoder(base, settings, torch.float32, "cpu")(CAPTIONS[:2]), [],
+                               ObjectiveParams())
+    references = reference_latents(family, base, images)
+    cond[REFERENCE_LATENTS] = references.unsqueeze(0).expand(2, *references.shape)
+    tokens = 5 * 4
+    noisy = pipe._unpack_latents_with_ids(kwargs["hidden_states"][:, :tokens], kwargs["img_ids"][:, :tokens], 5, 4)
+    sigma = pipe.scheduler.sigmas[0].expand(2)
+    predicted = []
+    with torch.no_grad():
+        _, mine, _ = first_call(pipe.transformer, lambda: predicted.append(family.predict(
+            pipe.transformer, noisy, sigma, cond, torch.float32)))
+        unreferenced = family.predict(pipe.transformer, noisy, sigma, {"encoder_hidden_states": cond[
+            "encoder_hidden_states"]}, torch.float32)
+    assert kwargs["hidden_states"].shape[1] == tokens * (1 + count)
+    assert torch.equal(mine["img_ids"], kwargs["img_ids"])
+    assert torch.allclose(mine["hidden_states"], kwargs["hidden_states"], atol=1e-5)
+    expected = pipe._unpack_latents_with_ids(output[0][:, :tokens], kwargs["img_ids"][:, :tokens], 5, 4)
+    assert predicted[0].shape == (2, 32, 5, 4)
+    assert torch.allclose(predicted[0], expected, atol=1e-5)
+    assert not torch.allclose(unreferenced, expected, atol=1e-3)
+
+
+def test_references_render_as_the_pipelines_list_up_to_four(base):
+    family = families.for_model(base)
+    images = reference_images(2)
+    assert family.max_references == 4
+    assert family.reference_render_kwargs(images[:1]) == {"image": images[:1]}
+    assert family.reference_render_kwargs(images) == {"image": images}
+    with pytest.raises(ValueError, match="evaluate.resolution: Flux2KleinPipeline shrinks a reference image"):
+        family.reference_render_kwargs(reference_images(1, 1024, 1040))
+    family.check_references(4)
+    with pytest.raises(UserError, match="takes at most 4"):
+        family.check_references(5)
 
 
 def test_shift_is_the_pipelines_empirical_mu(base, distilled):

@@ -13,6 +13,13 @@ Timesteps: the pipeline shifts its sigmas by Flux.2's empirical mu of the image'
 the step count when the scheduler config asks for dynamic shifting, so "model" means that shift at
 the variant's render steps (objectives.TimestepSampling.shift_steps overrides them).
 
+Edit pairs: Klein takes up to four reference images (BFL's API bound; diffusers' pipeline sets none).
+The pipeline encodes each as the target is encoded (posterior mode, patchified, the same batch-norm
+normalisation), so a reference's record is normalised like a target's; its tokens follow the noisy
+ones with ids (10 + 10 k, row, col, 0) for the k-th reference, and only the noisy tokens' prediction
+is kept. The pipeline keeps a reference image of at most 1024 x 1024 pixels as it is and shrinks a
+larger one to that area.
+
 Variants are data: the distilled Klein (4 steps) is told apart by model_index.json's `is_distilled`;
 training on it breaks the distillation, so the family names the base checkpoints instead.
 
@@ -34,7 +41,7 @@ from typing import TYPE_CHECKING, Any
 from lorapipe.stages.lora_formats.original_names import (COMFYUI, KOHYA, OriginalNames, derive_original_names,
                                                          weight_keys)
 
-from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, stack
+from .base import REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, TextOptions, TextRecord, stack
 from .flow import MODEL_INDEX, FlowFamily, FlowVariant, presets_field
 from .latents import PatchedBatchNorm, patched_batch_norm_of
 from .objectives import ObjectiveParams, TimestepSampling
@@ -55,6 +62,8 @@ ORIGINAL_TOP = ("img_in", "txt_in", "time_in.in_layer", "time_in.out_layer", "do
                 "double_stream_modulation_txt.lin", "single_stream_modulation.lin", "final_layer.linear",
                 "final_layer.adaLN_modulation.1")
 TIMESTEP_SCALE = 1000  # the pipeline's scheduler timesteps are 1000 sigma; the transformer reads t / 1000
+MAX_REFERENCES = 4  # what BFL's API takes for Klein; the diffusers pipeline sets no bound
+REFERENCE_MAX_AREA = 1024 * 1024  # Flux2KleinPipeline shrinks a larger reference image to this area
 BASES = "black-forest-labs/FLUX.2-klein-base-4B (or -base-9B for the 9B model)"
 
 VARIANTS = (
@@ -96,16 +105,19 @@ class Flux2Klein(FlowFamily):
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As Flux2KleinPipeline calls its transformer: the patchified latents packed to tokens with
-        (0, row, col, 0) ids, text ids (0, 0, 0, position), t / 1000, no guidance; unpacked back."""
+        (0, row, col, 0) ids, an edit pair's references after them (with_references), text ids (0, 0,
+        0, position), t / 1000, no guidance; the noisy tokens' prediction unpacked back."""
         from diffusers import Flux2KleinPipeline as Pipe
 
         text = conditioning["encoder_hidden_states"].to(device=noisy.device, dtype=dtype)
         latent_ids = Pipe._prepare_latent_ids(noisy).to(noisy.device)
+        tokens, ids = with_references(Pipe._pack_latents(noisy), latent_ids, conditioning.get(REFERENCE_LATENTS))
         t = timesteps * TIMESTEP_SCALE / TIMESTEP_SCALE
-        out = transformer(hidden_states=Pipe._pack_latents(noisy).to(dtype), timestep=t.to(dtype), guidance=None,
+        out = transformer(hidden_states=tokens.to(dtype), timestep=t.to(dtype), guidance=None,
                           encoder_hidden_states=text, txt_ids=Pipe._prepare_text_ids(text).to(noisy.device),
-                          img_ids=latent_ids, return_dict=False)[0]
-        return Pipe._unpack_latents_with_ids(out, latent_ids, noisy.shape[2], noisy.shape[3]).float()
+                          img_ids=ids, return_dict=False)[0]
+        noisy_tokens = out[:, :latent_ids.shape[1]]
+        return Pipe._unpack_latents_with_ids(noisy_tokens, latent_ids, noisy.shape[2], noisy.shape[3]).float()
 
     # ---- LoRA
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
@@ -120,11 +132,39 @@ class Flux2Klein(FlowFamily):
         return {"guidance_scale": guidance_scale, "max_sequence_length": settings.max_sequence_length,
                 "text_encoder_out_layers": settings.hidden_layers}
 
+    def reference_render_kwargs(self, images: list[Any]) -> dict[str, Any]:
+        """The references as the list Flux2KleinPipeline takes. It keeps an image of at most 1024 x 1024
+        pixels with sides multiples of 16 as it is (images placed at a target's size are), and shrinks
+        a larger one to that area: refused, as it would not be the reference training saw."""
+        for image in images:
+            if image.width * image.height > REFERENCE_MAX_AREA:
+                raise ValueError(f"evaluate.resolution: Flux2KleinPipeline shrinks a reference image above"
+                                 f" 1024 x 1024 pixels ({image.width} x {image.height}) to that area, so it would"
+                                 f" not be the reference training saw; render at 1024 or less")
+        return {"image": list(images)}
+
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path:
         from .tiny.flux2 import build_tiny_flux2
 
         return build_tiny_flux2(out_dir, variant.distilled)
+
+
+def with_references(tokens: torch.Tensor, ids: torch.Tensor,
+                    references: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The noisy tokens and ids followed, for an edit pair, by its references' (B, K, C, h, w) tokens and
+    ids, as Flux2KleinPipeline.prepare_image_latents makes them: each reference packed like the
+    latents, in order, with a time offset of its own (_prepare_image_ids)."""
+    if references is None:
+        return tokens, ids
+    import torch
+    from diffusers import Flux2KleinPipeline as Pipe
+
+    references = references.to(tokens.device)
+    each = [references[:, k] for k in range(references.shape[1])]
+    reference_ids = Pipe._prepare_image_ids([r[:1] for r in each]).to(ids.device).expand(len(tokens), -1, -1)
+    reference_tokens = torch.cat([Pipe._pack_latents(r) for r in each], dim=1).to(tokens.dtype)
+    return torch.cat([tokens, reference_tokens], dim=1), torch.cat([ids, reference_ids], dim=1)
 
 
 @cache
@@ -145,5 +185,5 @@ FLUX2_KLEIN = Flux2Klein(
     sequence_patch=1, original_formats=(KOHYA, COMFYUI),
     single_file_markers=("double_stream_modulation_img.lin.weight",  # shared modulation: Flux.2's, not Flux.1's
                          "model.diffusion_model.double_stream_modulation_img.lin.weight"),
-    block_lists=("transformer_blocks", "single_transformer_blocks"),
+    block_lists=("transformer_blocks", "single_transformer_blocks"), max_references=MAX_REFERENCES,
 )
