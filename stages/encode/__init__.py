@@ -133,12 +133,18 @@ class EncodeInputs:
                    Path(v["cache_root"]), Path(v["model_path"]), v["family"], v["model_digests"])
 
 
-def latent_key(sample: dict, params: EncodeParams, vae_digest: str, flip: bool = False) -> str:
-    pixels = {"image": sample["digest"], "resized": sample["resized"], "crop_box": sample["crop_box"], "flip": flip}
+def pixel_identity(sample: dict) -> dict:
+    """What an image's placed pixels depend on: its bytes, resize and crop (and background, for an
+    image with alpha)."""
+    pixels = {"image": sample["digest"], "resized": sample["resized"], "crop_box": sample["crop_box"]}
     if "background" in sample:  # only images with alpha depend on it
         pixels["background"] = sample["background"]
-    return digest_json({**pixels, "dtype": params.dtype, "vae": vae_digest, "version": LATENT_VERSION,
-                        "libs": library_majors("torch", "diffusers")})[:40]
+    return pixels
+
+
+def latent_key(sample: dict, params: EncodeParams, vae_digest: str, flip: bool = False) -> str:
+    return digest_json({**pixel_identity(sample), "flip": flip, "dtype": params.dtype, "vae": vae_digest,
+                        "version": LATENT_VERSION, "libs": library_majors("torch", "diffusers")})[:40]
 
 
 def resolved_settings(family: families.Family, model_path: Path, params: EncodeParams) -> dict:
@@ -156,8 +162,11 @@ def text_ingredients(family: families.Family, settings: Frozen, inputs: EncodeIn
             "text": settings.model_dump(mode="json")}
 
 
-def text_key(caption: str, params: EncodeParams, ingredients: dict) -> str:
-    return digest_json({"caption": caption, **ingredients, "dtype": params.dtype, "version": TEXT_VERSION,
+def text_key(caption: str, params: EncodeParams, ingredients: dict, references: list[dict] = ()) -> str:
+    """`references`: the placed reference images a vision-language text encoder reads with the
+    caption (Family.text_takes_references), by their pixel identity."""
+    images = {"references": [pixel_identity(r) for r in references]} if references else {}
+    return digest_json({"caption": caption, **ingredients, **images, "dtype": params.dtype, "version": TEXT_VERSION,
                         "libs": library_majors("torch", "transformers")})[:40]
 
 
@@ -174,20 +183,27 @@ class SampleKeys:
     mask_flip: dict[str, str] = field(default_factory=dict)
     references: dict[str, tuple[str, ...]] = field(default_factory=dict)  # sample id -> its references' ids
     # (encode/references.py), whose latent keys `latent` and `latent_flip` hold
+    text_references: dict[str, str] = field(default_factory=dict)  # text record key -> whose references it
+    # reads (a sample id; Family.text_takes_references)
 
     @classmethod
     def of(cls, dataset: list[dict], params: EncodeParams, vae_digest: str, text: dict,
-           mask_factor: int, log: Log = lambda line: None, every: float = 10.0) -> "SampleKeys":
-        """`text`: text_ingredients; `mask_factor`: image pixels per latent pixel. Variant captions
-        are made and keyed one at a time, with a progress line every `every` seconds once it takes
-        that long (many samples times caption_variants)."""
-        captions, texts = {}, {}
+           mask_factor: int, log: Log = lambda line: None, every: float = 10.0,
+           text_reads_references: bool = False) -> "SampleKeys":
+        """`text`: text_ingredients; `mask_factor`: image pixels per latent pixel;
+        `text_reads_references`: the family's text encoder reads each sample's references. Variant
+        captions are made and keyed one at a time, with a progress line every `every` seconds once it
+        takes that long (many samples times caption_variants)."""
+        captions, texts, readers = {}, {}, {}
         progress = ProgressLines("encode: keying samples", len(dataset), log, every, unit="sample", from_start=False)
         for s in dataset:
             keys = []
+            references = s.get("references", []) if text_reads_references else []
             for caption in params.captions(s["caption"], s["digest"]) if s["split"] == "train" else (s["caption"],):
-                keys.append(text_key(caption, params, text))
+                keys.append(text_key(caption, params, text, references))
                 captions[keys[-1]] = caption
+                if references:
+                    readers[keys[-1]] = s["id"]
             texts[s["id"]] = tuple(keys)
             progress.advance()
         empty = text_key("", params, text)
@@ -199,7 +215,7 @@ class SampleKeys:
                    {s["id"]: mask_key(s, mask_factor) for s in masked},
                    {s["id"]: mask_key(s, mask_factor, True) for s in masked} if params.flip else {},
                    {s["id"]: tuple(reference_id(s["id"], k) for k in range(len(s["references"])))
-                    for s in dataset if "references" in s})
+                    for s in dataset if "references" in s}, readers)
 
     def of_sample(self, sample_id: str) -> list[str]:
         images = (sample_id, *self.references.get(sample_id, ()))
@@ -240,7 +256,7 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     settings = family.text_settings(inputs.model_path, params)
     keys = SampleKeys.of(dataset, params, family.components.latent_digest(inputs.model_digests),
                          text_ingredients(family, settings, inputs), family.latent_downsampling(inputs.model_path),
-                         log, options.progress_every)
+                         log, options.progress_every, family.text_takes_references)
     store = open_sample_store(inputs.cache_root)
     _add_member_digests(store, keys, log)
     missing = set(store.missing(keys.all()))

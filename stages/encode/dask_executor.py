@@ -46,7 +46,7 @@ def deal(job: Job, pool: DaskPool, log: Log) -> None:
     progress = Progress(len(jobs.latents), jobs.reused_latents, log, options.progress_every,
                         f" ({pool.workers} Dask workers)")
     tasks = [(f"encode-chunk-{n:06d}-{digest_json(chunk.keys())[:16]}",
-              (chunk, {i: dataset[i] for _, i, _ in [*chunk.latents, *chunk.masks]}, params, inputs, options))
+              (chunk, {i: dataset[i] for i in chunk.images()}, params, inputs, options))
              for n, chunk in enumerate(chunks)]
     failed: dict[str, str] = {}
     for result in pool.map(encode_chunk, tasks):

@@ -70,6 +70,16 @@ def placed(im: Image.Image, sample: dict, flip: bool, convert: Callable[[Image.I
     return im.transpose(Image.FLIP_LEFT_RIGHT) if flip else im
 
 
+def placed_image(datasets: tuple[DatasetSource, ...], s: dict, flip: bool = False) -> Image.Image | None:
+    """The sample's image, RGB, placed as preprocess decided (mirrored with `flip`); None when its
+    bytes changed since preprocess. Raises OSError, ValueError or SyntaxError on a broken file."""
+    data = read_image_bytes(datasets[s["source"]], s["path"])
+    if digest_bytes(data) != s["digest"]:
+        return None
+    with Image.open(io.BytesIO(data)) as im:  # placed while open: a JPEG is drafted before it decodes
+        return placed(im, s, flip, lambda decoded: to_rgb(decoded, s.get("background")))
+
+
 class ImageCrops:
     """A map-style dataset of (latent job index, pixels in [-1, 1] or None, why it failed): a broken
     file, or one whose bytes changed since preprocess, is reported, never raised."""
@@ -96,11 +106,8 @@ class ImageCrops:
         return i, pixels if "frames" in s else pixels[:, 0], ""
 
     def _placed_image(self, s: dict, flip: bool) -> list[Image.Image] | None:
-        data = read_image_bytes(self.datasets[s["source"]], s["path"])
-        if digest_bytes(data) != s["digest"]:
-            return None
-        with Image.open(io.BytesIO(data)) as im:  # placed while open: a JPEG is drafted before it decodes
-            return [placed(im, s, flip, lambda decoded: to_rgb(decoded, s.get("background")))]
+        image = placed_image(self.datasets, s, flip)
+        return None if image is None else [image]
 
     def _placed_clip(self, s: dict, flip: bool) -> list[Image.Image] | None:
         frames = decode_frames(local_file(self.datasets[s["source"]], s["path"]), s["frames"])

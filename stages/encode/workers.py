@@ -25,11 +25,13 @@ from ..contract import Log
 from ..encoded import encode_record
 from ..jobs import Job
 from ..optional_libraries import OPTIONAL
-from .images import sample_label, sample_shape
+from .images import placed_image, sample_label, sample_shape
 from .latents import Progress, encode_latents
 from .masks import encode_masks
 
 if TYPE_CHECKING:
+    from PIL.Image import Image
+
     from ..families.base import TextEncoder
     from ..placement import Placement
     from ..preprocess.sources import DatasetSource
@@ -42,7 +44,8 @@ Loader = Callable[[tuple, Callable[[], T]], T]  # ((kind, what identifies the mo
 
 @dataclass(frozen=True)
 class EncodeJobs:
-    texts: list[tuple[str, str, str]]  # (text record key, caption, whose caption), sorted by key
+    texts: list[tuple[str, str, str, tuple[int, ...]]]  # (text record key, caption, whose caption, the
+    # latent job indices of the references its text encoder reads), sorted by key
     latents: list[tuple[str, int, bool]]  # (latent record key, dataset.json index, flipped), by size then key
     reused_latents: int
     masks: list[tuple[str, int, bool]] = ()  # (mask record key, dataset.json index, flipped), by key
@@ -50,10 +53,13 @@ class EncodeJobs:
     @classmethod
     def plan(cls, dataset: list[dict], keys: SampleKeys, missing: set[str],
              datasets: tuple[DatasetSource, ...]) -> "EncodeJobs":
-        texts = {keys.empty: ("", "the empty prompt")}
+        texts = {keys.empty: ("", "the empty prompt", ())}
+        index = {s["id"]: i for i, s in enumerate(dataset)}
         for s in dataset:
             for key in keys.text.get(s["id"], ()):  # a reference image has no caption
-                texts.setdefault(key, (keys.captions[key], sample_label(s, datasets)))
+                reader = keys.text_references.get(key)
+                references = tuple(index[r] for r in keys.references[reader]) if reader else ()
+                texts.setdefault(key, (keys.captions[key], sample_label(s, datasets), references))
         latents = {}
         for i, s in enumerate(dataset):
             for flip, table in ((False, keys.latent), (True, keys.latent_flip)):
@@ -62,7 +68,7 @@ class EncodeJobs:
         todo = sorted((size, key, i, flip) for key, (size, i, flip) in latents.items() if key in missing)
         masks = {table[s["id"]]: (i, flip) for i, s in enumerate(dataset)
                  for flip, table in ((False, keys.mask), (True, keys.mask_flip)) if s["id"] in table}
-        return cls(sorted((k, c, w) for k, (c, w) in texts.items() if k in missing),
+        return cls(sorted((k, *job) for k, job in texts.items() if k in missing),
                    [(key, i, flip) for _, key, i, flip in todo], len(latents) - len(todo),
                    sorted((key, i, flip) for key, (i, flip) in masks.items() if key in missing))
 
@@ -80,7 +86,11 @@ class EncodeJobs:
                 for start in range(0, skip_masks + len(self.masks), size)]
 
     def keys(self) -> list[str]:
-        return [key for jobs in (self.texts, self.latents, self.masks) for key, _, _ in jobs]
+        return [job[0] for jobs in (self.texts, self.latents, self.masks) for job in jobs]
+
+    def images(self) -> set[int]:
+        """The latent job indices of every image the jobs read (references of texts too)."""
+        return {i for _, i, _ in [*self.latents, *self.masks]} | {i for *_, refs in self.texts for i in refs}
 
     def only(self, keys: set[str]) -> "EncodeJobs":
         return EncodeJobs([t for t in self.texts if t[0] in keys], [j for j in self.latents if j[0] in keys],
@@ -115,10 +125,11 @@ def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[dict] | Mapping[in
     settings = family.text_settings(inputs.model_path, params)
     model = (str(inputs.model_path), inputs.family, tuple(sorted(inputs.model_digests.items())), device)
     text_model = ("text", *model, settings.model_dump_json(), params.dtype)
-    encode_texts([t for c in chunks for t in c.texts],
-                 lambda: loaded(text_model, lambda: family.load_text_encoder(inputs.model_path, settings, dtype, device)),
-                 buffer.add, options.batch_size, log)
-    failed = encode_latents([(key, dataset[i], flip) for c in chunks for key, i, flip in c.latents], inputs.datasets,
+    failed = encode_texts([t for c in chunks for t in c.texts],
+                          lambda: loaded(text_model, lambda: family.load_text_encoder(inputs.model_path, settings,
+                                                                                     dtype, device)),
+                          buffer.add, options.batch_size, log, lambda i: (dataset[i], inputs.datasets))
+    failed |= encode_latents([(key, dataset[i], flip) for c in chunks for key, i, flip in c.latents], inputs.datasets,
                             lambda: loaded(("latent", *model), lambda: family.load_latent_encoder(inputs.model_path, device)),
                             dtype, buffer.add, options.batch_size, options.num_workers, progress, log,
                             [n for n, c in enumerate(chunks) for _ in c.latents])
@@ -128,19 +139,46 @@ def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[dict] | Mapping[in
     return failed
 
 
-def encode_texts(jobs: list[tuple[str, str, str]], encoder: Callable[[], TextEncoder],
-                 add: Callable[[str, dict[str, bytes]], None], batch_size: int, log: Log) -> None:
-    """jobs: (text record key, caption, whose caption) for texts not yet in the store."""
+def encode_texts(jobs: list[tuple[str, str, str, tuple[int, ...]]], encoder: Callable[[], TextEncoder],
+                 add: Callable[[str, dict[str, bytes]], None], batch_size: int, log: Log,
+                 image: Callable[[int], tuple[dict, tuple[DatasetSource, ...]]]) -> dict[str, str]:
+    """jobs: (text record key, caption, whose caption, its references' latent job indices) for texts
+    not yet in the store; `image(i)`: latent job i's image and the datasets. Return the references
+    that could not be read (id -> why): their texts are not encoded."""
     if not jobs:
-        return
+        return {}
     text_encoder = encoder()
-    for _, caption, whose in jobs:
+    for _, caption, whose, _ in jobs:
         if text_encoder.too_long(caption):
             log(f"encode: warning: the caption of {whose} is longer than the text encoder's window; it is truncated")
+    failed: dict[str, str] = {}
     for start in range(0, len(jobs), batch_size):
-        batch = jobs[start:start + batch_size]
-        for (key, caption, _), tensors in zip(batch, text_encoder([c for _, c, _ in batch])):
+        batch, pictures = [], []
+        for job in jobs[start:start + batch_size]:
+            read = [reference_picture(*image(i), failed) for i in job[3]]
+            if all(p is not None for p in read):
+                batch.append(job)
+                pictures.append(read)
+        if not batch:
+            continue
+        captions = [caption for _, caption, _, _ in batch]
+        records = text_encoder(captions, pictures) if any(pictures) else text_encoder(captions)
+        for (key, caption, _, _), tensors in zip(batch, records):
             add(key, encode_record(tensors, {"caption": caption}))
+    return failed
+
+
+def reference_picture(reference: dict, datasets: tuple[DatasetSource, ...], failed: dict[str, str]) -> Image | None:
+    """A reference image placed as its latent is, for a text encoder that reads it; None (and the
+    reason in `failed`) when it cannot be read or changed since preprocess."""
+    try:
+        picture = placed_image(datasets, reference)
+    except (OSError, ValueError, SyntaxError) as e:
+        failed[reference["id"]] = f"cannot decode ({type(e).__name__}: {e})"
+        return None
+    if picture is None:
+        failed[reference["id"]] = "changed since preprocess ran (run the pipeline again)"
+    return picture
 
 
 class RecordBuffer:
@@ -202,7 +240,7 @@ def read_spec(job: Job) -> tuple[EncodeParams, EncodeInputs, EncodeOptions, Enco
 
     spec = job.spec
     inputs = EncodeInputs.from_json(spec["inputs"])
-    jobs = EncodeJobs([tuple(t) for t in spec["texts"]], [tuple(t) for t in spec["latents"]], spec["reused"],
+    jobs = EncodeJobs([(*t[:3], tuple(t[3])) for t in spec["texts"]], [tuple(t) for t in spec["latents"]], spec["reused"],
                       [tuple(t) for t in spec["masks"]])
     dataset = with_references(json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"])
     return EncodeParams(**spec["params"]), inputs, EncodeOptions(**spec["options"]), jobs, dataset

@@ -4,7 +4,8 @@ A folder dataset names references two ways, both optional: `control_dir`, a fold
 dataset whose images are matched to targets by relative path without suffix (control/a.png is
 a.jpg's reference; the folder is no source of targets), and `reference_columns`, metadata columns
 whose value is a path or a list of paths relative to the metadata file (the same rules as
-`file_name`: nothing outside the dataset). A target's references are control_dir's, then the
+`file_name`: nothing outside the dataset; an image a row names as a reference is no target). A
+target's references are control_dir's, then the
 columns' in order. A target whose reference is missing, ambiguous (two control files of one
 stem), outside the dataset, named by a malformed value or unreadable is rejected with a report
 row naming the file (and the metadata line): never trained unpaired.
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from .crops import place
 from .listing import Listing
@@ -33,7 +34,7 @@ class ReferenceNames:
     problem: tuple[str, str] | None = None  # (report reason, detail)
 
 
-def control_stems(listing: Listing, control_dir: str, is_image) -> dict[str, list[str]]:
+def control_stems(listing: Listing, control_dir: str, is_image: Callable[[str], bool]) -> dict[str, list[str]]:
     """control_dir's images by relative stem inside it: {"sub/a": ["control/sub/a.png"]}."""
     prefix = control_dir.rstrip("/") + "/"
     stems: dict[str, list[str]] = {}
@@ -60,10 +61,10 @@ def control_reference(image: str, control_dir: str, stems: dict[str, list[str]])
     return ReferenceNames((found[0],))
 
 
-def column_references(row: dict, where: str, metadata: str, columns: tuple[str, ...], listing: Listing
-                      ) -> ReferenceNames:
+def column_references(row: dict, where: str, metadata: str, columns: tuple[str, ...], listing: Listing,
+                      is_image: Callable[[str], bool]) -> ReferenceNames:
     """The references a metadata row names in `columns` (a path or a list of paths, relative to
-    the metadata file), each a file of the dataset."""
+    the metadata file), each an image file of the dataset (and so no target)."""
     paths = []
     for column in columns:
         value = row.get(column)
@@ -81,6 +82,8 @@ def column_references(row: dict, where: str, metadata: str, columns: tuple[str, 
                 return ReferenceNames(problem=(reason, f"{where}: reference {name!r}: no such file in the"
                                                        " dataset" if reason == "missing_reference" else
                                                        f"{where}: reference {name!r} is a link to outside the dataset"))
+            if not is_image(rel):
+                return ReferenceNames(problem=("bad_reference", f"{where}: reference {name!r} is not an image file"))
             paths.append(rel)
     return ReferenceNames(tuple(paths))
 

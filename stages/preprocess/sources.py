@@ -247,24 +247,27 @@ def candidates(source: DatasetSource, index: int, prefix: str, stat_cache: StatC
     captions, problems = metadata_captions(scan.listing, offered, source.caption_column)
     if problems and source.on_bad_row == "error":
         raise ValueError(_bad_row_error(source, problems))
+    references = {rel: _reference_names(source, scan, rel, captions.get(rel)) for rel in scan.images} \
+        if source.pairs else {}
+    referenced = {path for names in references.values() for path in names.paths}  # a reference is no target
     found = []
-    for rel, sidecar in scan.images.items():
+    for rel, sidecar in ((r, s) for r, s in scan.images.items() if r not in referenced):
         path = scan.listing.files[rel]
         caption, problem = _caption(source, rel, captions.get(rel), sidecar and scan.listing.files[sidecar])
         found.append(Candidate(index, rel, prefix + rel, caption, problem, lambda path=path: path.open("rb"),
                                lambda path=path: stat_cache.digest(path), _mask_file(scan, rel, stat_cache),
                                _clip(path, stat_cache) if rel.lower().endswith(VIDEO_SUFFIXES) else None,
-                               *_references(source, index, scan, rel, captions.get(rel), stat_cache)))
+                               *_reference_candidates(references.get(rel), index, scan, stat_cache)))
     refused = [{"path": prefix + rel, "reason": reason, "detail": detail} for rel, reason, detail in scan.refused]
     refused += [{"path": prefix + p.where, "reason": p.reason, "detail": p.detail} for p in problems]
     return Offered(found, refused)
 
 
-def _references(source: DatasetSource, index: int, scan: FolderScan, image: str, row: MetadataCaption | None,
-                stat_cache: StatCache) -> tuple[tuple[Candidate, ...], tuple[str, str] | None]:
-    """The image's reference images as candidates (control_dir's, then its metadata row's
-    reference_columns'), or why it has none usable."""
-    found = _reference_names(source, scan, image, row)
+def _reference_candidates(found: ReferenceNames | None, index: int, scan: FolderScan, stat_cache: StatCache
+                          ) -> tuple[tuple[Candidate, ...], tuple[str, str] | None]:
+    """An image's reference images as candidates, or why it has none usable (None: not a pair)."""
+    if found is None:
+        return (), None
     files = [(rel, scan.listing.files[rel]) for rel in found.paths]
     return tuple(Candidate(index, rel, rel, None, "", lambda path=path: path.open("rb"),
                            lambda path=path: stat_cache.digest(path)) for rel, path in files), found.problem
@@ -272,13 +275,14 @@ def _references(source: DatasetSource, index: int, scan: FolderScan, image: str,
 
 def _reference_names(source: DatasetSource, scan: FolderScan, image: str, row: MetadataCaption | None
                      ) -> ReferenceNames:
+    """The image's references: control_dir's, then its metadata row's reference_columns'."""
     found = control_reference(image, source.control_dir, scan.controls) if source.control_dir else ReferenceNames()
     if found.problem or not source.reference_columns:
         return found
     if row is None:
         return ReferenceNames(problem=("missing_reference", "no metadata row names its references"
                                        f" ({', '.join(source.reference_columns)})"))
-    listed = column_references(row.row, row.where, row.file, source.reference_columns, scan.listing)
+    listed = column_references(row.row, row.where, row.file, source.reference_columns, scan.listing, _image_name)
     return ReferenceNames(found.paths + listed.paths, listed.problem)
 
 

@@ -1,0 +1,177 @@
+"""Edit pairs: which reference images belong to which target (control_dir, metadata reference
+columns), every unusable reference a report row naming the file and line, and the per-record
+invalidation counts on the tiny Flux.2-klein, through the real preprocess and encode stages, encodes
+counted by forward hooks on the VAE encoder and on Qwen3 (one row per caption)."""
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from PIL import Image, ImageOps
+from test_invalidation import make_config
+from test_invalidation_zimage import ENCODE, encode_counted
+from test_preprocess import image, preprocess
+
+from lorapipe.stages.encoded import EncodedData
+from lorapipe.stages.preprocess import DatasetSource
+
+TARGETS = ("astronaut", "camera", "chelsea", "coffee", "hubble_deep_field", "immunohistochemistry", "retina",
+           "rocket")
+SHARED = ("astronaut", "camera")  # these two targets name one reference file
+
+
+def rows(data: Path) -> list[dict]:
+    return [json.loads(line) for line in (data / "metadata.jsonl").read_text().splitlines()]
+
+
+def write_rows(data: Path, table: list[dict]) -> None:
+    (data / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in table))
+
+
+def edit_dataset(root: Path, demo_images: Path) -> Path:
+    """The demo photos as targets, each with a mirrored grey reference in refs/ named by a metadata
+    row (the SHARED targets name the same one), captions as instructions."""
+    data = root / "data"
+    (data / "refs").mkdir(parents=True)
+    table = []
+    for name in TARGETS:
+        shutil.copy(demo_images / f"{name}.jpg", data / f"{name}.jpg")
+        reference = "refs/shared.png" if name in SHARED else f"refs/{name}.png"
+        if not (data / reference).exists():
+            with Image.open(demo_images / f"{name}.jpg") as im:
+                ImageOps.mirror(ImageOps.grayscale(im)).convert("RGB").resize((96, 80)).save(data / reference)
+        table.append({"file_name": f"{name}.jpg", "text": f"make the {name.replace('_', ' ')} colourful",
+                      "reference": reference})
+    write_rows(data, table)
+    return data
+
+
+def pairs_config(root: Path, model: Path, data: Path, cache: Path):
+    return make_config(root, model, {"datasets": [{"path": data, "reference_columns": ["reference"]}]}, cache)
+
+
+# ---- which references, and what is refused
+
+
+def test_control_dir_pairs_by_stem_and_each_bad_reference_is_a_report_row(tmp_path):
+    data = tmp_path / "data"
+    for shade, name in enumerate(("a", "b", "c", "d", "sub/e")):  # distinct bytes: no duplicates
+        image(data / f"{name}.png", caption=f"edit {name}", color=(40 * shade, 0, 0))
+    for name in ("a", "b", "sub/e"):
+        image(data / "control" / f"{name}.png", size=(80, 80), caption=None)
+    image(data / "control" / "b.jpg", caption=None)  # a second control image of stem b
+    (data / "control" / "c.png").write_bytes(b"not a png")
+    samples, report, _, _ = preprocess(DatasetSource(path=data, control_dir="control"), tmp_path, holdout_fraction=0)
+    assert {s["path"]: [r["path"] for r in s["references"]] for s in samples} == {
+        "a.png": ["control/a.png"], "sub/e.png": ["control/sub/e.png"]}
+    assert {r["path"]: r["reason"] for r in report["rejected"]} == {
+        "b.png": "ambiguous_reference", "c.png": "bad_reference", "d.png": "missing_reference"}
+    details = {r["path"]: r["detail"] for r in report["rejected"]}
+    assert "control/b.jpg and control/b.png" in details["b.png"] and "control/c.png" in details["c.png"]
+    reference = samples[0]["references"][0]  # 80x80 covers the 64x64 bucket of its 96x64 target
+    assert (reference["resized"], reference["crop_box"], samples[0]["size"]) == ([64, 64], [0, 0, 64, 64], [64, 64])
+
+
+def test_metadata_reference_columns_name_files_and_lines_of_bad_rows(tmp_path, demo_images):
+    data = edit_dataset(tmp_path, demo_images)
+    (tmp_path / "outside.png").write_bytes((data / "refs" / "coffee.png").read_bytes())
+    table = rows(data)
+    table[2]["reference"] = "../outside.png"
+    table[3]["reference"] = "refs/nothing.png"
+    table[4]["reference"] = 7
+    table[5]["reference"] = ["refs/retina.png", "refs/rocket.png"]
+    write_rows(data, table)
+    for orphan in ("chelsea", "coffee", "hubble_deep_field", "immunohistochemistry"):  # else targets themselves
+        (data / "refs" / f"{orphan}.png").unlink()
+    samples, report, _, _ = preprocess(DatasetSource(path=data, reference_columns=("reference",)), tmp_path,
+                                       holdout_fraction=0)
+    rejected = {r["path"]: (r["reason"], r["detail"]) for r in report["rejected"]}
+    assert {path: reason for path, (reason, _) in rejected.items()} == {
+        "chelsea.jpg": "outside_dataset", "coffee.jpg": "missing_reference", "hubble_deep_field.jpg": "bad_reference"}
+    assert all(detail.startswith(f"metadata.jsonl:{line}:") for line, (_, detail) in
+               zip((3, 4, 5), (rejected[p] for p in ("chelsea.jpg", "coffee.jpg", "hubble_deep_field.jpg"))))
+    by_path = {s["path"]: [r["path"] for r in s["references"]] for s in samples}
+    assert by_path["immunohistochemistry.jpg"] == ["refs/retina.png", "refs/rocket.png"]
+    assert by_path["astronaut.jpg"] == by_path["camera.jpg"] == ["refs/shared.png"]
+    assert not any(path.startswith("refs/") for path in by_path)  # a reference is no target
+
+
+def test_reference_settings_are_refused_in_one_line_where_they_cannot_apply(tmp_path):
+    with pytest.raises(ValueError, match="control_dir '../elsewhere' must name a folder inside the dataset"):
+        DatasetSource(path=tmp_path, control_dir="../elsewhere")
+    with pytest.raises(ValueError, match="need the folder format"):
+        DatasetSource(path=tmp_path, format="parquet", reference_columns=("reference",))
+
+
+# ---- invalidation with counts (Flux.2-klein reads references as latents only)
+
+IMAGES = len(TARGETS) + len(TARGETS) - 1  # targets, and their references less the one shared
+CAPTIONS = len(TARGETS) + 1  # and the empty prompt
+
+
+@pytest.fixture(scope="module")
+def edit_baseline(tmp_path_factory, flux2_model, demo_images, count_encoder_rows):
+    """One encoded edit set on the tiny Flux.2-klein; tests start from copies of its data over its cache."""
+    root = tmp_path_factory.mktemp("edit-baseline")
+    data = edit_dataset(root, demo_images)
+    results, counts = encode_counted(pairs_config(root, flux2_model, data, root / "cache"), count_encoder_rows)
+    assert counts == {"vae": IMAGES, "text": CAPTIONS}
+    assert results["encode"].info["latents_encoded"] == IMAGES
+    return root, flux2_model
+
+
+def baseline_copy(edit_baseline, tmp_path: Path):
+    root, model = edit_baseline
+    shutil.copytree(root / "data", tmp_path / "data")
+    return pairs_config(tmp_path, model, tmp_path / "data", root / "cache"), tmp_path / "data"
+
+
+@pytest.mark.slow
+def test_shared_reference_is_one_record_and_pairs_reach_the_encoded_samples(edit_baseline, tmp_path,
+                                                                           count_encoder_rows):
+    config, _ = baseline_copy(edit_baseline, tmp_path)
+    results, counts = encode_counted(config, count_encoder_rows)
+    assert results["encode"].status == "hit" and counts == {"vae": 0, "text": 0}
+    encoded = EncodedData(Path(results["encode"].path), config.cache_dir)
+    by_id = {s.id: s for s in encoded.samples}
+    assert by_id["astronaut"].references == by_id["camera"].references
+    assert len({s.references[0].key for s in encoded.samples}) == len(TARGETS) - 1
+    target = encoded.normalisation.apply(encoded.latent(by_id["coffee"])[0].float().unsqueeze(0))
+    assert encoded.reference_latents(by_id["coffee"]).shape == target.shape  # normalised as its target is
+
+
+@pytest.mark.slow
+def test_swapping_one_reference_encodes_that_reference_alone(edit_baseline, tmp_path, count_encoder_rows):
+    config, data = baseline_copy(edit_baseline, tmp_path)
+    with Image.open(data / "refs" / "coffee.png") as im:
+        ImageOps.invert(im).save(data / "refs" / "coffee.png")
+    results, counts = encode_counted(config, count_encoder_rows)
+    assert counts == {"vae": 1, "text": 0}
+    assert results["encode"].info["latents_reused"] == IMAGES - 1
+
+
+@pytest.mark.slow
+def test_a_second_reference_on_one_row_encodes_only_that_reference(edit_baseline, tmp_path, count_encoder_rows):
+    config, data = baseline_copy(edit_baseline, tmp_path)
+    image(data / "refs" / "extra.png", size=(64, 64), caption=None, color=(10, 200, 10))
+    table = rows(data)
+    table[3]["reference"] = [table[3]["reference"], "refs/extra.png"]
+    write_rows(data, table)
+    results, counts = encode_counted(config, count_encoder_rows)
+    assert counts == {"vae": 1, "text": 0}
+    encoded = EncodedData(Path(results["encode"].path), config.cache_dir)
+    assert [len(s.references) for s in encoded.samples].count(2) == 1
+
+
+@pytest.mark.slow
+def test_a_target_caption_edit_encodes_one_text_record(edit_baseline, tmp_path, count_encoder_rows):
+    config, data = baseline_copy(edit_baseline, tmp_path)
+    table = rows(data)
+    table[0]["text"] = "make the astronaut wear a red hat"
+    write_rows(data, table)
+    results, counts = encode_counted(config, count_encoder_rows)
+    assert counts == {"vae": 0, "text": 1}
+    assert results["encode"].info["texts_encoded"] == 1
+
