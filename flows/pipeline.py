@@ -68,7 +68,7 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
     pre = preprocess(config, plan)
     enc = encode(config, plan, pre)
     lora = train(config, plan, enc, warm_start)
-    scores = evaluate(config, plan, enc, lora)
+    scores = evaluate(config, plan, pre, enc, lora)
     results = [done.result for done in (pre, enc, lora, scores) if done]
     out = output_folder(config) if plan.rank == 0 else machine_folder(output_folder(config), plan.rank)
     summary = finish_run(out, config, results, flow_run.name or "unnamed", get_run_logger().info,
@@ -148,8 +148,8 @@ def train(config: PipelineConfig, plan: RunPlan, enc: Done, warm_start: bool) ->
 
 
 @stage_task
-def evaluate(config: PipelineConfig, plan: RunPlan, enc: Done, lora: Done) -> Done:
-    return served_or_built(config, plan, "evaluate", enc, lora)
+def evaluate(config: PipelineConfig, plan: RunPlan, pre: Done, enc: Done, lora: Done) -> Done:
+    return served_or_built(config, plan, "evaluate", pre, enc, lora)
 
 
 def served_or_built(config: PipelineConfig, plan: RunPlan, stage: str, *inputs: Done) -> Done:

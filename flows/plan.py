@@ -160,7 +160,7 @@ def train_step(ctx: Context, enc: Artifact) -> Step:
                 lambda work: train.follow(params, inputs(), work, options, ctx.log, placement))
 
 
-def evaluate_step(ctx: Context, enc: Artifact, trained: Artifact) -> Step:
+def evaluate_step(ctx: Context, pre: Artifact, enc: Artifact, trained: Artifact) -> Step:
     cfg = ctx.config
     params, options = split(cfg.evaluate, evaluate.EvalParams, evaluate.EvalOptions)
     local = {name: path_identity(getattr(params, name), ctx.stat_cache)  # their contents, not their paths
@@ -172,6 +172,7 @@ def evaluate_step(ctx: Context, enc: Artifact, trained: Artifact) -> Step:
         inputs = evaluate.EvalInputs(
             model_path=ctx.model_path, train_dir=trained.path, encoded_dir=enc.path, cache_root=ctx.store.root,
             base_model_digest=ctx.identity, encoded_digest=enc.digest, lora_digest=trained.digest,
+            preprocess_dir=str(pre.path), datasets={"sources": [d.model_dump(mode="json") for d in cfg.data.sources]},
         )
         return evaluate.run(params, inputs, out, work, options, ctx.log, ctx.placements.get("evaluate"))
 
@@ -196,7 +197,7 @@ PIPELINE = {  # preprocess -> encode -> train -> evaluate
                        lambda cfg: encode.where(split(cfg.encode, encode.EncodeParams, encode.EncodeOptions)[1])),
     "train": StageDef(train, train_step, ("encode",),
                       lambda cfg: train.where(*split(cfg.train, train.TrainParams, train.TrainOptions))),
-    "evaluate": StageDef(evaluate, evaluate_step, ("encode", "train"),
+    "evaluate": StageDef(evaluate, evaluate_step, ("preprocess", "encode", "train"),
                          lambda cfg: evaluate.where(split(cfg.evaluate, evaluate.EvalParams, evaluate.EvalOptions)[1])),
 }
 STAGES = tuple(PIPELINE)

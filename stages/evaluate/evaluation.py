@@ -18,10 +18,11 @@ from lorapipe.stages.lora_formats.diffusers_format import add_adapter_from_file,
 from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, TRAIN_CONFIG, checkpoint_loras
 
 from .clip import clip_score, load_clip
+from .edits import EditPair, held_out_pairs, pixel_distances, render_pairs, write_edit_grid
 from .fid import fid_kid
 from .losses import LossResult, Scoring, denoising_loss, loss_subset
-from .params import (CHECKPOINT_CHART, CHECKPOINT_LOSSES, GRID, METRICS, REPORT, VERSION, EvalInputs, EvalOptions,
-                     EvalParams)
+from .params import (CHECKPOINT_CHART, CHECKPOINT_LOSSES, EDIT_GRID, GRID, METRICS, REPORT, VERSION, EvalInputs,
+                     EvalOptions, EvalParams)
 from .render import Clip, RenderSettings, compose_grid, first_frames, render_column, write_clips
 from .report import plot_checkpoint_losses, write_report
 
@@ -70,6 +71,8 @@ def run(
         pipe.set_adapters([name], adapter_weights=[1.0])
         adapters[name] = _split_losses(denoiser, scoring["lora"], encoded, splits, loss_timesteps, params)
 
+    pairs = held_out_pairs(encoded, inputs.preprocess_dir, inputs.datasets, params.edit_pairs, params.loss_seed)
+    edits = _render_edits(pipe, family, pairs, params, settings, inputs.train_dir, out_dir, log) if pairs else None
     rows = [(prompt, seed) for prompt in params.prompts for seed in params.seeds]
     stills = first_frames(columns)
     compose_grid(stills, rows, params.resolution).save(out_dir / GRID)
@@ -91,6 +94,7 @@ def run(
             "lora": inputs.lora_digest, "evaluate_version": VERSION,
         },
         **({"clips": clips} if clips else {}),  # the animated grid and one mp4 per clip (video models)
+        **({"edit": edits} if edits else {}),  # held-out edit pairs (edit models)
     }
     _write_json(out_dir / METRICS, metrics)
     checkpoints = _checkpoint_losses(pipe, scoring["lora"], inputs.train_dir, encoded, splits["holdout"], base,
@@ -184,6 +188,27 @@ def _render_grid(pipe: DiffusionPipeline, family: families.Family, model_path: P
             pipe.set_adapters([name], adapter_weights=[scale])
             columns[f"{COLUMN[name]} x{scale:g}"] = render_column(pipe, settings)
     return columns
+
+
+def _render_edits(pipe: DiffusionPipeline, family: families.Family, pairs: list[EditPair], params: EvalParams,
+                  settings: RenderSettings, train_dir: Path, out_dir: Path, log: Log) -> dict[str, Any]:
+    """edit_grid.png of the held-out pairs, by the base model and the adapters at each scale (they
+    are loaded), and each column's distance to the targets."""
+    seeds = list(params.seeds)
+    log(f"evaluate: {len(pairs)} held-out edit pairs, {len(seeds)} seeds per column")
+
+    def render() -> list[Image.Image]:
+        return render_pairs(pipe, family, pairs, seeds, settings.num_inference_steps, settings.family_kwargs)
+
+    pipe.disable_lora()
+    rendered = {"base": render()}
+    pipe.enable_lora()
+    for name in _adapter_files(train_dir):
+        for scale in params.lora_scales:
+            pipe.set_adapters([name], adapter_weights=[scale])
+            rendered[f"{COLUMN[name]} x{scale:g}"] = render()
+    write_edit_grid(out_dir / EDIT_GRID, pairs, seeds, rendered, params.resolution)
+    return {"pairs": len(pairs), "pixel_mse_to_target": pixel_distances(pairs, seeds, rendered)}
 
 
 def _render_settings(family: families.Family, model_path: Path, encoded: EncodedData, params: EvalParams,

@@ -13,7 +13,9 @@ VERSION = "2"  # 2: fixed noise and loss subset seeded by content, not file name
 GRID, METRICS, REPORT = "grid.png", "metrics.json", "report.md"
 ANIMATED_GRID, CLIPS_DIR = "grid.webp", "clips"  # a video model's grid of clips, animated; each clip as an mp4
 CHECKPOINT_CHART, CHECKPOINT_LOSSES = "checkpoint_loss.png", "checkpoint_losses.json"  # with checkpoints
+EDIT_GRID = "edit_grid.png"  # held-out edit pairs: reference | base | LoRA per scale | target
 OUTPUT_FILES = (OutputFile(GRID, "sample grid"), OutputFile(ANIMATED_GRID, "animated sample grid"),
+                OutputFile(EDIT_GRID, "edit grid"),
                 OutputFile(METRICS, "metrics"), OutputFile(REPORT), OutputFile(CHECKPOINT_CHART),
                 OutputFile(CHECKPOINT_LOSSES))
 LOCAL_PATHS = ("clip_model", "fid_reference", "inception_weights", "render_model")  # keyed by content, not path
@@ -52,6 +54,9 @@ class EvalParams(Frozen):
                                       " inception_weights); unset: skipped")
     inception_weights: str | None = Field(None, description="torch-fidelity's Inception-v3 weights file"
                                           " (pt_inception-2015-12-05) for FID and KID; unset: skipped")
+    edit_pairs: int = Field(  # at its default out of the key: evaluations without edit pairs keep theirs
+        4, ge=0, exclude_if=lambda v: v == 4, description="held-out edit pairs (targets with reference images)"
+        " rendered into edit_grid.png for each seed, with their distance to the target in metrics.json")
     render_model: str | None = Field(None, description="a diffusers folder of another checkpoint of the same family"
                                      " (Z-Image Turbo, the distilled Klein) that renders the grid with its own"
                                      " steps and guidance; the losses stay on the training model")
@@ -104,3 +109,5 @@ class EvalInputs(JsonInputs):
     encoded_digest: str
     lora_digest: str
     model_digests: dict[str, str] = field(default_factory=dict)  # the model's components: checked against the encoder's
+    preprocess_dir: str = ""  # the preprocess artifact: its dataset.json says where edit pairs' images are
+    datasets: dict = field(default_factory=dict)  # {"sources": the data.datasets they are in, as JSON}
