@@ -91,7 +91,7 @@ def test_denoiser_call_without_a_reference_is_text_to_image(kontext):
     family = families.for_model(kontext)
     seen, output, pipe = pipeline_call(kontext)
     noisy = pipe._unpack_latents(seen["hidden_states"], HEIGHT, WIDTH, pipe.vae_scale_factor)
-    assert noisy.shape == (1, 16, HEIGHT // 8, WIDTH // 8)  # max_area: not rescaled to the pipeline's 1 MP
+    assert noisy.shape == (1, 16, HEIGHT // 8, WIDTH // 8)  # max_area: not rescaled to the pipeline's default area
     with torch.no_grad():
         predicted = family.predict(pipe.transformer, noisy, seen["timestep"], conditioning(kontext), torch.float32)
     assert torch.equal(predicted, pipe._unpack_latents(output, HEIGHT, WIDTH, pipe.vae_scale_factor))

@@ -123,7 +123,7 @@ class Flux1(FlowFamily):
         import torch
         from diffusers import FluxPipeline
 
-        b, c, h, w = noisy.shape
+        h, w = noisy.shape[-2:]
         tokens, ids = packed(noisy, 0, dtype)
         if REFERENCE_LATENTS in conditioning:
             (reference,) = conditioning[REFERENCE_LATENTS].unbind(1)  # Kontext reads one reference image
@@ -198,13 +198,13 @@ class Flux1Kontext(Flux1):
     renders edits with FluxKontextPipeline and its demo learns generated edit pairs."""
 
     def reference_render_kwargs(self, images: list[Any]) -> dict[str, Any]:
-        # The pipeline's auto-resize would scale the reference to one of Kontext's preferred ~1 MP sizes;
-        # training saw it at the target's size, which _auto_resize=False keeps (floored to 16 px)
+        # The pipeline's auto-resize would scale the reference to the nearest of Kontext's preferred sizes;
+        # training saw it at the target's size, which _auto_resize=False keeps
         (image,) = images
         return {"image": image, "_auto_resize": False}
 
     def render_size_kwargs(self, height: int, width: int) -> dict[str, Any]:
-        return {"max_area": height * width}  # the pipeline rescales the output to max_area (default 1 MP)
+        return {"max_area": height * width}  # the pipeline rescales its output to max_area, whatever the size
 
     def demo_config(self) -> str:
         return "edit-demo.yaml"
@@ -215,11 +215,11 @@ class Flux1Kontext(Flux1):
         write_demo_pairs(folder, DEMO_PHOTOS)
 
 
-KONTEXT_VARIANTS = (FlowVariant("dev", "flux1-kontext", 28, 2.5, guidance_embeds=True),)  # BFL's guidance 2.5
+KONTEXT_VARIANTS = (FlowVariant("dev", "flux1-kontext", 28, 2.5, guidance_embeds=True),)  # BFL's guidance for it
 
 FLUX1_KONTEXT = Flux1Kontext(
     name="flux1-kontext", label="Flux.1 Kontext", pipeline_class="FluxKontextPipeline",
     components=FLUX1.components, kohya_base_model="flux1", tiny_arches=("flux1-kontext",), latent_patch=2,
-    original_formats=FLUX1.original_formats, comfyui_slice_prefix="transformer.", block_lists=FLUX1.block_lists,
-    variants=KONTEXT_VARIANTS, max_references=1,
+    original_formats=FLUX1.original_formats, comfyui_slice_prefix=FLUX1.comfyui_slice_prefix,
+    block_lists=FLUX1.block_lists, variants=KONTEXT_VARIANTS, max_references=1,
 )
