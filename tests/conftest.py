@@ -93,6 +93,12 @@ def flux_schnell_model(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def flux_kontext_model(tmp_path_factory) -> Path:
+    """The tiny Flux.1 Kontext: the tiny Flux.1 dev's weights in a FluxKontextPipeline folder."""
+    return _tiny(tmp_path_factory, "flux1-kontext")
+
+
+@pytest.fixture(scope="session")
 def zimage_model(tmp_path_factory) -> Path:
     """The tiny Z-Image base (the model to train on)."""
     return _tiny(tmp_path_factory, "z-image")

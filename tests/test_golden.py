@@ -188,3 +188,17 @@ IDEOGRAM4_GOLDEN = Golden(2.6110188961029053, 1.4251568516095479, 1.405165970325
 def test_ideogram4_golden_numbers(tmp_path, ideogram4_model, run_stages):
     measured = measure(run_stages(write_config(tmp_path, ideogram4_model, Variant("ideogram4")), STAGES))
     assert_golden("ideogram4", measured, IDEOGRAM4_GOLDEN)
+
+
+# Flux.1 Kontext without references is Flux.1 dev's text-to-image model, and the tiny Kontext holds the
+# tiny Flux.1 dev's weights: its losses are flux1-dev's (both measured equal to the last bit). Its image, rendered by
+# FluxKontextPipeline at Kontext's guidance (2.5) and output size (max_area), recorded at its first run
+# (commit "Pin Flux.1 Kontext's text-to-image golden numbers"), once tests/test_families_flux1_kontext.py
+# had checked its transformer call against FluxKontextPipeline's.
+KONTEXT_GOLDEN = Golden(FLUX_GOLDEN["flux1-dev"].train_loss, FLUX_GOLDEN["flux1-dev"].holdout_base,
+                        FLUX_GOLDEN["flux1-dev"].holdout_lora, "e4b951ad7bb595d1")
+
+
+def test_flux1_kontext_text_to_image_golden_numbers(tmp_path, flux_kontext_model, run_stages):
+    measured = measure(run_stages(write_config(tmp_path, flux_kontext_model, Variant("flux1-kontext")), STAGES))
+    assert_golden("flux1-kontext", measured, KONTEXT_GOLDEN)

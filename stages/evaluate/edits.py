@@ -67,9 +67,10 @@ def render_pairs(pipe: DiffusionPipeline, family: Family, pairs: list[EditPair],
     rendered = []
     for pair in pairs:
         for seed in seeds:
-            output = pipe(prompt=pair.instruction, **family.reference_render_kwargs(pair.references),
-                          height=pair.target.height, width=pair.target.width, num_inference_steps=steps,
-                          generator=torch.Generator().manual_seed(seed), output_type="pil", **family_kwargs)
+            height, width = pair.target.height, pair.target.width
+            output = pipe(prompt=pair.instruction, **family.reference_render_kwargs(pair.references), height=height,
+                          width=width, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
+                          output_type="pil", **{**family_kwargs, **family.render_size_kwargs(height, width)})
             rendered.append(family.rendered(output)[0][0])
     return rendered
 

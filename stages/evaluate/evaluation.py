@@ -229,7 +229,8 @@ def _render_settings(family: families.Family, model_path: Path, encoded: Encoded
     return RenderSettings(list(params.prompts), list(params.seeds),
                           params.num_inference_steps or defaults["num_inference_steps"], params.resolution,
                           options.render_batch_size,
-                          {**family.render_kwargs(text, guidance, params.negative_prompt), **clip}, family.rendered)
+                          {**family.render_kwargs(text, guidance, params.negative_prompt), **clip,
+                           **family.render_size_kwargs(params.resolution, params.resolution)}, family.rendered)
 
 
 def _split_losses(denoiser: torch.nn.Module, scoring: Scoring, encoded: EncodedData,

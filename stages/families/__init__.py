@@ -1,5 +1,5 @@
-"""Model families: the registry of model lines (SD1.x/2.x, SDXL, Flux.1, Flux.2-klein, Z-Image,
-Qwen-Image, Qwen-Image 2.1, Krea 2, Ideogram 4, Wan, LTX-2) and `for_model`, which finds a model's
+"""Model families: the registry of model lines (SD1.x/2.x, SDXL, Flux.1, Flux.1 Kontext, Flux.2-klein,
+Z-Image, Qwen-Image, Qwen-Image 2.1, Krea 2, Ideogram 4, Wan, LTX-2) and `for_model`, which finds a model's
 family (a folder by its pipeline class, a single file by its tensor names) and binds it to the
 model's variant. What a family provides, and which stage calls what: the docstring of
 base.Family, the seam. Adding a family: docs/adding-a-family.md.
@@ -11,7 +11,7 @@ from pathlib import Path
 from lorapipe.cache.errors import UserError
 
 from .base import ALL_LINEAR, Components, Family, TextOptions
-from .flux1 import FLUX1
+from .flux1 import FLUX1, FLUX1_KONTEXT
 from .flux2 import FLUX2_KLEIN
 from .folders import check_weights_file, is_single_file, model_index
 from .ideogram4 import IDEOGRAM4
@@ -24,9 +24,9 @@ from .sd import SD15, SDXL
 from .wan import WAN
 from .zimage import ZIMAGE
 
-FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FLUX1, FLUX2_KLEIN, ZIMAGE, QWEN_IMAGE,
-                                                                  QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN,
-                                                                  LTX2)}
+FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FLUX1, FLUX1_KONTEXT, FLUX2_KLEIN,
+                                                                  ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_21, KREA2, IDEOGRAM4,
+                                                                  WAN, LTX2)}
 # single files: SDXL's marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's before Flux.1's,
 # whose markers Flux.2 checkpoints also carry
 SINGLE_FILE_DETECTION = (SDXL, SD15, FLUX2_KLEIN, FLUX1, ZIMAGE, QWEN_IMAGE)

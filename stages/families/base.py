@@ -203,7 +203,8 @@ class Family(ABC):
                                        in the order they run (the last N are swapped); [] for a
                                        denoiser without a chain of blocks (SD's UNet), which refuses it
       rendering (evaluate) and the tiny model (the demo, tests)
-        render_defaults(), render_kwargs(...), prepare_pipeline(...), build_tiny(out_dir, arch)
+        render_defaults(), render_kwargs(...), render_size_kwargs(h, w), prepare_pipeline(...),
+        build_tiny(out_dir, arch)
         demo_config(), demo_settings(), write_demo_data(folder)   what `lorapipe demo` runs: its
                                        config in configs/, the values it sets in it for this model,
                                        and the data that config trains on
@@ -388,6 +389,11 @@ class Family(ABC):
     @abstractmethod
     def render_kwargs(self, settings: Frozen, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
         """The pipeline call's family-specific arguments (besides prompt, size, steps and generator)."""
+
+    def render_size_kwargs(self, height: int, width: int) -> dict[str, Any]:
+        """The pipeline call's arguments, besides height and width, that keep its output at that size
+        (a pipeline that rescales to an area of its own is given this one)."""
+        return {}
 
     def clip_kwargs(self, model_path: Path, num_frames: int | None) -> dict[str, Any]:
         """The pipeline call's arguments for the length of a rendered clip (evaluate.num_frames; None:

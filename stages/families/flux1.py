@@ -9,6 +9,10 @@ transformer takes sigma as its timestep and, on dev, a guidance value.
 Variants are data (`VARIANTS`), told apart by the transformer's `guidance_embeds`: dev has the
 guidance input and reads 512 T5 tokens; schnell has none and reads 256.
 
+Flux.1 Kontext (`FLUX1_KONTEXT`, FluxKontextPipeline) is Flux.1 dev's transformer reading one
+reference image for an edit: its packed tokens follow the noisy ones at the denoiser call, with
+position ids whose first coordinate is 1; text-to-image (no reference) is Flux.1 dev's call.
+
 LoRA presets: attention; attention + feed-forward (double blocks' attn.to_q/to_k/to_v/to_out.0,
 attn.add_q_proj/add_k_proj/add_v_proj/to_add_out, ff.net.*, ff_context.net.*; single blocks'
 attn.to_q/to_k/to_v, proj_mlp, proj_out); every Linear of the double and single blocks (kohya's
@@ -29,7 +33,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from lorapipe.stages.contract import Frozen
 from lorapipe.stages.lora_formats.original_names import COMFYUI_DOWN_UP, KOHYA, OriginalNames, derive_original_names
 
-from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, stack
+from .base import (DEMO_PHOTOS, REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, TextOptions, TextRecord,
+                   stack)
 from .flow import FlowFamily, FlowVariant, presets_field
 from .folders import load_component
 from .objectives import ObjectiveParams
@@ -112,19 +117,25 @@ class Flux1(FlowFamily):
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As FluxPipeline calls its transformer: packed 2x2 latents with (0, row, col) ids, zero text
-        ids, sigma as the timestep; the prediction unpacked."""
+        ids, sigma as the timestep; the prediction unpacked. With a reference (Kontext's edit pairs),
+        as FluxKontextPipeline does: its packed tokens after the noisy ones, with (1, row, col) ids,
+        and the prediction of the noisy tokens alone."""
         import torch
         from diffusers import FluxPipeline
 
-        b, c, h, w = noisy.shape
+        h, w = noisy.shape[-2:]
+        tokens, ids = packed(noisy, 0, dtype)
+        if REFERENCE_LATENTS in conditioning:
+            (reference,) = conditioning[REFERENCE_LATENTS].unbind(1)  # Kontext reads one reference image
+            reference_tokens, reference_ids = packed(reference, 1, dtype)
+            tokens, ids = torch.cat([tokens, reference_tokens], dim=1), torch.cat([ids, reference_ids])
         text = conditioning["encoder_hidden_states"].to(dtype)
         out = transformer(
-            hidden_states=FluxPipeline._pack_latents(noisy, b, c, h, w).to(dtype), timestep=timesteps.to(dtype),
-            guidance=conditioning.get("guidance"), pooled_projections=conditioning["pooled_projections"].to(dtype),
-            encoder_hidden_states=text, txt_ids=torch.zeros(text.shape[1], 3, device=noisy.device, dtype=dtype),
-            img_ids=FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, noisy.device, dtype), return_dict=False,
+            hidden_states=tokens, timestep=timesteps.to(dtype), guidance=conditioning.get("guidance"),
+            pooled_projections=conditioning["pooled_projections"].to(dtype), encoder_hidden_states=text,
+            txt_ids=torch.zeros(text.shape[1], 3, device=noisy.device, dtype=dtype), img_ids=ids, return_dict=False,
         )[0]
-        return FluxPipeline._unpack_latents(out, h, w, 1).float()
+        return FluxPipeline._unpack_latents(out[:, :h * w // 4], h, w, 1).float()
 
     # ---- LoRA
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
@@ -142,7 +153,18 @@ class Flux1(FlowFamily):
     def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path:
         from .tiny.flux1 import build_tiny_flux1
 
-        return build_tiny_flux1(out_dir, variant.guidance_embeds)
+        return build_tiny_flux1(out_dir, variant.guidance_embeds, self.pipeline_class)
+
+
+def packed(latents: torch.Tensor, index: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latents (B, C, h, w) as the transformer's 2x2 tokens and their (index, row, col) position ids:
+    index 0 for the image being denoised, 1 for a reference image (FluxKontextPipeline.prepare_latents)."""
+    from diffusers import FluxPipeline
+
+    b, c, h, w = latents.shape
+    ids = FluxPipeline._prepare_latent_image_ids(b, h // 2, w // 2, latents.device, dtype)
+    ids[..., 0] = index
+    return FluxPipeline._pack_latents(latents, b, c, h, w).to(dtype), ids
 
 
 @cache
@@ -167,4 +189,37 @@ FLUX1 = Flux1(
     single_file_markers=("double_blocks.0.img_attn.qkv.weight",  # BFL's, bare or under ComfyUI's prefix
                          "model.diffusion_model.double_blocks.0.img_attn.qkv.weight"),
     block_lists=("transformer_blocks", "single_transformer_blocks"),
+)
+
+
+@dataclass(frozen=True)
+class Flux1Kontext(Flux1):
+    """Flux.1 Kontext dev: Flux.1 dev's transformer reading one reference image (predict above); it
+    renders edits with FluxKontextPipeline and its demo learns generated edit pairs."""
+
+    def reference_render_kwargs(self, images: list[Any]) -> dict[str, Any]:
+        # The pipeline's auto-resize would scale the reference to the nearest of Kontext's preferred sizes;
+        # training saw it at the target's size, which _auto_resize=False keeps
+        (image,) = images
+        return {"image": image, "_auto_resize": False}
+
+    def render_size_kwargs(self, height: int, width: int) -> dict[str, Any]:
+        return {"max_area": height * width}  # the pipeline rescales its output to max_area, whatever the size
+
+    def demo_config(self) -> str:
+        return "edit-demo.yaml"
+
+    def write_demo_data(self, folder: Path) -> None:
+        from lorapipe.stages.demo_pairs import write_demo_pairs
+
+        write_demo_pairs(folder, DEMO_PHOTOS)
+
+
+KONTEXT_VARIANTS = (FlowVariant("dev", "flux1-kontext", 28, 2.5, guidance_embeds=True),)  # BFL's guidance for it
+
+FLUX1_KONTEXT = Flux1Kontext(
+    name="flux1-kontext", label="Flux.1 Kontext", pipeline_class="FluxKontextPipeline",
+    components=FLUX1.components, kohya_base_model="flux1", tiny_arches=("flux1-kontext",), latent_patch=2,
+    original_formats=FLUX1.original_formats, comfyui_slice_prefix=FLUX1.comfyui_slice_prefix,
+    block_lists=FLUX1.block_lists, variants=KONTEXT_VARIANTS, max_references=1,
 )

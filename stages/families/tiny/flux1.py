@@ -4,7 +4,8 @@ Transformer: 1 double + 1 single block, 2 heads of 16, joint and pooled dim 32, 
 (4, 4, 8); CLIP: the tiny byte-level one the SD models use too (clip.py, pooled dim 32); T5: an
 inline T5Config with d_model 32 and a Unigram tokenizer trained on the bundled captions; VAE: 16
 latent channels, 8x downsampling, Flux.1's shift and scale (Z-Image's too). Random weights from a fixed seed; saved as a FluxPipeline
-folder that `FluxPipeline.from_pretrained` loads offline.
+folder that `FluxPipeline.from_pretrained` loads offline (or, `--arch flux1-kontext`, the same weights as a
+FluxKontextPipeline folder: Kontext's transformer is Flux.1 dev's, it reads a reference image's tokens too).
 
 The tokenizers library's Unigram trainer differs between runs in the last bits of its scores and
 in the order of equal ones (its hash maps are seeded per process), so the scores are rounded and the
@@ -89,13 +90,14 @@ def vae():
     )
 
 
-def build_tiny_flux1(out_dir: Path, guidance: bool = True) -> Path:
-    """Write a tiny Flux.1 dev (guidance input) or schnell into out_dir."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, FluxPipeline
+def build_tiny_flux1(out_dir: Path, guidance: bool = True, pipeline_class: str = "FluxPipeline") -> Path:
+    """Write a tiny Flux.1 dev (guidance input) or schnell into out_dir, as a `pipeline_class` folder."""
+    import diffusers
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
     out_dir = Path(out_dir)
     t5_tok = t5_tokenizer()
-    pipe = FluxPipeline(
+    pipe = getattr(diffusers, pipeline_class)(
         scheduler=FlowMatchEulerDiscreteScheduler(**(DEV_SCHEDULER if guidance else SCHNELL_SCHEDULER)),
         vae=vae(), text_encoder=clip_text_encoder(False), tokenizer=write_tokenizer(out_dir / ".tokenizer-src"),
         text_encoder_2=_t5(len(t5_tok)), tokenizer_2=t5_tok, transformer=_transformer(guidance),
