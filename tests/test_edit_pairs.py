@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 from PIL import Image, ImageOps
-from test_invalidation import make_config
+from conftest import EncodedSet
+from test_invalidation import make_config, run_all
+from test_train_adapters import published, train_straight_and_resumed
 from test_invalidation_zimage import ENCODE, encode_counted
 from test_preprocess import image, preprocess
 
@@ -122,6 +124,13 @@ def edit_baseline(tmp_path_factory, flux2_model, demo_images, count_encoder_rows
     return root, flux2_model
 
 
+def encoded_set(edit_baseline, tmp_path: Path) -> EncodedSet:
+    """The baseline's encode artifact (a hit: nothing is encoded again)."""
+    config, _ = baseline_copy(edit_baseline, tmp_path)
+    results = run_all(config, ENCODE)
+    return EncodedSet(Path(results["encode"].path), Path(config.cache_dir), results["encode"].digest)
+
+
 def baseline_copy(edit_baseline, tmp_path: Path):
     root, model = edit_baseline
     shutil.copytree(root / "data", tmp_path / "data")
@@ -175,3 +184,13 @@ def test_a_target_caption_edit_encodes_one_text_record(edit_baseline, tmp_path, 
     assert counts == {"vae": 0, "text": 1}
     assert results["encode"].info["texts_encoded"] == 1
 
+
+
+@pytest.mark.slow
+def test_training_on_edit_pairs_resumes_exactly(edit_baseline, tmp_path):
+    """The real train stage on the pairs: a run resumed from its halfway checkpoint publishes the same
+    files, byte for byte, as one that ran straight."""
+    run = train_straight_and_resumed(tmp_path, edit_baseline[1], encoded_set(edit_baseline, tmp_path),
+                                     {"ema_decay": None})
+    files = published(run.straight)
+    assert "pytorch_lora_weights.safetensors" in files and published(run.resumed) == files
