@@ -11,8 +11,8 @@ LyCORIS key set checked too.
 
 One run per (family, adapter) is trained once per module and shared by its tests; 2 steps with a
 checkpoint after each. A resumed run (a second launch) is trained for two types per family (one for
-Qwen-Image 2.1, Krea 2 and Ideogram 4: REAL_RESUME); every type's halfway checkpoint also goes through what a resume does
-with it, in process (test_checkpoint_round_trips_bit_for_bit)."""
+Qwen-Image 2.1, Krea 2 and Ideogram 4: REAL_RESUME); every type's halfway checkpoint also goes
+through what a resume does with it, in process (test_checkpoint_round_trips_bit_for_bit)."""
 from __future__ import annotations
 
 import copy
