@@ -5,6 +5,7 @@ conditional transformer's call is the pipeline's, and both LoRA exports load thr
 Ideogram4Pipeline's own loader and mean what was trained."""
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -91,6 +92,32 @@ def test_denoiser_call_is_the_pipelines(model):
         predicted = family.predict(pipe.transformer, noisy, sigma.expand(2), cond, torch.float32)
     assert noisy.shape == (2, 32, 4, 3)
     assert torch.allclose(predicted, -_tokens_to_latents(output[0][:, TEXT_WINDOW:], 64, 48), atol=1e-5)
+
+
+def _stop_after_the_first_step(pipe, step, timestep, tensors):
+    pipe._interrupt = True  # the pipeline skips the remaining steps: its schedule is what is read
+    return tensors
+
+
+@pytest.mark.parametrize("height, width", [(256, 192), (1024, 768)])
+def test_training_draws_noise_levels_as_the_pipeline_samples_them(model, height, width):
+    """`shift: model` draws the sigmas Ideogram4Pipeline's schedule samples: logit-normal about its
+    resolution-aware mean. The pipeline's N sigmas are its distribution's quantiles (N - k) / N,
+    so the drawn sigmas fall below each in that fraction, and their logits' mean and standard
+    deviation are the schedule's."""
+    family, pipe = families.for_model(model), quiet_pipeline(model)
+    steps, draws = 1000, 200_000
+    pipe(CAPTIONS[1], num_inference_steps=steps, height=height, width=width, guidance_scale=3.0, guidance_schedule=None,
+         max_sequence_length=TEXT_WINDOW, output_type="latent", callback_on_step_end=_stop_after_the_first_step)
+    scheduled = pipe.scheduler.sigmas[:-1]  # decreasing; the first is the clamped end
+    objective = family.objective(model, ObjectiveParams())
+    drawn = objective.sample_timesteps((draws, 32, height // 16, width // 16), torch.Generator().manual_seed(0))
+    below = torch.searchsorted(drawn.sort().values, scheduled) / draws
+    assert (below - (1 - torch.arange(steps) / steps)).abs().max() < 0.01
+    logit, expected = torch.logit(drawn.double()), torch.logit(scheduled[1:].double())
+    assert logit.mean().item() == pytest.approx(expected.mean().item(), abs=0.02)
+    assert logit.std().item() == pytest.approx(expected.std().item(), abs=0.02)
+    assert expected.mean().item() == pytest.approx(0.5 * math.log(height * width / 512 ** 2), abs=1e-3)
 
 
 def test_lora_presets(model):

@@ -11,8 +11,8 @@ LyCORIS key set checked too.
 
 One run per (family, adapter) is trained once per module and shared by its tests; 2 steps with a
 checkpoint after each. A resumed run (a second launch) is trained for two types per family (one for
-Qwen-Image 2.1: REAL_RESUME); every type's halfway checkpoint also goes through what a resume does
-with it, in process (test_checkpoint_round_trips_bit_for_bit)."""
+Qwen-Image 2.1, Krea 2 and Ideogram 4: REAL_RESUME); every type's halfway checkpoint also goes
+through what a resume does with it, in process (test_checkpoint_round_trips_bit_for_bit)."""
 from __future__ import annotations
 
 import copy
@@ -63,9 +63,10 @@ FAMILIES = ("flux2-klein", "z-image", "qwen-image", "qwen-image-2.1", "krea2", "
 # blocks' bare to_out) and LoKr (on the fused to_qkv_mlp_proj), Z-Image's PiSSA (the saved start, on
 # separate q/k/v of a fused original) and LoHa, Qwen-Image's OLoRA with rsLoRA and plain LoRA, Qwen-Image
 # 2.1's DoRA (a magnitude on its single-stream blocks), Krea 2's DoRA (a magnitude on the gated
-# attention's to_gate)
+# attention's to_gate), Ideogram 4's LoKr (on whole modules: its feed-forward and attention output)
 REAL_RESUME = {("flux2-klein", "dora"), ("flux2-klein", "lokr"), ("z-image", "pissa"), ("z-image", "loha"),
-               ("qwen-image", "olora"), ("qwen-image", "lora"), ("qwen-image-2.1", "dora"), ("krea2", "dora")}
+               ("qwen-image", "olora"), ("qwen-image", "lora"), ("qwen-image-2.1", "dora"), ("krea2", "dora"),
+               ("ideogram4", "lokr")}
 LORA_FILE, COMFYUI_FILE, KOHYA_FILE = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors",
                                        "pytorch_lora_weights_kohya.safetensors")
 

@@ -91,6 +91,7 @@ class FlowFamily(Family):
         self.check_objective(params)
         config = component_config(model_path, self.components.scheduler)
         objective = FlowMatchingObjective.from_scheduler_config(config, params, self.sequence_patch,
+                                                                self.pixel_multiple(model_path),
                                                                 self.model_shift(config))
         return replace(objective, sigma_range=self.chosen.sigmas) if self.chosen else objective
 

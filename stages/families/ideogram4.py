@@ -14,8 +14,10 @@ the real tokens only, stored unpadded and left-padded per batch. Latents: the VA
 Time and sign: the transformer reads model time 1 - sigma (0 noise, 1 data) and predicts data minus
 noise, the negative of the objective's velocity. Only `transformer` (the conditional one) is
 trained and exported, as Ideogram4LoraLoaderMixin loads it; the unconditional transformer renders
-untouched. Rendering uses one constant guidance scale (the pipeline's default is a per-step
-schedule) and the pipeline's own logit-normal sigma schedule. Exports: diffusers format, and
+untouched. Training draws its noise levels as the pipeline samples them (`shift: model`): sigma
+logit-normal, its mean shifted by half the log of the image's pixels over 512x512
+(objectives.logit_normal_schedule). Rendering uses one constant guidance scale (the pipeline's
+default is a per-step schedule) and the pipeline's own logit-normal sigma schedule. Exports: diffusers format, and
 Ideogram's names (`layers.N.attention.qkv` q|k|v fused, `attention.o`) under `diffusion_model.`,
 which the mixin's non-diffusers converter reads. Hand-written: those names (diffusers keeps no
 single-file converter for Ideogram 4 to derive them from).
@@ -33,7 +35,7 @@ from lorapipe.stages.lora_formats.original_names import OriginalNames, Segment
 from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
 from .flow import FlowFamily, FlowVariant, presets_field
 from .latents import PatchedBatchNorm, PatchMajorBatchNorm, patched_batch_norm_of
-from .objectives import ObjectiveParams
+from .objectives import ObjectiveParams, TimestepSampling
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
 
 if TYPE_CHECKING:
@@ -103,9 +105,19 @@ class Ideogram4(FlowFamily):
                           device: str) -> Ideogram4PromptEncoder:
         return Ideogram4PromptEncoder(model_path, settings, dtype, device)
 
-    # ---- latents
+    # ---- latents and objective
     def latent_normalisation(self, model_path: Path) -> PatchedBatchNorm:
         return patched_batch_norm_of(model_path, self.components.latent[0], PatchMajorBatchNorm)
+
+    def model_shift(self, scheduler_config: dict) -> TimestepSampling:
+        """The pipeline's logit-normal schedule at its call's default mean and deviation."""
+        import inspect
+
+        from diffusers import Ideogram4Pipeline
+
+        defaults = inspect.signature(Ideogram4Pipeline.__call__).parameters
+        return TimestepSampling(shift="logit_normal", shift_mean=defaults["mu"].default,
+                                shift_std=defaults["std"].default)
 
     # ---- denoiser
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],

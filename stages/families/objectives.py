@@ -11,8 +11,10 @@ model against v).
 - `FlowMatchingObjective` (Flux.1 and the later transformer families): x_t = (1 - s) x0 + s noise,
   target noise - x0, s = shift(u) with u uniform, logit-normal, sigmoid or SD3's "mode", the shift
   static, resolution-dependent (BFL's base_shift/max_shift over the image sequence length) or
-  step- and resolution-dependent (Flux.2's empirical mu), the defaults from the scheduler config
-  unless the family says its pipeline samples otherwise; weighting as diffusers'
+  step- and resolution-dependent (Flux.2's empirical mu), or a logit-normal schedule whose mean
+  follows the pixel count (Ideogram 4's: with u uniform, sigma is logit-normal as its pipeline's
+  schedule), the defaults from the scheduler config unless the family says its pipeline samples
+  otherwise; weighting as diffusers'
   `compute_loss_weighting_for_sd3`. Sigma is what `noised` returns as the timestep: a family whose
   transformer reads another convention (Z-Image: 1 - sigma) converts in its `predict`.
 
@@ -50,10 +52,12 @@ class TimestepSampling(Frozen):
     logit_std: float = Field(1.0, gt=0, description="logit_normal: the standard deviation of that normal")
     sigmoid_scale: float = Field(1.0, gt=0, description="sigmoid: the scale of the normal whose sigmoid is u")
     mode_scale: float = Field(1.29, description="mode: the scale s of SD3's mode sampling (0: uniform)")
-    shift: Literal["model", "none", "static", "resolution", "empirical"] = Field(
+    shift: Literal["model", "none", "static", "resolution", "empirical", "logit_normal"] = Field(
         "model", description="s = shift(u): static s*u/(1+(s-1)u); resolution: BFL's exp(mu) time shift, mu"
         " linear in the image's token count (a clip's: every frame's) from base_shift to max_shift; empirical: the same time shift at"
-        " Flux.2's empirical mu of the token count and shift_steps; model: as the model's pipeline samples")
+        " Flux.2's empirical mu of the token count and shift_steps; logit_normal: sigmoid(m + shift_std * Phi^-1(u)),"
+        " m = shift_mean + ln(sqrt(pixels) / 512), its logit clamped to half the pipeline's log-SNR range"
+        " (Ideogram 4's schedule: with u uniform, sigma is logit-normal); model: as the model's pipeline samples")
     shift_value: float | None = Field(None, gt=0, description="static: the shift s; null: the scheduler config's"
                                       " `shift`")
     base_shift: float | None = Field(None, description="resolution: mu at 256 image tokens; null: the scheduler"
@@ -62,6 +66,11 @@ class TimestepSampling(Frozen):
                                     " config's")
     shift_steps: int | None = Field(None, gt=0, description="empirical: the inference steps mu is computed for;"
                                     " null: the model's render steps")
+    # unset, they stay out of the train key (runs made before them keep theirs)
+    shift_mean: float | None = Field(None, exclude_if=lambda v: v is None, description="logit_normal: the"
+                                     " normal's mean at 512x512 pixels; null: the model pipeline's")
+    shift_std: float | None = Field(None, gt=0, exclude_if=lambda v: v is None, description="logit_normal: the"
+                                    " normal's standard deviation; null: the model pipeline's")
 
 
 class ObjectiveParams(Frozen):
@@ -294,6 +303,7 @@ class FlowMatchingObjective(Objective):
     noise_offset: float
     num_train_timesteps: int
     patch_size: int  # latent pixels per image-token side, for the image sequence length
+    token_pixels: int  # image pixels per image-token side, for the pixel count
     base_seq_len: int
     max_seq_len: int
     input_perturbation: float = 0.0
@@ -302,31 +312,31 @@ class FlowMatchingObjective(Objective):
     prediction = "flow"  # the velocity noise - x0
 
     @classmethod
-    def from_scheduler_config(cls, config: dict, params: ObjectiveParams, patch_size: int,
+    def from_scheduler_config(cls, config: dict, params: ObjectiveParams, patch_size: int, token_pixels: int,
                               model_shift: TimestepSampling | None = None) -> FlowMatchingObjective:
         """Unset shift settings take the scheduler config's values (FlowMatchEulerDiscreteScheduler's
         defaults where the config has none). `model_shift`: what shift "model" means when the family's
         pipeline samples otherwise than its scheduler config says (Flux.2: empirical, with the
-        variant's render steps; Wan: static at its UniPC scheduler's flow_shift); its set fields fill
-        the user's unset ones."""
-        s = params.timestep_sampling
+        variant's render steps; Wan: static at its UniPC scheduler's flow_shift; Ideogram 4: its
+        logit-normal schedule); its set fields fill the user's unset ones. `token_pixels`: image
+        pixels per token side."""
+        s, model = params.timestep_sampling, model_shift or TimestepSampling()
         shift = s.shift
         if shift == "model":
-            shift = model_shift.shift if model_shift else \
-                "resolution" if config.get("use_dynamic_shifting") else "static"
-        steps = s.shift_steps or (model_shift.shift_steps if model_shift else None)
-        if shift == "empirical" and steps is None:
-            raise ValueError("train.timestep_sampling.shift_steps: the empirical shift needs the inference steps")
+            shift = model.shift if model_shift else "resolution" if config.get("use_dynamic_shifting") else "static"
         resolved = s.model_copy(update={
             "shift": shift,
-            "shift_value": s.shift_value or (model_shift and model_shift.shift_value) or config.get("shift", 1.0),
-            "base_shift": config.get("base_shift", 0.5) if s.base_shift is None else s.base_shift,
-            "max_shift": config.get("max_shift", 1.15) if s.max_shift is None else s.max_shift,
-            "shift_steps": steps,
+            "shift_value": first_set(s.shift_value, model.shift_value, config.get("shift", 1.0)),
+            "base_shift": first_set(s.base_shift, model.base_shift, config.get("base_shift", 0.5)),
+            "max_shift": first_set(s.max_shift, model.max_shift, config.get("max_shift", 1.15)),
+            **{name: first_set(getattr(s, name), getattr(model, name)) for name in MODEL_SHIFT_ONLY},
         })
+        for name, (needed_by, what) in MODEL_SHIFT_ONLY.items():
+            if needed_by == shift and getattr(resolved, name) is None:
+                raise ValueError(f"train.timestep_sampling.{name}: the {shift} shift needs {what}")
         return cls(resolved, params.loss_weighting, params.noise_offset, config.get("num_train_timesteps", 1000),
-                   patch_size, config.get("base_image_seq_len", 256), config.get("max_image_seq_len", 4096),
-                   params.input_perturbation, LossFunction.of(params))
+                   patch_size, token_pixels, config.get("base_image_seq_len", 256),
+                   config.get("max_image_seq_len", 4096), params.input_perturbation, LossFunction.of(params))
 
     def sample_timesteps(self, shape: tuple[int, ...], rng: torch.Generator) -> torch.Tensor:
         """Noise levels from the sampling distribution; inside sigma_range, that distribution
@@ -360,7 +370,8 @@ class FlowMatchingObjective(Objective):
     def shifted(self, u: torch.Tensor, image_seq_len: int) -> torch.Tensor:
         """The scheduler's shifts: FlowMatchEulerDiscreteScheduler's static one and its exponential
         time shift at mu = calculate_shift(image_seq_len) (what FluxPipeline samples with) or at
-        Flux.2's compute_empirical_mu(image_seq_len, steps) (what Flux2KleinPipeline samples with)."""
+        Flux.2's compute_empirical_mu(image_seq_len, steps) (what Flux2KleinPipeline samples with);
+        Ideogram 4's logit-normal schedule (what Ideogram4Pipeline samples with)."""
         from diffusers.pipelines.flux.pipeline_flux import calculate_shift
         from diffusers.pipelines.flux2.pipeline_flux2 import compute_empirical_mu
 
@@ -373,6 +384,8 @@ class FlowMatchingObjective(Objective):
         if s.shift == "empirical":
             mu = compute_empirical_mu(image_seq_len, s.shift_steps)
             return math.exp(mu) / (math.exp(mu) + (1 / u - 1))
+        if s.shift == "logit_normal":
+            return logit_normal_schedule(u, image_seq_len * self.token_pixels ** 2, s.shift_mean, s.shift_std)
         return u
 
     def noised(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor,
@@ -402,3 +415,29 @@ def sequence_length(shape: tuple[int, ...], patch_size: int) -> int:
     """The denoiser's image tokens for latents of `shape` (B, C, [F,] H, W): (H/p)(W/p) patches of
     each frame (a video latent's every frame: LTX-2's shift counts them all)."""
     return math.prod(shape[2:-2]) * (shape[-2] // patch_size) * (shape[-1] // patch_size)
+
+
+MODEL_SHIFT_ONLY = {  # settings with no scheduler-config default: the shift that needs each, and what it is
+    "shift_steps": ("empirical", "the inference steps"),
+    "shift_mean": ("logit_normal", "the logit-normal's mean"),
+    "shift_std": ("logit_normal", "the logit-normal's standard deviation"),
+}
+
+
+def first_set(*values):
+    """The first value that is not None (None if none is)."""
+    return next((v for v in values if v is not None), None)
+
+
+def logit_normal_schedule(u: torch.Tensor, pixels: int, mean: float, std: float) -> torch.Tensor:
+    """Ideogram4Pipeline's sigma at quantile u of its schedule: sigmoid(m + std * Phi^-1(u)), m its
+    resolution-aware mean for `pixels`, the logit clamped to half the log-SNR range its
+    _logit_normal_sigmas keeps (the limits' defaults there)."""
+    import inspect
+
+    import torch
+    from diffusers.pipelines.ideogram4.pipeline_ideogram4 import _logit_normal_sigmas, _resolution_aware_mu
+
+    limits = inspect.signature(_logit_normal_sigmas).parameters
+    logit = _resolution_aware_mu(pixels, 1, mean) + std * torch.special.ndtri(u)  # its m reads the product alone
+    return torch.sigmoid(logit.clamp(limits["logsnr_min"].default / 2, limits["logsnr_max"].default / 2))
