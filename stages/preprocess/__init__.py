@@ -34,7 +34,6 @@ from ..contract import Frozen, Log, OutputFile
 from ..video import ClipInfo
 from .clips import VideoSampling, cut_summary, inspect_clip, window_digest, windows
 from .crops import generated_buckets, nearest_bucket, place, shrink_to_fit
-from .references import placed_reference
 from .sources import BadRow, Candidate, DatasetSource, MissingCaption, candidates, fingerprint
 from .validation import ImageInfo, Rejected, inspect_image, mask_entry, summary_lines
 
@@ -219,7 +218,10 @@ def _placed_references(c: Candidate, size: list[int], params: PreprocessParams) 
             info = inspect_image(ref, 0)
         except Rejected as r:
             raise Rejected("bad_reference", f"its reference {ref.rel}: {r.reason}: {r.detail}") from None
-        placed.append(placed_reference(ref.rel, info, size, list(params.background)))
+        resized, box = place(info.width, info.height, (size[1], size[0]), False, 0, info.digest)  # centre-cropped
+        placed.append({"path": ref.rel, "digest": info.digest, "original_size": [info.height, info.width],
+                       "resized": resized, "crop_box": box,
+                       **({"background": list(params.background)} if info.has_alpha else {})})
     return placed
 
 

@@ -17,13 +17,9 @@ from __future__ import annotations
 
 import posixpath
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable
+from typing import Callable
 
-from .crops import place
 from .listing import Listing
-
-if TYPE_CHECKING:
-    from .validation import ImageInfo
 
 
 @dataclass(frozen=True)
@@ -86,12 +82,3 @@ def column_references(row: dict, where: str, metadata: str, columns: tuple[str, 
                 return ReferenceNames(problem=("bad_reference", f"{where}: reference {name!r} is not an image file"))
             paths.append(rel)
     return ReferenceNames(tuple(paths))
-
-
-def placed_reference(rel: str, info: ImageInfo, size: list[int], background: list[int]) -> dict:
-    """dataset.json's entry for one reference of a target of `size` [h, w]: resized to cover it and
-    centre-cropped (its own content, never the target's random crop)."""
-    resized, box = place(info.width, info.height, (size[1], size[0]), False, 0, info.digest)
-    entry = {"path": rel, "digest": info.digest, "original_size": [info.height, info.width],
-             "resized": resized, "crop_box": box}
-    return {**entry, "background": background} if info.has_alpha else entry
