@@ -125,3 +125,31 @@ def test_lora_exports_load_through_the_edit_pipeline(model, tmp_path):
     assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
     for file in written:
         assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", file))
+
+
+def test_a_batch_with_references_predicts_each_pair_as_alone(model):
+    """Training's layout: a batch of two pairs, instructions of different lengths (padded with a mask)
+    and references at the target's size (B, K, C, h, w); each row is the pair's prediction on its own,
+    and the references change it."""
+    family = families.for_model(model)
+    transformer = family.load_denoiser(model, torch.float32)
+    count = REFERENCES[family.name]
+    references = [[photo(10 * i + k) for k in range(count)] for i in range(2)]
+    records = encoded(family, model, CAPTIONS, references)
+    assert records[0]["hidden_states"].shape[0] != records[1]["hidden_states"].shape[0]
+    generator = torch.Generator().manual_seed(0)
+    noisy, latents = torch.randn(2, 4, 8, 6, generator=generator), torch.randn(2, count, 4, 8, 6, generator=generator)
+    timesteps = torch.tensor([0.3, 0.8])
+
+    def predicted(rows: slice, with_references: bool = True) -> torch.Tensor:
+        cond = family.conditioning(records[rows], [], ObjectiveParams())
+        if with_references:
+            cond[REFERENCE_LATENTS] = latents[rows]
+        with torch.no_grad():
+            return family.predict(transformer, noisy[rows], timesteps[rows], cond, torch.float32)
+
+    batch = predicted(slice(0, 2))
+    assert "encoder_hidden_states_mask" in family.conditioning(records, [], ObjectiveParams())
+    for i in range(2):
+        assert torch.allclose(batch[i:i + 1], predicted(slice(i, i + 1)), atol=1e-5)
+    assert not torch.allclose(batch, predicted(slice(0, 2), with_references=False), atol=1e-3)
