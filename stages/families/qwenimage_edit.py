@@ -84,14 +84,12 @@ class QwenEditPromptEncoder:
         return [self.record(caption, images) for caption, images in zip(captions, references)]
 
     def record(self, caption: str, images: list[Any]) -> TextRecord:
-        inputs = self.processor(text=[self.templated(caption, len(images))],
-                                images=[self.resized(image) for image in images] or None,
-                                padding=True, return_tensors="pt")
-        vision = {name: inputs[name].to(self.device) for name in ("pixel_values", "image_grid_thw") if name in inputs}
-        mask = inputs["attention_mask"].to(self.device)
-        states = hidden_states(self.encoder, (-1,), input_ids=inputs["input_ids"].to(self.device), attention_mask=mask,
-                               **vision)[0][mask[0].bool()]
-        return {"hidden_states": states[self.settings.drop_tokens:].to(self.dtype).cpu()}
+        inputs = self.processor(text=[self.templated(caption, len(images))], images=[self.resized(i) for i in images],
+                                padding=True, return_tensors="pt").to(self.device)
+        mask = inputs["attention_mask"]
+        states = hidden_states(self.encoder, (-1,), input_ids=inputs["input_ids"], attention_mask=mask,
+                               pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
+        return {"hidden_states": states[0][mask[0].bool()][self.settings.drop_tokens:].to(self.dtype).cpu()}
 
 
 @dataclass(frozen=True)
