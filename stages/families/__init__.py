@@ -1,8 +1,8 @@
 """Model families: the registry of model lines (SD1.x/2.x, SDXL, Flux.1, Flux.1 Kontext, Flux.2-klein,
-Z-Image, Qwen-Image, Qwen-Image 2.1, Krea 2, Ideogram 4, Wan, LTX-2) and `for_model`, which finds a model's
-family (a folder by its pipeline class, a single file by its tensor names) and binds it to the
-model's variant. What a family provides, and which stage calls what: the docstring of
-base.Family, the seam. Adding a family: docs/adding-a-family.md.
+Z-Image, Qwen-Image, Qwen-Image-Edit and Edit-Plus, Qwen-Image 2.1, Krea 2, Ideogram 4, Wan, LTX-2) and
+`for_model`, which finds a model's family (a folder by its pipeline class, a single file by its
+tensor names) and binds it to the model's variant. What a family provides, and which stage calls
+what: the docstring of base.Family, the seam. Adding a family: docs/adding-a-family.md.
 """
 from __future__ import annotations
 
@@ -20,13 +20,14 @@ from .ltx2 import LTX2
 from .objectives import ObjectiveParams, TimestepSampling
 from .qwenimage import QWEN_IMAGE
 from .qwenimage21 import QWEN_IMAGE_21
+from .qwenimage_edit import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
 from .sd import SD15, SDXL
 from .wan import WAN
 from .zimage import ZIMAGE
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FLUX1, FLUX1_KONTEXT, FLUX2_KLEIN,
-                                                                  ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_21, KREA2, IDEOGRAM4,
-                                                                  WAN, LTX2)}
+                                                                  ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
+                                                                  QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, LTX2)}
 # single files: SDXL's marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's before Flux.1's,
 # whose markers Flux.2 checkpoints also carry
 SINGLE_FILE_DETECTION = (SDXL, SD15, FLUX2_KLEIN, FLUX1, ZIMAGE, QWEN_IMAGE)

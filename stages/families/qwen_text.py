@@ -62,19 +62,25 @@ class QwenPromptEncoder:
         return tokens > s.token_window or tokens - s.drop_tokens > s.max_sequence_length
 
     def __call__(self, captions: list[str]) -> list[TextRecord]:
-        import torch
-
         s = self.settings
         tokens = self.tokenizer([self.templated(c) for c in captions], max_length=s.token_window, truncation=True,
                                 padding="max_length" if s.pad_to_window else True, return_tensors="pt")
         mask = tokens.attention_mask.to(self.device)
-        with torch.inference_mode():
-            out = self.encoder(input_ids=tokens.input_ids.to(self.device), attention_mask=mask,
-                               output_hidden_states=True)
-        hidden = torch.cat([out.hidden_states[i] for i in s.hidden_layers], dim=-1)
+        hidden = hidden_states(self.encoder, s.hidden_layers, input_ids=tokens.input_ids.to(self.device),
+                               attention_mask=mask)
         records = []
         for i in range(len(captions)):
             states = hidden[i] if s.keep_padding else hidden[i][mask[i].bool()]
             states = states[s.drop_tokens:][: s.max_sequence_length]
             records.append({"hidden_states": states.to(self.dtype).cpu()})
         return records
+
+
+def hidden_states(encoder: torch.nn.Module, layers: tuple[int, ...], **inputs: torch.Tensor) -> torch.Tensor:
+    """The encoder's hidden states (B, L, D) of `layers`, concatenated per token, for inputs already
+    on its device (token ids and mask; a vision-language encoder's image inputs too)."""
+    import torch
+
+    with torch.inference_mode():
+        out = encoder(**inputs, output_hidden_states=True)
+    return torch.cat([out.hidden_states[i] for i in layers], dim=-1)

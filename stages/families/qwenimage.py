@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from lorapipe.stages.lora_formats.original_names import OriginalNames, derive_original_names
 
-from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
+from .base import (REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, TextOptions, TextRecord,
+                   pad_sequences)
 from .flow import FlowFamily, FlowVariant, presets_field
 from .latents import ChannelMeanStd, VaePosterior, channel_mean_std_of
 from .objectives import ObjectiveParams
@@ -79,19 +80,23 @@ class QwenImage(FlowFamily):
 
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
-        """As QwenImagePipeline calls its transformer: latents packed 2x2, t / 1000, the frame's
-        shape in patches, the padded text and its mask; the prediction unpacked."""
+        """As the Qwen-Image pipelines call their transformer: latents packed 2x2, an edit pair's
+        reference latents packed after them (each its own frame of img_shapes), t / 1000, the padded
+        text and its mask; the noisy latents' prediction unpacked."""
+        import torch
         from diffusers import QwenImagePipeline as Pipe
 
         b, c, h, w = noisy.shape
+        references = conditioning.get(REFERENCE_LATENTS)
+        frames = [noisy, *([] if references is None else references.unbind(1))]
         mask = conditioning.get("encoder_hidden_states_mask")
         out = transformer(
-            hidden_states=Pipe._pack_latents(noisy, b, c, h, w).to(dtype),
+            hidden_states=torch.cat([Pipe._pack_latents(f, b, c, *f.shape[-2:]) for f in frames], dim=1).to(dtype),
             timestep=timesteps * TIMESTEP_SCALE / TIMESTEP_SCALE, guidance=None,
             encoder_hidden_states=conditioning["encoder_hidden_states"].to(device=noisy.device, dtype=dtype),
             encoder_hidden_states_mask=None if mask is None else mask.to(noisy.device),
-            img_shapes=[[(1, h // 2, w // 2)]] * b, return_dict=False)[0]
-        return Pipe._unpack_latents(out, h, w, 1).squeeze(2).float()
+            img_shapes=[[(1, f.shape[-2] // 2, f.shape[-1] // 2) for f in frames]] * b, return_dict=False)[0]
+        return Pipe._unpack_latents(out[:, : h * w // 4], h, w, 1).squeeze(2).float()
 
     # ---- LoRA
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:

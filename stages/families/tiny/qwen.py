@@ -52,14 +52,16 @@ def bpe_vocab_and_merges(captions: list[str]) -> tuple[dict[str, int], list[tupl
     return model["vocab"], [tuple(pair) for pair in model["merges"]]
 
 
-def qwen_tokenizer():
-    """A Qwen2Tokenizer (byte-level BPE, Qwen's specials and chat template) from the bundled captions."""
+def qwen_tokenizer(named_tokens: dict[str, str] | None = None):
+    """A Qwen2Tokenizer (byte-level BPE, Qwen's specials and chat template) from the bundled captions.
+    `named_tokens`: specials also reachable by name (`image_token`), as processors look them up."""
     from transformers import Qwen2Tokenizer
 
     captions = [p.read_text().strip() for p in sorted(CAPTIONS.glob("*.txt"))]
     vocab, merges = bpe_vocab_and_merges(captions)
+    named = {"model_specific_special_tokens": named_tokens} if named_tokens else {}
     tokenizer = Qwen2Tokenizer(vocab=vocab, merges=merges, additional_special_tokens=list(SPECIALS),
-                               model_max_length=131072)
+                               model_max_length=131072, **named)
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 

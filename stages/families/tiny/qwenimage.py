@@ -18,7 +18,7 @@ from .qwen import TEXT_DIM, qwen_tokenizer, seeded
 Z_DIM = 4
 
 
-def _transformer():
+def tiny_qwenimage_transformer():
     from diffusers import QwenImageTransformer2DModel
 
     return QwenImageTransformer2DModel(patch_size=2, in_channels=4 * Z_DIM, out_channels=Z_DIM, num_layers=2,
@@ -36,7 +36,7 @@ def tiny_qwenimage_vae():
                                   temperal_downsample=[False, True, True], latents_mean=mean, latents_std=std)
 
 
-def _text_encoder(tokenizer):
+def tiny_qwen25vl(tokenizer):
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id",
@@ -54,15 +54,20 @@ def _text_encoder(tokenizer):
     return Qwen2_5_VLForConditionalGeneration(config).eval()
 
 
-def build_tiny_qwenimage(out_dir: Path) -> Path:
-    from diffusers import FlowMatchEulerDiscreteScheduler, QwenImagePipeline
+def tiny_qwenimage_parts(tokenizer) -> dict:
+    """The components every tiny Qwen-Image pipeline shares (the edit pipelines add a processor)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    tokenizer = qwen_tokenizer()
-    pipe = QwenImagePipeline(
-        scheduler=FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
-                                                  max_shift=0.9, time_shift_type="exponential"),
-        vae=seeded(tiny_qwenimage_vae), text_encoder=seeded(_text_encoder, tokenizer), tokenizer=tokenizer,
-        transformer=seeded(_transformer),
-    )
-    pipe.save_pretrained(Path(out_dir), safe_serialization=True)
+    return {
+        "scheduler": FlowMatchEulerDiscreteScheduler(shift=1.0, use_dynamic_shifting=True, base_shift=0.5,
+                                                     max_shift=0.9, time_shift_type="exponential"),
+        "vae": seeded(tiny_qwenimage_vae), "text_encoder": seeded(tiny_qwen25vl, tokenizer), "tokenizer": tokenizer,
+        "transformer": seeded(tiny_qwenimage_transformer),
+    }
+
+
+def build_tiny_qwenimage(out_dir: Path) -> Path:
+    from diffusers import QwenImagePipeline
+
+    QwenImagePipeline(**tiny_qwenimage_parts(qwen_tokenizer())).save_pretrained(Path(out_dir), safe_serialization=True)
     return Path(out_dir)
