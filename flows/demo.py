@@ -15,8 +15,9 @@ from .config import apply_override
 CONFIGS = files("lorapipe.configs")
 
 
-def prepare_demo(workdir: Path, arch: str) -> Path:
-    """Build the tiny model of `arch` and write its demo data into `workdir` (once); return the config path."""
+def prepare_demo(workdir: Path, arch: str, edits: bool = False) -> Path:
+    """Build the tiny model of `arch` and write its demo data into `workdir` (once): edit pairs with
+    `edits` or for an edit model; return the config path."""
     from lorapipe.stages import families
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -27,9 +28,12 @@ def prepare_demo(workdir: Path, arch: str) -> Path:
     family = families.for_model(model)
     if (built := family.tiny_arch()) != arch:
         raise UserError(f"{model} holds the tiny {built} model, not {arch}: give another --workdir for the {arch} demo")
-    family.write_demo_data(workdir / "data")
+    edits = edits or family.demo_edits
+    if edits:
+        family.check_references(1)
+    family.write_demo_data(workdir / "data", edits)
     config = workdir / "demo.yaml"
-    config.write_text(demo_config_text(family.demo_config(), family.demo_settings()))
+    config.write_text(demo_config_text(family.demo_config(edits), family.demo_settings()))
     return config
 
 

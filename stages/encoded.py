@@ -96,6 +96,8 @@ class Sample:
     fps: float = 0.0  # a clip's window: the frames per second it was sampled at; 0: an image
     references: tuple[Record, ...] = ()  # its reference images' latent records, in order (an edit pair's)
     references_flip: tuple[Record, ...] = ()  # theirs mirrored (encode.flip)
+    empty_text: Record | None = None  # its own empty prompt's record (read with its references), where the
+    # text encoder reads them; None: the artifact's empty prompt
 
     @property
     def shape(self) -> tuple[int, int, int]:
@@ -118,6 +120,7 @@ class Sample:
             *(records[v[name]] if name in v else None for name in ("mask", "mask_flip")), v.get("role", "train"),
             v.get("frames", 0), v.get("fps", 0.0),
             *(tuple(records[key] for key in v.get(name, ())) for name in ("references", "references_flip")),
+            records[v["empty_text"]] if "empty_text" in v else None,
         )
 
 
@@ -136,7 +139,7 @@ class EncodedData:
         self.store = open_sample_store(cache_root)  # on object storage: read through this host's shard cache
         self.samples = [Sample.from_json(v, source, records)  # not kept twice: popped from the index
                         for v, source in zip(self.index.pop("samples"), locations["sources"], strict=True)]
-        self.empty = records[self.index["empty_text"]]
+        self.empty = records.get(self.index["empty_text"])  # None: each sample has its own (Sample.empty_text)
         self.family: str = self.index["family"]
         self.models: dict[str, str] = self.index["models"]  # component -> weights digest
         self.normalisation = normalisation_from_json(self.index["normalisation"])
@@ -176,9 +179,13 @@ class EncodedData:
     def text(self, sample: Sample) -> dict[str, torch.Tensor]:
         return self._tensors(sample.text)
 
-    def empty_text(self) -> dict[str, torch.Tensor]:
-        """The empty prompt's embedding, used for caption dropout and unconditional loss."""
-        return self._tensors(self.empty)
+    def empty_text(self, sample: Sample | None = None) -> dict[str, torch.Tensor]:
+        """The empty prompt's embedding, used for caption dropout and unconditional loss: the sample's
+        own where it has one (read with its references)."""
+        record = sample.empty_text if sample is not None and sample.empty_text else self.empty
+        if record is None:
+            raise ValueError(f"{self.path}: no empty prompt record for {sample.id if sample else 'every sample'}")
+        return self._tensors(record)
 
     def check_model(self, model: Path, family: str, components: dict[str, str]) -> None:
         """Refuse to train or evaluate `model` (of `family`, its components' digests) on records

@@ -33,7 +33,7 @@ class EncodedSet:
 @contextmanager
 def _count_encoder_rows():
     """Rows pushed through the VAE encoder and through each text encoder (CLIP, T5: a Flux.1 caption
-    is two rows; Qwen3: Z-Image, Flux.2-klein; Qwen3-VL: Qwen-Image 2.1, Krea 2, Ideogram 4; UMT5: Wan;
+    is two rows; Qwen3: Z-Image, Flux.2-klein; Qwen2.5-VL: Qwen-Image and its edit models; Qwen3-VL: Qwen-Image 2.1, Krea 2, Ideogram 4; UMT5: Wan;
     Gemma 3: LTX-2), whatever calls them. Wan's and Qwen-Image's 3-D VAEs encode a clip in chunks, the
     first of one frame: a clip (or an image) is counted at that chunk. Qwen3-VL is counted at its first
     decoder layer, which every caller runs once a batch (Ideogram4Pipeline runs the layers itself)."""
@@ -49,7 +49,7 @@ def _count_encoder_rows():
         elif name in ("WanEncoder3d", "QwenImageEncoder3d") and args[0].shape[2] == 1:
             counts["vae"] += args[0].shape[0]
         elif name in ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel", "Qwen3Model",
-                      "UMT5EncoderModel", "Gemma3ForConditionalGeneration"):
+                      "UMT5EncoderModel", "Gemma3ForConditionalGeneration", "Qwen2_5_VLModel"):
             ids = args[0] if args else kwargs["input_ids"]
             counts["text"] += ids.shape[0]
         elif name == "Qwen3VLTextDecoderLayer" and module.self_attn.layer_idx == 0:
@@ -122,6 +122,11 @@ def flux2_model(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def qwenimage_model(tmp_path_factory) -> Path:
     return _tiny(tmp_path_factory, "qwen-image")
+
+
+@pytest.fixture(scope="session")
+def qwenimage_edit_model(tmp_path_factory) -> Path:
+    return _tiny(tmp_path_factory, "qwen-image-edit")
 
 
 @pytest.fixture(scope="session")

@@ -1,12 +1,15 @@
 """The edit demo's pairs (stages/demo_pairs.py): every bundled photo is a reference, unchanged, and
 its target is the photo with a red hat where one is drawn and the photo everywhere else; the same
-bytes every time they are written; the Kontext family writes them as its demo data."""
+bytes every time they are written; an edit model's demo (and another's with --edit) trains on them."""
 from __future__ import annotations
 
 import numpy as np
+import pytest
 from PIL import Image
 
 import lorapipe.stages.families as families
+from lorapipe.cache.errors import UserError
+from lorapipe.flows.demo import prepare_demo
 from lorapipe.stages.demo_pairs import BRIM, CONTROL, CROWN, HAT_RED, INSTRUCTION, scaled, write_demo_pairs
 from lorapipe.stages.families.base import DEMO_PHOTOS
 
@@ -37,9 +40,15 @@ def test_pairs_are_byte_identical_when_rewritten_and_kept_when_present(tmp_path)
     assert first[0].with_suffix(".txt").read_text() == "add a blue hat"
 
 
-def test_kontext_demo_trains_on_the_pairs(tmp_path):
-    family = families.get("flux1-kontext")
-    assert family.demo_config() == "edit-demo.yaml"
-    family.write_demo_data(tmp_path)
+def test_edit_models_demo_on_pairs_and_others_on_request(tmp_path):
+    assert families.get("flux1-kontext").demo_edits and families.get("qwen-image-edit-plus").demo_edits
+    klein = families.get("flux2-klein")
+    assert (klein.demo_config(), klein.demo_config(edits=True)) == ("demo.yaml", "edit-demo.yaml")
+    klein.write_demo_data(tmp_path, edits=True)
     assert sorted(p.name for p in (tmp_path / CONTROL).iterdir()) == [p.name for p in PHOTOS]
     assert sorted(p.name for p in tmp_path.glob("*.png")) == sorted(f"{p.stem}.png" for p in PHOTOS)
+
+
+def test_an_edit_demo_of_a_model_without_references_is_refused_in_one_line(tmp_path):
+    with pytest.raises(UserError, match="Stable Diffusion 1.x/2.x takes none"):
+        prepare_demo(tmp_path, "sd15", edits=True)

@@ -1,7 +1,8 @@
 """Edit pairs: which reference images belong to which target (control_dir, metadata reference
 columns), every unusable reference a report row naming the file and line, and the per-record
 invalidation counts on the tiny Flux.2-klein, through the real preprocess and encode stages, encodes
-counted by forward hooks on the VAE encoder and on Qwen3 (one row per caption)."""
+counted by forward hooks on the VAE encoder and on Qwen3 (one row per caption); and on the tiny
+Qwen-Image-Edit, whose vision-language text encoder reads the references."""
 from __future__ import annotations
 
 import json
@@ -194,3 +195,25 @@ def test_training_on_edit_pairs_resumes_exactly(edit_baseline, tmp_path):
                                      {"ema_decay": None})
     files = published(run.straight)
     assert "pytorch_lora_weights.safetensors" in files and published(run.resumed) == files
+
+
+@pytest.fixture(scope="module")
+def qwen_edit_baseline(tmp_path_factory, qwenimage_edit_model, demo_images, count_encoder_rows):
+    """The pairs encoded by the tiny Qwen-Image-Edit: each target's caption is read with its reference,
+    and so is each pair's own empty prompt (caption dropout), one per distinct reference."""
+    root = tmp_path_factory.mktemp("qwen-edit-baseline")
+    data = edit_dataset(root, demo_images)
+    _, counts = encode_counted(pairs_config(root, qwenimage_edit_model, data, root / "cache"), count_encoder_rows)
+    assert counts == {"vae": IMAGES, "text": len(TARGETS) + len(TARGETS) - 1}
+    return root, qwenimage_edit_model
+
+
+@pytest.mark.slow
+def test_swapping_a_reference_a_vl_encoder_reads_encodes_its_latent_and_its_pairs_texts(qwen_edit_baseline, tmp_path,
+                                                                                      count_encoder_rows):
+    config, data = baseline_copy(qwen_edit_baseline, tmp_path)
+    with Image.open(data / "refs" / "coffee.png") as im:
+        ImageOps.invert(im).save(data / "refs" / "coffee.png")
+    results, counts = encode_counted(config, count_encoder_rows)
+    assert counts == {"vae": 1, "text": 2}  # coffee's instruction and its empty prompt, read with the new reference
+    assert results["encode"].info["latents_reused"] == IMAGES - 1

@@ -178,13 +178,15 @@ class SampleKeys:
     latent_flip: dict[str, str]
     text: dict[str, tuple[str, ...]]  # its caption's record, or a training sample's caption variants'
     captions: dict[str, str]  # text record key -> the caption it encodes
-    empty: str
+    empty: str | None  # the empty prompt's record; None where the text encoder reads references (own_empty)
     mask: dict[str, str] = field(default_factory=dict)
     mask_flip: dict[str, str] = field(default_factory=dict)
     references: dict[str, tuple[str, ...]] = field(default_factory=dict)  # sample id -> its references' ids
     # (encode/references.py), whose latent keys `latent` and `latent_flip` hold
     text_references: dict[str, str] = field(default_factory=dict)  # text record key -> whose references it
     # reads (a sample id; Family.text_takes_references)
+    own_empty: dict[str, str] = field(default_factory=dict)  # sample id -> its empty prompt's record, read with
+    # its references (caption dropout, for a text encoder that reads them)
 
     @classmethod
     def of(cls, dataset: list[dict], params: EncodeParams, vae_digest: str, text: dict,
@@ -194,7 +196,7 @@ class SampleKeys:
         `text_reads_references`: the family's text encoder reads each sample's references. Variant
         captions are made and keyed one at a time, with a progress line every `every` seconds once it
         takes that long (many samples times caption_variants)."""
-        captions, texts, readers = {}, {}, {}
+        captions, texts, readers, own_empty = {}, {}, {}, {}
         progress = ProgressLines("encode: keying samples", len(dataset), log, every, unit="sample", from_start=False)
         for s in dataset:
             keys = []
@@ -205,23 +207,26 @@ class SampleKeys:
                 if references:
                     readers[keys[-1]] = s["id"]
             texts[s["id"]] = tuple(keys)
+            if references:
+                own_empty[s["id"]] = text_key("", params, text, references)
+                captions[own_empty[s["id"]]], readers[own_empty[s["id"]]] = "", s["id"]
             progress.advance()
-        empty = text_key("", params, text)
+        empty = None if text_reads_references else text_key("", params, text)
         masked = [s for s in dataset if "mask" in s]
         images = with_references(dataset)
         return cls({s["id"]: latent_key(s, params, vae_digest) for s in images},
                    {s["id"]: latent_key(s, params, vae_digest, True) for s in images} if params.flip else {},
-                   texts, {**captions, empty: ""}, empty,
+                   texts, {**captions, **({empty: ""} if empty else {})}, empty,
                    {s["id"]: mask_key(s, mask_factor) for s in masked},
                    {s["id"]: mask_key(s, mask_factor, True) for s in masked} if params.flip else {},
                    {s["id"]: tuple(reference_id(s["id"], k) for k in range(len(s["references"])))
-                    for s in dataset if "references" in s}, readers)
+                    for s in dataset if "references" in s}, readers, own_empty)
 
     def of_sample(self, sample_id: str) -> list[str]:
         images = (sample_id, *self.references.get(sample_id, ()))
         return [*(table[image] for image in images for table in (self.latent, self.latent_flip)
                   if image in table),
-                *(table[sample_id] for table in (self.mask, self.mask_flip) if sample_id in table),
+                *(table[sample_id] for table in (self.mask, self.mask_flip, self.own_empty) if sample_id in table),
                 *self.text[sample_id]]
 
     def reference_latents(self, sample_id: str, flip: bool = False) -> list[str]:
@@ -233,7 +238,8 @@ class SampleKeys:
         return {*self.latent.values(), *self.latent_flip.values()}
 
     def texts(self) -> set[str]:
-        return {*(key for keys in self.text.values() for key in keys), self.empty}
+        return {*(key for keys in self.text.values() for key in keys), *self.own_empty.values(),
+                *([self.empty] if self.empty else [])}
 
     def masks(self) -> set[str]:
         return {*self.mask.values(), *self.mask_flip.values()}
@@ -374,9 +380,10 @@ def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: Sa
             "latent": keys.latent[s["id"]], "text": texts[0], **variants, **flip, **masks,
             **({"role": s["role"]} if "role" in s else {}),  # a prior sample's (absent: train, as before)
             **_reference_entries(keys, s["id"], header["flip"]),
+            **({"empty_text": keys.own_empty[s["id"]]} if s["id"] in keys.own_empty else {}),
         }
 
-    used = sorted({keys.empty} | {k for s in ordered for k in keys.of_sample(s["id"])})
+    used = sorted({keys.empty} - {None} | {k for s in ordered for k in keys.of_sample(s["id"])})
     write_index(out_dir, header, map(sample_entry, ordered), [{"id": s["id"], "dataset": datasets[s["source"]].label} for s in ordered],
         {key: index[key] for key in used})
     refs = {}

@@ -53,10 +53,11 @@ class EncodeJobs:
     @classmethod
     def plan(cls, dataset: list[dict], keys: SampleKeys, missing: set[str],
              datasets: tuple[DatasetSource, ...]) -> "EncodeJobs":
-        texts = {keys.empty: ("", "the empty prompt", ())}
+        texts = {keys.empty: ("", "the empty prompt", ())} if keys.empty else {}
         index = {s["id"]: i for i, s in enumerate(dataset)}
         for s in dataset:
-            for key in keys.text.get(s["id"], ()):  # a reference image has no caption
+            own_empty = (keys.own_empty[s["id"]],) if s["id"] in keys.own_empty else ()
+            for key in (*keys.text.get(s["id"], ()), *own_empty):  # a reference image has no caption
                 reader = keys.text_references.get(key)
                 references = tuple(index[r] for r in keys.references[reader]) if reader else ()
                 texts.setdefault(key, (keys.captions[key], sample_label(s, datasets), references))

@@ -68,9 +68,10 @@ def render_pairs(pipe: DiffusionPipeline, family: Family, pairs: list[EditPair],
     for pair in pairs:
         for seed in seeds:
             height, width = pair.target.height, pair.target.width
-            output = pipe(prompt=pair.instruction, **family.reference_render_kwargs(pair.references), height=height,
-                          width=width, num_inference_steps=steps, generator=torch.Generator().manual_seed(seed),
-                          output_type="pil", **{**family_kwargs, **family.render_size_kwargs(height, width)})
+            kwargs = {**family_kwargs, **family.reference_render_kwargs(pair.references),
+                      **family.render_size_kwargs(height, width)}  # its own references, not the prompt grid's
+            output = pipe(prompt=pair.instruction, height=height, width=width, num_inference_steps=steps,
+                          generator=torch.Generator().manual_seed(seed), output_type="pil", **kwargs)
             rendered.append(family.rendered(output)[0][0])
     return rendered
 

@@ -52,7 +52,9 @@ def run(
     in_split = {name: [s for s in encoded.split(name) if s.role == "train"] for name in SPLITS}
     splits = {name: loss_subset(samples, params.loss_samples, params.loss_seed) for name, samples in in_split.items()}
     render_family, render_path = _renderer(family, inputs, params, trained.get("denoiser"))
-    settings = _render_settings(render_family, render_path, encoded, params, options)  # bad settings: before loading
+    pairs = held_out_pairs(encoded, inputs.preprocess_dir, inputs.datasets, params.edit_pairs, params.loss_seed)
+    settings = _render_settings(render_family, render_path, encoded, params, options,  # bad settings: before loading
+                                _prompt_references(render_family, pairs))
     columns = None
     if render_path != inputs.model_path:  # rendered first and released, so one pipeline is in memory at a time
         columns = _render_grid(_load_pipeline(render_path, options), render_family, render_path, settings, params,
@@ -71,7 +73,6 @@ def run(
         pipe.set_adapters([name], adapter_weights=[1.0])
         adapters[name] = _split_losses(denoiser, scoring["lora"], encoded, splits, loss_timesteps, params)
 
-    pairs = held_out_pairs(encoded, inputs.preprocess_dir, inputs.datasets, params.edit_pairs, params.loss_seed)
     edits = _render_edits(pipe, family, pairs, params, settings, inputs.train_dir, out_dir, log) if pairs else None
     rows = [(prompt, seed) for prompt in params.prompts for seed in params.seeds]
     stills = first_frames(columns)
@@ -211,10 +212,22 @@ def _render_edits(pipe: DiffusionPipeline, family: families.Family, pairs: list[
     return {"pairs": len(pairs), "pixel_mse_to_target": pixel_distances(pairs, seeds, rendered)}
 
 
+def _prompt_references(family: families.Family, pairs: list[EditPair]) -> dict[str, Any]:
+    """The pipeline arguments the prompt grid renders with: none, or for a pipeline that only edits,
+    the first held-out pair's references (the prompts edit them)."""
+    if family.renders_without_references:
+        return {}
+    if not pairs:
+        raise UserError(f"evaluate: {family.label} renders edits of reference images, and no held-out sample has"
+                        " references: hold out edit pairs (preprocess.holdout_fraction, evaluate.edit_pairs)")
+    return family.reference_render_kwargs(pairs[0].references)
+
+
 def _render_settings(family: families.Family, model_path: Path, encoded: EncodedData, params: EvalParams,
-                     options: EvalOptions) -> RenderSettings:
+                     options: EvalOptions, references: dict[str, Any]) -> RenderSettings:
     """The prompts rendered as the model renders them (the family's defaults for what is unset),
-    with the text settings the records were encoded with (Flux.1's T5 length)."""
+    with the text settings the records were encoded with (Flux.1's T5 length); `references`: the
+    reference images a pipeline that only edits is given."""
     multiple = family.pixel_multiple(model_path)
     if params.resolution % multiple:
         raise UserError(f"evaluate.resolution: {family.label} renders sides that are multiples of {multiple} px,"
@@ -229,7 +242,7 @@ def _render_settings(family: families.Family, model_path: Path, encoded: Encoded
     return RenderSettings(list(params.prompts), list(params.seeds),
                           params.num_inference_steps or defaults["num_inference_steps"], params.resolution,
                           options.render_batch_size,
-                          {**family.render_kwargs(text, guidance, params.negative_prompt), **clip,
+                          {**family.render_kwargs(text, guidance, params.negative_prompt), **clip, **references,
                            **family.render_size_kwargs(params.resolution, params.resolution)}, family.rendered)
 
 

@@ -191,6 +191,8 @@ class Family(ABC):
                                        batch's references reach predict as conditioning[REFERENCE_LATENTS]:
                                        (B, K, C, h, w) normalised posterior means at the target's size
         reference_render_kwargs(images)   the pipeline call's arguments for a sample's reference images
+        renders_without_references     False for a pipeline that only edits: evaluate's prompt grid then
+                                       edits the first held-out pair's references
         text_takes_references          its text encoder is called encoder(captions, references): each
                                        caption's reference images (PIL, placed as their latents are),
                                        and the references' content is in that text record's key
@@ -205,9 +207,10 @@ class Family(ABC):
       rendering (evaluate) and the tiny model (the demo, tests)
         render_defaults(), render_kwargs(...), render_size_kwargs(h, w), prepare_pipeline(...),
         build_tiny(out_dir, arch)
-        demo_config(), demo_settings(), write_demo_data(folder)   what `lorapipe demo` runs: its
-                                       config in configs/, the values it sets in it for this model,
-                                       and the data that config trains on
+        demo_config(edits), demo_settings(), write_demo_data(folder, edits)   what `lorapipe demo`
+                                       runs: its config in configs/, the values it sets in it for this
+                                       model, and the data that config trains on (edits: generated
+                                       edit pairs; demo_edits: an edit model's demo always is)
     """
 
     name: str  # the registry key, recorded in encode manifests and text record keys
@@ -222,6 +225,8 @@ class Family(ABC):
     block_lists: tuple[str, ...] = ()  # the denoiser's lists of blocks, in run order (swappable_blocks)
     max_references: int = 0  # reference images a sample may have (an edit model's); 0: none
     text_takes_references: bool = False  # its text encoder reads the references too (a vision-language one)
+    renders_without_references: bool = True  # False: its pipeline only edits (evaluate's prompts edit a reference)
+    demo_edits: bool = False  # `lorapipe demo` trains it on edit pairs (an edit model; else with --edit)
     chosen: Denoiser | None = None  # set by with_denoiser on a model with several denoisers
 
     # ---- identity and loading
@@ -421,18 +426,24 @@ class Family(ABC):
         """A tiny model of `arch` (one of tiny_arches) in out_dir: random weights from a fixed seed,
         tokenizers built offline, byte-identical when rebuilt, loadable by `pipeline_class`."""
 
-    def demo_config(self) -> str:
-        """The file in configs/ that `lorapipe demo` runs on this family's tiny model."""
-        return "demo.yaml"
+    def demo_config(self, edits: bool = False) -> str:
+        """The file in configs/ that `lorapipe demo` runs on this family's tiny model (`edits`: on edit
+        pairs, for a family that takes references)."""
+        return "edit-demo.yaml" if edits else "demo.yaml"
 
     def demo_settings(self) -> dict[str, str]:
         """Config values (as `--set` takes them) the demo sets beyond demo_config for this model: on a
         model with several denoisers, the first of train.denoiser's choices."""
         return {"train.denoiser": next(iter(choices))} if (choices := self.denoiser_choices()) else {}
 
-    def write_demo_data(self, folder: Path) -> None:
+    def write_demo_data(self, folder: Path, edits: bool = False) -> None:
         """Write the data demo_config trains on into folder, keeping the files already there: the
-        bundled photos and their captions."""
+        bundled photos and their captions, or (`edits`) edit pairs generated from them."""
+        if edits:
+            from lorapipe.stages.demo_pairs import write_demo_pairs
+
+            write_demo_pairs(folder, DEMO_PHOTOS)
+            return
         folder.mkdir(parents=True, exist_ok=True)
         for src in sorted(DEMO_PHOTOS.iterdir()):
             if src.suffix in (".jpg", ".txt") and not (folder / src.name).exists():

@@ -33,8 +33,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from lorapipe.stages.contract import Frozen
 from lorapipe.stages.lora_formats.original_names import COMFYUI_DOWN_UP, KOHYA, OriginalNames, derive_original_names
 
-from .base import (DEMO_PHOTOS, REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, TextOptions, TextRecord,
-                   stack)
+from .base import REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, TextOptions, TextRecord, stack
 from .flow import FlowFamily, FlowVariant, presets_field
 from .folders import load_component
 from .objectives import ObjectiveParams
@@ -206,14 +205,6 @@ class Flux1Kontext(Flux1):
     def render_size_kwargs(self, height: int, width: int) -> dict[str, Any]:
         return {"max_area": height * width}  # the pipeline rescales its output to max_area, whatever the size
 
-    def demo_config(self) -> str:
-        return "edit-demo.yaml"
-
-    def write_demo_data(self, folder: Path) -> None:
-        from lorapipe.stages.demo_pairs import write_demo_pairs
-
-        write_demo_pairs(folder, DEMO_PHOTOS)
-
 
 KONTEXT_VARIANTS = (FlowVariant("dev", "flux1-kontext", 28, 2.5, guidance_embeds=True),)  # BFL's guidance for it
 
@@ -221,5 +212,5 @@ FLUX1_KONTEXT = Flux1Kontext(
     name="flux1-kontext", label="Flux.1 Kontext", pipeline_class="FluxKontextPipeline",
     components=FLUX1.components, kohya_base_model="flux1", tiny_arches=("flux1-kontext",), latent_patch=2,
     original_formats=FLUX1.original_formats, comfyui_slice_prefix=FLUX1.comfyui_slice_prefix,
-    block_lists=FLUX1.block_lists, variants=KONTEXT_VARIANTS, max_references=1,
+    block_lists=FLUX1.block_lists, variants=KONTEXT_VARIANTS, max_references=1, demo_edits=True,
 )

@@ -95,6 +95,8 @@ class QwenEditPromptEncoder:
 @dataclass(frozen=True)
 class QwenImageEdit(QwenImage):
     text_takes_references: bool = True
+    renders_without_references: bool = False  # its encode_prompt needs an image
+    demo_edits: bool = True
     picture_template: str | None = None  # Plus names each image in the user message
     image_area: int = EDIT_AREA  # what the pipeline resizes a reference to for the text encoder
 

@@ -56,10 +56,10 @@ class VideoFamily(FlowFamily):
     def rendered(self, output: Any) -> list[list[Any]]:
         return [list(frames) for frames in output.frames]
 
-    def demo_config(self) -> str:
+    def demo_config(self, edits: bool = False) -> str:
         return "video-demo.yaml"
 
-    def write_demo_data(self, folder: Path) -> None:
+    def write_demo_data(self, folder: Path, edits: bool = False) -> None:
         from lorapipe.stages.demo_clips import write_demo_clips
 
         write_demo_clips(folder)

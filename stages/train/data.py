@@ -114,14 +114,13 @@ def draws_flipped(sample: Sample, rng: torch.Generator) -> bool:
 def load_batch(data: EncodedData, samples: list[Sample], rng: torch.Generator, caption_dropout: float) -> Batch:
     """Pick plain or mirrored latents, sample each posterior and normalise it, drop captions (to the
     cached empty prompt) with probability caption_dropout; the loss masks of the latents picked."""
-    empty = data.empty_text()
     latents, texts, images, masks, references = [], [], [], [], []
     for sample in samples:
         flipped = draws_flipped(sample, rng)
         mean, std = (t.float() for t in data.latent(sample, flipped))
         latents.append(data.normalisation.apply((mean + std * torch.randn(mean.shape, generator=rng)).unsqueeze(0)))
         dropped = torch.rand((), generator=rng).item() < caption_dropout
-        texts.append(empty if dropped else data.text(sample))
+        texts.append(data.empty_text(sample) if dropped else data.text(sample))
         images.append((sample, flipped))
         masks.append(data.mask(sample, flipped))
         references.append(data.reference_latents(sample, flipped))
