@@ -3,6 +3,7 @@ from, preprocess's rejections and warnings, bucket counts and caption lengths; t
 the same inputs; captions escaped; and, in a real Chromium, the thumbnails shown upright."""
 from __future__ import annotations
 
+import base64
 import io
 import json
 from pathlib import Path
@@ -130,3 +131,26 @@ def test_the_review_page_shows_its_thumbnails_upright_in_chromium(dataset, chrom
                                        ("turned", .5, .2, TOP), ("turned", .5, .8, BOTTOM)):
         seen = colour_at(image_id, fx, fy)
         assert max(abs(a - b) for a, b in zip(seen, expected)) < 24, (image_id, fy, seen, expected)
+
+
+def test_a_clip_window_is_shown_by_its_first_frame(tmp_path):
+    from clips import scene, write_clip
+
+    from lorapipe.stages.caption.review import collect
+
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    frames = scene(16)
+    write_clip(folder / "walk.mp4", frames)
+    (folder / "walk.txt").write_text("a square walks")
+    datasets = (DatasetSource(path=folder),)
+    with StatCache(tmp_path / "stat.sqlite") as cache:
+        run(PreprocessParams(resolution=64, holdout_fraction=0, video={"fps": 8, "num_frames": 5}),
+            PreprocessInputs(datasets, cache), tmp_path, tmp_path, None, lambda line: None)
+    samples = json.loads((tmp_path / DATASET_FILE).read_text())["samples"]
+    (row,) = collect(samples, {"samples": {}}, {}, datasets).rows
+    assert (row.source, row.caption, row.problem) == ("written", "a square walks", "")
+    shown = Image.open(io.BytesIO(base64.b64decode(row.thumbnail.split(",", 1)[1]))).convert("RGB")
+    first = Image.fromarray(frames[samples[0]["frames"][0]])
+    assert shown.size == first.size
+    assert max(abs(a - b) for a, b in zip(shown.getpixel((5, 12)), first.getpixel((5, 12)))) < 24
