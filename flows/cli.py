@@ -4,6 +4,7 @@
     lorapipe run CONFIG [--only S]... [--from S] [--force S]... [--set key=value]... [--strict] [--json]
     lorapipe status CONFIG [--set key=value]... [--strict] [--json]
     lorapipe cache ls|verify|rm|gc [--cache-dir DIR | --config CONFIG] [--keep-last N] [--keep-days D | --since DATE]
+    lorapipe captions export CONFIG [DIR]... [--overwrite] [--set key=value]... [--json]
     lorapipe tiny-model DIR [--arch ARCH]            ARCH: a tiny model of the family registry (stages/families)
 
 Every command takes --debug. An error ends the command with one line, `lorapipe: error: ...`, and
@@ -71,6 +72,15 @@ def _parser() -> argparse.ArgumentParser:
     cache.add_argument("--keep-days", type=float, help="gc: keep artifacts used this recently (default 30)")
     cache.add_argument("--since", metavar="DATE", help="gc: keep artifacts used on or after DATE (2026-11-01)")
     cache.add_argument("--json", action="store_true")
+    captions = sub.add_parser("captions", parents=[common], help="the caption stage's generated captions")
+    captions.add_argument("action", choices=["export"], help="export: write each generated caption as a sidecar"
+                          " next to its image (the dataset's caption_ext, default .txt)")
+    captions.add_argument("config", type=Path)
+    captions.add_argument("folders", nargs="*", type=Path, metavar="DIR", help="only these dataset folders of the"
+                          " config (default: all)")
+    captions.add_argument("--overwrite", action="store_true", help="replace a caption file already there")
+    captions.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    captions.add_argument("--json", action="store_true")
     tiny = sub.add_parser("tiny-model", parents=[common], help="build a tiny model offline")
     tiny.add_argument("dir", type=Path)
     tiny.add_argument("--arch", choices=arches, default=arches[0])
@@ -132,6 +142,8 @@ def _dispatch(args: argparse.Namespace) -> int:
         return commands.status(args.config, args.overrides + STRICT * args.strict, args.json)
     if args.command == "cache":
         return commands.cache(args)
+    if args.command == "captions":
+        return commands.captions_export(args.config, args.overrides, args.folders, args.overwrite, args.json)
     from lorapipe.stages.families import build_tiny_model
 
     print(build_tiny_model(args.dir, args.arch))

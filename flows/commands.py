@@ -14,6 +14,8 @@ from lorapipe.cache.errors import UserError
 from .config import PipelineConfig, load_config
 
 if TYPE_CHECKING:
+    from lorapipe.stages.preprocess.sources import DatasetSource
+
     from .server import EmbeddedServer
 
 
@@ -241,3 +243,59 @@ def cache(args) -> int:
     print(f"gc: removed {len(freed.removed)} artifacts, {freed.shards} shards and {freed.work_dirs} work"
           f" directories, freed {freed.bytes:,} bytes")
     return 0
+
+
+def captions_export(config_path: Path, overrides: list[str], folders: list[Path], overwrite: bool,
+                    as_json: bool) -> int:
+    """`lorapipe captions export`: the generated captions of the config's current caption artifact
+    (found as `lorapipe status` finds it: its key, then the cache) as sidecars next to their images."""
+    from lorapipe.stages.caption.export import export_captions
+
+    config = load_config(config_path, overrides)
+    if config.caption is None:
+        raise UserError(f"{config_path} has no caption section, so no generated captions to export")
+    datasets = tuple(d.with_defaults(caption_ext=config.preprocess.caption_ext) for d in config.data.sources)
+    chosen = _datasets_in(datasets, folders)
+    captions = _current_captions(config, config_path)
+    captions = {**captions, "samples": {i: e for i, e in captions["samples"].items() if e["dataset"] in chosen}}
+    written, skipped = export_captions(captions, datasets, overwrite)
+    if as_json:
+        _print_json({"written": [str(p) for p in written], "skipped": [vars(s) for s in skipped]})
+        return 0
+    for path in written:
+        print(f"wrote    {path}")
+    for s in skipped:
+        print(f"skipped  {s.path}: {s.reason}")
+    print(f"{len(written)} caption file(s) written, {len(skipped)} skipped")
+    return 0
+
+
+def _datasets_in(datasets: tuple[DatasetSource, ...], folders: list[Path]) -> set[str]:
+    """The labels of the datasets at `folders` (all of them when none is given)."""
+    if not folders:
+        return {d.label for d in datasets}
+    by_folder = {str(Path(d.path).resolve()): d.label for d in datasets if not isinstance(d.path, str)}
+    unknown = [f for f in folders if str(f.resolve()) not in by_folder]
+    if unknown:
+        raise UserError(f"{unknown[0]} is not a dataset folder of this config (its local folders: "
+                        f"{', '.join(sorted(by_folder)) or 'none'})")
+    return {by_folder[str(f.resolve())] for f in folders}
+
+
+def _current_captions(config: PipelineConfig, config_path: Path) -> dict:
+    """captions.json of the caption artifact the config's current key names; a UserError when the
+    cache has none (the run that makes it has not happened, or the config changed since)."""
+    from lorapipe.stages.caption import CAPTIONS_FILE
+
+    from .plan import Context
+    from .runner import stand
+
+    ctx = Context(config, log=note, reads_only=True)
+    try:
+        standing = stand(ctx, ("preprocess", "caption"))[-1]
+        if standing.artifact is None:
+            raise UserError(f"no captions of this config in the cache ({standing.reason}): run `lorapipe run"
+                            f" {config_path} --only preprocess --only caption` first")
+        return json.loads((standing.artifact.path / CAPTIONS_FILE).read_text())
+    finally:
+        ctx.close()

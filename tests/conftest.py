@@ -327,3 +327,11 @@ qwenimage_encoded = _demo_encoded("qwenimage_model", "Qwen-Image")
 qwenimage21_encoded = _demo_encoded("qwenimage21_model", "Qwen-Image 2.1")
 krea2_encoded = _demo_encoded("krea2_model", "Krea 2 base")
 ideogram4_encoded = _demo_encoded("ideogram4_model", "Ideogram 4")
+
+
+@pytest.fixture(scope="session")
+def chromium() -> Path:
+    """Debian's chromium (tests/browser.py), installed when missing: the UI checks never skip."""
+    from browser import installed_chromium
+
+    return installed_chromium()

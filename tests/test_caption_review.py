@@ -1,0 +1,156 @@
+"""The dataset review (stages/caption/review.py): every image with its final caption and where it came
+from, preprocess's rejections and warnings, bucket counts and caption lengths; the same bytes for
+the same inputs; captions escaped; and, in a real Chromium, the thumbnails shown upright."""
+from __future__ import annotations
+
+import base64
+import io
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from lorapipe.cache.digest import StatCache
+from lorapipe.stages.caption.review import REVIEW_HTML, REVIEW_MD, length_histogram, write_review
+from lorapipe.stages.preprocess import DATASET_FILE, REPORT_FILE, DatasetSource, PreprocessInputs, PreprocessParams, run
+
+RED, BLUE, TOP, BOTTOM = (220, 20, 20), (20, 40, 220), (20, 200, 40), (240, 220, 20)
+EVIL = "<img src=x onerror=alert(1)> a | pipe & more"
+ROTATED = 6  # EXIF orientation: the stored pixels turned 90° anticlockwise; a viewer turns them back
+
+
+def upright_two_tone(path: Path) -> None:
+    """A 60x120 (WxH) image, TOP colour above BOTTOM as the user sees it, stored sideways (120x60)
+    with EXIF orientation 6 (a viewer turns it 90° clockwise)."""
+    shown = Image.new("RGB", (60, 120), BOTTOM)
+    shown.paste(TOP, (0, 0, 60, 60))
+    exif = Image.Exif()
+    exif[0x0112] = ROTATED
+    shown.transpose(Image.Transpose.ROTATE_90).save(path, "JPEG", quality=95, exif=exif)
+
+
+@pytest.fixture
+def dataset(tmp_path) -> tuple[Path, tuple[DatasetSource, ...], list[dict], dict]:
+    """A folder of images (one rotated, one with a hostile caption, one too small, one broken,
+    two without a caption) through preprocess, and captions.json as the caption stage writes it."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    Image.new("RGB", (96, 64), RED).save(folder / "red.png")
+    (folder / "red.txt").write_text("a red card")
+    Image.new("RGB", (64, 96), BLUE).save(folder / "blue.png")
+    upright_two_tone(folder / "turned.jpg")
+    Image.new("RGB", (80, 80), RED).save(folder / "evil.png")
+    (folder / "evil.txt").write_text(EVIL)
+    Image.new("RGB", (16, 16), BLUE).save(folder / "small.png")
+    (folder / "small.txt").write_text("a small blue square")
+    (folder / "broken.png").write_bytes(b"\x89PNG\r\n\x1a\n not an image")
+    (folder / "broken.txt").write_text("never shown")
+    datasets = (DatasetSource(path=folder, missing_caption="empty"),)
+    out = tmp_path / "pre"
+    out.mkdir()
+    with StatCache(tmp_path / "stat.sqlite") as cache:
+        run(PreprocessParams(resolution=64, buckets=True, holdout_fraction=0.2,
+                             bucket_sizes=((64, 64), (128, 64), (64, 128))), PreprocessInputs(datasets, cache),
+            out, tmp_path, None, lambda line: None)
+    samples = json.loads((out / DATASET_FILE).read_text())["samples"]
+    report = json.loads((out / REPORT_FILE).read_text())
+    return tmp_path / "review", datasets, samples, {"captioner": {"model": "tiny-captioner", "prompt": "Describe."},
+                                                    "samples": {s["id"]: stage_entry(s) for s in samples}}
+
+
+def stage_entry(sample: dict) -> dict:
+    """captions.json's entry: red under policy prefix, the uncaptioned ones generated, the rest written."""
+    entry = {"path": sample["path"], "dataset": "data", "record": None, "written": sample["caption"] or None,
+             "generated": None, "caption": sample["caption"], "source": "written"}
+    if sample["id"] == "red":
+        return {**entry, "generated": "a shiny card", "caption": "sks, a shiny card", "source": "prefix", "record": "r1"}
+    if not sample["caption"]:
+        words = " ".join(["word"] * 12)
+        return {**entry, "written": None, "generated": words, "caption": words, "source": "generated", "record": "r2"}
+    return entry
+
+
+def written_review(dataset) -> tuple[str, str]:
+    out, datasets, samples, captions = dataset
+    out.mkdir(exist_ok=True)
+    write_review(out, samples, captions, json.loads((out.parent / "pre" / REPORT_FILE).read_text()), datasets)
+    return (out / REVIEW_HTML).read_text(), (out / REVIEW_MD).read_text()
+
+
+def test_the_review_shows_each_image_caption_and_source_and_preprocess_findings(dataset):
+    html, md = written_review(dataset)
+    assert written_review(dataset) == (html, md)  # the same bytes for the same inputs
+    samples = dataset[2]
+    assert sorted(s["id"] for s in samples) == ["blue", "evil", "red", "small", "turned"]
+    assert html.count('<img src="data:image/jpeg;base64,') == 5 and "data:" not in md
+    assert EVIL not in html and "&lt;img src=x onerror=alert(1)&gt; a | pipe &amp; more" in html
+    assert "&lt;img src=x onerror=alert(1)&gt; a \\| pipe &amp; more" in md and EVIL not in md
+    assert "sks, a shiny card" in html and "written: a red card" in html and "generated: a shiny card" in html
+    for page in (html, md):
+        assert "broken.png" in page and "small_image" in page and "small.png" in page  # rejected; warned
+        assert "1 held out" in page and "5 images (4 train" in page
+    sizes = sorted(f"{s['size'][1]}x{s['size'][0]}" for s in samples)
+    for size in set(sizes):
+        assert f"| {size} | {sizes.count(size)} |" in md
+    assert "| generated | 2 |" in md and "| prefix | 1 |" in md and "| written | 2 |" in md
+    assert "| 11-15 | 2 |" in md  # the two 12-word generated captions
+
+
+def test_caption_lengths_are_counted_in_bins_with_none_left_out():
+    assert length_histogram([0, 0, 3, 5, 6, 12]) == [("0", 2), ("1-5", 2), ("6-10", 1), ("11-15", 1)]
+    assert length_histogram([7]) == [("1-5", 0), ("6-10", 1)]
+    assert length_histogram([]) == []
+
+
+@pytest.mark.slow
+def test_the_review_page_shows_its_thumbnails_upright_in_chromium(dataset, chromium, tmp_path):
+    from browser import Chromium
+
+    html, _ = written_review(dataset)
+    page = dataset[0] / REVIEW_HTML
+    browser = Chromium(chromium, tmp_path / "chromium-review")
+    try:
+        browser.call("Page.navigate", url=page.as_uri())
+        boxes = browser.wait_for("""(() => { const images = [...document.querySelectorAll("img[data-id]")];
+            if (!images.length || !images.every(i => i.complete && i.naturalWidth > 0)) return null;
+            return {scale: window.devicePixelRatio, boxes: Object.fromEntries(images.map(i => {
+                const b = i.getBoundingClientRect(); return [i.dataset.id, [b.x, b.y, b.width, b.height]]; }))}; })()""")
+        shot = Image.open(io.BytesIO(browser.screenshot(tmp_path / "review.png").read_bytes())).convert("RGB")
+    finally:
+        browser.close()
+    assert sorted(boxes["boxes"]) == ["blue", "evil", "red", "small", "turned"]
+
+    def colour_at(image_id: str, fx: float, fy: float) -> tuple[int, ...]:
+        x, y, w, h = boxes["boxes"][image_id]
+        return shot.getpixel((round((x + fx * w) * boxes["scale"]), round((y + fy * h) * boxes["scale"])))
+
+    x, y, w, h = boxes["boxes"]["turned"]
+    assert h > w  # shown upright: taller than wide, as the user sees it (stored sideways)
+    for image_id, fx, fy, expected in (("red", .5, .5, RED), ("blue", .5, .5, BLUE),
+                                       ("turned", .5, .2, TOP), ("turned", .5, .8, BOTTOM)):
+        seen = colour_at(image_id, fx, fy)
+        assert max(abs(a - b) for a, b in zip(seen, expected)) < 24, (image_id, fy, seen, expected)
+
+
+def test_a_clip_window_is_shown_by_its_first_frame(tmp_path):
+    from clips import scene, write_clip
+
+    from lorapipe.stages.caption.review import collect
+
+    folder = tmp_path / "clips"
+    folder.mkdir()
+    frames = scene(16)
+    write_clip(folder / "walk.mp4", frames)
+    (folder / "walk.txt").write_text("a square walks")
+    datasets = (DatasetSource(path=folder),)
+    with StatCache(tmp_path / "stat.sqlite") as cache:
+        run(PreprocessParams(resolution=64, holdout_fraction=0, video={"fps": 8, "num_frames": 5}),
+            PreprocessInputs(datasets, cache), tmp_path, tmp_path, None, lambda line: None)
+    samples = json.loads((tmp_path / DATASET_FILE).read_text())["samples"]
+    (row,) = collect(samples, {"samples": {}}, {}, datasets).rows
+    assert (row.source, row.caption, row.problem) == ("written", "a square walks", "")
+    shown = Image.open(io.BytesIO(base64.b64decode(row.thumbnail.split(",", 1)[1]))).convert("RGB")
+    first = Image.fromarray(frames[samples[0]["frames"][0]])
+    assert shown.size == first.size
+    assert max(abs(a - b) for a, b in zip(shown.getpixel((5, 12)), first.getpixel((5, 12)))) < 24
