@@ -36,10 +36,7 @@ class FlorenceCaptioner:
 
     def __call__(self, images: list[Image.Image], prompt: str) -> list[str]:
         self._check_caption_task(prompt)
-        try:
-            inputs = self.processor(text=[prompt] * len(images), images=images, return_tensors="pt")
-        except ValueError as error:  # a task token with more text after it
-            raise UserError(f"caption.prompt: {error}") from None
+        inputs = self.processor(text=[prompt] * len(images), images=images, return_tensors="pt")
         with torch.inference_mode():
             generated = self.model.generate(**inputs.to(self.device, self.dtype), **self.generation)
         return [self._caption(row, prompt, image.size) for row, image in zip(generated, images)]
@@ -49,6 +46,10 @@ class FlorenceCaptioner:
         if task_type != CAPTION_TASK_TYPE:
             raise UserError(f"caption.prompt: {prompt} is a Florence-2 {task_type} task, not a caption: use "
                             f"<CAPTION>, <DETAILED_CAPTION>, {DEFAULT_PROMPT} or plain text")
+        try:
+            self.processor(text=[prompt])  # the processor's own check of the task token
+        except ValueError as error:  # a task token with more text after it
+            raise UserError(f"caption.prompt: {error}") from None
 
     def _caption(self, row: torch.Tensor, prompt: str, image_size: tuple[int, int]) -> str:
         pad = self.model.generation_config.pad_token_id
