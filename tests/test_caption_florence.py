@@ -1,0 +1,81 @@
+"""The Florence-2 captioner on the tiny offline Florence-2: it builds byte-identically and loads through
+transformers, and its captions are what the documented generate() usage gives for the same images."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from PIL import Image
+
+from lorapipe.cache.errors import UserError
+from lorapipe.stages.caption.florence import DEFAULT_PROMPT, FlorenceCaptioner
+from lorapipe.stages.families.tiny.florence import build_tiny_florence
+
+DEMO_IMAGES = Path(__file__).resolve().parents[1] / "stages" / "assets" / "demo_images"
+MAX_NEW_TOKENS = 64
+
+
+@pytest.fixture(scope="module")
+def florence(tmp_path_factory) -> Path:
+    return build_tiny_florence(tmp_path_factory.mktemp("florence"))
+
+
+@pytest.fixture(scope="module")
+def captioner(florence) -> FlorenceCaptioner:
+    return FlorenceCaptioner(florence, MAX_NEW_TOKENS, do_sample=False, dtype=torch.float32, device="cpu")
+
+
+@pytest.fixture(scope="module")
+def images() -> list[Image.Image]:
+    return [Image.open(DEMO_IMAGES / f"{name}.jpg").convert("RGB") for name in ("astronaut", "camera", "coffee")]
+
+
+def bare_generate(captioner: FlorenceCaptioner, images: list, prompt: str) -> torch.Tensor:
+    """transformers' documented Florence-2 call on these images as one batch, greedy."""
+    inputs = captioner.processor(text=[prompt] * len(images), images=images, return_tensors="pt")
+    with torch.no_grad():
+        return captioner.model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, num_beams=1)
+
+
+def test_tiny_florence_builds_byte_identically_and_loads_offline(florence, tmp_path):
+    from transformers import AutoConfig, Florence2ForConditionalGeneration
+
+    again = build_tiny_florence(tmp_path / "again")
+    files = sorted(str(p.relative_to(florence)) for p in florence.rglob("*") if p.is_file())
+    assert files == sorted(str(p.relative_to(again)) for p in again.rglob("*") if p.is_file())
+    for rel in files:
+        assert (florence / rel).read_bytes() == (again / rel).read_bytes(), rel
+    assert AutoConfig.from_pretrained(florence).model_type == "florence2"
+    assert isinstance(Florence2ForConditionalGeneration.from_pretrained(florence), Florence2ForConditionalGeneration)
+
+
+def test_captions_are_the_bare_generate_loops_batched_and_one_at_a_time(captioner, images):
+    captions = captioner(images, DEFAULT_PROMPT)
+
+    batch = bare_generate(captioner, images, DEFAULT_PROMPT)
+    pad = captioner.model.generation_config.pad_token_id
+    assert len({int((row != pad).sum()) for row in batch}) > 1  # some rows end early: the batch is padded
+    assert captions == [text.strip() for text in captioner.processor.batch_decode(batch, skip_special_tokens=True)]
+
+    for image, caption in zip(images, captions):  # the documented single-image call, word for word
+        generated = bare_generate(captioner, [image], DEFAULT_PROMPT)
+        text = captioner.processor.batch_decode(generated, skip_special_tokens=False)[0]
+        parsed = captioner.processor.post_process_generation(text, task=DEFAULT_PROMPT, image_size=image.size)
+        assert caption == parsed[DEFAULT_PROMPT]
+    assert len(set(captions)) == len(captions) and all(captions)
+
+
+def test_the_default_prompt_is_a_caption_task(captioner):
+    assert DEFAULT_PROMPT in captioner.processor.task_prompts_without_inputs
+    assert captioner.processor.tasks_answer_post_processing_type[DEFAULT_PROMPT] == "pure_text"
+
+
+def test_prompts_go_through_the_processors_task_handling(captioner, images):
+    question = captioner.processor.task_prompts_without_inputs["<CAPTION>"]  # "What does the image describe?"
+    assert captioner(images, "<CAPTION>") == captioner(images, question)
+    assert captioner(images, "<CAPTION>") != captioner(images, DEFAULT_PROMPT)
+    with pytest.raises(UserError, match="caption.prompt: <OD> is a Florence-2 description_with_bboxes task"):
+        captioner(images, "<OD>")
+    with pytest.raises(UserError, match="caption.prompt: Task token <CAPTION> should be the only content"):
+        captioner(images, "<CAPTION> of a cat")
