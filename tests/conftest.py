@@ -327,3 +327,36 @@ qwenimage_encoded = _demo_encoded("qwenimage_model", "Qwen-Image")
 qwenimage21_encoded = _demo_encoded("qwenimage21_model", "Qwen-Image 2.1")
 krea2_encoded = _demo_encoded("krea2_model", "Krea 2 base")
 ideogram4_encoded = _demo_encoded("ideogram4_model", "Ideogram 4")
+
+
+@pytest.fixture(scope="session")
+def tiny_captioner(tmp_path_factory) -> Path:
+    """The tiny Qwen2.5-VL captioner (stages/families/tiny/captioner.py)."""
+    from lorapipe.stages.families.tiny.captioner import build_tiny_captioner
+
+    return build_tiny_captioner(tmp_path_factory.mktemp("models") / "tiny-captioner")
+
+
+@contextmanager
+def _count_generated_rows():
+    """Images captioned: the rows of every Qwen2-VL / Qwen2.5-VL generate() call, whoever makes it."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    counts = {"calls": 0, "rows": 0}
+    generate = Qwen2_5_VLForConditionalGeneration.generate
+
+    def counted(self, *args, **kwargs):
+        counts["calls"] += 1
+        counts["rows"] += kwargs["input_ids"].shape[0]
+        return generate(self, *args, **kwargs)
+
+    Qwen2_5_VLForConditionalGeneration.generate = counted
+    try:
+        yield counts
+    finally:
+        Qwen2_5_VLForConditionalGeneration.generate = generate
+
+
+@pytest.fixture(scope="session")
+def count_generated_rows():
+    return _count_generated_rows
