@@ -7,7 +7,12 @@ text record; a config without a caption section runs the stages it ran before.""
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,6 +127,7 @@ class _NoFiles:
         raise AssertionError(path)
 
 
+@pytest.mark.slow
 def test_new_images_prompt_and_renames_cost_what_they_change(tmp_path, tiny_model, tiny_captioner, demo_images,
                                                               count_generated_rows):
     data = half_captioned(demo_images, tmp_path / "data")
@@ -156,6 +162,7 @@ def test_new_images_prompt_and_renames_cost_what_they_change(tmp_path, tiny_mode
     assert again["rows"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("policy, text", [("replace", None), ("prefix", "lpdemo"), ("suffix", "lpdemo"),
                                           ("combine", None)])
 def test_policies_give_their_captions_and_never_touch_the_users(tmp_path, tiny_model, tiny_captioner, demo_images,
@@ -182,6 +189,7 @@ def test_policies_give_their_captions_and_never_touch_the_users(tmp_path, tiny_m
     assert not any("written" in s for s in dataset)  # preprocess's format, as encode reads it
 
 
+@pytest.mark.slow
 def test_a_new_generated_caption_encodes_one_text_record(tmp_path, tiny_model, tiny_captioner, demo_images,
                                                          count_encoder_rows, count_generated_rows):
     data = half_captioned(demo_images, tmp_path / "data")
@@ -221,3 +229,56 @@ def test_an_unsupported_captioner_is_one_line(tmp_path, tiny_model, demo_images)
         raw = raw_config(tmp_path, tiny_model, data, tmp_path / "cache", folder)
         with pytest.raises(UserError, match=rf"^caption\.model: {folder} {problem}"):
             run_all(validate_config(raw, "test"), UPTO_CAPTION)
+
+
+KILLED_RUN = """import json, sys
+from lorapipe.flows.config import validate_config
+from lorapipe.flows.plan import Context
+from lorapipe.flows.runner import run_stage
+ctx = Context(validate_config(json.loads(sys.argv[1]), "test"), log=lambda line: None)
+upstream = {}
+for stage in ("preprocess", "caption"):
+    upstream[stage] = run_stage(ctx, stage, upstream)[1]
+"""
+
+
+@pytest.mark.slow
+def test_a_killed_caption_stage_keeps_its_shards(tmp_path, tiny_model, tiny_captioner, demo_images,
+                                                 count_generated_rows):
+    """kill -9 mid-way: the committed shards stay, the rerun generates only the rest; the artifact
+    refers to its shards (so `cache gc` keeps them)."""
+    data = half_captioned(demo_images, tmp_path / "data")
+    for photo in sorted(demo_images.glob("*.jpg")):
+        for turn, name in ((Image.FLIP_LEFT_RIGHT, "mirrored"), (Image.ROTATE_180, "turned")):
+            with Image.open(photo) as im:
+                im.transpose(turn).save(data / f"{photo.stem}_{name}.jpg", quality=90)
+    raw = raw_config(tmp_path, tiny_model, data, tmp_path / "cache", tiny_captioner, max_new_tokens=24)
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    run = subprocess.Popen([sys.executable, "-c", KILLED_RUN, json.dumps(raw)], env=env, start_new_session=True,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    shards = tmp_path / "cache" / "samples"
+    deadline = time.time() + 300
+    while not list(shards.glob("*.json")):
+        assert run.poll() is None, "the caption stage ended before it could be killed"
+        assert time.time() < deadline
+        time.sleep(0.02)
+    os.killpg(run.pid, signal.SIGKILL)
+    run.wait()
+    committed = len(list(shards.glob("*.json")))
+    assert not list((tmp_path / "cache" / "caption").glob("*/manifest.json"))  # nothing published
+    with count_generated_rows() as rerun:
+        results = run_all(validate_config(raw, "test"), UPTO_CAPTION)
+    assert 0 < rerun["rows"] == 20 - 2 * committed  # 4 + 16 new images, 2 a shard
+    assert results["caption"].info["reused"] == 2 * committed
+    manifest = json.loads((Path(results["caption"].path) / "manifest.json").read_text())
+    assert {Path(rel).stem for rel in manifest["refs"]} == {p.stem for p in shards.glob("*.json")}
+
+
+def test_the_caption_demo_captions_the_photos_without_their_captions(tmp_path):
+    from lorapipe.flows.config import load_config
+    from lorapipe.flows.demo import prepare_demo
+
+    config = load_config(prepare_demo(tmp_path, "sd15", caption=True))
+    assert config.caption.model == tmp_path / "captioner" and config.data.path == tmp_path / "uncaptioned"
+    assert sorted(p.suffix for p in config.data.path.iterdir()) == [".jpg"] * 8
+    assert config_stages(config) == ("preprocess", "caption", *STAGES[1:])
