@@ -282,3 +282,32 @@ def test_the_caption_demo_captions_the_photos_without_their_captions(tmp_path):
     assert config.caption.model == tmp_path / "captioner" and config.data.path == tmp_path / "uncaptioned"
     assert sorted(p.suffix for p in config.data.path.iterdir()) == [".jpg"] * 8
     assert config_stages(config) == ("preprocess", "caption", *STAGES[1:])
+
+
+@pytest.mark.slow
+def test_a_damaged_caption_record_is_generated_again(tmp_path, tiny_model, tiny_captioner, demo_images,
+                                                      count_generated_rows):
+    from lorapipe.cache.object_store import open_sample_store
+    from lorapipe.flows.runner import run_stage
+
+    data = half_captioned(demo_images, tmp_path / "data")
+    config = validate_config(raw_config(tmp_path, tiny_model, data, tmp_path / "cache", tiny_captioner), "test")
+    before = captions_of(run_all(config, UPTO_CAPTION))["samples"]
+    store = open_sample_store(tmp_path / "cache")
+    location = store.index()[before["rocket"]["record"]]
+    offset, size, _ = location.members["json"]
+    shard = store.shard_path(location.shard)
+    damaged = bytearray(shard.read_bytes())
+    damaged[offset + size // 2] ^= 0x01  # the shard keeps its size: only the record's digest tells
+    shard.write_bytes(bytes(damaged))
+    lines = []
+    ctx = Context(config, log=lines.append)
+    try:
+        with count_generated_rows() as again:
+            pre = run_stage(ctx, "preprocess", {})[1]
+            result = run_stage(ctx, "caption", {"preprocess": pre}, force=True)[0]
+    finally:
+        ctx.close()
+    assert again["rows"] == 2  # the damaged shard's two records
+    assert any("dropping the shard and generating its captions again" in line for line in lines)
+    assert json.loads((Path(result.path) / CAPTIONS_FILE).read_text())["samples"] == before

@@ -13,7 +13,7 @@ Writes: dataset.json: preprocess's format and samples, each caption final (encod
         records that do not exist yet are generated (+N images -> N captions, a renamed image -> none).
 Key:    these params (the prompt resolved to the captioner's default) + the preprocess artifact's
         digest + the captioner's digest + every dataset's caption_policy and caption_text.
-Digest: dataset.json and captions.json.
+Digest: dataset.json and captions.json. A damaged record (unlike its recorded digest) is generated again.
 A caption written by the user is never modified on disk.
 """
 from __future__ import annotations
@@ -27,6 +27,7 @@ from pathlib import Path
 from lorapipe.cache.errors import UserError
 from lorapipe.cache.fsutil import write_json_rows
 from lorapipe.cache.object_store import open_sample_store
+from lorapipe.cache.samples import DamagedRecord, SampleStore
 from lorapipe.cache.store import LOG_DIR, Built
 
 from ..contract import Log, OutputFile
@@ -66,12 +67,8 @@ def run(params: CaptionParams, inputs: CaptionInputs, out_dir: Path, work_dir: P
     samples = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
     keys = _record_keys(samples, params, inputs)
     store = open_sample_store(inputs.cache_root)
-    missing = set(store.missing(keys.values()))
-    log(f"caption: {len(set(keys.values()))} images take a generated caption, {len(missing)} to generate")
-    todo = {keys[s["id"]]: s for s in samples if keys.get(s["id"]) in missing}
-    shards = generate_records(todo, params, inputs.model_path, inputs.prompt, inputs.datasets, store, options,
-                              log) if todo else 0
-    entries = _caption_entries(samples, keys, store, inputs.datasets)
+    generated, counts = _generated(samples, keys, params, inputs, store, options, log)
+    entries = _caption_entries(samples, keys, generated, inputs.datasets)
     final = [{k: v for k, v in {**s, "caption": entries[s["id"]]["caption"]}.items() if k != "written"}
              for s in samples]
     write_json_rows(out_dir / DATASET_FILE, {"format": 2}, "samples", final)
@@ -84,10 +81,34 @@ def run(params: CaptionParams, inputs: CaptionInputs, out_dir: Path, work_dir: P
     shutil.copyfile(inputs.preprocess_dir / REPORT_FILE, out_dir / LOG_DIR / REPORT_FILE)
     write_review(out_dir / LOG_DIR, final, captions, report, inputs.datasets)
     sources = dict(sorted(Counter(e["source"] for e in entries.values()).items()))
-    counts = {"generated": len(todo), "reused": len(set(keys.values())) - len(todo), "shards_written": shards}
     log("caption: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + f"; captions by source: {sources}")
     used = {store.index()[key].shard for key in keys.values()}
     return Built(info={**counts, "sources": sources}, refs=store.refs(used))
+
+
+def _generated(samples: list[dict], keys: dict[str, str], params: CaptionParams, inputs: CaptionInputs,
+               store: SampleStore, options: CaptionOptions, log: Log) -> tuple[dict[str, str], dict]:
+    """(record key -> generated caption, counts), the missing records generated first. A damaged
+    shard (a record unlike its recorded digest) is dropped and its captions generated again, once."""
+    needed, made, shards, dropped = set(keys.values()), 0, 0, set()
+    while True:
+        missing = set(store.missing(needed))
+        log(f"caption: {len(needed)} images take a generated caption, {len(missing)} to generate")
+        todo = {keys[s["id"]]: s for s in samples if keys.get(s["id"]) in missing}
+        if todo:
+            shards += generate_records(todo, params, inputs.model_path, inputs.prompt, inputs.datasets, store,
+                                       options, log)
+        made += len(todo)
+        try:
+            captions = {key: read_caption(store, key) for key in sorted(needed)}
+            return captions, {"generated": made, "reused": len(needed - set(todo)), "shards_written": shards}
+        except DamagedRecord as damage:
+            if damage.shard in dropped:
+                raise
+            dropped.add(damage.shard)
+            store.remove(damage.shard)
+            log(f"caption: {damage.path}: record {damage.key} {damage.problem}; dropping the shard and generating"
+                " its captions again")
 
 
 def _record_keys(samples: list[dict], params: CaptionParams, inputs: CaptionInputs) -> dict[str, str]:
@@ -104,14 +125,14 @@ def _record_keys(samples: list[dict], params: CaptionParams, inputs: CaptionInpu
     return keys
 
 
-def _caption_entries(samples: list[dict], keys: dict[str, str], store, datasets: tuple[DatasetSource, ...]) -> dict:
+def _caption_entries(samples: list[dict], keys: dict[str, str], generated: dict[str, str],
+                     datasets: tuple[DatasetSource, ...]) -> dict:
     """captions.json's samples: sample id -> final caption, source, written, generated, record, path, dataset."""
     entries = {}
     for s in samples:
         source, key = datasets[s["source"]], keys.get(s["id"])
         written = written_caption(s)
-        generated = read_caption(store, key) if key else None
-        caption, origin = final_caption(written, generated, source)
-        entries[s["id"]] = {"caption": caption, "source": origin, "written": written, "generated": generated,
+        caption, origin = final_caption(written, generated.get(key), source)
+        entries[s["id"]] = {"caption": caption, "source": origin, "written": written, "generated": generated.get(key),
                             "record": key, "path": s["path"], "dataset": source.label}
     return entries
