@@ -1,5 +1,5 @@
-"""The pipeline's stages (PIPELINE, the DAG in one table; caption only where configured), what each stage's key is made of and
-how it is built, given the artifacts of the stages it reads.
+"""The pipeline's stages (PIPELINE, the DAG in one table; caption only where configured), what each
+stage's key is made of and how it is built, given the artifacts of the stages it reads.
 
 Each `*_step` returns a Step: its StageKey (stage, VERSION, params, input artifact digests,
 model component digests, library majors — never paths, run ids or the whole config) and a
@@ -140,17 +140,19 @@ def caption_step(ctx: Context, pre: Artifact) -> Step:
     return Step(key, lambda out, work: caption.run(params, inputs, out, work, options, ctx.log))
 
 
-def encode_step(ctx: Context, pre: Artifact) -> Step:
+def encode_step(ctx: Context, dataset: Artifact) -> Step:
+    """`dataset`: the caption artifact where configured, else preprocess's (keyed under "preprocess"
+    either way, so configs without captions keep their keys)."""
     cfg = ctx.config
     params, options = split(cfg.encode, encode.EncodeParams, encode.EncodeOptions)
 
     def build(out: Path, work: Path) -> Built:
-        inputs = encode.EncodeInputs(pre.path, cfg.data.sources, ctx.store.root, ctx.model_path, ctx.family.name,
+        inputs = encode.EncodeInputs(dataset.path, cfg.data.sources, ctx.store.root, ctx.model_path, ctx.family.name,
                                      ctx.models_for("encode"))
         return encode.run(params, inputs, out, work, options, ctx.log, ctx.placements.get("encode"))
 
     resolved = encode.resolved_settings(ctx.family, ctx.model_path, params)
-    return Step(ctx.stage_key("encode", params, {"preprocess": pre.digest}, resolved=resolved), build)
+    return Step(ctx.stage_key("encode", params, {"preprocess": dataset.digest}, resolved=resolved), build)
 
 
 def train_step(ctx: Context, enc: Artifact) -> Step:

@@ -116,7 +116,7 @@ def build_repairing(ctx: Context, stage: str, step: Step, upstream: dict[str, Ar
             return step.key, artifact, computed, rebuilt
         except DamagedRecord as damage:
             dataset_missing = any(name not in upstream for name in reads_of("encode", ctx.config))
-            if damage.shard in repaired or dataset_missing:  # damaged again, or encode's input unknown: not ours to fix
+            if damage.shard in repaired or dataset_missing:  # damaged again, or no input to encode from: not ours
                 raise
             repaired.add(damage.shard)
             why = f"{damage.path}: record {damage.key} {damage.problem}"

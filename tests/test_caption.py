@@ -179,10 +179,9 @@ def test_policies_give_their_captions_and_never_touch_the_users(tmp_path, tiny_m
     for sample_id, e in captions.items():
         written = (data / f"{sample_id}.txt").read_text().strip() if sample_id not in UNCAPTIONED else None
         assert e["written"] == written and e["generated"]
+        combined = (f"{written}. {e['generated']}", "combine") if written else (e["generated"], "generated")
         expected = {"replace": (e["generated"], "replace"), "prefix": (f"lpdemo, {e['generated']}", "prefix"),
-                    "suffix": (f"{e['generated']}, lpdemo", "suffix"),
-                    "combine": (f"{written}. {e['generated']}", "combine") if written else (e["generated"], "generated"),
-                    }[policy]
+                    "suffix": (f"{e['generated']}, lpdemo", "suffix"), "combine": combined}[policy]
         assert (e["caption"], e["source"]) == expected
     dataset = json.loads((Path(results["caption"].path) / DATASET_FILE).read_text())["samples"]
     assert {s["id"]: s["caption"] for s in dataset} == {i: e["caption"] for i, e in captions.items()}

@@ -7,7 +7,8 @@ Writes: dataset.json: per sample id, dataset index (`source`), relative path, co
         caption, repeats, original size, target size (a square or a bucket), resized size, crop
         box, split, `background` for images with alpha, and `mask` for images with a loss mask
         (a sidecar's path and digest, or the alpha channel: the dataset's `mask` setting),
-        `role: prior` for images of a prior dataset (never held out), and for an edit pair its
+        `role: prior` for images of a prior dataset (never held out), `written: false` for an image
+        without a caption that the caption stage is to caption (missing_caption: generate), and for an edit pair its
         `references` (each reference image's path, digest, sizes and crop box in the target's
         bucket: stages/preprocess/references.py);
         report.json: every rejected file or metadata row, its reason and detail, counts per
