@@ -310,3 +310,23 @@ def test_a_damaged_caption_record_is_generated_again(tmp_path, tiny_model, tiny_
     assert again["rows"] == 2  # the damaged shard's two records
     assert any("dropping the shard and generating its captions again" in line for line in lines)
     assert json.loads((Path(result.path) / CAPTIONS_FILE).read_text())["samples"] == before
+
+
+@pytest.mark.slow
+def test_the_caption_demo_runs_through_the_flow_and_then_from_the_cache(tmp_path):
+    """`lorapipe demo --caption`: the caption stage as a Prefect task between preprocess and encode;
+    the rerun serves every stage, caption too, from the cache."""
+    env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home"),
+           "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    summaries, printed = [], []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", "demo", "--caption", "--workdir", "run"],
+                              cwd=tmp_path, env=env, text=True, capture_output=True, timeout=900)
+        assert done.returncode == 0, done.stderr[-3000:]
+        printed.append(done.stdout)
+        summaries.append(json.loads((tmp_path / "run" / "outputs" / "run-summary.json").read_text())["stages"])
+    first, second = ([(r["stage"], r["status"]) for r in rows] for rows in summaries)
+    assert first == [(stage, "computed") for stage in ("preprocess", "caption", *STAGES[1:])]
+    assert second == [(stage, "hit") for stage, _ in first]
+    assert summaries[0][1]["prefect_state"] == "Completed" and summaries[0][1]["info"]["generated"] == 8
+    assert "captions generated 8, reused 0" in printed[0]
