@@ -330,3 +330,23 @@ def test_the_caption_demo_runs_through_the_flow_and_then_from_the_cache(tmp_path
     assert second == [(stage, "hit") for stage, _ in first]
     assert summaries[0][1]["prefect_state"] == "Completed" and summaries[0][1]["info"]["generated"] == 8
     assert "captions generated 8, reused 0" in printed[0]
+
+
+def test_a_qwen_processor_that_needs_torchvision_is_one_line(tmp_path, tiny_captioner):
+    """transformers' own Qwen2.5-VL processor builds a video processor that needs torchvision, even
+    for images (the tiny captioner's PaddleOCRVLProcessor does not)."""
+    import importlib.util
+
+    import torch
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed: the processor loads")
+    folder = Path(shutil.copytree(tiny_captioner, tmp_path / "qwen"))
+    config = json.loads((folder / "processor_config.json").read_text())
+    (folder / "processor_config.json").write_text(json.dumps({**config, "processor_class": "Qwen2_5_VLProcessor"}))
+    video = {k: v for k, v in config["image_processor"].items() if k != "image_processor_type"}
+    (folder / "video_preprocessor_config.json").write_text(json.dumps({**video,
+                                                                       "video_processor_type": "Qwen2VLVideoProcessor"}))
+    with pytest.raises(UserError, match=rf"^caption\.model: {folder}: its processor cannot be loaded: .*Torchvision"
+                                        r".*\(pip install torchvision\)$"):
+        load_captioner(folder, CaptionParams(), "cpu", torch.float32)

@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from lorapipe.cache.errors import UserError
+
 if TYPE_CHECKING:
     from PIL import Image
 
@@ -16,7 +18,12 @@ class ChatCaptioner:
     def __init__(self, model_path: Path, max_new_tokens: int, do_sample: bool, dtype, device: str):
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
-        self.processor = AutoProcessor.from_pretrained(model_path)
+        try:
+            self.processor = AutoProcessor.from_pretrained(model_path)
+        except ImportError as missing:  # Qwen2-VL's processor builds its video processor, which needs torchvision
+            reason = " ".join(str(missing).split()).split(". ")[0]
+            raise UserError(f"caption.model: {model_path}: its processor cannot be loaded: {reason}"
+                            " (pip install torchvision)") from None
         self.processor.tokenizer.padding_side = "left"  # generation continues every row from its last token
         self.model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype).to(device).eval()
         self.generation = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
