@@ -345,8 +345,8 @@ def test_a_qwen_processor_that_needs_torchvision_is_one_line(tmp_path, tiny_capt
     config = json.loads((folder / "processor_config.json").read_text())
     (folder / "processor_config.json").write_text(json.dumps({**config, "processor_class": "Qwen2_5_VLProcessor"}))
     video = {k: v for k, v in config["image_processor"].items() if k != "image_processor_type"}
-    (folder / "video_preprocessor_config.json").write_text(json.dumps({**video,
-                                                                       "video_processor_type": "Qwen2VLVideoProcessor"}))
+    video["video_processor_type"] = "Qwen2VLVideoProcessor"
+    (folder / "video_preprocessor_config.json").write_text(json.dumps(video))
     with pytest.raises(UserError, match=rf"^caption\.model: {folder}: its processor cannot be loaded: .*Torchvision"
                                         r".*\(pip install torchvision\)$"):
         load_captioner(folder, CaptionParams(), "cpu", torch.float32)
