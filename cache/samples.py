@@ -67,6 +67,11 @@ class SampleStore:
     def shard_meta(self, shard: str) -> dict:
         return json.loads((self.dir / f"{shard}.json").read_text())
 
+    def refs(self, shards: Iterable[str]) -> dict[str, dict]:
+        """The shards as an artifact's refs: root-relative path -> size and digest."""
+        return {f"samples/{shard}.tar": {"size": (meta := self.shard_meta(shard))["size"], "digest": meta["digest"]}
+                for shard in sorted(set(shards))}
+
     def index(self) -> dict[str, RecordLocation]:
         """Every committed record, by key (loaded once per store object); records of a shard
         written before member digests existed have none until `add_member_digests`."""

@@ -12,6 +12,8 @@ from uuid import UUID
 
 from prefect.artifacts import create_markdown_artifact, create_progress_artifact, update_progress_artifact
 
+from lorapipe.cache.store import LOG_DIR
+from lorapipe.stages.caption.review import REVIEW_MD
 from lorapipe.stages.evaluate.params import REPORT
 from lorapipe.stages.evaluate.report import embed_images
 
@@ -63,6 +65,10 @@ def publish_run_artifacts(pipeline: str, results: list[StageResult], out: Path) 
     create_markdown_artifact("\n".join([f"# lorapipe run of `{pipeline}`", "", f"Outputs: `{out}`", "", *table]),
                              key=artifact_key(pipeline, "stages"),
                              description=f"each stage: served from the cache (hit) or computed; outputs in {out}")
+    review = next((Path(r.files) / LOG_DIR / REVIEW_MD for r in results if r.stage == "caption" and r.files), None)
+    if review and review.is_file():
+        create_markdown_artifact(review.read_text(), key=artifact_key(pipeline, "dataset-review"),
+                                 description=f"the dataset review: captions and where they came from; review.html in {out}")
     evaluated = [r for r in results if r.stage == "evaluate"]
     report = Path(evaluated[0].files) / REPORT if evaluated else None
     if report and report.is_file():

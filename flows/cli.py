@@ -1,6 +1,6 @@
 """The `lorapipe` command line.
 
-    lorapipe demo [--arch ARCH] [--edit] [--workdir DIR]
+    lorapipe demo [--arch ARCH] [--edit] [--caption] [--workdir DIR]
     lorapipe run CONFIG [--only S]... [--from S] [--force S]... [--set key=value]... [--strict] [--json]
     lorapipe status CONFIG [--set key=value]... [--strict] [--json]
     lorapipe cache ls|verify|rm|gc [--cache-dir DIR | --config CONFIG] [--keep-last N] [--keep-days D | --since DATE]
@@ -49,6 +49,8 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("--arch", choices=arches, default=arches[0], help="the tiny model to train")
     demo.add_argument("--edit", action="store_true", help="train edit pairs generated from the bundled photos (a"
                       " family that takes reference images; an edit model's demo always does)")
+    demo.add_argument("--caption", action="store_true", help="the bundled photos without captions, captioned by a"
+                      " tiny captioner (the caption stage) before training")
     demo.add_argument("--json", action="store_true")
     run = sub.add_parser("run", parents=[common], help="run a config's pipeline")
     status = sub.add_parser("status", parents=[common], help="per stage: hit or miss and why, without running")
@@ -133,7 +135,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from .demo import prepare_demo
 
-        config = prepare_demo(args.workdir, args.arch, args.edit)
+        config = prepare_demo(args.workdir, args.arch, args.edit, args.caption)
         return commands.run(config, [], [], None, [], args.json, args.debug, server)
     if args.command == "run":
         return commands.run(args.config, args.overrides + STRICT * args.strict, args.only, args.start, args.force,

@@ -97,6 +97,8 @@ def print_summary(config: PipelineConfig, summary: list[dict], log_path: Path, a
         print(f"{row['stage']:<11}{row['status']:<10}{row['seconds']:>9.1f}  {row['path']}")
         if row["stage"] == "encode" and row["info"]:
             print(f"{'':<21}{encode_counts(row['info'])}")
+        if row["stage"] == "caption" and row["info"]:
+            print(f"{'':<21}captions generated {row['info'].get('generated')}, reused {row['info'].get('reused')}")
         for repair in row["repairs"]:
             print(f"{'':<21}repaired while {repair['during']} ran ({repair['seconds']:.1f} s): "
                   f"{encode_counts(repair['info']) if row['stage'] == 'encode' else 'computed again'}")

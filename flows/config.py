@@ -14,6 +14,7 @@ from pydantic import Field, ValidationError, ValidationInfo, field_serializer, f
 from lorapipe.cache.errors import CacheRootError, UserError
 from lorapipe.cache.objects import bucket_and_prefix, is_url, local_path
 from lorapipe.stages import families
+from lorapipe.stages.caption import CaptionOptions, CaptionParams
 from lorapipe.stages.encode import EncodeOptions, EncodeParams
 from lorapipe.stages.evaluate import LOCAL_PATHS, EvalOptions, EvalParams
 from lorapipe.stages.preprocess import DatasetSource, PreprocessParams
@@ -75,6 +76,11 @@ class DataConfig(Frozen):
         return self.datasets or (DatasetSource(path=self.path),)
 
 
+class CaptionConfig(CaptionParams, CaptionOptions):
+    model: Path = Field(description="the captioner: a local transformers folder of a Florence-2 or Qwen2-VL /"
+                        " Qwen2.5-VL model (config.json); keyed by the digest of its files, never its path")
+
+
 class EncodeConfig(EncodeParams, EncodeOptions):
     pass
 
@@ -120,12 +126,37 @@ class PipelineConfig(Frozen):
                              " `datasets` (a list), not both")
     preprocess: PreprocessParams = Field(PreprocessParams(), description="how images are checked, captioned,"
                                          " cropped or bucketed and split (reads headers, not pixels)")
+    caption: CaptionConfig | None = Field(  # unset: no caption stage, and out of every key
+        None, exclude_if=lambda v: v is None, description="generate captions with a vision-language model between"
+        " preprocess and encode (docs/captions.md): which images get one is each dataset's caption_policy; images"
+        " without a written caption are then not refused (missing_caption defaults to generate)")
     encode: EncodeConfig = Field(EncodeConfig(), validate_default=True,  # validated: it takes cpu_threads
                                  description="VAE latents and text records, cached per record in the sample store")
     train: TrainConfig = Field(description="the LoRA training; raising max_steps continues from the latest"
                                " checkpoint instead of starting over")
     evaluate: EvaluateConfig = Field(description="the sample grid and the denoising losses; changing any of it"
                                      " reruns evaluate alone")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _generate_missing_captions(cls, raw: Any) -> Any:
+        """With a caption section, an image without a written caption gets a generated one unless
+        preprocess.missing_caption says otherwise (a dataset's own setting still wins)."""
+        if not isinstance(raw, dict) or not raw.get("caption") or not isinstance(raw.get("preprocess", {}), dict):
+            return raw
+        return {**raw, "preprocess": {"missing_caption": "generate", **(raw.get("preprocess") or {})}}
+
+    @model_validator(mode="after")
+    def _generate_needs_a_captioner(self) -> "PipelineConfig":
+        if self.caption is not None:
+            return self
+        settings = [("preprocess.missing_caption", self.preprocess.missing_caption)] + [
+            (f"data.datasets.{i}.missing_caption", d.missing_caption) for i, d in enumerate(self.data.datasets)]
+        where = next((key for key, value in settings if value == "generate"), None)
+        if where:
+            raise ValueError(f"{where}: generate needs a `caption:` section (the captioner that writes the missing"
+                             " captions)")
+        return self
 
     @field_validator("cache_dir")
     @classmethod
@@ -187,7 +218,8 @@ def apply_override(raw: dict, assignment: str, source: str) -> None:
 
 
 def _resolve_paths(raw: dict, base: Path) -> None:
-    for dotted in ("cache_dir", "object_store.local_dir", "output_dir", "model.path", "data.path", "train.init_lora",
+    for dotted in ("cache_dir", "object_store.local_dir", "output_dir", "model.path", "caption.model", "data.path",
+                   "train.init_lora",
                    "train.accelerate_config", *(f"evaluate.{name}" for name in LOCAL_PATHS)):
         *parents, leaf = dotted.split(".")
         node = raw

@@ -19,17 +19,18 @@ from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
 from lorapipe.flows.config import PipelineConfig
+from lorapipe.stages.caption import CaptionParams
 from lorapipe.stages.encode import EncodeParams
 from lorapipe.stages.evaluate import LOCAL_PATHS, EvalParams
 from lorapipe.stages.preprocess import PreprocessParams
 from lorapipe.stages.train import TrainParams
 
 # the model whose fields are a stage's keyed params; the rest of the section are its options
-KEYED_PARAMS: dict[str, type[BaseModel]] = {"preprocess": PreprocessParams, "encode": EncodeParams,
-                                            "train": TrainParams, "evaluate": EvalParams}
-KEYED_BY_PREPROCESS = "data.datasets[]"  # every dataset setting is in preprocess's key
+KEYED_PARAMS: dict[str, type[BaseModel]] = {"preprocess": PreprocessParams, "caption": CaptionParams,
+                                            "encode": EncodeParams, "train": TrainParams, "evaluate": EvalParams}
+KEYED_BY_PREPROCESS = "data.datasets[]"  # every dataset setting is in preprocess's key (caption's: caption's)
 # keyed by the content digest of what they point at, never by the path
-BY_CONTENT = {"model.path", "data.path", "data.datasets[].path", "train.init_lora",
+BY_CONTENT = {"model.path", "caption.model", "data.path", "data.datasets[].path", "train.init_lora",
               *(f"evaluate.{name}" for name in LOCAL_PATHS)}
 
 HEADER = """# Config reference

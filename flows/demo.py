@@ -1,8 +1,10 @@
 """`lorapipe demo [--arch ARCH]`: a tiny model of a registered family and the data its family's demo
 config trains on (the bundled photos, or generated clips for a video family), through the whole
-pipeline."""
+pipeline. With `--caption`, the bundled photos without their captions, captioned by the tiny
+captioner (nonsense text, real plumbing) before training."""
 from __future__ import annotations
 
+import shutil
 from importlib.resources import files
 from pathlib import Path
 
@@ -15,9 +17,10 @@ from .config import apply_override
 CONFIGS = files("lorapipe.configs")
 
 
-def prepare_demo(workdir: Path, arch: str, edits: bool = False) -> Path:
+def prepare_demo(workdir: Path, arch: str, edits: bool = False, caption: bool = False) -> Path:
     """Build the tiny model of `arch` and write its demo data into `workdir` (once): edit pairs with
-    `edits` or for an edit model; return the config path."""
+    `edits` or for an edit model, uncaptioned photos and the tiny captioner with `caption`; return
+    the config path."""
     from lorapipe.stages import families
 
     workdir.mkdir(parents=True, exist_ok=True)
@@ -31,10 +34,33 @@ def prepare_demo(workdir: Path, arch: str, edits: bool = False) -> Path:
     edits = edits or family.demo_edits
     if edits:
         family.check_references(1)
-    family.write_demo_data(workdir / "data", edits)
+    settings = family.demo_settings()
+    if caption:
+        if edits or family.demo_config() != "demo.yaml":
+            raise UserError(f"demo --caption: captions the bundled photos, which the {arch} demo does not train on")
+        settings = {**settings, **uncaptioned_demo(workdir)}
+    else:
+        family.write_demo_data(workdir / "data", edits)
     config = workdir / "demo.yaml"
-    config.write_text(demo_config_text(family.demo_config(edits), family.demo_settings()))
+    config.write_text(demo_config_text(family.demo_config(edits), settings))
     return config
+
+
+def uncaptioned_demo(workdir: Path) -> dict[str, str]:
+    """The bundled photos without captions and the tiny captioner in `workdir` (once); the config
+    settings that caption them."""
+    from lorapipe.stages.families.base import DEMO_PHOTOS
+    from lorapipe.stages.families.tiny.captioner import build_tiny_captioner
+
+    data, captioner = workdir / "uncaptioned", workdir / "captioner"
+    data.mkdir(exist_ok=True)
+    for photo in sorted(DEMO_PHOTOS.glob("*.jpg")):
+        if not (data / photo.name).exists():
+            shutil.copy2(photo, data / photo.name)
+    if not (captioner / "config.json").exists():
+        print(f"demo: building the tiny captioner in {captioner}")
+        build_tiny_captioner(captioner)
+    return {"data.path": data.name, "caption.model": captioner.name, "caption.max_new_tokens": "16"}
 
 
 def demo_config_text(preset: str, settings: dict[str, str]) -> str:

@@ -1,4 +1,5 @@
-"""The lorapipe flow: preprocess -> encode -> train -> evaluate, four Prefect tasks passing artifacts.
+"""The lorapipe flow: preprocess -> [caption] -> encode -> train -> evaluate, Prefect tasks passing
+artifacts (caption only where the config has a `caption:` section).
 Each stage is served from the cache when nothing it depends on changed, as our manifests decide (a
 hit shows in Prefect as a "Cached" state), and built otherwise (flows/runner.py); where its job
 runs was decided once by the run's plan (flows/run_plan.py). What each stage reads and how it is
@@ -34,12 +35,12 @@ from lorapipe.stages.optional_libraries import hide
 from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config
 from .outputs import finish_run, with_files
-from .plan import STAGES, Context
+from .plan import ALL_STAGES, Context
 from .run_plan import RunPlan, plan_flow
 from .runner import StageResult, run_stage
 from .training import follow_train, machine_folder, run_warm_train
 
-Stage = Literal[STAGES]  # typed, so Prefect refuses a misspelt stage
+Stage = Literal[ALL_STAGES]  # typed, so Prefect refuses a misspelt stage
 
 TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ESTALE, errno.ETIMEDOUT, errno.ECONNRESET,
                     errno.ECONNABORTED}  # a busy or briefly unreachable (network) filesystem
@@ -49,7 +50,7 @@ TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.ESTALE, errno.
 def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None = None,  # noqa: B006
              force: list[Stage] = [], warm_start: bool = False,  # noqa: B006
              plan: SkipJsonSchema[RunPlan | None] = None) -> list[dict]:
-    """Run the four stages, each served from the cache when nothing it depends on changed.
+    """Run the stages, each served from the cache when nothing it depends on changed.
 
     Args:
         config: the pipeline config (the YAML file's content; paths are absolute or relative to the
@@ -66,10 +67,12 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
         hide()  # before a stage imports diffusers; training runs in processes of its own, with its own choice
     plan = plan or plan_flow(config, only, start, force)
     pre = preprocess(config, plan)
-    enc = encode(config, plan, pre)
+    cap = caption(config, plan, pre)  # None where not configured: its readers read preprocess's artifact
+    dataset = cap or pre
+    enc = encode(config, plan, dataset)
     lora = train(config, plan, enc, warm_start)
-    scores = evaluate(config, plan, pre, enc, lora)
-    results = [done.result for done in (pre, enc, lora, scores) if done]
+    scores = evaluate(config, plan, dataset, enc, lora)
+    results = [done.result for done in (pre, cap, enc, lora, scores) if done]
     out = output_folder(config) if plan.rank == 0 else machine_folder(output_folder(config), plan.rank)
     summary = finish_run(out, config, results, flow_run.name or "unnamed", get_run_logger().info,
                          deployment=deployment.name, flow_run=flow_run.name, record=plan.rank == 0)
@@ -128,8 +131,14 @@ def preprocess(config: PipelineConfig, plan: RunPlan) -> Done:
 
 
 @stage_task
-def encode(config: PipelineConfig, plan: RunPlan, pre: Done) -> Done:
-    return served_or_built(config, plan, "encode", pre)
+def caption(config: PipelineConfig, plan: RunPlan, pre: Done) -> Done:
+    return served_or_built(config, plan, "caption", pre)
+
+
+@stage_task
+def encode(config: PipelineConfig, plan: RunPlan, dataset: Done) -> Done:
+    """`dataset`: the caption stage's artifact where configured, else preprocess's."""
+    return served_or_built(config, plan, "encode", dataset)
 
 
 @stage_task
@@ -148,8 +157,8 @@ def train(config: PipelineConfig, plan: RunPlan, enc: Done, warm_start: bool) ->
 
 
 @stage_task
-def evaluate(config: PipelineConfig, plan: RunPlan, pre: Done, enc: Done, lora: Done) -> Done:
-    return served_or_built(config, plan, "evaluate", pre, enc, lora)
+def evaluate(config: PipelineConfig, plan: RunPlan, dataset: Done, enc: Done, lora: Done) -> Done:
+    return served_or_built(config, plan, "evaluate", dataset, enc, lora)
 
 
 def served_or_built(config: PipelineConfig, plan: RunPlan, stage: str, *inputs: Done) -> Done:

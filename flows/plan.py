@@ -1,5 +1,5 @@
-"""The pipeline's stages (PIPELINE, the DAG in one table), what each stage's key is made of and
-how it is built, given the artifacts of the stages it reads.
+"""The pipeline's stages (PIPELINE, the DAG in one table; caption only where configured), what each
+stage's key is made of and how it is built, given the artifacts of the stages it reads.
 
 Each `*_step` returns a Step: its StageKey (stage, VERSION, params, input artifact digests,
 model component digests, library majors — never paths, run ids or the whole config) and a
@@ -15,12 +15,12 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable, Mapping
 
-from lorapipe.cache.digest import StatCache, path_identity
+from lorapipe.cache.digest import StatCache, digest_tree, path_identity
 from lorapipe.cache.errors import UserError
 from lorapipe.cache.object_store import ObjectSettings, open_store
 from lorapipe.cache.objects import is_url, use_storage_options
 from lorapipe.cache.store import Artifact, Built, StageKey
-from lorapipe.stages import encode, evaluate, families, preprocess, train
+from lorapipe.stages import caption, encode, evaluate, families, preprocess, train
 from lorapipe.stages.contract import KEYED_LIBRARIES, Log, library_majors, library_versions
 from lorapipe.stages.models import component_digests
 from lorapipe.stages.placement import Placement, Where
@@ -126,17 +126,33 @@ def preprocess_step(ctx: Context) -> Step:
                 lambda out, work: preprocess.run(params, inputs, out, work, None, ctx.log))
 
 
-def encode_step(ctx: Context, pre: Artifact) -> Step:
+def caption_step(ctx: Context, pre: Artifact) -> Step:
+    cfg = ctx.config
+    params, options = split(cfg.caption, caption.CaptionParams, caption.CaptionOptions)
+    model = cfg.caption.model
+    if not model.is_dir():
+        raise UserError(f"caption.model: {model} is not a folder (a transformers captioner: config.json and weights)")
+    params = params.model_copy(update={"prompt": params.prompt or caption.default_prompt(model)})
+    captioner = digest_tree(model, ctx.stat_cache)  # its identity: its files, not its path
+    inputs = caption.CaptionInputs(pre.path, cfg.data.sources, ctx.store.root, model, captioner, params.prompt)
+    key = ctx.stage_key("caption", params, {"preprocess": pre.digest, "captioner": captioner,
+                                            "policies": caption.policy_ingredients(cfg.data.sources)})
+    return Step(key, lambda out, work: caption.run(params, inputs, out, work, options, ctx.log))
+
+
+def encode_step(ctx: Context, dataset: Artifact) -> Step:
+    """`dataset`: the caption artifact where configured, else preprocess's (keyed under "preprocess"
+    either way, so configs without captions keep their keys)."""
     cfg = ctx.config
     params, options = split(cfg.encode, encode.EncodeParams, encode.EncodeOptions)
 
     def build(out: Path, work: Path) -> Built:
-        inputs = encode.EncodeInputs(pre.path, cfg.data.sources, ctx.store.root, ctx.model_path, ctx.family.name,
+        inputs = encode.EncodeInputs(dataset.path, cfg.data.sources, ctx.store.root, ctx.model_path, ctx.family.name,
                                      ctx.models_for("encode"))
         return encode.run(params, inputs, out, work, options, ctx.log, ctx.placements.get("encode"))
 
     resolved = encode.resolved_settings(ctx.family, ctx.model_path, params)
-    return Step(ctx.stage_key("encode", params, {"preprocess": pre.digest}, resolved=resolved), build)
+    return Step(ctx.stage_key("encode", params, {"preprocess": dataset.digest}, resolved=resolved), build)
 
 
 def train_step(ctx: Context, enc: Artifact) -> Step:
@@ -189,21 +205,38 @@ class StageDef:
     step: Callable[..., Step]  # (ctx, *the artifacts of `reads`, in order) -> Step
     reads: tuple[str, ...] = ()
     where: Callable[[PipelineConfig], Where] | None = None
+    # an optional stage: whether a config runs it, and the stage whose artifact its readers read when it does not
+    configured: Callable[[PipelineConfig], bool] | None = None
+    absent_reads: str | None = None
 
 
-PIPELINE = {  # preprocess -> encode -> train -> evaluate
+PIPELINE = {  # preprocess -> [caption] -> encode -> train -> evaluate
     "preprocess": StageDef(preprocess, preprocess_step),
-    "encode": StageDef(encode, encode_step, ("preprocess",),
+    "caption": StageDef(caption, caption_step, ("preprocess",), configured=lambda cfg: cfg.caption is not None,
+                        absent_reads="preprocess"),
+    "encode": StageDef(encode, encode_step, ("caption",),
                        lambda cfg: encode.where(split(cfg.encode, encode.EncodeParams, encode.EncodeOptions)[1])),
     "train": StageDef(train, train_step, ("encode",),
                       lambda cfg: train.where(*split(cfg.train, train.TrainParams, train.TrainOptions))),
-    "evaluate": StageDef(evaluate, evaluate_step, ("preprocess", "encode", "train"),
+    "evaluate": StageDef(evaluate, evaluate_step, ("caption", "encode", "train"),
                          lambda cfg: evaluate.where(split(cfg.evaluate, evaluate.EvalParams, evaluate.EvalOptions)[1])),
 }
-STAGES = tuple(PIPELINE)
+ALL_STAGES = tuple(PIPELINE)
+STAGES = tuple(name for name, defined in PIPELINE.items() if defined.configured is None)  # every config's
+
+
+def config_stages(config: PipelineConfig) -> tuple[str, ...]:
+    """The stages `config` runs, in order: every config's and the optional ones it configures."""
+    return tuple(name for name, defined in PIPELINE.items() if defined.configured is None or defined.configured(config))
+
+
+def reads_of(stage: str, config: PipelineConfig) -> tuple[str, ...]:
+    """The stages whose artifacts `stage` reads under `config` (an optional stage it does not run
+    is read through: its readers read what it would have read)."""
+    absent = {name: PIPELINE[name].absent_reads for name in PIPELINE if name not in config_stages(config)}
+    return tuple(absent.get(name, name) for name in PIPELINE[stage].reads)
 
 
 def step_for(stage: str, ctx: Context, upstream: dict[str, Artifact]) -> Step:
     """`stage`'s Step, given (at least) the artifacts of the stages it reads."""
-    stage_def = PIPELINE[stage]
-    return stage_def.step(ctx, *(upstream[name] for name in stage_def.reads))
+    return PIPELINE[stage].step(ctx, *(upstream[name] for name in reads_of(stage, ctx.config)))

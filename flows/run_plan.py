@@ -22,7 +22,7 @@ from lorapipe.stages.contract import Log
 from lorapipe.stages.placement import OwnProcess, Placement, WarmProcess, place
 
 from .config import PipelineConfig, split
-from .plan import PIPELINE, STAGES, Context
+from .plan import PIPELINE, Context, config_stages
 from .runner import Standing, stand
 from .training import machine_rank
 
@@ -79,9 +79,10 @@ class RunPlan:
 
 def select(config: PipelineConfig, only: list[str], start: str | None, force: list[str]) -> RunPlan:
     """The stages a run walks, chooses and forces (an unknown stage name is the command's error)."""
-    selected_stages(force, None)
-    chosen, rank = selected_stages(only, start), machine_rank(config)
-    return RunPlan(frozenset(chosen), walked_stages(chosen, rank), frozenset(force), rank)
+    stages = config_stages(config)
+    selected_stages(stages, force, None)
+    chosen, rank = selected_stages(stages, only, start), machine_rank(config)
+    return RunPlan(frozenset(chosen), walked_stages(stages, chosen, rank), frozenset(force), rank)
 
 
 def plan_run(config: PipelineConfig, only: list[str], start: str | None, force: list[str], log: Log) -> RunPlan:
@@ -114,7 +115,8 @@ def plan_status(config: PipelineConfig, log: Log) -> RunPlan:
     plan = select(config, [], None, [])
     ctx = Context(config, log=log, reads_only=True)
     try:
-        return replace(plan, walked=STAGES, standings=tuple(stand(ctx, STAGES)))
+        stages = config_stages(config)
+        return replace(plan, walked=stages, standings=tuple(stand(ctx, stages)))
     finally:
         ctx.close()
 
@@ -124,20 +126,22 @@ def plan_flow(config: PipelineConfig, only: list[str], start: str | None, force:
     return select(config, only, start, force).placed(config)
 
 
-def selected_stages(only: list[str], start: str | None) -> set[str]:
-    """The stages `--only` / `--from` select (all by default)."""
+def selected_stages(stages: tuple[str, ...], only: list[str], start: str | None) -> set[str]:
+    """The stages (of the config's `stages`) `--only` / `--from` select (all by default)."""
     for name in [*only, *([start] if start else [])]:
-        if name not in STAGES:
-            raise UserError(f"unknown stage {name!r}: expected one of {', '.join(STAGES)}")
+        if name not in stages:
+            unused = " (a stage this config does not run)" if name in PIPELINE else ""
+            raise UserError(f"unknown stage {name!r}{unused}: expected one of {', '.join(stages)}")
     if only:
         return set(only)
-    return set(STAGES[STAGES.index(start):]) if start else set(STAGES)
+    return set(stages[stages.index(start):]) if start else set(stages)
 
 
-def walked_stages(chosen: set[str], rank: int = 0) -> tuple[str, ...]:
-    """The stages a run goes through, in order: the chosen ones and every stage before them (which
-    must be cache hits); on machine rank > 0 none after train (rank 0 publishes and evaluates)."""
-    last = max(STAGES.index(s) for s in chosen)
+def walked_stages(stages: tuple[str, ...], chosen: set[str], rank: int = 0) -> tuple[str, ...]:
+    """The stages (of the config's `stages`) a run goes through, in order: the chosen ones and every
+    stage before them (which must be cache hits); on machine rank > 0 none after train (rank 0
+    publishes and evaluates)."""
+    last = max(stages.index(s) for s in chosen)
     if rank > 0:  # this machine only joins the training
-        last = min(last, STAGES.index("train"))
-    return STAGES[: last + 1]
+        last = min(last, stages.index("train"))
+    return stages[: last + 1]

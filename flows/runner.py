@@ -13,7 +13,7 @@ from lorapipe.cache.errors import UserError
 from lorapipe.cache.samples import DamagedRecord
 from lorapipe.cache.store import Artifact, Lookup, StageKey, diff_ingredients
 
-from .plan import STAGES, Context, Step, code_digest, step_for
+from .plan import Context, Step, code_digest, config_stages, reads_of, step_for
 
 
 class StageNotCached(UserError):
@@ -115,14 +115,16 @@ def build_repairing(ctx: Context, stage: str, step: Step, upstream: dict[str, Ar
             artifact, computed = ctx.store.build(step.key, step.build, ctx.producer(stage), ctx.log, force=force)
             return step.key, artifact, computed, rebuilt
         except DamagedRecord as damage:
-            if damage.shard in repaired or "preprocess" not in upstream:  # damaged again: not ours to fix
+            dataset_missing = any(name not in upstream for name in reads_of("encode", ctx.config))
+            if damage.shard in repaired or dataset_missing:  # damaged again, or no input to encode from: not ours
                 raise
             repaired.add(damage.shard)
             why = f"{damage.path}: record {damage.key} {damage.problem}"
             ctx.log(f"{stage}: {why}; dropping the shard and encoding its records again")
             ctx.store.sample_store().remove(damage.shard)
             upstream = dict(upstream)
-            for earlier in STAGES[STAGES.index("encode"):STAGES.index(stage)]:
+            stages = config_stages(ctx.config)
+            for earlier in stages[stages.index("encode"):stages.index(stage)]:
                 result, upstream[earlier] = run_stage(ctx, earlier, upstream)
                 if result.status == "computed":
                     result.reason = why

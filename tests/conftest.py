@@ -335,3 +335,36 @@ def chromium() -> Path:
     from browser import installed_chromium
 
     return installed_chromium()
+
+
+@pytest.fixture(scope="session")
+def tiny_captioner(tmp_path_factory) -> Path:
+    """The tiny Qwen2.5-VL captioner (stages/families/tiny/captioner.py)."""
+    from lorapipe.stages.families.tiny.captioner import build_tiny_captioner
+
+    return build_tiny_captioner(tmp_path_factory.mktemp("models") / "tiny-captioner")
+
+
+@contextmanager
+def _count_generated_rows():
+    """Images captioned: the rows of every Qwen2-VL / Qwen2.5-VL generate() call, whoever makes it."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    counts = {"calls": 0, "rows": 0}
+    generate = Qwen2_5_VLForConditionalGeneration.generate
+
+    def counted(self, *args, **kwargs):
+        counts["calls"] += 1
+        counts["rows"] += kwargs["input_ids"].shape[0]
+        return generate(self, *args, **kwargs)
+
+    Qwen2_5_VLForConditionalGeneration.generate = counted
+    try:
+        yield counts
+    finally:
+        Qwen2_5_VLForConditionalGeneration.generate = generate
+
+
+@pytest.fixture(scope="session")
+def count_generated_rows():
+    return _count_generated_rows

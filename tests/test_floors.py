@@ -10,7 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TOPS = ("cache", "stages", "flows")  # bottom to top
 STAGE_FLOORS = (  # inside stages, bottom to top; a module named nowhere is a contract (the ground)
-    ("lora_formats",), ("families",), ("encoded", "models"), ("preprocess", "encode", "train", "evaluate", "caption"))
+    ("lora_formats",), ("families",), ("encoded", "models"), ("preprocess", "caption", "encode", "train", "evaluate"))
 
 
 def module_name(path: Path) -> str:

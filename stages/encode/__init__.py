@@ -386,8 +386,4 @@ def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: Sa
     used = sorted({keys.empty} - {None} | {k for s in ordered for k in keys.of_sample(s["id"])})
     write_index(out_dir, header, map(sample_entry, ordered), [{"id": s["id"], "dataset": datasets[s["source"]].label} for s in ordered],
         {key: index[key] for key in used})
-    refs = {}
-    for shard in sorted({index[key].shard for key in used}):
-        meta = store.shard_meta(shard)
-        refs[f"samples/{shard}.tar"] = {"size": meta["size"], "digest": meta["digest"]}
-    return refs
+    return store.refs(index[key].shard for key in used)

@@ -80,6 +80,19 @@ def placed_image(datasets: tuple[DatasetSource, ...], s: dict, flip: bool = Fals
         return placed(im, s, flip, lambda decoded: to_rgb(decoded, s.get("background")))
 
 
+def upright_image(datasets: tuple[DatasetSource, ...], s: dict) -> Image.Image | None:
+    """The sample's whole image, RGB (alpha on its background), turned upright as viewers show it;
+    None when its bytes changed since preprocess. Raises OSError, ValueError or SyntaxError on a
+    broken file."""
+    data = read_image_bytes(datasets[s["source"]], s["path"])
+    if digest_bytes(data) != s["digest"]:
+        return None
+    with Image.open(io.BytesIO(data)) as im:
+        turn = EXIF_TRANSPOSE.get(im.getexif().get(ExifTags.Base.Orientation, 1))
+        rgb = to_rgb(im, s.get("background"))
+    return rgb.transpose(turn) if turn is not None else rgb
+
+
 class ImageCrops:
     """A map-style dataset of (latent job index, pixels in [-1, 1] or None, why it failed): a broken
     file, or one whose bytes changed since preprocess, is reported, never raised."""

@@ -7,7 +7,8 @@ Writes: dataset.json: per sample id, dataset index (`source`), relative path, co
         caption, repeats, original size, target size (a square or a bucket), resized size, crop
         box, split, `background` for images with alpha, and `mask` for images with a loss mask
         (a sidecar's path and digest, or the alpha channel: the dataset's `mask` setting),
-        `role: prior` for images of a prior dataset (never held out), and for an edit pair its
+        `role: prior` for images of a prior dataset (never held out), `written: false` for an image
+        without a caption that the caption stage is to caption (missing_caption: generate), and for an edit pair its
         `references` (each reference image's path, digest, sizes and crop box in the target's
         bucket: stages/preprocess/references.py);
         report.json: every rejected file or metadata row, its reason and detail, counts per
@@ -43,6 +44,7 @@ VERSION = "4"
 OUTPUT_FILES: tuple[OutputFile, ...] = ()  # its dataset manifest is encode's input, not the user's
 MAX_UPSCALE = 2.0  # an image enlarged more than this to cover its target gets a small_image warning
 DATASET_FILE = "dataset.json"
+CAPTION_SETTINGS = ("caption_policy", "caption_text")  # a dataset's settings for the caption stage, not preprocess
 REPORT_FILE = "report.json"
 
 __all__ = ["VERSION", "OUTPUT_FILES", "DATASET_FILE", "DatasetSource", "PreprocessParams", "PreprocessInputs",
@@ -56,7 +58,8 @@ class PreprocessParams(Frozen):
     caption_ext: str | None = Field(None, pattern=r"^\.\w+$", description="the caption sidecar's suffix (a"
                                     " dataset's own wins); unset: .txt, or kohya's .caption where no .txt exists")
     missing_caption: MissingCaption = Field("error", description="an image without a caption: error, skip,"
-                                            " filename or empty (a dataset's own setting wins)")
+                                            " filename, empty or generate (a dataset's own setting wins); with a"
+                                            " `caption:` section, unset means generate")
     on_bad_row: BadRow = Field("skip", description="a metadata row that cannot be used is skipped and listed in"
                                " report.json, or stops the run (error; `--strict`); a dataset's own setting wins")
     crop: Literal["center", "random"] = Field("center", description="where an image is cropped to its target;"
@@ -103,7 +106,7 @@ def dataset_ingredients(datasets: tuple[DatasetSource, ...], params: PreprocessP
     """Per dataset (by name when there are several) its keyed settings and files' fingerprint."""
     several = len(datasets) > 1
     return {
-        (d.label if several else "data"): {**d.model_dump(mode="json", exclude={"path", "name"}),
+        (d.label if several else "data"): {**d.model_dump(mode="json", exclude={"path", "name", *CAPTION_SETTINGS}),
                                            "files": fingerprint(settled, stat_cache)}
         for d, settled in zip(datasets, _settled(datasets, params))
     }
@@ -283,7 +286,7 @@ def _caption(c: Candidate, policy: str) -> str | None:
     if policy == "skip":
         raise Rejected("missing_caption", c.caption_problem)
     return {"error": None, "filename": c.rel.rsplit("/", 1)[-1].rsplit(".", 1)[0].replace("_", " "),
-            "empty": ""}[policy]
+            "empty": "", "generate": ""}[policy]
 
 
 def _fixed_split(source: DatasetSource) -> str:
@@ -313,6 +316,8 @@ def _sample(c: Candidate, sample_id: str, info: ImageInfo, caption: str, source:
         sample["background"] = list(params.background)
     if source.role == "prior":  # only then: a dataset without prior images writes what it wrote before
         sample["role"] = "prior"
+    if source.missing_caption == "generate" and not caption:  # only then, as for `role`
+        sample["written"] = False
     return sample
 
 

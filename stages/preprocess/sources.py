@@ -39,7 +39,8 @@ IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 CLIP_RECORD = "clip-frames-1"  # the stat cache's name for a clip's frame times and digests (stages/video.py)
 MASK_SUFFIX = ".mask.png"  # <image stem>.mask.png: that image's loss mask, never an image itself
 DEFAULT_CAPTION_EXTS = (".txt", ".caption")  # caption_ext unset: kohya's .caption where no .txt exists
-MissingCaption = Literal["error", "skip", "filename", "empty"]
+MissingCaption = Literal["error", "skip", "filename", "empty", "generate"]
+CaptionPolicy = Literal["fill_missing", "replace", "prefix", "suffix", "combine"]
 BadRow = Literal["skip", "error"]
 SKIPPED_DETAIL = {
     "outside_dataset": "a link to outside the dataset folder, not read (follow_symlinks: true on the dataset uses it)",
@@ -64,7 +65,8 @@ class DatasetSource(Frozen):
     image_column: str = Field("image", description="image column of hf / parquet datasets")
     missing_caption: MissingCaption | None = Field(
         None, description="an image without a caption: error (stop the run), skip (listed in report.json),"
-        " filename (its file name, underscores as spaces) or empty; unset: preprocess.missing_caption")
+        " filename (its file name, underscores as spaces), empty, or generate (the caption stage writes one: needs a"
+        " `caption:` section, which makes it the default); unset: preprocess.missing_caption")
     on_bad_row: BadRow | None = Field(None, description="a metadata row that cannot be used: skip (listed in"
                                       " report.json) or error (stop); unset: preprocess.on_bad_row")
     follow_symlinks: bool = Field(False, description="use links to files and folders outside the dataset folder")
@@ -79,6 +81,15 @@ class DatasetSource(Frozen):
         "train", exclude_if=lambda v: v == "train", description="train: the subject; prior: regularisation"
         " images of its class (DreamBooth prior preservation): trained on with train.prior_loss_weight (and"
         " train.prior_target), never held out for evaluation")
+
+    caption_policy: CaptionPolicy = Field(  # never in the preprocess key: the caption stage's
+        "fill_missing", exclude_if=lambda v: v == "fill_missing", description="with a `caption:` section, which"
+        " images get a generated caption: fill_missing (those without a written one), replace (every image; the"
+        " written caption stays on disk, unused), prefix / suffix (every image: caption_text + \", \" + generated, or"
+        " generated + \", \" + caption_text), combine (written + \". \" + generated, or generated alone)")
+    caption_text: str | None = Field(  # never in the preprocess key: the caption stage's
+        None, exclude_if=lambda v: v is None, description="prefix / suffix: the text put before or after each"
+        " generated caption (a trigger word)")
 
     control_dir: str | None = Field(  # unset: out of the preprocess key
         None, exclude_if=lambda v: v is None, description="edit pairs: a folder inside the dataset holding each target's reference image, matched by"
@@ -111,6 +122,17 @@ class DatasetSource(Frozen):
         if self.pairs and self.format != "folder":
             raise ValueError(f"{self.path}: control_dir / reference_columns need the folder format (with"
                              f" metadata files), not {self.format}")
+        return self
+
+    @model_validator(mode="after")
+    def _caption_text_with_its_policy(self) -> "DatasetSource":
+        needs_text = self.caption_policy in ("prefix", "suffix")
+        if needs_text and not (self.caption_text or "").strip():
+            raise ValueError(f"caption_policy: {self.caption_policy} needs caption_text (the text put"
+                             f" {'before' if self.caption_policy == 'prefix' else 'after'} each generated caption)")
+        if not needs_text and self.caption_text is not None:
+            raise ValueError(f"caption_text is set but caption_policy is {self.caption_policy}: caption_text is"
+                             " used by caption_policy prefix or suffix only")
         return self
 
     @model_validator(mode="after")

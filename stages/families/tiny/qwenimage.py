@@ -16,6 +16,7 @@ import torch
 from .qwen import TEXT_DIM, qwen_tokenizer, seeded
 
 Z_DIM = 4
+MAX_PIXELS = 64 * 28 * 28  # 64 merged patches of 28 x 28 pixels
 
 
 def tiny_qwenimage_transformer():
@@ -52,6 +53,18 @@ def tiny_qwen25vl(tokenizer):
         vocab_size=len(tokenizer), **ids,
     )
     return Qwen2_5_VLForConditionalGeneration(config).eval()
+
+
+def vl_processor(tokenizer):
+    """The processor that feeds the tiny Qwen2.5-VL images. transformers builds no Qwen2VLProcessor
+    without torchvision (its video processor needs it, even for images), so it is a
+    PaddleOCRVLProcessor: the same image-token expansion (one `<|image_pad|>` per merged 2x2 patch of
+    `image_grid_thw`) around Qwen2-VL's image processor, built and loaded without torchvision. Its
+    image processor reads at most 64 merged patches per image (the real one reads up to 16384), which
+    keeps the tiny model fast. `tokenizer` must name `image_token` (qwen_tokenizer's named_tokens)."""
+    from transformers import PaddleOCRVLProcessor, Qwen2VLImageProcessorPil
+
+    return PaddleOCRVLProcessor(image_processor=Qwen2VLImageProcessorPil(max_pixels=MAX_PIXELS), tokenizer=tokenizer)
 
 
 def tiny_qwenimage_parts(tokenizer) -> dict:
