@@ -330,6 +330,14 @@ def test_the_caption_demo_runs_through_the_flow_and_then_from_the_cache(tmp_path
     assert second == [(stage, "hit") for stage, _ in first]
     assert summaries[0][1]["prefect_state"] == "Completed" and summaries[0][1]["info"]["generated"] == 8
     assert "captions generated 8, reused 0" in printed[0]
+    outputs = tmp_path / "run" / "outputs"
+    assert "dataset review:" in printed[0] and "<img" in (outputs / "logs" / "review.html").read_text()
+    export = [sys.executable, "-m", "lorapipe.flows.cli", "captions", "export", "run/demo.yaml", "--json"]
+    done = subprocess.run(export, cwd=tmp_path, env=env, text=True, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    written = {Path(p).name: Path(p).read_text() for p in json.loads(done.stdout)["written"]}
+    generated = json.loads(next((tmp_path / "run" / "cache" / "caption").glob(f"*/{CAPTIONS_FILE}")).read_text())
+    assert written == {f"{i}.txt": e["generated"] + "\n" for i, e in generated["samples"].items()}  # a sidecar each
 
 
 def test_a_qwen_processor_that_needs_torchvision_is_one_line(tmp_path, tiny_captioner):
