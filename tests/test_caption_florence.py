@@ -79,3 +79,21 @@ def test_prompts_go_through_the_processors_task_handling(captioner, images):
         captioner(images, "<OD>")
     with pytest.raises(UserError, match="caption.prompt: Task token <CAPTION> should be the only content"):
         captioner(images, "<CAPTION> of a cat")
+
+
+def test_the_caption_stage_captions_with_florence(tmp_path, florence, tiny_model, demo_images, captioner):
+    """A Florence-2 folder as caption.model: the stage dispatches on its model_type, prompts with the
+    caption task by default, and the captions are what the captioner makes of the upright photos."""
+    from test_caption import UPTO_CAPTION, captions_of, half_captioned, raw_config
+    from test_invalidation import run_all
+
+    from lorapipe.flows.config import validate_config
+
+    data = half_captioned(demo_images, tmp_path / "data")
+    config = validate_config(raw_config(tmp_path, tiny_model, data, tmp_path / "cache", florence,
+                                        max_new_tokens=MAX_NEW_TOKENS), "test")
+    captions = captions_of(run_all(config, UPTO_CAPTION))
+    assert captions["captioner"]["model_type"] == "florence2" and captions["captioner"]["prompt"] == DEFAULT_PROMPT
+    generated = {i: e["generated"] for i, e in captions["samples"].items() if e["source"] == "generated"}
+    photos = [Image.open(data / f"{name}.jpg").convert("RGB") for name in sorted(generated)]
+    assert list(generated.values()) == [captioner([photo], DEFAULT_PROMPT)[0] for photo in photos]
