@@ -27,7 +27,7 @@ from uuid import UUID
 
 import psutil
 import pytest
-from browser import Chromium
+from browser import Chromium, stop
 
 pytestmark = pytest.mark.slow
 
