@@ -276,8 +276,7 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     failed_jobs = sum(1 for _, i, _ in jobs.latents if images[i]["id"] in failed)
     undecodable = {sample_label(s, inputs.datasets): failed[s["id"]] for s in images if s["id"] in failed}
     for s in dataset:  # an edit pair whose reference cannot be decoded is left out with it, never trained unpaired
-        broken = next((images_by_id[r] for r in keys.references.get(s["id"], ()) if r in failed), None) \
-            if failed else None
+        broken = next((images_by_id[r] for r in keys.references.get(s["id"], ()) if r in failed), None)
         if broken is not None and s["id"] not in failed:
             failed[s["id"]] = f"its reference {sample_label(broken, inputs.datasets)} cannot be decoded"
             undecodable[sample_label(s, inputs.datasets)] = failed[s["id"]]
