@@ -85,6 +85,18 @@ class Job:
         return cls.from_json(json.loads(Path(path).read_text()))
 
 
+def process_rank() -> tuple[int, int]:
+    """(this process's rank, the processes of its launch): RANK and WORLD_SIZE under `accelerate launch`, else (0, 1)."""
+    return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+
+
+def process_device() -> str:
+    """Where this process computes: its GPU (LOCAL_RANK's under `accelerate launch`), else the CPU."""
+    import torch
+
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+
+
 def worker(stage: str) -> ModuleType:
     """The module of `stage`'s worker side (imported now: hide what the job does not use first)."""
     return importlib.import_module(WORKERS[stage])

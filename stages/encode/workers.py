@@ -12,7 +12,6 @@ plan order (EncodeJobs.chunks) and commits each chunk as one shard.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
@@ -23,7 +22,7 @@ from lorapipe.cache.samples import SampleStore
 
 from ..contract import Log
 from ..encoded import encode_record
-from ..jobs import Job
+from ..jobs import Job, process_device, process_rank
 from ..optional_libraries import OPTIONAL
 from .images import placed_image, sample_label, sample_shape
 from .latents import Progress, encode_latents
@@ -120,7 +119,7 @@ def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[dict] | Mapping[in
     import torch
 
     dtype = getattr(torch, params.dtype)
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    device = process_device()
     family = inputs.bound_family()
     buffer = RecordBuffer(open_sample_store(inputs.cache_root), chunks)
     settings = family.text_settings(inputs.model_path, params)
@@ -227,7 +226,7 @@ def encode_at(placement: Placement, jobs: EncodeJobs, params: EncodeParams, inpu
 def run_job(job: Job, log: Log) -> None:
     """Encode this rank's share of the job (stages/jobs.py); write what failed into the work dir."""
     params, inputs, options, jobs, dataset = read_spec(job)
-    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    rank, world = process_rank()
     failed = encode_jobs(jobs, dataset, params, inputs, options, rank, world,
                          (lambda m: log(f"[rank {rank}] {m}")) if rank else log)
     write_json_atomic(job.work_dir / f"failed-{rank}.json", failed)
