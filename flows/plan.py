@@ -132,12 +132,13 @@ def caption_step(ctx: Context, pre: Artifact) -> Step:
     model = cfg.caption.model
     if not model.is_dir():
         raise UserError(f"caption.model: {model} is not a folder (a transformers captioner: config.json and weights)")
-    params = params.model_copy(update={"prompt": params.prompt or caption.default_prompt(model)})
+    params = caption.resolved(params, model)
     captioner = digest_tree(model, ctx.stat_cache)  # its identity: its files, not its path
     inputs = caption.CaptionInputs(pre.path, cfg.data.sources, ctx.store.root, model, captioner, params.prompt)
     key = ctx.stage_key("caption", params, {"preprocess": pre.digest, "captioner": captioner,
                                             "policies": caption.policy_ingredients(cfg.data.sources)})
-    return Step(key, lambda out, work: caption.run(params, inputs, out, work, options, ctx.log))
+    return Step(key, lambda out, work: caption.run(params, inputs, out, work, options, ctx.log,
+                                                   ctx.placements.get("caption")))
 
 
 def encode_step(ctx: Context, dataset: Artifact) -> Step:
@@ -212,8 +213,9 @@ class StageDef:
 
 PIPELINE = {  # preprocess -> [caption] -> encode -> train -> evaluate
     "preprocess": StageDef(preprocess, preprocess_step),
-    "caption": StageDef(caption, caption_step, ("preprocess",), configured=lambda cfg: cfg.caption is not None,
-                        absent_reads="preprocess"),
+    "caption": StageDef(caption, caption_step, ("preprocess",),
+                        lambda cfg: caption.where(*split(cfg.caption, caption.CaptionParams, caption.CaptionOptions)),
+                        configured=lambda cfg: cfg.caption is not None, absent_reads="preprocess"),
     "encode": StageDef(encode, encode_step, ("caption",),
                        lambda cfg: encode.where(split(cfg.encode, encode.EncodeParams, encode.EncodeOptions)[1])),
     "train": StageDef(train, train_step, ("encode",),

@@ -1,5 +1,5 @@
 """One job description and one worker entry for the stages whose work runs wherever its placement
-says (stages/placement.py): encode, train and evaluate.
+says (stages/placement.py): caption, encode, train and evaluate.
 
 A stage's `run` (its parent side) describes its work as a Job and hands it to its placement, which
 runs it in this process, in a process of its own, under `accelerate launch`, in the warm process or
@@ -37,6 +37,7 @@ from lorapipe.stages.launching import JOB_DONE, begin_worker, reporting_errors, 
 from lorapipe.stages.optional_libraries import hide
 
 WORKERS = {  # stage -> the module of its worker side: run_job(job, log), and warm_up() for the warm process
+    "caption": "lorapipe.stages.caption.workers",
     "encode": "lorapipe.stages.encode.workers",
     "train": "lorapipe.stages.train.recipe",
     "evaluate": "lorapipe.stages.evaluate.worker",

@@ -22,7 +22,7 @@ from test_invalidation import SMALL, run_all, statuses
 from lorapipe.cache.errors import UserError
 from lorapipe.flows.config import ConfigError, validate_config
 from lorapipe.flows.plan import STAGES, Context, config_stages
-from lorapipe.flows.runner import explain
+from lorapipe.flows.runner import explain, run_stage
 from lorapipe.stages.caption import CAPTIONS_FILE, CaptionParams
 from lorapipe.stages.caption.captioners import load_captioner
 from lorapipe.stages.preprocess import DATASET_FILE, dataset_ingredients
@@ -59,28 +59,59 @@ def captions_of(results: dict) -> dict:
     return json.loads((Path(results["caption"].path) / CAPTIONS_FILE).read_text())
 
 
+def caption_again(config, log=lambda line: None):
+    """The caption stage's result, built again (forced) on the preprocess artifact from the cache."""
+    ctx = Context(config, log=log)
+    try:
+        pre = run_stage(ctx, "preprocess", {})[1]
+        return run_stage(ctx, "caption", {"preprocess": pre}, force=True)[0]
+    finally:
+        ctx.close()
+
+
 def files(folder: Path) -> dict[str, bytes]:
     return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
 
 
-def test_the_captioner_is_the_bare_generate_loop(tiny_captioner, demo_images):
-    """ChatCaptioner gives what Qwen2.5-VL's documented usage gives on the same batch (greedy)."""
+@pytest.mark.parametrize("settings", [{}, {"num_beams": 2}, {"do_sample": True, "temperature": 0.7, "top_p": 0.9}])
+def test_the_captioner_is_the_bare_generate_loop(tiny_captioner, demo_images, settings):
+    """ChatCaptioner gives what Qwen2.5-VL's documented usage gives on the same batch with the same
+    generate() arguments: greedy by default (one beam), with beams, sampled with the same seed."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
 
     images = [Image.open(demo_images / f"{n}.jpg").convert("RGB") for n in ("astronaut", "coffee", "rocket")]
     prompt = "Describe this image."
-    captioner = load_captioner(tiny_captioner, CaptionParams(max_new_tokens=8), "cpu", torch.float32)
+    captioner = load_captioner(tiny_captioner, CaptionParams(max_new_tokens=8, **settings), "cpu", torch.float32)
     processor = AutoProcessor.from_pretrained(tiny_captioner)
     processor.tokenizer.padding_side = "left"
     model = AutoModelForImageTextToText.from_pretrained(tiny_captioner)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": prompt}]}]
     text = processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     inputs = processor(text=[text] * 3, images=images, padding=True, return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
+    torch.manual_seed(7)
+    out = model.generate(**inputs, max_new_tokens=8, **{"do_sample": False, **settings})
     bare = [t.strip() for t in processor.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)]
+    torch.manual_seed(7)
     assert captioner(images, prompt) == bare
     assert all(bare)
+
+
+def test_sampling_settings_are_keyed_only_when_sampling(tmp_path, tiny_model, tiny_captioner):
+    from lorapipe.stages.caption import resolved
+
+    params = resolved(CaptionParams(), tiny_captioner)
+    assert params.num_beams == 1 and params.generation() == {"max_new_tokens": 64, "do_sample": False, "num_beams": 1}
+    key = params.record_key("image", "captioner", "prompt")
+    assert params.model_copy(update={"num_beams": 2}).record_key("image", "captioner", "prompt") != key
+    sampled = params.model_copy(update={"do_sample": True})
+    assert sampled.generation() == {"max_new_tokens": 64, "do_sample": True, "num_beams": 1}  # generation_config's
+    keys = {sampled.model_copy(update=u).record_key("image", "captioner", "prompt")
+            for u in ({}, {"temperature": 0.5}, {"top_p": 0.5}, {"seed": 1})}
+    assert len(keys) == 4 and key not in keys
+    with pytest.raises(ConfigError, match=r"caption: .*temperature and top_p set but do_sample is false"):
+        validate_config(raw_config(tmp_path, tiny_model, tmp_path, tmp_path, tiny_captioner, temperature=0.5,
+                                   top_p=0.9), "test")
 
 
 def test_the_tiny_captioner_is_rebuilt_byte_for_byte(tmp_path, tiny_captioner):
@@ -242,16 +273,19 @@ for stage in ("preprocess", "caption"):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("processes", [1, 2])
 def test_a_killed_caption_stage_keeps_its_shards(tmp_path, tiny_model, tiny_captioner, demo_images,
-                                                 count_generated_rows):
-    """kill -9 mid-way: the committed shards stay, the rerun generates only the rest; the artifact
+                                                 count_generated_rows, processes):
+    """kill -9 mid-way, of the stage's one process or of the stage and its two processes under
+    accelerate launch: the committed shards stay, the rerun generates only the rest; the artifact
     refers to its shards (so `cache gc` keeps them)."""
     data = half_captioned(demo_images, tmp_path / "data")
     for photo in sorted(demo_images.glob("*.jpg")):
         for turn, name in ((Image.FLIP_LEFT_RIGHT, "mirrored"), (Image.ROTATE_180, "turned")):
             with Image.open(photo) as im:
                 im.transpose(turn).save(data / f"{photo.stem}_{name}.jpg", quality=90)
-    raw = raw_config(tmp_path, tiny_model, data, tmp_path / "cache", tiny_captioner, max_new_tokens=24)
+    raw = raw_config(tmp_path, tiny_model, data, tmp_path / "cache", tiny_captioner, max_new_tokens=24,
+                     num_processes=processes)
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     run = subprocess.Popen([sys.executable, "-c", KILLED_RUN, json.dumps(raw)], env=env, start_new_session=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -267,7 +301,8 @@ def test_a_killed_caption_stage_keeps_its_shards(tmp_path, tiny_model, tiny_capt
     assert not list((tmp_path / "cache" / "caption").glob("*/manifest.json"))  # nothing published
     with count_generated_rows() as rerun:
         results = run_all(validate_config(raw, "test"), UPTO_CAPTION)
-    assert 0 < rerun["rows"] == 20 - 2 * committed  # 4 + 16 new images, 2 a shard
+    generated = rerun["rows"] if processes == 1 else results["caption"].info["generated"]  # counted in this process
+    assert 0 < generated == 20 - 2 * committed  # 4 + 16 new images, 2 a shard
     assert results["caption"].info["reused"] == 2 * committed
     manifest = json.loads((Path(results["caption"].path) / "manifest.json").read_text())
     assert {Path(rel).stem for rel in manifest["refs"]} == {p.stem for p in shards.glob("*.json")}
@@ -287,7 +322,6 @@ def test_the_caption_demo_captions_the_photos_without_their_captions(tmp_path):
 def test_a_damaged_caption_record_is_generated_again(tmp_path, tiny_model, tiny_captioner, demo_images,
                                                       count_generated_rows):
     from lorapipe.cache.object_store import open_sample_store
-    from lorapipe.flows.runner import run_stage
 
     data = half_captioned(demo_images, tmp_path / "data")
     config = validate_config(raw_config(tmp_path, tiny_model, data, tmp_path / "cache", tiny_captioner), "test")
@@ -300,13 +334,8 @@ def test_a_damaged_caption_record_is_generated_again(tmp_path, tiny_model, tiny_
     damaged[offset + size // 2] ^= 0x01  # the shard keeps its size: only the record's digest tells
     shard.write_bytes(bytes(damaged))
     lines = []
-    ctx = Context(config, log=lines.append)
-    try:
-        with count_generated_rows() as again:
-            pre = run_stage(ctx, "preprocess", {})[1]
-            result = run_stage(ctx, "caption", {"preprocess": pre}, force=True)[0]
-    finally:
-        ctx.close()
+    with count_generated_rows() as again:
+        result = caption_again(config, lines.append)
     assert again["rows"] == 2  # the damaged shard's two records
     assert any("dropping the shard and generating its captions again" in line for line in lines)
     assert json.loads((Path(result.path) / CAPTIONS_FILE).read_text())["samples"] == before
@@ -358,3 +387,49 @@ def test_a_qwen_processor_that_needs_torchvision_is_one_line(tmp_path, tiny_capt
     with pytest.raises(UserError, match=rf"^caption\.model: {folder}: its processor cannot be loaded: .*Torchvision"
                                         r".*\(pip install torchvision\)$"):
         load_captioner(folder, CaptionParams(), "cpu", torch.float32)
+
+
+def undecodable_jpeg(photo: Path) -> None:
+    """Make `photo` (a baseline JPEG) name a quantisation table it does not define: its header and
+    end marker are whole (preprocess, which reads those, takes it), its pixels cannot be decoded."""
+    data = bytearray(photo.read_bytes())
+    first_component = data.find(b"\xff\xc0") + 10  # SOF0: length, precision, height, width, components
+    data[first_component + 2] = 3  # its table selector: table 3, which no DQT segment defines
+    photo.write_bytes(bytes(data))
+
+
+@pytest.mark.slow
+def test_an_image_that_cannot_be_read_is_left_to_encode(tmp_path, tiny_model, tiny_captioner, demo_images,
+                                                        count_generated_rows):
+    """A JPEG that cannot be decoded, and one truncated after preprocess ran, stop nothing: the
+    caption stage leaves them out of captioning with a report row each (in logs/report.json and the
+    review) and keeps their samples, which encode reports as it does without a caption stage and
+    trains without."""
+    data = half_captioned(demo_images, tmp_path / "data")
+    undecodable_jpeg(data / "retina.jpg")
+    lines = []
+    ctx = Context(validate_config(raw_config(tmp_path, tiny_model, data, tmp_path / "cache", tiny_captioner), "test"),
+                  log=lines.append)
+    try:
+        pre = run_stage(ctx, "preprocess", {})[1]
+        jpeg = (data / "rocket.jpg").read_bytes()
+        (data / "rocket.jpg").write_bytes(jpeg[: len(jpeg) // 3])
+        with count_generated_rows() as counts:
+            result, captioned = run_stage(ctx, "caption", {"preprocess": pre})
+        encoded = run_stage(ctx, "encode", {"preprocess": pre, "caption": captioned})[0]
+    finally:
+        ctx.close()
+    assert counts["rows"] == 2 and result.info["generated"] == 2 and result.info["left_out"] == 2
+    rows = {w["path"]: w for w in json.loads((Path(result.path) / "logs" / "report.json").read_text())["warnings"]}
+    assert rows["retina.jpg"]["reason"] == "undecodable" and "cannot be decoded" in rows["retina.jpg"]["detail"]
+    assert rows["rocket.jpg"] == {"path": "rocket.jpg", "reason": "changed",
+                                  "detail": "changed since preprocess ran (run the pipeline again)"}
+    assert any(line.startswith("caption: retina.jpg: cannot be decoded") for line in lines)
+    captions = json.loads((Path(result.path) / CAPTIONS_FILE).read_text())["samples"]
+    assert {i: (e["caption"], e["source"], e["record"]) for i, e in captions.items() if e["source"] == "left_out"} == {
+        "retina": ("", "left_out", captions["retina"]["record"]), "rocket": ("", "left_out", captions["rocket"]["record"])}
+    review = (Path(result.path) / "logs" / "review.md").read_text()
+    assert "retina.jpg" in review and "undecodable" in review
+    assert set(json.loads((Path(encoded.path) / "logs" / "report.json").read_text())["undecodable"]) == {
+        "retina.jpg", "rocket.jpg"}
+    assert encoded.info["undecodable"] == 2 and encoded.info["latents_encoded"] == 6

@@ -9,11 +9,14 @@ import torch
 from PIL import Image
 
 from lorapipe.cache.errors import UserError
-from lorapipe.stages.caption.florence import DEFAULT_PROMPT, FlorenceCaptioner
+from lorapipe.stages.caption import CaptionParams
+from lorapipe.stages.caption.captioners import load_captioner
+from lorapipe.stages.caption.florence import DEFAULT_NUM_BEAMS, DEFAULT_PROMPT, FlorenceCaptioner
 from lorapipe.stages.families.tiny.florence import build_tiny_florence
 
 DEMO_IMAGES = Path(__file__).resolve().parents[1] / "stages" / "assets" / "demo_images"
 MAX_NEW_TOKENS = 64
+GREEDY = {"max_new_tokens": MAX_NEW_TOKENS, "do_sample": False, "num_beams": 1}
 
 
 @pytest.fixture(scope="module")
@@ -23,7 +26,8 @@ def florence(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def captioner(florence) -> FlorenceCaptioner:
-    return FlorenceCaptioner(florence, MAX_NEW_TOKENS, do_sample=False, dtype=torch.float32, device="cpu")
+    """Greedy, one beam."""
+    return FlorenceCaptioner(florence, GREEDY, dtype=torch.float32, device="cpu")
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +36,11 @@ def images() -> list[Image.Image]:
 
 
 def bare_generate(captioner: FlorenceCaptioner, images: list, prompt: str) -> torch.Tensor:
-    """transformers' documented Florence-2 call on these images as one batch, greedy."""
+    """transformers' documented Florence-2 call on these images as one batch, with the captioner's
+    generate() arguments."""
     inputs = captioner.processor(text=[prompt] * len(images), images=images, return_tensors="pt")
     with torch.no_grad():
-        return captioner.model.generate(**inputs, max_new_tokens=MAX_NEW_TOKENS, do_sample=False, num_beams=1)
+        return captioner.model.generate(**inputs, **captioner.generation)
 
 
 def test_tiny_florence_builds_byte_identically_and_loads_offline(florence, tmp_path):
@@ -50,7 +55,12 @@ def test_tiny_florence_builds_byte_identically_and_loads_offline(florence, tmp_p
     assert isinstance(Florence2ForConditionalGeneration.from_pretrained(florence), Florence2ForConditionalGeneration)
 
 
-def test_captions_are_the_bare_generate_loops_batched_and_one_at_a_time(captioner, images):
+@pytest.mark.parametrize("beams", [1, 3])
+def test_captions_are_the_bare_generate_loops_batched_and_one_at_a_time(florence, captioner, images, beams):
+    """Greedy, and with the three beams of the documented usage (the stage's default)."""
+    if beams != 1:
+        captioner = load_captioner(florence, CaptionParams(max_new_tokens=MAX_NEW_TOKENS), "cpu", torch.float32)
+        assert captioner.generation == {**GREEDY, "num_beams": beams}
     captions = captioner(images, DEFAULT_PROMPT)
 
     batch = bare_generate(captioner, images, DEFAULT_PROMPT)
@@ -94,6 +104,8 @@ def test_the_caption_stage_captions_with_florence(tmp_path, florence, tiny_model
                                         max_new_tokens=MAX_NEW_TOKENS), "test")
     captions = captions_of(run_all(config, UPTO_CAPTION))
     assert captions["captioner"]["model_type"] == "florence2" and captions["captioner"]["prompt"] == DEFAULT_PROMPT
+    assert captions["captioner"]["settings"]["num_beams"] == DEFAULT_NUM_BEAMS  # resolved: in the key
     generated = {i: e["generated"] for i, e in captions["samples"].items() if e["source"] == "generated"}
     photos = [Image.open(data / f"{name}.jpg").convert("RGB") for name in sorted(generated)]
-    assert list(generated.values()) == [captioner([photo], DEFAULT_PROMPT)[0] for photo in photos]
+    beams = load_captioner(florence, CaptionParams(max_new_tokens=MAX_NEW_TOKENS), "cpu", torch.float32)
+    assert list(generated.values()) == [beams([photo], DEFAULT_PROMPT)[0] for photo in photos]

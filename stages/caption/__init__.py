@@ -6,12 +6,18 @@ Reads:  the preprocess artifact (dataset.json, report.json), the images it names
 Writes: dataset.json: preprocess's format and samples, each caption final (encode reads it as it
         reads preprocess's); captions.json: the captioner (kind, digest, prompt, settings) and per
         sample its final caption, where it came from (written, generated, replace, prefix, suffix,
-        combine), the written and generated captions, the record key, path and dataset; logs/report.json
-        (preprocess's rejections and warnings) and the review page (review.py), out of the digest.
+        combine, left_out), the written and generated captions, the record key, path and dataset;
+        logs/report.json (preprocess's rejections and warnings, and a warning row per image left out)
+        and the review page (review.py), out of the digest.
         Each generated caption is a record in the sample store (generate.py), keyed by the image's
         content, the captioner's digest, the prompt and the keyed settings (params.py): only
-        records that do not exist yet are generated (+N images -> N captions, a renamed image -> none).
-Key:    these params (the prompt resolved to the captioner's default) + the preprocess artifact's
+        records that do not exist yet are generated (+N images -> N captions, a renamed image -> none),
+        where the stage's placement says (workers.py: this process, or num_processes under
+        `accelerate launch`).
+An image that cannot be decoded (or changed since preprocess) is left out of captioning, keeping its
+written caption or none: encode, which reports such images in its own report.json and trains
+without them for every config, captioned or not, does so for it too.
+Key:    these params (the prompt and num_beams resolved to the captioner kind's defaults) + the preprocess artifact's
         digest + the captioner's digest + every dataset's caption_policy and caption_text.
 Digest: dataset.json and captions.json. A damaged record (unlike its recorded digest) is generated again.
 A caption written by the user is never modified on disk (`lorapipe captions export` writes generated
@@ -20,7 +26,6 @@ ones as sidecars on request: export.py).
 from __future__ import annotations
 
 import json
-import shutil
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,13 +33,14 @@ from pathlib import Path
 from lorapipe.cache.errors import UserError
 from lorapipe.cache.fsutil import write_json_rows
 from lorapipe.cache.object_store import open_sample_store
-from lorapipe.cache.samples import DamagedRecord, SampleStore
+from lorapipe.cache.samples import DamagedRecord
 from lorapipe.cache.store import LOG_DIR, Built
 
 from ..contract import Log, OutputFile
+from ..placement import Placement, Where, place
 from ..preprocess import DATASET_FILE, REPORT_FILE
 from ..preprocess.sources import DatasetSource
-from .captioners import default_prompt, model_type
+from .captioners import model_type, resolved
 from .generate import generate_records, read_caption
 from .params import CaptionOptions, CaptionParams
 from .policies import final_caption, needs_generated, written_caption
@@ -45,9 +51,10 @@ VERSION = "1"
 OUTPUT_FILES: tuple[OutputFile, ...] = (OutputFile(f"{LOG_DIR}/{REVIEW_HTML}", "dataset review"),
                                         OutputFile(f"{LOG_DIR}/{REVIEW_MD}"))
 CAPTIONS_FILE = "captions.json"
+LEFT_OUT = "left_out"  # the source of an image that could not be read: not captioned
 
 __all__ = ["VERSION", "OUTPUT_FILES", "CAPTIONS_FILE", "CaptionParams", "CaptionOptions", "CaptionInputs",
-           "default_prompt", "policy_ingredients", "run"]
+           "policy_ingredients", "resolved", "run", "where"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +64,17 @@ class CaptionInputs:
     cache_root: Path
     model_path: Path  # the captioner's folder
     captioner: str  # its digest: its identity in record keys
-    prompt: str  # resolved: the configured one or the captioner kind's default
+    prompt: str  # resolved: the configured one or the captioner kind's default (captioners.resolved)
+
+    def to_json(self) -> dict:
+        return {"preprocess_dir": str(self.preprocess_dir), "datasets": [d.model_dump(mode="json") for d in self.datasets],
+                "cache_root": str(self.cache_root), "model_path": str(self.model_path), "captioner": self.captioner,
+                "prompt": self.prompt}
+
+    @classmethod
+    def from_json(cls, v: dict) -> CaptionInputs:
+        return cls(Path(v["preprocess_dir"]), tuple(DatasetSource(**d) for d in v["datasets"]), Path(v["cache_root"]),
+                   Path(v["model_path"]), v["captioner"], v["prompt"])
 
 
 def policy_ingredients(datasets: tuple[DatasetSource, ...]) -> dict:
@@ -65,13 +82,20 @@ def policy_ingredients(datasets: tuple[DatasetSource, ...]) -> dict:
     return {d.label: {"policy": d.caption_policy, "text": d.caption_text} for d in datasets}
 
 
+def where(params: CaptionParams, options: CaptionOptions) -> Where:
+    """Where caption's job runs (stages/placement.py): num_processes under accelerate when more
+    than one batch of images is missing, else one process."""
+    return Where(options.num_processes, one_process_up_to=params.batch_size)
+
+
 def run(params: CaptionParams, inputs: CaptionInputs, out_dir: Path, work_dir: Path,
-        options: CaptionOptions, log: Log = print) -> Built:
+        options: CaptionOptions, log: Log = print, placement: Placement | None = None) -> Built:
+    """`placement`: where the missing records are generated (the plan's; default: what `where` says)."""
     samples = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
     keys = _record_keys(samples, params, inputs)
-    store = open_sample_store(inputs.cache_root)
-    generated, counts = _generated(samples, keys, params, inputs, store, options, log)
-    entries = _caption_entries(samples, keys, generated, inputs.datasets)
+    generated, left_out, counts = _generated(samples, keys, params, inputs, options,
+                                             placement or place(where(params, options)), work_dir, log)
+    entries = _caption_entries(samples, keys, generated, left_out, inputs.datasets)
     final = [{k: v for k, v in {**s, "caption": entries[s["id"]]["caption"]}.items() if k != "written"}
              for s in samples]
     write_json_rows(out_dir / DATASET_FILE, {"format": 2}, "samples", final)
@@ -80,31 +104,39 @@ def run(params: CaptionParams, inputs: CaptionInputs, out_dir: Path, work_dir: P
                 "samples": entries}
     (out_dir / CAPTIONS_FILE).write_text(json.dumps(captions, indent=1, sort_keys=True))
     report = json.loads((inputs.preprocess_dir / REPORT_FILE).read_text())
+    report = {**report, "warnings": report["warnings"] + sorted(left_out.values(), key=lambda row: row["path"])}
     (out_dir / LOG_DIR).mkdir()
-    shutil.copyfile(inputs.preprocess_dir / REPORT_FILE, out_dir / LOG_DIR / REPORT_FILE)
+    (out_dir / LOG_DIR / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True))
     write_review(out_dir / LOG_DIR, final, captions, report, inputs.datasets)
     sources = dict(sorted(Counter(e["source"] for e in entries.values()).items()))
     log("caption: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + f"; captions by source: {sources}")
-    used = {store.index()[key].shard for key in keys.values()}
+    store = open_sample_store(inputs.cache_root)  # with the records the job wrote
+    used = {store.index()[key].shard for key in generated}
     return Built(info={**counts, "sources": sources}, refs=store.refs(used))
 
 
 def _generated(samples: list[dict], keys: dict[str, str], params: CaptionParams, inputs: CaptionInputs,
-               store: SampleStore, options: CaptionOptions, log: Log) -> tuple[dict[str, str], dict]:
-    """(record key -> generated caption, counts), the missing records generated first. A damaged
-    shard (a record unlike its recorded digest) is dropped and its captions generated again, once."""
-    needed, made, shards, dropped = set(keys.values()), 0, 0, set()
+               options: CaptionOptions, placement: Placement, work_dir: Path,
+               log: Log) -> tuple[dict[str, str], dict[str, dict], dict]:
+    """(record key -> generated caption, record key -> the report row of an image left out, counts),
+    the missing records generated first where `placement` says. A damaged shard (a record unlike its
+    recorded digest) is dropped and its captions generated again, once."""
+    from .workers import generate_at
+
+    needed, made, dropped, left_out = set(keys.values()), 0, set(), {}
+    store = open_sample_store(inputs.cache_root)
     while True:
         missing = set(store.missing(needed))
         log(f"caption: {len(needed)} images take a generated caption, {len(missing)} to generate")
         todo = {keys[s["id"]]: s for s in samples if keys.get(s["id"]) in missing}
         if todo:
-            shards += generate_records(todo, params, inputs.model_path, inputs.prompt, inputs.datasets, store,
-                                       options, log)
-        made += len(todo)
+            left_out = generate_at(placement.sized(len(todo)), todo, params, inputs, options, work_dir, log)
+            store = open_sample_store(inputs.cache_root)  # a fresh index: the job wrote with stores of its own
+            made += len(todo) - len(left_out)
         try:
-            captions = {key: read_caption(store, key) for key in sorted(needed)}
-            return captions, {"generated": made, "reused": len(needed - set(todo)), "shards_written": shards}
+            captions = {key: read_caption(store, key) for key in sorted(needed - set(left_out))}
+            return captions, left_out, {"generated": made, "reused": len(needed - set(todo)),
+                                        "left_out": len(left_out)}
         except DamagedRecord as damage:
             if damage.shard in dropped:
                 raise
@@ -129,13 +161,15 @@ def _record_keys(samples: list[dict], params: CaptionParams, inputs: CaptionInpu
 
 
 def _caption_entries(samples: list[dict], keys: dict[str, str], generated: dict[str, str],
-                     datasets: tuple[DatasetSource, ...]) -> dict:
-    """captions.json's samples: sample id -> final caption, source, written, generated, record, path, dataset."""
+                     left_out: dict[str, dict], datasets: tuple[DatasetSource, ...]) -> dict:
+    """captions.json's samples: sample id -> final caption, source, written, generated, record, path, dataset.
+    An image left out keeps its written caption, or none: encode, which cannot read it either, leaves it out."""
     entries = {}
     for s in samples:
         source, key = datasets[s["source"]], keys.get(s["id"])
         written = written_caption(s)
-        caption, origin = final_caption(written, generated.get(key), source)
+        caption, origin = ((written or "", LEFT_OUT) if key in left_out
+                           else final_caption(written, generated.get(key), source))
         entries[s["id"]] = {"caption": caption, "source": origin, "written": written, "generated": generated.get(key),
                             "record": key, "path": s["path"], "dataset": source.label}
     return entries

@@ -1,9 +1,10 @@
 """The captioner seam: a callable from a batch of images and a prompt to their captions, loaded from a
 local transformers folder by its config.json `model_type`.
 
-Each kind is a module exposing DEFAULT_PROMPT and a captioner class built as
-`Kind(model_path, max_new_tokens, do_sample, dtype, device)`: chat.py (Qwen2-VL / Qwen2.5-VL, through
-the processor's chat template) and florence.py (Florence-2, through its task tokens).
+Each kind is a module exposing DEFAULT_PROMPT, DEFAULT_NUM_BEAMS (its documented usage's) and a
+captioner class built as `Kind(model_path, generation, dtype, device)`, `generation` being generate()'s
+arguments (CaptionParams.generation): chat.py (Qwen2-VL / Qwen2.5-VL, through the processor's chat
+template) and florence.py (Florence-2, through its task tokens).
 """
 from __future__ import annotations
 
@@ -47,11 +48,16 @@ def _kind(model_path: Path) -> tuple[str, str]:
     return KINDS[kind]
 
 
-def default_prompt(model_path: Path) -> str:
-    return import_module(f"{__package__}.{_kind(model_path)[0]}").DEFAULT_PROMPT
+def resolved(params: CaptionParams, model_path: Path) -> CaptionParams:
+    """`params` with the prompt and num_beams the captioner's kind takes where they are unset (so
+    that the stage's key and the records' keys hold what generates)."""
+    kind = import_module(f"{__package__}.{_kind(model_path)[0]}")
+    return params.model_copy(update={"prompt": params.prompt or kind.DEFAULT_PROMPT,
+                                     "num_beams": params.num_beams or kind.DEFAULT_NUM_BEAMS})
 
 
 def load_captioner(model_path: Path, params: CaptionParams, device: str, dtype) -> Captioner:
+    """The captioner of `model_path`, generating as `params` say (unset ones resolved: `resolved`)."""
     module, name = _kind(model_path)
     captioner = getattr(import_module(f"{__package__}.{module}"), name)
-    return captioner(Path(model_path), params.max_new_tokens, params.do_sample, dtype, device)
+    return captioner(Path(model_path), resolved(params, model_path).generation(), dtype, device)

@@ -1,6 +1,6 @@
 """The Qwen2-VL / Qwen2.5-VL captioner, as the models' documented usage runs them: one user message
 of the image and the prompt through the processor's chat template, a batch left-padded, generate()
-(greedy unless do_sample), the prompt's tokens cut off and special tokens skipped in decoding."""
+with the stage's generation settings (greedy, one beam, unless set otherwise), the prompt's tokens cut off and special tokens skipped in decoding."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,10 +12,12 @@ if TYPE_CHECKING:
     from PIL import Image
 
 DEFAULT_PROMPT = "Describe this image in one sentence."
+DEFAULT_NUM_BEAMS = 1  # the models' documented usage: greedy
 
 
 class ChatCaptioner:
-    def __init__(self, model_path: Path, max_new_tokens: int, do_sample: bool, dtype, device: str):
+    def __init__(self, model_path: Path, generation: dict, dtype, device: str):
+        """`generation`: generate()'s arguments (max_new_tokens, do_sample, num_beams, ...)."""
         from transformers import AutoModelForImageTextToText, AutoProcessor
 
         try:
@@ -26,7 +28,7 @@ class ChatCaptioner:
                             " (pip install torchvision)") from None
         self.processor.tokenizer.padding_side = "left"  # generation continues every row from its last token
         self.model = AutoModelForImageTextToText.from_pretrained(model_path, dtype=dtype).to(device).eval()
-        self.generation = {"max_new_tokens": max_new_tokens, "do_sample": do_sample}
+        self.generation = generation
 
     def inputs(self, images: list[Image.Image], prompt: str):
         """The processor's batch for `images`, each asked `prompt`."""

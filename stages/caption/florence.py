@@ -2,7 +2,8 @@
 called as their documented usage calls them. The prompt is a task token (`<MORE_DETAILED_CAPTION>`) or
 plain text, and the processor turns it into the model's input (a task token becomes its question, plain
 text goes in as it is); generate() runs with the checkpoint's generation config (forced BOS/EOS, no
-repeated trigrams) but greedy, one beam, unless sampling; each row is decoded with its special tokens
+repeated trigrams) and the stage's settings (three beams by default, as the documented usage;
+greedy unless sampling); each row is decoded with its special tokens
 and cleaned by the processor's post_process_generation, which for a caption task removes `<s>`/`</s>`
 and strips the text.
 
@@ -20,18 +21,20 @@ from PIL import Image
 from lorapipe.cache.errors import UserError
 
 DEFAULT_PROMPT = "<MORE_DETAILED_CAPTION>"
+DEFAULT_NUM_BEAMS = 3  # Florence-2's documented usage: generate(..., num_beams=3)
 CAPTION_TASK_TYPE = "pure_text"  # the processor's post-processing type of its caption tasks
 
 
 class FlorenceCaptioner:
     """(images, prompt) -> one caption per image, from a local Florence-2 folder."""
 
-    def __init__(self, model_path: Path, max_new_tokens: int, do_sample: bool, dtype: torch.dtype, device: str):
+    def __init__(self, model_path: Path, generation: dict, dtype: torch.dtype, device: str):
+        """`generation`: generate()'s arguments (max_new_tokens, do_sample, num_beams, ...)."""
         from transformers import AutoProcessor, Florence2ForConditionalGeneration
 
         self.model = Florence2ForConditionalGeneration.from_pretrained(model_path, dtype=dtype).to(device).eval()
         self.processor = AutoProcessor.from_pretrained(model_path)
-        self.generation = dict(max_new_tokens=max_new_tokens, do_sample=do_sample, num_beams=1)
+        self.generation = generation
         self.device, self.dtype = device, dtype
 
     def __call__(self, images: list[Image.Image], prompt: str) -> list[str]:
