@@ -1,7 +1,8 @@
 """The sweep's report (flows/sweep/report.py) over real `lorapipe run` output folders of the tiny
-demo at two learning rates and step counts, beside a variant whose run failed: the best by each
-metric as the files say, a failed variant shown with its line and never best, a missing metric
-None; and, in a real Chromium, the page shows every variant's grid and marks the best row."""
+demo at two learning rates and step counts (scored by a tiny CLIP too), beside a variant whose run
+failed: the best by each metric as the files say, a failed variant shown with its line and never
+best, a missing metric None; and, in a real Chromium, the page shows every variant's grid and marks
+the best row."""
 from __future__ import annotations
 
 import io
@@ -23,25 +24,26 @@ VARIANTS = {"learning_rate=0.0001": {"train.learning_rate": 0.0001},
 FAILING = {"train.learning_rate": -1}
 
 
-def lorapipe_run(root: Path, overrides: dict, out: Path) -> subprocess.CompletedProcess:
-    sets = [arg for key, value in {**overrides, "output_dir": str(out)}.items() for arg in ("--set", f"{key}={value}")]
+def lorapipe_run(root: Path, overrides: dict, out: Path, clip: Path) -> subprocess.CompletedProcess:
+    settings = {**overrides, "output_dir": out, "evaluate.clip_model": clip}
+    sets = [arg for key, value in settings.items() for arg in ("--set", f"{key}={value}")]
     return subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", "run", str(root / "config.yaml"), *sets],
                           cwd=REPO, env={**os.environ, "PREFECT_HOME": str(root / "prefect-home")},
                           capture_output=True, text=True, timeout=900)
 
 
 @pytest.fixture(scope="module")
-def outcomes(tmp_path_factory, tiny_config) -> list[VariantOutcome]:
+def outcomes(tmp_path_factory, tiny_config, tiny_clip) -> list[VariantOutcome]:
     """Each variant a `lorapipe run` of the tiny demo config (one cache: encoded once) into its own
     folder, as a sweep lays them out, then one whose run failed (its last line its error)."""
     root = tmp_path_factory.mktemp("sweep")
     tiny_config(root, "sweep", max_steps=4, checkpoint_every=2, keep_checkpoints=2, log_every=2, batch_size=2)
     found = []
     for name, overrides in VARIANTS.items():
-        done = lorapipe_run(root, overrides, root / "variants" / name)
+        done = lorapipe_run(root, overrides, root / "variants" / name, tiny_clip)
         assert done.returncode == 0, done.stderr[-3000:]
         found.append(VariantOutcome(name, overrides, root / "variants" / name))
-    failed = lorapipe_run(root, FAILING, root / "variants" / "learning_rate=-1")
+    failed = lorapipe_run(root, FAILING, root / "variants" / "learning_rate=-1", tiny_clip)
     assert failed.returncode != 0
     return [*found, VariantOutcome("learning_rate=-1", FAILING, root / "variants" / "learning_rate=-1",
                                    failed.stderr.strip().splitlines()[-1])]
@@ -51,15 +53,30 @@ def metrics_of(outcome: VariantOutcome) -> dict:
     return json.loads((outcome.output_dir / "metrics.json").read_text())
 
 
+def with_clip_score(folder: Path, outcome: VariantOutcome, clip_score: dict) -> VariantOutcome:
+    """The variant's metrics.json with another CLIP score (the tiny CLIP's random weights score every
+    image 0, as CLIPScore clips a negative similarity), in `folder`."""
+    folder.mkdir()
+    (folder / "metrics.json").write_text(json.dumps({**metrics_of(outcome), "clip_score": clip_score}))
+    return VariantOutcome(folder.name, outcome.overrides, folder)
+
+
 @pytest.mark.slow  # over whole `lorapipe run`s
-def test_the_best_variant_has_the_lowest_held_out_loss_its_files_hold(outcomes):
+def test_the_best_variant_has_the_lowest_held_out_loss_its_files_hold(outcomes, tmp_path):
     trained = outcomes[:2]
     held_out = {o.name: metrics_of(o)["loss"]["holdout"]["lora"]["overall"] for o in trained}
     on_train = {o.name: metrics_of(o)["loss"]["train"]["lora"]["overall"] for o in trained}
+    clip = {o.name: max(metrics_of(o)["clip_score"]["lora"].values()) for o in trained}  # over evaluate.lora_scales
     assert len(set(held_out.values())) == 2  # the two learning rates give two LoRAs
     assert {o.name: score(o, "holdout_loss") for o in trained} == held_out
     assert best_variant(outcomes, "holdout_loss").name == min(held_out, key=held_out.get)
     assert best_variant(outcomes, "train_loss").name == min(on_train, key=on_train.get)
+    assert {o.name: score(o, "clip_score") for o in trained} == clip
+    top = next(o for o in trained if clip[o.name] == max(clip.values()))  # the first of equals
+    assert best_variant(outcomes, "clip_score") is top
+    low = with_clip_score(tmp_path / "low", trained[0], {"base": 1.0, "lora": {"1.0": 30.0}})
+    high = with_clip_score(tmp_path / "high", trained[0], {"base": 1.0, "lora": {"0.5": 31.0, "1.0": 29.0}})
+    assert score(high, "clip_score") == 31.0 and best_variant([low, high], "clip_score") is high  # higher is better
     assert not METRICS["holdout_loss"][1] and METRICS["clip_score"][1]  # higher is better for CLIP only
     with pytest.raises(ValueError, match="sweep.metric: 'fid' is not one of holdout_loss, train_loss, clip_score"):
         score(trained[0], "fid")
@@ -78,9 +95,11 @@ def test_a_failed_variant_is_never_best_and_a_missing_metric_is_none(outcomes, t
     assert "| failed: evaluate: out of memory | - | - | - | - |" in shown.markdown  # not its earlier run's losses
     assert "no sample grid (failed: evaluate: out of memory)" in shown.html.read_text()
     unevaluated = VariantOutcome("unevaluated", {}, tmp_path)  # a folder without metrics.json
-    assert score(unevaluated, "holdout_loss") is None and score(other, "clip_score") is None  # no clip_model
+    assert score(unevaluated, "holdout_loss") is None
     assert best_variant([unevaluated, failed], "holdout_loss") is None
-    assert best_variant(outcomes, "clip_score") is None
+    unscored = with_clip_score(tmp_path / "without-clip", other, {"skipped": "no clip_model configured"})
+    assert score(unscored, "clip_score") is None and score(unscored, "holdout_loss") == score(other, "holdout_loss")
+    assert best_variant([unscored, failed], "clip_score") is None
 
 
 @pytest.mark.slow  # over whole `lorapipe run`s
@@ -93,11 +112,13 @@ def test_the_report_tables_every_variant_with_its_curves_and_grids(outcomes, tmp
     assert lines[2] == (f"3 variants (1 failed); metric holdout_loss (lower is better); best: {best.name}"
                         f" (holdout_loss {score(best, 'holdout_loss'):.5f}).")
     header, rows = lines[4], {line.split(" | ")[1]: line for line in lines[6:9]}
-    assert header.startswith("| best | variant | train.learning_rate | train.max_steps | status | holdout_loss |")
+    assert header == ("| best | variant | train.learning_rate | train.max_steps | status | holdout_loss"
+                      " | held-out loss, base | held-out loss, LoRA | held-out loss by checkpoint | CLIP score, LoRA |")
     assert rows[best.name].startswith(f"| \u2605 best | {best.name} |")
     assert f"| failed: {outcomes[2].error} |" in rows["learning_rate=-1"]
     assert "| 0.0001 |  | ok |" in rows["learning_rate=0.0001"]  # max_steps not set: an empty cell
     for outcome in outcomes[:2]:
+        assert rows[outcome.name].endswith(f" | {score(outcome, 'clip_score'):.5f} |")
         checkpoints = json.loads((outcome.output_dir / "checkpoint_losses.json").read_text())["checkpoints"]
         assert "; ".join(f"step {c['step']}: {c['overall']:.5f}" for c in checkpoints) in rows[outcome.name]
         log = (outcome.output_dir / "logs" / "loss.jsonl").read_text().splitlines()  # published with the LoRA
