@@ -35,17 +35,9 @@ class Row:
 
 def html_page(rows: list[Row], table: tuple[list[str], list[list[str]]], headline: str) -> str:
     """The page: `headline`, the `table` (plain text cells, one row per variant as in `rows`), the charts, the grids."""
-    headers, cells = table
-    body = ["<table>", "<tr>" + "".join(f"<th>{_e(h)}</th>" for h in headers) + "</tr>"]
-    for index, (row, texts) in enumerate(zip(rows, cells)):
-        name_at = headers.index("variant")
-        texts = [_e(t) for t in texts]
-        texts[name_at] = f'<span class="swatch" style="background:{colour(index)}"></span>{texts[name_at]}'
-        body.append(f'<tr class="{_row_class(row)}" data-variant="{_e(row.outcome.name)}">'
-                    + "".join(f"<td>{t}</td>" for t in texts) + "</tr>")
-    body.append("</table>")
     parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8"><title>Sweep report</title>',
-             f"<style>{STYLE}</style></head><body>", "<h1>Sweep report</h1>", f"<p>{_e(headline)}</p>", *body,
+             f"<style>{STYLE}</style></head><body>", "<h1>Sweep report</h1>", f"<p>{_e(headline)}</p>",
+             _html_table(rows, table),
              "<h2>Training loss</h2>",
              f'<p class="note">Each step\'s loss (train\'s logs/loss.jsonl); a run of more than {CURVE_POINTS} steps'
              f" as the means of at most {CURVE_POINTS} bins of consecutive steps.</p>",
@@ -57,6 +49,19 @@ def html_page(rows: list[Row], table: tuple[list[str], list[list[str]]], headlin
              " scale.</p>",
              '<div class="grids">', *(_grid(row) for row in rows), "</div>", "</body></html>"]
     return "\n".join(parts) + "\n"
+
+
+def _html_table(rows: list[Row], table: tuple[list[str], list[list[str]]]) -> str:
+    """The table, each row marked by its class (best, ok, failed), its variant's name by its colour in the charts."""
+    headers, cells = table
+    name_at = headers.index("variant")
+    lines = ["<table>", "<tr>" + "".join(f"<th>{_e(h)}</th>" for h in headers) + "</tr>"]
+    for index, (row, texts) in enumerate(zip(rows, cells)):
+        texts = [_e(t) for t in texts]
+        texts[name_at] = f'<span class="swatch" style="background:{colour(index)}"></span>{texts[name_at]}'
+        lines.append(f'<tr class="{_row_class(row)}" data-variant="{_e(row.outcome.name)}">'
+                     + "".join(f"<td>{t}</td>" for t in texts) + "</tr>")
+    return "\n".join([*lines, "</table>"])
 
 
 def _row_class(row: Row) -> str:
