@@ -338,6 +338,31 @@ def chromium() -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_clip(tmp_path_factory) -> Path:
+    """A CLIP model with random weights and the byte-level tokenizer, saved offline."""
+    import torch
+    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
+
+    from lorapipe.stages.families.tiny.clip import write_tokenizer
+
+    out = tmp_path_factory.mktemp("models") / "tiny-clip"
+    tokenizer = write_tokenizer(out.parent / "clip-tokenizer-src")
+    vocab = len(tokenizer.get_vocab())
+    layers = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2)
+    config = CLIPConfig(
+        text_config=dict(**layers, vocab_size=vocab, max_position_embeddings=77, bos_token_id=vocab - 2,
+                         eos_token_id=vocab - 1, pad_token_id=vocab - 1),
+        vision_config=dict(**layers, image_size=32, patch_size=8), projection_dim=16,
+    )
+    torch.manual_seed(0)
+    CLIPModel(config).save_pretrained(out)
+    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
+    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(out)
+    shutil.rmtree(out.parent / "clip-tokenizer-src")
+    return out
+
+
+@pytest.fixture(scope="session")
 def tiny_captioner(tmp_path_factory) -> Path:
     """The tiny Qwen2.5-VL captioner (stages/families/tiny/captioner.py)."""
     from lorapipe.stages.families.tiny.captioner import build_tiny_captioner

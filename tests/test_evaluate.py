@@ -247,31 +247,6 @@ def test_lora_trained_for_another_prediction_type_is_scored_against_it(tmp_path,
     assert "trained to predict v_prediction" in (tmp_path / "v" / "report.md").read_text()
 
 
-@pytest.fixture(scope="session")
-def tiny_clip(tmp_path_factory) -> Path:
-    """A CLIP model with random weights and the byte-level tokenizer, saved offline."""
-    import torch
-    from transformers import CLIPConfig, CLIPImageProcessorPil, CLIPModel, CLIPProcessor
-
-    from lorapipe.stages.families.tiny.clip import write_tokenizer
-
-    out = tmp_path_factory.mktemp("models") / "tiny-clip"
-    tokenizer = write_tokenizer(out.parent / "clip-tokenizer-src")
-    vocab = len(tokenizer.get_vocab())
-    layers = dict(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2)
-    config = CLIPConfig(
-        text_config=dict(**layers, vocab_size=vocab, max_position_embeddings=77, bos_token_id=vocab - 2,
-                         eos_token_id=vocab - 1, pad_token_id=vocab - 1),
-        vision_config=dict(**layers, image_size=32, patch_size=8), projection_dim=16,
-    )
-    torch.manual_seed(0)
-    CLIPModel(config).save_pretrained(out)
-    image_processor = CLIPImageProcessorPil(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
-    CLIPProcessor(image_processor=image_processor, tokenizer=tokenizer).save_pretrained(out)
-    shutil.rmtree(out.parent / "clip-tokenizer-src")
-    return out
-
-
 def test_clip_score_with_a_local_clip_model(tmp_path, tiny_model, lora_dir, encoded, tiny_clip):
     params = EvalParams(prompts=("a cat",), seeds=(0, 1), lora_scales=(0.5, 1.0), num_inference_steps=1,
                         loss_timesteps=(500,), clip_model=str(tiny_clip))

@@ -95,32 +95,37 @@ def embed_images(markdown: str, folder: Path) -> str:
     def inline(link: re.Match) -> str:
         alt, name = link[1], link[2]
         try:
-            mime, data, note = _embeddable(folder / name)
+            uri, note = data_uri(folder / name)
         except OSError as error:  # a missing or undecodable file (PIL's UnidentifiedImageError is one)
             return f"*{alt}: {name} could not be shown here ({error})*"
-        return f"![{alt}](data:{mime};base64,{base64.b64encode(data).decode()}){note}"
+        return f"![{alt}]({uri})" + (f"\n\n*{note}*" if note else "")
 
     return LOCAL_IMAGE.sub(inline, markdown)
 
 
-def _embeddable(path: Path) -> tuple[str, bytes, str]:
-    """(mime type, bytes, a note when downscaled): the file as is when it fits, else smaller, as
-    PNG if that fits and JPEG otherwise, halving the size until one does."""
+def data_uri(path: Path, max_side: int = EMBED_MAX_SIDE, max_bytes: int = EMBED_MAX_BYTES) -> tuple[str, str]:
+    """(the image at `path` as a data: URI, a note saying so when it was downscaled, else ""): the
+    file as is when it fits `max_side` and `max_bytes`, else smaller, as PNG if that fits and JPEG
+    otherwise, halving the size until one does. Raises OSError when the file cannot be read."""
     from PIL import Image
 
     with Image.open(path) as image:
         image.load()
     width, height = image.size
-    if image.format in MIME and max(width, height) <= EMBED_MAX_SIDE and path.stat().st_size <= EMBED_MAX_BYTES:
-        return MIME[image.format], path.read_bytes(), ""
-    scale = min(1.0, EMBED_MAX_SIDE / max(width, height))
+    if image.format in MIME and max(width, height) <= max_side and path.stat().st_size <= max_bytes:
+        return _data(MIME[image.format], path.read_bytes()), ""
+    scale = min(1.0, max_side / max(width, height))
     while True:
         size = (max(1, round(width * scale)), max(1, round(height * scale)))
         shown = image.convert("RGB").resize(size, Image.Resampling.LANCZOS)
         for kind, options in (("PNG", {}), ("JPEG", {"quality": 90})):
             buffer = io.BytesIO()
             shown.save(buffer, kind, **options)
-            if buffer.tell() <= EMBED_MAX_BYTES:
-                note = f"\n\n*Shown at {size[0]}x{size[1]} ({kind}); full size {width}x{height}: {path.name}*"
-                return MIME[kind], buffer.getvalue(), note
+            if buffer.tell() <= max_bytes:
+                note = f"Shown at {size[0]}x{size[1]} ({kind}); full size {width}x{height}: {path.name}"
+                return _data(MIME[kind], buffer.getvalue()), note
         scale /= 2
+
+
+def _data(mime: str, data: bytes) -> str:
+    return f"data:{mime};base64,{base64.b64encode(data).decode()}"

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
+from lorapipe.cache.store import LOG_DIR
 from lorapipe.stages.contract import Frozen, JsonInputs, OutputFile
 from lorapipe.stages.families import ObjectiveParams
 from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, LORA_FILES
@@ -17,8 +18,10 @@ from lorapipe.stages.train.quantization import BaseQuantization, check_available
 
 VERSION = "4"  # bump by hand when the trained output's semantics change; 3: batch plan in content order;
 # 4: sample-prediction models trained against the clean latent (they were trained against v)
+LOSS_LOG = f"{LOG_DIR}/loss.jsonl"  # a row per step: step, loss, lr, time, seconds (stages/train/recipe.py)
 OUTPUT_FILES = (*(OutputFile(name, "LoRA" if name == LORA_FILE else "") for name in LORA_FILES),
-                *(OutputFile(f"{EMA_DIR}/{name}") for name in LORA_FILES))  # the adapter's files, then its EMA's
+                *(OutputFile(f"{EMA_DIR}/{name}") for name in LORA_FILES),  # the adapter's files, then its EMA's
+                OutputFile(LOSS_LOG))  # the training curve, which a sweep's report overlays
 
 PriorTarget = Literal["data", "base_output"]
 TRACKER_RUN = "tracker"  # accelerate's tracker (TensorBoard, wandb) writes under work_dir/logs/tracker/
