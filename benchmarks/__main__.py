@@ -35,6 +35,7 @@ BENCHES = {
     "text_record_size": lambda root: caption_bench.record_sizes(root),
     "captioner_throughput": lambda root: captioner_bench.throughput(root),
     "captioner_noop": lambda root: captioner_bench.noop(root),
+    "captioner_camera_reads": lambda root: captioner_bench.camera_reads(root),
     "gpu": lambda root: gpu_bench.measure(root),
 }
 

@@ -28,7 +28,7 @@ def test_the_captioner_bench_prints_its_figures(tmp_path):
         assert row["same_captions"] is True, row
         assert (row["images"], row["batch_size"], row["max_new_tokens"], row["rounds"]) == (4, 2, 3, 1)
         assert min(row["stage_captions_s"], row["bare_captions_s"], row["ratio"]) > 0
-        assert len(row["ratio_per_round"]) == 1
+        assert len(row["ratio_per_round"]) == 1 and row["median_ratio"] == row["ratio_per_round"][0]
     assert (noop["images"], noop["images_added"], noop["added_generated"], noop["added_reused"]) == (6, 2, 2, 6)
     for name in ("decision_without_caption_s", "decision_with_caption_s", "with_over_without",
                  "caption_first_build_s", "added_decision_s", "added_preprocess_s", "added_caption_s"):
