@@ -138,9 +138,9 @@ def html_pages(review: Review, paging: Paging = Paging()) -> list[str]:
 
 
 def _html_page(review: Review, paging: Paging, page: int, pages: int) -> str:
-    title = "Dataset review" + (f", page {page} of {pages}" if page > 1 else "")
-    parts = ["<!DOCTYPE html>", f'<html lang="en"><head><meta charset="utf-8"><title>{title}</title>',
-             f"<style>{STYLE}</style></head><body>", f"<h1>{title}</h1>", f"<p>{_e(summary(review))}</p>"]
+    heading = "Dataset review" + (f", page {page} of {pages}" if page > 1 else "")
+    parts = ["<!DOCTYPE html>", f'<html lang="en"><head><meta charset="utf-8"><title>{heading}</title>',
+             f"<style>{STYLE}</style></head><body>", f"<h1>{heading}</h1>", f"<p>{_e(summary(review))}</p>"]
     for title, headers, rows in sections(review) if page == 1 else []:
         parts.append(f"<h2>{_e(title)}</h2>")
         parts.append(_html_table(headers, rows) if rows else "<p>None.</p>")
