@@ -11,8 +11,8 @@ import argparse
 import json
 from pathlib import Path
 
-from . import (caption_bench, decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench, noop_rerun, object_bench,
-               pipeline_noop, prior_bench, quant_memory_bench, train_bench)
+from . import (caption_bench, captioner_bench, decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench,
+               noop_rerun, object_bench, pipeline_noop, prior_bench, quant_memory_bench, train_bench)
 from .common import ResultsSection
 
 BENCHES = {
@@ -33,6 +33,9 @@ BENCHES = {
     "object_incremental": lambda root: object_bench.incremental(root),
     "object_shard_read": lambda root: object_bench.shard_read(root),
     "text_record_size": lambda root: caption_bench.record_sizes(root),
+    "captioner_throughput": lambda root: captioner_bench.throughput(root),
+    "captioner_noop": lambda root: captioner_bench.noop(root),
+    "captioner_camera_reads": lambda root: captioner_bench.camera_reads(root),
     "gpu": lambda root: gpu_bench.measure(root),
 }
 

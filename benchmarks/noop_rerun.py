@@ -14,12 +14,12 @@ from .common import generated_images, tiny_model
 
 
 def decide(config) -> float:
-    from lorapipe.flows.plan import STAGES, Context
+    from lorapipe.flows.plan import Context, config_stages
     from lorapipe.flows.runner import explain
 
     started = time.perf_counter()
     ctx = Context(config, log=lambda m: None)
-    explain(ctx, STAGES)
+    explain(ctx, config_stages(config))
     ctx.close()
     return time.perf_counter() - started
 

@@ -1,18 +1,22 @@
 """The dataset review (stages/caption/review.py): every image with its final caption and where it came
 from, preprocess's rejections and warnings, bucket counts and caption lengths; the same bytes for
-the same inputs; captions escaped; and, in a real Chromium, the thumbnails shown upright."""
+the same inputs; captions escaped; pages of at most a page's thumbnails, the images past the last
+page listed without one; and, in a real Chromium, the thumbnails shown upright and a page's links."""
 from __future__ import annotations
 
 import base64
 import io
 import json
+import re
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
 from lorapipe.cache.digest import StatCache
-from lorapipe.stages.caption.review import REVIEW_HTML, REVIEW_MD, length_histogram, write_review
+from lorapipe.stages.caption import OUTPUT_FILES
+from lorapipe.stages.caption.review import (PAGE_FILES, REVIEW_HTML, REVIEW_MD, Paging, length_histogram,
+                                            write_review)
 from lorapipe.stages.preprocess import DATASET_FILE, REPORT_FILE, DatasetSource, PreprocessInputs, PreprocessParams, run
 
 RED, BLUE, TOP, BOTTOM = (220, 20, 20), (20, 40, 220), (20, 200, 40), (240, 220, 20)
@@ -71,10 +75,15 @@ def stage_entry(sample: dict) -> dict:
     return entry
 
 
-def written_review(dataset) -> tuple[str, str]:
+SMALL_PAGES = Paging(page_size=2, max_pages=2)  # the five images: 2 + 2 thumbnails, the fifth a row
+
+
+def written_review(dataset, paging: Paging = Paging(), folder: str = "") -> tuple[str, str]:
     out, datasets, samples, captions = dataset
-    out.mkdir(exist_ok=True)
-    write_review(out, samples, captions, json.loads((out.parent / "pre" / REPORT_FILE).read_text()), datasets)
+    out = out / folder
+    out.mkdir(parents=True, exist_ok=True)
+    write_review(out, samples, captions, json.loads((dataset[0].parent / "pre" / REPORT_FILE).read_text()), datasets,
+                 paging)
     return (out / REVIEW_HTML).read_text(), (out / REVIEW_MD).read_text()
 
 
@@ -95,6 +104,22 @@ def test_the_review_shows_each_image_caption_and_source_and_preprocess_findings(
         assert f"| {size} | {sizes.count(size)} |" in md
     assert "| generated | 2 |" in md and "| prefix | 1 |" in md and "| written | 2 |" in md
     assert "| 11-15 | 2 |" in md  # the two 12-word generated captions
+
+
+def test_the_review_is_paged_and_bounded(dataset):
+    first, md = written_review(dataset, SMALL_PAGES)
+    second = (dataset[0] / "review-2.html").read_text()
+    assert {p.name for p in dataset[0].iterdir()} == {REVIEW_HTML, "review-2.html", REVIEW_MD}
+    ids = [s["id"] for s in dataset[2]]
+    assert re.findall(r'<img [^>]*data-id="([^"]+)"', first) == ids[:2]
+    assert re.findall(r'<img [^>]*data-id="([^"]+)"', second) == ids[2:4]  # the fifth: a row, no thumbnail
+    last = next(s for s in dataset[2] if s["id"] == ids[4])
+    assert "Images without thumbnails" in second and f"<td>{last['path']}</td>" in second
+    assert 'href="review-2.html"' in first and 'href="review.html"' in second and "Images 3-4 of 5" in second
+    assert "Caption sources" in first and "Caption sources" not in second  # the summary tables: page 1 only
+    assert md.count("| train |") + md.count("| holdout |") == 2 and "The first 2 of 5 images" in md
+    assert len(PAGE_FILES) == Paging().max_pages  # every page a run may write is published
+    assert [f.path for f in OUTPUT_FILES] == [f"logs/{name}" for name in (*PAGE_FILES, REVIEW_MD)]
 
 
 def test_caption_lengths_are_counted_in_bins_with_none_left_out():
@@ -131,6 +156,24 @@ def test_the_review_page_shows_its_thumbnails_upright_in_chromium(dataset, chrom
                                        ("turned", .5, .2, TOP), ("turned", .5, .8, BOTTOM)):
         seen = colour_at(image_id, fx, fy)
         assert max(abs(a - b) for a, b in zip(seen, expected)) < 24, (image_id, fy, seen, expected)
+
+
+@pytest.mark.slow
+def test_a_later_review_page_shows_its_thumbnails_and_links_back_in_chromium(dataset, chromium, tmp_path):
+    from browser import Chromium
+
+    written_review(dataset, SMALL_PAGES, "paged")
+    browser = Chromium(chromium, tmp_path / "chromium-pages")
+    try:
+        browser.call("Page.navigate", url=(dataset[0] / "paged" / "review-2.html").as_uri())
+        seen = browser.wait_for("""(() => { const images = [...document.querySelectorAll("img[data-id]")];
+            if (!images.length || !images.every(i => i.complete && i.naturalWidth > 0)) return null;
+            return {shown: images.length, rows: document.querySelectorAll("table tr").length - 1,
+                    back: [...document.querySelectorAll("nav a")].map(a => a.href)}; })()""")
+    finally:
+        browser.close()
+    assert seen["shown"] == 2 and seen["rows"] == 1  # two thumbnails, the fifth image a row
+    assert seen["back"][0] == (dataset[0] / "paged" / REVIEW_HTML).as_uri()
 
 
 def test_a_clip_window_is_shown_by_its_first_frame(tmp_path):

@@ -44,11 +44,12 @@ from .captioners import model_type, resolved
 from .generate import generate_records, read_caption
 from .params import CaptionOptions, CaptionParams
 from .policies import final_caption, needs_generated, written_caption
-from .review import REVIEW_HTML, REVIEW_MD, write_review
+from .review import PAGE_FILES, REVIEW_MD, write_review
 
 VERSION = "1"
 # the review (out of the digest, under logs/), published into the run's outputs
-OUTPUT_FILES: tuple[OutputFile, ...] = (OutputFile(f"{LOG_DIR}/{REVIEW_HTML}", "dataset review"),
+OUTPUT_FILES: tuple[OutputFile, ...] = (OutputFile(f"{LOG_DIR}/{PAGE_FILES[0]}", "dataset review"),
+                                        *(OutputFile(f"{LOG_DIR}/{page}") for page in PAGE_FILES[1:]),
                                         OutputFile(f"{LOG_DIR}/{REVIEW_MD}"))
 CAPTIONS_FILE = "captions.json"
 LEFT_OUT = "left_out"  # the source of an image that could not be read: not captioned

@@ -1,7 +1,8 @@
 """The dataset review: what a person scans before training on generated captions.
 
-review.html (self-contained: each image's thumbnail inlined as a data: URI, upright and uncropped as
-the user sees it, with its final caption and where that came from) and review.md (the same facts as
+review.html and its further pages (self-contained: each image's thumbnail inlined as a data: URI,
+upright and uncropped as the user sees it, with its final caption and where that came from; at
+most a page of thumbnails a file, review_pages.Paging) and review.md (the same facts as
 tables, no images: the Prefect markdown artifact). Both hold the preprocess rejections and
 warnings, the bucket counts and a histogram of caption lengths in words. The same inputs give the
 same bytes (no time, no environment; JPEG thumbnails encode deterministically).
@@ -20,9 +21,10 @@ from lorapipe.cache.digest import digest_bytes
 from ..encode.images import resized_upright, sample_label
 from ..preprocess.sources import DatasetSource, local_file, read_image_bytes
 from ..video import VideoProblem, decode_frames
-from .review_pages import Review, Row, html_page, markdown_page
+from .review_pages import PAGE_FILES, REVIEW_HTML, Paging, Review, Row, html_pages, markdown_page, page_name
 
-REVIEW_HTML = "review.html"
+__all__ = ["PAGE_FILES", "REVIEW_HTML", "REVIEW_MD", "Paging", "collect", "length_histogram", "write_review"]
+
 REVIEW_MD = "review.md"
 THUMB_SIDE = 160  # px: the longer side of a thumbnail
 THUMB_QUALITY = 80  # JPEG
@@ -30,17 +32,20 @@ LENGTH_BIN = 5  # words per bar of the caption length histogram
 
 
 def write_review(out_dir: Path, samples: list[dict], captions: dict, report: dict,
-                 datasets: tuple[DatasetSource, ...]) -> None:
-    """review.html and review.md in `out_dir`, from dataset.json's samples, captions.json's content
-    and preprocess's report.json."""
-    review = collect(samples, captions, report, datasets)
-    (out_dir / REVIEW_HTML).write_text(html_page(review))
-    (out_dir / REVIEW_MD).write_text(markdown_page(review))
+                 datasets: tuple[DatasetSource, ...], paging: Paging = Paging()) -> None:
+    """review.html (and its further pages) and review.md in `out_dir`, from dataset.json's samples,
+    captions.json's content and preprocess's report.json."""
+    review = collect(samples, captions, report, datasets, paging.thumbnails)
+    for page, text in enumerate(html_pages(review, paging), 1):
+        (out_dir / page_name(page)).write_text(text)
+    (out_dir / REVIEW_MD).write_text(markdown_page(review, paging))
 
 
-def collect(samples: list[dict], captions: dict, report: dict, datasets: tuple[DatasetSource, ...]) -> Review:
+def collect(samples: list[dict], captions: dict, report: dict, datasets: tuple[DatasetSource, ...],
+            thumbnails: int = Paging().thumbnails) -> Review:
+    """The review's content; the first `thumbnails` samples with theirs (a review lists the later ones without)."""
     entries = captions.get("samples", {})
-    rows = [_row(s, entries.get(s["id"]), datasets) for s in samples]
+    rows = [_row(s, entries.get(s["id"]), datasets, i < thumbnails) for i, s in enumerate(samples)]
     buckets = Counter(row.size for row in rows)
     return Review(rows=rows, buckets=sorted(buckets.items(), key=lambda b: (_area(b[0]), b[0])),
                   lengths=length_histogram([len(row.caption.split()) for row in rows]),
@@ -49,10 +54,10 @@ def collect(samples: list[dict], captions: dict, report: dict, datasets: tuple[D
                   captioner=captions.get("captioner", {}))
 
 
-def _row(sample: dict, entry: dict | None, datasets: tuple[DatasetSource, ...]) -> Row:
+def _row(sample: dict, entry: dict | None, datasets: tuple[DatasetSource, ...], with_thumbnail: bool) -> Row:
     entry = entry or {"caption": sample["caption"], "source": "written", "written": sample["caption"],
                       "generated": None}  # a sample the caption stage did not list keeps its written caption
-    thumbnail, problem = _thumbnail(sample, datasets)
+    thumbnail, problem = _thumbnail(sample, datasets) if with_thumbnail else ("", "")
     return Row(id=sample["id"], label=sample_label(sample, datasets), split=sample["split"],
                size=f"{sample['size'][1]}x{sample['size'][0]}", caption=entry["caption"], source=entry["source"],
                written=entry.get("written"), generated=entry.get("generated"), thumbnail=thumbnail, problem=problem)

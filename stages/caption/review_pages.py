@@ -1,10 +1,43 @@
-"""The review's two renderings of the same sections: an HTML page with the thumbnails, and
-markdown tables for the Prefect UI. Every text from the data (captions, paths, details) is escaped."""
+"""The review's two renderings of the same sections: HTML pages with the thumbnails, and markdown
+tables for the Prefect UI. Every text from the data (captions, paths, details) is escaped.
+
+Both are bounded however many images there are (Paging): review.html holds the summary tables and
+the first page of thumbnails, review-2.html, review-3.html, ... the next pages, each linking to
+every other; past the last page the remaining images are rows of its table, without thumbnails.
+The markdown lists the first page's images and says where the rest are."""
 from __future__ import annotations
 
 import html
 import json
 from dataclasses import dataclass
+
+
+REVIEW_HTML = "review.html"  # the first page
+
+
+@dataclass(frozen=True)
+class Paging:
+    """How the review splits its images: at most `page_size` thumbnails a page, at most `max_pages` pages."""
+
+    page_size: int = 200
+    max_pages: int = 50
+
+    @property
+    def thumbnails(self) -> int:
+        """The images shown as thumbnails; the later ones are rows without one."""
+        return self.page_size * self.max_pages
+
+    def pages(self, images: int) -> int:
+        return max(1, min(self.max_pages, -(-images // self.page_size)))
+
+
+def page_name(page: int) -> str:
+    """The file of page `page` (from 1): review.html, review-2.html, ..."""
+    return REVIEW_HTML if page == 1 else REVIEW_HTML.replace(".html", f"-{page}.html")
+
+
+PAGE_FILES = tuple(page_name(page) for page in range(1, Paging().max_pages + 1))  # every file the review may write
+IMAGE_HEADERS = ["image", "split", "size", "source", "caption"]
 
 
 @dataclass(frozen=True)
@@ -19,7 +52,7 @@ class Row:
     source: str  # captions.json's: written, generated, replace, prefix, suffix or combine
     written: str | None
     generated: str | None
-    thumbnail: str  # a data: URI, or "" when the image cannot be shown
+    thumbnail: str  # a data: URI, or "" when the image cannot be shown or is past Paging.thumbnails
     problem: str  # why there is no thumbnail
 
 
@@ -48,7 +81,7 @@ td,th{border:1px solid #ccc;padding:.2em .6em;text-align:left;vertical-align:top
 .grid{display:flex;flex-wrap:wrap;gap:12px}figure{margin:0;width:180px}
 figure img{display:block;max-width:160px;max-height:160px}figcaption{font-size:13px}
 .meta{color:#666;font-size:11px}
-.missing{width:160px;height:60px;background:#eee;font-size:11px}"""
+.missing{width:160px;height:60px;background:#eee;font-size:11px}nav{margin:.8em 0}nav a,nav b{margin-right:.4em}"""
 
 
 def sections(review: Review) -> list[tuple[str, list[str], list[list[str]]]]:
@@ -74,14 +107,19 @@ def summary(review: Review) -> str:
             f"{len(review.rejected)} rejected, {len(review.warnings)} warning(s).")
 
 
-def markdown_page(review: Review) -> str:
+def markdown_page(review: Review, paging: Paging = Paging()) -> str:
     lines = ["# Dataset review", "", summary(review)]
-    for title, headers, rows in [*sections(review), ("Images", ["image", "split", "size", "source", "caption"],
-                                                     [[r.label, r.split, r.size, r.source, r.caption]
-                                                      for r in review.rows])]:
+    listed = review.rows[:paging.page_size]
+    for title, headers, rows in [*sections(review), ("Images", IMAGE_HEADERS, [_image_cells(r) for r in listed])]:
         lines += ["", f"## {title}", ""]
         lines += _markdown_table(headers, rows) if rows else ["None."]
+    if len(listed) < len(review.rows):
+        lines += ["", f"The first {len(listed)} of {len(review.rows)} images: {REVIEW_HTML} and its pages list every one."]
     return "\n".join(lines) + "\n"
+
+
+def _image_cells(row: Row) -> list[str]:
+    return [row.label, row.split, row.size, row.source, row.caption]
 
 
 def _markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -93,15 +131,36 @@ def _markdown_row(cells: list[str]) -> str:
     return "| " + " | ".join(html.escape(" ".join(c.split())).replace("|", "\\|") for c in cells) + " |"
 
 
-def html_page(review: Review) -> str:
-    parts = ["<!DOCTYPE html>", '<html lang="en"><head><meta charset="utf-8"><title>Dataset review</title>',
-             f"<style>{STYLE}</style></head><body>", "<h1>Dataset review</h1>", f"<p>{_e(summary(review))}</p>"]
-    for title, headers, rows in sections(review):
+def html_pages(review: Review, paging: Paging = Paging()) -> list[str]:
+    """Page 1 (the summary tables and the first thumbnails), then the next pages of thumbnails."""
+    pages = paging.pages(len(review.rows))
+    return [_html_page(review, paging, page, pages) for page in range(1, pages + 1)]
+
+
+def _html_page(review: Review, paging: Paging, page: int, pages: int) -> str:
+    heading = "Dataset review" + (f", page {page} of {pages}" if page > 1 else "")
+    parts = ["<!DOCTYPE html>", f'<html lang="en"><head><meta charset="utf-8"><title>{heading}</title>',
+             f"<style>{STYLE}</style></head><body>", f"<h1>{heading}</h1>", f"<p>{_e(summary(review))}</p>"]
+    for title, headers, rows in sections(review) if page == 1 else []:
         parts.append(f"<h2>{_e(title)}</h2>")
         parts.append(_html_table(headers, rows) if rows else "<p>None.</p>")
-    parts += ["<h2>Images</h2>", '<div class="grid">', *(_figure(row) for row in review.rows), "</div>",
-              "</body></html>"]
-    return "\n".join(parts) + "\n"
+    first = (page - 1) * paging.page_size
+    shown = review.rows[first:first + paging.page_size]
+    where = f"Images {first + 1}-{first + len(shown)} of {len(review.rows)}" if shown else "No images"
+    nav = _page_links(page, pages, where)
+    parts += ["<h2>Images</h2>", nav, '<div class="grid">', *(_figure(row) for row in shown), "</div>"]
+    rest = review.rows[paging.thumbnails:] if page == pages else []
+    if rest:
+        parts += ["<h2>Images without thumbnails</h2>",
+                  f"<p>The {len(rest)} images past the first {paging.thumbnails}.</p>",
+                  _html_table(IMAGE_HEADERS, [_image_cells(r) for r in rest])]
+    return "\n".join([*parts, nav, "</body></html>"]) + "\n"
+
+
+def _page_links(page: int, pages: int, shown: str) -> str:
+    """Where this page's images are in the whole, and a link to every other page."""
+    links = " ".join(f"<b>{p}</b>" if p == page else f'<a href="{page_name(p)}">{p}</a>' for p in range(1, pages + 1))
+    return f"<nav>{shown}." + (f" Pages: {links}" if pages > 1 else "") + "</nav>"
 
 
 def _html_table(headers: list[str], rows: list[list[str]]) -> str:
