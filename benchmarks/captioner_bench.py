@@ -46,7 +46,7 @@ def tiny_captioner(root: Path, kind: str) -> Path:
 
 def caption_inputs(data: Path, cache: Path, model: Path, params):
     """`data` preprocessed into `cache`/pre under caption_policy replace (every image takes a
-    generated caption, written or not); the caption stage's inputs for it."""
+    generated caption, written or not); the caption stage's inputs for it (`params` resolved)."""
     from lorapipe.cache.digest import StatCache, digest_tree
     from lorapipe.stages import caption, preprocess
 
@@ -58,8 +58,7 @@ def caption_inputs(data: Path, cache: Path, model: Path, params):
         preprocess.run(preprocess.PreprocessParams(resolution=64, holdout_fraction=0.0),
                        preprocess.PreprocessInputs(sources, stats), pre, cache, None, lambda m: None)
         identity = digest_tree(model, stats)
-    prompt = params.prompt or caption.default_prompt(model)
-    return caption.CaptionInputs(pre, sources, cache, model, identity, prompt)
+    return caption.CaptionInputs(pre, sources, cache, model, identity, params.prompt)
 
 
 def stage_batches(inputs, params) -> list[list]:
@@ -74,7 +73,7 @@ def stage_batches(inputs, params) -> list[list]:
     return [images[i:i + params.batch_size] for i in range(0, len(images), params.batch_size)]
 
 
-def bare_qwen(model_path: Path, batches: list[list], prompt: str, max_new_tokens: int) -> list[str]:
+def bare_qwen(model_path: Path, batches: list[list], prompt: str, generation: dict) -> list[str]:
     """Qwen2.5-VL's documented usage: the chat template, the processor, generate(), the new tokens decoded."""
     import torch
     from transformers import AutoModelForImageTextToText, AutoProcessor
@@ -88,13 +87,13 @@ def bare_qwen(model_path: Path, batches: list[list], prompt: str, max_new_tokens
     for images in batches:
         batch = processor(text=[text] * len(images), images=images, padding=True, return_tensors="pt")
         with torch.inference_mode():
-            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False)
+            out = model.generate(**batch, **generation)
         new = out[:, batch["input_ids"].shape[1]:]
         captions += [t.strip() for t in processor.batch_decode(new, skip_special_tokens=True)]
     return captions
 
 
-def bare_florence(model_path: Path, batches: list[list], prompt: str, max_new_tokens: int) -> list[str]:
+def bare_florence(model_path: Path, batches: list[list], prompt: str, generation: dict) -> list[str]:
     """Florence-2's documented usage: the processor on the task token, generate(), each row decoded
     with its special tokens (less the padding batching adds) and post-processed for the task."""
     import torch
@@ -106,7 +105,7 @@ def bare_florence(model_path: Path, batches: list[list], prompt: str, max_new_to
     for images in batches:
         batch = processor(text=[prompt] * len(images), images=images, return_tensors="pt")
         with torch.inference_mode():
-            out = model.generate(**batch, max_new_tokens=max_new_tokens, do_sample=False, num_beams=1)
+            out = model.generate(**batch, **generation)
         texts = processor.batch_decode(out, skip_special_tokens=False)
         captions += [processor.post_process_generation(text.replace(processor.tokenizer.pad_token, ""), task=prompt,
                                                        image_size=image.size)[prompt]
@@ -114,7 +113,7 @@ def bare_florence(model_path: Path, batches: list[list], prompt: str, max_new_to
     return captions
 
 
-BARE: dict[str, Callable[[Path, list[list], str, int], list[str]]] = {"qwen2_5_vl": bare_qwen,
+BARE: dict[str, Callable[[Path, list[list], str, dict], list[str]]] = {"qwen2_5_vl": bare_qwen,
                                                                      "florence2": bare_florence}
 
 
@@ -147,7 +146,10 @@ def throughput(root: Path, n: int = 128, max_new_tokens: int = 64, batch_size: i
 
 
 def kind_throughput(root: Path, data: Path, params, kind: str, rounds: int) -> dict:
+    from lorapipe.stages.caption import resolved
+
     model = tiny_captioner(root, kind)
+    params = resolved(params, model)  # the kind's prompt and beams, as the plan hands the stage
     inputs = caption_inputs(data, root / f"caption-throughput-{kind}", model, params)
     batches = stage_batches(inputs, params)
     n = sum(len(batch) for batch in batches)
@@ -159,13 +161,14 @@ def kind_throughput(root: Path, data: Path, params, kind: str, rounds: int) -> d
             if name == "stage":
                 by_key = run_caption(inputs, params, inputs.cache_root / "out")
             else:
-                bare = BARE[kind](model, batches, inputs.prompt, params.max_new_tokens)
+                bare = BARE[kind](model, batches, inputs.prompt, params.generation())
             seconds[name] = time.perf_counter() - started
         same = same and [by_key[k] for k in sorted(by_key)] == bare
         if r:
             best = {name: min(best[name], seconds[name]) for name in best}
             ratios.append(seconds["bare"] / seconds["stage"])
     return {"kind": kind, "images": n, "batch_size": params.batch_size, "max_new_tokens": params.max_new_tokens,
+            "num_beams": params.num_beams,
             "rounds": rounds, "stage_captions_s": round(n / best["stage"], 1),
             "bare_captions_s": round(n / best["bare"], 1), "ratio": round(best["bare"] / best["stage"], 3),
             "ratio_per_round": [round(x, 3) for x in ratios], "median_ratio": round(statistics.median(ratios), 3),
