@@ -157,18 +157,20 @@ def test_a_prefect_home_inside_folders_not_made_yet_is_created(demo_runs):
     assert (home / "prefect.db").is_file()
 
 
-def test_status_says_hit_or_miss_and_which_ingredient_changed(demo_runs):
-    run = demo_runs[0]
-    unchanged = lorapipe("status", str(run / "demo.yaml"), "--json", cwd=run.parent)
-    assert [s["status"] for s in json.loads(unchanged.stdout)["stages"]] == ["hit"] * 4
-    changed = lorapipe("status", str(run / "demo.yaml"), "--json", "--set", "train.learning_rate=0.001",
-                       cwd=run.parent)
-    rows = {s["stage"]: s for s in json.loads(changed.stdout)["stages"]}
+def test_status_says_hit_or_miss_and_which_ingredient_changed(demo_runs, capsys):
+    """In pytest's own process: status runs no flow, and cli.main serves in-process callers."""
+    from lorapipe.flows.cli import main
+
+    def status(*argv: str) -> str:
+        assert main(["status", str(demo_runs[0] / "demo.yaml"), *argv]) == 0
+        return capsys.readouterr().out
+
+    assert [s["status"] for s in json.loads(status("--json"))["stages"]] == ["hit"] * 4
+    rows = {s["stage"]: s for s in json.loads(status("--json", "--set", "train.learning_rate=0.001"))["stages"]}
     assert rows["encode"]["status"] == "hit"
     assert rows["train"]["status"] == "miss" and rows["train"]["reason"] == "changed: params.learning_rate"
     assert rows["evaluate"]["status"] == "miss" and rows["evaluate"]["key"] is None
-    text = lorapipe("status", str(run / "demo.yaml"), "--set", "train.learning_rate=0.001", cwd=run.parent).stdout
-    assert "params.learning_rate" in text
+    assert "params.learning_rate" in status("--set", "train.learning_rate=0.001")
 
 
 def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path, tiny_models):
