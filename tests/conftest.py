@@ -68,80 +68,90 @@ def count_encoder_rows():
     return _count_encoder_rows
 
 
-def _tiny(tmp_path_factory, arch: str) -> Path:
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory):
+    """A function arch -> the tiny model of that arch, built once a session (never write into it:
+    copy it first)."""
     from lorapipe.stages.families import build_tiny_model
 
-    return build_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{arch}", arch)
+    built: dict[str, Path] = {}
+
+    def tiny(arch: str) -> Path:
+        if arch not in built:
+            built[arch] = build_tiny_model(tmp_path_factory.mktemp("models") / f"tiny-{arch}", arch)
+        return built[arch]
+
+    return tiny
 
 
 @pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory) -> Path:
-    return _tiny(tmp_path_factory, "sd15")
+def tiny_model(tiny_models) -> Path:
+    return tiny_models("sd15")
 
 
 @pytest.fixture(scope="session")
-def sdxl_model(tmp_path_factory) -> Path:
-    return _tiny(tmp_path_factory, "sdxl")
+def sdxl_model(tiny_models) -> Path:
+    return tiny_models("sdxl")
 
 
 @pytest.fixture(scope="session")
-def flux_model(tmp_path_factory) -> Path:
+def flux_model(tiny_models) -> Path:
     """The tiny Flux.1 dev (guidance input, 512 T5 tokens)."""
-    return _tiny(tmp_path_factory, "flux1")
+    return tiny_models("flux1")
 
 
 @pytest.fixture(scope="session")
-def flux_schnell_model(tmp_path_factory) -> Path:
-    return _tiny(tmp_path_factory, "flux1-schnell")
+def flux_schnell_model(tiny_models) -> Path:
+    return tiny_models("flux1-schnell")
 
 
 @pytest.fixture(scope="session")
-def flux_kontext_model(tmp_path_factory) -> Path:
+def flux_kontext_model(tiny_models) -> Path:
     """The tiny Flux.1 Kontext: the tiny Flux.1 dev's weights in a FluxKontextPipeline folder."""
-    return _tiny(tmp_path_factory, "flux1-kontext")
+    return tiny_models("flux1-kontext")
 
 
 @pytest.fixture(scope="session")
-def zimage_model(tmp_path_factory) -> Path:
+def zimage_model(tiny_models) -> Path:
     """The tiny Z-Image base (the model to train on)."""
-    return _tiny(tmp_path_factory, "z-image")
+    return tiny_models("z-image")
 
 
 @pytest.fixture(scope="session")
-def zimage_turbo_model(tmp_path_factory) -> Path:
+def zimage_turbo_model(tiny_models) -> Path:
     """The tiny Z-Image Turbo (step-distilled: render with it, train on the base)."""
-    return _tiny(tmp_path_factory, "z-image-turbo")
+    return tiny_models("z-image-turbo")
 
 
 @pytest.fixture(scope="session")
-def flux2_model(tmp_path_factory) -> Path:
+def flux2_model(tiny_models) -> Path:
     """The tiny Flux.2-klein base (the model to train on)."""
-    return _tiny(tmp_path_factory, "flux2-klein")
+    return tiny_models("flux2-klein")
 
 
 @pytest.fixture(scope="session")
-def qwenimage_model(tmp_path_factory) -> Path:
-    return _tiny(tmp_path_factory, "qwen-image")
+def qwenimage_model(tiny_models) -> Path:
+    return tiny_models("qwen-image")
 
 
 @pytest.fixture(scope="session")
-def qwenimage_edit_model(tmp_path_factory) -> Path:
-    return _tiny(tmp_path_factory, "qwen-image-edit")
+def qwenimage_edit_model(tiny_models) -> Path:
+    return tiny_models("qwen-image-edit")
 
 
 @pytest.fixture(scope="session")
-def qwenimage21_model(tmp_path_factory) -> Path:
-    return _tiny(tmp_path_factory, "qwen-image-2.1")
+def qwenimage21_model(tiny_models) -> Path:
+    return tiny_models("qwen-image-2.1")
 
 
 @pytest.fixture(scope="session")
-def krea2_model(tmp_path_factory) -> Path:
-    return _tiny(tmp_path_factory, "krea2")
+def krea2_model(tiny_models) -> Path:
+    return tiny_models("krea2")
 
 
 @pytest.fixture(scope="session")
-def ideogram4_model(tmp_path_factory) -> Path:
-    return _tiny(tmp_path_factory, "ideogram4")
+def ideogram4_model(tiny_models) -> Path:
+    return tiny_models("ideogram4")
 
 
 @pytest.fixture(scope="session")
@@ -303,8 +313,8 @@ def _demo_encoded(model_fixture: str, label: str):
 
 
 @pytest.fixture(scope="session")
-def wan_model(tmp_path_factory) -> Path:
-    return _tiny(tmp_path_factory, "wan2.1")
+def wan_model(tiny_models) -> Path:
+    return tiny_models("wan2.1")
 
 
 @pytest.fixture(scope="session")

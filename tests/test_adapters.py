@@ -25,8 +25,8 @@ ADAPTER_KEYS = ("lora_", "lokr_", "hada_")  # peft's adapter parameters carry on
 
 
 @pytest.fixture(scope="module")
-def flux_dev(tmp_path_factory) -> Path:
-    return families.build_tiny_model(tmp_path_factory.mktemp("flux") / "dev", "flux1")
+def flux_dev(tiny_models) -> Path:
+    return tiny_models("flux1")
 
 
 def trained_adapter(family, model: Path, params: AdapterParams, targets: str | tuple[str, ...]):

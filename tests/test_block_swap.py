@@ -81,14 +81,14 @@ class Geometry:
 
 
 @pytest.fixture(scope="module")
-def denoiser_step_inputs(tmp_path_factory):
+def denoiser_step_inputs(tiny_models):
     """arch -> (model folder, its family, a 2-sample batch: noisy latents, sigmas, conditioning), made
     through the family's own text encoder and VAE on its tiny model (a 5-frame clip for video)."""
     made = {}
 
     def inputs(arch: str):
         if arch not in made:
-            model = families.build_tiny_model(tmp_path_factory.mktemp("swap") / arch, arch)
+            model = tiny_models(arch)
             family = families.for_model(model)
             texts = family.load_text_encoder(model, family.text_settings(model, families.TextOptions()),
                                              torch.float32, "cpu")(["a red ball", "a blue sky over a field"])

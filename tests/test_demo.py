@@ -24,6 +24,14 @@ def lorapipe(*args: str, cwd: Path, prefect_home: Path | None = None) -> subproc
                           capture_output=True, timeout=900)
 
 
+def demo_on_tiny_model(arch: str, workdir: Path, tiny_models) -> subprocess.CompletedProcess:
+    """`lorapipe demo --arch ARCH --workdir WORKDIR` run from WORKDIR's parent, WORKDIR holding a copy
+    of the session's tiny model of ARCH, which the demo then trains instead of building its own (the
+    same bytes: the SD demo's runs below cover building it)."""
+    shutil.copytree(tiny_models(arch), workdir / "model")
+    return lorapipe("demo", "--arch", arch, "--workdir", workdir.name, cwd=workdir.parent)
+
+
 @pytest.fixture(scope="module")
 def demo_runs(tmp_path_factory):
     cwd = tmp_path_factory.mktemp("demo")
@@ -149,24 +157,26 @@ def test_a_prefect_home_inside_folders_not_made_yet_is_created(demo_runs):
     assert (home / "prefect.db").is_file()
 
 
-def test_status_says_hit_or_miss_and_which_ingredient_changed(demo_runs):
-    run = demo_runs[0]
-    unchanged = lorapipe("status", str(run / "demo.yaml"), "--json", cwd=run.parent)
-    assert [s["status"] for s in json.loads(unchanged.stdout)["stages"]] == ["hit"] * 4
-    changed = lorapipe("status", str(run / "demo.yaml"), "--json", "--set", "train.learning_rate=0.001",
-                       cwd=run.parent)
-    rows = {s["stage"]: s for s in json.loads(changed.stdout)["stages"]}
+def test_status_says_hit_or_miss_and_which_ingredient_changed(demo_runs, capsys):
+    """In pytest's own process: status runs no flow, and cli.main serves in-process callers."""
+    from lorapipe.flows.cli import main
+
+    def status(*argv: str) -> str:
+        assert main(["status", str(demo_runs[0] / "demo.yaml"), *argv]) == 0
+        return capsys.readouterr().out
+
+    assert [s["status"] for s in json.loads(status("--json"))["stages"]] == ["hit"] * 4
+    rows = {s["stage"]: s for s in json.loads(status("--json", "--set", "train.learning_rate=0.001"))["stages"]}
     assert rows["encode"]["status"] == "hit"
     assert rows["train"]["status"] == "miss" and rows["train"]["reason"] == "changed: params.learning_rate"
     assert rows["evaluate"]["status"] == "miss" and rows["evaluate"]["key"] is None
-    text = lorapipe("status", str(run / "demo.yaml"), "--set", "train.learning_rate=0.001", cwd=run.parent).stdout
-    assert "params.learning_rate" in text
+    assert "params.learning_rate" in status("--set", "train.learning_rate=0.001")
 
 
-def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path):
+def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path, tiny_models):
     """`lorapipe demo --arch flux1`: the same layout and outputs as the SD demo, on the tiny Flux.1 dev
     (flow matching); a workdir already holding another arch's model is refused in one line."""
-    run = lorapipe("demo", "--arch", "flux1", "--workdir", "flux", cwd=tmp_path)
+    run = demo_on_tiny_model("flux1", tmp_path / "flux", tiny_models)
     assert run.returncode == 0, run.stderr[-3000:]
     outputs = tmp_path / "flux" / "outputs"
     for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
@@ -183,10 +193,10 @@ def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path):
 
 @pytest.mark.parametrize("arch", ["z-image", "flux2-klein", "qwen-image", "qwen-image-2.1", "krea2",
                                   "ideogram4"])
-def test_2026_family_demo_trains_its_tiny_base_and_its_lora_beats_the_base(tmp_path, arch):
+def test_2026_family_demo_trains_its_tiny_base_and_its_lora_beats_the_base(tmp_path, tiny_models, arch):
     """`lorapipe demo --arch X` for each 2026 family end to end through Prefect: variable-length or
     stacked-layer text records, per-family latent normalisation, the ComfyUI export."""
-    run = lorapipe("demo", "--arch", arch, "--workdir", "run", cwd=tmp_path)
+    run = demo_on_tiny_model(arch, tmp_path / "run", tiny_models)
     assert run.returncode == 0, run.stderr[-3000:]
     outputs = tmp_path / "run" / "outputs"
     for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors", "grid.png"):
@@ -196,11 +206,11 @@ def test_2026_family_demo_trains_its_tiny_base_and_its_lora_beats_the_base(tmp_p
     assert metrics["loss"]["train"]["lora"]["overall"] < metrics["loss"]["train"]["base"]["overall"]
 
 
-def test_edit_demo_trains_kontext_on_generated_pairs_and_renders_the_edit_grid(tmp_path):
+def test_edit_demo_trains_kontext_on_generated_pairs_and_renders_the_edit_grid(tmp_path, tiny_models):
     """`lorapipe demo --arch flux1-kontext`: the bundled photos and the same photos with a red hat, as
     edit pairs; the LoRA beats the base on held-out pairs scored with their reference tokens, and
     edit_grid.png shows reference | base | LoRA | target."""
-    run = lorapipe("demo", "--arch", "flux1-kontext", "--workdir", "run", cwd=tmp_path)
+    run = demo_on_tiny_model("flux1-kontext", tmp_path / "run", tiny_models)
     assert run.returncode == 0, run.stderr[-3000:]
     outputs = tmp_path / "run" / "outputs"
     assert (outputs / "edit_grid.png").is_file() and "edit grid:" in run.stdout

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from test_demo import lorapipe
+from test_demo import demo_on_tiny_model, lorapipe
 
 from lorapipe.stages.demo_clips import SCENES
 
@@ -20,10 +20,10 @@ RENDERED = 2 * 2 * 2  # prompts x seeds x columns (the base model, the LoRA at s
 
 
 @pytest.mark.parametrize("arch", list(LORA_FILES))
-def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_path, arch):
+def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_path, tiny_models, arch):
     """The workdir is named after the arch, as a user may name it: a folder `ltx2` in the working
     directory once hid the LTX-2 connectors' module."""
-    first = lorapipe("demo", "--arch", arch, "--workdir", arch, cwd=tmp_path)
+    first = demo_on_tiny_model(arch, tmp_path / arch, tiny_models)
     assert first.returncode == 0, first.stderr[-3000:]
     run = tmp_path / arch
     assert sorted(p.name for p in (run / "data").iterdir()) == sorted(

@@ -26,13 +26,13 @@ CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 
 
 @pytest.fixture(scope="module")
-def base(tmp_path_factory) -> Path:
-    return families.build_tiny_model(tmp_path_factory.mktemp("klein") / "base", "flux2-klein")
+def base(tiny_models) -> Path:
+    return tiny_models("flux2-klein")
 
 
 @pytest.fixture(scope="module")
-def distilled(tmp_path_factory) -> Path:
-    return families.build_tiny_model(tmp_path_factory.mktemp("klein") / "distilled", "flux2-klein-distilled")
+def distilled(tiny_models) -> Path:
+    return tiny_models("flux2-klein-distilled")
 
 
 

@@ -23,8 +23,8 @@ TEXT_WINDOW = 64  # the pipeline's max_sequence_length in these calls: its left 
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return families.build_tiny_model(tmp_path_factory.mktemp("ideogram4") / "model", "ideogram4")
+def model(tiny_models) -> Path:
+    return tiny_models("ideogram4")
 
 
 

@@ -22,8 +22,8 @@ CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return families.build_tiny_model(tmp_path_factory.mktemp("krea2") / "model", "krea2")
+def model(tiny_models) -> Path:
+    return tiny_models("krea2")
 
 
 

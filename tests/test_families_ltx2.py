@@ -35,8 +35,8 @@ class Clip:
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return families.build_tiny_model(tmp_path_factory.mktemp("ltx2") / "ltx2", "ltx2")
+def model(tiny_models) -> Path:
+    return tiny_models("ltx2")
 
 
 

@@ -21,8 +21,8 @@ CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return families.build_tiny_model(tmp_path_factory.mktemp("qwen") / "model", "qwen-image")
+def model(tiny_models) -> Path:
+    return tiny_models("qwen-image")
 
 
 

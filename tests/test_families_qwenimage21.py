@@ -25,8 +25,8 @@ CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory) -> Path:
-    return families.build_tiny_model(tmp_path_factory.mktemp("qwen21") / "model", "qwen-image-2.1")
+def model(tiny_models) -> Path:
+    return tiny_models("qwen-image-2.1")
 
 
 

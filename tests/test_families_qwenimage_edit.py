@@ -30,8 +30,8 @@ def photo(seed: int, size: tuple[int, int] = (48, 64)) -> Image.Image:
 
 
 @pytest.fixture(scope="module", params=list(REFERENCES))
-def model(request, tmp_path_factory) -> Path:
-    return families.build_tiny_model(tmp_path_factory.mktemp(request.param) / "model", request.param)
+def model(request, tiny_models) -> Path:
+    return tiny_models(request.param)
 
 
 def encoded(family, model: Path, captions: list[str], references: list[list[Image.Image]]):

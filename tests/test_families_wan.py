@@ -31,9 +31,8 @@ ARCHES = ("wan2.1", "wan2.2-5b", "wan2.2-a14b")
 
 
 @pytest.fixture(scope="module")
-def models(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("wan")
-    return {arch: families.build_tiny_model(root / arch, arch) for arch in ARCHES}
+def models(tiny_models) -> dict[str, Path]:
+    return {arch: tiny_models(arch) for arch in ARCHES}
 
 
 

@@ -10,7 +10,6 @@ from PIL import Image, ImageChops
 from safetensors import safe_open
 from test_train import run_train, train_inputs
 
-import lorapipe.stages.families as families
 from lorapipe.cache.errors import UserError
 from lorapipe.stages.evaluate import EvalInputs, EvalParams, run
 from lorapipe.stages.evaluate.render import cell
@@ -19,8 +18,8 @@ LOW_NOISE = dict(denoiser="low_noise", target_modules="attention", max_steps=4, 
 
 
 @pytest.fixture(scope="module")
-def a14b_model(tmp_path_factory):
-    return families.build_tiny_model(tmp_path_factory.mktemp("a14b") / "model", "wan2.2-a14b")
+def a14b_model(tiny_models):
+    return tiny_models("wan2.2-a14b")
 
 
 def test_train_denoiser_is_refused_before_training(tmp_path, a14b_model, wan_model, wan_clips_encoded):
