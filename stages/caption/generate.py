@@ -2,11 +2,14 @@
 batch_size (the same batches whatever the process count: a sampled caption is seeded per batch by
 its first key), each record `{"json": {"caption": text}}` committed with its shard, a shard every
 `shard_records` captions (a killed run keeps its committed shards; the rerun generates only the
-rest), with progress lines. An image that cannot be read is left out, with a report row, never
+rest), with progress lines; the next batch's images are decoded in threads while generate()
+runs. An image that cannot be read is left out, with a report row, never
 raised: the caption stage leaves it to encode, which reports it and trains without it."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 from lorapipe.cache.samples import SampleStore
@@ -18,6 +21,8 @@ from ..preprocess.sources import DatasetSource
 from ..progress import ProgressLines
 from .captioners import load_captioner
 from .params import CaptionOptions, CaptionParams
+
+DECODE_THREADS = 4  # the next batch's images, decoded while generate() runs
 
 
 def batches(keys: list[str], size: int) -> list[list[str]]:
@@ -37,12 +42,12 @@ def generate_records(batched: list[list[str]], todo: dict[str, dict], params: Ca
     progress = ProgressLines("caption: generating", sum(map(len, batched)), log, options.progress_every,
                              unit="image", tail=share)
     pending, left_out = {}, {}
-    for n, batch in enumerate(batched):
-        images = {key: _image(key, todo[key], datasets, left_out) for key in batch}
-        readable = [key for key in batch if images[key] is not None]
+    for n, (batch, decoded) in enumerate(_decoded(batched, todo, datasets)):
+        left_out.update({key: row for key, (_, row) in decoded.items() if row})
+        readable = [key for key in batch if decoded[key][0] is not None]
         if params.do_sample:
             torch.manual_seed(derived_seed(params.seed, batch[0]))
-        captions = captioner([images[key] for key in readable], prompt) if readable else []
+        captions = captioner([decoded[key][0] for key in readable], prompt) if readable else []
         pending.update({key: {"json": json.dumps({"caption": text}).encode()} for key, text in zip(readable, captions)})
         progress.advance(len(batch))
         if pending and (len(pending) >= options.shard_records or n == len(batched) - 1):
@@ -57,17 +62,29 @@ def read_caption(store: SampleStore, key: str) -> str:
     return json.loads(store.read(key, store.index()[key], "json"))["caption"]
 
 
-def _image(key: str, sample: dict, datasets: tuple[DatasetSource, ...], left_out: dict[str, dict]):
-    """The sample's image, upright and whole; None, and its report row in `left_out[key]`, when it
-    cannot be decoded or changed since preprocess."""
+def _decoded(batched: list[list[str]], todo: dict[str, dict], datasets: tuple[DatasetSource, ...]
+             ) -> Iterator[tuple[list[str], dict[str, tuple]]]:
+    """Each batch with its images (record key -> `_image`'s pair), the next batch decoded in threads
+    while the caller generates this one's captions (decoding releases the GIL)."""
+    with ThreadPoolExecutor(DECODE_THREADS) as pool:
+        def submit(batch: list[str]) -> dict[str, Future]:
+            return {key: pool.submit(_image, todo[key], datasets) for key in batch}
+
+        ahead = submit(batched[0]) if batched else {}
+        for n, batch in enumerate(batched):
+            current, ahead = ahead, submit(batched[n + 1]) if n + 1 < len(batched) else {}
+            yield batch, {key: future.result() for key, future in current.items()}
+
+
+def _image(sample: dict, datasets: tuple[DatasetSource, ...]) -> tuple:
+    """The sample's image, upright and whole, and None; or None and its report row when it cannot
+    be decoded or changed since preprocess."""
     path = sample_label(sample, datasets)
     try:
         image = upright_image(datasets, sample)
     except (OSError, ValueError, SyntaxError) as error:
-        left_out[key] = {"path": path, "reason": "undecodable",
-                                      "detail": f"cannot be decoded ({type(error).__name__}: {error})"}
-        return None
+        return None, {"path": path, "reason": "undecodable",
+                      "detail": f"cannot be decoded ({type(error).__name__}: {error})"}
     if image is None:
-        left_out[key] = {"path": path, "reason": "changed", "detail": "changed since preprocess ran"
-                                      " (run the pipeline again)"}
-    return image
+        return None, {"path": path, "reason": "changed", "detail": "changed since preprocess ran (run the pipeline again)"}
+    return image, None
