@@ -100,8 +100,11 @@ def sweep(config_path: Path, overrides: list[str], grid: list[str], concurrency:
     plan_run(sweep.base, ["encode"], None, [], note)  # what fails here is the command's only line
     note(f"sweeping {len(sweep.variants)} variants of pipeline {sweep.base.name!r} ({config_path}): starting Prefect")
     log_path = new_log_path(sweep.base.output_dir)
+    # overlapping Prefect's start, and done before the variants' threads evaluate side by side
+    importing = import_model_code_ahead(sweep.base, frozenset({"encode", "evaluate"}))
     if server and server.connect():
         server.wait_ready()
+    importing.join()
     with run_log(log_path, debug):
         done = run_sweep(sweep)
     failed = [row for row in done["variants"] if row["error"]]
