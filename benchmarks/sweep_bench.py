@@ -81,8 +81,8 @@ def main() -> None:
     result = measure(args.root.resolve(), *shape)
     print(json.dumps(result))
     if not args.smoke:
-        command = f"python -m benchmarks.sweep_bench --variants {args.variants} --steps {args.steps} --rounds {args.rounds}"
-        ResultsSection(command).add("sweep_vs_separate_runs", result)
+        given = f"--variants {args.variants} --steps {args.steps} --rounds {args.rounds}"
+        ResultsSection(f"python -m benchmarks.sweep_bench {given}").add("sweep_vs_separate_runs", result)
 
 
 if __name__ == "__main__":

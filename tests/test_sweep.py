@@ -114,9 +114,10 @@ def statuses(done: dict, stage: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def sweeps(tmp_path_factory, tiny_config):
-    """Three sweeps of one config (4 learning rates): the first, its rerun, and one with a fifth rate
-    and a variant whose init_lora is no LoRA file (it validates, and fails as train starts from it);
-    each as (exit code, its --json, stderr, the cache's artifacts per stage after it)."""
+    """Three sweeps of one config (4 learning rates): the first (two variants at once), its rerun,
+    and one with a fifth rate and a variant whose init_lora is no LoRA file (it validates, and fails
+    as train starts from it); each as (exit code, its --json, stderr, the cache's artifacts per
+    stage after it)."""
     from test_demo import lorapipe
 
     root = tmp_path_factory.mktemp("sweep")
@@ -126,7 +127,7 @@ def sweeps(tmp_path_factory, tiny_config):
     config.write_text(yaml.safe_dump({**raw, "sweep": {"grid": {"train.learning_rate": [float(r) for r in RATES]}}}))
     (root / "not-a-lora.safetensors").write_bytes(b"not a safetensors file")
     runs = []
-    for argv in ([], [], ["--grid", f"train.learning_rate={','.join([*RATES, '0.008'])}",
+    for argv in (["--concurrency", "2"], [], ["--grid", f"train.learning_rate={','.join([*RATES, '0.008'])}",
                           "--set", "sweep.variants=[{train.init_lora: not-a-lora.safetensors}]"]):
         done = lorapipe("sweep", "config.yaml", "--json", *argv, cwd=root, prefect_home=root / "prefect")
         assert done.stdout, done.stderr[-3000:]

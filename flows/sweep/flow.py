@@ -1,10 +1,12 @@
 """The sweep's Prefect flow: preprocess [caption] encode once (the pipeline's own tasks), then each
 variant's train + evaluate as one mapped task, at most `concurrency` at once (a thread pool: the
-training itself runs in a process of its own), each publishing into its own folder as `lorapipe
-run` does. A variant that fails is reported and the others go on; each resumes on its own (its
-train key is its own). Then the comparison report and the best variant's files in best/."""
+training itself runs in a process of its own, evaluation here, one at a time), each publishing
+into its own folder as `lorapipe run` does. A variant that fails is reported and the others go on;
+each resumes on its own (its train key is its own). Then the comparison report and the best
+variant's files in best/."""
 from __future__ import annotations
 
+import threading
 from dataclasses import replace
 
 from prefect import flow, get_run_logger, task, unmapped
@@ -26,9 +28,14 @@ from .grid import Sweep, Variant
 from .outcome import VariantOutcome
 from .report import best_variant, score, write_sweep_report
 
+# One evaluation at a time in this process: two diffusers loads side by side in threads failed with
+# "Cannot copy out of meta tensor" (a model is built empty through a process-wide patch of torch,
+# accelerate's init_empty_weights).
+EVALUATING = threading.Lock()
+
 
 def run_sweep(sweep: Sweep) -> dict:
-    """The sweep's flow with its concurrency; what it did (SweepSummary's rows, see `sweep`)."""
+    """The sweep's flow, at most sweep.settings.concurrency variants at once; what it did (`sweep_flow`'s return)."""
     runner = ThreadPoolTaskRunner(max_workers=sweep.settings.concurrency)
     return sweep_flow.with_options(task_runner=runner)(sweep.base, sweep.variants, sweep.settings.metric)
 
@@ -63,7 +70,8 @@ def run_variant(variant: Variant, shared: DatasetStages) -> list[dict]:
     plan = plan_flow(config, [], None, [])
     data = dataset_stages(config, plan) if variant.changes_data else DatasetStages(*map(own_copy, shared))
     lora = train(config, plan, data.enc, False)
-    scores = evaluate(config, plan, data.dataset, data.enc, lora)
+    with EVALUATING:
+        scores = evaluate(config, plan, data.dataset, data.enc, lora)
     return published(config, config.output_dir, [*data, lora, scores])
 
 

@@ -21,7 +21,8 @@ def _loss(split: str) -> Callable[[dict], float | None]:
     return lambda metrics: metrics.get("loss", {}).get(split, {}).get("lora", {}).get("overall")
 
 
-METRICS: dict[str, tuple[Callable[[dict], float | None], bool]] = {  # name -> (reader of metrics.json, higher is better)
+# name -> (reader of metrics.json, higher is better)
+METRICS: dict[str, tuple[Callable[[dict], float | None], bool]] = {
     "holdout_loss": (_loss("holdout"), False),
     "train_loss": (_loss("train"), False),
     "clip_score": (lambda metrics: (metrics.get("clip_score") or {}).get("lora"), True),
