@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from . import (caption_bench, captioner_bench, decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench,
-               noop_rerun, object_bench, pipeline_noop, prior_bench, quant_memory_bench, train_bench)
+               noop_rerun, object_bench, pipeline_noop, prior_bench, quant_memory_bench, sweep_bench, train_bench)
 from .common import ResultsSection
 
 BENCHES = {
@@ -29,6 +29,7 @@ BENCHES = {
     "optimizer_step": lambda root: train_bench.optimizer_variants(root),
     "prior_base_output_step": lambda root: prior_bench.measure(root),
     "pipeline_noop": lambda root: pipeline_noop.measure(root),
+    "sweep_vs_separate_runs": lambda root: sweep_bench.measure(root),
     "object_noop": lambda root: object_bench.noop(root),
     "object_incremental": lambda root: object_bench.incremental(root),
     "object_shard_read": lambda root: object_bench.shard_read(root),

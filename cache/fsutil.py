@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -69,7 +70,7 @@ def probe_writable(folder: Path) -> None:
     """Create `folder` if needed, then write, fsync and remove a small file in it: raises the
     OSError a full, read-only or forbidden folder (or a file in its place) gives."""
     folder.mkdir(parents=True, exist_ok=True)
-    probe = folder / f".probe-{os.getpid()}"
+    probe = folder / f".probe-{os.getpid()}-{threading.get_ident()}"  # threads of a sweep probe side by side
     with open(probe, "wb") as f:
         f.write(b"probe")
         os.fsync(f.fileno())

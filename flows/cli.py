@@ -2,6 +2,7 @@
 
     lorapipe demo [--arch ARCH] [--edit] [--caption] [--workdir DIR]
     lorapipe run CONFIG [--only S]... [--from S] [--force S]... [--set key=value]... [--strict] [--json]
+    lorapipe sweep CONFIG [--grid key=v1,v2]... [--set key=value]... [--concurrency N] [--strict] [--json]
     lorapipe status CONFIG [--set key=value]... [--strict] [--json]
     lorapipe cache ls|verify|rm|gc [--cache-dir DIR | --config CONFIG] [--keep-last N] [--keep-days D | --since DATE]
     lorapipe captions export CONFIG [DIR]... [--overwrite] [--set key=value]... [--json]
@@ -27,7 +28,7 @@ from lorapipe.stages.optional_libraries import hide
 
 STRICT = ["preprocess.on_bad_row=error"]  # --strict: a bad metadata row stops the run
 INTERRUPTED = "interrupted; run again to resume (finished stages stay cached)"  # Ctrl-C outside training
-FLOW_COMMANDS = ("demo", "run")  # the commands that run the pipeline in this process
+FLOW_COMMANDS = ("demo", "run", "sweep")  # the commands that run the pipeline in this process
 PREFECT_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",
@@ -53,13 +54,18 @@ def _parser() -> argparse.ArgumentParser:
                       " tiny captioner (the caption stage) before training")
     demo.add_argument("--json", action="store_true")
     run = sub.add_parser("run", parents=[common], help="run a config's pipeline")
+    sweep = sub.add_parser("sweep", parents=[common], help="train and evaluate a config's variants over one encode;"
+                           " report them, publish the best (docs/sweeps.md)")
     status = sub.add_parser("status", parents=[common], help="per stage: hit or miss and why, without running")
-    for cmd in (run, status):
+    for cmd in (run, sweep, status):
         cmd.add_argument("config", type=Path)
         cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
         cmd.add_argument("--json", action="store_true")
         cmd.add_argument("--strict", action="store_true", help="a bad metadata row stops the run"
                          " (preprocess.on_bad_row: error)")
+    sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="values to try for"
+                       " one key (replacing the config's sweep.grid values of that key)")
+    sweep.add_argument("--concurrency", type=int, metavar="N", help="variants trained at once (sweep.concurrency)")
     run.add_argument("--only", action="append", default=[], metavar="STAGE")
     run.add_argument("--from", dest="start", metavar="STAGE")
     run.add_argument("--force", action="append", default=[], metavar="STAGE")
@@ -140,6 +146,9 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "run":
         return commands.run(args.config, args.overrides + STRICT * args.strict, args.only, args.start, args.force,
                             args.json, args.debug, server)
+    if args.command == "sweep":
+        return commands.sweep(args.config, args.overrides + STRICT * args.strict, args.grid, args.concurrency,
+                              args.json, args.debug, server)
     if args.command == "status":
         return commands.status(args.config, args.overrides + STRICT * args.strict, args.json)
     if args.command == "cache":

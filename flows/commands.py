@@ -87,6 +87,49 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
     return print_summary(config, summary, log_path, as_json)
 
 
+def sweep(config_path: Path, overrides: list[str], grid: list[str], concurrency: int | None, as_json: bool,
+          debug: bool = False, server: EmbeddedServer | None = None) -> int:
+    """`lorapipe sweep`: every variant trained and evaluated over one encode, one line each; exit
+    status 1 when any failed (after the others were published)."""
+    from .run_plan import plan_run
+    from .runlog import new_log_path, run_log
+    from .sweep.flow import run_sweep
+    from .sweep.grid import load_sweep
+
+    sweep = load_sweep(config_path, overrides, grid, concurrency)
+    plan_run(sweep.base, ["encode"], None, [], note)  # what fails here is the command's only line
+    note(f"sweeping {len(sweep.variants)} variants of pipeline {sweep.base.name!r} ({config_path}): starting Prefect")
+    log_path = new_log_path(sweep.base.output_dir)
+    # overlapping Prefect's start, and done before the variants' threads evaluate side by side
+    importing = import_model_code_ahead(sweep.base, frozenset({"encode", "evaluate"}))
+    if server and server.connect():
+        server.wait_ready()
+    importing.join()
+    with run_log(log_path, debug):
+        done = run_sweep(sweep)
+    failed = [row for row in done["variants"] if row["error"]]
+    if as_json:
+        _print_json({**done, "pipeline": sweep.base.name, "log": str(log_path)})
+    else:
+        print_sweep(done, sweep.settings.metric, sweep.base.output_dir, log_path)
+    for row in failed:
+        note(f"error: variant {row['name']} failed: {row['error']}")
+    return 1 if failed else 0
+
+
+def print_sweep(done: dict, metric: str, output_dir: Path, log_path: Path) -> None:
+    """One line per variant (its train and evaluate hit or computed, its score or its error), then where things are."""
+    print(f"\n{'variant':<40}{'train':<10}{'evaluate':<10}{metric:>14}  folder")
+    for row in done["variants"]:
+        stages = {s["stage"]: s["status"] for s in row["stages"] or ()}
+        outcome = f"{row['score']:.6g}" if row["score"] is not None else "-"
+        print(f"{row['name']:<40}{stages.get('train', 'failed'):<10}{stages.get('evaluate', '-'):<10}{outcome:>14}"
+              f"  {row['output_dir']}" + (f"\n{'':<4}{row['error']}" if row["error"] else ""))
+    best = f"{output_dir / 'best'} (variant {done['best']})" if done["best"] else "none (no variant has a score)"
+    for label, where in (("best", best), ("report", done["report"]), ("run log", log_path)):
+        print(f"{label + ':':<9}{where}")
+
+
 def print_summary(config: PipelineConfig, summary: list[dict], log_path: Path, as_json: bool) -> int:
     """A run's stages (hit or computed, seconds, artifact) and where its outputs and log are."""
     if as_json:

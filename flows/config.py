@@ -105,6 +105,31 @@ class ObjectStoreConfig(Frozen):
                                  " host gone) is taken over this long after (x1.25)")
 
 
+class SweepConfig(Frozen):
+    """Many trainings over one encode (docs/sweeps.md): `lorapipe sweep` trains and evaluates one
+    variant per combination of `grid` values and per entry of `variants`; `lorapipe run` ignores it."""
+
+    grid: dict[str, tuple[Any, ...]] = Field(
+        default_factory=dict, description="dotted key (train.* or evaluate.*) -> the values to try; every combination"
+        " of the keys' values is a variant (the cartesian product)")
+    variants: tuple[dict[str, Any], ...] = Field((), description="variants besides the grid's, each a mapping of"
+                                                 " dotted key -> value")
+    metric: str = Field("holdout_loss", description="what picks the best variant: holdout_loss (the LoRA's held-out"
+                        " loss, lower is better), train_loss, or clip_score (higher is better, needs"
+                        " evaluate.clip_model)")
+    concurrency: int = Field(1, ge=1, description="variants trained at once (one GPU: 1)")
+    allow_data_keys: bool = Field(False, description="allow sweeping keys outside train. and evaluate. (they change"
+                                  " preprocess or encode, so those run again for each variant that changes them)")
+
+    @field_validator("grid")
+    @classmethod
+    def _values_to_try(cls, grid: dict[str, tuple[Any, ...]]) -> dict[str, tuple[Any, ...]]:
+        empty = next((key for key, values in grid.items() if not values), None)
+        if empty:
+            raise ValueError(f"{empty}: no values to try")
+        return grid
+
+
 class PipelineConfig(Frozen):
     name: str = Field("default", pattern=r"^[\w.-]+$", description="names this pipeline's history in the cache")
     cache_dir: PathOrUrl = Field(description="a local folder, or s3://bucket/prefix")
@@ -136,6 +161,9 @@ class PipelineConfig(Frozen):
                                " checkpoint instead of starting over")
     evaluate: EvaluateConfig = Field(description="the sample grid and the denoising losses; changing any of it"
                                      " reruns evaluate alone")
+    sweep: SweepConfig | None = Field(  # read by `lorapipe sweep` only; in no key
+        None, exclude_if=lambda v: v is None, description="a sweep over train and evaluate settings, each variant"
+        " trained and evaluated over one encode, the best published (`lorapipe sweep`, docs/sweeps.md)")
 
     @model_validator(mode="before")
     @classmethod
@@ -208,13 +236,18 @@ def apply_override(raw: dict, assignment: str, source: str) -> None:
     dotted, sep, value = assignment.partition("=")
     if not sep or not dotted:
         raise ConfigError(f"{source}: --set expects key=value, got {assignment!r}")
+    set_key(raw, dotted, yaml.safe_load(value), f"{source}: --set {dotted}")
+
+
+def set_key(raw: dict, dotted: str, value: Any, where: str) -> None:
+    """raw[a][b][c] = value for dotted "a.b.c"; `where` begins the error's line."""
     *parents, leaf = dotted.split(".")
     node = raw
     for part in parents:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
-            raise ConfigError(f"{source}: --set {dotted}: {part} is not a section")
-    node[leaf] = yaml.safe_load(value)
+            raise ConfigError(f"{where}: {part} is not a section")
+    node[leaf] = value
 
 
 def _resolve_paths(raw: dict, base: Path) -> None:
@@ -234,6 +267,11 @@ def _resolve_paths(raw: dict, base: Path) -> None:
 
 
 def load_config(path: Path, overrides: list[str] = ()) -> PipelineConfig:
+    return config_from(read_config(path, overrides), Path(path))
+
+
+def read_config(path: Path, overrides: list[str] = ()) -> dict[str, Any]:
+    """The config file's mapping with `overrides` (--set key=value) applied, its paths as written."""
     path = Path(path)
     try:
         raw = yaml.safe_load(path.read_text()) or {}
@@ -245,8 +283,14 @@ def load_config(path: Path, overrides: list[str] = ()) -> PipelineConfig:
         raise ConfigError(f"{path}: the config must be a mapping of sections")
     for assignment in overrides:
         apply_override(raw, assignment, str(path))
+    return raw
+
+
+def config_from(raw: dict[str, Any], path: Path, source: str | None = None) -> PipelineConfig:
+    """The config `raw` (read_config's, changed in place) validated, its relative paths resolved
+    against `path`'s folder; an error names `source` (default: the file)."""
     _resolve_paths(raw, path.parent.resolve())
-    return validate_config(raw, str(path))
+    return validate_config(raw, source or str(path))
 
 
 def _yaml_problem(error: yaml.YAMLError) -> str:

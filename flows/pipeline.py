@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import wraps
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from prefect import flow, get_run_logger, task
 from prefect.cache_policies import NO_CACHE
@@ -66,16 +66,38 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
     if deployment.id:  # a process of its own, started for this run: hide what `lorapipe run` hides (flows/cli.py)
         hide()  # before a stage imports diffusers; training runs in processes of its own, with its own choice
     plan = plan or plan_flow(config, only, start, force)
-    pre = preprocess(config, plan)
-    cap = caption(config, plan, pre)  # None where not configured: its readers read preprocess's artifact
-    dataset = cap or pre
-    enc = encode(config, plan, dataset)
-    lora = train(config, plan, enc, warm_start)
-    scores = evaluate(config, plan, dataset, enc, lora)
-    results = [done.result for done in (pre, cap, enc, lora, scores) if done]
+    data = dataset_stages(config, plan)
+    lora = train(config, plan, data.enc, warm_start)
+    scores = evaluate(config, plan, data.dataset, data.enc, lora)
     out = output_folder(config) if plan.rank == 0 else machine_folder(output_folder(config), plan.rank)
+    return published(config, out, [*data, lora, scores], record=plan.rank == 0)
+
+
+class DatasetStages(NamedTuple):
+    """What train and evaluate read: preprocess's, caption's (None where not configured) and encode's."""
+
+    pre: Done | None
+    cap: Done | None
+    enc: Done | None
+
+    @property
+    def dataset(self) -> Done | None:
+        """The caption stage's where configured (its readers read preprocess's otherwise)."""
+        return self.cap or self.pre
+
+
+def dataset_stages(config: PipelineConfig, plan: RunPlan) -> DatasetStages:
+    pre = preprocess(config, plan)
+    cap = caption(config, plan, pre)
+    return DatasetStages(pre, cap, encode(config, plan, cap or pre))
+
+
+def published(config: PipelineConfig, out: Path, done: list[Done | None], record: bool = True) -> list[dict]:
+    """The stages' files and run summary published into `out` (flows/outputs.py), and the run's
+    Prefect artifacts; the summary's rows."""
+    results = [d.result for d in done if d]
     summary = finish_run(out, config, results, flow_run.name or "unnamed", get_run_logger().info,
-                         deployment=deployment.name, flow_run=flow_run.name, record=plan.rank == 0)
+                         deployment=deployment.name, flow_run=flow_run.name, record=record)
     publish_run_artifacts(config.name, results, out)
     return summary
 
