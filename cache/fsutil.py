@@ -36,9 +36,14 @@ def fsync_tree(root: Path) -> None:
 
 def write_json_atomic(path: Path, value: Any) -> None:
     """Write JSON to `path` via a fsync'd temporary file and one rename."""
+    write_text_atomic(path, json.dumps(value, indent=1, sort_keys=True))
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write `text` to `path` via a fsync'd temporary file and one rename."""
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     with open(tmp, "w") as f:
-        json.dump(value, f, indent=1, sort_keys=True)
+        f.write(text)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)

@@ -26,7 +26,7 @@ from ..run_plan import plan_flow
 from .best import publish_best
 from .grid import Sweep, Variant
 from .outcome import VariantOutcome
-from .report import best_variant, score, write_sweep_report
+from .report import score, write_sweep_report
 
 # One evaluation at a time in this process: two diffusers loads side by side in threads failed with
 # "Cannot copy out of meta tensor" (a model is built empty through a process-wide patch of torch,
@@ -45,7 +45,8 @@ def sweep_flow(config: PipelineConfig, variants: SkipJsonSchema[tuple[Variant, .
     """Train and evaluate each of `variants` over one encode of `config`'s data; report them by
     `metric` and publish the best. Returns {"shared": the shared stages' rows, "variants": per variant
     its name, overrides, output_dir, error, score and stages' rows, "best": its name or None}."""
-    shared_stages = config_stages(config)[: config_stages(config).index("encode") + 1]
+    stages = config_stages(config)
+    shared_stages = stages[: stages.index("encode") + 1]
     data = dataset_stages(config, plan_flow(config, list(shared_stages), None, []))
     futures = run_variant.map(variants, unmapped(data))
     finished = [(v, *variant_outcome(v, future)) for v, future in zip(variants, futures)]
@@ -53,7 +54,7 @@ def sweep_flow(config: PipelineConfig, variants: SkipJsonSchema[tuple[Variant, .
     report = write_sweep_report(outcomes, config.output_dir, metric)
     create_markdown_artifact(report.markdown, key=artifact_key(config.name, "sweep"),
                              description=f"the sweep's variants compared; {report.html}")
-    best = best_variant(outcomes, metric)
+    best = report.best
     if best:
         publish_best(best, next(v.config for v in variants if v.name == best.name), config.output_dir / "best",
                      metric, score(best, metric), get_run_logger().info)

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import html
 import json
-import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from lorapipe.cache.fsutil import write_text_atomic
 
 from .outcome import VariantOutcome
 from .report_page import Row, html_page
@@ -30,6 +31,7 @@ METRICS: dict[str, tuple[Reader, bool]] = {  # name -> (reader, higher is better
 class SweepReport:
     html: Path  # sweep-report.html
     markdown: str  # the table and the best, for a Prefect markdown artifact
+    best: VariantOutcome | None  # best_variant's pick, marked in both
 
 
 def score(outcome: VariantOutcome, metric: str) -> float | None:
@@ -58,10 +60,8 @@ def write_sweep_report(outcomes: Sequence[VariantOutcome], out_dir: Path, metric
                 score(o, metric), o is best) for o in outcomes]
     headline, table = _headline(rows, metric), _table(rows, metric)
     out_dir.mkdir(parents=True, exist_ok=True)
-    path, partial = out_dir / REPORT_HTML, out_dir / f".{REPORT_HTML}.{os.getpid()}.tmp"
-    partial.write_text(html_page(rows, table, headline))
-    os.replace(partial, path)
-    return SweepReport(path, _markdown(table, headline))
+    write_text_atomic(out_dir / REPORT_HTML, html_page(rows, table, headline))
+    return SweepReport(out_dir / REPORT_HTML, _markdown(table, headline), best)
 
 
 def _metric(metric: str) -> tuple[Reader, bool]:
