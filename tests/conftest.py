@@ -1,6 +1,7 @@
 """Session fixtures shared by the whole suite: one tiny model and one encoded set per session."""
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from contextlib import contextmanager
@@ -82,6 +83,21 @@ def tiny_models(tmp_path_factory):
         return built[arch]
 
     return tiny
+
+
+@pytest.fixture(scope="session")
+def encoded_baselines(tmp_path_factory, tiny_models, count_encoder_rows):
+    """A function arch -> a folder with the tiny model of that arch and the demo photos (model/,
+    data/) encoded into its cache (cache/), made once a session: the invalidation tests copy its model
+    and data over that cache."""
+    from invalidation_checks import encoded_baseline
+
+    @functools.cache
+    def baseline(arch: str) -> Path:
+        return encoded_baseline(tmp_path_factory.mktemp(f"{arch}-baseline"), tiny_models(arch), DEMO_IMAGES,
+                                count_encoder_rows)
+
+    return baseline
 
 
 @pytest.fixture(scope="session")

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 from PIL import Image, ImageOps
 from conftest import EncodedSet
+from invalidation_checks import ENCODE, encode_counted
 from test_invalidation import make_config, run_all
 from test_train_adapters import published, train_straight_and_resumed
-from test_invalidation_zimage import ENCODE, encode_counted
 from test_preprocess import image, preprocess
 
 from lorapipe.stages.encoded import EncodedData

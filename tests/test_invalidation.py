@@ -120,13 +120,10 @@ def test_evaluation_prompt_reruns_only_evaluate(baseline, tmp_path):
 
 
 def test_one_caption_edit_encodes_one_text_embedding_and_no_latent(baseline, tmp_path, count_encoder_rows):
-    config = copy_of(baseline, tmp_path)
-    (tmp_path / "data" / "coffee.txt").write_text("a photo of an espresso\n")
-    with count_encoder_rows() as counts:
-        results = run_all(config, STAGES[:2])
-    assert statuses(results) == {"preprocess": "computed", "encode": "computed"}
-    assert counts == {"vae": 0, "text": 1}
-    assert results["encode"].info["texts_encoded"] == 1 and results["encode"].info["latents_encoded"] == 0
+    from invalidation_checks import assert_caption_edit_encodes_one_text_record_and_no_latent
+
+    assert_caption_edit_encodes_one_text_record_and_no_latent(copy_of(baseline, tmp_path), tmp_path / "data",
+                                                              count_encoder_rows)
 
 
 def test_new_vae_weights_at_the_same_path_re_encode_latents_but_no_text(baseline, tmp_path, count_encoder_rows):

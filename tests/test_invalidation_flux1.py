@@ -7,6 +7,8 @@ import shutil
 from pathlib import Path
 
 import pytest
+from invalidation_checks import (CAPTIONS, IMAGES, assert_caption_edit_encodes_one_text_record_and_no_latent,
+                                 assert_every_text_record_and_no_latent_re_encoded)
 from test_invalidation import make_config, run_all, statuses
 
 from lorapipe.flows.plan import STAGES, Context
@@ -15,7 +17,6 @@ from lorapipe.flows.runner import explain
 pytestmark = pytest.mark.slow
 
 FLUX = {"train": {"max_steps": 4, "checkpoint_every": 2, "log_every": 2}}
-IMAGES, CAPTIONS = 8, 8 + 1  # the demo photos; their captions and the empty prompt
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +43,8 @@ def flux_copy(baseline: Path, tmp_path: Path, **sections):
 
 
 def test_flux_caption_edit_encodes_one_text_record_and_no_latent(flux_baseline, tmp_path, count_encoder_rows):
-    config = flux_copy(flux_baseline, tmp_path)
-    (tmp_path / "data" / "coffee.txt").write_text("a photo of an espresso\n")
-    with count_encoder_rows() as counts:
-        results = run_all(config, STAGES[:2])
-    assert statuses(results) == {"preprocess": "computed", "encode": "computed"}
-    assert counts == {"vae": 0, "text": 2}  # CLIP and T5, one caption each
-    assert results["encode"].info["texts_encoded"] == 1 and results["encode"].info["latents_encoded"] == 0
+    config = flux_copy(flux_baseline, tmp_path)  # CLIP and T5, one caption each:
+    assert_caption_edit_encodes_one_text_record_and_no_latent(config, tmp_path / "data", count_encoder_rows, text_rows=2)
 
 
 def test_flux_timestep_shift_reruns_train_onward_not_encode(flux_baseline, tmp_path, count_encoder_rows):
@@ -65,10 +61,5 @@ def test_flux_timestep_shift_reruns_train_onward_not_encode(flux_baseline, tmp_p
 
 def test_flux_max_sequence_length_re_encodes_text_only(flux_baseline, tmp_path, count_encoder_rows):
     config = flux_copy(flux_baseline, tmp_path, encode={"max_sequence_length": 64})
-    rows = {r["stage"]: r for r in explain(Context(config), STAGES)}
-    assert rows["encode"]["status"] == "miss" and "params.max_sequence_length" in rows["encode"]["reason"]
-    with count_encoder_rows() as counts:
-        results = run_all(config, STAGES[:2])
-    assert statuses(results) == {"preprocess": "hit", "encode": "computed"}
-    assert counts == {"vae": 0, "text": 2 * CAPTIONS}
-    assert results["encode"].info["latents_encoded"] == 0
+    assert_every_text_record_and_no_latent_re_encoded(config, "params.max_sequence_length", count_encoder_rows,
+                                                      text_rows=2)
