@@ -86,6 +86,20 @@ def tiny_models(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def exported_loras(tmp_path_factory, tiny_models):
+    """A function (arch, targets) -> the tiny denoiser of that arch with a trained LoRA on `targets` (a
+    preset, or family_checks.EVERY_LINEAR), those targets and the files its family exports from it,
+    made once a session: tests that read the same export share it (never write into it)."""
+    from family_checks import exported_lora
+
+    @functools.cache
+    def exported(arch: str, targets: str = "all_linear") -> tuple:
+        return exported_lora(tiny_models(arch), targets, tmp_path_factory.mktemp(f"{arch}-lora"))
+
+    return exported
+
+
+@pytest.fixture(scope="session")
 def encoded_baselines(tmp_path_factory, tiny_models, count_encoder_rows):
     """A function arch -> a folder with the tiny model of that arch and the demo photos (model/,
     data/) encoded into its cache (cache/), made once a session: the invalidation tests copy its model

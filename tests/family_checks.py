@@ -1,20 +1,36 @@
 """Checks every family test makes the same way: a tiny build is byte-identical, a denoiser call is
 captured from the pipeline's first step, and a LoRA file means what was trained (loaded through
 diffusers' own loaders into a fresh pipeline, fused, and its weight change compared with the
-in-memory model's)."""
+in-memory model's).
+
+FAMILIES holds each family's golden numbers for the checks every family passes alike
+(tests/test_families.py runs them, a row each): a new family adds a row there, and its module
+(tests/test_families_<family>.py) keeps only what is its own."""
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import lorapipe.stages.families as families
-from lorapipe.stages.families import ObjectiveParams
+from lorapipe.stages.families import ObjectiveParams, TextOptions
 from lorapipe.stages.lora_formats.lycoris import adapted_modules
 from lorapipe.stages.lora_formats.original_names import kohya_name
+
+
+def tiny_model_fixture(arch: str):
+    """A module fixture: the tiny model of `arch` (named as the variable it is assigned to)."""
+    @pytest.fixture(scope="module")
+    def tiny_model(tiny_models) -> Path:
+        return tiny_models(arch)
+
+    return tiny_model
 
 
 def assert_builds_byte_identically(model: Path, arch: str, again: Path) -> list[str]:
@@ -102,6 +118,12 @@ def assert_means_what_was_trained(denoiser, targets: list[str], change: dict[str
         assert torch.allclose(delta, trained, atol=1e-6), name
 
 
+def keys_of(file: Path) -> set[str]:
+    """The tensor names a safetensors file holds."""
+    with safe_open(file, "pt") as f:
+        return set(f.keys())
+
+
 def respelled_as_kohya(file: Path, out: Path) -> Path:
     """The same tensors under kohya's spelling of the same original names (`diffusion_model.a.b.lora_A
     .weight` -> `lora_unet_a_b.lora_down.weight`): ComfyUI's key map registers both spellings for
@@ -128,3 +150,157 @@ def weight(denoiser, module: str) -> torch.Tensor:
     """A module's (base) weight, whether or not it carries an adapter."""
     layer = denoiser.get_submodule(module)
     return getattr(layer, "base_layer", layer).weight.detach()
+
+
+CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]  # of three lengths, one empty
+EVERY_LINEAR = "every Linear"  # a LoRA target: every Linear of the denoiser, inside the blocks or not
+DIFFUSERS_FILE, KOHYA_FILE, COMFYUI_FILE = ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
+                                            "pytorch_lora_weights_comfyui.safetensors")
+
+
+@dataclass(frozen=True)
+class FamilyRow:
+    """A family's golden numbers: the modules each LoRA preset adds to the one before (attention,
+    attention_ff, all_linear: each preset the sorted names of the previous one's and its own), the
+    files export_lora writes, in order, and the targets of the LoRA they are exported from."""
+
+    arch: str  # the tiny model's
+    attention: frozenset[str]
+    feed_forward: frozenset[str]
+    modulation: frozenset[str]  # what all_linear adds: the blocks' other Linear layers, if any
+    exports: tuple[str, ...]
+    lora_targets: str = "all_linear"  # a preset, or EVERY_LINEAR
+
+    def __str__(self) -> str:
+        return self.arch
+
+
+def _names(pattern: str, **each: tuple) -> frozenset[str]:
+    """Every name `pattern` formats with one value of each keyword: _names("b.{i}.{m}", i=(0, 1), m=("q", "k"))."""
+    names = [{}]
+    for key, values in each.items():
+        names = [{**n, key: v} for n in names for v in values]
+    return frozenset(pattern.format(**n) for n in names)
+
+
+TWO = range(2)
+QKVO = ("to_q", "to_k", "to_v", "to_out.0")
+JOINT_ATTENTION = (*QKVO, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")  # image and text streams
+FAMILIES = (
+    FamilyRow("flux1",
+              _names("transformer_blocks.0.attn.{m}", m=JOINT_ATTENTION)
+              | _names("single_transformer_blocks.0.attn.{m}", m=QKVO[:3]),
+              _names("transformer_blocks.0.{m}", m=("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                                                    "ff_context.net.2"))
+              | {"single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.proj_out"},
+              frozenset({"transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1_context.linear",
+                         "single_transformer_blocks.0.norm.linear"}),
+              (DIFFUSERS_FILE, KOHYA_FILE, COMFYUI_FILE)),
+    FamilyRow("z-image",
+              _names("{b}.attention.{m}", b=("layers.0", "layers.1", "noise_refiner.0", "context_refiner.0"), m=QKVO),
+              _names("{b}.feed_forward.{w}", b=("layers.0", "layers.1", "noise_refiner.0", "context_refiner.0"),
+                     w=("w1", "w2", "w3")),
+              _names("{b}.adaLN_modulation.0", b=("layers.0", "layers.1", "noise_refiner.0")),
+              (DIFFUSERS_FILE, COMFYUI_FILE)),
+    FamilyRow("flux2-klein",
+              _names("transformer_blocks.0.attn.{m}", m=JOINT_ATTENTION)
+              | _names("single_transformer_blocks.0.attn.{m}", m=("to_qkv_mlp_proj", "to_out")),
+              _names("transformer_blocks.0.{m}.{io}", m=("ff", "ff_context"), io=("linear_in", "linear_out")),
+              frozenset(),
+              (DIFFUSERS_FILE, KOHYA_FILE, COMFYUI_FILE)),
+    FamilyRow("qwen-image",
+              _names("transformer_blocks.{i}.attn.{m}", i=TWO, m=JOINT_ATTENTION),
+              _names("transformer_blocks.{i}.{m}.net.{p}", i=TWO, m=("img_mlp", "txt_mlp"), p=("0.proj", "2")),
+              _names("transformer_blocks.{i}.{m}.1", i=TWO, m=("img_mod", "txt_mod")),
+              (DIFFUSERS_FILE, COMFYUI_FILE)),
+    FamilyRow("qwen-image-2.1",
+              _names("transformer_blocks.{i}.attn.{m}", i=TWO, m=QKVO),
+              _names("transformer_blocks.{i}.img_mlp.{m}", i=TWO, m=("gate_layer", "proj", "out")),
+              frozenset(),
+              (DIFFUSERS_FILE, COMFYUI_FILE)),
+    FamilyRow("krea2",
+              _names("transformer_blocks.{i}.attn.{m}", i=TWO, m=("to_q", "to_k", "to_v", "to_gate", "to_out.0")),
+              _names("transformer_blocks.{i}.ff.{m}", i=TWO, m=("gate", "up", "down")),
+              frozenset(),
+              (DIFFUSERS_FILE, COMFYUI_FILE), lora_targets=EVERY_LINEAR),  # text fusion and embedders too
+    FamilyRow("ideogram4",
+              _names("layers.{i}.attention.{m}", i=TWO, m=QKVO),
+              _names("layers.{i}.feed_forward.{m}", i=TWO, m=("w1", "w2", "w3")),
+              _names("layers.{i}.adaln_modulation", i=TWO),
+              (DIFFUSERS_FILE, COMFYUI_FILE)),
+    FamilyRow("wan2.1",
+              _names("blocks.{i}.{a}.{m}", i=TWO, a=("attn1", "attn2"), m=QKVO),
+              _names("blocks.{i}.ffn.net.{p}", i=TWO, p=("0.proj", "2")),
+              frozenset(),  # a block has no other Linear
+              (DIFFUSERS_FILE, KOHYA_FILE, COMFYUI_FILE)),
+    FamilyRow("ltx2",
+              _names("transformer_blocks.{i}.{a}.{m}", i=TWO, a=("attn1", "attn2"), m=QKVO),
+              _names("transformer_blocks.{i}.ff.net.{p}", i=TWO, p=("0.proj", "2")),
+              frozenset(),  # no audio module: a video loss leaves them untrained
+              (DIFFUSERS_FILE, COMFYUI_FILE)),
+)
+
+
+def text_records(model: Path, captions: list[str], options: TextOptions = TextOptions()):
+    """The family of `model` and the text records its encoder makes of `captions` (float32, CPU)."""
+    family = families.for_model(model)
+    return family, family.load_text_encoder(model, family.text_settings(model, options), torch.float32, "cpu")(captions)
+
+
+def exported_lora(model: Path, targets: str, out: Path):
+    """The tiny denoiser with a trained LoRA on `targets` (a preset or EVERY_LINEAR), the targets,
+    and the files its family's export_lora writes into `out`."""
+    family = families.for_model(model)
+    if targets == EVERY_LINEAR:
+        denoiser = family.load_denoiser(model, torch.float32)
+        targets = tuple(sorted(n for n, m in denoiser.named_modules() if isinstance(m, torch.nn.Linear)))
+    denoiser, targets = trained_lora(family, model, targets)
+    return denoiser, targets, family.export_lora(denoiser, out, {"lorapipe.steps": "1"}, {"ss_network_alpha": "3.0"})
+
+
+def assert_padded_per_batch_as_the_pipeline(family, records: list[dict], embeds: torch.Tensor, mask) -> None:
+    """The unpadded records, padded per batch by the family, are the pipeline's embeddings and mask;
+    the mask is left out, as the pipeline leaves it out, when nothing in the batch is padded."""
+    cond = family.conditioning(records, [], ObjectiveParams())
+    assert torch.equal(cond["encoder_hidden_states"], embeds)
+    if mask is None:
+        assert "encoder_hidden_states_mask" not in cond and len(records) == 1
+    else:
+        assert torch.equal(cond["encoder_hidden_states_mask"], mask.bool())
+        assert [r["hidden_states"].shape[0] for r in records] == mask.sum(1).tolist()
+
+
+def assert_resolution_shift_is_the_pipelines(model: Path, calculate_shift, *shift_params: float) -> None:
+    """The objective shifts by resolution as the pipeline does: mu = calculate_shift(image tokens,
+    *shift_params) (base and max sequence length, base and max shift), the last its max_shift."""
+    objective = assert_shift_is_the_schedulers(model, lambda tokens: calculate_shift(tokens, *shift_params))
+    assert (objective.sampling.shift, objective.sampling.max_shift) == ("resolution", shift_params[-1])
+
+
+def assert_records_are_the_pipelines_at_their_own_tokens(family, records: list[dict], embeds: torch.Tensor,
+                                                         own: torch.Tensor, atol: float = 0.0) -> None:
+    """Each record is the pipeline's (batch-padded) embeddings at its own tokens (`own`, the mask of
+    them: some padded), to `atol`; padded per batch, the family's attention mask marks as many."""
+    assert not own.all()
+    for record, embed, mine in zip(records, embeds, own, strict=True):
+        assert record["hidden_states"].shape == embed[mine].shape
+        assert torch.allclose(record["hidden_states"], embed[mine], rtol=0, atol=atol)
+    cond = family.conditioning(records, [], ObjectiveParams())
+    assert cond["encoder_attention_mask"].sum(1).tolist() == own.sum(1).tolist()
+
+
+def first_step_predicted(model: Path, captions: list[str], unpack: Callable, options: TextOptions = TextOptions(),
+                         **call):
+    """The pipeline's first transformer call on `captions` (two steps, seed 0, latent output, `call`'s
+    arguments) and family.predict on its noisy latents (`unpack(pipe, kwargs)`), the family's text
+    records (`options`) and the scheduler's first sigma: (noisy, predicted, the call's output, its
+    kwargs, the pipeline)."""
+    family, pipe = families.for_model(model), quiet_pipeline(model)
+    _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
+        captions, num_inference_steps=2, generator=torch.Generator().manual_seed(0), output_type="latent", **call))
+    cond = family.conditioning(text_records(model, captions, options)[1], [], ObjectiveParams())
+    noisy = unpack(pipe, kwargs)
+    with torch.no_grad():
+        predicted = family.predict(pipe.transformer, noisy, pipe.scheduler.sigmas[0].expand(len(captions)), cond,
+                                   torch.float32)
+    return noisy, predicted, output, kwargs, pipe

@@ -5,14 +5,14 @@ load through diffusers' own loaders and mean what was trained (fuse_lora's weigh
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
-from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, fused_change, trained_lora, \
-    quiet_pipeline
+from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, fused_change, quiet_pipeline, \
+    tiny_model_fixture, trained_lora
 from safetensors import safe_open
+from safetensors.torch import load_file
 
 import lorapipe.stages.families as families
 from lorapipe.stages.families import ObjectiveParams, TextOptions, TimestepSampling
@@ -23,15 +23,7 @@ from lorapipe.stages.lora_formats.original_names import fused_lora
 CAPTIONS = ["a photo of a tabby cat looking to the side", "a photo of a rocket on a launch pad"]
 
 
-@pytest.fixture(scope="module")
-def flux_dev(flux_model) -> Path:
-    return flux_model
-
-
-@pytest.fixture(scope="module")
-def flux_schnell(flux_schnell_model) -> Path:
-    return flux_schnell_model
-
+flux_dev, flux_schnell = tiny_model_fixture("flux1"), tiny_model_fixture("flux1-schnell")
 
 
 def test_tiny_flux_builds_byte_identically_and_loads(flux_dev, tmp_path):
@@ -179,41 +171,22 @@ def test_objective_refuses_what_does_not_apply(flux_dev, flux_schnell):
         dev.render_kwargs(dev.text_settings(flux_dev, TextOptions()), 3.5, "blurry")
 
 
-def test_lora_presets(flux_dev):
+def test_explicit_lora_targets_are_taken_as_given(flux_dev):
     family = families.for_model(flux_dev)
-    transformer = family.load_denoiser(flux_dev, torch.float32)
-    attention = family.lora_target_modules(transformer, "attention")
-    assert attention == sorted(
-        [f"transformer_blocks.0.attn.{m}" for m in ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj",
-                                                    "add_v_proj", "to_add_out")]
-        + [f"single_transformer_blocks.0.attn.{m}" for m in ("to_q", "to_k", "to_v")])
-    with_ff = family.lora_target_modules(transformer, "attention_ff")
-    assert set(with_ff) - set(attention) == {
-        *(f"transformer_blocks.0.{m}" for m in ("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                                                "ff_context.net.2")),
-        "single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.proj_out"}
-    every = family.lora_target_modules(transformer, "all_linear")
-    assert set(every) - set(with_ff) == {  # the blocks' modulation layers
-        "transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1_context.linear",
-        "single_transformer_blocks.0.norm.linear"}
-    assert family.lora_target_modules(transformer, ("to_q",)) == ["to_q"]
+    assert family.lora_target_modules(family.load_denoiser(flux_dev, torch.float32), ("to_q",)) == ["to_q"]
 
 
-def test_diffusers_export_loads_and_means_what_was_trained(flux_dev, tmp_path):
+def test_every_exported_file_loads_as_written(flux_dev, exported_loras):
+    """Every key of the diffusers file lands on a LoRA weight of its value in FluxPipeline, nothing
+    unexpected, nothing missing; ComfyUI applies the trained model from the kohya and ComfyUI files.
+    (tests/test_families.py: the presets, the diffusers file's keys and that it means what was trained.)"""
+    transformer, _, written = exported_loras("flux1")
     family = families.for_model(flux_dev)
-    transformer, targets = trained_lora(family, flux_dev, "all_linear")
-    written = family.export_lora(transformer, tmp_path, {"lorapipe.steps": "1"}, {"ss_network_dim": "4"})
-    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
-                                         "pytorch_lora_weights_comfyui.safetensors"]
-    with safe_open(written[0], "pt") as f:
-        keys = set(f.keys())
-    assert keys == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
-    pipe = quiet_pipeline(flux_dev)  # every key lands on a LoRA weight of that value: nothing unexpected, nothing missing
-    pipe.load_lora_weights(tmp_path, weight_name=written[0].name, adapter_name="x")
+    pipe = quiet_pipeline(flux_dev)
+    pipe.load_lora_weights(written[0].parent, weight_name=written[0].name, adapter_name="x")
     loaded = {f"transformer.{k.replace('.x.', '.')}": v for k, v in pipe.transformer.state_dict().items() if ".x." in k}
-    with safe_open(written[0], "pt") as f:
-        assert loaded.keys() == keys and all(torch.equal(loaded[k], f.get_tensor(k)) for k in keys)
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(flux_dev), "transformer", written[0]))
+    tensors = load_file(written[0])
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
     for file in written[1:]:
         assert_comfyui_applies_the_merged_model(file, transformer, family)
     # ComfyUI maps Flux.1's diffusers names (`transformer.*`) too, but reads no adapter config: it applies

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import pytest
 import torch
 from family_checks import (assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change,
-                           quiet_pipeline, trained_lora)
+                           quiet_pipeline, tiny_model_fixture, trained_lora)
 from PIL import Image
 
 import lorapipe.stages.families as families
@@ -22,9 +21,7 @@ INSTRUCTION = "add a red hat"
 HEIGHT, WIDTH = 64, 48  # the target's size; the reference is placed at it, as training places it
 
 
-@pytest.fixture(scope="module")
-def kontext(flux_kontext_model) -> Path:
-    return flux_kontext_model
+kontext = tiny_model_fixture("flux1-kontext")
 
 
 def test_tiny_kontext_builds_byte_identically_with_flux1_devs_transformer(kontext, flux_model, tmp_path):

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
-from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    trained_lora, quiet_pipeline
+from family_checks import CAPTIONS, assert_builds_byte_identically, assert_means_what_was_trained, first_call, \
+    fused_change, quiet_pipeline, tiny_model_fixture
 from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -22,18 +22,8 @@ from lorapipe.cache.errors import UserError
 from lorapipe.stages.families import ObjectiveParams, TextOptions, TimestepSampling
 from lorapipe.stages.families.base import REFERENCE_LATENTS
 
-CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 
-
-@pytest.fixture(scope="module")
-def base(tiny_models) -> Path:
-    return tiny_models("flux2-klein")
-
-
-@pytest.fixture(scope="module")
-def distilled(tiny_models) -> Path:
-    return tiny_models("flux2-klein-distilled")
-
+base, distilled = tiny_model_fixture("flux2-klein"), tiny_model_fixture("flux2-klein-distilled")
 
 
 def test_tiny_klein_builds_byte_identically_and_loads(base, tmp_path):
@@ -182,40 +172,11 @@ def test_shift_is_the_pipelines_empirical_mu(base, distilled):
     assert mine.sampling.shift_steps == 8
 
 
-def test_lora_presets(base):
-    family = families.for_model(base)
-    transformer = family.load_denoiser(base, torch.float32)
-    attention = family.lora_target_modules(transformer, "attention")
-    assert {"single_transformer_blocks.0.attn.to_qkv_mlp_proj", "single_transformer_blocks.0.attn.to_out"} < set(
-        attention)
-    assert len(attention) == 10
-    with_ff = family.lora_target_modules(transformer, "attention_ff")
-    assert set(with_ff) - set(attention) == {f"transformer_blocks.0.{m}.{io}" for m in ("ff", "ff_context")
-                                             for io in ("linear_in", "linear_out")}
-    assert family.lora_target_modules(transformer, "all_linear") == with_ff
-
-
-@pytest.fixture(scope="module")
-def exported(base, tmp_path_factory):
-    family = families.for_model(base)
-    transformer, targets = trained_lora(family, base, "all_linear")
-    out = tmp_path_factory.mktemp("exports")
-    written = family.export_lora(transformer, out, {"lorapipe.steps": "1"}, {"ss_network_alpha": "3.0"})
-    return transformer, targets, written
-
-
-def test_diffusers_export_loads_and_means_what_was_trained(base, exported):
-    transformer, targets, written = exported
-    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
-                                         "pytorch_lora_weights_comfyui.safetensors"]
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(base), "transformer", written[0]))
-
-
-def test_kohya_export_loads_through_diffusers_converter(base, exported):
+def test_kohya_export_loads_through_diffusers_converter(base, exported_loras):
     """musubi-tuner's spelling (`lora_unet_double_blocks_0_img_attn_qkv`, single blocks' linear1 and
     linear2), read by Flux2KleinPipeline's kohya-Flux.2 converter: every module's change is the
     trained one (fused q/k/v split back by its sparse path)."""
-    transformer, targets, written = exported
+    transformer, targets, written = exported_loras("flux2-klein")
     with safe_open(written[1], "pt") as f:
         modules = {k.rsplit(".", 2)[0] for k in f.keys() if k.endswith(".weight")}
         assert f.metadata()["ss_base_model_version"] == "flux2_klein"
@@ -225,12 +186,12 @@ def test_kohya_export_loads_through_diffusers_converter(base, exported):
     assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(base), "transformer", written[1]))
 
 
-def test_comfyui_export_loads_in_diffusers_and_comfyui(base, exported):
+def test_comfyui_export_loads_in_diffusers_and_comfyui(base, exported_loras):
     """ComfyUI/ai-toolkit's spelling (`diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight`) with
     the scale in lora_B and no `.alpha`, which Flux2KleinPipeline's ai-toolkit converter refuses:
     load_lora_weights reads the file as it is and the fused change is the trained one; ComfyUI reads
     every key of it and of the kohya file and applies the trained model."""
-    transformer, targets, written = exported
+    transformer, targets, written = exported_loras("flux2-klein")
     tensors = load_file(written[2])
     assert "diffusion_model.single_blocks.0.linear1.lora_A.weight" in tensors
     assert not any(k.endswith(".alpha") for k in tensors)

@@ -6,30 +6,21 @@ Ideogram4Pipeline's own loader and mean what was trained."""
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
-from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    trained_lora, quiet_pipeline
-from safetensors import safe_open
+from family_checks import CAPTIONS, assert_builds_byte_identically, assert_means_what_was_trained, \
+    assert_records_are_the_pipelines_at_their_own_tokens, first_call, fused_change, keys_of, quiet_pipeline, \
+    text_records, tiny_model_fixture
 
 import lorapipe.stages.families as families
-from lorapipe.stages.families import ObjectiveParams, TextOptions
+from lorapipe.stages.families import ObjectiveParams
 from lorapipe.stages.families.latents import PatchedBatchNorm
 
-CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 TEXT_WINDOW = 64  # the pipeline's max_sequence_length in these calls: its left padding
 
 
-@pytest.fixture(scope="module")
-def model(tiny_models) -> Path:
-    return tiny_models("ideogram4")
-
-
-
-def _records(family, model: Path, captions: list[str]):
-    return family.load_text_encoder(model, family.text_settings(model, TextOptions()), torch.float32, "cpu")(captions)
+model = tiny_model_fixture("ideogram4")
 
 
 def _tokens_to_latents(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -47,17 +38,13 @@ def test_tiny_ideogram4_builds_byte_identically(model, tmp_path):
 
 def test_text_records_are_what_the_pipeline_encodes(model):
     """Each record is the pipeline's text features at its own tokens (left of them: padding)."""
-    family = families.for_model(model)
-    records = _records(family, model, CAPTIONS)
+    family, records = text_records(model, CAPTIONS)
     with torch.no_grad():
         embeds, _, _, indicator = quiet_pipeline(model).encode_prompt(CAPTIONS, grid_h=2, grid_w=2,
                                                                  max_sequence_length=TEXT_WINDOW, device="cpu")
     text = indicator[:, :TEXT_WINDOW] == 3  # LLM_TOKEN_INDICATOR
-    assert embeds.shape[2] == 13 * 16 and not text.all()
-    for record, embed, own in zip(records, embeds[:, :TEXT_WINDOW], text):
-        assert torch.allclose(record["hidden_states"], embed[own], atol=1e-6)
-    cond = family.conditioning(records, [], ObjectiveParams())
-    assert cond["encoder_attention_mask"].sum(1).tolist() == text.sum(1).tolist()
+    assert embeds.shape[2] == 13 * 16
+    assert_records_are_the_pipelines_at_their_own_tokens(family, records, embeds[:, :TEXT_WINDOW], text, atol=1e-6)
 
 
 def test_latent_normalisation_is_the_pipelines(model):
@@ -84,7 +71,7 @@ def test_denoiser_call_is_the_pipelines(model):
     _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
         CAPTIONS[:2], num_inference_steps=2, height=64, width=48, guidance_scale=3.0, guidance_schedule=None,
         max_sequence_length=TEXT_WINDOW, generator=torch.Generator().manual_seed(0), output_type="latent"))
-    cond = family.conditioning(_records(family, model, CAPTIONS[:2]), [], ObjectiveParams())
+    cond = family.conditioning(text_records(model, CAPTIONS[:2])[1], [], ObjectiveParams())
     noisy = _tokens_to_latents(kwargs["hidden_states"][:, TEXT_WINDOW:], 64, 48)
     sigma = pipe.scheduler.sigmas[0]
     assert torch.allclose(kwargs["timestep"], 1 - sigma.expand(2))
@@ -120,40 +107,12 @@ def test_training_draws_noise_levels_as_the_pipeline_samples_them(model, height,
     assert expected.mean().item() == pytest.approx(0.5 * math.log(height * width / 512 ** 2), abs=1e-3)
 
 
-def test_lora_presets(model):
-    family = families.for_model(model)
-    transformer = family.load_denoiser(model, torch.float32)
-    attention = family.lora_target_modules(transformer, "attention")
-    assert set(attention) == {f"layers.{i}.attention.{m}" for i in range(2) for m in ("to_q", "to_k", "to_v",
-                                                                                     "to_out.0")}
-    with_ff = family.lora_target_modules(transformer, "attention_ff")
-    assert set(with_ff) - set(attention) == {f"layers.{i}.feed_forward.{m}" for i in range(2) for m in ("w1", "w2",
-                                                                                                       "w3")}
-    assert set(family.lora_target_modules(transformer, "all_linear")) - set(with_ff) == \
-        {f"layers.{i}.adaln_modulation" for i in range(2)}
-
-
-@pytest.fixture(scope="module")
-def exported(model, tmp_path_factory):
-    """Every Linear of the blocks adapted (the names Ideogram's files have)."""
-    family = families.for_model(model)
-    transformer = family.load_denoiser(model, torch.float32)
-    transformer, targets = trained_lora(family, model, tuple(family.lora_target_modules(transformer, "all_linear")))
-    return transformer, targets, family.export_lora(transformer, tmp_path_factory.mktemp("exports"), {}, {})
-
-
-def test_diffusers_export_loads_and_means_what_was_trained(model, exported):
-    transformer, targets, written = exported
-    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[0]))
-
-
-def test_original_export_is_in_ideogram_names_and_loads_in_diffusers(model, exported):
+def test_original_export_is_in_ideogram_names_and_loads_in_diffusers(model, exported_loras):
     """`diffusion_model.layers.N.attention.qkv` (q|k|v fused), `attention.o`, the scale in lora_B:
-    read by Ideogram4Pipeline's own non-diffusers converter."""
-    transformer, targets, written = exported
-    with safe_open(written[1], "pt") as f:
-        keys = set(f.keys())
+    read by Ideogram4Pipeline's own non-diffusers converter; every Linear of the blocks adapted (the
+    names Ideogram's files have)."""
+    transformer, targets, written = exported_loras("ideogram4")
+    keys = keys_of(written[1])
     assert {"diffusion_model.layers.0.attention.qkv.lora_A.weight",
             "diffusion_model.layers.1.attention.o.lora_B.weight",
             "diffusion_model.layers.1.feed_forward.w3.lora_A.weight",

@@ -6,29 +6,19 @@ LoRA exports load through Krea2Pipeline's own loader and mean what was trained."
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
 import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
-from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    trained_lora, quiet_pipeline
-from safetensors import safe_open
+from family_checks import CAPTIONS, EVERY_LINEAR, assert_builds_byte_identically, assert_means_what_was_trained, \
+    assert_records_are_the_pipelines_at_their_own_tokens, first_step_predicted, fused_change, keys_of, quiet_pipeline, \
+    text_records, tiny_model_fixture
 
 import lorapipe.stages.families as families
 from lorapipe.stages.families import ObjectiveParams, TextOptions
 
-CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 
-
-@pytest.fixture(scope="module")
-def model(tiny_models) -> Path:
-    return tiny_models("krea2")
-
-
-
-def _records(family, model: Path, captions: list[str]):
-    return family.load_text_encoder(model, family.text_settings(model, TextOptions()), torch.float32, "cpu")(captions)
+model = tiny_model_fixture("krea2")
 
 
 def test_tiny_krea2_builds_byte_identically_and_its_variants_are_told_apart(model, tmp_path):
@@ -45,15 +35,11 @@ def test_tiny_krea2_builds_byte_identically_and_its_variants_are_told_apart(mode
 def test_text_records_are_what_the_pipeline_encodes(model):
     """Each record is the pipeline's embeddings at its mask's tokens, layers concatenated; padded per
     batch, the family's mask marks each record's own tokens."""
-    family = families.for_model(model)
-    records = _records(family, model, CAPTIONS)
+    family, records = text_records(model, CAPTIONS)
     with torch.no_grad():
         embeds, mask = quiet_pipeline(model).encode_prompt(CAPTIONS, max_sequence_length=512)
-    assert embeds.shape[2] == 3 and not mask.all()
-    for record, embed, own in zip(records, embeds, mask):
-        assert torch.equal(record["hidden_states"], embed[own].flatten(1))
-    cond = family.conditioning(records, [], ObjectiveParams())
-    assert cond["encoder_attention_mask"].sum(1).tolist() == mask.sum(1).tolist()
+    assert embeds.shape[2] == 3  # the select layers, concatenated:
+    assert_records_are_the_pipelines_at_their_own_tokens(family, records, embeds.flatten(2), mask)
 
 
 def test_latent_normalisation_is_the_pipelines(model):
@@ -76,14 +62,9 @@ def test_latent_normalisation_is_the_pipelines(model):
 def test_denoiser_call_is_the_pipelines(model):
     """The pipeline pads its text in the middle to a fixed length, the family at the end to the
     batch's longest: the mask leaves the same tokens to attend, so the prediction agrees to rounding."""
-    family, pipe = families.for_model(model), quiet_pipeline(model)
-    _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
-        CAPTIONS[:2], num_inference_steps=2, height=64, width=48, guidance_scale=0.0,
-        generator=torch.Generator().manual_seed(0), output_type="latent"))
-    cond = family.conditioning(_records(family, model, CAPTIONS[:2]), [], ObjectiveParams())
-    noisy = pipe._unpack_latents(kwargs["hidden_states"], 64, 48).squeeze(2)
-    with torch.no_grad():
-        predicted = family.predict(pipe.transformer, noisy, pipe.scheduler.sigmas[0].expand(2), cond, torch.float32)
+    noisy, predicted, output, _, pipe = first_step_predicted(
+        model, CAPTIONS[:2], lambda pipe, kwargs: pipe._unpack_latents(kwargs["hidden_states"], 64, 48).squeeze(2),
+        height=64, width=48, guidance_scale=0.0)
     assert noisy.shape == (2, 4, 8, 6)
     assert torch.allclose(predicted, pipe._unpack_latents(output[0], 64, 48).squeeze(2), atol=1e-5)
 
@@ -107,40 +88,11 @@ def test_shift_is_the_pipelines(model, tmp_path):
     assert fixed.sampling.shift_value == pytest.approx(math.exp(1.15))
 
 
-def test_lora_presets(model):
-    family = families.for_model(model)
-    transformer = family.load_denoiser(model, torch.float32)
-    attention = family.lora_target_modules(transformer, "attention")
-    assert set(attention) == {f"transformer_blocks.{i}.attn.{m}" for i in range(2)
-                              for m in ("to_q", "to_k", "to_v", "to_gate", "to_out.0")}
-    with_ff = family.lora_target_modules(transformer, "attention_ff")
-    assert set(with_ff) - set(attention) == {f"transformer_blocks.{i}.ff.{m}" for i in range(2)
-                                             for m in ("gate", "up", "down")}
-    assert set(family.lora_target_modules(transformer, "all_linear")) == set(with_ff)
-
-
-@pytest.fixture(scope="module")
-def exported(model, tmp_path_factory):
-    """Every Linear of the transformer adapted, the text fusion and embedders included."""
-    family = families.for_model(model)
-    transformer = family.load_denoiser(model, torch.float32)
-    targets = tuple(sorted(name for name, module in transformer.named_modules() if isinstance(module, torch.nn.Linear)))
-    transformer, targets = trained_lora(family, model, targets)
-    return transformer, targets, family.export_lora(transformer, tmp_path_factory.mktemp("exports"), {}, {})
-
-
-def test_diffusers_export_loads_and_means_what_was_trained(model, exported):
-    transformer, targets, written = exported
-    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[0]))
-
-
-def test_comfyui_export_is_in_krea_names_and_loads_in_diffusers(model, exported):
+def test_comfyui_export_is_in_krea_names_and_loads_in_diffusers(model, exported_loras):
     """`diffusion_model.<Krea's name>.lora_A/lora_B.weight`, the scale in lora_B: read by
     Krea2Pipeline's own non-diffusers converter, every module (text fusion, embedders) included."""
-    transformer, targets, written = exported
-    with safe_open(written[1], "pt") as f:
-        keys = set(f.keys())
+    transformer, targets, written = exported_loras("krea2", EVERY_LINEAR)
+    keys = keys_of(written[1])
     assert {"diffusion_model.blocks.0.attn.wq.lora_A.weight", "diffusion_model.blocks.1.mlp.down.lora_B.weight",
             "diffusion_model.txtfusion.refiner_blocks.0.attn.gate.lora_A.weight",
             "diffusion_model.txtfusion.projector.lora_A.weight", "diffusion_model.tproj.1.lora_B.weight"} <= keys

@@ -10,13 +10,12 @@ import json
 import shutil
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    trained_lora, quiet_pipeline
+    keys_of, quiet_pipeline, text_records, tiny_model_fixture, trained_lora
 from safetensors import safe_open
 from test_adapters import exported_comfyui_file, trained_adapter
 
@@ -34,15 +33,7 @@ class Clip:
     fps: float
 
 
-@pytest.fixture(scope="module")
-def model(tiny_models) -> Path:
-    return tiny_models("ltx2")
-
-
-
-def _records(model: Path, captions: list[str], options: TextOptions = TextOptions()):
-    family = families.for_model(model)
-    return family, family.load_text_encoder(model, family.text_settings(model, options), torch.float32, "cpu")(captions)
+model = tiny_model_fixture("ltx2")
 
 
 def test_tiny_ltx2_builds_byte_identically_and_is_told_apart(model, tmp_path):
@@ -78,7 +69,7 @@ def test_text_records_are_what_the_pipelines_connectors_make(model, length):
     """A record is the video connector's output for the stripped caption left-padded to the pipeline's
     max_sequence_length (1024, or encode.max_sequence_length) and its mask: stacked, exactly the
     text embedding and mask the pipeline gives its transformer."""
-    family, records = _records(model, CAPTIONS, TextOptions(max_sequence_length=length))
+    family, records = text_records(model, CAPTIONS, TextOptions(max_sequence_length=length))
     pipe = quiet_pipeline(model)
     with torch.no_grad():
         embeds, mask, _, _ = pipe.encode_prompt(CAPTIONS, do_classifier_free_guidance=False,
@@ -160,7 +151,7 @@ def test_denoiser_call_is_the_pipelines_video_without_audio(model):
          guidance_scale=1.0, max_sequence_length=16, generator=torch.Generator().manual_seed(0), output_type="latent")
     handle.remove()
     kwargs, output = next((kw, out) for kw, out in calls if kw["isolate_modalities"])
-    cond = family.conditioning(_records(model, CAPTIONS[:2], TextOptions(max_sequence_length=16))[1],
+    cond = family.conditioning(text_records(model, CAPTIONS[:2], TextOptions(max_sequence_length=16))[1],
                                [(Clip(25.0), False)] * 2, ObjectiveParams())
     noisy = LTX2Pipeline._unpack_latents(kwargs["hidden_states"], 2, 2, 1)
     sigma, predicted = kwargs["timestep"].float() / 1000, []
@@ -195,41 +186,12 @@ def test_shift_is_the_pipelines_and_counts_every_frame(model):
     assert torch.equal(noised.noisy[1], (1 - t[1]) * latents[1] + t[1] * noise[1])
 
 
-def test_lora_presets_adapt_the_video_stream(model):
-    family = families.for_model(model)
-    transformer = family.load_denoiser(model, torch.float32)
-    attention = family.lora_target_modules(transformer, "attention")
-    assert attention == sorted(f"transformer_blocks.{i}.{a}.{m}" for i in range(2) for a in ("attn1", "attn2")
-                               for m in ("to_q", "to_k", "to_v", "to_out.0"))
-    with_ff = family.lora_target_modules(transformer, "attention_ff")
-    assert set(with_ff) - set(attention) == {f"transformer_blocks.{i}.ff.net.{p}" for i in range(2)
-                                             for p in ("0.proj", "2")}
-    assert family.lora_target_modules(transformer, "all_linear") == with_ff  # no audio module: a video loss
-    # leaves them untrained
-
-
-@pytest.fixture(scope="module")
-def exported(model, tmp_path_factory):
-    family = families.for_model(model)
-    transformer, targets = trained_lora(family, model, "all_linear")
-    return transformer, targets, family.export_lora(transformer, tmp_path_factory.mktemp("exports"), {}, {})
-
-
-def test_diffusers_export_loads_and_means_what_was_trained(model, exported):
-    transformer, targets, written = exported
-    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
-    with safe_open(written[0], "pt") as f:
-        assert set(f.keys()) == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[0]))
-
-
-def test_comfyui_export_loads_in_diffusers_and_comfyui(model, exported):
+def test_comfyui_export_loads_in_diffusers_and_comfyui(model, exported_loras):
     """LTX-2's original names under `diffusion_model.` (transformer_blocks.N.attn1.to_q, ff.net.2), the
     scale in lora_B and no `.alpha`: read by LTX2Pipeline's non-diffusers converter and by ComfyUI,
     both applying the trained model."""
-    transformer, targets, written = exported
-    with safe_open(written[1], "pt") as f:
-        keys = set(f.keys())
+    transformer, targets, written = exported_loras("ltx2")
+    keys = keys_of(written[1])
     assert {"diffusion_model.transformer_blocks.0.attn1.to_q.lora_A.weight",
             "diffusion_model.transformer_blocks.1.ff.net.2.lora_B.weight"} <= keys and len(keys) == 2 * len(targets)
     assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[1]))

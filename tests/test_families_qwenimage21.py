@@ -9,31 +9,19 @@ transformers cannot build any processor with a video processor without torchvisi
 build here; the family reads only the processor's tokenizer, which both hold."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
-from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, \
-    assert_shift_is_the_schedulers, first_call, fused_change, trained_lora, quiet_pipeline
-from safetensors import safe_open
+from family_checks import CAPTIONS, assert_builds_byte_identically, assert_means_what_was_trained, \
+    assert_padded_per_batch_as_the_pipeline, assert_resolution_shift_is_the_pipelines, first_step_predicted, \
+    fused_change, keys_of, quiet_pipeline, text_records, tiny_model_fixture, trained_lora
 
 import lorapipe.stages.families as families
-from lorapipe.stages.families import ObjectiveParams, TextOptions
-
-CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
+from lorapipe.stages.families import TextOptions
 
 
-@pytest.fixture(scope="module")
-def model(tiny_models) -> Path:
-    return tiny_models("qwen-image-2.1")
-
-
-
-def _records(model: Path, captions: list[str]):
-    family = families.for_model(model)
-    encoder = family.load_text_encoder(model, family.text_settings(model, TextOptions()), torch.float32, "cpu")
-    return family, encoder(captions)
+model = tiny_model_fixture("qwen-image-2.1")
 
 
 def test_tiny_qwen_image_21_builds_byte_identically_and_loads(model, tmp_path):
@@ -47,16 +35,10 @@ def test_tiny_qwen_image_21_builds_byte_identically_and_loads(model, tmp_path):
 def test_text_records_are_what_the_pipeline_encodes(model, captions):
     """Unpadded records; padded per batch they are the pipeline's embeddings and mask, and the mask is
     left out, as the pipeline leaves it out, when nothing in the batch is padded."""
-    family, records = _records(model, captions)
+    family, records = text_records(model, captions)
     with torch.no_grad():
         embeds, mask, _ = quiet_pipeline(model).encode_prompt(list(captions), device="cpu")
-    cond = family.conditioning(records, [], ObjectiveParams())
-    assert torch.equal(cond["encoder_hidden_states"], embeds)
-    if mask is None:
-        assert "encoder_hidden_states_mask" not in cond and len(captions) == 1
-    else:
-        assert torch.equal(cond["encoder_hidden_states_mask"], mask.bool())
-        assert [r["hidden_states"].shape[0] for r in records] == mask.sum(1).tolist()
+    assert_padded_per_batch_as_the_pipeline(family, records, embeds, mask)
 
 
 def test_latent_normalisation_is_the_pipelines(model):
@@ -72,59 +54,29 @@ def test_latent_normalisation_is_the_pipelines(model):
 
 
 def test_denoiser_call_is_the_pipelines(model):
-    family, pipe = families.for_model(model), quiet_pipeline(model)
-    _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
-        CAPTIONS[:2], num_inference_steps=2, height=64, width=96, true_cfg_scale=1.0,
-        generator=torch.Generator().manual_seed(0), output_type="latent"))
-    _, records = _records(model, CAPTIONS[:2])
-    cond = family.conditioning(records, [], ObjectiveParams())
-    noisy = pipe._unpack_latents(kwargs["hidden_states"], 64, 96, pipe.vae_scale_factor).squeeze(2)
-    with torch.no_grad():
-        predicted = family.predict(pipe.transformer, noisy, pipe.scheduler.sigmas[0].expand(2), cond, torch.float32)
+    """The transformer returns the joint sequence: the image's 24 tokens are its last."""
+    def unpacked(pipe, tokens: torch.Tensor) -> torch.Tensor:
+        return pipe._unpack_latents(tokens, 64, 96, pipe.vae_scale_factor).squeeze(2)
+
+    noisy, predicted, output, _, pipe = first_step_predicted(
+        model, CAPTIONS[:2], lambda pipe, kwargs: unpacked(pipe, kwargs["hidden_states"]), height=64, width=96,
+        true_cfg_scale=1.0)
     assert noisy.shape == (2, 4, 4, 6)
-    expected = pipe._unpack_latents(output[0][:, -24:], 64, 96, pipe.vae_scale_factor).squeeze(2)
-    assert torch.equal(predicted, expected)
+    assert torch.equal(predicted, unpacked(pipe, output[0][:, -24:]))
 
 
 def test_shift_is_the_schedulers(model):
     from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
 
-    objective = assert_shift_is_the_schedulers(model, lambda tokens: calculate_shift(tokens, 256, 4096, 0.5, 0.9))
-    assert (objective.sampling.shift, objective.sampling.max_shift) == ("resolution", 0.9)
+    assert_resolution_shift_is_the_pipelines(model, calculate_shift, 256, 4096, 0.5, 0.9)
 
 
-def test_lora_presets(model):
-    family = families.for_model(model)
-    transformer = family.load_denoiser(model, torch.float32)
-    attention = family.lora_target_modules(transformer, "attention")
-    assert set(attention) == {f"transformer_blocks.{i}.attn.{m}" for i in range(2)
-                              for m in ("to_q", "to_k", "to_v", "to_out.0")}
-    with_ff = family.lora_target_modules(transformer, "attention_ff")
-    assert set(with_ff) - set(attention) == {f"transformer_blocks.{i}.img_mlp.{m}" for i in range(2)
-                                             for m in ("gate_layer", "proj", "out")}
-    assert set(family.lora_target_modules(transformer, "all_linear")) == set(with_ff)
-
-
-@pytest.fixture(scope="module")
-def exported(model, tmp_path_factory):
-    family = families.for_model(model)
-    transformer, targets = trained_lora(family, model, "all_linear")
-    return transformer, targets, family.export_lora(transformer, tmp_path_factory.mktemp("exports"), {}, {})
-
-
-def test_diffusers_export_loads_and_means_what_was_trained(model, exported):
-    transformer, targets, written = exported
-    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[0]))
-
-
-def test_comfyui_export_fuses_gate_and_up_as_the_original_checkpoint(model, exported):
+def test_comfyui_export_fuses_gate_and_up_as_the_original_checkpoint(model, exported_loras):
     """`diffusion_model.<name>`, the MLP's gate and up one `gate_up` LoRA (downs stacked, ups
     block-diagonal, gate rows first): ComfyUI's model applies the trained model from it and reads
     every key."""
-    transformer, _, written = exported
-    with safe_open(written[1], "pt") as f:
-        keys = set(f.keys())
+    transformer, _, written = exported_loras("qwen-image-2.1")
+    keys = keys_of(written[1])
     assert "diffusion_model.transformer_blocks.0.img_mlp.gate_up.lora_A.weight" in keys
     assert not any(".gate_layer." in k or ".img_mlp.proj." in k for k in keys)
     family = families.for_model(model)

@@ -12,7 +12,7 @@ import torch
 
 import lorapipe.stages.families as families
 from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
-from family_checks import assert_means_what_was_trained, fused_change, respelled_as_kohya, trained_lora
+from family_checks import assert_means_what_was_trained, fused_change, keys_of, respelled_as_kohya, trained_lora
 from safetensors import safe_open
 from lorapipe.stages.encoded import EncodedData
 from lorapipe.stages.families import ObjectiveParams, TextOptions, TimestepSampling
@@ -102,8 +102,7 @@ def test_comfyui_export_in_ldm_names_means_what_was_trained(arch, tiny_model, sd
     unet, targets = trained_lora(family, model, "all_linear")
     written = family.export_lora(unet, tmp_path, {}, {})
     comfy = written[2]
-    with safe_open(comfy, "pt") as f:
-        keys = set(f.keys())
+    keys = keys_of(comfy)
     assert comfy.name == "pytorch_lora_weights_comfyui.safetensors"
     assert {"diffusion_model.input_blocks.1.0.emb_layers.1.lora_A.weight", "diffusion_model.time_embed.0.lora_B.weight",
             "diffusion_model.middle_block.1.transformer_blocks.0.attn2.to_k.lora_B.weight"} < keys

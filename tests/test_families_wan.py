@@ -17,7 +17,7 @@ import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    trained_lora, quiet_pipeline
+    keys_of, quiet_pipeline, text_records, trained_lora
 from safetensors import safe_open
 from test_adapters import exported_comfyui_file, trained_adapter
 
@@ -34,11 +34,6 @@ ARCHES = ("wan2.1", "wan2.2-5b", "wan2.2-a14b")
 def models(tiny_models) -> dict[str, Path]:
     return {arch: tiny_models(arch) for arch in ARCHES}
 
-
-
-def _records(model: Path, captions: list[str], options: TextOptions = TextOptions()):
-    family = families.for_model(model)
-    return family, family.load_text_encoder(model, family.text_settings(model, options), torch.float32, "cpu")(captions)
 
 
 @pytest.mark.parametrize("arch", ARCHES)
@@ -108,7 +103,7 @@ def test_each_a14b_expert_predicts_as_the_pipeline_at_its_noise_levels_only(choi
     assert all(k["timestep"] >= 875 for k, _ in calls["transformer"]) and calls["transformer"]
     assert all(k["timestep"] < 875 for k, _ in calls["transformer_2"]) and calls["transformer_2"]
     objective = family.objective(model, ObjectiveParams())
-    cond = family.conditioning(_records(model, CAPTIONS[:1])[1], [], ObjectiveParams())
+    cond = family.conditioning(text_records(model, CAPTIONS[:1])[1], [], ObjectiveParams())
     for kwargs, output in calls[component]:
         sigma = kwargs["timestep"].float() / 1000
         assert objective.in_range(sigma).all()
@@ -127,7 +122,7 @@ def test_text_records_are_what_the_pipeline_encodes(models, length):
     pipeline's max_sequence_length (the default 512, or encode.max_sequence_length), unmasked, and
     gets exactly the pipeline's prompt embeddings."""
     model = models["wan2.1"]
-    family, records = _records(model, CAPTIONS, TextOptions(max_sequence_length=length))
+    family, records = text_records(model, CAPTIONS, TextOptions(max_sequence_length=length))
     with torch.no_grad():
         embeds, _ = quiet_pipeline(model).encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False,
                                                    max_sequence_length=length or 512)
@@ -189,7 +184,7 @@ def test_denoiser_call_is_the_pipelines(arch, models):
     _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
         CAPTIONS[:2], num_inference_steps=2, height=64, width=32, num_frames=5, guidance_scale=1.0,
         generator=torch.Generator().manual_seed(0), output_type="latent"))
-    cond = family.conditioning(_records(model, CAPTIONS[:2])[1], [], ObjectiveParams())
+    cond = family.conditioning(text_records(model, CAPTIONS[:2])[1], [], ObjectiveParams())
     noisy = kwargs["hidden_states"]
     sigma = pipe.scheduler.timesteps[0].float().expand(2) / 1000
     with torch.no_grad():
@@ -222,41 +217,12 @@ def test_shift_is_the_schedulers_flow_shift(arch, flow_shift, models):
     assert objective.loss(noised.target, torch.zeros_like(noised.target), None, mask) == 0
 
 
-def test_lora_presets(models):
-    family = families.for_model(models["wan2.1"])
-    transformer = family.load_denoiser(models["wan2.1"], torch.float32)
-    attention = family.lora_target_modules(transformer, "attention")
-    assert attention == sorted(f"blocks.{i}.{a}.{m}" for i in range(2) for a in ("attn1", "attn2")
-                               for m in ("to_q", "to_k", "to_v", "to_out.0"))
-    with_ff = family.lora_target_modules(transformer, "attention_ff")
-    assert set(with_ff) - set(attention) == {f"blocks.{i}.ffn.net.{p}" for i in range(2) for p in ("0.proj", "2")}
-    assert family.lora_target_modules(transformer, "all_linear") == with_ff  # a block has no other Linear
-
-
-@pytest.fixture(scope="module")
-def exported(models, tmp_path_factory):
-    family = families.for_model(models["wan2.1"])
-    transformer, targets = trained_lora(family, models["wan2.1"], "all_linear")
-    return transformer, targets, family.export_lora(transformer, tmp_path_factory.mktemp("exports"), {}, {})
-
-
-def test_diffusers_export_loads_and_means_what_was_trained(models, exported):
-    transformer, targets, written = exported
-    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
-                                         "pytorch_lora_weights_comfyui.safetensors"]
-    with safe_open(written[0], "pt") as f:
-        assert set(f.keys()) == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(models["wan2.1"]), "transformer",
-                                                                     written[0]))
-
-
-def test_comfyui_export_loads_in_diffusers_and_comfyui(models, exported):
+def test_comfyui_export_loads_in_diffusers_and_comfyui(models, exported_loras):
     """Wan's original names under `diffusion_model.` (blocks.N.self_attn.q, cross_attn.o, ffn.0), the
     scale in lora_B and no `.alpha`: read by WanPipeline's non-diffusers converter and by ComfyUI,
     both applying the trained model."""
-    transformer, targets, written = exported
-    with safe_open(written[2], "pt") as f:
-        keys = set(f.keys())
+    transformer, targets, written = exported_loras("wan2.1")
+    keys = keys_of(written[2])
     assert {"diffusion_model.blocks.0.self_attn.q.lora_A.weight", "diffusion_model.blocks.1.cross_attn.o.lora_B.weight",
             "diffusion_model.blocks.1.ffn.0.lora_A.weight"} <= keys and len(keys) == 2 * len(targets)
     assert not any(k.endswith(".alpha") for k in keys)
@@ -265,11 +231,11 @@ def test_comfyui_export_loads_in_diffusers_and_comfyui(models, exported):
     assert_comfyui_applies_the_merged_model(written[2], transformer, families.for_model(models["wan2.1"]))
 
 
-def test_musubi_export_loads_in_diffusers_and_comfyui(models, exported):
+def test_musubi_export_loads_in_diffusers_and_comfyui(models, exported_loras):
     """musubi-tuner's spelling (`lora_unet_blocks_0_self_attn_q.lora_down.weight`, `.alpha` = scale x
     rank, weights as trained): WanPipeline's musubi converter reads it (it wants every Linear of every
     block: the attention_ff and all_linear presets), and ComfyUI maps every key."""
-    transformer, targets, written = exported
+    transformer, targets, written = exported_loras("wan2.1")
     with safe_open(written[1], "pt") as f:
         assert "lora_unet_blocks_0_self_attn_q.alpha" in f.keys()
     assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(models["wan2.1"]), "transformer",

@@ -5,30 +5,18 @@ Turbo is known as distilled, and both LoRA exports load through diffusers' own l
 what was trained."""
 from __future__ import annotations
 
-from pathlib import Path
 
 import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
-from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    trained_lora, quiet_pipeline
-from safetensors import safe_open
+from family_checks import CAPTIONS, assert_builds_byte_identically, assert_means_what_was_trained, first_call, \
+    fused_change, keys_of, quiet_pipeline, text_records, tiny_model_fixture
 
 import lorapipe.stages.families as families
 from lorapipe.stages.families import ObjectiveParams, TextOptions
 
-CAPTIONS = ["a photo of a tabby cat looking to the side", "a rocket", ""]
 
-
-@pytest.fixture(scope="module")
-def base(zimage_model) -> Path:
-    return zimage_model
-
-
-@pytest.fixture(scope="module")
-def turbo(zimage_turbo_model) -> Path:
-    return zimage_turbo_model
-
+base, turbo = tiny_model_fixture("z-image"), tiny_model_fixture("z-image-turbo")
 
 
 def test_tiny_zimage_builds_byte_identically_and_loads(base, tmp_path):
@@ -55,9 +43,7 @@ def test_variants_are_told_apart_by_the_scheduler(base, turbo):
 def test_text_records_are_what_the_pipeline_encodes(base):
     """Records hold the caption's own tokens (unpadded); the family pads a batch with zeros and a mask,
     and the transformer gets back exactly the pipeline's list of prompt embeddings."""
-    family = families.for_model(base)
-    settings = family.text_settings(base, TextOptions())
-    records = family.load_text_encoder(base, settings, torch.float32, "cpu")(CAPTIONS)
+    family, records = text_records(base, CAPTIONS)
     with torch.no_grad():
         embeds, _ = quiet_pipeline(base).encode_prompt(list(CAPTIONS), do_classifier_free_guidance=False)
     lengths = [r["hidden_states"].shape[0] for r in records]
@@ -118,39 +104,16 @@ def test_shift_is_the_schedulers(base, turbo):
         assert torch.allclose(objective.shifted(u, 16), scheduler.sigmas[:-1])
 
 
-def test_lora_presets(base):
-    family = families.for_model(base)
-    transformer = family.load_denoiser(base, torch.float32)
-    attention = family.lora_target_modules(transformer, "attention")
-    blocks = ["layers.0", "layers.1", "noise_refiner.0", "context_refiner.0"]
-    assert attention == sorted(f"{b}.attention.{m}" for b in blocks for m in ("to_q", "to_k", "to_v", "to_out.0"))
-    with_ff = family.lora_target_modules(transformer, "attention_ff")
-    assert set(with_ff) - set(attention) == {f"{b}.feed_forward.{w}" for b in blocks for w in ("w1", "w2", "w3")}
-    every = family.lora_target_modules(transformer, "all_linear")
-    assert set(every) - set(with_ff) == {f"{b}.adaLN_modulation.0" for b in blocks[:3]}
-
-
-def test_diffusers_export_loads_and_means_what_was_trained(base, tmp_path):
-    family = families.for_model(base)
-    transformer, targets = trained_lora(family, base, "all_linear")
-    written = family.export_lora(transformer, tmp_path, {"lorapipe.steps": "1"}, {"ss_network_dim": "4"})
-    assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
-    with safe_open(written[0], "pt") as f:
-        assert set(f.keys()) == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(base), "transformer", written[0]))
-
-
-def test_comfyui_export_loads_in_diffusers_and_comfyui(base, tmp_path):
+def test_comfyui_export_loads_in_diffusers_and_comfyui(base, exported_loras):
     """ComfyUI's names for Z-Image LoRAs, diffusers' own under `diffusion_model.` (attention.to_q,
     to_out.0, feed_forward.w1-3, adaLN_modulation.0), the scale in lora_B and no `.alpha`: ZImagePipeline
     .load_lora_weights reads the file as it is (its converter leaves fused `attention.qkv` and `.alpha`
     keys of this spelling unread or refused), and ComfyUI maps every key onto its rows of the fused
     weights; both apply the trained model."""
     family = families.for_model(base)
-    transformer, targets = trained_lora(family, base, "all_linear")
-    comfy = family.export_lora(transformer, tmp_path, {}, {})[1]
-    with safe_open(comfy, "pt") as f:
-        keys = set(f.keys())
+    transformer, targets, written = exported_loras("z-image")
+    comfy = written[1]
+    keys = keys_of(comfy)
     modules = {k.removeprefix("diffusion_model.").rsplit(".", 2)[0] for k in keys}
     assert modules == set(targets) and len(keys) == 2 * len(targets)
     assert "diffusion_model.layers.0.attention.to_q.lora_A.weight" in keys
