@@ -1,6 +1,6 @@
 """The `lorapipe` command line.
 
-    lorapipe demo [--arch ARCH] [--edit] [--caption] [--workdir DIR]
+    lorapipe demo [--arch ARCH] [--edit] [--caption] [--workdir DIR] [--set key=value]...
     lorapipe run CONFIG [--only S]... [--from S] [--force S]... [--set key=value]... [--strict] [--json]
     lorapipe sweep CONFIG [--grid key=v1,v2]... [--set key=value]... [--concurrency N] [--strict] [--json]
     lorapipe status CONFIG [--set key=value]... [--strict] [--json]
@@ -52,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
                       " family that takes reference images; an edit model's demo always does)")
     demo.add_argument("--caption", action="store_true", help="the bundled photos without captions, captioned by a"
                       " tiny captioner (the caption stage) before training")
+    demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
+                      help="change a setting of the demo's config for this run (train.max_steps=50)")
     demo.add_argument("--json", action="store_true")
     run = sub.add_parser("run", parents=[common], help="run a config's pipeline")
     sweep = sub.add_parser("sweep", parents=[common], help="train and evaluate a config's variants over one encode;"
@@ -142,7 +144,7 @@ def _dispatch(args: argparse.Namespace) -> int:
         from .demo import prepare_demo
 
         config = prepare_demo(args.workdir, args.arch, args.edit, args.caption)
-        return commands.run(config, [], [], None, [], args.json, args.debug, server)
+        return commands.run(config, args.overrides, [], None, [], args.json, args.debug, server)
     if args.command == "run":
         return commands.run(args.config, args.overrides + STRICT * args.strict, args.only, args.start, args.force,
                             args.json, args.debug, server)
