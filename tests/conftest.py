@@ -21,6 +21,9 @@ os.environ.update({
 
 LIBRARY_WARNINGS_SHOWN = {"TRANSFORMERS_VERBOSITY": "warning", "DIFFUSERS_VERBOSITY": "warning"}  # as for a user
 REPO = Path(__file__).resolve().parent.parent
+# What a demo run trains and renders in the tests that are not about the shipped demo itself (test_demo's
+# demo_runs runs it as shipped): enough for every tiny model's LoRA to beat its base (docs/testing.md).
+FEWER_STEPS = ("--set", "train.max_steps=60", "--set", "evaluate.num_inference_steps=2")
 DEMO_IMAGES = REPO / "stages" / "assets" / "demo_images"
 
 

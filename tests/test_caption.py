@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import FEWER_STEPS
 from PIL import Image
 from test_invalidation import SMALL, run_all, statuses
 
@@ -349,7 +350,8 @@ def test_the_caption_demo_runs_through_the_flow_and_then_from_the_cache(tmp_path
            "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
     summaries, printed = [], []
     for _ in range(2):
-        done = subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", "demo", "--caption", "--workdir", "run"],
+        done = subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", "demo", "--caption", "--workdir", "run",
+                               *FEWER_STEPS],
                               cwd=tmp_path, env=env, text=True, capture_output=True, timeout=900)
         assert done.returncode == 0, done.stderr[-3000:]
         printed.append(done.stdout)

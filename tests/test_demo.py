@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import LIBRARY_WARNINGS_SHOWN
+from conftest import FEWER_STEPS, LIBRARY_WARNINGS_SHOWN
 
 pytestmark = pytest.mark.slow
 
@@ -25,11 +25,11 @@ def lorapipe(*args: str, cwd: Path, prefect_home: Path | None = None) -> subproc
 
 
 def demo_on_tiny_model(arch: str, workdir: Path, tiny_models) -> subprocess.CompletedProcess:
-    """`lorapipe demo --arch ARCH --workdir WORKDIR` run from WORKDIR's parent, WORKDIR holding a copy
-    of the session's tiny model of ARCH, which the demo then trains instead of building its own (the
-    same bytes: the SD demo's runs below cover building it)."""
+    """`lorapipe demo --arch ARCH --workdir WORKDIR` (FEWER_STEPS) run from WORKDIR's parent,
+    WORKDIR holding a copy of the session's tiny model of ARCH, which the demo then trains instead of
+    building its own (the same bytes: the SD demo's runs below cover building it)."""
     shutil.copytree(tiny_models(arch), workdir / "model")
-    return lorapipe("demo", "--arch", arch, "--workdir", workdir.name, cwd=workdir.parent)
+    return lorapipe("demo", "--arch", arch, "--workdir", workdir.name, *FEWER_STEPS, cwd=workdir.parent)
 
 
 @pytest.fixture(scope="module")
@@ -175,10 +175,13 @@ def test_status_says_hit_or_miss_and_which_ingredient_changed(demo_runs, capsys)
 
 def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path, tiny_models):
     """`lorapipe demo --arch flux1`: the same layout and outputs as the SD demo, on the tiny Flux.1 dev
-    (flow matching); a workdir already holding another arch's model is refused in one line."""
+    (flow matching), trained for the steps its --set says; a workdir already holding another arch's
+    model is refused in one line."""
     run = demo_on_tiny_model("flux1", tmp_path / "flux", tiny_models)
     assert run.returncode == 0, run.stderr[-3000:]
     outputs = tmp_path / "flux" / "outputs"
+    last = json.loads((outputs / "logs" / "loss.jsonl").read_text().splitlines()[-1])
+    assert f"train.max_steps={last['step']}" in FEWER_STEPS
     for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_kohya.safetensors",
                  "pytorch_lora_weights_comfyui.safetensors", "grid.png", "metrics.json"):
         assert (outputs / name).is_file()

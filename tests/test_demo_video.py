@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from conftest import FEWER_STEPS
 from test_demo import demo_on_tiny_model, lorapipe
 
 from lorapipe.stages.demo_clips import SCENES
@@ -52,7 +53,7 @@ def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_pa
     assert metrics["clips"][0] == "grid.webp" and len(metrics["clips"]) == 1 + RENDERED
     assert all((evaluated / clip).is_file() for clip in metrics["clips"])
 
-    second = lorapipe("demo", "--arch", arch, "--workdir", arch, cwd=tmp_path)
+    second = lorapipe("demo", "--arch", arch, "--workdir", arch, *FEWER_STEPS, cwd=tmp_path)
     assert second.returncode == 0, second.stderr[-3000:]
     again = json.loads((outputs / "run-summary.json").read_text())
     assert [s["status"] for s in again["stages"]] == ["hit"] * 4
