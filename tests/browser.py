@@ -3,12 +3,14 @@ review): Debian's chromium, installed with apt-get when missing, driven over the
 from __future__ import annotations
 
 import base64
+import fcntl
 import json
 import os
 import shlex
 import shutil
 import signal
 import subprocess
+import tempfile
 import time
 import urllib.request
 from pathlib import Path
@@ -39,7 +41,14 @@ def stop(process: subprocess.Popen, sig: int, grace: float = 20) -> None:
 
 
 def installed_chromium() -> Path:
-    """Debian's chromium, installed here (apt-get, as root) when missing: the UI checks never skip."""
+    """Debian's chromium, installed here (apt-get, as root) when missing: the UI checks never skip.
+    One install at a time (pytest-xdist's workers ask at once; apt holds dpkg's lock)."""
+    with open(Path(tempfile.gettempdir()) / "lorapipe-tests-chromium.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _install_chromium()
+
+
+def _install_chromium() -> Path:
     if not CHROMIUM.exists():
         if os.geteuid() != 0 or not shutil.which("apt-get"):
             pytest.fail(f"{CHROMIUM} is missing and this is not root with apt-get: `apt-get install -y chromium`")

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import signal
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +19,24 @@ os.environ.update({
     "DO_NOT_TRACK": "1",
     "PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS": "90",
 })
+
+
+def pytest_configure(config):
+    """Ctrl-C reaches the commands the tests start as it does from a terminal: a suite started as a
+    background job (`cmd &` in a script, as CI may) inherits SIGINT ignored, and every child would
+    too (the Ctrl-C tests then passed only after an in-process flow, whose anyio runner reinstalls
+    Python's handler). Under pytest-xdist (make test: docs/testing.md) each worker's own torch work
+    gets its share of the cores, so that two workers do not run two threads each on CI's 2 cores."""
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    worker = getattr(config, "workerinput", None)
+    if worker is not None:
+        import torch
+
+        from lorapipe.stages.cpu_threads import usable_cores
+
+        torch.set_num_threads(max(1, usable_cores() // int(worker["workercount"])))
+
 
 LIBRARY_WARNINGS_SHOWN = {"TRANSFORMERS_VERBOSITY": "warning", "DIFFUSERS_VERBOSITY": "warning"}  # as for a user
 REPO = Path(__file__).resolve().parent.parent

@@ -29,6 +29,9 @@ from lorapipe.cache.samples import DamagedRecord
 from lorapipe.cache.store import Built, StageKey
 from lorapipe.flows.cli import main
 
+# Leases of LEASE seconds renewed by processes that must keep to them: alone, after the parallel tests
+pytestmark = pytest.mark.serial
+
 REPO = Path(__file__).resolve().parent.parent
 LEASE = 2.0  # seconds: a killed holder's lease is taken over ~2.5 s after the waiter first sees it
 BUILDER = textwrap.dedent("""
