@@ -16,6 +16,7 @@ a non-zero exit code (2 for a bad config, 1 otherwise); a run's traceback is in 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import traceback
@@ -25,6 +26,8 @@ from lorapipe.cache.errors import one_line, user_message
 from lorapipe.stages.launching import skip_exit_collection
 from lorapipe.stages.library_notes import quiet_harmless_notes
 from lorapipe.stages.optional_libraries import hide
+
+from .run_record import RunRecord, recording
 
 STRICT = ["preprocess.on_bad_row=error"]  # --strict: a bad metadata row stops the run
 INTERRUPTED = "interrupted; run again to resume (finished stages stay cached)"  # Ctrl-C outside training
@@ -106,21 +109,28 @@ def main(argv: list[str] | None = None) -> int:
     quiet_harmless_notes()
     if args.command == "demo":
         os.environ.setdefault("PREFECT_HOME", str((args.workdir / "prefect").resolve()))
-    try:
-        return _dispatch(args)
-    except KeyboardInterrupt as interrupt:  # one line, no traceback; a stage's own (Interrupted) says how far it got
-        print(f"lorapipe: {str(interrupt) or INTERRUPTED}", file=sys.stderr)
-        return 130
-    except Exception as error:
-        if args.debug:
-            traceback.print_exc()
-        print(f"lorapipe: error: {error_line(error)}", file=sys.stderr)
-        from .config import ConfigError
+    with recording() as record:
+        try:
+            return _dispatch(args)
+        except KeyboardInterrupt as interrupt:  # one line, no traceback; a stage's own (Interrupted) says how far it got
+            return failed(args, record, str(interrupt) or INTERRUPTED, 130)
+        except Exception as error:
+            if args.debug:
+                traceback.print_exc()
+            from .config import ConfigError
 
-        return 2 if isinstance(error, ConfigError) else 1
-    finally:
-        if args.command in FLOW_COMMANDS:  # a process that imported Prefect, and diffusers for an in-process stage
-            skip_exit_collection()
+            return failed(args, record, f"error: {error_line(error)}", 2 if isinstance(error, ConfigError) else 1)
+        finally:
+            if args.command in FLOW_COMMANDS:  # a process that imported Prefect, and diffusers for an in-process stage
+                skip_exit_collection()
+
+
+def failed(args: argparse.Namespace, record: RunRecord, line: str, exit_code: int) -> int:
+    """The command's one line on stderr and, with --json, one document on stdout saying what ran."""
+    print(f"lorapipe: {line}", file=sys.stderr)
+    if getattr(args, "json", False):
+        print(json.dumps(record.failure(line, exit_code), indent=1, default=str))
+    return exit_code
 
 
 def error_line(error: Exception) -> str:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 from lorapipe.cache.errors import UserError
 
 from .config import PipelineConfig, load_config
+from .run_record import current
 
 if TYPE_CHECKING:
     from lorapipe.stages.preprocess.sources import DatasetSource
@@ -58,10 +59,11 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
     from .runlog import new_log_path, run_log
 
     config = load_config(config_path, overrides)
+    current().pipeline = config.name
     plan = plan_run(config, only, start, force, note)  # what fails here is the command's only line
     print(f"lorapipe: running pipeline {config.name!r} ({config_path}): starting Prefect", file=sys.stderr,
           flush=True)  # with Prefect's log lines; stdout stays the summary (--json)
-    log_path = new_log_path(config.output_dir)
+    log_path = current().log = new_log_path(config.output_dir)
     if server and plan.served_from_cache():  # a temporary server would record a run nobody sees
         from .cached_run import all_cached_run
 
@@ -97,9 +99,10 @@ def sweep(config_path: Path, overrides: list[str], grid: list[str], concurrency:
     from .sweep.grid import load_sweep
 
     sweep = load_sweep(config_path, overrides, grid, concurrency)
+    current().pipeline = sweep.base.name
     plan_run(sweep.base, ["encode"], None, [], note)  # what fails here is the command's only line
     note(f"sweeping {len(sweep.variants)} variants of pipeline {sweep.base.name!r} ({config_path}): starting Prefect")
-    log_path = new_log_path(sweep.base.output_dir)
+    log_path = current().log = new_log_path(sweep.base.output_dir)
     # overlapping Prefect's start, and done before the variants' threads evaluate side by side
     importing = import_model_code_ahead(sweep.base, frozenset({"encode", "evaluate"}))
     if server and server.connect():
@@ -164,6 +167,7 @@ def status(config_path: Path, overrides: list[str], as_json: bool) -> int:
     from .run_plan import plan_status
 
     config = load_config(config_path, overrides)
+    current().pipeline = config.name
     rows = [standing.row() for standing in plan_status(config, note).standings]
     if as_json:
         _print_json({"pipeline": config.name, "stages": rows})

@@ -36,6 +36,7 @@ from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config
 from .outputs import finish_run, with_files
 from .plan import ALL_STAGES, Context
+from .run_record import current
 from .run_plan import RunPlan, plan_flow
 from .runner import StageResult, run_stage
 from .training import follow_train, machine_folder, run_warm_train
@@ -140,8 +141,13 @@ def stage_task(body: Callable[..., Done]) -> Callable[..., Done | None]:
         if stage not in plan.walked:
             return None
         state = prefect_task(config, plan, *args, return_state=True)
-        done = state.result()
+        try:
+            done = state.result()
+        except BaseException:
+            current().stages.append({"stage": stage, "status": "failed"})
+            raise
         done.result.prefect_state = state.name
+        current().stages.append(done.result.to_json())
         return done
 
     return call

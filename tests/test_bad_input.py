@@ -303,6 +303,27 @@ def test_debug_shows_the_traceback_and_still_ends_with_the_line(ws, tmp_path):
     assert "vae/diffusion_pytorch_model.safetensors is truncated" in done.stderr.splitlines()[-1]
 
 
+def test_json_prints_one_document_with_the_error_and_the_stages_that_ran(ws, tmp_path):
+    with args("--set", "train.target_modules=[to_out]")(ws, tmp_path) as argv:
+        done = lorapipe(ws, ["run", *argv, "--json"], plain_user=False)
+    document = json.loads(done.stdout)
+    assert done.returncode == document["exit_code"] == 1
+    assert f"lorapipe: {document['error']}" == done.stderr.splitlines()[-1]
+    assert [(row["stage"], row["status"]) for row in document["stages"]] == [
+        ("preprocess", "hit"), ("encode", "hit"), ("train", "failed")]
+    assert document["pipeline"] == "bad" and "Traceback" in Path(document["log"]).read_text()
+
+
+@pytest.mark.parametrize("argv", [["run", "{config}", "--set", "train.rank=0"], ["sweep", "{config}", "--grid", "train.rank"],
+                                  ["status", "{config}", "--set", "train.rank=0"], ["cache", "ls", "--config", "{tmp}/no.yaml"],
+                                  ["captions", "export", "{config}"]], ids=lambda argv: argv[0])
+def test_json_prints_the_error_of_a_command_that_fails_before_it_runs(ws, tmp_path, argv):
+    done = lorapipe(ws, [a.format(config=ws.config, tmp=tmp_path) for a in argv] + ["--json"], plain_user=False)
+    document = json.loads(done.stdout)
+    assert done.returncode == document["exit_code"] != 0
+    assert f"lorapipe: {document['error']}" == done.stderr.splitlines()[-1] and document["stages"] == []
+
+
 @contextmanager
 def folders_read_only(root: Path) -> Iterator[None]:
     """`root` and every folder in it without write permission, as on a share mounted read-only
