@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FEWER_STEPS
+from conftest import FEWER_STEPS, LIBRARY_WARNINGS_SHOWN, REPO
 from PIL import Image
 from test_invalidation import SMALL, run_all, statuses
 
@@ -115,10 +115,15 @@ def test_sampling_settings_are_keyed_only_when_sampling(tmp_path, tiny_model, ti
                                    top_p=0.9), "test")
 
 
-def test_the_tiny_captioner_is_rebuilt_byte_for_byte(tmp_path, tiny_captioner):
-    from lorapipe.stages.families.tiny.captioner import build_tiny_captioner
-
-    assert files(build_tiny_captioner(tmp_path / "again")) == files(tiny_captioner)
+def test_tiny_model_rebuilds_the_demos_tiny_captioner_byte_for_byte_and_prints_only_its_folder(tmp_path,
+                                                                                                tiny_captioner):
+    """`lorapipe tiny-model DIR --arch captioner` builds the captioner `demo --caption` uses (the
+    fixture's builder), the same bytes; no note of a library it never uses (torchao's) on the terminal."""
+    folder = tmp_path / "captioner"
+    built = subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", "tiny-model", str(folder), "--arch", "captioner"],
+                           cwd=REPO, env={**os.environ, **LIBRARY_WARNINGS_SHOWN}, capture_output=True, text=True, timeout=300)
+    assert (built.returncode, built.stdout, built.stderr) == (0, f"{folder}\n", "")
+    assert files(folder) == files(tiny_captioner)
 
 
 def test_config_rules_name_their_keys(tmp_path, tiny_model, tiny_captioner):
