@@ -376,6 +376,31 @@ def test_the_caption_demo_runs_through_the_flow_and_then_from_the_cache(tmp_path
     assert written == {f"{i}.txt": e["generated"] + "\n" for i, e in generated["samples"].items()}  # a sidecar each
 
 
+def test_a_second_export_finds_the_captions_its_first_made_written_captions(tmp_path, tiny_model, tiny_captioner,
+                                                                            demo_images, capsys):
+    """The first export's sidecars change the data (preprocess's key), so the captions are no longer
+    the current config's: the second export finds those of the pipeline's last run, writes nothing,
+    leaves every file as it was, and says why it skipped each."""
+    import yaml
+
+    from lorapipe.flows.cli import main
+
+    data = half_captioned(demo_images, tmp_path / "data")
+    raw = raw_config(tmp_path, tiny_model, data, tmp_path / "cache", tiny_captioner)
+    run_all(validate_config(raw, "test"), UPTO_CAPTION)
+    config_path = tmp_path / "t.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    assert main(["captions", "export", str(config_path)]) == 0
+    assert capsys.readouterr().out.endswith(f"{len(UNCAPTIONED)} caption file(s) written, 0 skipped\n")
+    first = files(data)
+    assert main(["captions", "export", str(config_path)]) == 0
+    printed = capsys.readouterr()
+    assert files(data) == first
+    assert printed.out.splitlines()[-1] == (f"0 caption file(s) written, {len(UNCAPTIONED)} skipped"
+                                            f" (already holds this caption: {len(UNCAPTIONED)})")
+    assert "the data changed since its captions were made (preprocess: " in printed.err  # why the last run's
+
+
 def test_a_qwen_processor_that_needs_torchvision_is_one_line(tmp_path, tiny_captioner):
     """transformers' own Qwen2.5-VL processor builds a video processor that needs torchvision, even
     for images (the tiny captioner's PaddleOCRVLProcessor does not)."""
