@@ -6,7 +6,8 @@
     lorapipe status CONFIG [--set key=value]... [--strict] [--json]
     lorapipe cache ls|verify|rm|gc [--cache-dir DIR | --config CONFIG] [--keep-last N] [--keep-days D | --since DATE]
     lorapipe captions export CONFIG [DIR]... [--overwrite] [--set key=value]... [--json]
-    lorapipe tiny-model DIR [--arch ARCH]            ARCH: a tiny model of the family registry (stages/families)
+    lorapipe tiny-model DIR [--arch ARCH]            ARCH: a tiny model of the family registry (stages/families),
+                                                     or `captioner` (the tiny captioner of `demo --caption`)
 
 Every command takes --debug. An error ends the command with one line, `lorapipe: error: ...`, and
 a non-zero exit code (2 for a bad config, 1 otherwise); a run's traceback is in its log file
@@ -32,6 +33,7 @@ from .run_record import RunRecord, recording
 STRICT = ["preprocess.on_bad_row=error"]  # --strict: a bad metadata row stops the run
 INTERRUPTED = "interrupted; run again to resume (finished stages stay cached)"  # Ctrl-C outside training
 FLOW_COMMANDS = ("demo", "run", "sweep")  # the commands that run the pipeline in this process
+HIDING_COMMANDS = (*FLOW_COMMANDS, "tiny-model")  # those that never use bitsandbytes or torchao in this process
 PREFECT_DEFAULTS = {
     "PREFECT_SERVER_ANALYTICS_ENABLED": "false",
     "DO_NOT_TRACK": "1",
@@ -40,7 +42,7 @@ PREFECT_DEFAULTS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    from lorapipe.stages.families import tiny_arches
+    from lorapipe.stages.families import tiny_arches, tiny_model_names
 
     arches = list(tiny_arches())
     p = argparse.ArgumentParser(prog="lorapipe", description="Cached LoRA fine-tuning of diffusion models")
@@ -96,14 +98,15 @@ def _parser() -> argparse.ArgumentParser:
     captions.add_argument("--json", action="store_true")
     tiny = sub.add_parser("tiny-model", parents=[common], help="build a tiny model offline")
     tiny.add_argument("dir", type=Path)
-    tiny.add_argument("--arch", choices=arches, default=arches[0])
+    tiny.add_argument("--arch", choices=tiny_model_names(), default=arches[0],
+                      help="a family's tiny model, or `captioner`: the tiny captioner of `demo --caption`")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    if args.command in FLOW_COMMANDS:  # not in-process callers' status or cache (tests: pytest's own process)
-        hide()  # the flow's stages never use them; training runs in its own processes
+    if args.command in HIDING_COMMANDS:  # not in-process callers' status or cache (tests: pytest's own process)
+        hide()  # the flow's stages never use them (training runs in its own processes), nor does a tiny model's build
     for name, value in PREFECT_DEFAULTS.items():
         os.environ.setdefault(name, value)
     quiet_harmless_notes()

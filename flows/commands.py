@@ -5,6 +5,7 @@ import json
 import sys
 import threading
 import time
+from collections import Counter
 from contextlib import nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -315,7 +316,9 @@ def captions_export(config_path: Path, overrides: list[str], folders: list[Path]
         print(f"wrote    {path}")
     for s in skipped:
         print(f"skipped  {s.path}: {s.reason}")
-    print(f"{len(written)} caption file(s) written, {len(skipped)} skipped")
+    why = sorted(Counter(s.reason for s in skipped).items())
+    print(f"{len(written)} caption file(s) written, {len(skipped)} skipped"
+          + (f" ({'; '.join(f'{reason}: {n}' for reason, n in why)})" if why else ""))
     return 0
 
 
@@ -337,14 +340,20 @@ def _current_captions(config: PipelineConfig, config_path: Path) -> dict:
     from lorapipe.stages.caption import CAPTIONS_FILE
 
     from .plan import Context
-    from .runner import stand
+    from .runner import on_last_inputs, stand
 
     ctx = Context(config, log=note, reads_only=True)
     try:
-        standing = stand(ctx, ("preprocess", "caption"))[-1]
-        if standing.artifact is None:
-            raise UserError(f"no captions of this config in the cache ({standing.reason}): run `lorapipe run"
+        preprocess, caption = stand(ctx, ("preprocess", "caption"))
+        artifact = caption.artifact
+        if artifact is None and preprocess.artifact is None:  # the data changed: an earlier export's sidecars?
+            artifact = on_last_inputs(ctx, "caption")
+            if artifact is not None:
+                note(f"the data changed since its captions were made (preprocess: {preprocess.reason}): exporting"
+                     " the captions of this config's last run")
+        if artifact is None:
+            raise UserError(f"no captions of this config in the cache ({caption.reason}): run `lorapipe run"
                             f" {config_path} --only preprocess --only caption` first")
-        return json.loads((standing.artifact.path / CAPTIONS_FILE).read_text())
+        return json.loads((artifact.path / CAPTIONS_FILE).read_text())
     finally:
         ctx.close()

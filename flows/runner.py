@@ -181,6 +181,21 @@ def stand(ctx: Context, stages: tuple[str, ...]) -> list[Standing]:
     return standings
 
 
+def on_last_inputs(ctx: Context, stage: str) -> Artifact | None:
+    """`stage`'s artifact for this config built on the artifacts this pipeline last used of the stages
+    it reads; None where one of them, or it, is not in the cache. For a stage whose upstream is a
+    miss only because the data changed since (`captions export`: its own sidecars are new captions)."""
+    upstream = {}
+    for name in reads_of(stage, ctx.config):
+        ref = ctx.store.previous(ctx.config.name, name)
+        found = ctx.store.lookup(name, ref["key"]) if ref else None
+        if found is None or not found.hit:
+            return None
+        upstream[name] = found.artifact
+    found = ctx.store.lookup(stage, step_for(stage, ctx, upstream).key.key)
+    return found.artifact if found.hit else None
+
+
 def explain(ctx: Context, stages: tuple[str, ...]) -> list[dict[str, Any]]:
     """Per stage: key, hit or miss and why, without running anything (`lorapipe status`)."""
     return [standing.row() for standing in stand(ctx, stages)]

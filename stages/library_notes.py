@@ -8,6 +8,9 @@ start (stages/launching.py begin_worker).
 - diffusers: "No LoRA keys associated to <a text encoder's class> found with the prefix='text_encoder'"
   (or 'text_encoder_2'): our LoRAs train the denoiser only, so loading one into a pipeline finds none
   for its text encoders. The same note about the denoiser's prefix is shown: it means a LoRA loaded nothing.
+- transformers: "`PaddleOCRVLProcessor` defines `image_processor_class = 'AutoImageProcessor'`, which is
+  deprecated": transformers' own processor class (the tiny captioner's, Qwen-Image's) tells its
+  maintainers, on every load of a captioner.
 - the libraries' own progress bars (loading weights, pipeline components): redrawn in place, they
   become a line per redraw in a log file and the Prefect log. Our stages print progress lines.
 """
@@ -20,6 +23,7 @@ import re
 NO_TEXT_ENCODER_LORA = re.compile(r"No LoRA keys associated to \w+ found with the prefix='text_encoder")
 HARMLESS = {  # logger -> the messages it logs that are dropped
     "transformers.utils.import_utils": re.compile(r"`\w+ImageProcessor` requires torchvision \(not installed\)"),
+    "transformers.processing_utils": re.compile(r"`PaddleOCRVLProcessor` defines `\w+_class = '\w+'`, which is deprecated"),
     "diffusers.loaders.peft": NO_TEXT_ENCODER_LORA,
     "diffusers.loaders.lora_base": NO_TEXT_ENCODER_LORA,
 }

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import FEWER_STEPS
+from conftest import FEWER_STEPS, LIBRARY_WARNINGS_SHOWN, REPO
 from PIL import Image
 from test_invalidation import SMALL, run_all, statuses
 
@@ -115,10 +115,15 @@ def test_sampling_settings_are_keyed_only_when_sampling(tmp_path, tiny_model, ti
                                    top_p=0.9), "test")
 
 
-def test_the_tiny_captioner_is_rebuilt_byte_for_byte(tmp_path, tiny_captioner):
-    from lorapipe.stages.families.tiny.captioner import build_tiny_captioner
-
-    assert files(build_tiny_captioner(tmp_path / "again")) == files(tiny_captioner)
+def test_tiny_model_rebuilds_the_demos_tiny_captioner_byte_for_byte_and_prints_only_its_folder(tmp_path,
+                                                                                                tiny_captioner):
+    """`lorapipe tiny-model DIR --arch captioner` builds the captioner `demo --caption` uses (the
+    fixture's builder), the same bytes; no note of a library it never uses (torchao's) on the terminal."""
+    folder = tmp_path / "captioner"
+    built = subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", "tiny-model", str(folder), "--arch", "captioner"],
+                           cwd=REPO, env={**os.environ, **LIBRARY_WARNINGS_SHOWN}, capture_output=True, text=True, timeout=300)
+    assert (built.returncode, built.stdout, built.stderr) == (0, f"{folder}\n", "")
+    assert files(folder) == files(tiny_captioner)
 
 
 def test_config_rules_name_their_keys(tmp_path, tiny_model, tiny_captioner):
@@ -369,6 +374,31 @@ def test_the_caption_demo_runs_through_the_flow_and_then_from_the_cache(tmp_path
     written = {Path(p).name: Path(p).read_text() for p in json.loads(done.stdout)["written"]}
     generated = json.loads(next((tmp_path / "run" / "cache" / "caption").glob(f"*/{CAPTIONS_FILE}")).read_text())
     assert written == {f"{i}.txt": e["generated"] + "\n" for i, e in generated["samples"].items()}  # a sidecar each
+
+
+def test_a_second_export_finds_the_captions_its_first_made_written_captions(tmp_path, tiny_model, tiny_captioner,
+                                                                            demo_images, capsys):
+    """The first export's sidecars change the data (preprocess's key), so the captions are no longer
+    the current config's: the second export finds those of the pipeline's last run, writes nothing,
+    leaves every file as it was, and says why it skipped each."""
+    import yaml
+
+    from lorapipe.flows.cli import main
+
+    data = half_captioned(demo_images, tmp_path / "data")
+    raw = raw_config(tmp_path, tiny_model, data, tmp_path / "cache", tiny_captioner)
+    run_all(validate_config(raw, "test"), UPTO_CAPTION)
+    config_path = tmp_path / "t.yaml"
+    config_path.write_text(yaml.safe_dump(raw))
+    assert main(["captions", "export", str(config_path)]) == 0
+    assert capsys.readouterr().out.endswith(f"{len(UNCAPTIONED)} caption file(s) written, 0 skipped\n")
+    first = files(data)
+    assert main(["captions", "export", str(config_path)]) == 0
+    printed = capsys.readouterr()
+    assert files(data) == first
+    assert printed.out.splitlines()[-1] == (f"0 caption file(s) written, {len(UNCAPTIONED)} skipped"
+                                            f" (already holds this caption: {len(UNCAPTIONED)})")
+    assert "the data changed since its captions were made (preprocess: " in printed.err  # why the last run's
 
 
 def test_a_qwen_processor_that_needs_torchvision_is_one_line(tmp_path, tiny_captioner):

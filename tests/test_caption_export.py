@@ -63,3 +63,11 @@ def test_a_dataset_that_is_not_a_local_folder_is_skipped_with_its_reason(tmp_pat
     captions = {"samples": {"row-0": entry("row-0", "generated", None, "a row", dataset="rows")}}
     written, skipped = export_captions(captions, (DatasetSource(path=tmp_path / "rows", format="parquet"),), False)
     assert written == [] and skipped[0].path == "rows/row-0" and "not a local folder" in skipped[0].reason
+
+
+def test_an_image_the_stage_could_not_read_is_listed_as_skipped(tmp_path):
+    captions = {"samples": {"bad": {**entry("bad.png", "written", None, None), "caption": "", "source": "left_out"}}}
+    written, skipped = export_captions(captions, (DatasetSource(path=tmp_path),), False)
+    assert written == [] and [(s.path, s.reason) for s in skipped] == [
+        ("photos/bad.png", "not captioned: the image could not be read (the review's warnings say why)")]
+    assert list(tmp_path.iterdir()) == []

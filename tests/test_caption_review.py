@@ -20,7 +20,7 @@ from lorapipe.stages.caption.review import (PAGE_FILES, REVIEW_HTML, REVIEW_MD, 
 from lorapipe.stages.preprocess import DATASET_FILE, REPORT_FILE, DatasetSource, PreprocessInputs, PreprocessParams, run
 
 RED, BLUE, TOP, BOTTOM = (220, 20, 20), (20, 40, 220), (20, 200, 40), (240, 220, 20)
-EVIL = "<img src=x onerror=alert(1)> a | pipe & more"
+EVIL = "<img src=x onerror=alert(1)> a | pipe & more &amp; \"quoted\""
 ROTATED = 6  # EXIF orientation: the stored pixels turned 90° anticlockwise; a viewer turns them back
 
 
@@ -93,8 +93,9 @@ def test_the_review_shows_each_image_caption_and_source_and_preprocess_findings(
     samples = dataset[2]
     assert sorted(s["id"] for s in samples) == ["blue", "evil", "red", "small", "turned"]
     assert html.count('<img src="data:image/jpeg;base64,') == 5 and "data:" not in md
-    assert EVIL not in html and "&lt;img src=x onerror=alert(1)&gt; a | pipe &amp; more" in html
-    assert "&lt;img src=x onerror=alert(1)&gt; a \\| pipe &amp; more" in md and EVIL not in md
+    assert EVIL not in html and "&lt;img src=x onerror=alert(1)&gt; a | pipe &amp; more &amp;amp; &quot;quoted&quot;" in html
+    assert "\\<img src=x onerror=alert(1)\\> a \\| pipe & more \\&amp; \"quoted\"" in md and EVIL not in md
+    assert "&quot;" not in md and "&lt;" not in md  # markdown, read as text too: its own escapes, not HTML's
     assert "sks, a shiny card" in html and "written: a red card" in html and "generated: a shiny card" in html
     for page in (html, md):
         assert "broken.png" in page and "small_image" in page and "small.png" in page  # rejected; warned
@@ -122,8 +123,21 @@ def test_the_review_is_paged_and_bounded(dataset):
     assert [f.path for f in OUTPUT_FILES] == [f"logs/{name}" for name in (*PAGE_FILES, REVIEW_MD)]
 
 
+def test_an_empty_caption_and_a_left_out_image_are_shown_for_what_they_are(dataset):
+    """An image the caption stage could not read (source left_out, its caption empty): the sources
+    table says what left_out counts, the card and the tables say the caption is empty, not "0 words"."""
+    out, datasets, samples, captions = dataset
+    blue = captions["samples"]["blue"]
+    captions["samples"]["blue"] = {**blue, "generated": None, "caption": "", "source": "left_out", "record": None}
+    html, md = written_review(dataset)
+    assert "<td>left_out</td><td>1</td><td>not captioned: the image could not be read" in html
+    assert "| left_out | 1 | not captioned: the image could not be read" in md
+    assert '<figcaption><span class="empty">(empty caption)</span>' in html
+    assert "| empty | 1 |" in md and "| 0 |" not in md and "| (empty caption) |" in md
+
+
 def test_caption_lengths_are_counted_in_bins_with_none_left_out():
-    assert length_histogram([0, 0, 3, 5, 6, 12]) == [("0", 2), ("1-5", 2), ("6-10", 1), ("11-15", 1)]
+    assert length_histogram([0, 0, 3, 5, 6, 12]) == [("empty", 2), ("1-5", 2), ("6-10", 1), ("11-15", 1)]
     assert length_histogram([7]) == [("1-5", 0), ("6-10", 1)]
     assert length_histogram([]) == []
 
@@ -174,6 +188,36 @@ def test_a_later_review_page_shows_its_thumbnails_and_links_back_in_chromium(dat
         browser.close()
     assert seen["shown"] == 2 and seen["rows"] == 1  # two thumbnails, the fifth image a row
     assert seen["back"][0] == (dataset[0] / "paged" / REVIEW_HTML).as_uri()
+
+
+@pytest.mark.slow
+def test_long_captions_stay_inside_their_cards_in_chromium(dataset, chromium, tmp_path):
+    """A long caption, and one long word (a path, a URL), wrap inside their card, which grows to hold
+    them: no card's text runs over another card."""
+    from browser import Chromium
+
+    out, datasets, samples, captions = dataset
+    captions["samples"]["red"]["caption"] = " ".join(["a very long caption"] * 40)
+    captions["samples"]["blue"]["caption"] = "https://example.com/" + "x" * 300
+    written_review(dataset, folder="long")
+    browser = Chromium(chromium, tmp_path / "chromium-long")
+    try:
+        browser.call("Page.navigate", url=(out / "long" / REVIEW_HTML).as_uri())
+        cards = browser.wait_for("""(() => { const figures = [...document.querySelectorAll("figure")];
+            if (figures.length < 5 || document.readyState !== "complete") return null;
+            const box = r => [r.left, r.top, r.right, r.bottom];
+            return figures.map(f => { const text = document.createRange(); text.selectNodeContents(f);
+                return {card: box(f.getBoundingClientRect()), text: box(text.getBoundingClientRect())}; }); })()""")
+    finally:
+        browser.close()
+    for card in cards:
+        left, top, right, bottom = card["card"]
+        assert card["text"][0] >= left - 1 and card["text"][1] >= top - 1, card
+        assert card["text"][2] <= right + 1 and card["text"][3] <= bottom + 1, card  # the card holds its text
+    for i, a in enumerate(cards):
+        for b in cards[i + 1:]:
+            assert (a["card"][2] <= b["card"][0] or b["card"][2] <= a["card"][0] or a["card"][3] <= b["card"][1]
+                    or b["card"][3] <= a["card"][1]), (a, b)  # no two cards overlap
 
 
 def test_a_clip_window_is_shown_by_its_first_frame(tmp_path):

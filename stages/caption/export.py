@@ -2,7 +2,8 @@
 
 Only generated captions are written: the captioner's text, without a policy's trigger word or the
 written caption it was combined with (a later run reads it as the image's written caption, and
-its policy makes the same final caption again). A file already there is never replaced unless
+its policy makes the same final caption again). An image the stage could not read (left_out) has
+none: it is listed as skipped, with why, as is every sidecar not written. A file already there is never replaced unless
 `overwrite`: the sidecar is written to a temporary file, then linked to its name, which fails when
 the name exists (no window in which a user's file could be lost), or renamed over it with
 `overwrite`. A reader never sees half a sidecar.
@@ -16,6 +17,7 @@ from pathlib import Path
 from lorapipe.cache.objects import is_url
 
 from ..preprocess.sources import DatasetSource, local_file
+from . import LEFT_OUT
 
 
 @dataclass(frozen=True)
@@ -31,6 +33,10 @@ def export_captions(captions: dict, datasets: tuple[DatasetSource, ...],
     by_label = {d.label: d for d in datasets}
     written, skipped, done = [], [], set()
     for entry in sorted(captions["samples"].values(), key=lambda e: (e["dataset"], e["path"])):
+        if entry["source"] == LEFT_OUT:
+            skipped.append(Skipped(f"{entry['dataset']}/{entry['path']}", "not captioned: the image could not be read"
+                                   " (the review's warnings say why)"))
+            continue
         if entry["generated"] is None or (entry["dataset"], entry["path"]) in done:
             continue  # a written caption stays the user's; a clip's windows share one sidecar: its first
         done.add((entry["dataset"], entry["path"]))

@@ -69,9 +69,10 @@ def _area(size: str) -> int:
 
 
 def length_histogram(words: list[int]) -> list[tuple[str, int]]:
-    """Captions per length: "0" (empty), then LENGTH_BIN-word ranges up to the longest, none left out."""
+    """Captions per length: "empty" (no words: a row apart, not the shortest of the captions), then
+    LENGTH_BIN-word ranges up to the longest, none left out."""
     counts = Counter(0 if n == 0 else (n - 1) // LENGTH_BIN + 1 for n in words)
-    bins = [("0", counts[0])] if counts[0] else []
+    bins = [("empty", counts[0])] if counts[0] else []
     for b in range(1, max(counts, default=0) + 1):
         bins.append((f"{(b - 1) * LENGTH_BIN + 1}-{b * LENGTH_BIN}", counts[b]))
     return bins

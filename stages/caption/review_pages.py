@@ -1,5 +1,7 @@
 """The review's two renderings of the same sections: HTML pages with the thumbnails, and markdown
-tables for the Prefect UI. Every text from the data (captions, paths, details) is escaped.
+tables for the Prefect UI. Every text from the data (captions, paths, details) is escaped: with
+HTML entities in the pages, with markdown's backslash escapes in the markdown (which a reader also
+reads as text, so no `&quot;` there). An empty caption is shown as such, never as a blank.
 
 Both are bounded however many images there are (Paging): review.html holds the summary tables and
 the first page of thumbnails, review-2.html, review-3.html, ... the next pages, each linking to
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from dataclasses import dataclass
 
 
@@ -74,13 +77,15 @@ SOURCE_NOTE = {  # captions.json's source -> where the final caption came from
     "prefix": "caption_text, then the generated caption (policy prefix)",
     "suffix": "the generated caption, then caption_text (policy suffix)",
     "combine": "the written caption, then the generated one (policy combine)",
+    "left_out": "not captioned: the image could not be read (its written caption, or empty; Warnings says why)",
 }
+EMPTY = "(empty caption)"  # how a caption of no words is shown: distinct from a caption's own text in the page
 BAR_WIDTH = 30  # characters of the longest markdown histogram bar
 STYLE = """body{font-family:sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;margin:.5em 0}
 td,th{border:1px solid #ccc;padding:.2em .6em;text-align:left;vertical-align:top}
 .grid{display:flex;flex-wrap:wrap;gap:12px}figure{margin:0;width:180px}
 figure img{display:block;max-width:160px;max-height:160px}figcaption{font-size:13px}
-.meta{color:#666;font-size:11px}
+figcaption{overflow-wrap:anywhere}.meta{color:#666;font-size:11px}.empty{color:#a00;font-style:italic}
 .missing{width:160px;height:60px;background:#eee;font-size:11px}nav{margin:.8em 0}nav a,nav b{margin-right:.4em}"""
 
 
@@ -119,7 +124,7 @@ def markdown_page(review: Review, paging: Paging = Paging()) -> str:
 
 
 def _image_cells(row: Row) -> list[str]:
-    return [row.label, row.split, row.size, row.source, row.caption]
+    return [row.label, row.split, row.size, row.source, row.caption or EMPTY]
 
 
 def _markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:
@@ -127,8 +132,16 @@ def _markdown_table(headers: list[str], rows: list[list[str]]) -> list[str]:
 
 
 def _markdown_row(cells: list[str]) -> str:
-    """A table row; each cell on one line, its HTML and its pipes escaped (a caption is data, not markup)."""
-    return "| " + " | ".join(html.escape(" ".join(c.split())).replace("|", "\\|") for c in cells) + " |"
+    """A table row; each cell on one line, escaped (a caption is data, not markup)."""
+    return "| " + " | ".join(_markdown_text(" ".join(c.split())) for c in cells) + " |"
+
+
+MARKDOWN_SPECIAL = re.compile(r"[\\`<>|]|&(?=#?\w+;)")  # what could start markup, an HTML tag or an entity, or end a cell
+
+
+def _markdown_text(text: str) -> str:
+    """`text` as markdown shows it verbatim: backslash escapes (any ASCII punctuation may take one)."""
+    return MARKDOWN_SPECIAL.sub(lambda m: "\\" + m.group(), text)
 
 
 def html_pages(review: Review, paging: Paging = Paging()) -> list[str]:
@@ -172,7 +185,8 @@ def _html_table(headers: list[str], rows: list[list[str]]) -> str:
 def _figure(row: Row) -> str:
     shown = (f'<img src="{row.thumbnail}" alt="{_e(row.label)}" data-id="{_e(row.id)}">' if row.thumbnail
              else f'<div class="missing">{_e(row.problem)}</div>')
-    parts = [f'<figure class="source-{_e(row.source)}">', shown, f"<figcaption>{_e(row.caption)}",
+    caption = _e(row.caption) if row.caption else f'<span class="empty">{EMPTY}</span>'
+    parts = [f'<figure class="source-{_e(row.source)}">', shown, f"<figcaption>{caption}",
              f'<div class="meta">{_e(row.label)} &middot; {_e(row.split)} &middot; {_e(row.size)} &middot;'
              f' <span title="{_e(SOURCE_NOTE.get(row.source, ""))}">{_e(row.source)}</span></div>']
     if row.source not in ("written", "generated"):

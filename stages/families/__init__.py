@@ -81,8 +81,20 @@ def tiny_arches() -> dict[str, Family]:
     return {arch: family for family in FAMILIES.values() for arch in family.tiny_arches}
 
 
+TINY_CAPTIONER = "captioner"  # `lorapipe tiny-model --arch captioner`: the caption stage's tiny model, not a family's
+
+
+def tiny_model_names() -> list[str]:
+    """Every `lorapipe tiny-model --arch` name: the families' tiny models (the first the default), then the captioner."""
+    return [*tiny_arches(), TINY_CAPTIONER]
+
+
 def build_tiny_model(out_dir: Path, arch: str = "sd15") -> Path:
+    if arch == TINY_CAPTIONER:
+        from .tiny.captioner import build_tiny_captioner
+
+        return build_tiny_captioner(Path(out_dir))
     arches = tiny_arches()
     if arch not in arches:
-        raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(arches)}")
+        raise ValueError(f"unknown arch {arch!r}: expected one of {', '.join(tiny_model_names())}")
     return arches[arch].build_tiny(Path(out_dir), arch)
