@@ -101,6 +101,43 @@ def test_metadata_reference_columns_name_files_and_lines_of_bad_rows(tmp_path, d
     assert not any(path.startswith("refs/") for path in by_path)  # a reference is no target
 
 
+def test_control_dir_and_reference_columns_together_as_the_docs_show(tmp_path):
+    """docs/data.md's example: control/a.png and a row naming r1.png, r2.png pair a.jpg; either
+    source alone pairs a target, and a file a row names is no target."""
+    data = tmp_path / "pairs"
+    for shade, name in enumerate(("a", "b", "c", "d", "e")):
+        image(data / f"{name}.jpg", caption=None, color=(40 * shade, 0, 0))
+    for shade, name in enumerate(("control/a", "control/b", "r1", "r2", "refs/shared")):
+        image(data / f"{name}.png", size=(80, 80), caption=None, color=(0, 40 * shade, 0))
+    write_rows(data, [{"file_name": "a.jpg", "text": "edit a", "reference": ["r1.png", "r2.png"]},
+                      {"file_name": "b.jpg", "text": "edit b"},  # its control image only
+                      {"file_name": "c.jpg", "text": "edit c", "reference": "refs/shared.png"},  # no control image
+                      {"file_name": "d.jpg", "text": "edit d", "reference": ["refs/shared.png"]},
+                      {"file_name": "e.jpg", "text": "edit e"}])  # neither
+    source = DatasetSource(path=data, control_dir="control", reference_columns=("reference",))
+    samples, report, _, _ = preprocess(source, tmp_path, holdout_fraction=0)
+    assert {s["path"]: [r["path"] for r in s["references"]] for s in samples} == {
+        "a.jpg": ["control/a.png", "r1.png", "r2.png"], "b.jpg": ["control/b.png"],
+        "c.jpg": ["refs/shared.png"], "d.jpg": ["refs/shared.png"]}
+    assert [(r["path"], r["reason"]) for r in report["rejected"]] == [("e.jpg", "missing_reference")]
+    assert "control/e.*" in report["rejected"][0]["detail"] and "metadata.jsonl:5" in report["rejected"][0]["detail"]
+
+
+def test_a_row_without_the_reference_column_is_a_missing_reference(tmp_path, demo_images):
+    data = edit_dataset(tmp_path, demo_images)
+    table = rows(data)
+    del table[6]["reference"]  # retina.jpg's row names no reference
+    table[7]["reference"] = None  # nor does rocket.jpg's
+    write_rows(data, table)
+    for orphan in ("retina", "rocket"):
+        (data / "refs" / f"{orphan}.png").unlink()
+    _, report, _, _ = preprocess(DatasetSource(path=data, reference_columns=("reference",)), tmp_path,
+                                 holdout_fraction=0)
+    assert {r["path"]: (r["reason"], r["detail"]) for r in report["rejected"]} == {
+        "retina.jpg": ("missing_reference", "metadata.jsonl:7: no reference column"),
+        "rocket.jpg": ("missing_reference", "metadata.jsonl:8: no reference column")}
+
+
 def test_reference_settings_are_refused_in_one_line_where_they_cannot_apply(tmp_path):
     with pytest.raises(ValueError, match="control_dir '../elsewhere' must name a folder inside the dataset"):
         DatasetSource(path=tmp_path, control_dir="../elsewhere")

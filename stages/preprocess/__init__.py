@@ -39,8 +39,9 @@ from .sources import BadRow, Candidate, DatasetSource, MissingCaption, candidate
 from .validation import ImageInfo, Rejected, inspect_image, mask_entry, summary_lines
 
 # 3: nothing read outside a dataset, metadata row problems reported, .caption fallback, warnings;
-# 4: the held-out split and random crops chosen by image content, not file name
-VERSION = "4"
+# 4: the held-out split and random crops chosen by image content, not file name;
+# 5: edit pairs: control_dir or reference_columns may pair a target, a row without the column is no reference
+VERSION = "5"
 OUTPUT_FILES: tuple[OutputFile, ...] = ()  # its dataset manifest is encode's input, not the user's
 MAX_UPSCALE = 2.0  # an image enlarged more than this to cover its target gets a small_image warning
 DATASET_FILE = "dataset.json"
