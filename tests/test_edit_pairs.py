@@ -17,6 +17,8 @@ from test_invalidation import make_config, run_all
 from test_train_adapters import published, train_straight_and_resumed
 from test_preprocess import image, preprocess
 
+from lorapipe.flows.plan import Context
+from lorapipe.flows.runner import run_stage
 from lorapipe.stages.encoded import EncodedData
 from lorapipe.stages.preprocess import DatasetSource
 
@@ -136,6 +138,27 @@ def test_a_row_without_the_reference_column_is_a_missing_reference(tmp_path, dem
     assert {r["path"]: (r["reason"], r["detail"]) for r in report["rejected"]} == {
         "retina.jpg": ("missing_reference", "metadata.jsonl:7: no reference column"),
         "rocket.jpg": ("missing_reference", "metadata.jsonl:8: no reference column")}
+
+
+def test_more_references_than_the_model_takes_are_refused_per_target_at_preprocess(tmp_path, demo_images,
+                                                                                   flux_kontext_model):
+    """Flux.1 Kontext reads one reference: a row naming two refuses its target alone, naming it,
+    before anything is encoded (the bound comes from the model's family)."""
+    data = edit_dataset(tmp_path, demo_images)
+    table = rows(data)
+    table[5]["reference"] = ["refs/immunohistochemistry.png", "refs/retina.png"]
+    write_rows(data, table)
+    ctx = Context(pairs_config(tmp_path, flux_kontext_model, data, tmp_path / "cache"), log=lambda line: None)
+    try:
+        _, pre = run_stage(ctx, "preprocess", {})
+    finally:
+        ctx.close()
+    report = json.loads((pre.path / "report.json").read_text())
+    assert report["rejected"] == [{"path": "immunohistochemistry.jpg", "reason": "too_many_references", "detail":
+                                   "2 references (refs/immunohistochemistry.png, refs/retina.png), but the model"
+                                   " takes at most 1"}]
+    samples = json.loads((pre.path / "dataset.json").read_text())["samples"]
+    assert len(samples) == len(TARGETS) - 1 and all(len(s["references"]) == 1 for s in samples)
 
 
 def test_reference_settings_are_refused_in_one_line_where_they_cannot_apply(tmp_path):
