@@ -42,7 +42,7 @@ from .validation import ImageInfo, Rejected, inspect_image, mask_entry, summary_
 # 3: nothing read outside a dataset, metadata row problems reported, .caption fallback, warnings;
 # 4: the held-out split and random crops chosen by image content, not file name;
 # 5: edit pairs: control_dir or reference_columns may pair a target, a row without the column is no
-# reference, too_many_references
+# reference, too_many_references; a PNG's pixels are not decoded (damage shows at encode)
 VERSION = "5"
 OUTPUT_FILES: tuple[OutputFile, ...] = ()  # its dataset manifest is encode's input, not the user's
 MAX_UPSCALE = 2.0  # an image enlarged more than this to cover its target gets a small_image warning
