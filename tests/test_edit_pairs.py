@@ -17,6 +17,7 @@ from test_invalidation import make_config, run_all
 from test_train_adapters import published, train_straight_and_resumed
 from test_preprocess import image, preprocess
 
+from lorapipe.flows.outputs import finish_run, with_files
 from lorapipe.flows.plan import Context
 from lorapipe.flows.runner import run_stage
 from lorapipe.stages.encoded import EncodedData
@@ -143,20 +144,24 @@ def test_a_row_without_the_reference_column_is_a_missing_reference(tmp_path, dem
 def test_more_references_than_the_model_takes_are_refused_per_target_at_preprocess(tmp_path, demo_images,
                                                                                    flux_kontext_model):
     """Flux.1 Kontext reads one reference: a row naming two refuses its target alone, naming it,
-    before anything is encoded (the bound comes from the model's family)."""
+    before anything is encoded (the bound comes from the model's family); the run publishes the
+    rejected rows to its output folder."""
     data = edit_dataset(tmp_path, demo_images)
     table = rows(data)
     table[5]["reference"] = ["refs/immunohistochemistry.png", "refs/retina.png"]
     write_rows(data, table)
-    ctx = Context(pairs_config(tmp_path, flux_kontext_model, data, tmp_path / "cache"), log=lambda line: None)
+    cfg = pairs_config(tmp_path, flux_kontext_model, data, tmp_path / "cache")
+    ctx = Context(cfg, log=lambda line: None)
     try:
-        _, pre = run_stage(ctx, "preprocess", {})
+        result, pre = run_stage(ctx, "preprocess", {})
     finally:
         ctx.close()
-    report = json.loads((pre.path / "report.json").read_text())
-    assert report["rejected"] == [{"path": "immunohistochemistry.jpg", "reason": "too_many_references", "detail":
-                                   "2 references (refs/immunohistochemistry.png, refs/retina.png), but the model"
-                                   " takes at most 1"}]
+    finish_run(cfg.output_dir, cfg, [with_files(result, pre)], "run", lambda line: None, record=False)
+    published = json.loads((cfg.output_dir / "rejected.json").read_text())
+    assert published["rejected"] == [{"path": "immunohistochemistry.jpg", "reason": "too_many_references", "detail":
+                                      "2 references (refs/immunohistochemistry.png, refs/retina.png), but the"
+                                      " model takes at most 1"}]
+    assert published["counts"] == {"too_many_references": 1}
     samples = json.loads((pre.path / "dataset.json").read_text())["samples"]
     assert len(samples) == len(TARGETS) - 1 and all(len(s["references"]) == 1 for s in samples)
 

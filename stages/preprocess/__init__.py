@@ -12,7 +12,8 @@ Writes: dataset.json: per sample id, dataset index (`source`), relative path, co
         `references` (each reference image's path, digest, sizes and crop box in the target's
         bucket: stages/preprocess/references.py);
         report.json: every rejected file or metadata row, its reason and detail, counts per
-        reason, and warnings (`small_image`).
+        reason, and warnings (`small_image`); rejected.json, when something is rejected: the
+        rejected rows and counts, published to the run's output folder.
 Key:    these params + per dataset its settings and a fingerprint of its files (relative paths and
         content digests, stat-cached, and what it refuses) — never a folder's location; with edit
         pairs, the model's bound on a target's references (its family's `max_references`).
@@ -42,9 +43,10 @@ from .validation import ImageInfo, Rejected, inspect_image, mask_entry, summary_
 # 3: nothing read outside a dataset, metadata row problems reported, .caption fallback, warnings;
 # 4: the held-out split and random crops chosen by image content, not file name;
 # 5: edit pairs: control_dir or reference_columns may pair a target, a row without the column is no
-# reference, too_many_references; a PNG's pixels are not decoded (damage shows at encode)
+# reference, too_many_references, rejected.json; a PNG's pixels are not decoded (damage shows at encode)
 VERSION = "5"
-OUTPUT_FILES: tuple[OutputFile, ...] = ()  # its dataset manifest is encode's input, not the user's
+REJECTED_FILE = "rejected.json"
+OUTPUT_FILES = (OutputFile(REJECTED_FILE, "rejected files"),)  # its dataset manifest is encode's input, not the user's
 MAX_UPSCALE = 2.0  # an image enlarged more than this to cover its target gets a small_image warning
 DATASET_FILE = "dataset.json"
 CAPTION_SETTINGS = ("caption_policy", "caption_text")  # a dataset's settings for the caption stage, not preprocess
@@ -146,6 +148,9 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
     write_json_rows(out_dir / DATASET_FILE, {"format": 2}, "samples", samples)
     report = {"rejected": rejected, "counts": counts, "warnings": warnings, **_clips_report(samples, datasets)}
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True))
+    if rejected:  # the user's copy, beside the run's outputs; absent when nothing is refused
+        (out_dir / REJECTED_FILE).write_text(json.dumps({"rejected": rejected, "counts": counts}, indent=1,
+                                                        sort_keys=True))
     for line in summary_lines(rejected, "rejected") + summary_lines(warnings, "warning:"):
         log(line)
     prior = sum(s.get("role") == "prior" for s in samples)
