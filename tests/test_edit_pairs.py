@@ -21,6 +21,8 @@ from lorapipe.flows.outputs import finish_run, with_files
 from lorapipe.flows.plan import Context
 from lorapipe.flows.runner import run_stage
 from lorapipe.stages.encoded import EncodedData
+from lorapipe.stages.evaluate.edits import EditPair, write_edit_grid
+from lorapipe.stages.evaluate.render import HEADER_HEIGHT, LABEL_WIDTH
 from lorapipe.stages.preprocess import DatasetSource
 
 TARGETS = ("astronaut", "camera", "chelsea", "coffee", "hubble_deep_field", "immunohistochemistry", "retina",
@@ -164,6 +166,19 @@ def test_more_references_than_the_model_takes_are_refused_per_target_at_preproce
     assert published["counts"] == {"too_many_references": 1}
     samples = json.loads((pre.path / "dataset.json").read_text())["samples"]
     assert len(samples) == len(TARGETS) - 1 and all(len(s["references"]) == 1 for s in samples)
+
+
+def test_each_edit_grid_row_is_titled_with_its_target_file(tmp_path):
+    """Rows of one instruction and seed differ only by their title: the pair's target file."""
+    def pair(name: str) -> EditPair:
+        return EditPair("add a hat", [Image.new("RGB", (64, 64), "grey")], Image.new("RGB", (64, 64), "red"), name)
+
+    pairs = [pair("a.jpg"), pair("sub/b.jpg"), pair("a.jpg")]
+    write_edit_grid(tmp_path / "edit_grid.png", pairs, [0], {"base": [p.target for p in pairs]}, 64)
+    with Image.open(tmp_path / "edit_grid.png") as grid:
+        titles = [grid.crop((0, HEADER_HEIGHT + r * 64, LABEL_WIDTH, HEADER_HEIGHT + r * 64 + 14)).tobytes()
+                  for r in range(3)]
+    assert titles[0] == titles[2] != titles[1]
 
 
 def test_reference_settings_are_refused_in_one_line_where_they_cannot_apply(tmp_path):
