@@ -121,8 +121,11 @@ def preprocess_step(ctx: Context) -> Step:
     cfg = ctx.config
     params = cfg.preprocess
     datasets = preprocess.dataset_ingredients(cfg.data.sources, params, ctx.stat_cache)
-    inputs = preprocess.PreprocessInputs(cfg.data.sources, ctx.stat_cache)
-    return Step(ctx.stage_key("preprocess", params, {"datasets": datasets}),
+    # an edit model's bound on a target's references (a model that takes none refuses pairs at encode)
+    limit = ctx.declared_family.max_references if any(d.pairs for d in cfg.data.sources) else 0
+    inputs = preprocess.PreprocessInputs(cfg.data.sources, ctx.stat_cache, limit or None)
+    resolved = {"max_references": limit} if limit else None
+    return Step(ctx.stage_key("preprocess", params, {"datasets": datasets}, resolved=resolved),
                 lambda out, work: preprocess.run(params, inputs, out, work, None, ctx.log))
 
 

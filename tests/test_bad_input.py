@@ -178,6 +178,23 @@ def a_malformed_metadata_row_with_strict(ws: Workspace, tmp: Path) -> Iterator[l
     yield [str(ws.config), "--set", f"data.path={tmp / 'data'}", "--strict"]
 
 
+@contextmanager
+def edit_pairs_with_more_references_than_the_model_reads(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+    """Every target of a pairs dataset names two references; the tiny Flux.1 Kontext reads one."""
+    from lorapipe.stages.families import build_tiny_model
+
+    shutil.copytree(ws.root / "data", tmp / "data")
+    photos = sorted(p.name for p in (tmp / "data").glob("*.jpg"))
+    (tmp / "data" / "refs").mkdir()
+    for name in ("one.png", "two.png"):
+        shutil.copy(tmp / "data" / photos[0], tmp / "data" / "refs" / name.replace(".png", ".jpg"))
+    rows = [{"file_name": p, "reference": ["refs/one.jpg", "refs/two.jpg"]} for p in photos]
+    (tmp / "data" / "metadata.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    model = build_tiny_model(tmp / "kontext", "flux1-kontext")
+    yield [str(ws.config), "--set", f"model.path={model}", "--set", "data.path=null", "--set",
+           f"data.datasets=[{{path: {tmp / 'data'}, reference_columns: [reference]}}]"]
+
+
 @dataclass(frozen=True)
 class Row:
     name: str
@@ -241,6 +258,8 @@ ROWS = [
     Row("image without a caption", an_image_without_caption,
         ("rocket.jpg: no caption (looked for rocket.txt, rocket.caption and a row naming it", "missing_caption"),
         in_flow=True),
+    Row("edit pairs with more references than the model reads", edit_pairs_with_more_references_than_the_model_reads,
+        ("no usable image in", "too_many_references"), in_flow=True),
     Row("malformed metadata row with --strict", a_malformed_metadata_row_with_strict,
         ("metadata.jsonl", "on_bad_row is error"), in_flow=True),
     Row("base_output target with a PiSSA start", args("--set", "train.prior_target=base_output", "--set",

@@ -17,7 +17,12 @@ from test_invalidation import make_config, run_all
 from test_train_adapters import published, train_straight_and_resumed
 from test_preprocess import image, preprocess
 
+from lorapipe.flows.outputs import finish_run, with_files
+from lorapipe.flows.plan import Context
+from lorapipe.flows.runner import run_stage
 from lorapipe.stages.encoded import EncodedData
+from lorapipe.stages.evaluate.edits import EditPair, write_edit_grid
+from lorapipe.stages.evaluate.render import HEADER_HEIGHT, LABEL_WIDTH
 from lorapipe.stages.preprocess import DatasetSource
 
 TARGETS = ("astronaut", "camera", "chelsea", "coffee", "hubble_deep_field", "immunohistochemistry", "retina",
@@ -99,6 +104,81 @@ def test_metadata_reference_columns_name_files_and_lines_of_bad_rows(tmp_path, d
     assert by_path["immunohistochemistry.jpg"] == ["refs/retina.png", "refs/rocket.png"]
     assert by_path["astronaut.jpg"] == by_path["camera.jpg"] == ["refs/shared.png"]
     assert not any(path.startswith("refs/") for path in by_path)  # a reference is no target
+
+
+def test_control_dir_and_reference_columns_together_as_the_docs_show(tmp_path):
+    """docs/data.md's example: control/a.png and a row naming r1.png, r2.png pair a.jpg; either
+    source alone pairs a target, and a file a row names is no target."""
+    data = tmp_path / "pairs"
+    for shade, name in enumerate(("a", "b", "c", "d", "e")):
+        image(data / f"{name}.jpg", caption=None, color=(40 * shade, 0, 0))
+    for shade, name in enumerate(("control/a", "control/b", "r1", "r2", "refs/shared")):
+        image(data / f"{name}.png", size=(80, 80), caption=None, color=(0, 40 * shade, 0))
+    write_rows(data, [{"file_name": "a.jpg", "text": "edit a", "reference": ["r1.png", "r2.png"]},
+                      {"file_name": "b.jpg", "text": "edit b"},  # its control image only
+                      {"file_name": "c.jpg", "text": "edit c", "reference": "refs/shared.png"},  # no control image
+                      {"file_name": "d.jpg", "text": "edit d", "reference": ["refs/shared.png"]},
+                      {"file_name": "e.jpg", "text": "edit e"}])  # neither
+    source = DatasetSource(path=data, control_dir="control", reference_columns=("reference",))
+    samples, report, _, _ = preprocess(source, tmp_path, holdout_fraction=0)
+    assert {s["path"]: [r["path"] for r in s["references"]] for s in samples} == {
+        "a.jpg": ["control/a.png", "r1.png", "r2.png"], "b.jpg": ["control/b.png"],
+        "c.jpg": ["refs/shared.png"], "d.jpg": ["refs/shared.png"]}
+    assert [(r["path"], r["reason"]) for r in report["rejected"]] == [("e.jpg", "missing_reference")]
+    assert "control/e.*" in report["rejected"][0]["detail"] and "metadata.jsonl:5" in report["rejected"][0]["detail"]
+
+
+def test_a_row_without_the_reference_column_is_a_missing_reference(tmp_path, demo_images):
+    data = edit_dataset(tmp_path, demo_images)
+    table = rows(data)
+    del table[6]["reference"]  # retina.jpg's row names no reference
+    table[7]["reference"] = None  # nor does rocket.jpg's
+    write_rows(data, table)
+    for orphan in ("retina", "rocket"):
+        (data / "refs" / f"{orphan}.png").unlink()
+    _, report, _, _ = preprocess(DatasetSource(path=data, reference_columns=("reference",)), tmp_path,
+                                 holdout_fraction=0)
+    assert {r["path"]: (r["reason"], r["detail"]) for r in report["rejected"]} == {
+        "retina.jpg": ("missing_reference", "metadata.jsonl:7: no reference column"),
+        "rocket.jpg": ("missing_reference", "metadata.jsonl:8: no reference column")}
+
+
+def test_more_references_than_the_model_takes_are_refused_per_target_at_preprocess(tmp_path, demo_images,
+                                                                                   flux_kontext_model):
+    """Flux.1 Kontext reads one reference: a row naming two refuses its target alone, naming it,
+    before anything is encoded (the bound comes from the model's family); the run publishes the
+    rejected rows to its output folder."""
+    data = edit_dataset(tmp_path, demo_images)
+    table = rows(data)
+    table[5]["reference"] = ["refs/immunohistochemistry.png", "refs/retina.png"]
+    write_rows(data, table)
+    cfg = pairs_config(tmp_path, flux_kontext_model, data, tmp_path / "cache")
+    ctx = Context(cfg, log=lambda line: None)
+    try:
+        result, pre = run_stage(ctx, "preprocess", {})
+    finally:
+        ctx.close()
+    finish_run(cfg.output_dir, cfg, [with_files(result, pre)], "run", lambda line: None, record=False)
+    published = json.loads((cfg.output_dir / "rejected.json").read_text())
+    assert published["rejected"] == [{"path": "immunohistochemistry.jpg", "reason": "too_many_references", "detail":
+                                      "2 references (refs/immunohistochemistry.png, refs/retina.png), but the"
+                                      " model takes at most 1"}]
+    assert published["counts"] == {"too_many_references": 1}
+    samples = json.loads((pre.path / "dataset.json").read_text())["samples"]
+    assert len(samples) == len(TARGETS) - 1 and all(len(s["references"]) == 1 for s in samples)
+
+
+def test_each_edit_grid_row_is_titled_with_its_target_file(tmp_path):
+    """Rows of one instruction and seed differ only by their title: the pair's target file."""
+    def pair(name: str) -> EditPair:
+        return EditPair("add a hat", [Image.new("RGB", (64, 64), "grey")], Image.new("RGB", (64, 64), "red"), name)
+
+    pairs = [pair("a.jpg"), pair("sub/b.jpg"), pair("a.jpg")]
+    write_edit_grid(tmp_path / "edit_grid.png", pairs, [0], {"base": [p.target for p in pairs]}, 64)
+    with Image.open(tmp_path / "edit_grid.png") as grid:
+        titles = [grid.crop((0, HEADER_HEIGHT + r * 64, LABEL_WIDTH, HEADER_HEIGHT + r * 64 + 14)).tobytes()
+                  for r in range(3)]
+    assert titles[0] == titles[2] != titles[1]
 
 
 def test_reference_settings_are_refused_in_one_line_where_they_cannot_apply(tmp_path):

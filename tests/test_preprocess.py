@@ -7,6 +7,7 @@ import json
 import shutil
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from PIL import Image
 
 from lorapipe.cache.digest import StatCache
 from lorapipe.flows.config import ConfigError, validate_config
+from lorapipe.stages.encode import ImageCrops
 from lorapipe.stages.preprocess import (DATASET_FILE, DatasetSource, PreprocessInputs, PreprocessParams, dataset_ingredients,
                                run)
 from lorapipe.stages.preprocess.crops import generated_buckets, place
@@ -203,6 +205,38 @@ def test_buckets_exif_orientation_and_never_upscale(tmp_path):
     assert kept["small"]["size"] == [128, 128] and kept["wide"]["size"] == [192, 320]
     explicit = preprocess(data, tmp_path, resolution=256, buckets=True, bucket_sizes=[[128, 64], [64, 64]])[0]
     assert {s["id"]: s["size"] for s in explicit} == {"small": [64, 64], "turned": [64, 64], "wide": [64, 128]}
+
+
+def png_chunk(kind: bytes, data: bytes) -> bytes:
+    return len(data).to_bytes(4, "big") + kind + data + zlib.crc32(kind + data).to_bytes(4, "big")
+
+
+def test_png_orientation_is_read_without_decoding_pixels_and_damage_is_named_at_decode(tmp_path):
+    """A PNG's EXIF orientation is honoured before and after its pixel data (eXIf after IDAT:
+    what Pillow's getexif() decodes the image to reach); a PNG whose pixel data is damaged passes
+    preprocess, which reads no pixels, and encode names it and why; a broken header is refused."""
+    data = tmp_path / "data"
+    exif = Image.Exif()
+    exif[0x0112] = 6  # stored landscape, shown portrait
+    image(data / "before.png", size=(96, 64), exif=exif)
+    png = image(data / "after.png", size=(96, 64), color=(0, 90, 0)).read_bytes()
+    end = png.index(b"IEND") - 4
+    (data / "after.png").write_bytes(png[:end] + png_chunk(b"eXIf", exif.tobytes()) + png[end:])
+    noisy = image(data / "damaged.png", size=(256, 256), color=(1, 2, 3))
+    Image.effect_noise((256, 256), 60).convert("RGB").save(noisy)
+    damaged = bytearray(noisy.read_bytes())
+    start = damaged.index(b"IDAT") + 200
+    damaged[start:start + 200] = bytes(b ^ 0x55 for b in damaged[start:start + 200])
+    noisy.write_bytes(bytes(damaged))
+    header = bytearray(png)
+    header[16:20] = (9999).to_bytes(4, "big")  # IHDR's width, its CRC left as it was
+    image(data / "broken-header.png").write_bytes(bytes(header))
+    samples, report, _, _ = preprocess(data, tmp_path, holdout_fraction=0)
+    by_path = {s["path"]: s for s in samples}
+    assert by_path["before.png"]["original_size"] == by_path["after.png"]["original_size"] == [96, 64]
+    assert [(r["path"], r["reason"]) for r in report["rejected"]] == [("broken-header.png", "not_an_image")]
+    _, pixels, why = ImageCrops((DatasetSource(path=data),), [by_path["damaged.png"]], [False])[0]
+    assert pixels is None and why.startswith("cannot decode its pixels: the image data is damaged"), why
 
 
 def test_alpha_images_record_the_background(tmp_path):

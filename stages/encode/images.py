@@ -93,6 +93,14 @@ def upright_image(datasets: tuple[DatasetSource, ...], s: dict) -> Image.Image |
     return rgb.transpose(turn) if turn is not None else rgb
 
 
+def decode_failure(e: OSError | ValueError | SyntaxError) -> str:
+    """Why a file whose header preprocess read cannot be decoded: an I/O error, or pixel data
+    that is damaged (preprocess reads headers only, so this is where damage shows)."""
+    if isinstance(e, OSError) and e.errno is not None:
+        return f"cannot read it ({e.strerror})"
+    return f"cannot decode its pixels: the image data is damaged ({type(e).__name__}: {e})"
+
+
 class ImageCrops:
     """A map-style dataset of (latent job index, pixels in [-1, 1] or None, why it failed): a broken
     file, or one whose bytes changed since preprocess, is reported, never raised."""
@@ -112,7 +120,7 @@ class ImageCrops:
         except VideoProblem as problem:
             return i, None, f"cannot decode ({problem})"
         except (OSError, ValueError, SyntaxError) as e:
-            return i, None, f"cannot decode ({type(e).__name__}: {e})"
+            return i, None, decode_failure(e)
         if frames is None:
             return i, None, "changed since preprocess ran (run the pipeline again)"
         pixels = torch.stack([_tensor(im) for im in frames], dim=1)  # (3, F, H, W)

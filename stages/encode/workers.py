@@ -24,7 +24,7 @@ from ..contract import Log
 from ..encoded import encode_record
 from ..jobs import Job, process_device, process_rank
 from ..optional_libraries import OPTIONAL
-from .images import placed_image, sample_label, sample_shape
+from .images import decode_failure, placed_image, sample_label, sample_shape
 from .latents import Progress, encode_latents
 from .masks import encode_masks
 
@@ -174,7 +174,7 @@ def reference_picture(reference: dict, datasets: tuple[DatasetSource, ...], fail
     try:
         picture = placed_image(datasets, reference)
     except (OSError, ValueError, SyntaxError) as e:
-        failed[reference["id"]] = f"cannot decode ({type(e).__name__}: {e})"
+        failed[reference["id"]] = decode_failure(e)
         return None
     if picture is None:
         failed[reference["id"]] = "changed since preprocess ran (run the pipeline again)"

@@ -1,6 +1,7 @@
 """Held-out edit pairs: each rendered from its instruction and reference image(s) by the base model
-and by the LoRA at every scale, beside its reference and its target (edit_grid.png), and how far
-each rendering is from the target (mean squared pixel difference in [0, 1]: lower is closer).
+and by the LoRA at every scale, beside its reference and its target (edit_grid.png, each row
+titled with the target's file), and how far each rendering is from the target (mean squared
+pixel difference in [0, 1]: lower is closer).
 
 The pairs are the held-out samples with references, at most `edit_pairs` of them, chosen as the
 loss subset is (by content, so a growing dataset keeps them); their images are read from the
@@ -16,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from PIL import Image
 
-from lorapipe.stages.encode.images import placed_image
+from lorapipe.stages.encode.images import placed_image, sample_label
 from lorapipe.stages.encode.references import reference_images
 from lorapipe.stages.encoded import EncodedData
 from lorapipe.stages.preprocess import DATASET_FILE
@@ -38,6 +39,7 @@ class EditPair:
     instruction: str
     references: list[Image.Image]
     target: Image.Image
+    name: str  # the target's file, as the user knows it (its grid row's title)
 
 
 def held_out_pairs(encoded: EncodedData, preprocess_dir: str, sources: dict, limit: int,
@@ -56,7 +58,7 @@ def held_out_pairs(encoded: EncodedData, preprocess_dir: str, sources: dict, lim
         if any(image is None for image in images):
             raise ValueError(f"evaluate: {entry['path']} or its references changed since encode ran: run the"
                              " pipeline again")
-        pairs.append(EditPair(sample.caption, images[1:], images[0]))
+        pairs.append(EditPair(sample.caption, images[1:], images[0], sample_label(entry, datasets)))
     return pairs
 
 
@@ -96,7 +98,8 @@ def pixel_distances(pairs: list[EditPair], seeds: list[int], rendered: dict[str,
 def write_edit_grid(path: Path, pairs: list[EditPair], seeds: list[int], rendered: dict[str, list[Image.Image]],
                     resolution: int) -> None:
     rows = [(pair.instruction, seed) for pair in pairs for seed in seeds]
-    compose_grid(edit_columns(pairs, seeds, rendered), rows, resolution).save(path)
+    titles = [pair.name for pair in pairs for _ in seeds]
+    compose_grid(edit_columns(pairs, seeds, rendered), rows, resolution, titles).save(path)
 
 
 def _mse(image: Image.Image, target: Image.Image) -> float:

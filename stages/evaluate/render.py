@@ -109,9 +109,10 @@ def grid_size(rows: int, columns: int, resolution: int) -> tuple[int, int]:
 
 
 def compose_grid(
-    columns: dict[str, list[Image.Image]], rows: list[tuple[str, int]], resolution: int
+    columns: dict[str, list[Image.Image]], rows: list[tuple[str, int]], resolution: int, titles: list[str] = ()
 ) -> Image.Image:
-    """Columns side by side under their labels; each row labelled with its (prompt, seed)."""
+    """Columns side by side under their labels; each row labelled with its (prompt, seed), under
+    its title where `titles` gives one per row (an edit pair's target file)."""
     grid = Image.new("RGB", grid_size(len(rows), len(columns), resolution), "white")
     draw = ImageDraw.Draw(grid)
     font = ImageFont.load_default(size=FONT_SIZE)
@@ -122,7 +123,8 @@ def compose_grid(
             grid.paste(image.convert("RGB").resize((resolution, resolution)), (x, HEADER_HEIGHT + r * resolution))
     line_height = FONT_SIZE + 3
     for r, (prompt, seed) in enumerate(rows):
-        lines = _wrap(draw, prompt, LABEL_WIDTH - 8, font, max(1, resolution // line_height - 1))
+        title = [_fit(draw, titles[r], LABEL_WIDTH - 8, font, tail=True)] if titles else []
+        lines = [*title, *_wrap(draw, prompt, LABEL_WIDTH - 8, font, max(1, resolution // line_height - 1 - len(title)))]
         lines.append(f"seed {seed}")
         for i, line in enumerate(lines):
             draw.text((4, HEADER_HEIGHT + r * resolution + 2 + i * line_height), line, fill="black", font=font)
@@ -135,12 +137,13 @@ def cell(grid: Image.Image, row: int, column: int, resolution: int) -> Image.Ima
     return grid.crop((x, y, x + resolution, y + resolution))
 
 
-def _fit(draw: ImageDraw.ImageDraw, text: str, width: int, font: ImageFont.FreeTypeFont) -> str:
+def _fit(draw: ImageDraw.ImageDraw, text: str, width: int, font: ImageFont.FreeTypeFont, tail: bool = False) -> str:
+    """`text` shortened with an ellipsis to `width`; with `tail`, its end kept (a path's file name)."""
     if draw.textlength(text, font=font) <= width:
         return text
     while text and draw.textlength(text + "...", font=font) > width:
-        text = text[:-1]
-    return text + "..."
+        text = text[1:] if tail else text[:-1]
+    return "..." + text if tail else text + "..."
 
 
 def _wrap(draw: ImageDraw.ImageDraw, text: str, width: int, font: ImageFont.FreeTypeFont, max_lines: int) -> list[str]:

@@ -12,9 +12,11 @@ Writes: dataset.json: per sample id, dataset index (`source`), relative path, co
         `references` (each reference image's path, digest, sizes and crop box in the target's
         bucket: stages/preprocess/references.py);
         report.json: every rejected file or metadata row, its reason and detail, counts per
-        reason, and warnings (`small_image`).
+        reason, and warnings (`small_image`); rejected.json, when something is rejected: the
+        rejected rows and counts, published to the run's output folder.
 Key:    these params + per dataset its settings and a fingerprint of its files (relative paths and
-        content digests, stat-cached, and what it refuses) — never a folder's location.
+        content digests, stat-cached, and what it refuses) — never a folder's location; with edit
+        pairs, the model's bound on a target's references (its family's `max_references`).
 """
 from __future__ import annotations
 
@@ -39,9 +41,12 @@ from .sources import BadRow, Candidate, DatasetSource, MissingCaption, candidate
 from .validation import ImageInfo, Rejected, inspect_image, mask_entry, summary_lines
 
 # 3: nothing read outside a dataset, metadata row problems reported, .caption fallback, warnings;
-# 4: the held-out split and random crops chosen by image content, not file name
-VERSION = "4"
-OUTPUT_FILES: tuple[OutputFile, ...] = ()  # its dataset manifest is encode's input, not the user's
+# 4: the held-out split and random crops chosen by image content, not file name;
+# 5: edit pairs: control_dir or reference_columns may pair a target, a row without the column is no
+# reference, too_many_references, rejected.json; a PNG's pixels are not decoded (damage shows at encode)
+VERSION = "5"
+REJECTED_FILE = "rejected.json"
+OUTPUT_FILES = (OutputFile(REJECTED_FILE, "rejected files"),)  # its dataset manifest is encode's input, not the user's
 MAX_UPSCALE = 2.0  # an image enlarged more than this to cover its target gets a small_image warning
 DATASET_FILE = "dataset.json"
 CAPTION_SETTINGS = ("caption_policy", "caption_text")  # a dataset's settings for the caption stage, not preprocess
@@ -99,6 +104,7 @@ class PreprocessParams(Frozen):
 class PreprocessInputs:
     datasets: tuple[DatasetSource, ...]
     stat_cache: StatCache
+    max_references: int | None = None  # the model's bound on a target's references (its family's); None: unchecked
 
 
 def dataset_ingredients(datasets: tuple[DatasetSource, ...], params: PreprocessParams,
@@ -123,7 +129,8 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
     datasets = _settled(inputs.datasets, params)
     several = len(datasets) > 1
     offered = [candidates(d, i, f"{d.label}/" if several else "", inputs.stat_cache) for i, d in enumerate(datasets)]
-    samples, rejected, warnings = _validate([c for o in offered for c in o.candidates], params, datasets)
+    samples, rejected, warnings = _validate([c for o in offered for c in o.candidates], params, datasets,
+                                            inputs.max_references)
     rejected = [r for o in offered for r in o.refused] + rejected
     if not samples:
         where = ", ".join(str(d.path) for d in inputs.datasets)
@@ -141,6 +148,9 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
     write_json_rows(out_dir / DATASET_FILE, {"format": 2}, "samples", samples)
     report = {"rejected": rejected, "counts": counts, "warnings": warnings, **_clips_report(samples, datasets)}
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True))
+    if rejected:  # the user's copy, beside the run's outputs; absent when nothing is refused
+        (out_dir / REJECTED_FILE).write_text(json.dumps({"rejected": rejected, "counts": counts}, indent=1,
+                                                        sort_keys=True))
     for line in summary_lines(rejected, "rejected") + summary_lines(warnings, "warning:"):
         log(line)
     prior = sum(s.get("role") == "prior" for s in samples)
@@ -166,8 +176,8 @@ def _check_every_dataset_used(datasets: tuple[DatasetSource, ...], samples: list
                              " or images, or remove it from data.datasets")
 
 
-def _validate(found: list[Candidate], params: PreprocessParams,
-              datasets: tuple[DatasetSource, ...]) -> tuple[list[dict], list[dict], list[dict]]:
+def _validate(found: list[Candidate], params: PreprocessParams, datasets: tuple[DatasetSource, ...],
+              max_references: int | None) -> tuple[list[dict], list[dict], list[dict]]:
     """(samples, rejected, warnings); the first of identical files (by path) is kept."""
     samples, rejected, warnings, uncaptioned = [], [], [], []
     first_of: dict[str, str] = {}  # content digest or sample id -> the file that has it
@@ -193,7 +203,7 @@ def _validate(found: list[Candidate], params: PreprocessParams,
                 mask = mask_entry(c, info, source)
                 sample = _sample(c, sample_id, info, caption, source, params)
                 if c.references or c.reference_problem:
-                    sample["references"] = _placed_references(c, sample["size"], params)
+                    sample["references"] = _placed_references(c, sample["size"], params, max_references)
                 samples.append(sample)
                 if mask:
                     samples[-1]["mask"] = mask
@@ -210,11 +220,15 @@ def _validate(found: list[Candidate], params: PreprocessParams,
     return samples, rejected, warnings
 
 
-def _placed_references(c: Candidate, size: list[int], params: PreprocessParams) -> list[dict]:
+def _placed_references(c: Candidate, size: list[int], params: PreprocessParams,
+                        max_references: int | None) -> list[dict]:
     """The target's reference images placed in its bucket (stages/preprocess/references.py), or
     Rejected naming the reference that cannot be used."""
     if c.reference_problem:
         raise Rejected(*c.reference_problem)
+    if max_references and len(c.references) > max_references:
+        raise Rejected("too_many_references", f"{len(c.references)} references ({', '.join(r.rel for r in c.references)}),"
+                       f" but the model takes at most {max_references}")
     placed = []
     for ref in c.references:
         try:

@@ -33,7 +33,8 @@ from ..contract import Frozen, PathOrUrl, location_name
 from ..video import VIDEO_SUFFIXES, ClipInfo, read_clip
 from .listing import Listing, list_folder, named_inside, within
 from .metadata import METADATA_FILES, MetadataCaption, RowProblem, metadata_captions
-from .references import ReferenceNames, column_references, control_reference, control_stems, in_control_dir
+from .references import (ReferenceNames, column_references, control_reference, control_stems, in_control_dir,
+                         target_references)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 CLIP_RECORD = "clip-frames-1"  # the stat cache's name for a clip's frame times and digests (stages/video.py)
@@ -298,14 +299,11 @@ def _reference_candidates(found: ReferenceNames | None, index: int, scan: Folder
 def _reference_names(source: DatasetSource, scan: FolderScan, image: str, row: MetadataCaption | None
                      ) -> ReferenceNames:
     """The image's references: control_dir's, then its metadata row's reference_columns'."""
-    found = control_reference(image, source.control_dir, scan.controls) if source.control_dir else ReferenceNames()
-    if found.problem or not source.reference_columns:
-        return found
-    if row is None:
-        return ReferenceNames(problem=("missing_reference", "no metadata row names its references"
-                                       f" ({', '.join(source.reference_columns)})"))
-    listed = column_references(row.row, row.where, row.file, source.reference_columns, scan.listing, _image_name)
-    return ReferenceNames(found.paths + listed.paths, listed.problem)
+    control = control_reference(image, source.control_dir, scan.controls) if source.control_dir else ReferenceNames()
+    listed = column_references(row.row, row.where, row.file, source.reference_columns, scan.listing, _image_name) \
+        if row and source.reference_columns else ReferenceNames()
+    return target_references(image, source.control_dir, control, source.reference_columns, listed,
+                             row.where if row else None)
 
 
 def _clip(path: Path | ObjectFile, stat_cache: StatCache) -> Callable[[], ClipInfo]:

@@ -45,7 +45,7 @@ def _header(f: BinaryIO) -> tuple[int, int, bool, str]:
         with Image.open(f) as im:
             width, height, fmt = im.width, im.height, im.format
             has_alpha = im.mode in ("RGBA", "LA", "PA", "RGBa", "La") or "transparency" in im.info
-            if im.getexif().get(0x0112) in TRANSPOSED:
+            if _orientation(im, f) in TRANSPOSED:
                 width, height = height, width
     except (UnidentifiedImageError, ValueError, SyntaxError, EOFError) as e:
         raise Unparsable(type(e).__name__) from None
@@ -54,6 +54,29 @@ def _header(f: BinaryIO) -> tuple[int, int, bool, str]:
             raise
         raise Unparsable(type(e).__name__) from None
     return width, height, has_alpha, fmt
+
+
+def _orientation(im: Image.Image, f: BinaryIO) -> int | None:
+    """The EXIF orientation, pixels left undecoded: Pillow's PNG getexif() decodes the whole image
+    first (to reach chunks after the pixel data), so a PNG's header chunks are read as other
+    formats' headers are, and an eXIf chunk after the pixel data is found by chunk headers."""
+    if im.format != "PNG":
+        return im.getexif().get(0x0112)
+    exif = Image.Image.getexif(im)  # what the chunks before the pixel data hold
+    if 0x0112 not in exif and "exif" not in im.info and (data := _png_chunk(f, b"eXIf")) is not None:
+        exif.load(data)
+    return exif.get(0x0112)
+
+
+def _png_chunk(f: BinaryIO, kind: bytes) -> bytes | None:
+    """The data of a PNG's first `kind` chunk, walking chunk headers and seeking past the rest."""
+    f.seek(8)  # the signature
+    while len(header := f.read(8)) == 8 and header[4:] != b"IEND":
+        length = int.from_bytes(header[:4], "big")
+        if header[4:] == kind:
+            return f.read(length)
+        f.seek(length + 4, io.SEEK_CUR)  # the data and its CRC
+    return None
 
 
 def inspect_image(candidate: Candidate, min_side: int) -> ImageInfo:
