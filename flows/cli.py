@@ -75,7 +75,8 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--concurrency", type=int, metavar="N", help="variants trained at once (sweep.concurrency)")
     run.add_argument("--only", action="append", default=[], metavar="STAGE")
     run.add_argument("--from", dest="start", metavar="STAGE")
-    run.add_argument("--force", action="append", default=[], metavar="STAGE")
+    for cmd in (run, sweep):  # a sweep forces its shared stages once, the others for every variant
+        cmd.add_argument("--force", action="append", default=[], metavar="STAGE")
     cache = sub.add_parser("cache", parents=[common], help="manage the artifact store")
     cache.add_argument("action", choices=["ls", "verify", "rm", "gc"])
     cache.add_argument("keys", nargs="*", help="rm: artifact keys or key prefixes")
@@ -163,7 +164,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                             args.json, args.debug, server)
     if args.command == "sweep":
         return commands.sweep(args.config, args.overrides + STRICT * args.strict, args.grid, args.concurrency,
-                              args.json, args.debug, server)
+                              args.json, args.debug, server, force=tuple(args.force))
     if args.command == "status":
         return commands.status(args.config, args.overrides + STRICT * args.strict, args.json)
     if args.command == "cache":

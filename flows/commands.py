@@ -91,9 +91,9 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
 
 
 def sweep(config_path: Path, overrides: list[str], grid: list[str], concurrency: int | None, as_json: bool,
-          debug: bool = False, server: EmbeddedServer | None = None) -> int:
+          debug: bool = False, server: EmbeddedServer | None = None, force: tuple[str, ...] = ()) -> int:
     """`lorapipe sweep`: every variant trained and evaluated over one encode, one line each; exit
-    status 1 when any failed (after the others were published)."""
+    status 1 when any failed (after the others were published). `force` as `lorapipe run --force`."""
     from .run_plan import plan_run
     from .runlog import new_log_path, run_log
     from .sweep.flow import run_sweep
@@ -101,7 +101,7 @@ def sweep(config_path: Path, overrides: list[str], grid: list[str], concurrency:
 
     sweep = load_sweep(config_path, overrides, grid, concurrency)
     current().pipeline = sweep.base.name
-    plan_run(sweep.base, ["encode"], None, [], note)  # what fails here is the command's only line
+    plan_run(sweep.base, ["encode"], None, list(force), note)  # what fails here is the command's only line
     note(f"sweeping {len(sweep.variants)} variants of pipeline {sweep.base.name!r} ({config_path}): starting Prefect")
     log_path = current().log = new_log_path(sweep.base.output_dir)
     # overlapping Prefect's start, and done before the variants' threads evaluate side by side
@@ -110,7 +110,7 @@ def sweep(config_path: Path, overrides: list[str], grid: list[str], concurrency:
         server.wait_ready()
     importing.join()
     with run_log(log_path, debug):
-        done = run_sweep(sweep)
+        done = run_sweep(sweep, force)
     failed = [row for row in done["variants"] if row["error"]]
     if as_json:
         _print_json({**done, "pipeline": sweep.base.name, "log": str(log_path)})

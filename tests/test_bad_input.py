@@ -269,8 +269,6 @@ ROWS = [
         ("train.prior_target: no training image comes from a dataset with role: prior",), in_flow=True),
     Row("target module that is not a layer", args("--set", "train.target_modules=[to_out]"),
         ("train.target_modules: to_out: ", "is a ModuleList", "such as to_out.0"), in_flow=True),
-    Row("max_steps below a kept checkpoint", args("--set", "train.max_steps=1"),
-        ("checkpoints/step-000004 is past train.max_steps=1", "--force train"), in_flow=True),
     Row("earlier stage not cached", args("--only", "evaluate", "--set", "train.learning_rate=0.004"),
         ("train is not selected to run and has no cached artifact", "--only"), in_flow=True),
     Row("file where a stage's lock folder is", file_in_the_cache("locks/train", "--set", "train.learning_rate=0.003"),

@@ -170,6 +170,25 @@ def test_a_truncated_file_in_a_published_artifact_is_a_logged_miss_then_rebuilt(
     assert lora.stat().st_size > 100
 
 
+def test_lowering_max_steps_trains_beside_the_longer_run_and_leaves_it_as_it_was(baseline, tmp_path):
+    """max_steps 15 after the baseline's 20 (checkpoints 10 and 20, a constant lr): trained on from a
+    copy of step 10 in a folder of its own; the 20-step training's files stay byte for byte. (Before
+    the test that raises the baseline's max_steps.)"""
+    from lorapipe.flows.plan import step_for
+
+    config = private_copy(baseline, tmp_path, train={"max_steps": 15})
+    ctx = Context(config, log=lambda m: None)
+    work_key = step_for("train", ctx, {"encode": encoded_data(config)[1]}).key.work_key
+    checkpoints = ctx.store.work_dir("train", work_key) / "checkpoints"
+    ctx.close()
+    before = {p: p.read_bytes() for p in sorted(checkpoints.parent.rglob("*")) if p.is_file()}
+    results = run_all(config, STAGES[:3])
+    assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed"}
+    assert results["train"].info["resumed_from"] == 10 and results["train"].info["steps"] == 15
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000010", "step-000020"]
+    assert {p: p.read_bytes() for p in sorted(checkpoints.parent.rglob("*")) if p.is_file()} == before
+
+
 def test_raising_max_steps_continues_from_the_published_run(baseline, tmp_path):
     config = copy_of(baseline, tmp_path, train={"max_steps": 30})
     results = run_all(config, STAGES[:3])

@@ -196,3 +196,41 @@ def test_one_more_value_trains_one_and_a_failing_variant_leaves_the_others_publi
         assert json.loads(summary.read_text())["stages"] == row["stages"] if name != failing else not summary.exists()
     assert json.loads((out / "best" / "sweep-variant.json").read_text())["name"] == done["best"]
     assert done["best"] in trained and before["best"] in rows
+
+
+@pytest.mark.slow
+def test_a_sweep_down_max_steps_trains_each_and_force_trains_each_again(sweeps):
+    """Over the sweeps' cache, max_steps 4 then 2 (issue 36): the shorter variant is step 2 of the
+    longer one's training, which stays as it was published; then `--force train` trains both again
+    and serves the shared stages from the cache."""
+    from lorapipe.cache.store import ArtifactStore
+    from lorapipe.stages.train.checkpoints import CheckpointDir
+    from test_demo import lorapipe
+
+    root = sweeps[0].parent
+    argv = ["--json", "--grid", "train.learning_rate=0.003", "--grid", "train.max_steps=4,2",
+            "--set", "train.keep_checkpoints=2", "--set", "output_dir=out-steps"]
+
+    def sweep(*extra: str) -> dict:
+        done = lorapipe("sweep", "config.yaml", *argv, *extra, cwd=root, prefect_home=root / "prefect")
+        assert done.returncode == 0, done.stderr[-3000:]
+        return json.loads(done.stdout)
+
+    first = sweep()
+    longer, shorter = ("learning_rate=0.003,max_steps=4", "learning_rate=0.003,max_steps=2")
+    assert statuses(first, "train") == {longer: "computed", shorter: "computed"}
+    rows = {row["name"]: {s["stage"]: s for s in row["stages"]} for row in first["variants"]}
+    assert rows[shorter]["train"]["info"]["resumed_from"] == 2  # the longer training's step 2 is its result
+    published = Path(rows[longer]["train"]["path"])
+    manifest = json.loads((published / "manifest.json").read_text())
+    work = ArtifactStore(root / "cache").work_dir("train", manifest["work_key"])
+    assert CheckpointDir(work / "checkpoints").steps() == [2, 4] and not (work / "shorter").exists()
+    for step in ("step-000002", "step-000004"):
+        lora = f"checkpoints/{step}/pytorch_lora_weights.safetensors"
+        assert (work / lora).read_bytes() == (published / lora).read_bytes()
+    assert (work / "logs" / "loss.jsonl").read_bytes() == (published / "logs" / "loss.jsonl").read_bytes()
+    forced = sweep("--force", "train")
+    assert [row["status"] for row in forced["shared"]] == ["hit", "hit"]
+    assert statuses(forced, "train") == {longer: "computed", shorter: "computed"}
+    assert {row["name"]: {s["stage"]: s["reason"] for s in row["stages"]}["train"]
+            for row in forced["variants"]} == {longer: "forced", shorter: "forced"}

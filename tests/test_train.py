@@ -152,6 +152,49 @@ def test_resume_with_lora_dropout_is_exact(tmp_path, tiny_model, encoded):
     assert built.info["resumed_from"] == 10 and trajectory(resumed) == trajectory(straight)
 
 
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def same_tensors(a: Path, b: Path) -> bool:
+    ours, theirs = load_file(a), load_file(b)
+    return ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+
+
+def test_a_shorter_training_starts_from_the_longer_ones_checkpoint_and_leaves_it_as_it_was(
+        trained, tmp_path, tiny_model, encoded):
+    """Over the 120-step training's work folder (checkpoints 80 and 120, a constant lr): max_steps 80
+    is its step-000080 exported as is, max_steps 100 trains on from it, both as a straight run
+    would (the 120-step run's losses, and at 80 its LoRA); its files stay byte for byte."""
+    work, inputs, logs = tmp_path / "work", train_inputs(tiny_model, encoded), []
+    shutil.copytree(trained[0].parent / "work-straight", work)
+    before = files_of(work)
+    at_80 = train.run(train.TrainParams(**{**PARAMS, "max_steps": 80}), inputs, tmp_path / "out-80", work,
+                      train.TrainOptions(), log=logs.append)
+    out, at_100 = run_train(tmp_path, "100", inputs, work, max_steps=100)
+    assert (at_80.info["resumed_from"], at_100.info["resumed_from"]) == (80, 80)
+    assert any("its step-000080 is this training's result" in line for line in logs), logs
+    assert same_tensors(tmp_path / "out-80" / "pytorch_lora_weights.safetensors",
+                        trained[0] / "checkpoints" / "step-000080" / "pytorch_lora_weights.safetensors")
+    assert trajectory(tmp_path / "out-80") == trajectory(trained[0])[:80]
+    assert trajectory(out) == trajectory(trained[0])[:100]  # bit-exact: the same floats at every step
+    assert files_of(work) == before  # the longer training's checkpoints, losses and exports; no folder left
+
+
+def test_a_shorter_training_under_a_schedule_of_the_total_starts_from_scratch_beside_it(tmp_path, tiny_model, encoded):
+    inputs, cosine, logs = train_inputs(tiny_model, encoded), dict(lr_scheduler="cosine", checkpoint_every=2), []
+    run_train(tmp_path, "6", inputs, tmp_path / "work", max_steps=6, **cosine)
+    before = files_of(tmp_path / "work")
+    out = tmp_path / "out-4"
+    built = train.run(train.TrainParams(**{**PARAMS, **cosine, "max_steps": 4}), inputs, out, tmp_path / "work",
+                      train.TrainOptions(), log=logs.append)
+    straight, _ = run_train(tmp_path, "straight", inputs, max_steps=4, **cosine)
+    assert built.info["resumed_from"] is None and any("training from scratch" in line for line in logs), logs
+    assert trajectory(out) == trajectory(straight)
+    assert same_tensors(out / "pytorch_lora_weights.safetensors", straight / "pytorch_lora_weights.safetensors")
+    assert files_of(tmp_path / "work") == before
+
+
 @pytest.mark.slow
 def test_resume_on_clips_is_exact(tmp_path, wan_model, wan_clips_encoded):
     """The tiny Wan 2.1 on 9-frame clip windows: 10 steps, then max_steps raised to 20 over the same

@@ -34,21 +34,23 @@ from .report import score, write_sweep_report
 EVALUATING = threading.Lock()
 
 
-def run_sweep(sweep: Sweep) -> dict:
+def run_sweep(sweep: Sweep, force: tuple[str, ...] = ()) -> dict:
     """The sweep's flow, at most sweep.settings.concurrency variants at once; what it did (`sweep_flow`'s return)."""
     runner = ThreadPoolTaskRunner(max_workers=sweep.settings.concurrency)
-    return sweep_flow.with_options(task_runner=runner)(sweep.base, sweep.variants, sweep.settings.metric)
+    return sweep_flow.with_options(task_runner=runner)(sweep.base, sweep.variants, sweep.settings.metric, force)
 
 
 @flow(name="lorapipe-sweep", log_prints=True, validate_parameters=False)
-def sweep_flow(config: PipelineConfig, variants: SkipJsonSchema[tuple[Variant, ...]], metric: str) -> dict:
+def sweep_flow(config: PipelineConfig, variants: SkipJsonSchema[tuple[Variant, ...]], metric: str,
+               force: tuple[str, ...] = ()) -> dict:
     """Train and evaluate each of `variants` over one encode of `config`'s data; report them by
-    `metric` and publish the best. Returns {"shared": the shared stages' rows, "variants": per variant
-    its name, overrides, output_dir, error, score and stages' rows, "best": its name or None}."""
+    `metric` and publish the best; `force`: the stages to rebuild (`--force`), the shared ones once.
+    Returns {"shared": the shared stages' rows, "variants": per variant its name, overrides,
+    output_dir, error, score and stages' rows, "best": its name or None}."""
     stages = config_stages(config)
     shared_stages = stages[: stages.index("encode") + 1]
-    data = dataset_stages(config, plan_flow(config, list(shared_stages), None, []))
-    futures = run_variant.map(variants, unmapped(data))
+    data = dataset_stages(config, plan_flow(config, list(shared_stages), None, list(force)))
+    futures = run_variant.map(variants, unmapped(data), unmapped(force))
     finished = [(v, *variant_outcome(v, future)) for v, future in zip(variants, futures)]
     outcomes = [outcome for _, outcome, _ in finished]
     report = write_sweep_report(outcomes, config.output_dir, metric)
@@ -64,11 +66,11 @@ def sweep_flow(config: PipelineConfig, variants: SkipJsonSchema[tuple[Variant, .
 
 
 @task(name="variant", task_run_name="variant {variant.name}", cache_policy=NO_CACHE, persist_result=False)
-def run_variant(variant: Variant, shared: DatasetStages) -> list[dict]:
+def run_variant(variant: Variant, shared: DatasetStages, force: tuple[str, ...] = ()) -> list[dict]:
     """Train and evaluate `variant` over the shared stages (its own where it changes them), publish
-    it into its folder; its summary's rows."""
+    it into its folder; its summary's rows. `force` rebuilds those of its stages it runs itself."""
     config = variant.config
-    plan = plan_flow(config, [], None, [])
+    plan = plan_flow(config, [], None, list(force))
     data = dataset_stages(config, plan) if variant.changes_data else DatasetStages(*map(own_copy, shared))
     lora = train(config, plan, data.enc, False)
     with EVALUATING:

@@ -12,10 +12,11 @@ Writes: out_dir/pytorch_lora_weights.safetensors        diffusers format (load_l
         out_dir/checkpoints/step-XXXXXX/pytorch_lora_weights.safetensors  every retained checkpoint
         out_dir/logs/{loss.jsonl, train.log, summary.json}  (not part of the artifact digest)
         Both LoRA files carry provenance metadata: base model and encoded data digests, config, steps.
-Key:    TrainParams (less max_steps for the work directory: raising it resumes), the encode
+Key:    TrainParams (less max_steps for the work directory: raising it resumes; a shorter training
+        runs in a folder of its own there, stages/train/shorter.py), the encode
         artifact's digest, the denoiser and scheduler digests, library majors.
 Work:   work_dir/checkpoints/ (adapter, PiSSA/OLoRA start, EMA, optimizer, LR scheduler and RNG states;
-        atomic: stages/train/trained_adapter.py), export/,
+        atomic: stages/train/trained_adapter.py), export/, shorter/ (a shorter training's own folder),
         logs/, accelerate.yaml, job.json (stages/jobs.py). Training resumes from the newest intact checkpoint.
 Across machines (train.num_machines): machine rank 0 runs `run` (it alone reads and writes the
         work directory and publishes); every other machine runs `follow`, whose processes join

@@ -86,6 +86,15 @@ class CheckpointDir:
         staging.rename(self.path(step))
         fsync_dir(self.root)
 
+    def copy_into(self, other: CheckpointDir, step: int) -> None:
+        """Give `other` a copy of this committed checkpoint, committed there as atomically."""
+        other.root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(other.staging(step), ignore_errors=True)
+        shutil.copytree(self.path(step), other.staging(step))
+        fsync_tree(other.staging(step))
+        other.staging(step).rename(other.path(step))
+        fsync_dir(other.root)
+
     def rotate(self, newest: int, every: int, keep: int) -> None:
         """Keep the newest `keep` checkpoints. A checkpoint off the `every` grid exists only
         because an earlier run ended there: drop it once a newer one exists, so a resumed run

@@ -29,20 +29,25 @@ from lorapipe.stages.lora_formats.lora_folder import LORA_FILE, checkpoint_lora,
 from lorapipe.stages.train.checkpoints import CheckpointDir
 from lorapipe.stages.train.params import TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
 from lorapipe.stages.train.quantization import LIBRARY
+from lorapipe.stages.train.shorter import drop_own_dir, training_dir
 
 
 def run(params: TrainParams, inputs: TrainInputs, out_dir: Path, work_dir: Path,
         options: TrainOptions | None = None, log: Log = print, placement: Placement | None = None) -> Built:
     """Train (or resume training) in work_dir where `placement` says (the plan's; default: what
-    `where` says), then publish the LoRA files into out_dir. On several machines this is machine
-    rank 0's part; the others run `follow`."""
+    `where` says), then publish the LoRA files into out_dir. A training shorter than the one
+    work_dir holds runs in a folder of its own (stages/train/shorter.py). On several machines
+    this is machine rank 0's part; the others run `follow`."""
     options = options or TrainOptions()
     out_dir, work_dir = Path(out_dir), Path(work_dir)
     if machines(params, options).rank:
         raise RuntimeError("only machine rank 0 publishes: the other machines run lorapipe.stages.train.launch.follow")
     warn_if_distilled(check_inputs(params, inputs, options), inputs.model_path, log)
-    launch(params, inputs, work_dir, options, log, lambda: interrupted_at(work_dir), placement)
-    return publish(work_dir, out_dir, params.max_steps, log)
+    trained_in = training_dir(work_dir, params, log)
+    launch(params, inputs, trained_in, options, log, lambda: interrupted_at(trained_in), placement)
+    built = publish(trained_in, out_dir, params.max_steps, log)
+    drop_own_dir(work_dir, trained_in)
+    return built
 
 
 def follow(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: TrainOptions, log: Log = print,

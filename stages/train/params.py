@@ -25,6 +25,7 @@ OUTPUT_FILES = (*(OutputFile(name, "LoRA" if name == LORA_FILE else "") for name
 
 PriorTarget = Literal["data", "base_output"]
 TRACKER_RUN = "tracker"  # accelerate's tracker (TensorBoard, wandb) writes under work_dir/logs/tracker/
+TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")  # lr schedules whose every step depends on max_steps
 
 
 class TrainParams(ObjectiveParams, AdapterParams, EMAParams):
@@ -60,7 +61,7 @@ class TrainParams(ObjectiveParams, AdapterParams, EMAParams):
     warmup_steps: int = Field(0, ge=0, description="steps of linear warm-up at the start of the schedule (not with"
                               " constant: use constant_with_warmup)")
     max_steps: int = Field(1000, gt=0, description="optimiser steps to train; raising it continues from the latest"
-                           " checkpoint")
+                           " checkpoint, lowering it trains beside the longer run and leaves it as it is")
     batch_size: int = Field(4, gt=0, description="samples per process per micro-batch")
     gradient_accumulation_steps: int = Field(1, gt=0, description="micro-batches per optimiser step")
     num_processes: int = Field(1, gt=0, description="training processes, of every machine together (DDP under"

@@ -62,12 +62,12 @@ from lorapipe.stages.train.block_swap import BlockSwap, swap_count, to_device_le
 from lorapipe.stages.train.checkpoints import CheckpointDir
 from lorapipe.stages.train.compile import compile_blocks
 from lorapipe.stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
-from lorapipe.stages.train.params import TRACKER_RUN, VERSION, TrainInputs, TrainOptions, TrainParams
+from lorapipe.stages.train.params import (TOTAL_DEPENDENT_SCHEDULES, TRACKER_RUN, VERSION, TrainInputs, TrainOptions,
+                                          TrainParams)
 from lorapipe.stages.train.prior import base_output_target
 from lorapipe.stages.train.quantization import keep_base_out_of_ddp_sync, quantize_base
 from lorapipe.stages.train.trained_adapter import TrainedAdapter
 
-TOTAL_DEPENDENT_SCHEDULES = ("cosine", "linear", "polynomial")
 LYCORIS_NETWORK_ARGS = {"dora": {"algo": "lora", "dora_wd": "True"}, "lokr": {"algo": "lokr"}, "loha": {"algo": "loha"}}
 
 
@@ -276,8 +276,8 @@ class LoRATrainingRecipe:
         except UserError as error:
             return None, str(error)
         if latest is not None and latest > self.params.max_steps:
-            return None, (f"{self.checkpoints.path(latest)} is past train.max_steps={self.params.max_steps}:"
-                          " raise max_steps, or train from scratch with --force train")
+            return None, (f"{self.checkpoints.path(latest)} is past train.max_steps={self.params.max_steps}: run a"
+                          " shorter training through the train stage (`lorapipe run`), which trains it beside this one")
         return latest, None
 
     def _saved_start(self, latest: int | None) -> dict[str, torch.Tensor] | None:
