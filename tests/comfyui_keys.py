@@ -147,10 +147,21 @@ def comfyui_weight(base: torch.Tensor, t: dict[str, torch.Tensor]) -> torch.Tens
         w1, w2 = (t[f"lokr_{w}"] if f"lokr_{w}" in t else t[f"lokr_{w}_a"] @ t[f"lokr_{w}_b"] for w in ("w1", "w2"))
         diff = torch.kron(w1, w2) * (alpha / dims[-1] if dims and alpha is not None else 1.0)
     new = base + diff.reshape(base.shape)
-    if "dora_scale" in t:  # LyCORIS's output-axis DoRA: scale each row to dora_scale
-        norm = new.reshape(new.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (new.dim() - 1))
-        new = t["dora_scale"] * new / norm
-    return new
+    return weight_decompose(t["dora_scale"], base, new) if "dora_scale" in t else new
+
+
+def weight_decompose(dora_scale: torch.Tensor, base: torch.Tensor, new: torch.Tensor) -> torch.Tensor:
+    """ComfyUI's DoRA at strength 1 (comfy/weight_adapter/base.py `weight_decompose`, computed in
+    float32): a `dora_scale` with one value per row of the weight is an output-axis magnitude, and
+    divides by the *base* weight's row norms; any other is an input-axis one, and divides by the
+    adapted weight's column norms. Each norm gets float32's eps."""
+    eps = torch.finfo(torch.float32).eps
+    if dora_scale.shape[0] == new.shape[0]:
+        norm = base.reshape(base.shape[0], -1).norm(dim=1).reshape(-1, *[1] * (base.dim() - 1))
+    else:
+        norm = new.transpose(0, 1).reshape(new.shape[1], -1).norm(dim=1)
+        norm = norm.reshape(new.shape[1], *[1] * (new.dim() - 1)).transpose(0, 1)
+    return new * (dora_scale / (norm + eps))
 
 
 def assert_comfyui_applies_the_merged_model(file: Path, denoiser, family, base_model=None) -> None:

@@ -70,3 +70,24 @@ def test_the_link_check_sees_a_broken_link(tmp_path):
     page.write_text("# A page's title\n\n[here](#a-pages-title) [gone](#nowhere) `[code](#x)`\n")
     assert anchors(page) == {"a-pages-title"}
     assert links(page) == ["#a-pages-title", "#nowhere"]
+
+
+# families that ComfyUI 0a674689 (the version STACK-NOTES records) has no model for, and the Wan
+# variant musubi-tuner does not train: the README must not send a user's file to either
+NOT_IN_COMFYUI = ("Qwen-Image 2.1", "Krea 2", "Ideogram 4")
+
+
+def file_table(readme: str) -> dict[str, dict[str, str]]:
+    """README's "Which file in which tool" table: family -> column -> cell."""
+    section = readme.split("### Which file in which tool", 1)[1]
+    rows = [re.split(r"(?<!\\)\|", line)[1:-1] for line in section.splitlines() if line.startswith("|")]
+    header = [cell.strip() for cell in rows[0]]
+    return {cells[0].strip(): dict(zip(header, (c.strip() for c in cells))) for cells in rows[2:]}
+
+
+def test_readme_file_table_names_only_tools_that_have_the_model():
+    table = file_table((REPO / "README.md").read_text())
+    for family in NOT_IN_COMFYUI:
+        assert table[family]["ComfyUI"].startswith("none"), f"README says ComfyUI loads {family}"
+    wan = table["Wan"]["ComfyUI"]
+    assert "musubi" not in wan or "no TI2V-5B" in wan, "README calls Wan 2.2 TI2V-5B's _kohya musubi-tuner's"

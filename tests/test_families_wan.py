@@ -234,10 +234,13 @@ def test_comfyui_export_loads_in_diffusers_and_comfyui(models, exported_loras):
 def test_musubi_export_loads_in_diffusers_and_comfyui(models, exported_loras):
     """musubi-tuner's spelling (`lora_unet_blocks_0_self_attn_q.lora_down.weight`, `.alpha` = scale x
     rank, weights as trained): WanPipeline's musubi converter reads it (it wants every Linear of every
-    block: the attention_ff and all_linear presets), and ComfyUI maps every key."""
+    block: the attention_ff and all_linear presets), and ComfyUI maps every key. Its metadata names
+    musubi's network module, as a file musubi-tuner trained does."""
     transformer, targets, written = exported_loras("wan2.1")
     with safe_open(written[1], "pt") as f:
         assert "lora_unet_blocks_0_self_attn_q.alpha" in f.keys()
+        assert f.metadata()["ss_network_module"] == "networks.lora_wan"
+        assert f.metadata()["ss_base_model_version"] == "wan"
     assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(models["wan2.1"]), "transformer",
                                                                      written[1]))
     assert_comfyui_applies_the_merged_model(written[1], transformer, families.for_model(models["wan2.1"]))

@@ -219,6 +219,7 @@ class Family(ABC):
     components: Components
     kohya_base_model: str  # ss_base_model_version in the kohya export
     tiny_arches: tuple[str, ...]  # `lorapipe tiny-model --arch` names this family builds
+    kohya_network_module: str = "networks.lora"  # a plain LoRA's ss_network_module: the trainer's own
     single_file_markers: tuple[str, ...] = ()  # a tensor name that identifies a single-file checkpoint
     latent_patch: int = 1  # latent pixels per image token side (Flux: 2x2 patches)
     lora_presets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> what lora_target_modules reads
@@ -377,6 +378,13 @@ class Family(ABC):
     def export_lora(self, denoiser: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
                     kohya_metadata: dict[str, str]) -> list[Path]:
         """Write every LoRA file the family exports (diffusers format first) into out_dir."""
+
+    def original_names_metadata(self, provenance: dict[str, str], kohya_metadata: dict[str, str]) -> dict[str, str]:
+        """The metadata of the files in original names: the run's provenance and kohya's training
+        keys, with the family's base model and network module (kohya_metadata's own, a LyCORIS
+        type's, wins)."""
+        return {"ss_network_module": self.kohya_network_module, **provenance, **kohya_metadata,
+                "ss_base_model_version": self.kohya_base_model}
 
     def swappable_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
         """The blocks of `block_lists`, in the order the denoiser runs them."""

@@ -122,7 +122,7 @@ class FlowFamily(Family):
         written = [Path(out_dir) / LORA_FILE]
         write_diffusers_lora(transformer, written[0], provenance, self.lora_prefix())
         adapter, names, lora = transformer.peft_config[ADAPTER], self.original_names(transformer), None
-        metadata = {**provenance, **kohya_metadata, "ss_base_model_version": self.kohya_base_model}
+        metadata = self.original_names_metadata(provenance, kohya_metadata)
         lycoris = write_lycoris(transformer, names, out_dir, metadata, self.comfyui_slice_prefix)  # DoRA, LoKr, LoHa
         if lycoris:
             return [*written, lycoris]

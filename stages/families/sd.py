@@ -194,7 +194,7 @@ class StableDiffusion(Family):
 
         diffusers_file, kohya_file, comfyui_file = (Path(out_dir) / f for f in (LORA_FILE, KOHYA.file, COMFYUI.file))
         write_diffusers_lora(unet, diffusers_file, provenance, self.lora_prefix())
-        metadata = {**provenance, **kohya_metadata, "ss_base_model_version": self.kohya_base_model}
+        metadata = self.original_names_metadata(provenance, kohya_metadata)
         lycoris = write_lycoris(unet, self.original_names(unet), out_dir, metadata)
         if lycoris:
             return [diffusers_file, lycoris]

@@ -229,7 +229,8 @@ def original_names(num_layers: int) -> OriginalNames:
 WAN = Wan(
     name="wan", label="Wan", pipeline_class="WanPipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser=HIGH_NOISE),
-    kohya_base_model="wan", tiny_arches=(*(v.tiny_arch for v in VARIANTS), A14B.tiny_arch), latent_patch=2,
+    kohya_base_model="wan", kohya_network_module="networks.lora_wan",  # musubi-tuner's network module
+    tiny_arches=(*(v.tiny_arch for v in VARIANTS), A14B.tiny_arch), latent_patch=2,
     original_formats=(KOHYA, COMFYUI), sampler=SAMPLER,
     block_lists=("blocks",),
 )

@@ -7,14 +7,15 @@ when decomposed, times peft's scale. ComfyUI's loaders scale by `alpha / dim`, d
 decomposed factor, a LoKr with no decomposed factor ignores alpha, and a file without `.alpha` is
 applied at scale 1; so, as the LoRA export does, the scale is folded into the first factor and no
 `.alpha` is written (diffusers' LoKr converters, which bake an `.alpha` in, then read it alike).
-A DoRA is its LoRA (original_names.fused_lora) plus `.dora_scale`: peft's magnitude, one per output
-row, shaped (rows, 1, ...) so that it broadcasts over a row as LyCORIS's output-axis DoRA does
-(W' = dora_scale * (W + dW) / ||W + dW|| per row).
+A DoRA is its LoRA (original_names.fused_lora) plus `.dora_scale`, one per output row, shaped
+(rows, 1, ...) so that ComfyUI takes it as an output-axis magnitude; ComfyUI's rule for that axis
+is W' = dora_scale * (W + dW) / ||W|| per row (the base weight's norm), so peft's magnitude m is
+written as m ||W|| / ||W + dW|| (comfyui_magnitude), which gives the trained weight.
 
 Modules that the original layout fuses (Flux's q/k/v in `qkv`, `linear1` = q|k|v|mlp): a LoHa fuses
 like a LoRA, its two pairs each concatenated along the rank with the up factors block-diagonal (the
 Hadamard product of two block-diagonal products keeps each part's rows); a DoRA fuses its LoRA so
-and concatenates the magnitudes, taking a part without an adapter at its own row norms (so those
+and concatenates the magnitudes, taking a part without an adapter at its base row norms (so those
 rows stay as they are); a Kronecker product cannot be split by rows, so a LoKr on a fused module is
 written under the diffusers module's name where ComfyUI maps such names to their rows of the fused
 weight (Flux.1's `transformer.<module>`: `slice_prefix`), and refused with the module's name
@@ -60,7 +61,7 @@ def lycoris_state_dict(denoiser: torch.nn.Module, names: OriginalNames,
     state = peft_state_dict(denoiser)
     scales = {name: denoiser.get_submodule(name).scaling[ADAPTER] for name in adapted_modules(denoiser)}
     if kind == "dora":
-        return _dora(state, scales, names, lambda m: _row_norms(denoiser.get_submodule(m).weight))
+        return _dora(state, scales, names, lambda m: comfyui_magnitude(denoiser.get_submodule(m)))
     if kind == "loha":
         return _loha(state, scales, names)
     if kind == "lokr":
@@ -149,7 +150,7 @@ def _loha(state: dict, scales: dict[str, float], names: OriginalNames) -> dict[s
 
 
 def _dora(state: dict, scales: dict[str, float], names: OriginalNames,
-          row_norms: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
+          magnitude_of: Callable[[str], torch.Tensor]) -> dict[str, torch.Tensor]:
     import torch
 
     lora = {k: v for k, v in state.items() if not k.endswith(DORA_MAGNITUDE)}
@@ -162,8 +163,7 @@ def _dora(state: dict, scales: dict[str, float], names: OriginalNames,
         rows = up.shape[0]
         magnitude = torch.empty(rows, dtype=up.dtype)
         for s in segments:
-            whole = state.get(f"{s.module}{DORA_MAGNITUDE}")
-            whole = row_norms(s.module) if whole is None else whole.reshape(-1)  # a conv's is (1, out, 1, 1)
+            whole = magnitude_of(s.module)
             n = whole.shape[0]
             magnitude[int(s.start * rows):int(s.end * rows)] = whole[int(s.part_start * n):int(s.part_end * n)]
         out[f"{COMFYUI.prefix}{original}.dora_scale"] = magnitude.reshape(rows, *[1] * (up.dim() - 1))
@@ -177,9 +177,27 @@ def _one_scale(scales: dict[str, float]) -> float:
     return distinct.pop()
 
 
+def comfyui_magnitude(module: torch.nn.Module) -> torch.Tensor:
+    """The `dora_scale` rows that make ComfyUI's output-axis DoRA give `module` its trained weight.
+    peft trains W' = m (W + dW) / ||W + dW|| per row, but ComfyUI divides by the base weight's row
+    norms ||W||, so m ||W|| / ||W + dW|| is written. A module without an adapter (part of a fused
+    original module) gets ||W||: its rows stay as they are."""
+    from peft.utils.integrations import dequantize_module_weight
+
+    from .diffusers_format import ADAPTER
+
+    base_layer = module.get_base_layer() if hasattr(module, "get_base_layer") else module
+    base = dequantize_module_weight(base_layer).detach().float()  # a quantised base's too
+    norms = _row_norms(base)
+    if not hasattr(module, "lora_magnitude_vector"):
+        return norms
+    magnitude = module.lora_magnitude_vector[ADAPTER].weight.detach().float().reshape(-1)  # a conv's is (1, out, 1, 1)
+    adapted = _row_norms(base + module.get_delta_weight(ADAPTER).detach().float())
+    return magnitude * norms / adapted
+
+
 def _row_norms(weight: torch.Tensor) -> torch.Tensor:
-    """A weight's norm per output row (peft's DoRA magnitude at initialisation)."""
-    return weight.detach().reshape(weight.shape[0], -1).float().norm(dim=1).to(weight.dtype)
+    return weight.reshape(weight.shape[0], -1).norm(dim=1)
 
 
 def _check_placed(scales: dict[str, float], names: OriginalNames) -> None:

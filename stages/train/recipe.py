@@ -436,7 +436,7 @@ class LoRATrainingRecipe:
         p = self.params
         dim, alpha = kohya_network_dim_alpha(p)
         values = {
-            "ss_network_module": "networks.lora", "ss_network_dim": dim, "ss_network_alpha": alpha,
+            "ss_network_dim": dim, "ss_network_alpha": alpha,
             "ss_network_dropout": p.dropout, "ss_learning_rate": p.effective_learning_rate,
             "ss_unet_lr": p.effective_learning_rate, "ss_text_encoder_lr": 0, "ss_lr_scheduler": p.lr_scheduler,
             "ss_lr_warmup_steps": p.warmup_steps, "ss_max_train_steps": p.max_steps, "ss_steps": self.step,
