@@ -2,7 +2,8 @@
 
     lorapipe demo [--arch ARCH] [--edit] [--caption] [--workdir DIR] [--set key=value]...
     lorapipe run CONFIG [--only S]... [--from S] [--force S]... [--set key=value]... [--strict] [--json]
-    lorapipe sweep CONFIG [--grid key=v1,v2]... [--set key=value]... [--concurrency N] [--strict] [--json]
+    lorapipe sweep CONFIG [--grid key=v1,v2]... [--set key=value]... [--concurrency N] [--yes] [--dry-run]
+                   [--strict] [--json]
     lorapipe status CONFIG [--set key=value]... [--strict] [--json]
     lorapipe cache ls|verify|rm|gc [--cache-dir DIR | --config CONFIG] [--keep-last N] [--keep-days D | --since DATE]
     lorapipe captions export CONFIG [DIR]... [--overwrite] [--set key=value]... [--json]
@@ -68,6 +69,9 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="values to try for"
                        " one key (replacing the config's sweep.grid values of that key)")
     sweep.add_argument("--concurrency", type=int, metavar="N", help="variants trained at once (sweep.concurrency)")
+    sweep.add_argument("--yes", action="store_true", help="train more variants than sweep.max_variants")
+    sweep.add_argument("--dry-run", action="store_true", help="list the variants, each a cache hit or a training,"
+                       " and train nothing")
     run.add_argument("--only", action="append", default=[], metavar="STAGE")
     run.add_argument("--from", dest="start", metavar="STAGE")
     run.add_argument("--force", action="append", default=[], metavar="STAGE")
@@ -150,7 +154,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                             args.json, args.debug, server)
     if args.command == "sweep":
         return commands.sweep(args.config, args.overrides + STRICT * args.strict, args.grid, args.concurrency,
-                              args.json, args.debug, server)
+                              args.json, args.debug, server, args.yes, args.dry_run)
     if args.command == "status":
         return commands.status(args.config, args.overrides + STRICT * args.strict, args.json)
     if args.command == "cache":
