@@ -2,7 +2,8 @@
 
     lorapipe demo [--arch ARCH] [--edit] [--caption] [--workdir DIR] [--set key=value]...
     lorapipe run CONFIG [--only S]... [--from S] [--force S]... [--set key=value]... [--strict] [--json]
-    lorapipe sweep CONFIG [--grid key=v1,v2]... [--set key=value]... [--concurrency N] [--strict] [--json]
+    lorapipe sweep CONFIG [--grid key=v1,v2]... [--set key=value]... [--concurrency N] [--yes] [--dry-run]
+                   [--strict] [--json]
     lorapipe status CONFIG [--set key=value]... [--strict] [--json]
     lorapipe cache ls|verify|rm|gc [--cache-dir DIR | --config CONFIG] [--keep-last N] [--keep-days D | --since DATE]
     lorapipe captions export CONFIG [DIR]... [--overwrite] [--set key=value]... [--json]
@@ -73,6 +74,9 @@ def _parser() -> argparse.ArgumentParser:
     sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="values to try for"
                        " one key (replacing the config's sweep.grid values of that key)")
     sweep.add_argument("--concurrency", type=int, metavar="N", help="variants trained at once (sweep.concurrency)")
+    sweep.add_argument("--yes", action="store_true", help="train more variants than sweep.max_variants")
+    sweep.add_argument("--dry-run", action="store_true", help="list the variants, each a cache hit or a training,"
+                       " and train nothing")
     run.add_argument("--only", action="append", default=[], metavar="STAGE")
     run.add_argument("--from", dest="start", metavar="STAGE")
     for cmd in (run, sweep):  # a sweep forces its shared stages once, the others for every variant
@@ -164,7 +168,7 @@ def _dispatch(args: argparse.Namespace) -> int:
                             args.json, args.debug, server)
     if args.command == "sweep":
         return commands.sweep(args.config, args.overrides + STRICT * args.strict, args.grid, args.concurrency,
-                              args.json, args.debug, server, force=tuple(args.force))
+                              args.json, args.debug, server, args.yes, args.dry_run, tuple(args.force))
     if args.command == "status":
         return commands.status(args.config, args.overrides + STRICT * args.strict, args.json)
     if args.command == "cache":

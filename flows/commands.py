@@ -19,6 +19,7 @@ if TYPE_CHECKING:
     from lorapipe.stages.preprocess.sources import DatasetSource
 
     from .server import EmbeddedServer
+    from .sweep.grid import Sweep
 
 
 def _print_json(value) -> None:
@@ -91,17 +92,27 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
 
 
 def sweep(config_path: Path, overrides: list[str], grid: list[str], concurrency: int | None, as_json: bool,
-          debug: bool = False, server: EmbeddedServer | None = None, force: tuple[str, ...] = ()) -> int:
+          debug: bool = False, server: EmbeddedServer | None = None, confirmed: bool = False,
+          dry_run: bool = False, force: tuple[str, ...] = ()) -> int:
     """`lorapipe sweep`: every variant trained and evaluated over one encode, one line each; exit
-    status 1 when any failed (after the others were published). `force` as `lorapipe run --force`."""
+    status 1 when any failed (after the others were published). More than sweep.max_variants only
+    when `confirmed` (--yes); `dry_run`: list the variants, each a cache hit or not, and stop;
+    `force` as `lorapipe run --force`."""
     from .run_plan import plan_run
     from .runlog import new_log_path, run_log
     from .sweep.flow import run_sweep
-    from .sweep.grid import load_sweep
+    from .sweep.grid import check_size, load_sweep, size_line
 
     sweep = load_sweep(config_path, overrides, grid, concurrency)
     current().pipeline = sweep.base.name
+    note(size_line(sweep))
+    if not dry_run:
+        check_size(sweep, confirmed, str(config_path))
     plan_run(sweep.base, ["encode"], None, list(force), note)  # what fails here is the command's only line
+    if dry_run:
+        if server:
+            server.stop()
+        return print_dry_run(sweep, as_json)
     note(f"sweeping {len(sweep.variants)} variants of pipeline {sweep.base.name!r} ({config_path}): starting Prefect")
     log_path = current().log = new_log_path(sweep.base.output_dir)
     # overlapping Prefect's start, and done before the variants' threads evaluate side by side
@@ -113,7 +124,7 @@ def sweep(config_path: Path, overrides: list[str], grid: list[str], concurrency:
         done = run_sweep(sweep, force)
     failed = [row for row in done["variants"] if row["error"]]
     if as_json:
-        _print_json({**done, "pipeline": sweep.base.name, "log": str(log_path)})
+        _print_json({**done, "pipeline": sweep.base.name, "shared_settings": sweep.shared, "log": str(log_path)})
     else:
         print_sweep(done, sweep.settings.metric, sweep.base.output_dir, log_path)
     for row in failed:
@@ -129,9 +140,32 @@ def print_sweep(done: dict, metric: str, output_dir: Path, log_path: Path) -> No
         outcome = f"{row['score']:.6g}" if row["score"] is not None else "-"
         print(f"{row['name']:<40}{stages.get('train', 'failed'):<10}{stages.get('evaluate', '-'):<10}{outcome:>14}"
               f"  {row['output_dir']}" + (f"\n{'':<4}{row['error']}" if row["error"] else ""))
-    best = f"{output_dir / 'best'} (variant {done['best']})" if done["best"] else "none (no variant has a score)"
+    best = (f"{output_dir / 'best'} (variant {done['best']})" if done["best"]
+            else f"none ({done['no_best']}; no {output_dir / 'best'} folder)")
     for label, where in (("best", best), ("report", done["report"]), ("run log", log_path)):
         print(f"{label + ':':<9}{where}")
+
+
+def print_dry_run(sweep: Sweep, as_json: bool) -> int:
+    """Each variant's train and evaluate as `lorapipe status` sees them (hit, or miss: it would
+    run), reading the cache only."""
+    from .run_plan import plan_status
+
+    rows = []
+    for variant in sweep.variants:
+        standings = plan_status(variant.config, note).standings
+        standing = {row["stage"]: row["status"] for row in (s.row() for s in standings)}
+        rows.append({"name": variant.name, "overrides": variant.overrides, "output_dir": str(variant.config.output_dir),
+                     "train": standing.get("train"), "evaluate": standing.get("evaluate")})
+    if as_json:
+        _print_json({"pipeline": sweep.base.name, "shared_settings": sweep.shared, "variants": rows})
+        return 0
+    print(f"\n{'variant':<40}{'train':<10}{'evaluate':<10}folder")
+    for row in rows:
+        print(f"{row['name']:<40}{row['train'] or '-':<10}{row['evaluate'] or '-':<10}{row['output_dir']}")
+    trainings = sum(row["train"] != "hit" for row in rows)
+    print(f"dry run: {trainings} of {len(rows)} variants would train (the others are cache hits); nothing ran")
+    return 0
 
 
 def print_summary(config: PipelineConfig, summary: list[dict], log_path: Path, as_json: bool) -> int:

@@ -118,6 +118,8 @@ class SweepConfig(Frozen):
                         " loss, lower is better), train_loss, or clip_score (higher is better, needs"
                         " evaluate.clip_model)")
     concurrency: int = Field(1, ge=1, description="variants trained at once (one GPU: 1)")
+    max_variants: int = Field(16, ge=1, description="more variants than this (each a training) are refused unless"
+                              " `lorapipe sweep` is given --yes; --dry-run lists them without training")
     allow_data_keys: bool = Field(False, description="allow sweeping keys outside train. and evaluate. (they change"
                                   " preprocess or encode, so those run again for each variant that changes them)")
 

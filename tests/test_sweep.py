@@ -5,6 +5,7 @@ a variant failing as it trains leaves the others published and best/ present."""
 from __future__ import annotations
 
 import json
+import shutil
 from collections import Counter
 from pathlib import Path
 
@@ -51,6 +52,35 @@ def test_cli_grid_replaces_a_key_or_adds_one_its_values_read_as_yaml(tmp_path):
     assert sweep.settings.concurrency == 2
 
 
+def test_grid_values_take_their_settings_types(tmp_path):
+    path = sweep_config(tmp_path, grid={"train.learning_rate": ["3e-3"]}, variants=[{"train.learning_rate": "1e-3"}])
+    sweep = load_sweep(path, [], ["train.rank=4,8.0"])
+    assert [v.overrides for v in sweep.variants] == [{"train.learning_rate": 0.003, "train.rank": 4},
+                                                     {"train.learning_rate": 0.003, "train.rank": 8},
+                                                     {"train.learning_rate": 0.001}]
+    assert [v.name for v in sweep.variants] == ["learning_rate=0.003,rank=4", "learning_rate=0.003,rank=8",
+                                                "learning_rate=0.001"]
+
+
+def test_sweeps_with_other_set_values_publish_into_other_folders(tmp_path):
+    path = sweep_config(tmp_path, grid={"train.rank": [4]})
+    plain, short, longer = (load_sweep(path, sets) for sets in ([], ["train.max_steps=7"], ["train.max_steps=9"]))
+    assert short.shared == {"train.max_steps": 7} and plain.shared == {}
+    folders = [s.variants[0].config.output_dir.name for s in (plain, short, longer)]
+    assert folders == ["rank=4", "rank=4+train.max_steps=7", "rank=4+train.max_steps=9"]
+    assert [s.variants[0].name for s in (plain, short, longer)] == ["rank=4"] * 3
+    assert load_sweep(path, ["output_dir=elsewhere", "sweep.concurrency=2"]).shared == {}
+
+
+def test_a_big_sweep_needs_yes_and_a_dry_run_lists_it(tmp_path, capsys):
+    path = sweep_config(tmp_path, max_variants=3)
+    assert main(["sweep", str(path), "--grid", "train.rank=1,2", "--grid", "train.alpha=1,2"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "4 variants (grid 2 x 2): as many trainings" in err
+    assert err.splitlines()[-1].endswith("the sweep has 4 variants, more than sweep.max_variants (3): give --yes to"
+                                         " train them all, or --dry-run to list them")
+
+
 def test_a_config_without_sweep_keeps_its_keys_and_dump():
     assert "sweep" not in load_config(DEMO).model_dump()
 
@@ -70,7 +100,11 @@ def test_a_value_with_a_slash_makes_a_folder_safe_name(tmp_path):
     ({"grid": {"preprocess.resolution": [64, 128]}}, [], ["sweep: preprocess.resolution", "allow_data_keys"]),
     ({"variants": [{"encode.flip": True}]}, [], ["sweep: encode.flip", "allow_data_keys"]),
     ({}, ["train.rank=4,-1"], ["sweep variant rank=-1", "train.rank"]),
-    ({}, ["train.rnak=4"], ["sweep variant rnak=4", "train.rnak"]),
+    ({}, ["train.rnak=4"], ["sweep: train.rnak is not a config key; did you mean train.rank?"]),
+    ({}, ["trainrank=4,8"], ["sweep: trainrank is not a config key; did you mean train.rank?"]),
+    ({}, ["train.learning_rate=0.0005,5e-4"], ["sweep.grid train.learning_rate: 0.0005 and 5e-4 are the same"]),
+    ({"grid": {"train.learning_rate": [0.0005, "5e-4"]}}, [], ["train.learning_rate: 0.0005 and 5e-4"]),
+    ({"metric": "clip_score"}, ["train.rank=4,8"], ["sweep.metric: clip_score needs evaluate.clip_model"]),
     ({"metric": "beauty"}, ["train.rank=4"], ["sweep.metric", "beauty", "holdout_loss"]),
     ({}, [], ["nothing to sweep"]),
     ({}, ["train.rank"], ["--grid expects key=value1,value2"]),
@@ -114,9 +148,10 @@ def statuses(done: dict, stage: str) -> dict[str, str]:
 
 @pytest.fixture(scope="module")
 def sweeps(tmp_path_factory, tiny_config):
-    """Three sweeps of one config (4 learning rates): the first (two variants at once), its rerun,
-    and one with a fifth rate and a variant whose init_lora is no LoRA file (it validates, and fails
-    as train starts from it); each as (exit code, its --json, stderr, the cache's artifacts per
+    """Sweeps of one config (4 learning rates): the first (two variants at once), its rerun, one
+    with a fifth rate and a variant whose init_lora is no LoRA file (it validates, and fails as
+    train starts from it), a dry run of a known and a new rate with a shared --set value, and one
+    whose only variant fails (no best); each as (exit code, its --json, stderr, the cache's artifacts per
     stage after it)."""
     from test_demo import lorapipe
 
@@ -128,11 +163,20 @@ def sweeps(tmp_path_factory, tiny_config):
     (root / "not-a-lora.safetensors").write_bytes(b"not a safetensors file")
     runs = []
     for argv in (["--concurrency", "2"], [], ["--grid", f"train.learning_rate={','.join([*RATES, '0.008'])}",
-                          "--set", "sweep.variants=[{train.init_lora: not-a-lora.safetensors}]"]):
+                                               "--set", "sweep.variants=[{train.init_lora: not-a-lora.safetensors}]"],
+                 ["--dry-run", "--grid", "train.learning_rate=5e-4,0.016", "--set", "train.max_steps=4"],
+                 ["--set", "sweep.grid={}", "--set", "sweep.variants=[{train.init_lora: not-a-lora.safetensors}]"]):
         done = lorapipe("sweep", "config.yaml", "--json", *argv, cwd=root, prefect_home=root / "prefect")
         assert done.stdout, done.stderr[-3000:]
         runs.append((done.returncode, json.loads(done.stdout), done.stderr, stage_counts(root / "cache")))
+        if (root / "out" / "best").is_dir():  # a later sweep replaces or removes it
+            shutil.copytree(root / "out" / "best", best_after(root / "out", len(runs)))
     return root / "out", runs
+
+
+def best_after(out: Path, sweep: int) -> Path:
+    """A copy of out/best/ as the `sweep`th sweep (from 1) of the fixture left it."""
+    return out.parent / f"best-after-{sweep}"
 
 
 @pytest.mark.slow
@@ -157,22 +201,23 @@ def test_a_sweep_encodes_once_trains_and_evaluates_each_variant(sweeps):
 
 @pytest.mark.slow
 def test_the_best_variant_is_published_with_the_settings_that_made_it(sweeps):
-    out, [*_, (_, done, _, _)] = sweeps  # the last sweep's best: its failed variant has no score
+    out, [_, _, (_, done, _, _), *_] = sweeps  # the third sweep's best: its failed variant has no score
     best = min((row for row in done["variants"] if row["score"] is not None), key=lambda row: row["score"])
     assert done["best"] == best["name"]
-    chosen = json.loads((out / "best" / "sweep-variant.json").read_text())
-    assert chosen == {"name": best["name"], "overrides": best["overrides"], "metric": "holdout_loss",
-                      "score": best["score"]}
+    best_dir = best_after(out, 3)
+    chosen = json.loads((best_dir / "sweep-variant.json").read_text())
+    assert chosen == {"name": best["name"], "overrides": best["overrides"], "shared_settings": {},
+                      "metric": "holdout_loss", "score": best["score"]}
     variant = out / "variants" / best["name"]
     for name in ("pytorch_lora_weights.safetensors", "metrics.json", "grid.png"):
-        assert (out / "best" / name).read_bytes() == (variant / name).read_bytes(), name
-    assert (out / "best" / "run-summary.json").is_file() and Path(done["report"]) == out / "sweep-report.html"
+        assert (best_dir / name).read_bytes() == (variant / name).read_bytes(), name
+    assert (best_dir / "run-summary.json").is_file() and Path(done["report"]) == out / "sweep-report.html"
     assert Path(done["report"]).is_file()
 
 
 @pytest.mark.slow
 def test_a_rerun_is_all_hits(sweeps):
-    _, [(_, first, _, counts), (code, done, stderr, counts_after), _] = sweeps
+    _, [(_, first, _, counts), (code, done, stderr, counts_after), *_] = sweeps
     assert code == 0, stderr[-3000:]
     assert counts_after == counts
     assert [row["status"] for row in done["shared"]] == ["hit", "hit"]
@@ -182,7 +227,7 @@ def test_a_rerun_is_all_hits(sweeps):
 
 @pytest.mark.slow
 def test_one_more_value_trains_one_and_a_failing_variant_leaves_the_others_published(sweeps):
-    out, [_, (_, before, _, counts), (code, done, stderr, counts_after)] = sweeps
+    out, [_, (_, before, _, counts), (code, done, stderr, counts_after), *_] = sweeps
     failing = "init_lora=not-a-lora.safetensors"
     assert code == 1
     assert f"variant {failing} failed" in stderr.splitlines()[-1]
@@ -194,7 +239,7 @@ def test_one_more_value_trains_one_and_a_failing_variant_leaves_the_others_publi
     for name, row in rows.items():
         summary = out / "variants" / name / "run-summary.json"
         assert json.loads(summary.read_text())["stages"] == row["stages"] if name != failing else not summary.exists()
-    assert json.loads((out / "best" / "sweep-variant.json").read_text())["name"] == done["best"]
+    assert json.loads((best_after(out, 3) / "sweep-variant.json").read_text())["name"] == done["best"]
     assert done["best"] in trained and before["best"] in rows
 
 
@@ -234,3 +279,22 @@ def test_a_sweep_down_max_steps_trains_each_and_force_trains_each_again(sweeps):
     assert statuses(forced, "train") == {longer: "computed", shorter: "computed"}
     assert {row["name"]: {s["stage"]: s["reason"] for s in row["stages"]}["train"]
             for row in forced["variants"]} == {longer: "forced", shorter: "forced"}
+
+
+@pytest.mark.slow
+def test_a_dry_run_lists_hits_and_trainings_and_trains_nothing(sweeps):
+    out, [*_, (_, _, _, counts), (code, done, stderr, counts_after), _] = sweeps
+    assert code == 0, stderr[-3000:]
+    assert counts_after == counts and done["shared_settings"] == {"train.max_steps": 4}
+    assert [(row["overrides"], row["train"]) for row in done["variants"]] == [
+        ({"train.learning_rate": 0.0005}, "hit"), ({"train.learning_rate": 0.016}, "miss")]
+    assert Path(done["variants"][0]["output_dir"]) == out / "variants" / "learning_rate=0.0005+train.max_steps=4"
+    assert "2 variants (grid 2): as many trainings" in stderr
+
+
+@pytest.mark.slow
+def test_a_sweep_without_a_best_removes_the_earlier_best(sweeps):
+    out, [*_, (code, done, stderr, _)] = sweeps
+    assert code == 1 and done["best"] is None and done["no_best"] == "every variant failed"
+    assert best_after(out, 4).is_dir() and not (out / "best").exists()
+    assert "no best: every variant failed, so no best/ folder" in (out / "sweep-report.html").read_text()

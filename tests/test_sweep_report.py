@@ -186,3 +186,37 @@ def test_a_long_training_curve_is_averaged_over_bins_of_steps(tmp_path):
     curve = training_curve(log)
     assert len(curve) <= CURVE_POINTS and curve[0] == (2.5, 0.5) and curve[-1] == (998.5, 0.5)
     assert training_curve(tmp_path / "none.jsonl") == []
+
+
+def scored_folder(folder: Path, lora: float) -> VariantOutcome:
+    """A variant's output folder as evaluate leaves it with one checkpoint (at its last step, 4)."""
+    (folder / "logs").mkdir(parents=True)
+    losses = {"base": {"overall": 0.5}, "lora": {"overall": lora}}
+    (folder / "metrics.json").write_text(json.dumps({"loss": {"holdout": losses, "train": losses}}))
+    (folder / "checkpoint_losses.json").write_text(json.dumps({"base": 0.5, "checkpoints": [{"step": 4,
+                                                                                              "overall": lora}]}))
+    (folder / "logs" / "loss.jsonl").write_text("".join(json.dumps({"step": s, "loss": lora}) + "\n" for s in (1, 4)))
+    return VariantOutcome(folder.name, {"train.learning_rate": lora}, folder)
+
+
+def test_a_one_checkpoint_sweep_shows_the_base_line_and_a_long_error_fits_the_window(chromium, tmp_path):
+    from browser import Chromium
+
+    long_path = "/".join(["a_folder_with_a_rather_long_name"] * 12) + "/pytorch_lora_weights.safetensors"
+    outcomes = [scored_folder(tmp_path / "rate=0.4", 0.4), scored_folder(tmp_path / "rate=0.3", 0.3),
+                VariantOutcome("rate=-1", {"train.learning_rate": -1}, tmp_path / "none",
+                               f"train.init_lora: {long_path} is not a LoRA file")]
+    report = write_sweep_report(outcomes, tmp_path / "out", "holdout_loss")
+    browser = Chromium(chromium, tmp_path / "chromium-narrow")
+    try:
+        browser.call("Emulation.setDeviceMetricsOverride", width=1280, height=900, deviceScaleFactor=1, mobile=False)
+        browser.call("Page.navigate", url=report.html.as_uri())
+        shown = browser.wait_for("""(() => { const table = document.querySelector("table");
+            const base = [...document.querySelectorAll("polyline")].find(l => l.textContent === "base model");
+            if (!table || !base) return null;
+            return {page: document.documentElement.scrollWidth, table: table.getBoundingClientRect().right,
+                    base: base.getBoundingClientRect().width}; })()""")
+    finally:
+        browser.close()
+    assert shown["page"] <= 1280 and shown["table"] <= 1280, shown
+    assert shown["base"] > 100, shown  # a line across the chart, not a point at step 4

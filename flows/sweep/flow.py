@@ -23,7 +23,7 @@ from ..config import PipelineConfig
 from ..pipeline import DatasetStages, Done, dataset_stages, evaluate, published, train
 from ..plan import config_stages
 from ..run_plan import plan_flow
-from .best import publish_best
+from .best import publish_best, withdraw_best
 from .grid import Sweep, Variant
 from .outcome import VariantOutcome
 from .report import score, write_sweep_report
@@ -37,32 +37,36 @@ EVALUATING = threading.Lock()
 def run_sweep(sweep: Sweep, force: tuple[str, ...] = ()) -> dict:
     """The sweep's flow, at most sweep.settings.concurrency variants at once; what it did (`sweep_flow`'s return)."""
     runner = ThreadPoolTaskRunner(max_workers=sweep.settings.concurrency)
-    return sweep_flow.with_options(task_runner=runner)(sweep.base, sweep.variants, sweep.settings.metric, force)
+    return sweep_flow.with_options(task_runner=runner)(sweep.base, sweep.variants, sweep.settings.metric,
+                                                       sweep.shared, force)
 
 
 @flow(name="lorapipe-sweep", log_prints=True, validate_parameters=False)
 def sweep_flow(config: PipelineConfig, variants: SkipJsonSchema[tuple[Variant, ...]], metric: str,
-               force: tuple[str, ...] = ()) -> dict:
+               shared_settings: dict, force: tuple[str, ...] = ()) -> dict:
     """Train and evaluate each of `variants` over one encode of `config`'s data; report them by
-    `metric` and publish the best; `force`: the stages to rebuild (`--force`), the shared ones once.
-    Returns {"shared": the shared stages' rows, "variants": per variant its name, overrides,
-    output_dir, error, score and stages' rows, "best": its name or None}."""
+    `metric` (with the `shared_settings` every variant has) and publish the best; `force`: the
+    stages to rebuild (`--force`), the shared ones once. Returns {"shared": the shared stages'
+    rows, "variants": per variant its name, overrides, output_dir, error, score and stages' rows,
+    "best": its name or None, "no_best": why there is none}."""
     stages = config_stages(config)
     shared_stages = stages[: stages.index("encode") + 1]
     data = dataset_stages(config, plan_flow(config, list(shared_stages), None, list(force)))
     futures = run_variant.map(variants, unmapped(data), unmapped(force))
     finished = [(v, *variant_outcome(v, future)) for v, future in zip(variants, futures)]
     outcomes = [outcome for _, outcome, _ in finished]
-    report = write_sweep_report(outcomes, config.output_dir, metric)
+    report = write_sweep_report(outcomes, config.output_dir, metric, shared_settings)
     create_markdown_artifact(report.markdown, key=artifact_key(config.name, "sweep"),
                              description=f"the sweep's variants compared; {report.html}")
     best = report.best
     if best:
         publish_best(best, next(v.config for v in variants if v.name == best.name), config.output_dir / "best",
-                     metric, score(best, metric), get_run_logger().info)
+                     metric, score(best, metric), shared_settings, get_run_logger().info)
+    else:
+        withdraw_best(config.output_dir / "best", report.no_best, get_run_logger().warning)
     rows = [{**vars(outcome), "score": score(outcome, metric), "stages": stages} for _, outcome, stages in finished]
     return {"shared": [d.result.to_json() for d in data if d], "variants": rows, "best": best.name if best else None,
-            "report": str(report.html)}
+            "no_best": report.no_best, "report": str(report.html)}
 
 
 @task(name="variant", task_run_name="variant {variant.name}", cache_policy=NO_CACHE, persist_result=False)

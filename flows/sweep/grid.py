@@ -14,6 +14,7 @@ from typing import Any
 import yaml
 
 from ..config import ConfigError, PipelineConfig, SweepConfig, config_from, read_config, set_key
+from .keys import OPEN, closest_key, setting_type, typed
 from .report import METRICS
 
 VARIANTS_DIR = "variants"
@@ -38,37 +39,48 @@ class Variant:
 
 @dataclass(frozen=True)
 class Sweep:
+    """The `base` config, its `settings` (grid values typed), the `variants`, and the `shared`
+    settings every variant trains with (--set key -> typed value, but sweep.* and output_dir; they
+    name the variants' folders)."""
+
     base: PipelineConfig
     settings: SweepConfig
     variants: tuple[Variant, ...]
+    shared: dict[str, Any]
 
 
 def load_sweep(path: Path, overrides: list[str] = (), grid: list[str] = (), concurrency: int | None = None) -> Sweep:
     """The sweep of the config at `path` with `overrides` (--set), `grid` (--grid key=v1,v2) and
     `concurrency` (--concurrency) applied; a ConfigError, one line, for anything wrong."""
-    path = Path(path)
+    path, source = Path(path), str(path)
     raw = read_config(path, overrides)
     base = config_from(copy.deepcopy(raw), path)
+    written = parse_grid(grid, source)
     settings = base.sweep or SweepConfig()
-    settings = settings.model_copy(update={"grid": {**settings.grid, **parse_grid(grid, str(path))},
+    cli = {key: tuple(yaml.safe_load(text) for text in texts) for key, texts in written.items()}
+    settings = settings.model_copy(update={"grid": {**settings.grid, **cli},
                                            **({"concurrency": concurrency} if concurrency is not None else {})})
-    check_settings(settings, str(path))
+    check_settings(settings, source)
+    settings = typed_settings(settings, written, source)
     combos = override_sets(settings)
     if not combos:
         raise ConfigError(f"{path}: nothing to sweep: give a `sweep:` section with a grid or variants, or --grid"
                           " key=v1,v2")
-    variants = tuple(variant(raw, path, base, name, combo) for name, combo in zip(variant_names(combos), combos))
-    return Sweep(base, settings, variants)
+    shared = shared_settings(overrides)
+    variants = tuple(variant(raw, path, base, name, combo, shared)
+                     for name, combo in zip(variant_names(combos), combos))
+    check_metric(settings.metric, variants, source)
+    return Sweep(base, settings, variants, shared)
 
 
-def parse_grid(entries: list[str], source: str) -> dict[str, tuple[Any, ...]]:
-    """--grid key=v1,v2 entries as key -> values, each value read as a YAML scalar (as --set reads one)."""
+def parse_grid(entries: list[str], source: str) -> dict[str, tuple[str, ...]]:
+    """--grid key=v1,v2 entries as key -> its values as written."""
     grid = {}
     for entry in entries:
         key, sep, values = entry.partition("=")
         if not sep or not key or not values:
             raise ConfigError(f"{source}: --grid expects key=value1,value2, got {entry!r}")
-        grid[key] = tuple(yaml.safe_load(value) for value in values.split(","))
+        grid[key] = tuple(values.split(","))
     return grid
 
 
@@ -77,13 +89,73 @@ def check_settings(settings: SweepConfig, source: str) -> None:
         raise ConfigError(f"{source}: --concurrency must be 1 or more, got {settings.concurrency}")
     if settings.metric not in METRICS:
         raise ConfigError(f"{source}: sweep.metric: {settings.metric!r} is not one of {', '.join(METRICS)}")
+    keys = [*settings.grid, *(key for overrides in settings.variants for key in overrides)]
+    unknown = next((key for key in keys if setting_type(key) is None), None)
+    if unknown:
+        near = closest_key(unknown)
+        raise ConfigError(f"{source}: sweep: {unknown} is not a config key" + (f"; did you mean {near}?" if near else
+                                                                                 " (docs/config.md lists them)"))
     if settings.allow_data_keys:
         return
-    keys = [*settings.grid, *(key for overrides in settings.variants for key in overrides)]
     data_key = next((key for key in keys if not key.startswith(SWEPT_SECTIONS)), None)
     if data_key:
         raise ConfigError(f"{source}: sweep: {data_key} is not a train. or evaluate. setting, so its variants would"
                           " each preprocess or encode again; set sweep.allow_data_keys: true to sweep it anyway")
+
+
+def typed_settings(settings: SweepConfig, written: dict[str, tuple[str, ...]], source: str) -> SweepConfig:
+    """The grid's and the variants' values as the types of the settings they set (--grid's 5e-4 a
+    float, as 0.0005 is); two values of one key that are then equal are refused, naming both."""
+    grid = {}
+    for key, values in settings.grid.items():
+        annotation, spelled = setting_type(key), written.get(key) or tuple(map(str, values))
+        seen: list[tuple[Any, str]] = []
+        for value, text in zip(values, spelled):
+            value = typed(annotation, value)
+            same = next((earlier for known, earlier in seen if known == value), None)
+            if same is not None:
+                raise ConfigError(f"{source}: sweep.grid {key}: {same} and {text} are the same value ({value});"
+                                  " give it once")
+            seen.append((value, text))
+        grid[key] = tuple(value for value, _ in seen)
+    variants = tuple({key: typed(setting_type(key), value) for key, value in overrides.items()}
+                     for overrides in settings.variants)
+    return settings.model_copy(update={"grid": grid, "variants": variants})
+
+
+def check_metric(metric: str, variants: tuple[Variant, ...], source: str) -> None:
+    """clip_score needs a CLIP model in every variant, or its variants train for a best never picked."""
+    unscored = next((v for v in variants if v.config.evaluate.clip_model is None), None)
+    if metric == "clip_score" and unscored:
+        raise ConfigError(f"{source}: sweep.metric: clip_score needs evaluate.clip_model, which variant"
+                          f" {unscored.name} leaves unset")
+
+
+def shared_settings(overrides: list[str]) -> dict[str, Any]:
+    """The --set values every variant has, typed as their settings (not the sweep's own, nor
+    output_dir: neither is in a variant's training)."""
+    shared = {}
+    for assignment in overrides:
+        key, _, value = assignment.partition("=")
+        if not key.startswith("sweep.") and key != "output_dir":
+            shared[key] = typed(setting_type(key) or OPEN, yaml.safe_load(value))
+    return shared
+
+
+def size_line(sweep: Sweep) -> str:
+    """How many trainings the sweep means, and where they come from."""
+    grid = " x ".join(str(len(values)) for values in sweep.settings.grid.values())
+    made = [f"grid {grid}" if grid else "", f"{len(sweep.settings.variants)} listed" if sweep.settings.variants else ""]
+    return (f"{len(sweep.variants)} variants ({', '.join(filter(None, made))}): as many trainings, each evaluated;"
+            " a variant already trained is a cache hit")
+
+
+def check_size(sweep: Sweep, confirmed: bool, source: str) -> None:
+    """More variants than sweep.max_variants train only when `confirmed` (--yes)."""
+    count, bound = len(sweep.variants), sweep.settings.max_variants
+    if count > bound and not confirmed:
+        raise ConfigError(f"{source}: the sweep has {count} variants, more than sweep.max_variants ({bound}): give"
+                          " --yes to train them all, or --dry-run to list them")
 
 
 def override_sets(settings: SweepConfig) -> list[dict[str, Any]]:
@@ -110,15 +182,18 @@ def label(overrides: dict[str, Any], short: bool) -> str:
     return re.sub(r"[^\w.,=+-]+", "-", text).strip(".") or "base"
 
 
-def variant(raw: dict[str, Any], path: Path, base: PipelineConfig, name: str, overrides: dict[str, Any]) -> Variant:
-    """The base config (`raw`, as read) with `overrides`, publishing into its own folder; a bad
-    value is one line naming the variant and the key."""
+def variant(raw: dict[str, Any], path: Path, base: PipelineConfig, name: str, overrides: dict[str, Any],
+            shared: dict[str, Any]) -> Variant:
+    """The base config (`raw`, as read) with `overrides`, publishing into its own folder (named by
+    the `shared` --set values too: a sweep with others never overwrites it); a bad value is one line
+    naming the variant and the key."""
     source = f"{path} (sweep variant {name})"
     mine = copy.deepcopy(raw)
     mine.pop("sweep", None)
     for key, value in overrides.items():
         set_key(mine, key, value, f"{source}: {key}")
     config = config_from(mine, path, source)
-    pipeline_name = re.sub(r"[^\w.-]+", "-", f"{base.name}.{name}")
-    own = {"output_dir": base.output_dir / VARIANTS_DIR / name, "name": pipeline_name}
+    folder = f"{name}+{label(shared, False)}" if shared else name
+    pipeline_name = re.sub(r"[^\w.-]+", "-", f"{base.name}.{folder}")
+    own = {"output_dir": base.output_dir / VARIANTS_DIR / folder, "name": pipeline_name}
     return Variant(name, dict(overrides), config.model_copy(update=own))

@@ -32,6 +32,7 @@ class SweepReport:
     html: Path  # sweep-report.html
     markdown: str  # the table and the best, for a Prefect markdown artifact
     best: VariantOutcome | None  # best_variant's pick, marked in both
+    no_best: str | None  # why there is no best (None when there is one)
 
 
 def score(outcome: VariantOutcome, metric: str) -> float | None:
@@ -53,15 +54,18 @@ def best_variant(outcomes: Sequence[VariantOutcome], metric: str) -> VariantOutc
     return pick(scored, key=lambda pair: pair[0])[1]
 
 
-def write_sweep_report(outcomes: Sequence[VariantOutcome], out_dir: Path, metric: str) -> SweepReport:
-    """Write out_dir/sweep-report.html (replacing it in one rename) and return it with the markdown."""
+def write_sweep_report(outcomes: Sequence[VariantOutcome], out_dir: Path, metric: str,
+                       shared: dict[str, Any] | None = None) -> SweepReport:
+    """Write out_dir/sweep-report.html (replacing it in one rename) and return it with the markdown;
+    `shared`: the --set values every variant has."""
     best = best_variant(outcomes, metric)
     rows = [Row(o, read_variant(o.output_dir if o.succeeded else None),  # a failed variant's files are not its result
                 score(o, metric), o is best) for o in outcomes]
-    headline, table = _headline(rows, metric), _table(rows, metric)
+    no_best = None if best else _no_best(rows, metric)
+    headline, table = _headline(rows, metric, no_best, shared or {}), _table(rows, metric)
     out_dir.mkdir(parents=True, exist_ok=True)
     write_text_atomic(out_dir / REPORT_HTML, html_page(rows, table, headline))
-    return SweepReport(out_dir / REPORT_HTML, _markdown(table, headline), best)
+    return SweepReport(out_dir / REPORT_HTML, _markdown(table, headline), best, no_best)
 
 
 def _metric(metric: str) -> tuple[Reader, bool]:
@@ -70,13 +74,21 @@ def _metric(metric: str) -> tuple[Reader, bool]:
     return METRICS[metric]
 
 
-def _headline(rows: list[Row], metric: str) -> str:
+def _no_best(rows: list[Row], metric: str) -> str:
+    if all(not row.outcome.succeeded for row in rows):
+        return "every variant failed"
+    return f"no variant's metrics.json has {metric}"
+
+
+def _headline(rows: list[Row], metric: str, no_best: str | None, shared: dict[str, Any]) -> str:
     order = "higher" if METRICS[metric][1] else "lower"
     failed = sum(not row.outcome.succeeded for row in rows)
     best = next((row for row in rows if row.best), None)
     found = (f"best: {best.outcome.name} ({metric} {_number(best.score)})" if best
-             else f"no variant has {metric}")
-    return f"{len(rows)} variants ({failed} failed); metric {metric} ({order} is better); {found}."
+             else f"no best: {no_best}, so no best/ folder")
+    every = "; ".join(f"{key}={_value(value)}" for key, value in shared.items())
+    return (f"{len(rows)} variants ({failed} failed){f', each with {every}' if every else ''}; metric {metric}"
+            f" ({order} is better); {found}.")
 
 
 def _table(rows: list[Row], metric: str) -> tuple[list[str], list[list[str]]]:

@@ -14,13 +14,15 @@ from .scores import CURVE_POINTS, VariantFiles
 GRID_MAX_SIDE = 1024  # px: wider than a grid beside the others is shown (the page scales it down, never up)
 GRID_MAX_BYTES = 500_000  # per grid before base64: the page with every variant's grid stays mailable
 BASE = "#555"  # the base model's dashed line
+# a long path (a failed variant's error) breaks anywhere rather than widening the page
 STYLE = """body{font-family:sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;margin:.5em 0}
-td,th{border:1px solid #ccc;padding:.2em .6em;text-align:left;vertical-align:top}
+td,th{border:1px solid #ccc;padding:.2em .6em;text-align:left;vertical-align:top;overflow-wrap:anywhere}
 tr.best td{background:#fff3b0;font-weight:bold}tr.failed td{color:#a00}
 .swatch{display:inline-block;width:.8em;height:.8em;margin-right:.4em}
 .grids{display:flex;gap:16px;align-items:flex-start}.grids figure{margin:0;flex:1 1 0;min-width:240px}
 .grids img{max-width:100%;height:auto}figcaption{font-size:14px;margin-bottom:.3em}
-figure.best figcaption{font-weight:bold}.missing{background:#eee;padding:1em;font-size:12px}.note{color:#666}"""
+figure.best figcaption{font-weight:bold}.note{color:#666}
+.missing{background:#eee;padding:1em;font-size:12px;overflow-wrap:anywhere}"""
 
 
 @dataclass(frozen=True)
@@ -69,14 +71,16 @@ def _row_class(row: Row) -> str:
 
 
 def _checkpoint_series(rows: list[Row]) -> list[Series]:
-    """Each variant's held-out loss by checkpoint step, and the base model's as a dashed line across them."""
+    """Each variant's held-out loss by checkpoint step, and the base model's as a dashed line across them
+    (from step 0, the base itself, where every variant has one checkpoint at one step: else a dot)."""
     series = [Series(row.outcome.name, [(c["step"], c["overall"]) for c in row.files.checkpoints["checkpoints"]],
                      colour(index))
               for index, row in enumerate(rows) if row.files.checkpoints and "checkpoints" in row.files.checkpoints]
     steps = [x for s in series for x, _ in s.points]
     bases = sorted({row.files.checkpoints["base"] for row in rows
                     if row.files.checkpoints and "base" in row.files.checkpoints})
-    return series + [Series("base model", [(min(steps), b), (max(steps), b)], BASE, dashed=True)
+    start = min(steps) if len(set(steps)) > 1 else 0
+    return series + [Series("base model", [(start, b), (max(steps), b)], BASE, dashed=True)
                      for b in bases if steps]
 
 
