@@ -16,11 +16,14 @@ REPO = Path(__file__).resolve().parent.parent
 
 
 def start_run(config: Path, home: Path, xdg_cache: Path) -> subprocess.Popen:
-    """`lorapipe run --only preprocess`, forced: a run with every stage cached would run no flow."""
+    """`lorapipe run --only preprocess`, forced: a run with every stage cached would run no flow. Its
+    cache and outputs are the home's own: two forced runs on one cache at once remove each other's
+    fresh artifact, which is not what these tests are about."""
     env = {**os.environ, "PREFECT_HOME": str(home), "XDG_CACHE_HOME": str(xdg_cache)}
     env.pop("PREFECT_API_URL", None)  # the command's own temporary server
     return subprocess.Popen([sys.executable, "-m", "lorapipe.flows.cli", "run", str(config), "--only", "preprocess",
-                             "--force", "preprocess"],
+                             "--force", "preprocess",
+                             "--set", f"cache_dir={home / 'cache'}", "--set", f"output_dir={home / 'out'}"],
                             cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
