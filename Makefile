@@ -4,7 +4,7 @@ VENV_STAMP := .venv/.installed
 
 .PHONY: demo test test-fast bench clean
 
-$(VENV_STAMP): pyproject.toml
+$(VENV_STAMP): pyproject.toml setup.py
 	test -x $(PY) || python3 -m venv .venv
 	@# pip's exit status is lost in the filter (it only hides index warnings); the import check catches failures
 	$(PY) -m pip install -q --disable-pip-version-check torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true

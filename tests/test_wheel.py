@@ -10,7 +10,7 @@ import shutil
 import subprocess
 import sys
 import sysconfig
-import tomllib
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -21,29 +21,34 @@ pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
 
 
-def test_the_packages_listed_are_every_folder_of_the_namespace():
-    setuptools = tomllib.loads((REPO / "pyproject.toml").read_text())["tool"]["setuptools"]
-    folders = {"lorapipe", "lorapipe.configs"} | {
-        "lorapipe." + ".".join(init.parent.relative_to(REPO).parts)
-        for top in ("cache", "stages", "flows") for init in (REPO / top).rglob("__init__.py")}
-    assert set(setuptools["packages"]) == folders
-
-
 @pytest.fixture(scope="module")
-def installed(tmp_path_factory) -> Path:
-    """A fresh venv with the wheel installed; the libraries come from this venv's site-packages
-    (a .pth file: the wheel is installed without dependencies, so nothing is downloaded)."""
+def wheel(tmp_path_factory) -> Path:
+    """The wheel built from a copy of this checkout."""
     root = tmp_path_factory.mktemp("wheel")
     source = checkout_copy(root / "source")  # setuptools' build/ in the checkout would keep moved modules
     built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
                             "-w", str(root / "dist"), str(source)], capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stderr[-3000:]
-    venv = root / "venv"
+    return next((root / "dist").glob("lorapipe-*.whl"))
+
+
+def test_the_wheel_holds_every_package_folder_of_the_namespace(wheel):
+    inits = {f"lorapipe/{init.relative_to(REPO)}" for top in ("cache", "stages", "flows")
+             for init in (REPO / top).rglob("__init__.py")}
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    assert inits | {"lorapipe/__init__.py", "lorapipe/configs/demo.yaml"} <= names, sorted(inits - names)
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory, wheel) -> Path:
+    """A fresh venv with the wheel installed; the libraries come from this venv's site-packages
+    (a .pth file: the wheel is installed without dependencies, so nothing is downloaded)."""
+    venv = tmp_path_factory.mktemp("venv") / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=300)
     site = Path(subprocess.run([venv / "bin" / "python", "-c", "import sysconfig; print(sysconfig.get_path('purelib'))"],
                                capture_output=True, text=True, check=True).stdout.strip())
     (site / "libraries.pth").write_text(sysconfig.get_path("purelib") + "\n")
-    wheel = next((root / "dist").glob("lorapipe-*.whl"))
     done = subprocess.run([sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q",
                            "--ignore-installed", "--no-deps", str(wheel)],  # this venv's editable lorapipe is visible
                           capture_output=True, text=True, timeout=600)
