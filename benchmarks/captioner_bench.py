@@ -137,7 +137,7 @@ def throughput(root: Path, n: int = 128, max_new_tokens: int = 64, batch_size: i
     rounds after a warm-up round; `ratio` is stage / bare captions/s of the fastest (goal >= 0.9),
     `median_ratio` the median of each round's."""
     from lorapipe.stages.caption import CaptionParams
-    from lorapipe.stages.cpu_threads import threads_per_process, torch_threads
+    from lorapipe.stages.processes.cpu_threads import threads_per_process, torch_threads
 
     data = generated_images(root / f"images-{n}", n)
     params = CaptionParams(max_new_tokens=max_new_tokens, batch_size=batch_size)

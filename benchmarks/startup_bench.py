@@ -189,7 +189,7 @@ class Job:
 def kept_server(job: Job) -> Iterator[str]:
     """A Prefect server on 127.0.0.1 for the whole measurement, in the job's PREFECT_HOME; its API URL."""
     from lorapipe.flows.server import api_answers
-    from lorapipe.stages.launching import free_port
+    from lorapipe.stages.processes.launching import free_port
 
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "prefect", "server", "start", "--host", "127.0.0.1",

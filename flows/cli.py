@@ -25,9 +25,9 @@ import traceback
 from pathlib import Path
 
 from lorapipe.cache.errors import one_line, user_message
-from lorapipe.stages.launching import skip_exit_collection
-from lorapipe.stages.library_notes import quiet_harmless_notes
-from lorapipe.stages.optional_libraries import hide
+from lorapipe.stages.processes.launching import skip_exit_collection
+from lorapipe.stages.processes.library_notes import quiet_harmless_notes
+from lorapipe.stages.processes.optional_libraries import hide
 
 from .run_record import RunRecord, recording
 

@@ -28,9 +28,9 @@ from pydantic.json_schema import SkipJsonSchema
 
 from lorapipe.cache.errors import UserError
 from lorapipe.cache.store import Artifact
-from lorapipe.stages.launching import WorkerCrashed
-from lorapipe.stages.library_notes import quiet_harmless_notes
-from lorapipe.stages.optional_libraries import hide
+from lorapipe.stages.processes.launching import WorkerCrashed
+from lorapipe.stages.processes.library_notes import quiet_harmless_notes
+from lorapipe.stages.processes.optional_libraries import hide
 
 from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config

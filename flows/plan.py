@@ -23,7 +23,7 @@ from lorapipe.cache.store import Artifact, Built, StageKey
 from lorapipe.stages import caption, encode, evaluate, families, preprocess, train
 from lorapipe.stages.contract import KEYED_LIBRARIES, Log, library_majors, library_versions
 from lorapipe.stages.models import component_digests
-from lorapipe.stages.placement import Placement, Where
+from lorapipe.stages.processes.placement import Placement, Where
 
 from .config import PipelineConfig, split
 
@@ -203,7 +203,7 @@ def evaluate_step(ctx: Context, pre: Artifact, enc: Artifact, trained: Artifact)
 class StageDef:
     """A stage of the pipeline: its module (VERSION, run; its code's digest), the step that keys and
     builds it from the artifacts of the stages it reads, and, for a stage whose work is a job
-    (stages/jobs.py), where its settings say the job runs (stages/placement.py)."""
+    (stages/processes/jobs.py), where its settings say the job runs (stages/processes/placement.py)."""
 
     module: ModuleType
     step: Callable[..., Step]  # (ctx, *the artifacts of `reads`, in order) -> Step

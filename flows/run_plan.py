@@ -3,7 +3,7 @@
 The stages it walks (the chosen ones, `--only` / `--from`, and every stage before them, which must
 be cache hits; on machine rank > 0 none after train), those it forces, how each stands in the cache
 (`lorapipe status`'s rows), whether a warm process is worth starting for its training, and where
-each stage's job runs (stages/placement.py `place`, from the stage's settings and that warm process).
+each stage's job runs (stages/processes/placement.py `place`, from the stage's settings and that warm process).
 
 `lorapipe run` plans once (`plan_run`) and hands the plan to the run served wholly from the cache
 (flows/cached_run.py) or to the flow (flows/pipeline.py); `lorapipe status` prints the standings of
@@ -19,7 +19,7 @@ from typing import Mapping
 from lorapipe.cache.errors import UserError, unusable_folder
 from lorapipe.stages import train
 from lorapipe.stages.contract import Log
-from lorapipe.stages.placement import OwnProcess, Placement, WarmProcess, place
+from lorapipe.stages.processes.placement import OwnProcess, Placement, WarmProcess, place
 
 from .config import PipelineConfig, split
 from .plan import PIPELINE, Context, config_stages
@@ -69,7 +69,7 @@ class RunPlan:
         return WarmProcess(alone.threads(options.cpu_threads), train.unused_libraries(params))
 
     def placed(self, config: PipelineConfig, warm: WarmProcess | None = None) -> RunPlan:
-        """This plan with the placement of each stage it builds: the one rule (stages/placement.py)
+        """This plan with the placement of each stage it builds: the one rule (stages/processes/placement.py)
         applied to the stage's settings, with the warm process when the command started one. (A
         stage built against the plan, e.g. encode repairing a damaged shard, runs where its own
         settings say.)"""
@@ -90,7 +90,7 @@ def plan_run(config: PipelineConfig, only: list[str], start: str | None, force: 
     stage names, OMP_NUM_THREADS, that output_dir and the cache can be written, that the model is
     whole and supported. The standings are best effort: an error there is the flow's to report."""
     from lorapipe.cache.fsutil import probe_writable
-    from lorapipe.stages.cpu_threads import environment_threads
+    from lorapipe.stages.processes.cpu_threads import environment_threads
 
     plan = select(config, only, start, force)
     environment_threads()

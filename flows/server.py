@@ -37,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 from lorapipe.cache.errors import UserError, unusable_folder
-from lorapipe.stages.launching import free_port, start_child
+from lorapipe.stages.processes.launching import free_port, start_child
 
 from .prefect_db import DatabaseTemplate, copied_prefect
 

@@ -33,7 +33,7 @@ def pytest_configure(config):
     if worker is not None:
         import torch
 
-        from lorapipe.stages.cpu_threads import usable_cores
+        from lorapipe.stages.processes.cpu_threads import usable_cores
 
         torch.set_num_threads(max(1, usable_cores() // int(worker["workercount"])))
 

@@ -73,7 +73,7 @@ def test_ctrl_c_before_training_says_what_was_kept(tmp_path, tiny_config):
 # Ctrl-C (SIGINT) arriving while the command forks a worker: inside Python's at-fork handlers
 CTRL_C_WHILE_FORKING = """
 import os, signal, sys
-from lorapipe.stages.launching import start_worker
+from lorapipe.stages.processes.launching import start_worker
 os.register_at_fork(before=lambda: os.kill(os.getpid(), signal.SIGINT))
 try:
     start_worker([sys.executable, "-c", "pass"]).wait()
@@ -92,7 +92,7 @@ def test_ctrl_c_while_a_worker_process_starts_stops_the_command():
 
 NOTES = """
 import logging
-from lorapipe.stages.library_notes import quiet_harmless_notes
+from lorapipe.stages.processes.library_notes import quiet_harmless_notes
 quiet_harmless_notes()
 from transformers import CLIPImageProcessor  # without torchvision: a note that it falls back to PIL
 peft = logging.getLogger("diffusers.loaders.peft")  # what diffusers says loading a denoiser-only LoRA into a pipeline

@@ -18,7 +18,7 @@ from lorapipe.flows.plan import STAGES
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent
-TRAINING = "lorapipe.stages.jobs"  # in the command line of the training process (and of a launcher's)
+TRAINING = "lorapipe.stages.processes.jobs"  # in the command line of the training process (and of a launcher's)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""One rule sets torch's CPU threads in every stage (stages/cpu_threads.py): the stage's
+"""One rule sets torch's CPU threads in every stage (stages/processes/cpu_threads.py): the stage's
 cpu_threads, else the config's, else OMP_NUM_THREADS, else the cores this process may use less
 one, shared among the stage's processes. Never the machine's load: torch's CPU results depend on
 the count. (Where the count reaches the processes: test_evaluate.py, test_encode_dask.py, test_train.py.)"""
@@ -10,10 +10,10 @@ import pytest
 
 from lorapipe.cache.errors import UserError
 from lorapipe.flows.config import split, validate_config
-from lorapipe.stages.cpu_threads import threads_per_process
+from lorapipe.stages.processes.cpu_threads import threads_per_process
 from lorapipe.stages.encode import EncodeOptions, EncodeParams
 from lorapipe.stages.evaluate import EvalOptions, EvalParams
-from lorapipe.stages.placement import place
+from lorapipe.stages.processes.placement import place
 from lorapipe.stages.train import TrainOptions, TrainParams, where
 
 CONFIG = {"cache_dir": "cache", "output_dir": "out", "model": {"path": "model"}, "data": {"path": "data"},

@@ -55,7 +55,7 @@ def test_demo_writes_the_lora_grid_and_metrics_and_says_where(demo_runs):
 
 def test_the_terminal_shows_no_library_note_that_tells_the_user_nothing(demo_runs):
     """Encode, train and evaluate ran in the process started ahead, whose output the terminal shows
-    (stages/library_notes.py)."""
+    (stages/processes/library_notes.py)."""
     first = demo_runs[1]
     assert "evaluate: in the process started ahead" in first.stderr
     for note in ("No LoRA keys associated to", "requires torchvision"):

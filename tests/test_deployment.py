@@ -36,7 +36,7 @@ PREFECT = str(Path(sys.executable).parent / "prefect")
 SERVICE_DOC = REPO / "docs" / "service.md"
 WALKTHROUGH = "### Step by step: server, worker, first run"  # the section the fixture runs
 STAGES = ["preprocess", "encode", "train", "evaluate"]
-TRAINER = "lorapipe.stages.jobs"  # in the command line of a training process: its job file names the test root
+TRAINER = "lorapipe.stages.processes.jobs"  # in the command line of a training process: its job file names the test root
 SMALL = {  # the demo, made quick: a few training steps, a small evaluation
     "train": {"max_steps": 6, "checkpoint_every": 3, "log_every": 2},
     "evaluate": {"prompts": ["a photo of a rocket on a launch pad"], "seeds": [0], "lora_scales": [1.0],

@@ -18,7 +18,7 @@ import pytest
 from lorapipe.cache.digest import StatCache
 from lorapipe.cache.samples import SampleStore
 from lorapipe.stages import encode, families, preprocess
-from lorapipe.stages.cpu_threads import threads_per_process
+from lorapipe.stages.processes.cpu_threads import threads_per_process
 from lorapipe.stages.encoded import EncodedData
 from lorapipe.stages.models import component_digests
 
@@ -258,7 +258,7 @@ def test_a_damaged_shard_is_found_by_cache_verify_removed_and_re_encoded(tmp_pat
 def test_encode_worker_processes_load_diffusers_without_the_quantisation_libraries(tmp_path, demo_images, tiny_model,
                                                                                 monkeypatch):
     """Encode's worker processes (num_processes > 1) never use bitsandbytes or torchao, which diffusers
-    imports where they are installed: they hide them (stages/optional_libraries.py). Python's import
+    imports where they are installed: they hide them (stages/processes/optional_libraries.py). Python's import
     profile, which every process inherits through PYTHONPROFILEIMPORTTIME, lists what each one loaded."""
     monkeypatch.setenv("PYTHONPROFILEIMPORTTIME", "1")
     inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), tiny_model)
@@ -274,7 +274,7 @@ def test_two_processes_encode_each_record_once_into_one_index(tmp_path, demo_ima
     inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), tiny_model)
     out, built, logs = run_encode(tmp_path, inputs, num_processes=2, batch_size=2, shard_records=2)
     assert built.info["processes"] == 2 and built.info["latents_encoded"] == 8 and built.info["texts_encoded"] == 9
-    threads = threads_per_process(None, processes=2)  # the cores less one, shared (stages/cpu_threads.py)
+    threads = threads_per_process(None, processes=2)  # the cores less one, shared (stages/processes/cpu_threads.py)
     assert f"[rank 1] encode: process 1 of 2: 4 latents, 4 text embeddings, {threads} torch threads" in logs
     assert any(line.startswith("encode: latents 4/4 (rank 0's share of 2)") for line in logs)
     store = SampleStore(inputs.cache_root)
@@ -291,9 +291,9 @@ def test_the_lines_of_two_workers_sharing_a_pipe_never_merge():
     """The processes of one launch write into one pipe with PYTHONUNBUFFERED=1 (lines reach the
     parent at once); a worker writes each printed line in one system call, so two ranks' lines
     arrive whole (a merged line once failed the two-process encode test above)."""
-    from lorapipe.stages.launching import start_worker
+    from lorapipe.stages.processes.launching import start_worker
 
-    rank_prints = ("import sys; from lorapipe.stages.launching import write_whole_lines; write_whole_lines();"
+    rank_prints = ("import sys; from lorapipe.stages.processes.launching import write_whole_lines; write_whole_lines();"
                    " [print(f'[rank {sys.argv[1]}] line', i, flush=True) for i in range(3000)]")
     launcher = ("import subprocess, sys; ranks = [subprocess.Popen([sys.executable, '-c', sys.argv[1], str(r)])"
                 " for r in (0, 1)]; [p.wait() for p in ranks]")

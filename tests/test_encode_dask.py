@@ -15,10 +15,10 @@ import pytest
 from lorapipe.cache.samples import SampleStore
 from lorapipe.stages import encode
 from lorapipe.stages.encode.dask_executor import encode_chunk
-from lorapipe.stages.launching import environment_kept
-from lorapipe.stages.optional_libraries import OPTIONAL
+from lorapipe.stages.processes.launching import environment_kept
+from lorapipe.stages.processes.optional_libraries import OPTIONAL
 from lorapipe.stages.encode.workers import EncodeJobs
-from lorapipe.stages.placement import DaskCluster
+from lorapipe.stages.processes.placement import DaskCluster
 
 from test_encode import encode_inputs, prepare, run_encode
 
@@ -154,7 +154,7 @@ def test_dask_workers_encode_into_an_s3_cache_once_each(tmp_path, demo_images, t
 @pytest.mark.slow
 def test_the_stages_own_dask_workers_import_diffusers_without_the_quantisation_libraries():
     """A worker of the cluster encode starts for itself runs only encode's tasks, which never use
-    bitsandbytes or torchao: it hides them from diffusers (stages/optional_libraries.py)."""
+    bitsandbytes or torchao: it hides them from diffusers (stages/processes/optional_libraries.py)."""
     def loaded_by_diffusers() -> list[str]:  # in the worker: what loading an encoder imports
         from diffusers import AutoencoderKL  # noqa: F401
 

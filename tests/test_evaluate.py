@@ -77,13 +77,13 @@ def evaluated(tmp_path_factory, tiny_model, lora_dir, encoded) -> tuple[Path, Ev
 
 def test_an_evaluation_in_the_process_started_ahead_writes_the_same_files(evaluated, tmp_path, tiny_model,
                                                                            lora_dir, encoded):
-    """A run that trains hands evaluate's job to the warm process it started (stages/placement.py),
+    """A run that trains hands evaluate's job to the warm process it started (stages/processes/placement.py),
     which trained the LoRA: the grid, metrics and report are byte for byte those of an evaluation
     in the command's own process (the same number of CPU threads). What it prints goes to the
-    terminal without the library notes that tell a user nothing (stages/library_notes.py)."""
-    from lorapipe.stages.cpu_threads import threads_per_process
+    terminal without the library notes that tell a user nothing (stages/processes/library_notes.py)."""
+    from lorapipe.stages.processes.cpu_threads import threads_per_process
     from lorapipe.stages.evaluate import EvalOptions, where
-    from lorapipe.stages.placement import WarmProcess, place
+    from lorapipe.stages.processes.placement import WarmProcess, place
 
     first, params, info = evaluated
     with WarmProcess(threads_per_process(None), env=LIBRARY_WARNINGS_SHOWN) as warm:
@@ -102,11 +102,11 @@ def test_an_evaluation_in_the_process_started_ahead_writes_the_same_files(evalua
 def test_encode_and_evaluate_in_the_process_started_ahead_run_on_the_threads_omp_num_threads_says(
         tmp_path, tiny_model, lora_dir, encoded, monkeypatch, capsys):
     """OMP_NUM_THREADS in the run's environment sets the torch threads of encode's and evaluate's
-    jobs in the warm process, whose own count is training's (stages/cpu_threads.py), not every
+    jobs in the warm process, whose own count is training's (stages/processes/cpu_threads.py), not every
     core: on a busy machine threads beyond the free cores made evaluate many times slower."""
     from conftest import _encode_demo_images
     from lorapipe.stages import encode, evaluate, train
-    from lorapipe.stages.placement import WarmProcess, place
+    from lorapipe.stages.processes.placement import WarmProcess, place
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     with WarmProcess(2, train.unused_libraries(train.TrainParams())) as warm:  # as train.cpu_threads: 2 starts it
@@ -221,7 +221,7 @@ def test_a_held_out_latent_damaged_in_place_stops_evaluate_naming_its_shard(wher
     """Raised as DamagedRecord wherever evaluate runs, so that the flow repairs the shard (flows/runner.py)."""
     from lorapipe.cache.samples import DamagedRecord
     from lorapipe.stages.encoded import EncodedData
-    from lorapipe.stages.placement import WarmProcess, Where, place
+    from lorapipe.stages.processes.placement import WarmProcess, Where, place
 
     data = EncodedData(encoded_copy.artifact_dir, encoded_copy.cache_root)
     latent = data.split("holdout")[0].latent

@@ -141,7 +141,7 @@ def test_a_quantisation_whose_library_is_missing_is_refused_in_one_line(tmp_path
 
 
 def test_a_quantisation_is_accepted_where_the_process_hides_its_installed_library(tmp_path, tiny_model, monkeypatch):
-    """`lorapipe run` hides bitsandbytes and torchao from its own process (stages/optional_libraries.py),
+    """`lorapipe run` hides bitsandbytes and torchao from its own process (stages/processes/optional_libraries.py),
     where find_spec then says None; its training processes load the one the config names."""
     for library in ("bitsandbytes", "torchao"):
         monkeypatch.setitem(sys.modules, library, None)

@@ -28,7 +28,7 @@ from safetensors.torch import load_file
 
 from lorapipe.cache.errors import UserError
 from lorapipe.stages import train
-from lorapipe.stages.launching import WorkerFailed
+from lorapipe.stages.processes.launching import WorkerFailed
 from lorapipe.stages.lora_formats.diffusers_format import save_safetensors_sorted
 from lorapipe.stages.train.checkpoints import CheckpointDir
 from lorapipe.stages.train.data import BatchPlan, MicroBatches
@@ -475,7 +475,7 @@ import signal, sys
 from pathlib import Path
 from lorapipe.cache.errors import UserError
 from lorapipe.stages import train
-from lorapipe.stages.launching import WorkerFailed
+from lorapipe.stages.processes.launching import WorkerFailed
 signal.signal(signal.SIGINT, signal.default_int_handler)
 inputs = train.TrainInputs(Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), "base", "encoded")
 train.run(train.TrainParams(max_steps=100000, batch_size=2, checkpoint_every=100000), inputs,
@@ -608,7 +608,7 @@ def test_a_process_started_ahead_encodes_then_trains_as_fresh_processes_would(tr
     from conftest import _encode_demo_images
     from lorapipe.stages import encode
     from lorapipe.stages.encoded import EncodedData
-    from lorapipe.stages.placement import OwnProcess, WarmProcess, place
+    from lorapipe.stages.processes.placement import OwnProcess, WarmProcess, place
 
     params, options = train.TrainParams(**{**PARAMS, "max_steps": 40}), train.TrainOptions(log_every=20)
     assert isinstance(place(train.where(params, options)), OwnProcess)  # what a run starts a warm process for
@@ -633,11 +633,11 @@ def test_a_training_process_loads_only_the_quantisation_library_its_job_uses(tmp
     """diffusers imports bitsandbytes and torchao whenever they are installed (about a quarter of a
     training process's imports, BENCHMARKS.md); a training process hides the ones its job does not
     use before diffusers is imported, and loads the one it does (nf4: bitsandbytes)."""
-    from lorapipe.stages.jobs import Job
-    from lorapipe.stages.launching import start_worker
+    from lorapipe.stages.processes.jobs import Job
+    from lorapipe.stages.processes.launching import start_worker
 
-    # what the worker entry (stages/jobs.py) does before the job runs, then what training imports
-    probe = ("import sys; from lorapipe.stages.jobs import Job, worker; from lorapipe.stages.optional_libraries"
+    # what the worker entry (stages/processes/jobs.py) does before the job runs, then what training imports
+    probe = ("import sys; from lorapipe.stages.processes.jobs import Job, worker; from lorapipe.stages.processes.optional_libraries"
              " import hide; job = Job.read(sys.argv[1]); hide(job.hidden); worker(job.stage);"
              " import diffusers.training_utils, peft;"
              " print(sorted(name for name in ('bitsandbytes', 'torchao') if sys.modules.get(name)))")

@@ -262,7 +262,7 @@ def test_lokr_on_fused_modules_is_refused_before_training_in_one_line(models, tm
     """Flux.2 fuses q/k/v (double_blocks.N.img_attn.qkv) and ComfyUI has no name for a part of it: a
     LoKr there is refused by the train stage before its first step, in one line naming the key and
     the module (Qwen-Image's modules are whole: its LoKr trains on the attention preset above)."""
-    from lorapipe.stages.launching import WorkerFailed
+    from lorapipe.stages.processes.launching import WorkerFailed
 
     model, encoded = models["flux2-klein"]()
     with pytest.raises(WorkerFailed) as refused:

@@ -12,7 +12,7 @@ import pytest
 
 from lorapipe.cache.errors import UserError
 from lorapipe.stages import train
-from lorapipe.stages.launching import free_port
+from lorapipe.stages.processes.launching import free_port
 from lorapipe.stages.train.checkpoints import CheckpointDir
 
 from test_train import PARAMS, run_train, train_inputs, trajectory

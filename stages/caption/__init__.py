@@ -37,7 +37,7 @@ from lorapipe.cache.samples import DamagedRecord
 from lorapipe.cache.store import LOG_DIR, Built
 
 from ..contract import Log, OutputFile
-from ..placement import Placement, Where, place
+from ..processes.placement import Placement, Where, place
 from ..preprocess import DATASET_FILE, REPORT_FILE
 from ..preprocess.sources import DatasetSource
 from .captioners import model_type, resolved
@@ -84,7 +84,7 @@ def policy_ingredients(datasets: tuple[DatasetSource, ...]) -> dict:
 
 
 def where(params: CaptionParams, options: CaptionOptions) -> Where:
-    """Where caption's job runs (stages/placement.py): num_processes under accelerate when more
+    """Where caption's job runs (stages/processes/placement.py): num_processes under accelerate when more
     than one batch of images is missing, else one process."""
     return Where(options.num_processes, one_process_up_to=params.batch_size)
 

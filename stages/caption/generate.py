@@ -16,7 +16,7 @@ from lorapipe.cache.samples import SampleStore
 
 from ..contract import Log, derived_seed
 from ..encode.images import sample_label, upright_image
-from ..jobs import process_device
+from ..processes.jobs import process_device
 from ..preprocess.sources import DatasetSource
 from ..progress import ProgressLines
 from .captioners import load_captioner

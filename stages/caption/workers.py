@@ -1,5 +1,5 @@
-"""The caption stage's job (stages/jobs.py): the missing records generated where its placement says
-(stages/placement.py): in one process, or shared among N processes under `accelerate launch`.
+"""The caption stage's job (stages/processes/jobs.py): the missing records generated where its placement says
+(stages/processes/placement.py): in one process, or shared among N processes under `accelerate launch`.
 
 Rank r of N takes every N-th batch of the sorted record keys (generate.batches): a batch is the
 same whatever the process count, so a sampled caption is too, and no two processes generate the
@@ -16,13 +16,13 @@ from lorapipe.cache.fsutil import write_json_atomic
 from lorapipe.cache.object_store import open_sample_store
 
 from ..contract import Log
-from ..jobs import Job, process_rank
-from ..optional_libraries import OPTIONAL
+from ..processes.jobs import Job, process_rank
+from ..processes.optional_libraries import OPTIONAL
 from .generate import batches, generate_records
 from .params import CaptionOptions, CaptionParams
 
 if TYPE_CHECKING:
-    from ..placement import Placement
+    from ..processes.placement import Placement
     from . import CaptionInputs
 
 
@@ -44,7 +44,7 @@ def generate_at(placement: Placement, todo: dict[str, dict], params: CaptionPara
 
 
 def run_job(job: Job, log: Log) -> None:
-    """Generate this rank's batches of the job (stages/jobs.py); write the images it left out into the work dir."""
+    """Generate this rank's batches of the job (stages/processes/jobs.py); write the images it left out into the work dir."""
     from . import CaptionInputs
 
     rank, world = process_rank()

@@ -25,7 +25,7 @@ caption_variants K > 1 (stages/encode/captions.py) a training sample has K text 
 by its variant caption's text like any caption: the augmentation settings are in the stage's key
 (which variants exist), not in the records' keys (what a text encodes to).
 
-The missing records are encoded where the stage's placement says (stages/placement.py, `where`):
+The missing records are encoded where the stage's placement says (stages/processes/placement.py, `where`):
 with `num_processes` > 1, dealt to that many processes started by `accelerate launch`
 (stages/encode/workers.py); each commits its own shards, the parent then writes the one
 samples.json. Each record is encoded exactly once. With one process, in the warm process when the
@@ -51,9 +51,9 @@ from lorapipe.cache.store import Built
 
 from .. import families
 from ..contract import Frozen, Log, OutputFile, library_majors
-from ..cpu_threads import usable_cores
+from ..processes.cpu_threads import usable_cores
 from ..encoded import write_index
-from ..placement import DaskCluster, Placement, Where, place
+from ..processes.placement import DaskCluster, Placement, Where, place
 from ..preprocess import DATASET_FILE
 from ..preprocess.sources import DatasetSource
 from ..progress import ProgressLines
@@ -306,7 +306,7 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
 
 
 def where(options: EncodeOptions) -> Where:
-    """Where encode's job runs (stages/placement.py): on a Dask cluster with executor: dask; else
+    """Where encode's job runs (stages/processes/placement.py): on a Dask cluster with executor: dask; else
     num_processes under accelerate when more than one batch of latents is missing, else one process."""
     if options.executor == "dask":
         return Where(dask=DaskCluster(options.dask_address, options.dask_workers))

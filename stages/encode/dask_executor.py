@@ -1,6 +1,6 @@
 """encode.executor: dask — the task each of the job's chunks (EncodeJobs.chunks) is on a Dask cluster.
 
-The encode stage's placement is then a DaskCluster (stages/placement.py): the cluster at
+The encode stage's placement is then a DaskCluster (stages/processes/placement.py): the cluster at
 `encode.dask_address`, or a local one of `dask_workers` processes that the stage starts and stops;
 `deal` hands it the chunks. Each task encodes one chunk into one shard of
 the shared sample store (a folder every worker sees at the same path, or the local side of an S3
@@ -18,12 +18,12 @@ from lorapipe.cache.fsutil import write_json_atomic
 from lorapipe.cache.object_store import open_sample_store
 
 from ..contract import Log
-from ..jobs import Job
+from ..processes.jobs import Job
 from .latents import Progress
 from .workers import EncodeJobs, encode_chunks, read_spec
 
 if TYPE_CHECKING:
-    from ..placement import DaskPool
+    from ..processes.placement import DaskPool
     from . import EncodeInputs, EncodeOptions, EncodeParams
 
 T = TypeVar("T")

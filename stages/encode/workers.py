@@ -1,5 +1,5 @@
-"""Who encodes what: the missing records as jobs, the encode stage's job (stages/jobs.py) run where
-its placement says (stages/placement.py): in one process, or dealt to N processes under
+"""Who encodes what: the missing records as jobs, the encode stage's job (stages/processes/jobs.py) run where
+its placement says (stages/processes/placement.py): in one process, or dealt to N processes under
 `accelerate launch`, or to a Dask cluster in chunks (dask_executor.py `deal`).
 
 Rank r of N takes every N-th job of the sorted lists, so the split is deterministic and no two
@@ -22,8 +22,8 @@ from lorapipe.cache.samples import SampleStore
 
 from ..contract import Log
 from ..encoded import encode_record
-from ..jobs import Job, process_device, process_rank
-from ..optional_libraries import OPTIONAL
+from ..processes.jobs import Job, process_device, process_rank
+from ..processes.optional_libraries import OPTIONAL
 from .images import decode_failure, placed_image, sample_label, sample_shape
 from .latents import Progress, encode_latents
 from .masks import encode_masks
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
     from ..families.base import TextEncoder
-    from ..placement import Placement
+    from ..processes.placement import Placement
     from ..preprocess.sources import DatasetSource
     from . import EncodeInputs, EncodeOptions, EncodeParams, SampleKeys
 
@@ -207,7 +207,7 @@ class RecordBuffer:
 
 def encode_at(placement: Placement, jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs,
               options: EncodeOptions, work_dir: Path, log: Log) -> dict[str, str]:
-    """Encode the jobs where `placement` says (stages/placement.py); return the undecodable samples."""
+    """Encode the jobs where `placement` says (stages/processes/placement.py); return the undecodable samples."""
     for stale in work_dir.glob("failed-*.json"):
         stale.unlink()
     if placement.processes > 1:
@@ -224,7 +224,7 @@ def encode_at(placement: Placement, jobs: EncodeJobs, params: EncodeParams, inpu
 
 
 def run_job(job: Job, log: Log) -> None:
-    """Encode this rank's share of the job (stages/jobs.py); write what failed into the work dir."""
+    """Encode this rank's share of the job (stages/processes/jobs.py); write what failed into the work dir."""
     params, inputs, options, jobs, dataset = read_spec(job)
     rank, world = process_rank()
     failed = encode_jobs(jobs, dataset, params, inputs, options, rank, world,

@@ -10,7 +10,7 @@ Writes: grid.png, metrics.json, report.md; with checkpoints, checkpoint_losses.j
 Key:    VERSION, EvalParams, and the digests of the base model, encode and train artifacts; so
         changing a prompt, seed, scale, sampler or metric setting reruns evaluate only.
 
-It runs where its placement says (worker.py, stages/placement.py): in a run that trains, in the
+It runs where its placement says (worker.py, stages/processes/placement.py): in a run that trains, in the
 warm process that trained the LoRA, else in the calling process. The pipeline is loaded once.
 Base images and base losses come first; then the LoRA is loaded as an adapter and rendered at
 each scale. Losses use the LoRA at scale 1, the strength it was trained at.
@@ -21,7 +21,7 @@ from pathlib import Path
 
 from lorapipe.cache.store import Built
 from lorapipe.stages.contract import Log
-from lorapipe.stages.placement import Placement, Where, place
+from lorapipe.stages.processes.placement import Placement, Where, place
 
 from .params import LOCAL_PATHS, OUTPUT_FILES, VERSION, EvalInputs, EvalOptions, EvalParams
 
@@ -38,5 +38,5 @@ def run(params: EvalParams, inputs: EvalInputs, out_dir: Path, work_dir: Path,
 
 
 def where(options: EvalOptions) -> Where:
-    """Where evaluate's job runs (stages/placement.py): one process, the calling one (or the warm process)."""
+    """Where evaluate's job runs (stages/processes/placement.py): one process, the calling one (or the warm process)."""
     return Where()

@@ -1,5 +1,5 @@
-"""The evaluate stage's job (stages/jobs.py): its parent side writes it and reads back what it
-built, wherever its placement runs it (stages/placement.py): in this process, or in the warm
+"""The evaluate stage's job (stages/processes/jobs.py): its parent side writes it and reads back what it
+built, wherever its placement runs it (stages/processes/placement.py): in this process, or in the warm
 process, which has trained the LoRA with torch and diffusers imported, so that the command never
 imports them. Either way on the threads one evaluate process uses, with the same files."""
 from __future__ import annotations
@@ -10,9 +10,9 @@ from pathlib import Path
 from lorapipe.cache.fsutil import write_json_atomic
 from lorapipe.cache.store import Built
 from lorapipe.stages.contract import Log
-from lorapipe.stages.jobs import Job
-from lorapipe.stages.optional_libraries import OPTIONAL
-from lorapipe.stages.placement import Placement
+from lorapipe.stages.processes.jobs import Job
+from lorapipe.stages.processes.optional_libraries import OPTIONAL
+from lorapipe.stages.processes.placement import Placement
 
 from .params import EvalInputs, EvalOptions, EvalParams
 

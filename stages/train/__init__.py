@@ -17,7 +17,7 @@ Key:    TrainParams (less max_steps for the work directory: raising it resumes; 
         artifact's digest, the denoiser and scheduler digests, library majors.
 Work:   work_dir/checkpoints/ (adapter, PiSSA/OLoRA start, EMA, optimizer, LR scheduler and RNG states;
         atomic: stages/train/trained_adapter.py), export/, shorter/ (a shorter training's own folder),
-        logs/, accelerate.yaml, job.json (stages/jobs.py). Training resumes from the newest intact checkpoint.
+        logs/, accelerate.yaml, job.json (stages/processes/jobs.py). Training resumes from the newest intact checkpoint.
 Across machines (train.num_machines): machine rank 0 runs `run` (it alone reads and writes the
         work directory and publishes); every other machine runs `follow`, whose processes join
         rank 0's and keep only their job and log in a private folder.

@@ -1,5 +1,5 @@
-"""The parent side of training: the training job (stages/jobs.py) run where its placement says
-(stages/placement.py: a process of its own, the warm process, or `accelerate launch`), then publish.
+"""The parent side of training: the training job (stages/processes/jobs.py) run where its placement says
+(stages/processes/placement.py: a process of its own, the warm process, or `accelerate launch`), then publish.
 
 The training processes write only into work_dir; once they succeed, the parent copies the results
 into out_dir. Interrupting the parent (Ctrl-C, a Prefect cancel) terminates every one of them. A
@@ -21,10 +21,10 @@ from lorapipe.cache.store import Built
 from lorapipe.stages import families
 from lorapipe.stages.contract import Log
 from lorapipe.stages.encoded import EncodedData
-from lorapipe.stages.jobs import Job
-from lorapipe.stages.launching import Interrupted
-from lorapipe.stages.optional_libraries import OPTIONAL
-from lorapipe.stages.placement import Machines, Placement, Where, place
+from lorapipe.stages.processes.jobs import Job
+from lorapipe.stages.processes.launching import Interrupted
+from lorapipe.stages.processes.optional_libraries import OPTIONAL
+from lorapipe.stages.processes.placement import Machines, Placement, Where, place
 from lorapipe.stages.lora_formats.lora_folder import LORA_FILE, checkpoint_lora, step_name
 from lorapipe.stages.train.checkpoints import CheckpointDir
 from lorapipe.stages.train.params import TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
@@ -80,7 +80,7 @@ def launch(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: Tr
 
 
 def where(params: TrainParams, options: TrainOptions) -> Where:
-    """Where training runs (stages/placement.py): under the user's accelerate config
+    """Where training runs (stages/processes/placement.py): under the user's accelerate config
     (`train.accelerate_config`, else `accelerate config`'s default file when there is one), or one
     written for DDP; one process without one runs in a process of its own, sparing the launcher's
     own interpreter and imports (BENCHMARKS.md, start-up). num_processes counts every machine's."""
@@ -173,7 +173,7 @@ def _json_or_none(line: str) -> dict | None:
 
 
 def unused_libraries(params: TrainParams) -> tuple[str, ...]:
-    """The optional libraries (stages/optional_libraries.py) a training with `params` never calls."""
+    """The optional libraries (stages/processes/optional_libraries.py) a training with `params` never calls."""
     used = {LIBRARY.get(params.base_quantization), "bitsandbytes" if params.optimizer == "adamw8bit" else None}
     return tuple(name for name in OPTIONAL if name not in used)
 

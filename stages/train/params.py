@@ -11,7 +11,7 @@ from lorapipe.cache.store import LOG_DIR
 from lorapipe.stages.contract import Frozen, JsonInputs, OutputFile
 from lorapipe.stages.families import ObjectiveParams
 from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, LORA_FILES
-from lorapipe.stages.optional_libraries import installed
+from lorapipe.stages.processes.optional_libraries import installed
 from lorapipe.stages.train.adapter import AdapterParams
 from lorapipe.stages.train.ema import EMAParams
 from lorapipe.stages.train.quantization import BaseQuantization, check_available

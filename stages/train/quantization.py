@@ -22,7 +22,7 @@ from __future__ import annotations
 import warnings
 from typing import TYPE_CHECKING, Literal
 
-from lorapipe.stages.optional_libraries import installed
+from lorapipe.stages.processes.optional_libraries import installed
 
 if TYPE_CHECKING:
     import torch

@@ -1,16 +1,16 @@
 """LoRA fine-tuning of a diffusion model's denoiser (SD's UNet, Flux's transformer: stages/families)
 on cached latents and text embeddings.
 
-The train stage's `run()` writes the training job into the work directory (stages/jobs.py) and
+The train stage's `run()` writes the training job into the work directory (stages/processes/jobs.py) and
 runs it where its placement says; `run_job` below is its worker side. By hand (WORK/job.json as
 `run()` writes it):
 
     # one process (CPU or one GPU), as the stage runs it when no accelerate config is given
-    python -m lorapipe.stages.jobs WORK/job.json
+    python -m lorapipe.stages.processes.jobs WORK/job.json
     # DDP: two GPUs, or two CPU processes over gloo (`--cpu` would start only one)
-    accelerate launch --multi_gpu --num_processes 2 -m lorapipe.stages.jobs WORK/job.json
+    accelerate launch --multi_gpu --num_processes 2 -m lorapipe.stages.processes.jobs WORK/job.json
     # the launch the stage uses for DDP (or with train.accelerate_config: that file)
-    accelerate launch --config_file WORK/accelerate.yaml -m lorapipe.stages.jobs WORK/job.json
+    accelerate launch --config_file WORK/accelerate.yaml -m lorapipe.stages.processes.jobs WORK/job.json
 
 Data: a deterministic batch plan. For each epoch, a permutation seeded by (seed, epoch) deals the
 train split (ordered by latent record key, never by file name), bucket by bucket (one encoded
@@ -23,7 +23,7 @@ plan, and all of its randomness (flipped or plain latent where encode made both,
 caption dropout, noise, timesteps, LoRA dropout) comes from a seed derived from (seed, m, rank),
 and a training sample's caption variant (encode.caption_variants) from (seed, epoch, sample, copy):
 resuming from a checkpoint is exact. Every record read is checked against its digest: a damaged
-one stops the run (DamagedRecord, which the parent raises again for the flow to repair: stages/placement.py). On CUDA,
+one stops the run (DamagedRecord, which the parent raises again for the flow to repair: stages/processes/placement.py). On CUDA,
 threads prepare micro-batches before the step (stages/train/data.py: read, sample, noise, pin),
 so the step itself is the copy to the device, the denoiser and the optimizer (train.loader_workers).
 What differs between model families (objective, conditioning, the denoiser call, LoRA target
@@ -54,7 +54,7 @@ from lorapipe.stages import families
 from lorapipe.stages.contract import Log
 from lorapipe.stages.encoded import EncodedData
 from lorapipe.stages.families.objectives import Objective
-from lorapipe.stages.jobs import Job
+from lorapipe.stages.processes.jobs import Job
 from lorapipe.stages.lora_formats.lora_folder import TRAIN_CONFIG, step_name
 from lorapipe.stages.progress import progress_line
 from lorapipe.stages.train.adapter import check_targets, kohya_network_dim_alpha, load_init_lora
@@ -507,7 +507,7 @@ def plot_losses(loss_log: Path, png: Path) -> None:
 
 
 def warm_up() -> None:
-    """In the warm process, before its first job (stages/jobs.py): import what training needs."""
+    """In the warm process, before its first job (stages/processes/jobs.py): import what training needs."""
     import accelerate  # noqa: F401
     import diffusers.optimization  # noqa: F401
     import diffusers.training_utils  # noqa: F401

@@ -1,9 +1,9 @@
-"""Where a stage's job (stages/jobs.py) runs: placements, each an object whose `run(job, log)` runs
+"""Where a stage's job (stages/processes/jobs.py) runs: placements, each an object whose `run(job, log)` runs
 the job there, and `place`, the one rule that chooses among them.
 
 - ThisProcess: the calling process (the command's, a deployment's flow run, a test's).
-- OwnProcess: a process of its own, `python -m lorapipe.stages.jobs JOB` (training, which hides
-  from diffusers the libraries its job does not use: stages/optional_libraries.py).
+- OwnProcess: a process of its own, `python -m lorapipe.stages.processes.jobs JOB` (training, which hides
+  from diffusers the libraries its job does not use: stages/processes/optional_libraries.py).
 - AccelerateLaunch: `accelerate launch` of N processes with an accelerate config (the user's, or
   one written into the work dir), on this machine or as one machine of several.
 - InWarmProcess: the warm process, a WarmProcess the command started before any job existed, so
@@ -18,7 +18,7 @@ settings (its `where`) and the warm process, if the command started one; a stage
 chooses with the same rule from its own settings. The job's code never knows where it runs.
 
 A process started for a job writes only into the job's work_dir, lives in the command's process
-group and dies with it (stages/launching.py); its lines go to work_dir/logs/<stage>.log and, but
+group and dies with it (stages/processes/launching.py); its lines go to work_dir/logs/<stage>.log and, but
 for tracebacks, to the stage's log. Its error arrives as WorkerFailed (WorkerCrashed when it died
 without a word, which a retry may cure), a damaged record it met as DamagedRecord, typed, so that
 the flow repairs it.
@@ -44,9 +44,9 @@ from .launching import WorkerFailed, environment_kept, start_worker, stream, wri
 if TYPE_CHECKING:
     from distributed import Client
 
-    from .contract import Log
+    from ..contract import Log
 
-JOBS = "lorapipe.stages.jobs"  # the worker entry every process started for a job runs
+JOBS = "lorapipe.stages.processes.jobs"  # the worker entry every process started for a job runs
 CONNECT_SECONDS = 30  # to reach a Dask scheduler at an address
 
 
@@ -57,7 +57,7 @@ class Placement:
     here = False  # whether the job runs in the calling process (which then imports its model code)
 
     def threads(self, setting: int | None) -> int | None:
-        """Torch threads per process for a stage whose cpu_threads setting is `setting` (stages/cpu_threads.py)."""
+        """Torch threads per process for a stage whose cpu_threads setting is `setting` (stages/processes/cpu_threads.py)."""
         return threads_per_process(setting, self.processes)
 
     def sized(self, units: int) -> Placement:
@@ -157,7 +157,7 @@ class BySize(Placement):
 @dataclass(frozen=True)
 class DaskCluster(Placement):
     """The cluster at `address`, or a local one of `workers` processes (one task at a time each)
-    started for the job and stopped after it. The stage's dealer (stages/jobs.py DEALERS) hands its
+    started for the job and stopped after it. The stage's dealer (stages/processes/jobs.py DEALERS) hands its
     job over in chunks: `deal(job, pool, log)` with a DaskPool, whose tasks a worker's death makes
     Dask run again."""
 
@@ -230,7 +230,7 @@ def on_threads(threads: int | None, fn: Callable, *args):
 
 
 class WarmProcess:
-    """A job process (`python -m lorapipe.stages.jobs --serve`) started before its jobs exist, so
+    """A job process (`python -m lorapipe.stages.processes.jobs --serve`) started before its jobs exist, so
     that its imports (torch, diffusers, peft, accelerate: most of the seconds before a small job's
     first step) overlap Prefect's start and the stages before its jobs, and are paid once for
     encode, train and evaluate together. It hides `hidden` and imports the workers of `warm_up`
@@ -241,7 +241,7 @@ class WarmProcess:
 
     def __init__(self, threads: int, hidden: tuple[str, ...] = (), warm_up: tuple[str, ...] = ("train",),
                  env: dict[str, str] | None = None):
-        """`threads`: OMP_NUM_THREADS in its environment (training's: stages/cpu_threads.py); `env` adds to it."""
+        """`threads`: OMP_NUM_THREADS in its environment (training's: stages/processes/cpu_threads.py); `env` adds to it."""
         self.hidden = frozenset(hidden)
         command = [sys.executable, "-m", JOBS, "--serve", *(f"--hide={name}" for name in sorted(self.hidden)),
                    *(f"--warm-up={stage}" for stage in warm_up)]
@@ -285,7 +285,7 @@ class WarmProcess:
 
 def watch(process: subprocess.Popen, job: Job, log: Log, job_done: bool = False) -> None:
     """Stream `process`'s lines into work_dir/logs/<stage>.log and `log` until it exits (with
-    `job_done`, until it says the job is done: stages/launching.py stream); raise a damaged record
+    `job_done`, until it says the job is done: stages/processes/launching.py stream); raise a damaged record
     it reported as DamagedRecord, its other errors as stream does."""
     damaged = job.work_dir / DAMAGED_RECORD_FILE
     damaged.unlink(missing_ok=True)

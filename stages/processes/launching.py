@@ -1,4 +1,4 @@
-"""Starting a stage's worker processes (stages/placement.py) and streaming their log.
+"""Starting a stage's worker processes (stages/processes/placement.py) and streaming their log.
 
 The children live in the parent's process group, write only into the stage's work_dir, and are
 terminated with the parent: on an exception or
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import lorapipe
 from lorapipe.cache.errors import UserError, blame_full_disk_on, user_message
-from lorapipe.stages.library_notes import quiet_harmless_notes
+from lorapipe.stages.processes.library_notes import quiet_harmless_notes
 
 if TYPE_CHECKING:
     from lorapipe.stages.contract import Log
@@ -39,7 +39,7 @@ IMPORT_ROOT = Path(lorapipe.__file__).resolve().parents[1]  # where `import lora
 TRACEBACK_START = "Traceback (most recent call last):"
 PARENT_ENV = "LORAPIPE_STAGE_PID"  # the stage process a worker must not outlive
 ERROR_PREFIX = "error: "
-JOB_DONE = "lorapipe: job done"  # the warm process ends each job with it (stages/jobs.py)
+JOB_DONE = "lorapipe: job done"  # the warm process ends each job with it (stages/processes/jobs.py)
 PR_SET_PDEATHSIG = 1
 detail_log = logging.getLogger("lorapipe.detail")  # lines for the log file, not the terminal
 
@@ -71,9 +71,9 @@ def skip_exit_collection() -> None:
 
 
 def begin_worker() -> None:
-    """First in the main of every process that runs a stage's job (stages/jobs.py), so that none
+    """First in the main of every process that runs a stage's job (stages/processes/jobs.py), so that none
     goes without: write whole lines, die with the stage process, and drop the library notes that
-    tell a user nothing (stages/library_notes.py: the output of a worker is the user's terminal and
+    tell a user nothing (stages/processes/library_notes.py: the output of a worker is the user's terminal and
     the run's log)."""
     write_whole_lines()
     die_with_parent()
@@ -186,7 +186,7 @@ def run_streaming(command: list[str], log_file: Path, log: Log) -> None:
 def stream(process: subprocess.Popen, log_file: Path, log: Log, job_done: bool = False) -> None:
     """Send each line `process` prints to `log_file`, stamped with the wall time, and, tracebacks
     aside, to `log`, until it exits, or with `job_done` until it says JOB_DONE (it stays, for its
-    next job: the warm process, stages/jobs.py); stop it and its children if this is interrupted. Raise
+    next job: the warm process, stages/processes/jobs.py); stop it and its children if this is interrupted. Raise
     WorkerFailed with the first error a worker reported, or WorkerCrashed if none did."""
     errors: list[str] = []
     with open(log_file, "a", buffering=1) as sink:  # line-buffered: the log can be followed live

@@ -1,18 +1,18 @@
 """One job description and one worker entry for the stages whose work runs wherever its placement
-says (stages/placement.py): caption, encode, train and evaluate.
+says (stages/processes/placement.py): caption, encode, train and evaluate.
 
 A stage's `run` (its parent side) describes its work as a Job and hands it to its placement, which
 runs it in this process, in a process of its own, under `accelerate launch`, in the warm process or
 on a Dask cluster. The worker side is the module WORKERS names for the stage: its `run_job(job, log)`
 does the work and leaves what the parent reads back (what failed, what it built) in job.work_dir.
 
-    python -m lorapipe.stages.jobs WORK/job.json                   # one job in a process of its own
-    accelerate launch ... -m lorapipe.stages.jobs WORK/job.json    # every rank runs it (RANK, WORLD_SIZE)
-    python -m lorapipe.stages.jobs --serve [--hide NAME]... [--warm-up STAGE]...   # the warm process
+    python -m lorapipe.stages.processes.jobs WORK/job.json                   # one job in a process of its own
+    accelerate launch ... -m lorapipe.stages.processes.jobs WORK/job.json    # every rank runs it (RANK, WORLD_SIZE)
+    python -m lorapipe.stages.processes.jobs --serve [--hide NAME]... [--warm-up STAGE]...   # the warm process
 
 The entry reads the job with the standard library, hides the optional libraries the job never uses
-(stages/optional_libraries.py), and only then imports the stage's module, which imports torch and
-diffusers as any module does. With --serve it is the warm process (stages/placement.py WarmProcess):
+(stages/processes/optional_libraries.py), and only then imports the stage's module, which imports torch and
+diffusers as any module does. With --serve it is the warm process (stages/processes/placement.py WarmProcess):
 it hides the NAMEs and imports each STAGE's worker (and calls its `warm_up`) before any job exists,
 then reads job paths on stdin, one a line, and prints JOB_DONE after each (after freeing what the
 job left on the GPU); it ends at end-of-file. A job that fails ends the process as a worker's error
@@ -32,9 +32,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Callable
 
-from lorapipe.stages.cpu_threads import torch_threads
-from lorapipe.stages.launching import JOB_DONE, begin_worker, reporting_errors, skip_exit_collection
-from lorapipe.stages.optional_libraries import hide
+from lorapipe.stages.processes.cpu_threads import torch_threads
+from lorapipe.stages.processes.launching import JOB_DONE, begin_worker, reporting_errors, skip_exit_collection
+from lorapipe.stages.processes.optional_libraries import hide
 
 WORKERS = {  # stage -> the module of its worker side: run_job(job, log), and warm_up() for the warm process
     "caption": "lorapipe.stages.caption.workers",
@@ -56,7 +56,7 @@ class Job:
     stage: str
     spec: dict  # the stage's own JSON: its params, inputs, options and what to do
     work_dir: Path  # the worker writes only here (and into the cache or out_dir its spec names)
-    threads: int | None = None  # torch's CPU threads (stages/cpu_threads.py); None: the process's own
+    threads: int | None = None  # torch's CPU threads (stages/processes/cpu_threads.py); None: the process's own
     hidden: tuple[str, ...] = ()  # the optional libraries the job never uses
     writes_into: Path | None = None  # the folder named when its disk is full (default: work_dir)
 
@@ -104,13 +104,13 @@ def worker(stage: str) -> ModuleType:
 
 
 def dealer(stage: str) -> ModuleType:
-    """The module that deals `stage`'s job to a Dask cluster (stages/placement.py DaskCluster)."""
+    """The module that deals `stage`'s job to a Dask cluster (stages/processes/placement.py DaskCluster)."""
     return importlib.import_module(DEALERS[stage])
 
 
 def run(job: Job, log: Callable[[str], None]) -> None:
     """Do `job` in this process, on its threads. A damaged record it meets is also left in
-    DAMAGED_RECORD_FILE, so that a parent in another process can raise it again (stages/placement.py)."""
+    DAMAGED_RECORD_FILE, so that a parent in another process can raise it again (stages/processes/placement.py)."""
     job.work_dir.mkdir(parents=True, exist_ok=True)
     with torch_threads(job.threads) if job.threads else nullcontext():
         try:
@@ -153,7 +153,7 @@ def release_accelerator_memory() -> None:
 
 
 def main(argv: list[str]) -> None:
-    parser = argparse.ArgumentParser(prog="python -m lorapipe.stages.jobs", description="run a stage's job")
+    parser = argparse.ArgumentParser(prog="python -m lorapipe.stages.processes.jobs", description="run a stage's job")
     parser.add_argument("job", nargs="?", type=Path, help="the job file (without --serve)")
     parser.add_argument("--serve", action="store_true", help="read job paths on stdin, one a line")
     parser.add_argument("--hide", action="append", default=[], metavar="NAME", help="with --serve: hide a library")

@@ -8,11 +8,11 @@ training uses them (train.base_quantization, train.optimizer: adamw8bit), in its
 - `lorapipe run` and `lorapipe demo` hide both in their own process (flows/cli.py), where the flow
   runs preprocess, and encode and evaluate when the command started no warm process, and so does a
   deployment's flow run (flows/pipeline.py);
-- a process started for a job (stages/jobs.py) hides those the job names before it imports the
+- a process started for a job (stages/processes/jobs.py) hides those the job names before it imports the
   stage's code: both for encode, those a training does not use for train (stages/train/launch.py);
   the warm process hides those of the training it was started for (encode's and evaluate's jobs
   use neither);
-- so do the workers of the Dask cluster encode starts for itself (stages/placement.py).
+- so do the workers of the Dask cluster encode starts for itself (stages/processes/placement.py).
 
 Hiding is `sys.modules[name] = None` before anything imports diffusers: `import name` then raises
 ImportError and importlib.util.find_spec returns None, which is how diffusers, peft, transformers

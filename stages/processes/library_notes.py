@@ -1,7 +1,7 @@
 """Library notes that tell a lorapipe user nothing, kept off the terminal and the logs; every other
 warning is shown as the library logs it. Every process that runs stages drops them: the command's
 (flows/cli.py), a deployment's flow process (flows/pipeline.py), and each worker process at its
-start (stages/launching.py begin_worker).
+start (stages/processes/launching.py begin_worker).
 
 - transformers: "`CLIPImageProcessor` requires torchvision (not installed); falling back to ..."
   (also Siglip): loading a pipeline resolves image-processor classes we never use.

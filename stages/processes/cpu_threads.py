@@ -1,6 +1,6 @@
 """How many torch CPU threads a stage's process runs: one rule for encode, train and evaluate,
 wherever they run (the command's own process, the warm process, accelerate's workers, the workers
-of the local Dask cluster encode starts: stages/placement.py).
+of the local Dask cluster encode starts: stages/processes/placement.py).
 
 torch's CPU results depend on the thread count (the order of a float sum: a VAE latent, a LoRA
 weight, a grid's pixel differ in their last bits), so the count depends on the config and the
@@ -57,7 +57,7 @@ def environment_threads() -> int | None:
 @contextmanager
 def torch_threads(threads: int) -> Iterator[None]:
     """torch's CPU threads set to `threads` for a job, and set back after it: the warm process
-    (stages/jobs.py) runs jobs that use different numbers."""
+    (stages/processes/jobs.py) runs jobs that use different numbers."""
     import torch
 
     before = torch.get_num_threads()
