@@ -235,10 +235,16 @@ def split(section: Frozen, params_cls: type[Frozen], options_cls: type[Frozen] |
 
 
 def apply_override(raw: dict, assignment: str, source: str) -> None:
+    dotted, value = parse_override(assignment, source)
+    set_key(raw, dotted, value, f"{source}: --set {dotted}")
+
+
+def parse_override(assignment: str, source: str) -> tuple[str, Any]:
+    """--set's key=value as (the dotted key, the value read as a YAML scalar)."""
     dotted, sep, value = assignment.partition("=")
     if not sep or not dotted:
         raise ConfigError(f"{source}: --set expects key=value, got {assignment!r}")
-    set_key(raw, dotted, yaml.safe_load(value), f"{source}: --set {dotted}")
+    return dotted, yaml.safe_load(value)
 
 
 def set_key(raw: dict, dotted: str, value: Any, where: str) -> None:

@@ -38,6 +38,5 @@ def withdraw_best(out: Path, why: str, log: Callable[[str], None]) -> None:
     """Remove `out`, an earlier sweep's best, when this sweep has none (`why`); its files stay in
     that variant's folder and the cache."""
     if out.exists():
-        (out / BEST_FILE).unlink(missing_ok=True)
-        remove_tree(out)
+        remove_tree(out)  # renamed aside first: never a best/ without its sweep-variant.json
         log(f"best: none ({why}); removed {out}, an earlier sweep's best")

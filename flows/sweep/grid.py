@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from ..config import ConfigError, PipelineConfig, SweepConfig, config_from, read_config, set_key
+from ..config import (ConfigError, PipelineConfig, SweepConfig, config_from, parse_override, read_config,
+                      set_key)
 from .keys import OPEN, closest_key, setting_type, typed
 from .report import METRICS
 
@@ -66,7 +67,7 @@ def load_sweep(path: Path, overrides: list[str] = (), grid: list[str] = (), conc
     if not combos:
         raise ConfigError(f"{path}: nothing to sweep: give a `sweep:` section with a grid or variants, or --grid"
                           " key=v1,v2")
-    shared = shared_settings(overrides)
+    shared = shared_settings(overrides, source)
     variants = tuple(variant(raw, path, base, name, combo, shared)
                      for name, combo in zip(variant_names(combos), combos))
     check_metric(settings.metric, variants, source)
@@ -131,14 +132,13 @@ def check_metric(metric: str, variants: tuple[Variant, ...], source: str) -> Non
                           f" {unscored.name} leaves unset")
 
 
-def shared_settings(overrides: list[str]) -> dict[str, Any]:
+def shared_settings(overrides: list[str], source: str) -> dict[str, Any]:
     """The --set values every variant has, typed as their settings (not the sweep's own, nor
     output_dir: neither is in a variant's training)."""
     shared = {}
-    for assignment in overrides:
-        key, _, value = assignment.partition("=")
+    for key, value in (parse_override(assignment, source) for assignment in overrides):
         if not key.startswith("sweep.") and key != "output_dir":
-            shared[key] = typed(setting_type(key) or OPEN, yaml.safe_load(value))
+            shared[key] = typed(setting_type(key) or OPEN, value)
     return shared
 
 

@@ -84,8 +84,8 @@ BAR_WIDTH = 30  # characters of the longest markdown histogram bar
 STYLE = """body{font-family:sans-serif;margin:1.5em;color:#222}table{border-collapse:collapse;margin:.5em 0}
 td,th{border:1px solid #ccc;padding:.2em .6em;text-align:left;vertical-align:top}
 .grid{display:flex;flex-wrap:wrap;gap:12px}figure{margin:0;width:180px}
-figure img{display:block;max-width:160px;max-height:160px}figcaption{font-size:13px}
-figcaption{overflow-wrap:anywhere}.meta{color:#666;font-size:11px}.empty{color:#a00;font-style:italic}
+figure img{display:block;max-width:160px;max-height:160px}figcaption{font-size:13px;overflow-wrap:anywhere}
+.meta{color:#666;font-size:11px}.empty{color:#a00;font-style:italic}
 .missing{width:160px;height:60px;background:#eee;font-size:11px}nav{margin:.8em 0}nav a,nav b{margin-right:.4em}"""
 
 

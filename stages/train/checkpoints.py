@@ -81,19 +81,22 @@ class CheckpointDir:
             for p in sorted(staging.rglob("*")) if p.is_file()
         }
         write_json_atomic(staging / SEAL, {"step": step, "max_steps": max_steps, "files": files})
-        fsync_tree(staging)
-        remove_tree(self.path(step))  # a damaged checkpoint of the same step, already skipped
-        staging.rename(self.path(step))
-        fsync_dir(self.root)
+        self._move_in(step)
 
     def copy_into(self, other: CheckpointDir, step: int) -> None:
         """Give `other` a copy of this committed checkpoint, committed there as atomically."""
         other.root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(other.staging(step), ignore_errors=True)
+        remove_tree(other.staging(step))
         shutil.copytree(self.path(step), other.staging(step))
-        fsync_tree(other.staging(step))
-        other.staging(step).rename(other.path(step))
-        fsync_dir(other.root)
+        other._move_in(step)
+
+    def _move_in(self, step: int) -> None:
+        """The staged checkpoint of `step`, on disk, renamed into place."""
+        staging = self.staging(step)
+        fsync_tree(staging)
+        remove_tree(self.path(step))  # a damaged checkpoint of the same step, already skipped
+        staging.rename(self.path(step))
+        fsync_dir(self.root)
 
     def rotate(self, newest: int, every: int, keep: int) -> None:
         """Keep the newest `keep` checkpoints. A checkpoint off the `every` grid exists only
