@@ -52,10 +52,10 @@ step and LoRA come through the family layer (stages/families) as the stages get 
 
 Prints one JSON line per measurement, and appends each as it comes to a dated section of the
 BENCHMARKS.md beside this folder (a run cut short keeps what it measured; on a remote copy of the
-checkout, bring that file back). Not yet run on a GPU (any setting). SD1.5 and SDXL were planned at
-6-8 minutes together on an H100, most of it the two compilations and SDXL's weights; each flow
-setting writes its model once (minutes for Flux.1's 34 GB) and takes fewer, longer steps
-(FLOW_TIMING). Where a command's time is limited, run one setting per command; on a 64 GiB disk
+checkout, bring that file back). SD1.5 and SDXL together outlast a 10-minute command on an H100,
+most of it the two compilations (BENCHMARKS.md); each flow setting writes its model once (minutes
+for Flux.1's 34 GB) and takes fewer, longer steps (FLOW_TIMING). Where a command's time is limited,
+run one setting per command; on a 64 GiB disk
 delete ROOT/models/<arch> before the next family's:
 
     python -m benchmarks.gpu_bench [--root DIR] [--only NAME ...]
