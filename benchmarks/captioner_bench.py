@@ -238,7 +238,7 @@ def review_sizes(artifact: Path, datasets) -> dict:
 
 def run_upto_caption(config) -> dict:
     """Preprocess and caption run (or served) as a run does; each one's seconds and caption's counts."""
-    from lorapipe.flows.plan import Context
+    from lorapipe.flows.steps import Context
     from lorapipe.flows.runner import run_stage
 
     ctx = Context(config, log=lambda m: None)

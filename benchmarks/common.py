@@ -42,7 +42,7 @@ def generated_clips(folder: Path, count: int, frames: int, size: tuple[int, int]
     there): random noise sliding sideways, so every frame differs."""
     import numpy as np
 
-    from lorapipe.stages.demo_clips import write_clip
+    from lorapipe.stages.demo.clips import write_clip
 
     folder.mkdir(parents=True, exist_ok=True)
     for i in range(count):

@@ -31,7 +31,7 @@ print(own, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
 def run_through(config_file: Path, last: str) -> None:
     """Serve or build every stage up to `last`."""
     from lorapipe.flows.config import load_config
-    from lorapipe.flows.plan import STAGES, Context
+    from lorapipe.flows.steps import STAGES, Context
     from lorapipe.flows.runner import run_stage
 
     ctx = Context(load_config(config_file), log=lambda m: None)
@@ -42,7 +42,7 @@ def run_through(config_file: Path, last: str) -> None:
 
 
 def stage_peaks(root: Path, sizes=(1000, 10000)) -> list[dict]:
-    from lorapipe.flows.plan import STAGES
+    from lorapipe.flows.steps import STAGES
 
     rows = []
     for n in sizes:

@@ -14,7 +14,7 @@ from .common import generated_images, tiny_model
 
 
 def decide(config) -> float:
-    from lorapipe.flows.plan import Context, config_stages
+    from lorapipe.flows.steps import Context, config_stages
     from lorapipe.flows.runner import explain
 
     started = time.perf_counter()
@@ -25,7 +25,7 @@ def decide(config) -> float:
 
 
 def run_preprocess(config) -> None:
-    from lorapipe.flows.plan import Context
+    from lorapipe.flows.steps import Context
     from lorapipe.flows.runner import run_stage
 
     ctx = Context(config, log=lambda m: None)

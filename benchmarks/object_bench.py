@@ -129,7 +129,7 @@ def noop(root: Path, sizes=(1_000, 10_000, 100_000)) -> list[dict]:
 
 def _decide(config) -> tuple[float, int]:
     """Seconds and requests of deciding that preprocess and encode are hits (keys and lookups)."""
-    from lorapipe.flows.plan import STAGES, Context
+    from lorapipe.flows.steps import STAGES, Context
     from lorapipe.flows.runner import explain
 
     with counted_requests() as counts:
@@ -142,7 +142,7 @@ def _decide(config) -> tuple[float, int]:
 
 def incremental(root: Path, sizes=(1_000, 10_000)) -> list[dict]:
     from lorapipe.flows.config import validate_config
-    from lorapipe.flows.plan import Context
+    from lorapipe.flows.steps import Context
     from lorapipe.flows.runner import run_stage
 
     def encode(config) -> tuple[dict, float, int]:

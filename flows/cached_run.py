@@ -17,7 +17,7 @@ import uuid
 
 from .config import PipelineConfig
 from .outputs import ArtifactRemoved, finish_run, with_files
-from .plan import Context
+from .steps import Context
 from .run_plan import RunPlan
 from .runner import Standing, StageNotCached, StageResult, serve_planned
 

@@ -218,7 +218,7 @@ def _open_cache(args):
     from lorapipe.cache.object_store import open_store
     from lorapipe.cache.objects import is_url, use_storage_options
 
-    from .plan import object_settings
+    from .steps import object_settings
 
     if args.config:
         config = load_config(args.config)
@@ -373,7 +373,7 @@ def _current_captions(config: PipelineConfig, config_path: Path) -> dict:
     cache has none (the run that makes it has not happened, or the config changed since)."""
     from lorapipe.stages.caption import CAPTIONS_FILE
 
-    from .plan import Context
+    from .steps import Context
     from .runner import on_last_inputs, stand
 
     ctx = Context(config, log=note, reads_only=True)

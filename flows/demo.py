@@ -4,7 +4,6 @@ pipeline. With `--caption`, the bundled photos without their captions, captioned
 captioner (nonsense text, real plumbing) before training."""
 from __future__ import annotations
 
-import shutil
 from importlib.resources import files
 from pathlib import Path
 
@@ -49,14 +48,11 @@ def prepare_demo(workdir: Path, arch: str, edits: bool = False, caption: bool = 
 def uncaptioned_demo(workdir: Path) -> dict[str, str]:
     """The bundled photos without captions and the tiny captioner in `workdir` (once); the config
     settings that caption them."""
-    from lorapipe.stages.families.base import DEMO_PHOTOS
+    from lorapipe.stages.demo.photos import copy_demo_photos
     from lorapipe.stages.families.tiny.captioner import build_tiny_captioner
 
     data, captioner = workdir / "uncaptioned", workdir / "captioner"
-    data.mkdir(exist_ok=True)
-    for photo in sorted(DEMO_PHOTOS.glob("*.jpg")):
-        if not (data / photo.name).exists():
-            shutil.copy2(photo, data / photo.name)
+    copy_demo_photos(data, (".jpg",))
     if not (captioner / "config.json").exists():
         print(f"demo: building the tiny captioner in {captioner}")
         build_tiny_captioner(captioner)

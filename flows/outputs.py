@@ -35,7 +35,7 @@ from lorapipe.cache.object_store import open_store
 from lorapipe.cache.store import Artifact
 
 from .config import PipelineConfig
-from .plan import PIPELINE, object_settings
+from .steps import PIPELINE, object_settings
 from .runner import StageResult, record_repairs
 
 DECLARED = {stage: defined.module.OUTPUT_FILES for stage, defined in PIPELINE.items()}  # each stage's own declaration

@@ -3,7 +3,7 @@ artifacts (caption only where the config has a `caption:` section).
 Each stage is served from the cache when nothing it depends on changed, as our manifests decide (a
 hit shows in Prefect as a "Cached" state), and built otherwise (flows/runner.py); where its job
 runs was decided once by the run's plan (flows/run_plan.py). What each stage reads and how it is
-keyed: flows/plan.py.
+keyed: flows/steps.py.
 
     lorapipe run configs/demo.yaml            # or: python -m lorapipe.flows.pipeline CONFIG
     prefect deploy --all                      # the deployments in prefect.yaml (docs/service.md, "Deployments")
@@ -35,7 +35,7 @@ from lorapipe.stages.processes.optional_libraries import hide
 from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config
 from .outputs import finish_run, with_files
-from .plan import ALL_STAGES, Context
+from .steps import ALL_STAGES, Context
 from .run_record import current
 from .run_plan import RunPlan, plan_flow
 from .runner import StageResult, run_stage

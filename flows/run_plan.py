@@ -22,7 +22,7 @@ from lorapipe.stages.contract import Log
 from lorapipe.stages.processes.placement import OwnProcess, Placement, WarmProcess, place
 
 from .config import PipelineConfig, split
-from .plan import PIPELINE, Context, config_stages
+from .steps import PIPELINE, Context, config_stages
 from .runner import Standing, stand
 from .training import machine_rank
 

@@ -13,7 +13,7 @@ from lorapipe.cache.errors import UserError
 from lorapipe.cache.samples import DamagedRecord
 from lorapipe.cache.store import Artifact, Lookup, StageKey, diff_ingredients
 
-from .plan import Context, Step, code_digest, config_stages, reads_of, step_for
+from .steps import Context, Step, code_digest, config_stages, reads_of, step_for
 
 
 class StageNotCached(UserError):

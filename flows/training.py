@@ -13,7 +13,7 @@ from lorapipe.stages import train
 from lorapipe.stages.lora_formats.lora_folder import LORA_FILE
 
 from .config import PipelineConfig, split
-from .plan import Context, step_for
+from .steps import Context, step_for
 from .runner import StageResult, run_stage
 
 

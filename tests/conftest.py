@@ -238,7 +238,7 @@ def run_stages():
     """A function that serves or builds a config's stages in-process (no Prefect, which only wraps
     the same calls in tasks): stage -> (StageResult, Artifact)."""
     from lorapipe.flows.config import load_config
-    from lorapipe.flows.plan import Context
+    from lorapipe.flows.steps import Context
     from lorapipe.flows.runner import run_stage
 
     def run(config_path: Path, stages: tuple[str, ...]) -> dict:
@@ -371,9 +371,9 @@ def wan_model(tiny_models) -> Path:
 
 @pytest.fixture(scope="session")
 def wan_clips_encoded(tmp_path_factory, wan_model) -> EncodedSet:
-    """The demo clips (stages/demo_clips.py: 4 train, 2 held out) through the tiny Wan 2.1, one
+    """The demo clips (stages/demo/clips.py: 4 train, 2 held out) through the tiny Wan 2.1, one
     window of 9 frames at 16 fps each."""
-    from lorapipe.stages.demo_clips import write_demo_clips
+    from lorapipe.stages.demo.clips import write_demo_clips
     from lorapipe.stages.encode import EncodeParams
     from lorapipe.stages.preprocess import DatasetSource, VideoSampling
 

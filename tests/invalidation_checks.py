@@ -10,7 +10,7 @@ from pathlib import Path
 
 from test_invalidation import make_config, run_all, statuses
 
-from lorapipe.flows.plan import STAGES, Context
+from lorapipe.flows.steps import STAGES, Context
 from lorapipe.flows.runner import explain
 
 IMAGES, CAPTIONS = 8, 8 + 1  # the demo photos; their captions and the empty prompt

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from lorapipe.cache.store import ArtifactStore
-from lorapipe.flows.plan import STAGES
+from lorapipe.flows.steps import STAGES
 from mounts import tmpfs
 from permissions import as_a_plain_user
 from lorapipe.stages.train.checkpoints import CheckpointDir

@@ -22,7 +22,7 @@ from test_invalidation import SMALL, run_all, statuses
 
 from lorapipe.cache.errors import UserError
 from lorapipe.flows.config import ConfigError, validate_config
-from lorapipe.flows.plan import STAGES, Context, config_stages
+from lorapipe.flows.steps import STAGES, Context, config_stages
 from lorapipe.flows.runner import explain, run_stage
 from lorapipe.stages.caption import CAPTIONS_FILE, CaptionParams
 from lorapipe.stages.caption.captioners import load_captioner
@@ -269,7 +269,7 @@ def test_an_unsupported_captioner_is_one_line(tmp_path, tiny_model, demo_images)
 
 KILLED_RUN = """import json, sys
 from lorapipe.flows.config import validate_config
-from lorapipe.flows.plan import Context
+from lorapipe.flows.steps import Context
 from lorapipe.flows.runner import run_stage
 ctx = Context(validate_config(json.loads(sys.argv[1]), "test"), log=lambda line: None)
 upstream = {}

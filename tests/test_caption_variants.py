@@ -19,7 +19,7 @@ from parallel import at_once
 from test_invalidation import make_config, run_all, statuses
 
 from lorapipe.flows.config import validate_config
-from lorapipe.flows.plan import STAGES, Context
+from lorapipe.flows.steps import STAGES, Context
 from lorapipe.flows.runner import explain
 from lorapipe.stages.encode import EncodeParams, SampleKeys
 from lorapipe.stages.encode.captions import CaptionAugmentation

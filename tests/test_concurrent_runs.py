@@ -14,7 +14,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lorapipe.flows.plan import STAGES
+from lorapipe.flows.steps import STAGES
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lorapipe.flows.plan import STAGES
+from lorapipe.flows.steps import STAGES
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent

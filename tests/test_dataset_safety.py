@@ -17,7 +17,7 @@ from blake3 import blake3
 from PIL import Image
 
 from lorapipe.flows.config import validate_config
-from lorapipe.flows.plan import Context
+from lorapipe.flows.steps import Context
 from lorapipe.flows.runner import run_stage
 
 pytestmark = pytest.mark.slow

@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 
 from lorapipe.flows.config import validate_config
-from lorapipe.flows.plan import Context
+from lorapipe.flows.steps import Context
 from lorapipe.flows.runner import run_stage
 from lorapipe.stages.encoded import EncodedData
 

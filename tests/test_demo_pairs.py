@@ -1,4 +1,4 @@
-"""The edit demo's pairs (stages/demo_pairs.py): every bundled photo is a reference, unchanged, and
+"""The edit demo's pairs (stages/demo/pairs.py): every bundled photo is a reference, unchanged, and
 its target is the photo with a red hat where one is drawn and the photo everywhere else; the same
 bytes every time they are written; an edit model's demo (and another's with --edit) trains on them."""
 from __future__ import annotations
@@ -10,8 +10,8 @@ from PIL import Image
 import lorapipe.stages.families as families
 from lorapipe.cache.errors import UserError
 from lorapipe.flows.demo import prepare_demo
-from lorapipe.stages.demo_pairs import BRIM, CONTROL, CROWN, HAT_RED, INSTRUCTION, scaled, write_demo_pairs
-from lorapipe.stages.families.base import DEMO_PHOTOS
+from lorapipe.stages.demo.pairs import BRIM, CONTROL, CROWN, HAT_RED, INSTRUCTION, scaled, write_demo_pairs
+from lorapipe.stages.demo.photos import DEMO_PHOTOS
 
 PHOTOS = sorted(DEMO_PHOTOS.glob("*.jpg"))
 

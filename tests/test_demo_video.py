@@ -1,5 +1,5 @@
 """`lorapipe demo --arch ARCH` for the video families end to end through Prefect, twice: the demo
-writes the generated clips (stages/demo_clips.py) into its data folder, trains the tiny model on
+writes the generated clips (stages/demo/clips.py) into its data folder, trains the tiny model on
 17-frame windows of them, renders clips, and a second run is all cache hits."""
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from PIL import Image
 from conftest import FEWER_STEPS
 from test_demo import demo_on_tiny_model, lorapipe
 
-from lorapipe.stages.demo_clips import SCENES
+from lorapipe.stages.demo.clips import SCENES
 
 pytestmark = pytest.mark.slow
 

@@ -18,7 +18,7 @@ from test_train_adapters import published, train_straight_and_resumed
 from test_preprocess import image, preprocess
 
 from lorapipe.flows.outputs import finish_run, with_files
-from lorapipe.flows.plan import Context
+from lorapipe.flows.steps import Context
 from lorapipe.flows.runner import run_stage
 from lorapipe.stages.encoded import EncodedData
 from lorapipe.stages.evaluate.edits import EditPair, write_edit_grid

@@ -15,7 +15,8 @@ from PIL import Image
 
 import lorapipe.stages.families as families
 from lorapipe.stages.families import ObjectiveParams, TextOptions
-from lorapipe.stages.families.base import DEMO_PHOTOS, REFERENCE_LATENTS
+from lorapipe.stages.demo.photos import DEMO_PHOTOS
+from lorapipe.stages.families.base import REFERENCE_LATENTS
 
 INSTRUCTION = "add a red hat"
 HEIGHT, WIDTH = 64, 48  # the target's size; the reference is placed at it, as training places it

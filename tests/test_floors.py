@@ -1,7 +1,6 @@
 """The import graph keeps its floors (DESIGN.md, "Layout"): flows -> stages -> cache, and inside
 stages the stage packages -> the families -> the LoRA file formats -> how jobs run (processes/)
--> the contracts; and no
-production module is in an import cycle. Read from the source, every import (lazy and
+and the demo's data (demo/) -> the contracts; and no production module is in an import cycle. Read from the source, every import (lazy and
 TYPE_CHECKING ones too), so nothing is imported."""
 from __future__ import annotations
 
@@ -11,7 +10,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TOPS = ("cache", "stages", "flows")  # bottom to top
 STAGE_FLOORS = (  # inside stages, bottom to top; a module named nowhere is a contract (the ground)
-    ("processes",), ("lora_formats",), ("families",), ("encoded", "models"), ("preprocess", "caption", "encode", "train", "evaluate"))
+    ("processes", "demo"), ("lora_formats",), ("families",), ("encoded", "models"), ("preprocess", "caption", "encode", "train", "evaluate"))
 
 
 def module_name(path: Path) -> str:

@@ -34,7 +34,7 @@ import pytest
 import yaml
 from PIL import Image
 
-from lorapipe.flows.plan import STAGES
+from lorapipe.flows.steps import STAGES
 from lorapipe.stages.evaluate.render import cell
 
 DEMO_IMAGES = Path(__file__).resolve().parent.parent / "stages" / "assets" / "demo_images"

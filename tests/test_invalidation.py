@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from lorapipe.flows.config import validate_config
-from lorapipe.flows.plan import STAGES, Context
+from lorapipe.flows.steps import STAGES, Context
 from lorapipe.flows.runner import explain, run_stage
 
 pytestmark = pytest.mark.slow
@@ -174,7 +174,7 @@ def test_lowering_max_steps_trains_beside_the_longer_run_and_leaves_it_as_it_was
     """max_steps 15 after the baseline's 20 (checkpoints 10 and 20, a constant lr): trained on from a
     copy of step 10 in a folder of its own; the 20-step training's files stay byte for byte. (Before
     the test that raises the baseline's max_steps.)"""
-    from lorapipe.flows.plan import step_for
+    from lorapipe.flows.steps import step_for
 
     config = private_copy(baseline, tmp_path, train={"max_steps": 15})
     ctx = Context(config, log=lambda m: None)
@@ -250,7 +250,7 @@ def test_a_shard_damaged_in_place_is_re_encoded_when_training_meets_it_and_train
 
     from lorapipe.flows.commands import print_summary
     from lorapipe.flows.outputs import finish_run
-    from lorapipe.flows.plan import step_for
+    from lorapipe.flows.steps import step_for
     from lorapipe.stages.train.checkpoints import CheckpointDir
 
     config = private_copy(baseline, tmp_path, train={"max_steps": 50})  # resumes the baseline's training

@@ -13,9 +13,9 @@ import av
 import pytest
 from test_invalidation import make_config, run_all, statuses
 
-from lorapipe.flows.plan import STAGES, Context
+from lorapipe.flows.steps import STAGES, Context
 from lorapipe.flows.runner import explain
-from lorapipe.stages.demo_clips import SCENES, write_demo_clips
+from lorapipe.stages.demo.clips import SCENES, write_demo_clips
 from lorapipe.stages.encoded import EncodedData
 from lorapipe.stages.families import build_tiny_model
 

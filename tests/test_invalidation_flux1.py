@@ -11,7 +11,7 @@ from invalidation_checks import (CAPTIONS, IMAGES, assert_caption_edit_encodes_o
                                  assert_every_text_record_and_no_latent_re_encoded)
 from test_invalidation import make_config, run_all, statuses
 
-from lorapipe.flows.plan import STAGES, Context
+from lorapipe.flows.steps import STAGES, Context
 from lorapipe.flows.runner import explain
 
 pytestmark = pytest.mark.slow

@@ -13,7 +13,7 @@ import torch
 from PIL import Image
 
 from lorapipe.cache.object_store import open_sample_store
-from lorapipe.flows.plan import STAGES
+from lorapipe.flows.steps import STAGES
 from lorapipe.stages import families
 from lorapipe.stages.encoded import EncodedData
 from lorapipe.stages.families import ObjectiveParams

@@ -17,7 +17,7 @@ import pytest
 import yaml
 
 from lorapipe.cache.objects import ObjectRoot
-from lorapipe.flows.plan import STAGES
+from lorapipe.flows.steps import STAGES
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parent.parent

@@ -18,7 +18,7 @@ from test_invalidation import make_config, run_all, statuses
 from test_train_flux1 import double_block_targets
 
 from lorapipe.flows.config import ConfigError, validate_config
-from lorapipe.flows.plan import STAGES
+from lorapipe.flows.steps import STAGES
 from lorapipe.stages import families
 
 pytestmark = pytest.mark.slow

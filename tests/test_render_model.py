@@ -14,7 +14,7 @@ import torch
 from test_invalidation import make_config, run_all, statuses
 
 from lorapipe.cache.errors import UserError
-from lorapipe.flows.plan import STAGES, Context
+from lorapipe.flows.steps import STAGES, Context
 from lorapipe.flows.runner import explain
 
 pytestmark = pytest.mark.slow

@@ -518,7 +518,7 @@ def test_stopping_the_parent_leaves_no_worker(sig, tmp_path, tiny_model, encoded
 def test_init_lora_is_keyed_by_its_content_not_its_path(tmp_path, tiny_model, demo_images):
     from lorapipe.cache.store import Artifact
     from lorapipe.flows.config import validate_config
-    from lorapipe.flows.plan import Context, train_step
+    from lorapipe.flows.steps import Context, train_step
 
     def key(lora: Path) -> str:
         raw = {"name": "t", "cache_dir": tmp_path / "cache", "output_dir": tmp_path / "out", "model": {"path": tiny_model},

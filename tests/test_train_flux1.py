@@ -15,7 +15,7 @@ import torch
 import yaml
 
 from lorapipe.cache.errors import UserError
-from lorapipe.flows.plan import STAGES
+from lorapipe.flows.steps import STAGES
 from lorapipe.stages import families
 
 pytestmark = pytest.mark.slow

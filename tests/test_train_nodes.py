@@ -129,7 +129,7 @@ def test_lorapipe_run_on_each_machine_rank_0_publishes_and_evaluates(tmp_path, t
     import subprocess
     import sys
 
-    from lorapipe.flows.plan import STAGES
+    from lorapipe.flows.steps import STAGES
 
     config = tiny_config(tmp_path, "machines", max_steps=2, checkpoint_every=2, batch_size=2, num_processes=2,
                          cpu_threads=1, log_with="none", num_machines=2, main_process_ip="127.0.0.1",

@@ -21,7 +21,7 @@ from lorapipe.cache.errors import one_line, user_message
 from ..artifacts import artifact_key
 from ..config import PipelineConfig
 from ..pipeline import DatasetStages, Done, dataset_stages, evaluate, published, train
-from ..plan import config_stages
+from ..steps import config_stages
 from ..run_plan import plan_flow
 from .best import publish_best, withdraw_best
 from .grid import Sweep, Variant

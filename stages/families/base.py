@@ -9,10 +9,8 @@ import the registry to build cache keys.
 from __future__ import annotations
 
 import re
-import shutil
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
-from importlib.resources import files
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -32,7 +30,6 @@ TextRecord = dict[str, "torch.Tensor"]  # one caption's tensors, as cached in th
 Conditioning = dict[str, "torch.Tensor"]  # a batch's denoiser inputs besides x_t and t, named as its arguments
 REFERENCE_LATENTS = "reference_latents"  # the conditioning's reference images (Family.max_references)
 ALL_LINEAR = "all_linear"  # the LoRA preset every family offers
-DEMO_PHOTOS = Path(files("lorapipe.stages") / "assets" / "demo_images")  # with their .txt captions
 
 
 @dataclass(frozen=True)
@@ -447,12 +444,11 @@ class Family(ABC):
     def write_demo_data(self, folder: Path, edits: bool = False) -> None:
         """Write the data demo_config trains on into folder, keeping the files already there: the
         bundled photos and their captions, or (`edits`) edit pairs generated from them."""
+        from lorapipe.stages.demo.photos import DEMO_PHOTOS, copy_demo_photos
+
         if edits:
-            from lorapipe.stages.demo_pairs import write_demo_pairs
+            from lorapipe.stages.demo.pairs import write_demo_pairs
 
             write_demo_pairs(folder, DEMO_PHOTOS)
-            return
-        folder.mkdir(parents=True, exist_ok=True)
-        for src in sorted(DEMO_PHOTOS.iterdir()):
-            if src.suffix in (".jpg", ".txt") and not (folder / src.name).exists():
-                shutil.copy2(src, folder / src.name)
+        else:
+            copy_demo_photos(folder)

@@ -2,7 +2,7 @@
 packs every `temporal_compression` frames after it into one latent frame, so it takes windows of
 k x step + 1 frames (an image is a one-frame clip); clips rendered at the variant's length by
 default, and the pipeline's output read as clips. `lorapipe demo` trains them on the generated clips
-(stages/demo_clips.py) with configs/video-demo.yaml.
+(stages/demo/clips.py) with configs/video-demo.yaml.
 """
 from __future__ import annotations
 
@@ -60,6 +60,6 @@ class VideoFamily(FlowFamily):
         return "video-demo.yaml"
 
     def write_demo_data(self, folder: Path, edits: bool = False) -> None:
-        from lorapipe.stages.demo_clips import write_demo_clips
+        from lorapipe.stages.demo.clips import write_demo_clips
 
         write_demo_clips(folder)

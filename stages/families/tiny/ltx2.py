@@ -39,7 +39,7 @@ def gemma_tokenizer():
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
     from transformers import GemmaTokenizer
 
-    from lorapipe.stages.demo_clips import SCENES
+    from lorapipe.stages.demo.clips import SCENES
 
     captions = [p.read_text().strip() for p in sorted(CAPTIONS.glob("*.txt"))]
     captions += [caption for *_, caption in SCENES]
