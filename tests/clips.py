@@ -20,7 +20,8 @@ def scene(n: int, height: int = 32, width: int = 48) -> list[np.ndarray]:
 
 
 def write_clip(path: Path, frames: list[np.ndarray], codec: str = "libx264", rate: int = 16,
-               pts: list[int] | None = None, rotation: int = 0, lossless: bool = True) -> Path:
+               pts: list[int] | None = None, rotation: int = 0, lossless: bool = True,
+               display_matrix: list[int] | None = None) -> Path:
     with av.open(str(path), "w") as container:
         stream = container.add_stream(codec, rate=rate)
         stream.height, stream.width = frames[0].shape[:2]
@@ -29,6 +30,8 @@ def write_clip(path: Path, frames: list[np.ndarray], codec: str = "libx264", rat
             stream.options = {"qp": "0" if lossless else "30", "threads": "1"}
         if rotation:
             stream.set_display_rotation(rotation)
+        if display_matrix:
+            stream.set_display_matrix(display_matrix)
         if pts is not None:
             stream.codec_context.time_base = Fraction(1, 1000)
         for i, pixels in enumerate(frames):

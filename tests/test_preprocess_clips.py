@@ -82,9 +82,11 @@ def test_what_cannot_be_a_clip_is_a_row_and_a_variable_frame_rate_a_warning(clip
     (clips / "notes.txt").write_text("notes")
     write_clip(clips / "vfr.mkv", scene(30), pts=[round(i * 62.5) + (40 if i % 2 else 0) for i in range(30)])
     (clips / "vfr.txt").write_text("uneven")
+    whole = (clips / "walk.mp4").read_bytes()
+    (clips / "walk.mp4").write_bytes(whole[: len(whole) * 7 // 10])  # its index, written last, is cut off
     samples, report, _, _ = preprocess(clips, tmp_path, video={"fps": 8, "num_frames": 9}, holdout_fraction=0)
     rows = {r["path"]: r["reason"] for r in report["rejected"]}
-    assert rows == {"notes.mp4": "not_a_video", "blink.mp4": "too_short"}
+    assert rows == {"notes.mp4": "not_a_video", "blink.mp4": "too_short", "walk.mp4": "truncated"}
     assert [w["path"] for w in report["warnings"] if w["reason"] == "variable_frame_rate"] == ["vfr.mkv"]
     assert "vfr" in {s["id"] for s in samples}
 
