@@ -117,7 +117,7 @@ def decode_frames(path: Path, indices: list[int]) -> np.ndarray:
     wanted = set(indices)
     found: dict[int, np.ndarray] = {}
     with _video_stream(path) as (container, stream):
-        for n, decoded in enumerate(_frames(container, stream)):
+        for n, decoded in _numbered_from(container, stream, min(wanted)):
             if n in wanted:
                 found[n] = decoded.pixels
                 if len(found) == len(wanted):
@@ -134,6 +134,31 @@ class _Decoded(NamedTuple):
     duration: float  # seconds the frame says it is shown; 0: it does not say
     pixels: np.ndarray  # upright RGB
     rotation: int
+
+
+def _numbered_from(container, stream, first: int) -> Iterator[tuple[int | None, _Decoded]]:
+    """(frame number, frame) from the keyframe at or before frame `first`: the same pixels as
+    decoding from the start, without decoding what comes before. A frame's number is the rank of
+    its presentation time among the packets' (demuxed, not decoded); a file whose packets carry no
+    time, or a seek that lands after the frame, is decoded from its start."""
+    order, keyframes = [], []
+    for packet in container.demux(stream) if first else ():
+        if packet.size:
+            order.append(packet.pts)
+            if packet.is_keyframe:
+                keyframes.append(packet.pts)
+    if first < len(order) and None not in order:
+        order.sort()
+        number = {pts: n for n, pts in enumerate(order)}
+        container.seek(max((k for k in keyframes if k <= order[first]), default=order[0]), stream=stream)
+        numbered = ((number.get(decoded.pts), decoded) for decoded in _frames(container, stream))
+        n, decoded = next(numbered, (None, None))
+        if n is not None and n <= first:
+            yield n, decoded
+            yield from numbered
+            return
+        container.seek(0)
+    yield from enumerate(_frames(container, stream))
 
 
 @contextmanager

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from clips import scene, write_clip
 
+from lorapipe.stages import video
 from lorapipe.stages.video import VideoProblem, decode_frames, read_clip
 
 MIRRORED = [-65536, 0, 0, 0, 65536, 0, 0, 0, 1 << 30]  # x negated: FFmpeg reads it as 180 degrees
@@ -51,6 +52,25 @@ def test_a_variable_frame_rate_clip_is_timed_by_its_frames(tmp_path):
     clip = read_clip(write_clip(tmp_path / "vfr.mkv", scene(7), pts=pts))
     assert clip.variable_frame_rate
     assert clip.times == pytest.approx([p / 1000 for p in pts], abs=1e-3)
+
+
+@pytest.mark.parametrize("name, pts", [("steady.mp4", None),
+                                       ("vfr.mkv", [round(i * 62.5) + 30 * (i % 3) for i in range(40)])])
+def test_a_window_is_decoded_from_the_keyframe_before_it_with_the_same_pixels(tmp_path, monkeypatch, name, pts):
+    path = write_clip(tmp_path / name, scene(20) * 2, lossless=False, keyframe_every=8, pts=pts)
+    whole = decode_frames(path, list(range(40)))  # from the first frame
+    decoded, frames = [], video._frames
+
+    def counted(*args):
+        for frame in frames(*args):
+            decoded.append(frame)
+            yield frame
+
+    monkeypatch.setattr(video, "_frames", counted)
+    for first in (9, 21, 35):
+        decoded.clear()
+        assert (decode_frames(path, list(range(first, first + 5))) == whole[first:first + 5]).all()
+        assert len(decoded) <= 7 + 5  # at most a keyframe interval before the window, not from frame 0
 
 
 @pytest.mark.parametrize("suffix, codec, kept, says", [
