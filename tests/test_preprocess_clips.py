@@ -40,9 +40,12 @@ def test_each_clip_becomes_windows_at_the_target_rate_and_a_short_one_is_rejecte
 
 
 def test_a_clip_too_short_for_num_frames_takes_the_longest_frame_bucket_that_fits(clips, tmp_path):
-    samples, report, _, _ = preprocess(clips, tmp_path, video={"fps": 16, "num_frames": 33, "frame_buckets": [17, 5]},
-                                       holdout_fraction=0)
-    assert {s["id"]: len(s.get("frames", [1])) for s in samples} == {"walk": 33, "run": 17, "blink": 5, "still": 1}
+    write_clip(clips / "flash.mp4", scene(1))  # a one-frame clip is a one-frame window, as a still is
+    (clips / "flash.txt").write_text("a flash")
+    video = {"fps": 16, "num_frames": 33, "frame_buckets": [17, 5, 1]}
+    samples, report, _, _ = preprocess(clips, tmp_path, video=video, holdout_fraction=0)
+    assert {s["id"]: len(s.get("frames", [1])) for s in samples} == {"walk": 33, "run": 17, "blink": 5, "flash": 1,
+                                                                      "still": 1}
     assert report["rejected"] == []
 
 
