@@ -13,6 +13,7 @@ like any other (and said to be variable).
 """
 from __future__ import annotations
 
+import heapq
 import io
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -117,7 +118,7 @@ def decode_frames(path: Path, indices: list[int]) -> np.ndarray:
     wanted = set(indices)
     found: dict[int, np.ndarray] = {}
     with _video_stream(path) as (container, stream):
-        for n, decoded in _numbered_from(container, stream, min(wanted)):
+        for n, decoded in _numbered_from(container, stream, min(wanted), max(wanted)):
             if n in wanted:
                 found[n] = decoded.pixels
                 if len(found) == len(wanted):
@@ -136,21 +137,16 @@ class _Decoded(NamedTuple):
     rotation: int
 
 
-def _numbered_from(container, stream, first: int) -> Iterator[tuple[int | None, _Decoded]]:
-    """(frame number, frame) from the keyframe at or before frame `first`: the same pixels as
-    decoding from the start, without decoding what comes before. A frame's number is the rank of
-    its presentation time among the packets' (demuxed, not decoded); a file whose packets carry no
-    time, or a seek that lands after the frame, is decoded from its start."""
-    order, keyframes = [], []
-    for packet in container.demux(stream) if first else ():
-        if packet.size:
-            order.append(packet.pts)
-            if packet.is_keyframe:
-                keyframes.append(packet.pts)
-    if first < len(order) and None not in order:
-        order.sort()
-        number = {pts: n for n, pts in enumerate(order)}
-        container.seek(max((k for k in keyframes if k <= order[first]), default=order[0]), stream=stream)
+def _numbered_from(container, stream, first: int, last: int) -> Iterator[tuple[int | None, _Decoded]]:
+    """(frame number, frame) from the keyframe at or before frame `first`, for frames up to `last`:
+    the same pixels as decoding from the start, without decoding what comes before. A frame's number
+    is the rank of its presentation time among the packets'; a file whose packets carry no time, or
+    a seek that lands after the frame, is decoded from its start."""
+    times, keyframes = _packet_times(container, stream, last) if first else ([], [])
+    if first < len(times):
+        times.sort()
+        number = {pts: n for n, pts in enumerate(times)}
+        container.seek(max((k for k in keyframes if k <= times[first]), default=times[0]), stream=stream)
         numbered = ((number.get(decoded.pts), decoded) for decoded in _frames(container, stream))
         n, decoded = next(numbered, (None, None))
         if n is not None and n <= first:
@@ -159,6 +155,28 @@ def _numbered_from(container, stream, first: int) -> Iterator[tuple[int | None, 
             return
         container.seek(0)
     yield from enumerate(_frames(container, stream))
+
+
+def _packet_times(container, stream, last: int) -> tuple[list[int], list[int]]:
+    """The presentation times of the packets that may be shown up to frame `last`, and of the
+    keyframes among them (demuxed, nothing decoded); none when a packet carries no time. Packets
+    come in decoding order and none is shown before it is decoded, so once one is decoded after the
+    `last`-th earliest time seen, every packet from there on is shown after frame `last`."""
+    times, keyframes, earliest = [], [], []  # earliest: the last + 1 earliest times, negated (a max-heap)
+    for packet in container.demux(stream):
+        if not packet.size:
+            continue
+        if packet.pts is None:
+            return [], []
+        if len(earliest) > last and packet.dts is not None and packet.dts > -earliest[0]:
+            break
+        times.append(packet.pts)
+        if packet.is_keyframe:
+            keyframes.append(packet.pts)
+        heapq.heappush(earliest, -packet.pts)
+        if len(earliest) > last + 1:
+            heapq.heappop(earliest)
+    return times, keyframes
 
 
 @contextmanager
