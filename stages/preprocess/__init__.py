@@ -43,8 +43,10 @@ from .validation import ImageInfo, Rejected, inspect_image, mask_entry, summary_
 # 3: nothing read outside a dataset, metadata row problems reported, .caption fallback, warnings;
 # 4: the held-out split and random crops chosen by image content, not file name;
 # 5: edit pairs: control_dir or reference_columns may pair a target, a row without the column is no
-# reference, too_many_references, rejected.json; a PNG's pixels are not decoded (damage shows at encode)
-VERSION = "5"
+# reference, too_many_references, rejected.json; a PNG's pixels are not decoded (damage shows at encode);
+# 6: a clip that decodes short of its container's duration, or an MP4 without its index, is truncated;
+# a mirroring display matrix is refused; a one-frame clip is a one-frame window
+VERSION = "6"
 REJECTED_FILE = "rejected.json"
 OUTPUT_FILES = (OutputFile(REJECTED_FILE, "rejected files"),)  # its dataset manifest is encode's input, not the user's
 MAX_UPSCALE = 2.0  # an image enlarged more than this to cover its target gets a small_image warning
