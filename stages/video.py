@@ -18,7 +18,7 @@ import io
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Iterator, NamedTuple
+from typing import Any, Iterator, NamedTuple
 
 import numpy as np
 from blake3 import blake3
@@ -83,10 +83,11 @@ def read_clip(path: Path) -> ClipInfo:
     with _video_stream(path) as (container, stream):
         declared = _declared_duration(container, stream)
         for decoded in _frames(container, stream):
+            pixels = decoded.pixels()
             if size is None:
-                size, rotation = decoded.pixels.shape[:2], decoded.rotation
+                size, rotation = pixels.shape[:2], decoded.rotation
             times.append(decoded.time)
-            digests.append(frame_digest(decoded.pixels))
+            digests.append(frame_digest(pixels))
             last = decoded.duration
     if not times:
         if declared:
@@ -120,7 +121,7 @@ def decode_frames(path: Path, indices: list[int]) -> np.ndarray:
     with _video_stream(path) as (container, stream):
         for n, decoded in _numbered_from(container, stream, min(wanted), max(wanted)):
             if n in wanted:
-                found[n] = decoded.pixels
+                found[n] = decoded.pixels()
                 if len(found) == len(wanted):
                     break
     missing = sorted(wanted - set(found))
@@ -133,8 +134,12 @@ class _Decoded(NamedTuple):
     pts: int
     time: float  # seconds
     duration: float  # seconds the frame says it is shown; 0: it does not say
-    pixels: np.ndarray  # upright RGB
+    frame: Any  # PyAV's VideoFrame, converted to RGB only when asked (pixels)
     rotation: int
+
+    def pixels(self) -> np.ndarray:
+        """The frame upright, as RGB."""
+        return np.rot90(self.frame.to_ndarray(format="rgb24"), k=self.rotation // 90)
 
 
 def _numbered_from(container, stream, first: int, last: int) -> Iterator[tuple[int | None, _Decoded]]:
@@ -205,10 +210,9 @@ def _frames(container, stream) -> Iterator[_Decoded]:
     try:
         for frame in container.decode(stream):
             rotation = _rotation(frame)
-            pixels = frame.to_ndarray(format="rgb24")
             decoded += 1
             shown = float(frame.duration * frame.time_base) if frame.duration else 0.0
-            yield _Decoded(frame.pts, _seconds(frame), shown, np.rot90(pixels, k=rotation // 90), rotation)
+            yield _Decoded(frame.pts, _seconds(frame), shown, frame, rotation)
     except av.FFmpegError as error:
         if decoded:
             raise VideoProblem("truncated", f"decoding stopped after frame {decoded}: {_said(error)}") from None
