@@ -4,7 +4,8 @@ its placement says (stages/processes/placement.py): in one process, or dealt to 
 
 Rank r of N takes every N-th job of the sorted lists, so the split is deterministic and no two
 processes encode the same record; each commits its own shards (named by their content digest)
-and writes `failed-<rank>.json`. No collective communication is needed.
+and returns its share of the EncodeResult (the images it could not read), which the job layer
+gathers. No collective communication is needed.
 
 Whoever encodes (this process, a rank, a Dask worker) cuts its jobs into shard-sized chunks in
 plan order (EncodeJobs.chunks) and commits each chunk as one shard.
@@ -16,14 +17,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
-from lorapipe.cache.fsutil import write_json_atomic
 from lorapipe.cache.object_store import open_sample_store
 from lorapipe.cache.samples import SampleStore
 
-from ..contract import Log
+from ..contract import Frozen, Log, json_form
 from ..encoded import encode_record
-from ..processes.jobs import Job, process_device, process_rank
+from ..processes.jobs import Job, SplitResult, gather, process_device, process_rank
 from ..processes.optional_libraries import OPTIONAL
+from ..processes.placement import Placement, run_at
+from . import EncodeInputs, EncodeOptions, EncodeParams
 from .images import decode_failure, placed_image, sample_label, sample_shape
 from .latents import Progress, encode_latents
 from .masks import encode_masks
@@ -32,9 +34,8 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
     from ..families.base import TextEncoder
-    from ..processes.placement import Placement
     from ..preprocess.sources import DatasetSource
-    from . import EncodeInputs, EncodeOptions, EncodeParams, SampleKeys
+    from . import SampleKeys
 
 T = TypeVar("T")
 Loader = Callable[[tuple, Callable[[], T]], T]  # ((kind, what identifies the model...), how to load it) -> it
@@ -95,6 +96,17 @@ class EncodeJobs:
     def only(self, keys: set[str]) -> "EncodeJobs":
         return EncodeJobs([t for t in self.texts if t[0] in keys], [j for j in self.latents if j[0] in keys],
                           self.reused_latents, [j for j in self.masks if j[0] in keys])
+
+
+class EncodeSpec(Frozen):
+    params: EncodeParams
+    options: EncodeOptions
+    inputs: json_form(EncodeInputs)
+    jobs: EncodeJobs
+
+
+class EncodeResult(SplitResult):
+    failed: dict[str, str]  # undecodable sample id -> reason
 
 
 def encode_jobs(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inputs: EncodeInputs,
@@ -208,39 +220,25 @@ class RecordBuffer:
 def encode_at(placement: Placement, jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs,
               options: EncodeOptions, work_dir: Path, log: Log) -> dict[str, str]:
     """Encode the jobs where `placement` says (stages/processes/placement.py); return the undecodable samples."""
-    for stale in work_dir.glob("failed-*.json"):
-        stale.unlink()
     if placement.processes > 1:
         log(f"encode: {placement.processes} processes, {len(jobs.latents)} latents and {len(jobs.texts)} texts")
-    spec = {"params": params.model_dump(mode="json"), "options": options.model_dump(mode="json"),
-            "inputs": inputs.to_json(), "texts": jobs.texts, "latents": jobs.latents, "reused": jobs.reused_latents,
-            "masks": jobs.masks}
-    placement.run(Job("encode", spec, work_dir, placement.threads(options.cpu_threads), OPTIONAL, inputs.cache_root),
-                  log)
-    failed: dict[str, str] = {}
-    for rank in range(placement.processes):
-        failed.update(json.loads((work_dir / f"failed-{rank}.json").read_text()))
-    return failed
+    spec = EncodeSpec(params=params, options=options, inputs=inputs, jobs=jobs)
+    run_at(placement, Job("encode", spec, work_dir, placement.threads(options.cpu_threads), OPTIONAL,
+                          inputs.cache_root), log)
+    return gather(work_dir, EncodeResult, placement.processes).failed
 
 
-def run_job(job: Job, log: Log) -> None:
-    """Encode this rank's share of the job (stages/processes/jobs.py); write what failed into the work dir."""
-    params, inputs, options, jobs, dataset = read_spec(job)
+def run_job(job: Job[EncodeSpec], log: Log) -> EncodeResult:
+    """Encode this rank's share of the job (stages/processes/jobs.py); return what failed."""
+    spec = job.spec
     rank, world = process_rank()
-    failed = encode_jobs(jobs, dataset, params, inputs, options, rank, world,
-                         (lambda m: log(f"[rank {rank}] {m}")) if rank else log)
-    write_json_atomic(job.work_dir / f"failed-{rank}.json", failed)
+    return EncodeResult(failed=encode_jobs(spec.jobs, job_dataset(spec), spec.params, spec.inputs, spec.options, rank,
+                                           world, (lambda m: log(f"[rank {rank}] {m}")) if rank else log))
 
 
-def read_spec(job: Job) -> tuple[EncodeParams, EncodeInputs, EncodeOptions, EncodeJobs, list[dict]]:
-    """What `encode_at` wrote into the job, and the dataset its latent jobs index."""
-    from . import EncodeInputs, EncodeOptions, EncodeParams
+def job_dataset(spec: EncodeSpec) -> list[dict]:
+    """The dataset the latent jobs of `spec` index."""
     from ..preprocess import DATASET_FILE
     from .references import with_references
 
-    spec = job.spec
-    inputs = EncodeInputs.from_json(spec["inputs"])
-    jobs = EncodeJobs([(*t[:3], tuple(t[3])) for t in spec["texts"]], [tuple(t) for t in spec["latents"]], spec["reused"],
-                      [tuple(t) for t in spec["masks"]])
-    dataset = with_references(json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"])
-    return EncodeParams(**spec["params"]), inputs, EncodeOptions(**spec["options"]), jobs, dataset
+    return with_references(json.loads((spec.inputs.preprocess_dir / DATASET_FILE).read_text())["samples"])
