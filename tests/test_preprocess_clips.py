@@ -111,9 +111,10 @@ def test_clips_are_decoded_once_per_file_version_and_image_configs_keep_their_ke
 def test_encode_reads_a_window_as_a_stack_of_placed_frames_and_notices_a_changed_clip(clips, tmp_path):
     from lorapipe.stages.encode.images import ImageCrops
     from lorapipe.stages.preprocess import DatasetSource
+    from lorapipe.stages.preprocess.rows import SampleRow
 
     samples, _, _, _ = preprocess(clips, tmp_path, video={"fps": 8, "num_frames": 9}, holdout_fraction=0)
-    walk = next(s for s in samples if s["id"] == "walk")
+    walk = SampleRow.model_validate(next(s for s in samples if s["id"] == "walk"))
     crops = ImageCrops((DatasetSource(path=clips),), [walk, walk], [False, True])
     (_, plain, _), (_, mirrored, _) = crops[0], crops[1]
     assert plain.shape == (3, 9, 64, 64) and plain.min() >= -1 and plain.max() <= 1

@@ -23,6 +23,7 @@ from .workers import EncodeJobs, EncodeResult, EncodeSpec, encode_chunks, job_da
 
 if TYPE_CHECKING:
     from ..processes.placement import DaskPool
+    from ..preprocess.rows import ImageRow
     from . import EncodeInputs, EncodeOptions, EncodeParams
 
 T = TypeVar("T")
@@ -57,7 +58,7 @@ def deal(job: Job[EncodeSpec], pool: DaskPool, log: Log) -> EncodeResult:
     return EncodeResult(failed=failed)
 
 
-def encode_chunk(chunk: EncodeJobs, samples: dict[int, dict], params: EncodeParams, inputs: EncodeInputs,
+def encode_chunk(chunk: EncodeJobs, samples: dict[int, ImageRow], params: EncodeParams, inputs: EncodeInputs,
                  options: EncodeOptions) -> ChunkResult:
     """A task: encode the chunk's records not committed yet (an earlier attempt, on a worker that
     died after committing, may have written them) into one shard."""

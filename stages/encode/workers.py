@@ -12,7 +12,6 @@ plan order (EncodeJobs.chunks) and commits each chunk as one shard.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
@@ -26,7 +25,7 @@ from ..processes.jobs import Job, SplitResult, gather, process_device, process_r
 from ..processes.optional_libraries import OPTIONAL
 from ..processes.placement import Placement, run_at
 from . import EncodeInputs, EncodeOptions, EncodeParams
-from .images import decode_failure, placed_image, sample_label, sample_shape
+from .images import decode_failure, placed_image, sample_shape
 from .latents import Progress, encode_latents
 from .masks import encode_masks
 
@@ -34,6 +33,7 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
     from ..families.base import TextEncoder
+    from ..preprocess.rows import ImageRow
     from ..preprocess.sources import DatasetSource
     from . import SampleKeys
 
@@ -51,24 +51,24 @@ class EncodeJobs:
     masks: list[tuple[str, int, bool]] = ()  # (mask record key, dataset.json index, flipped), by key
 
     @classmethod
-    def plan(cls, dataset: list[dict], keys: SampleKeys, missing: set[str],
+    def plan(cls, dataset: list[ImageRow], keys: SampleKeys, missing: set[str],
              datasets: tuple[DatasetSource, ...]) -> "EncodeJobs":
         texts = {keys.empty: ("", "the empty prompt", ())} if keys.empty else {}
-        index = {s["id"]: i for i, s in enumerate(dataset)}
+        index = {s.id: i for i, s in enumerate(dataset)}
         for s in dataset:
-            own_empty = (keys.own_empty[s["id"]],) if s["id"] in keys.own_empty else ()
-            for key in (*keys.text.get(s["id"], ()), *own_empty):  # a reference image has no caption
+            own_empty = (keys.own_empty[s.id],) if s.id in keys.own_empty else ()
+            for key in (*keys.text.get(s.id, ()), *own_empty):  # a reference image has no caption
                 reader = keys.text_references.get(key)
                 references = tuple(index[r] for r in keys.references[reader]) if reader else ()
-                texts.setdefault(key, (keys.captions[key], sample_label(s, datasets), references))
+                texts.setdefault(key, (keys.captions[key], s.label(datasets), references))
         latents = {}
         for i, s in enumerate(dataset):
             for flip, table in ((False, keys.latent), (True, keys.latent_flip)):
-                if s["id"] in table:
-                    latents[table[s["id"]]] = (sample_shape(s), i, flip)
+                if s.id in table:
+                    latents[table[s.id]] = (sample_shape(s), i, flip)
         todo = sorted((size, key, i, flip) for key, (size, i, flip) in latents.items() if key in missing)
-        masks = {table[s["id"]]: (i, flip) for i, s in enumerate(dataset)
-                 for flip, table in ((False, keys.mask), (True, keys.mask_flip)) if s["id"] in table}
+        masks = {table[s.id]: (i, flip) for i, s in enumerate(dataset)
+                 for flip, table in ((False, keys.mask), (True, keys.mask_flip)) if s.id in table}
         return cls(sorted((k, *job) for k, job in texts.items() if k in missing),
                    [(key, i, flip) for _, key, i, flip in todo], len(latents) - len(todo),
                    sorted((key, i, flip) for key, (i, flip) in masks.items() if key in missing))
@@ -109,7 +109,7 @@ class EncodeResult(SplitResult):
     failed: dict[str, str]  # undecodable sample id -> reason
 
 
-def encode_jobs(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inputs: EncodeInputs,
+def encode_jobs(jobs: EncodeJobs, dataset: list[ImageRow], params: EncodeParams, inputs: EncodeInputs,
                 options: EncodeOptions, rank: int, world: int, log: Log) -> dict[str, str]:
     """Encode this rank's share of the jobs into the sample store; return undecodable sample ids."""
     import torch
@@ -123,7 +123,7 @@ def encode_jobs(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inp
     return encode_chunks(mine.chunks(options.shard_records), dataset, params, inputs, options, progress, log)
 
 
-def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[dict] | Mapping[int, dict], params: EncodeParams,
+def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[ImageRow] | Mapping[int, ImageRow], params: EncodeParams,
                   inputs: EncodeInputs, options: EncodeOptions, progress: Progress, log: Log,
                   loaded: Loader = lambda _, load: load()) -> dict[str, str]:
     """Encode the chunks' jobs, one shard per chunk; `dataset[i]` is the sample of latent job i.
@@ -153,7 +153,7 @@ def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[dict] | Mapping[in
 
 def encode_texts(jobs: list[tuple[str, str, str, tuple[int, ...]]], encoder: Callable[[], TextEncoder],
                  add: Callable[[str, dict[str, bytes]], None], batch_size: int, log: Log,
-                 image: Callable[[int], tuple[dict, tuple[DatasetSource, ...]]]) -> dict[str, str]:
+                 image: Callable[[int], tuple[ImageRow, tuple[DatasetSource, ...]]]) -> dict[str, str]:
     """jobs: (text record key, caption, whose caption, its references' latent job indices) for texts
     not yet in the store; `image(i)`: latent job i's image and the datasets. Return the references
     that could not be read (id -> why): their texts are not encoded."""
@@ -180,16 +180,16 @@ def encode_texts(jobs: list[tuple[str, str, str, tuple[int, ...]]], encoder: Cal
     return failed
 
 
-def reference_picture(reference: dict, datasets: tuple[DatasetSource, ...], failed: dict[str, str]) -> Image | None:
+def reference_picture(reference: ImageRow, datasets: tuple[DatasetSource, ...], failed: dict[str, str]) -> Image | None:
     """A reference image placed as its latent is, for a text encoder that reads it; None (and the
     reason in `failed`) when it cannot be read or changed since preprocess."""
     try:
         picture = placed_image(datasets, reference)
     except (OSError, ValueError, SyntaxError) as e:
-        failed[reference["id"]] = decode_failure(e)
+        failed[reference.id] = decode_failure(e)
         return None
     if picture is None:
-        failed[reference["id"]] = "changed since preprocess ran (run the pipeline again)"
+        failed[reference.id] = "changed since preprocess ran (run the pipeline again)"
     return picture
 
 
@@ -236,9 +236,10 @@ def run_job(job: Job[EncodeSpec], log: Log) -> EncodeResult:
                                            world, (lambda m: log(f"[rank {rank}] {m}")) if rank else log))
 
 
-def job_dataset(spec: EncodeSpec) -> list[dict]:
+def job_dataset(spec: EncodeSpec) -> list[ImageRow]:
     """The dataset the latent jobs of `spec` index."""
     from ..preprocess import DATASET_FILE
+    from ..preprocess.rows import read_rows
     from .references import with_references
 
-    return with_references(json.loads((spec.inputs.preprocess_dir / DATASET_FILE).read_text())["samples"])
+    return with_references(read_rows(spec.inputs.preprocess_dir / DATASET_FILE))
