@@ -256,12 +256,13 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
     images = with_references(dataset)  # what latent jobs index
     family = inputs.bound_family()
-    check_sizes(dataset, family.pixel_multiple(inputs.model_path), family.label)
+    geometry = family.geometry(inputs.model_path)
+    check_sizes(dataset, geometry.pixel_multiple, family.label)
     check_frames(dataset, family, inputs.model_path, inputs.datasets)
-    family.check_references(max(len(s.get("references", ())) for s in dataset))
+    families.check_references(family, max(len(s.get("references", ())) for s in dataset))
     settings = family.text_settings(inputs.model_path, params)
     keys = SampleKeys.of(dataset, params, family.components.latent_digest(inputs.model_digests),
-                         text_ingredients(family, settings, inputs), family.latent_downsampling(inputs.model_path),
+                         text_ingredients(family, settings, inputs), geometry.downsampling,
                          log, options.progress_every, family.text_takes_references)
     store = open_sample_store(inputs.cache_root)
     _add_member_digests(store, keys, log)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lorapipe.cache.errors import UserError
 
-from .base import ALL_LINEAR, Components, Family, TextOptions
+from .base import ALL_LINEAR, Components, Family, TextOptions, check_references, swappable_blocks
 from .flux1 import FLUX1, FLUX1_KONTEXT
 from .flux2 import FLUX2_KLEIN
 from .folders import check_weights_file, is_single_file, model_index
@@ -22,6 +22,7 @@ from .qwenimage import QWEN_IMAGE
 from .qwenimage21 import QWEN_IMAGE_21
 from .qwenimage_edit import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
 from .sd import SD15, SDXL
+from .single_file import single_file_folder
 from .wan import WAN
 from .zimage import ZIMAGE
 
@@ -33,7 +34,8 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FL
 SINGLE_FILE_DETECTION = (SDXL, SD15, FLUX2_KLEIN, FLUX1, ZIMAGE, QWEN_IMAGE)
 
 __all__ = ["ALL_LINEAR", "Components", "FAMILIES", "Family", "ObjectiveParams", "TextOptions", "TimestepSampling",
-           "build_tiny_model", "for_model", "get", "is_single_file", "tiny_arches"]
+           "build_tiny_model", "check_references", "for_model", "get", "is_single_file", "single_file_folder",
+           "swappable_blocks", "tiny_arches"]
 
 
 def get(name: str) -> Family:
@@ -69,7 +71,7 @@ def single_file_family(path: Path) -> Family:
     check_weights_file(Path(path))
     with safe_open(path, "pt") as f:
         names = set(f.keys())
-    family = next((f for f in SINGLE_FILE_DETECTION if f.is_single_file(names)), None)
+    family = next((f for f in SINGLE_FILE_DETECTION if names & set(f.single_file_markers)), None)
     if family is None:
         raise ValueError(f"model.path: {path} holds none of the tensors that identify a {', '.join(FAMILIES)}"
                          " checkpoint in the original layout; give a diffusers folder, or set model.family")

@@ -26,13 +26,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from lorapipe.stages.lora_formats.original_names import OriginalNames, Segment
 
-from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
+from .base import Components, Conditioning, ImageGeometry, Kohya, TextOptions, TextRecord, pad_sequences
 from .flow import FlowFamily, FlowVariant, presets_field
 from .latents import PatchedBatchNorm, PatchMajorBatchNorm, patched_batch_norm_of
 from .objectives import ObjectiveParams, TimestepSampling
@@ -91,6 +91,7 @@ def left_padded(embeds: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 @dataclass(frozen=True)
 class Ideogram4(FlowFamily):
     variants: tuple[FlowVariant, ...] = VARIANTS
+    normalisation_of: Callable[[Path, str], PatchedBatchNorm] = partial(patched_batch_norm_of, kind=PatchMajorBatchNorm)
     lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (BLOCK,))
 
     # ---- text
@@ -101,14 +102,7 @@ class Ideogram4(FlowFamily):
         return QwenPromptSettings(hidden_layers=QWEN3_VL_ACTIVATION_LAYERS, max_sequence_length=length,
                                   token_window=length, pad_to_window=False, keep_padding=False)
 
-    def load_text_encoder(self, model_path: Path, settings: QwenPromptSettings, dtype: torch.dtype,
-                          device: str) -> Ideogram4PromptEncoder:
-        return Ideogram4PromptEncoder(model_path, settings, dtype, device)
-
     # ---- latents and objective
-    def latent_normalisation(self, model_path: Path) -> PatchedBatchNorm:
-        return patched_batch_norm_of(model_path, self.components.latent[0], PatchMajorBatchNorm)
-
     def model_shift(self, scheduler_config: dict) -> TimestepSampling:
         """The pipeline's logit-normal schedule at its call's default mean and deviation."""
         import inspect
@@ -182,6 +176,7 @@ def original_names(num_layers: int) -> OriginalNames:
 IDEOGRAM4 = Ideogram4(
     name="ideogram4", label="Ideogram 4", pipeline_class="Ideogram4Pipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
-    kohya_base_model="ideogram4", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=PATCH,
+    kohya=Kohya("ideogram4"), tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=PATCH,
+    text_encoder=Ideogram4PromptEncoder,
     sequence_patch=1, block_lists=("layers",),
 )

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from lorapipe.stages.lora_formats.original_names import (OriginalNames, by_diffusers_module, derive_original_names,
                                                          weight_keys)
 
-from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
+from .base import Components, Conditioning, ImageGeometry, Kohya, TextOptions, TextRecord, pad_sequences
 from .flow import FlowFamily, FlowVariant, presets_field
 from .objectives import ObjectiveParams
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
@@ -64,10 +64,6 @@ class ZImage(FlowFamily):
         length = options.max_sequence_length or self.bound.max_sequence_length
         return QwenPromptSettings(enable_thinking=True, hidden_layers=(-2,), max_sequence_length=length,
                                   token_window=length, pad_to_window=True, keep_padding=False)
-
-    def load_text_encoder(self, model_path: Path, settings: QwenPromptSettings, dtype: torch.dtype,
-                          device: str) -> QwenPromptEncoder:
-        return QwenPromptEncoder(model_path, settings, dtype, device)
 
     # ---- denoiser
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
@@ -121,7 +117,8 @@ def original_names(n_layers: int, n_refiner_layers: int) -> OriginalNames:
 ZIMAGE = ZImage(
     name="z-image", label="Z-Image", pipeline_class="ZImagePipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
-    kohya_base_model="z_image", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
+    kohya=Kohya("z_image"), tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
+    text_encoder=QwenPromptEncoder,
     single_file_markers=("layers.0.attention.qkv.weight", "model.diffusion_model.layers.0.attention.qkv.weight"),
     block_lists=("noise_refiner", "context_refiner", "layers"),
 )
