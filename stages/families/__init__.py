@@ -1,8 +1,8 @@
-"""Model families: the registry of model lines (SD1.x/2.x, SDXL, Flux.1, Flux.1 Kontext, Flux.2-klein,
-Z-Image, Qwen-Image, Qwen-Image-Edit and Edit-Plus, Qwen-Image 2.1, Krea 2, Ideogram 4, Wan, LTX-2) and
-`for_model`, which finds a model's family (a folder by its pipeline class, a single file by its
-tensor names) and binds it to the model's variant. What a family provides, and which stage calls
-what: the docstring of base.Family, the seam. Adding a family: docs/adding-a-family.md.
+"""Model families: the registry of model lines (`FAMILIES`; each one's values in the table of
+docs/adding-a-family.md, generated from it) and `for_model`, which finds a model's family (a folder
+by its pipeline class, a single file by its tensor names) and binds it to the model's variant. What
+a family provides, and which stage uses what: the docstring of base.Family, the seam. Adding a
+family: docs/adding-a-family.md.
 """
 from __future__ import annotations
 
@@ -80,7 +80,7 @@ def single_file_family(path: Path) -> Family:
 
 def tiny_arches() -> dict[str, Family]:
     """`lorapipe tiny-model --arch` names -> the family that builds them; the first is the default."""
-    return {arch: family for family in FAMILIES.values() for arch in family.tiny_arches}
+    return {variant.tiny_arch: family for family in FAMILIES.values() for variant in family.variants}
 
 
 TINY_CAPTIONER = "captioner"  # `lorapipe tiny-model --arch captioner`: the caption stage's tiny model, not a family's

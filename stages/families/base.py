@@ -1,9 +1,10 @@
-"""What every family shares: the declarative head, the seam's types, and the common defaults.
+"""What every family shares: the spec (Family's fields), the seam's types, and the common defaults.
 
-A family is a frozen dataclass: its fields are data (pipeline class, components, LoRA presets,
-variants), its methods the few functions that differ between model lines. The defaults here serve
-families with a diffusers `AutoencoderKL` normalised by scale and shift (SD, Flux.1, Z-Image); a
-family overrides what differs. Nothing here imports torch or diffusers at module level: flows
+A family is a frozen dataclass: its fields are data (pipeline class, components, text encoder
+class, latent normalisation, LoRA presets, variants), its methods the few functions that differ
+between model lines (the seam: Family's docstring). The field defaults serve families with a
+diffusers `AutoencoderKL` normalised by scale and shift (SD, Flux.1, Z-Image); a family sets what
+differs. Nothing here imports torch or diffusers at module level: flows
 import the registry to build cache keys.
 """
 from __future__ import annotations
@@ -266,7 +267,6 @@ class Family(ABC):
     pipeline_class: str  # the diffusers pipeline that renders samples (model_index.json's _class_name)
     components: Components
     kohya: Kohya
-    tiny_arches: tuple[str, ...]  # `lorapipe tiny-model --arch` names this family builds
     text_encoder: Callable[[Path, Any, torch.dtype, str], TextEncoder]  # its class: (path, settings, dtype, device)
     variants: tuple[Variant, ...]  # detection order: the first whose markers match
     variant: Variant | None = None  # set by for_model
@@ -402,7 +402,7 @@ class Family(ABC):
     # ---- tests and the demo
     @abstractmethod
     def build_tiny(self, out_dir: Path, arch: str) -> Path:
-        """A tiny model of `arch` (one of tiny_arches) in out_dir: random weights from a fixed seed,
+        """A tiny model of `arch` (a variant's tiny_arch) in out_dir: random weights from a fixed seed,
         tokenizers built offline, byte-identical when rebuilt, loadable by `pipeline_class`."""
 
 

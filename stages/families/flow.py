@@ -1,12 +1,12 @@
 """What the flow-matching transformer families (Flux.1, Flux.2-klein, Z-Image, Qwen-Image, Wan, LTX-2) share:
-variants as data, detected from the model's configs; the objective built from the scheduler config;
-LoRA presets as regular expressions over module names; the exports (diffusers format, then the
-original-name files of `original_formats`); rendering with the pipeline's own sampler (flow-matching
-Euler; Wan's UniPC) at the variant's steps and guidance.
+the variants' text length and guidance input; the objective built from the scheduler config; the
+batch's text records padded with their mask; LoRA presets as regular expressions over module names;
+the exports (diffusers format, then the original-name files of `original_formats`); rendering with
+the pipeline's own sampler (flow-matching Euler; Wan's UniPC).
 
-A family module fills in the data head (its text encoder class among it) and writes what differs: text settings,
-`conditioning`, `predict`, `original_names` (derived from diffusers' single-file converter) and its
-tiny builder.
+A family module fills in the spec (its text encoder class among it) and writes what differs: text
+settings, `predict` (and `conditioning` where its denoiser reads the text otherwise),
+`original_names` (derived from diffusers' single-file converter) and its tiny builder.
 """
 from __future__ import annotations
 
@@ -17,7 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from lorapipe.stages.lora_formats.original_names import COMFYUI, KeySpelling, OriginalNames, fused_lora
 
-from .base import Family, Variant, select_linear
+from .base import (Conditioning, Family, ImageGeometry, TextOptions, TextRecord, Variant, pad_sequences,
+                   select_linear)
 from .folders import component_config
 from .objectives import FlowMatchingObjective, ObjectiveParams, TimestepSampling
 
@@ -36,12 +37,18 @@ class FlowFamily(Family):
     sequence_patch: int = 2  # normalised-latent pixels per image token side (the objective's token count)
     original_formats: tuple[KeySpelling, ...] = (COMFYUI,)  # exported besides the diffusers file
     comfyui_slice_prefix: str | None = None  # ComfyUI maps <prefix><diffusers module> to its rows of a fused weight
+    # the denoiser's arguments for the batch's text records padded to its longest, and their mask (`conditioning`)
+    text_arguments: tuple[str, str] = ("encoder_hidden_states", "encoder_attention_mask")
 
     @property
     def bound(self) -> FlowVariant:
         if self.variant is None:
             raise RuntimeError(f"the {self.name} family is not bound to a model: use families.for_model(model_path)")
         return self.variant
+
+    def text_length(self, options: TextOptions) -> int:
+        """The text tokens a record holds: encode.max_sequence_length, else the variant's."""
+        return options.max_sequence_length or self.bound.max_sequence_length
 
     # ---- objective
     def model_shift(self, scheduler_config: dict) -> TimestepSampling | None:
@@ -63,6 +70,13 @@ class FlowFamily(Family):
                                                                 self.geometry(model_path).pixel_multiple,
                                                                 self.model_shift(config))
         return replace(objective, sigma_range=self.chosen.sigmas) if self.chosen else objective
+
+    def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
+                     params: ObjectiveParams) -> Conditioning:
+        """Variable-length text records padded to the batch's longest, with their mask, as
+        `text_arguments` (a family whose denoiser reads its text otherwise overrides this)."""
+        embeds, mask = pad_sequences(texts, "hidden_states")
+        return dict(zip(self.text_arguments, (embeds, mask)))
 
     # ---- LoRA
     def lora_target_modules(self, transformer: torch.nn.Module, spec: str | tuple[str, ...]) -> list[str]:
@@ -111,6 +125,12 @@ class FlowFamily(Family):
 
     @abstractmethod
     def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path: ...
+
+
+def refuse_negative_prompt(negative_prompt: str, why: str) -> None:
+    """Refuse a negative prompt the pipeline would not read (`why`: what it does instead)."""
+    if negative_prompt:
+        raise ValueError(f"evaluate.negative_prompt: {why}; remove it")
 
 
 def regex_presets(attention: tuple[str, ...], feed_forward: tuple[str, ...],

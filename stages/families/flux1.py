@@ -34,7 +34,7 @@ from lorapipe.stages.contract import Frozen
 from lorapipe.stages.lora_formats.original_names import COMFYUI_DOWN_UP, KOHYA, OriginalNames, derive_original_names
 
 from .base import REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, Kohya, TextOptions, TextRecord, stack
-from .flow import FlowFamily, FlowVariant, presets_field
+from .flow import FlowFamily, FlowVariant, presets_field, refuse_negative_prompt
 from .folders import load_component
 from .objectives import ObjectiveParams
 
@@ -92,7 +92,7 @@ class Flux1(FlowFamily):
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> Flux1TextSettings:
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         if length > MAX_T5_TOKENS:
             raise ValueError(f"encode.max_sequence_length: Flux.1 reads at most {MAX_T5_TOKENS} T5 tokens,"
                              f" not {length}")
@@ -139,9 +139,7 @@ class Flux1(FlowFamily):
 
     # ---- rendering
     def render_kwargs(self, settings: Flux1TextSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
-        if negative_prompt:
-            raise ValueError("evaluate.negative_prompt: Flux.1 is guidance-distilled and ignores negative prompts;"
-                             " remove it")
+        refuse_negative_prompt(negative_prompt, "Flux.1 is guidance-distilled and ignores negative prompts")
         return {"guidance_scale": guidance_scale, "max_sequence_length": settings.max_sequence_length}
 
     # ---- tiny model
@@ -179,8 +177,7 @@ FLUX1 = Flux1(
     name="flux1", label="Flux.1", pipeline_class="FluxPipeline",
     components=Components(text=("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"), latent=("vae",),
                           denoiser="transformer"),
-    kohya=Kohya("flux1"), tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
-    text_encoder=Flux1TextEncoder,
+    kohya=Kohya("flux1"), latent_patch=2, text_encoder=Flux1TextEncoder,
     original_formats=(KOHYA, COMFYUI_DOWN_UP), comfyui_slice_prefix="transformer.",
     single_file_markers=("double_blocks.0.img_attn.qkv.weight",  # BFL's, bare or under ComfyUI's prefix
                          "model.diffusion_model.double_blocks.0.img_attn.qkv.weight"),
@@ -205,7 +202,7 @@ KONTEXT_VARIANTS = (FlowVariant("dev", "flux1-kontext", 28, 2.5, guidance_embeds
 
 FLUX1_KONTEXT = Flux1Kontext(
     name="flux1-kontext", label="Flux.1 Kontext", pipeline_class="FluxKontextPipeline",
-    components=FLUX1.components, kohya=FLUX1.kohya, tiny_arches=("flux1-kontext",), latent_patch=2,
+    components=FLUX1.components, kohya=FLUX1.kohya, latent_patch=2,
     text_encoder=Flux1TextEncoder, render_area_argument="max_area",  # it rescales its output to max_area
     original_formats=FLUX1.original_formats, comfyui_slice_prefix=FLUX1.comfyui_slice_prefix,
     block_lists=FLUX1.block_lists, variants=KONTEXT_VARIANTS, max_references=1, demo_edits=True,

@@ -32,10 +32,10 @@ from typing import TYPE_CHECKING, Any, Callable
 
 from lorapipe.stages.lora_formats.original_names import OriginalNames, Segment
 
-from .base import Components, Conditioning, ImageGeometry, Kohya, TextOptions, TextRecord, pad_sequences
-from .flow import FlowFamily, FlowVariant, presets_field
+from .base import Components, Conditioning, Kohya, TextOptions, TextRecord
+from .flow import FlowFamily, FlowVariant, presets_field, refuse_negative_prompt
 from .latents import PatchedBatchNorm, PatchMajorBatchNorm, patched_batch_norm_of
-from .objectives import ObjectiveParams, TimestepSampling
+from .objectives import TimestepSampling
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
 
 if TYPE_CHECKING:
@@ -98,7 +98,7 @@ class Ideogram4(FlowFamily):
     def text_settings(self, model_path: Path, options: TextOptions) -> QwenPromptSettings:
         from diffusers.pipelines.ideogram4.pipeline_ideogram4 import QWEN3_VL_ACTIVATION_LAYERS
 
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         return QwenPromptSettings(hidden_layers=QWEN3_VL_ACTIVATION_LAYERS, max_sequence_length=length,
                                   token_window=length, pad_to_window=False, keep_padding=False)
 
@@ -114,11 +114,6 @@ class Ideogram4(FlowFamily):
                                 shift_std=defaults["std"].default)
 
     # ---- denoiser
-    def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
-                     params: ObjectiveParams) -> Conditioning:
-        embeds, mask = pad_sequences(texts, "hidden_states")
-        return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}
-
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As Ideogram4Pipeline calls its conditional transformer: [padding][text][image tokens],
@@ -145,9 +140,8 @@ class Ideogram4(FlowFamily):
     # ---- rendering
     def render_kwargs(self, settings: QwenPromptSettings, guidance_scale: float,
                       negative_prompt: str) -> dict[str, Any]:
-        if negative_prompt:
-            raise ValueError("evaluate.negative_prompt: Ideogram4Pipeline guides with its unconditional transformer"
-                             " and takes no negative prompt; remove it")
+        refuse_negative_prompt(negative_prompt, "Ideogram4Pipeline guides with its unconditional transformer and"
+                                                " takes no negative prompt")
         return {"guidance_scale": guidance_scale, "guidance_schedule": None,
                 "max_sequence_length": settings.max_sequence_length}
 
@@ -176,7 +170,6 @@ def original_names(num_layers: int) -> OriginalNames:
 IDEOGRAM4 = Ideogram4(
     name="ideogram4", label="Ideogram 4", pipeline_class="Ideogram4Pipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
-    kohya=Kohya("ideogram4"), tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=PATCH,
-    text_encoder=Ideogram4PromptEncoder,
+    kohya=Kohya("ideogram4"), latent_patch=PATCH, text_encoder=Ideogram4PromptEncoder,
     sequence_patch=1, block_lists=("layers",),
 )

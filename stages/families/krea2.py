@@ -34,11 +34,11 @@ from pydantic import Field
 
 from lorapipe.stages.lora_formats.original_names import OriginalNames, derive_original_names, weight_keys
 
-from .base import MODEL_INDEX, Components, Conditioning, ImageGeometry, Kohya, TextOptions, TextRecord, pad_sequences
+from .base import MODEL_INDEX, Components, Conditioning, Kohya, TextOptions, TextRecord
 from .flow import FlowFamily, FlowVariant, presets_field
 from .folders import model_index
 from .latents import ONE_FRAME, ChannelMeanStd, VaePosterior, channel_mean_std_of
-from .objectives import ObjectiveParams, TimestepSampling
+from .objectives import TimestepSampling
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class Krea2(FlowFamily):
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> Krea2PromptSettings:
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         layers = tuple(model_index(model_path).get("text_encoder_select_layers") or SELECT_LAYERS)
         return Krea2PromptSettings(system_template=PREFIX + "{}", suffix=SUFFIX, hidden_layers=layers,
                                    max_sequence_length=length, token_window=length + PREFIX_TOKENS - SUFFIX_TOKENS,
@@ -110,11 +110,6 @@ class Krea2(FlowFamily):
         return TimestepSampling(shift="static", shift_value=math.exp(DISTILLED_MU)) if self.bound.distilled else None
 
     # ---- denoiser
-    def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
-                     params: ObjectiveParams) -> Conditioning:
-        embeds, mask = pad_sequences(texts, "hidden_states")
-        return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}
-
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As Krea2Pipeline calls its transformer: latents packed 2x2, t / 1000, the text's layers
@@ -167,7 +162,6 @@ def original_names(num_layers: int, layerwise_blocks: int, refiner_blocks: int) 
 KREA2 = Krea2(
     name="krea2", label="Krea 2", pipeline_class="Krea2Pipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
-    kohya=Kohya("krea2"), tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=PATCH,
-    text_encoder=Krea2PromptEncoder,
+    kohya=Kohya("krea2"), latent_patch=PATCH, text_encoder=Krea2PromptEncoder,
     block_lists=("transformer_blocks",),
 )

@@ -139,7 +139,7 @@ class LTX2Family(VideoFamily):
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> LTX2TextSettings:
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         config = component_config(model_path, "connectors")
         registers = {config.get(f"{s}_connector_num_learnable_registers") for s in ("video", "audio")} - {None}
         if any(length % r for r in registers):
@@ -227,7 +227,6 @@ def original_names(num_layers: int) -> OriginalNames:
 LTX2 = LTX2Family(
     name="ltx2", label="LTX-2", pipeline_class="LTX2Pipeline",
     components=Components(text=("text_encoder", "tokenizer", "connectors"), latent=("vae",), denoiser="transformer"),
-    kohya=Kohya("ltx2"), tiny_arches=tuple(v.tiny_arch for v in VARIANTS), sequence_patch=1,
-    text_encoder=LTX2TextEncoder, normalisation_of=normalisation_of, clip_fps=FRAME_RATE,
-    block_lists=("transformer_blocks",),
+    kohya=Kohya("ltx2"), sequence_patch=1, text_encoder=LTX2TextEncoder, normalisation_of=normalisation_of,
+    clip_fps=FRAME_RATE, block_lists=("transformer_blocks",),
 )

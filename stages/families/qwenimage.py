@@ -55,7 +55,7 @@ class QwenImage(FlowFamily):
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> QwenPromptSettings:
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         if length > MAX_TOKENS:
             raise ValueError(f"encode.max_sequence_length: Qwen-Image reads at most {MAX_TOKENS} tokens, not {length}")
         return QwenPromptSettings(system_template=TEMPLATE, hidden_layers=(-1,), max_sequence_length=length,
@@ -124,8 +124,7 @@ def original_names(linear_modules: tuple[str, ...]) -> OriginalNames:
 QWEN_IMAGE = QwenImage(
     name="qwen-image", label="Qwen-Image", pipeline_class="QwenImagePipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
-    kohya=Kohya("qwen_image"), tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
-    text_encoder=QwenPromptEncoder,
+    kohya=Kohya("qwen_image"), latent_patch=2, text_encoder=QwenPromptEncoder,
     single_file_markers=("transformer_blocks.0.img_mlp.net.0.proj.weight",
                          "model.diffusion_model.transformer_blocks.0.img_mlp.net.0.proj.weight"),
     block_lists=("transformer_blocks",),

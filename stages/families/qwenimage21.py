@@ -88,7 +88,7 @@ class QwenImage21(QwenImage):
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> Qwen3VLPromptSettings:
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         system_tokens = len(processor_tokenizer(model_path)(SYSTEM_MESSAGE).input_ids)
         return Qwen3VLPromptSettings(system_template=TEMPLATE, hidden_layers=(-1,), max_sequence_length=length,
                                      token_window=length + system_tokens, pad_to_window=False, keep_padding=False,
@@ -136,7 +136,6 @@ class QwenImage21(QwenImage):
 QWEN_IMAGE_21 = QwenImage21(
     name="qwen-image-2.1", label="Qwen-Image 2.1", pipeline_class="QwenImage21Pipeline",
     components=Components(text=("text_encoder", PROCESSOR), latent=("vae",), denoiser="transformer"),
-    kohya=Kohya("qwen_image_2_1"), tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
-    text_encoder=Qwen3VLPromptEncoder,
+    kohya=Kohya("qwen_image_2_1"), latent_patch=2, text_encoder=Qwen3VLPromptEncoder,
     block_lists=("transformer_blocks",),
 )

@@ -128,8 +128,7 @@ def edit_family(name: str, label: str, pipeline_class: str, variant: FlowVariant
     return QwenImageEdit(
         name=name, label=label, pipeline_class=pipeline_class, variants=(variant,),
         components=Components(text=("text_encoder", PROCESSOR), latent=("vae",), denoiser="transformer"),
-        kohya=Kohya(name.replace("-", "_")), tiny_arches=(variant.tiny_arch,), latent_patch=2,
-        text_encoder=QwenEditPromptEncoder,
+        kohya=Kohya(name.replace("-", "_")), latent_patch=2, text_encoder=QwenEditPromptEncoder,
         block_lists=("transformer_blocks",), **edit,
     )
 

@@ -221,7 +221,7 @@ class StableDiffusion(Family):
 SD15 = StableDiffusion(
     name="sd15", label="Stable Diffusion 1.x/2.x", pipeline_class="StableDiffusionPipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="unet"),
-    kohya=Kohya("sd_v1"), tiny_arches=("sd15",), text_encoder=ClipTextEncoder,
+    kohya=Kohya("sd_v1"), text_encoder=ClipTextEncoder,
     variants=(Variant("sd15", "sd15", RENDER_STEPS, RENDER_GUIDANCE),),
     single_file_markers=("model.diffusion_model.input_blocks.0.0.weight",),
     single_file_kwargs={"safety_checker": None, "requires_safety_checker": False},
@@ -231,7 +231,7 @@ SDXL = StableDiffusion(
     name="sdxl", label="Stable Diffusion XL", pipeline_class="StableDiffusionXLPipeline",
     components=Components(text=("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"), latent=("vae",),
                           denoiser="unet"),
-    kohya=Kohya("sdxl_base_v1-0"), tiny_arches=("sdxl",), text_encoder=ClipTextEncoder,
+    kohya=Kohya("sdxl_base_v1-0"), text_encoder=ClipTextEncoder,
     variants=(Variant("sdxl", "sdxl", RENDER_STEPS, RENDER_GUIDANCE),), single_file_kwargs={},
     single_file_markers=("model.diffusion_model.label_emb.0.0.weight",),  # the size/crop embedding
     text=SDTextSettings(encoders=(

@@ -77,10 +77,11 @@ class WanVariant(VideoVariant):
 
 
 A14B = WanVariant("2.2-t2v-a14b", "wan2.2-a14b", 40, 4.0)  # its boundary_ratio: the model's (for_model)
-VARIANTS = (
+VARIANTS = (  # A14B last: told apart by its transformer_2 (for_model), not by markers
     WanVariant("2.2-ti2v-5b", "wan2.2-5b", 50, 5.0, markers=((MODEL_INDEX, "expand_timesteps", True),),
                per_token_timesteps=True, render_frames=121),
     WanVariant("2.1-t2v", "wan2.1", 50, 5.0),
+    A14B,
 )
 
 
@@ -161,7 +162,7 @@ class Wan(VideoFamily):
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> WanTextSettings:
-        return WanTextSettings(max_sequence_length=options.max_sequence_length or self.bound.max_sequence_length,
+        return WanTextSettings(max_sequence_length=self.text_length(options),
                                ftfy=ftfy_version())
 
     # ---- objective
@@ -198,11 +199,6 @@ class Wan(VideoFamily):
                 "max_sequence_length": settings.max_sequence_length}
 
     # ---- tiny model
-    def build_tiny(self, out_dir: Path, arch: str) -> Path:
-        if arch == A14B.tiny_arch:
-            return self.build_tiny_variant(Path(out_dir), A14B)
-        return super().build_tiny(out_dir, arch)
-
     def build_tiny_variant(self, out_dir: Path, variant: WanVariant) -> Path:
         from .tiny.wan import build_tiny_wan
 
@@ -222,7 +218,7 @@ WAN = Wan(
     name="wan", label="Wan", pipeline_class="WanPipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser=HIGH_NOISE),
     kohya=Kohya("wan", "networks.lora_wan"),  # musubi-tuner's network module
-    tiny_arches=(*(v.tiny_arch for v in VARIANTS), A14B.tiny_arch), latent_patch=2, text_encoder=WanTextEncoder,
+    latent_patch=2, text_encoder=WanTextEncoder,
     original_formats=(KOHYA, COMFYUI), sampler=SAMPLER,
     block_lists=("blocks",),
 )
