@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from . import (caption_bench, captioner_bench, decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench,
+from . import (caption_bench, captioner_bench, clip_window_bench, decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench,
                noop_rerun, object_bench, pipeline_noop, prior_bench, quant_memory_bench, sweep_bench, train_bench)
 from .common import ResultsSection
 
@@ -24,6 +24,7 @@ BENCHES = {
     "quant_memory": lambda root: quant_memory_bench.measure(root),
     "loader_full_size": lambda root: loader_bench.throughput(root),
     "decode_camera_jpeg": lambda root: decode_bench.rates(root),
+    "clip_windows": lambda root: clip_window_bench.measure(root),
     "train_step": lambda root: train_bench.step_times(root),
     "train_step_flux1": lambda root: train_bench.step_times(root, "flux1"),
     "optimizer_step": lambda root: train_bench.optimizer_variants(root),

@@ -43,13 +43,26 @@ PREFECT_DEFAULTS = {
 
 
 def _parser() -> argparse.ArgumentParser:
-    from lorapipe.stages.families import tiny_arches, tiny_model_names
-
-    arches = list(tiny_arches())
     p = argparse.ArgumentParser(prog="lorapipe", description="Cached LoRA fine-tuning of diffusion models")
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--debug", action="store_true", help="print tracebacks and everything Prefect logs")
     sub = p.add_subparsers(dest="command", required=True)
+    _add_demo(sub, common)
+    _add_pipeline_commands(sub, common)
+    _add_cache(sub, common)
+    _add_captions(sub, common)
+    _add_tiny_model(sub, common)
+    return p
+
+
+def _add_overrides(cmd: argparse.ArgumentParser, help: str | None = None) -> None:
+    cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides", help=help)
+
+
+def _add_demo(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    from lorapipe.stages.families import tiny_arches
+
+    arches = list(tiny_arches())
     demo = sub.add_parser("demo", parents=[common], help="a tiny model through the whole pipeline on the bundled photos"
                           " (a video arch: on generated clips)")
     demo.add_argument("--workdir", type=Path, default=Path("demo-run"))
@@ -58,16 +71,19 @@ def _parser() -> argparse.ArgumentParser:
                       " family that takes reference images; an edit model's demo always does)")
     demo.add_argument("--caption", action="store_true", help="the bundled photos without captions, captioned by a"
                       " tiny captioner (the caption stage) before training")
-    demo.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides",
-                      help="change a setting of the demo's config for this run (train.max_steps=50)")
+    _add_overrides(demo, "change a setting of the demo's config for this run (train.max_steps=50)")
     demo.add_argument("--json", action="store_true")
+
+
+def _add_pipeline_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    """run, sweep and status: a config's pipeline."""
     run = sub.add_parser("run", parents=[common], help="run a config's pipeline")
     sweep = sub.add_parser("sweep", parents=[common], help="train and evaluate a config's variants over one encode;"
                            " report them, publish the best (docs/sweeps.md)")
     status = sub.add_parser("status", parents=[common], help="per stage: hit or miss and why, without running")
     for cmd in (run, sweep, status):
         cmd.add_argument("config", type=Path)
-        cmd.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+        _add_overrides(cmd)
         cmd.add_argument("--json", action="store_true")
         cmd.add_argument("--strict", action="store_true", help="a bad metadata row stops the run"
                          " (preprocess.on_bad_row: error)")
@@ -81,6 +97,9 @@ def _parser() -> argparse.ArgumentParser:
     run.add_argument("--from", dest="start", metavar="STAGE")
     for cmd in (run, sweep):  # a sweep forces its shared stages once, the others for every variant
         cmd.add_argument("--force", action="append", default=[], metavar="STAGE")
+
+
+def _add_cache(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     cache = sub.add_parser("cache", parents=[common], help="manage the artifact store")
     cache.add_argument("action", choices=["ls", "verify", "rm", "gc"])
     cache.add_argument("keys", nargs="*", help="rm: artifact keys or key prefixes")
@@ -92,6 +111,9 @@ def _parser() -> argparse.ArgumentParser:
     cache.add_argument("--keep-days", type=float, help="gc: keep artifacts used this recently (default 30)")
     cache.add_argument("--since", metavar="DATE", help="gc: keep artifacts used on or after DATE (2026-11-01)")
     cache.add_argument("--json", action="store_true")
+
+
+def _add_captions(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     captions = sub.add_parser("captions", parents=[common], help="the caption stage's generated captions")
     captions.add_argument("action", choices=["export"], help="export: write each generated caption as a sidecar"
                           " next to its image (the dataset's caption_ext, default .txt)")
@@ -99,13 +121,17 @@ def _parser() -> argparse.ArgumentParser:
     captions.add_argument("folders", nargs="*", type=Path, metavar="DIR", help="only these dataset folders of the"
                           " config (default: all)")
     captions.add_argument("--overwrite", action="store_true", help="replace a caption file already there")
-    captions.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="overrides")
+    _add_overrides(captions)
     captions.add_argument("--json", action="store_true")
+
+
+def _add_tiny_model(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    from lorapipe.stages.families import tiny_arches, tiny_model_names
+
     tiny = sub.add_parser("tiny-model", parents=[common], help="build a tiny model offline")
     tiny.add_argument("dir", type=Path)
-    tiny.add_argument("--arch", choices=tiny_model_names(), default=arches[0],
+    tiny.add_argument("--arch", choices=tiny_model_names(), default=list(tiny_arches())[0],
                       help="a family's tiny model, or `captioner`: the tiny captioner of `demo --caption`")
-    return p
 
 
 def main(argv: list[str] | None = None) -> int:

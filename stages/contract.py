@@ -15,7 +15,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Annotated, Callable, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict
+from pydantic import BaseModel, BeforeValidator, ConfigDict, PlainSerializer, PlainValidator
 
 from lorapipe.cache.objects import is_url, local_path
 
@@ -40,6 +40,13 @@ def location_name(location: Path | str) -> str:
 
 class Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+def json_form(cls: type) -> object:
+    """`cls`, a class with to_json and from_json (a stage's inputs), as the type of a Frozen model's
+    field: validated from its JSON form and serialised as it."""
+    return Annotated[cls, PlainValidator(lambda value: value if isinstance(value, cls) else cls.from_json(value)),
+                     PlainSerializer(lambda value: value.to_json())]
 
 
 @dataclass(frozen=True)

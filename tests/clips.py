@@ -20,15 +20,20 @@ def scene(n: int, height: int = 32, width: int = 48) -> list[np.ndarray]:
 
 
 def write_clip(path: Path, frames: list[np.ndarray], codec: str = "libx264", rate: int = 16,
-               pts: list[int] | None = None, rotation: int = 0, lossless: bool = True) -> Path:
+               pts: list[int] | None = None, rotation: int = 0, lossless: bool = True,
+               keyframe_every: int | None = None, display_matrix: list[int] | None = None) -> Path:
     with av.open(str(path), "w") as container:
         stream = container.add_stream(codec, rate=rate)
         stream.height, stream.width = frames[0].shape[:2]
         stream.pix_fmt = "yuv444p" if codec == "libx264" else ("rgb8" if codec == "gif" else "yuv420p")
         if codec == "libx264":
             stream.options = {"qp": "0" if lossless else "30", "threads": "1"}
+        if keyframe_every:
+            stream.codec_context.gop_size = keyframe_every
         if rotation:
             stream.set_display_rotation(rotation)
+        if display_matrix:
+            stream.set_display_matrix(display_matrix)
         if pts is not None:
             stream.codec_context.time_base = Fraction(1, 1000)
         for i, pixels in enumerate(frames):

@@ -18,6 +18,7 @@ from lorapipe.stages.caption import OUTPUT_FILES
 from lorapipe.stages.caption.review import (PAGE_FILES, REVIEW_HTML, REVIEW_MD, Paging, length_histogram,
                                             write_review)
 from lorapipe.stages.preprocess import DATASET_FILE, REPORT_FILE, DatasetSource, PreprocessInputs, PreprocessParams, run
+from lorapipe.stages.preprocess.rows import SampleRow, read_rows
 
 RED, BLUE, TOP, BOTTOM = (220, 20, 20), (20, 40, 220), (20, 200, 40), (240, 220, 20)
 EVIL = "<img src=x onerror=alert(1)> a | pipe & more &amp; \"quoted\""
@@ -57,19 +58,19 @@ def dataset(tmp_path) -> tuple[Path, tuple[DatasetSource, ...], list[dict], dict
         run(PreprocessParams(resolution=64, buckets=True, holdout_fraction=0.2,
                              bucket_sizes=((64, 64), (128, 64), (64, 128))), PreprocessInputs(datasets, cache),
             out, tmp_path, None, lambda line: None)
-    samples = json.loads((out / DATASET_FILE).read_text())["samples"]
+    samples = read_rows(out / DATASET_FILE)
     report = json.loads((out / REPORT_FILE).read_text())
     return tmp_path / "review", datasets, samples, {"captioner": {"model": "tiny-captioner", "prompt": "Describe."},
-                                                    "samples": {s["id"]: stage_entry(s) for s in samples}}
+                                                    "samples": {s.id: stage_entry(s) for s in samples}}
 
 
-def stage_entry(sample: dict) -> dict:
+def stage_entry(sample: SampleRow) -> dict:
     """captions.json's entry: red under policy prefix, the uncaptioned ones generated, the rest written."""
-    entry = {"path": sample["path"], "dataset": "data", "record": None, "written": sample["caption"] or None,
-             "generated": None, "caption": sample["caption"], "source": "written"}
-    if sample["id"] == "red":
+    entry = {"path": sample.path, "dataset": "data", "record": None, "written": sample.caption or None,
+             "generated": None, "caption": sample.caption, "source": "written"}
+    if sample.id == "red":
         return {**entry, "generated": "a shiny card", "caption": "sks, a shiny card", "source": "prefix", "record": "r1"}
-    if not sample["caption"]:
+    if not sample.caption:
         words = " ".join(["word"] * 12)
         return {**entry, "written": None, "generated": words, "caption": words, "source": "generated", "record": "r2"}
     return entry
@@ -91,7 +92,7 @@ def test_the_review_shows_each_image_caption_and_source_and_preprocess_findings(
     html, md = written_review(dataset)
     assert written_review(dataset) == (html, md)  # the same bytes for the same inputs
     samples = dataset[2]
-    assert sorted(s["id"] for s in samples) == ["blue", "evil", "red", "small", "turned"]
+    assert sorted(s.id for s in samples) == ["blue", "evil", "red", "small", "turned"]
     assert html.count('<img src="data:image/jpeg;base64,') == 5 and "data:" not in md
     assert EVIL not in html and "&lt;img src=x onerror=alert(1)&gt; a | pipe &amp; more &amp;amp; &quot;quoted&quot;" in html
     assert "\\<img src=x onerror=alert(1)\\> a \\| pipe & more \\&amp; \"quoted\"" in md and EVIL not in md
@@ -100,7 +101,7 @@ def test_the_review_shows_each_image_caption_and_source_and_preprocess_findings(
     for page in (html, md):
         assert "broken.png" in page and "small_image" in page and "small.png" in page  # rejected; warned
         assert "1 held out" in page and "5 images (4 train" in page
-    sizes = sorted(f"{s['size'][1]}x{s['size'][0]}" for s in samples)
+    sizes = sorted(f"{s.size[1]}x{s.size[0]}" for s in samples)
     for size in set(sizes):
         assert f"| {size} | {sizes.count(size)} |" in md
     assert "| generated | 2 |" in md and "| prefix | 1 |" in md and "| written | 2 |" in md
@@ -111,11 +112,11 @@ def test_the_review_is_paged_and_bounded(dataset):
     first, md = written_review(dataset, SMALL_PAGES)
     second = (dataset[0] / "review-2.html").read_text()
     assert {p.name for p in dataset[0].iterdir()} == {REVIEW_HTML, "review-2.html", REVIEW_MD}
-    ids = [s["id"] for s in dataset[2]]
+    ids = [s.id for s in dataset[2]]
     assert re.findall(r'<img [^>]*data-id="([^"]+)"', first) == ids[:2]
     assert re.findall(r'<img [^>]*data-id="([^"]+)"', second) == ids[2:4]  # the fifth: a row, no thumbnail
-    last = next(s for s in dataset[2] if s["id"] == ids[4])
-    assert "Images without thumbnails" in second and f"<td>{last['path']}</td>" in second
+    last = next(s for s in dataset[2] if s.id == ids[4])
+    assert "Images without thumbnails" in second and f"<td>{last.path}</td>" in second
     assert 'href="review-2.html"' in first and 'href="review.html"' in second and "Images 3-4 of 5" in second
     assert "Caption sources" in first and "Caption sources" not in second  # the summary tables: page 1 only
     assert md.count("| train |") + md.count("| holdout |") == 2 and "The first 2 of 5 images" in md
@@ -234,10 +235,10 @@ def test_a_clip_window_is_shown_by_its_first_frame(tmp_path):
     with StatCache(tmp_path / "stat.sqlite") as cache:
         run(PreprocessParams(resolution=64, holdout_fraction=0, video={"fps": 8, "num_frames": 5}),
             PreprocessInputs(datasets, cache), tmp_path, tmp_path, None, lambda line: None)
-    samples = json.loads((tmp_path / DATASET_FILE).read_text())["samples"]
+    samples = read_rows(tmp_path / DATASET_FILE)
     (row,) = collect(samples, {"samples": {}}, {}, datasets).rows
     assert (row.source, row.caption, row.problem) == ("written", "a square walks", "")
     shown = Image.open(io.BytesIO(base64.b64decode(row.thumbnail.split(",", 1)[1]))).convert("RGB")
-    first = Image.fromarray(frames[samples[0]["frames"][0]])
+    first = Image.fromarray(frames[samples[0].frames[0]])
     assert shown.size == first.size
     assert max(abs(a - b) for a, b in zip(shown.getpixel((5, 12)), first.getpixel((5, 12)))) < 24

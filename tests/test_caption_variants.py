@@ -23,6 +23,7 @@ from lorapipe.flows.steps import STAGES, Context
 from lorapipe.flows.runner import explain
 from lorapipe.stages.encode import EncodeParams, SampleKeys
 from lorapipe.stages.encode.captions import CaptionAugmentation
+from lorapipe.stages.preprocess.rows import SampleRow
 
 ENCODE = STAGES[:2]
 TAGS = {  # the demo photos, captioned as tags; the first is a trigger word that keep_tokens holds in place
@@ -91,12 +92,13 @@ def test_keying_many_variants_shows_progress_as_it_goes():
     """Variants are made and keyed one sample at a time, each sample a step of the progress lines
     (shown once keying takes `every` seconds; here at once)."""
     params = EncodeParams(caption_variants=64, shuffle_tags=True)
-    dataset = [{"id": f"s{i}", "digest": f"d{i}", "caption": TAGS["rocket"], "split": "train", "resized": [64, 64],
-                "crop_box": [0, 0, 64, 64]} for i in range(3)]
+    dataset = [SampleRow(id=f"s{i}", source=0, path=f"s{i}.png", digest=f"d{i}", caption=TAGS["rocket"], repeats=1,
+                         split="train", original_size=(64, 64), size=(64, 64), resized=(64, 64), crop_box=(0, 0, 64, 64))
+               for i in range(3)]
     lines: list[str] = []
     keys = SampleKeys.of(dataset, params, "vae", {"family": "sd"}, 8, lines.append, every=0)
     assert [line.split(" |")[0] for line in lines] == [f"encode: keying samples {i}/3" for i in (1, 2, 3)]
-    assert all(len(keys.text[s["id"]]) == 64 for s in dataset)
+    assert all(len(keys.text[s.id]) == 64 for s in dataset)
     assert SampleKeys.of(dataset, params, "vae", {"family": "sd"}, 8, lines.append) == keys  # quick: no line
     assert len(lines) == 3
 

@@ -21,6 +21,7 @@ from lorapipe.stages import encode, families, preprocess
 from lorapipe.stages.processes.cpu_threads import threads_per_process
 from lorapipe.stages.encoded import EncodedData
 from lorapipe.stages.models import component_digests
+from lorapipe.stages.preprocess.rows import read_rows
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -100,7 +101,7 @@ def test_a_killed_encode_resumes_after_its_last_committed_shard(tmp_path, demo_i
         time.sleep(0.05)
     victim.send_signal(signal.SIGKILL)
     victim.wait()
-    dataset = json.loads((inputs.preprocess_dir / "dataset.json").read_text())["samples"]
+    dataset = read_rows(inputs.preprocess_dir / "dataset.json")
     keys = [encode.latent_key(s, encode.EncodeParams(), inputs.model_digests["vae"]) for s in dataset]
     committed = 8 - len(SampleStore(inputs.cache_root).missing(keys))
     assert 0 < committed < 8

@@ -19,6 +19,7 @@ from lorapipe.stages.processes.launching import environment_kept
 from lorapipe.stages.processes.optional_libraries import OPTIONAL
 from lorapipe.stages.encode.workers import EncodeJobs
 from lorapipe.stages.processes.placement import DaskCluster
+from lorapipe.stages.preprocess.rows import read_rows
 
 from test_encode import encode_inputs, prepare, run_encode
 
@@ -117,7 +118,7 @@ def kill_a_worker_mid_chunk(client, done: threading.Event) -> bool:
 def test_a_retried_chunk_encodes_only_what_its_killed_attempt_did_not_commit(tmp_path, demo_images, tiny_model,
                                                                              count_encoder_rows):
     inputs = encode_inputs(tmp_path, prepare(tmp_path, demo_images), tiny_model)
-    dataset = json.loads((inputs.preprocess_dir / "dataset.json").read_text())["samples"]
+    dataset = read_rows(inputs.preprocess_dir / "dataset.json")
     keys = encode.SampleKeys.of(dataset, encode.EncodeParams(), inputs.model_digests["vae"],
                                 encode.text_ingredients(inputs.bound_family(), inputs.bound_family().text_settings(
                                     inputs.model_path, encode.EncodeParams()), inputs),

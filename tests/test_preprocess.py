@@ -20,6 +20,7 @@ from lorapipe.stages.encode import ImageCrops
 from lorapipe.stages.preprocess import (DATASET_FILE, DatasetSource, PreprocessInputs, PreprocessParams, dataset_ingredients,
                                run)
 from lorapipe.stages.preprocess.crops import generated_buckets, place
+from lorapipe.stages.preprocess.rows import SampleRow
 from lorapipe.stages.preprocess.sources import read_image_bytes
 from permissions import as_a_plain_user
 
@@ -235,7 +236,7 @@ def test_png_orientation_is_read_without_decoding_pixels_and_damage_is_named_at_
     by_path = {s["path"]: s for s in samples}
     assert by_path["before.png"]["original_size"] == by_path["after.png"]["original_size"] == [96, 64]
     assert [(r["path"], r["reason"]) for r in report["rejected"]] == [("broken-header.png", "not_an_image")]
-    _, pixels, why = ImageCrops((DatasetSource(path=data),), [by_path["damaged.png"]], [False])[0]
+    _, pixels, why = ImageCrops((DatasetSource(path=data),), [SampleRow.model_validate(by_path["damaged.png"])], [False])[0]
     assert pixels is None and why.startswith("cannot decode its pixels: the image data is damaged"), why
 
 

@@ -40,9 +40,12 @@ def test_each_clip_becomes_windows_at_the_target_rate_and_a_short_one_is_rejecte
 
 
 def test_a_clip_too_short_for_num_frames_takes_the_longest_frame_bucket_that_fits(clips, tmp_path):
-    samples, report, _, _ = preprocess(clips, tmp_path, video={"fps": 16, "num_frames": 33, "frame_buckets": [17, 5]},
-                                       holdout_fraction=0)
-    assert {s["id"]: len(s.get("frames", [1])) for s in samples} == {"walk": 33, "run": 17, "blink": 5, "still": 1}
+    write_clip(clips / "flash.mp4", scene(1))  # a one-frame clip is a one-frame window, as a still is
+    (clips / "flash.txt").write_text("a flash")
+    video = {"fps": 16, "num_frames": 33, "frame_buckets": [17, 5, 1]}
+    samples, report, _, _ = preprocess(clips, tmp_path, video=video, holdout_fraction=0)
+    assert {s["id"]: len(s.get("frames", [1])) for s in samples} == {"walk": 33, "run": 17, "blink": 5, "flash": 1,
+                                                                      "still": 1}
     assert report["rejected"] == []
 
 
@@ -82,9 +85,11 @@ def test_what_cannot_be_a_clip_is_a_row_and_a_variable_frame_rate_a_warning(clip
     (clips / "notes.txt").write_text("notes")
     write_clip(clips / "vfr.mkv", scene(30), pts=[round(i * 62.5) + (40 if i % 2 else 0) for i in range(30)])
     (clips / "vfr.txt").write_text("uneven")
+    whole = (clips / "walk.mp4").read_bytes()
+    (clips / "walk.mp4").write_bytes(whole[: len(whole) * 7 // 10])  # its index, written last, is cut off
     samples, report, _, _ = preprocess(clips, tmp_path, video={"fps": 8, "num_frames": 9}, holdout_fraction=0)
     rows = {r["path"]: r["reason"] for r in report["rejected"]}
-    assert rows == {"notes.mp4": "not_a_video", "blink.mp4": "too_short"}
+    assert rows == {"notes.mp4": "not_a_video", "blink.mp4": "too_short", "walk.mp4": "truncated"}
     assert [w["path"] for w in report["warnings"] if w["reason"] == "variable_frame_rate"] == ["vfr.mkv"]
     assert "vfr" in {s["id"] for s in samples}
 
@@ -106,9 +111,10 @@ def test_clips_are_decoded_once_per_file_version_and_image_configs_keep_their_ke
 def test_encode_reads_a_window_as_a_stack_of_placed_frames_and_notices_a_changed_clip(clips, tmp_path):
     from lorapipe.stages.encode.images import ImageCrops
     from lorapipe.stages.preprocess import DatasetSource
+    from lorapipe.stages.preprocess.rows import SampleRow
 
     samples, _, _, _ = preprocess(clips, tmp_path, video={"fps": 8, "num_frames": 9}, holdout_fraction=0)
-    walk = next(s for s in samples if s["id"] == "walk")
+    walk = SampleRow.model_validate(next(s for s in samples if s["id"] == "walk"))
     crops = ImageCrops((DatasetSource(path=clips),), [walk, walk], [False, True])
     (_, plain, _), (_, mirrored, _) = crops[0], crops[1]
     assert plain.shape == (3, 9, 64, 64) and plain.min() >= -1 and plain.max() <= 1

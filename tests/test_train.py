@@ -635,6 +635,7 @@ def test_a_training_process_loads_only_the_quantisation_library_its_job_uses(tmp
     use before diffusers is imported, and loads the one it does (nf4: bitsandbytes)."""
     from lorapipe.stages.processes.jobs import Job
     from lorapipe.stages.processes.launching import start_worker
+    from lorapipe.stages.train.params import TrainSpec
 
     # what the worker entry (stages/processes/jobs.py) does before the job runs, then what training imports
     probe = ("import sys; from lorapipe.stages.processes.jobs import Job, worker; from lorapipe.stages.processes.optional_libraries"
@@ -643,6 +644,8 @@ def test_a_training_process_loads_only_the_quantisation_library_its_job_uses(tmp
              " print(sorted(name for name in ('bitsandbytes', 'torchao') if sys.modules.get(name)))")
     for setting, loaded in (("none", "[]"), ("nf4", "['bitsandbytes']")):
         params = train.TrainParams(**{**PARAMS, "base_quantization": setting})
-        job = Job("train", {}, tmp_path / setting, 1, train.unused_libraries(params)).write()
+        spec = TrainSpec(params=params, inputs=train.TrainInputs(tmp_path, tmp_path, tmp_path, "x", "y"),
+                         options=train.TrainOptions())
+        job = Job("train", spec, tmp_path / setting, 1, train.unused_libraries(params)).write()
         output, _ = start_worker([sys.executable, "-c", probe, str(job)]).communicate()
         assert output.strip().splitlines()[-1] == loaded, output

@@ -8,7 +8,10 @@ import numpy as np
 import pytest
 from clips import scene, write_clip
 
+from lorapipe.stages import video
 from lorapipe.stages.video import VideoProblem, decode_frames, read_clip
+
+MIRRORED = [-65536, 0, 0, 0, 65536, 0, 0, 0, 1 << 30]  # x negated: FFmpeg reads it as 180 degrees
 
 
 @pytest.mark.parametrize("suffix, codec", [(".mp4", "libx264"), (".mkv", "libx264"), (".mov", "libx264"),
@@ -40,6 +43,8 @@ def test_a_sideways_phone_clip_is_turned_upright_by_its_display_matrix(tmp_path)
     clip = read_clip(path)
     assert (clip.width, clip.height, clip.rotation) == (32, 48, 90)
     assert (decode_frames(path, [2])[0] == np.rot90(coded)).all()  # turned 90 degrees counter-clockwise
+    with pytest.raises(VideoProblem, match="^unsupported_rotation: the display matrix mirrors it"):
+        read_clip(write_clip(tmp_path / "selfie.mp4", frames, display_matrix=MIRRORED))  # never turned 180 degrees
 
 
 def test_a_variable_frame_rate_clip_is_timed_by_its_frames(tmp_path):
@@ -47,6 +52,38 @@ def test_a_variable_frame_rate_clip_is_timed_by_its_frames(tmp_path):
     clip = read_clip(write_clip(tmp_path / "vfr.mkv", scene(7), pts=pts))
     assert clip.variable_frame_rate
     assert clip.times == pytest.approx([p / 1000 for p in pts], abs=1e-3)
+
+
+@pytest.mark.parametrize("name, pts", [("steady.mp4", None),
+                                       ("vfr.mkv", [round(i * 62.5) + 30 * (i % 3) for i in range(40)])])
+def test_a_window_is_decoded_from_the_keyframe_before_it_with_the_same_pixels(tmp_path, monkeypatch, name, pts):
+    path = write_clip(tmp_path / name, scene(20) * 2, lossless=False, keyframe_every=8, pts=pts)
+    whole = decode_frames(path, list(range(40)))  # from the first frame
+    decoded, frames = [], video._frames
+
+    def counted(*args):
+        for frame in frames(*args):
+            decoded.append(frame)
+            yield frame
+
+    monkeypatch.setattr(video, "_frames", counted)
+    for first in (9, 21, 35):
+        decoded.clear()
+        assert (decode_frames(path, list(range(first, first + 5))) == whole[first:first + 5]).all()
+        assert len(decoded) <= 7 + 5  # at most a keyframe interval before the window, not from frame 0
+
+
+@pytest.mark.parametrize("suffix, codec, kept, says", [
+    (".mkv", "libx264", 0.7, r"1\.\d\d s decodes of the 3\.00 s the container declares"),
+    (".webm", "libvpx-vp9", 0.7, r"1\.\d\d s decodes of the 3\.00 s the container declares"),
+    (".mp4", "libx264", 0.4, r"it ends at byte \d+ of the \d+ its boxes declare, before its index \(moov box\)"),
+    (".mp4", "libx264", 0.7, r"it ends at byte \d+ of the \d+ its boxes declare, inside its index \(moov box\)"),
+])
+def test_a_clip_cut_short_is_truncated_not_a_shorter_clip(tmp_path, suffix, codec, kept, says):
+    whole = write_clip(tmp_path / f"whole{suffix}", scene(24) * 2, codec, lossless=False).read_bytes()  # 3 s
+    (tmp_path / f"cut{suffix}").write_bytes(whole[: int(len(whole) * kept)])
+    with pytest.raises(VideoProblem, match=f"^truncated: {says}"):
+        read_clip(tmp_path / f"cut{suffix}")
 
 
 def test_what_is_not_a_clip_is_one_reason(tmp_path):

@@ -31,7 +31,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorapipe.cache.errors import UserError
-from lorapipe.cache.fsutil import write_json_rows
 from lorapipe.cache.object_store import open_sample_store
 from lorapipe.cache.samples import DamagedRecord
 from lorapipe.cache.store import LOG_DIR, Built
@@ -39,6 +38,7 @@ from lorapipe.cache.store import LOG_DIR, Built
 from ..contract import Log, OutputFile
 from ..processes.placement import Placement, Where, place
 from ..preprocess import DATASET_FILE, REPORT_FILE
+from ..preprocess.rows import SampleRow, read_rows, write_rows
 from ..preprocess.sources import DatasetSource
 from .captioners import model_type, resolved
 from .generate import generate_records, read_caption
@@ -92,14 +92,13 @@ def where(params: CaptionParams, options: CaptionOptions) -> Where:
 def run(params: CaptionParams, inputs: CaptionInputs, out_dir: Path, work_dir: Path,
         options: CaptionOptions, log: Log = print, placement: Placement | None = None) -> Built:
     """`placement`: where the missing records are generated (the plan's; default: what `where` says)."""
-    samples = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
+    samples = read_rows(inputs.preprocess_dir / DATASET_FILE)
     keys = _record_keys(samples, params, inputs)
     generated, left_out, counts = _generated(samples, keys, params, inputs, options,
                                              placement or place(where(params, options)), work_dir, log)
     entries = _caption_entries(samples, keys, generated, left_out, inputs.datasets)
-    final = [{k: v for k, v in {**s, "caption": entries[s["id"]]["caption"]}.items() if k != "written"}
-             for s in samples]
-    write_json_rows(out_dir / DATASET_FILE, {"format": 2}, "samples", final)
+    final = [s.model_copy(update={"caption": entries[s.id]["caption"], "written": None}) for s in samples]
+    write_rows(out_dir / DATASET_FILE, final)
     captions = {"captioner": {"model_type": model_type(inputs.model_path), "digest": inputs.captioner,
                               "prompt": inputs.prompt, "settings": params.model_dump(mode="json", exclude={"prompt"})},
                 "samples": entries}
@@ -116,7 +115,7 @@ def run(params: CaptionParams, inputs: CaptionInputs, out_dir: Path, work_dir: P
     return Built(info={**counts, "sources": sources}, refs=store.refs(used))
 
 
-def _generated(samples: list[dict], keys: dict[str, str], params: CaptionParams, inputs: CaptionInputs,
+def _generated(samples: list[SampleRow], keys: dict[str, str], params: CaptionParams, inputs: CaptionInputs,
                options: CaptionOptions, placement: Placement, work_dir: Path,
                log: Log) -> tuple[dict[str, str], dict[str, dict], dict]:
     """(record key -> generated caption, record key -> the report row of an image left out, counts),
@@ -129,7 +128,7 @@ def _generated(samples: list[dict], keys: dict[str, str], params: CaptionParams,
     while True:
         missing = set(store.missing(needed))
         log(f"caption: {len(needed)} images take a generated caption, {len(missing)} to generate")
-        todo = {keys[s["id"]]: s for s in samples if keys.get(s["id"]) in missing}
+        todo = {keys[s.id]: s.to_json() for s in samples if keys.get(s.id) in missing}  # as the job carries them
         if todo:
             left_out = generate_at(placement.sized(len(todo)), todo, params, inputs, options, work_dir, log)
             store = open_sample_store(inputs.cache_root)  # a fresh index: the job wrote with stores of its own
@@ -147,30 +146,30 @@ def _generated(samples: list[dict], keys: dict[str, str], params: CaptionParams,
                 " its captions again")
 
 
-def _record_keys(samples: list[dict], params: CaptionParams, inputs: CaptionInputs) -> dict[str, str]:
+def _record_keys(samples: list[SampleRow], params: CaptionParams, inputs: CaptionInputs) -> dict[str, str]:
     """Sample id -> its caption record's key, for the samples whose policy takes a generated caption."""
     keys = {}
     for s in samples:
-        source = inputs.datasets[s["source"]]
+        source = inputs.datasets[s.source]
         if not needs_generated(s, source):
             continue
-        if "frames" in s:
-            raise UserError(f"caption: {source.label}/{s['path']} is a clip: the caption stage captions images only;"
+        if s.is_clip:
+            raise UserError(f"caption: {source.label}/{s.path} is a clip: the caption stage captions images only;"
                             " give the clip a caption sidecar, or set caption_policy: fill_missing on its dataset")
-        keys[s["id"]] = params.record_key(s["digest"], inputs.captioner, inputs.prompt)
+        keys[s.id] = params.record_key(s.digest, inputs.captioner, inputs.prompt)
     return keys
 
 
-def _caption_entries(samples: list[dict], keys: dict[str, str], generated: dict[str, str],
+def _caption_entries(samples: list[SampleRow], keys: dict[str, str], generated: dict[str, str],
                      left_out: dict[str, dict], datasets: tuple[DatasetSource, ...]) -> dict:
     """captions.json's samples: sample id -> final caption, source, written, generated, record, path, dataset.
     An image left out keeps its written caption, or none: encode, which cannot read it either, leaves it out."""
     entries = {}
     for s in samples:
-        source, key = datasets[s["source"]], keys.get(s["id"])
+        source, key = datasets[s.source], keys.get(s.id)
         written = written_caption(s)
         caption, origin = ((written or "", LEFT_OUT) if key in left_out
                            else final_caption(written, generated.get(key), source))
-        entries[s["id"]] = {"caption": caption, "source": origin, "written": written, "generated": generated.get(key),
-                            "record": key, "path": s["path"], "dataset": source.label}
+        entries[s.id] = {"caption": caption, "source": origin, "written": written, "generated": generated.get(key),
+                         "record": key, "path": s.path, "dataset": source.label}
     return entries

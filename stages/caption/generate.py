@@ -15,8 +15,9 @@ from pathlib import Path
 from lorapipe.cache.samples import SampleStore
 
 from ..contract import Log, derived_seed
-from ..encode.images import sample_label, upright_image
+from ..encode.images import upright_image
 from ..processes.jobs import process_device
+from ..preprocess.rows import SampleRow
 from ..preprocess.sources import DatasetSource
 from ..progress import ProgressLines
 from .captioners import load_captioner
@@ -34,8 +35,8 @@ def batches(keys: list[str], size: int) -> list[list[str]]:
 def generate_records(batched: list[list[str]], todo: dict[str, dict], params: CaptionParams, model_path: Path,
                      prompt: str, datasets: tuple[DatasetSource, ...], store: SampleStore, options: CaptionOptions,
                      log: Log, share: str = "") -> dict[str, dict]:
-    """Caption the images of `batched` (record keys; `todo`: record key -> a sample showing its image)
-    into the store; return the images left out: record key -> their report row."""
+    """Caption the images of `batched` (record keys; `todo`: record key -> a sample showing its image,
+    as a dataset.json row) into the store; return the images left out: record key -> their report row."""
     import torch
 
     captioner = load_captioner(model_path, params, process_device(), getattr(torch, params.dtype))
@@ -68,7 +69,7 @@ def _decoded(batched: list[list[str]], todo: dict[str, dict], datasets: tuple[Da
     while the caller generates this one's captions (decoding releases the GIL)."""
     with ThreadPoolExecutor(DECODE_THREADS) as pool:
         def submit(batch: list[str]) -> dict[str, Future]:
-            return {key: pool.submit(_image, todo[key], datasets) for key in batch}
+            return {key: pool.submit(_image, SampleRow.model_validate(todo[key]), datasets) for key in batch}
 
         ahead = submit(batched[0]) if batched else {}
         for n, batch in enumerate(batched):
@@ -76,10 +77,10 @@ def _decoded(batched: list[list[str]], todo: dict[str, dict], datasets: tuple[Da
             yield batch, {key: future.result() for key, future in current.items()}
 
 
-def _image(sample: dict, datasets: tuple[DatasetSource, ...]) -> tuple:
+def _image(sample: SampleRow, datasets: tuple[DatasetSource, ...]) -> tuple:
     """The sample's image, upright and whole, and None; or None and its report row when it cannot
     be decoded or changed since preprocess."""
-    path = sample_label(sample, datasets)
+    path = sample.label(datasets)
     try:
         image = upright_image(datasets, sample)
     except (OSError, ValueError, SyntaxError) as error:

@@ -4,15 +4,16 @@ A caption written by the user is read, never modified on disk: the policy decide
 """
 from __future__ import annotations
 
+from ..preprocess.rows import SampleRow
 from ..preprocess.sources import DatasetSource
 
 
-def written_caption(sample: dict) -> str | None:
+def written_caption(sample: SampleRow) -> str | None:
     """The caption the user wrote (None: preprocess found none and left it to the caption stage)."""
-    return None if sample.get("written", True) is False else sample["caption"]
+    return None if sample.written is False else sample.caption
 
 
-def needs_generated(sample: dict, source: DatasetSource) -> bool:
+def needs_generated(sample: SampleRow, source: DatasetSource) -> bool:
     """Whether the sample's final caption takes a generated one."""
     return source.caption_policy != "fill_missing" or written_caption(sample) is None
 

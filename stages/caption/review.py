@@ -18,7 +18,8 @@ from PIL import Image
 
 from lorapipe.cache.digest import digest_bytes
 
-from ..encode.images import resized_upright, sample_label
+from ..encode.images import resized_upright
+from ..preprocess.rows import SampleRow
 from ..preprocess.sources import DatasetSource, local_file, read_image_bytes
 from ..video import VideoProblem, decode_frames
 from .review_pages import PAGE_FILES, REVIEW_HTML, Paging, Review, Row, html_pages, markdown_page, page_name
@@ -31,7 +32,7 @@ THUMB_QUALITY = 80  # JPEG
 LENGTH_BIN = 5  # words per bar of the caption length histogram
 
 
-def write_review(out_dir: Path, samples: list[dict], captions: dict, report: dict,
+def write_review(out_dir: Path, samples: list[SampleRow], captions: dict, report: dict,
                  datasets: tuple[DatasetSource, ...], paging: Paging = Paging()) -> None:
     """review.html (and its further pages) and review.md in `out_dir`, from dataset.json's samples,
     captions.json's content and preprocess's report.json."""
@@ -41,11 +42,11 @@ def write_review(out_dir: Path, samples: list[dict], captions: dict, report: dic
     (out_dir / REVIEW_MD).write_text(markdown_page(review, paging))
 
 
-def collect(samples: list[dict], captions: dict, report: dict, datasets: tuple[DatasetSource, ...],
+def collect(samples: list[SampleRow], captions: dict, report: dict, datasets: tuple[DatasetSource, ...],
             thumbnails: int = Paging().thumbnails) -> Review:
     """The review's content; the first `thumbnails` samples with theirs (a review lists the later ones without)."""
     entries = captions.get("samples", {})
-    rows = [_row(s, entries.get(s["id"]), datasets, i < thumbnails) for i, s in enumerate(samples)]
+    rows = [_row(s, entries.get(s.id), datasets, i < thumbnails) for i, s in enumerate(samples)]
     buckets = Counter(row.size for row in rows)
     return Review(rows=rows, buckets=sorted(buckets.items(), key=lambda b: (_area(b[0]), b[0])),
                   lengths=length_histogram([len(row.caption.split()) for row in rows]),
@@ -54,12 +55,12 @@ def collect(samples: list[dict], captions: dict, report: dict, datasets: tuple[D
                   captioner=captions.get("captioner", {}))
 
 
-def _row(sample: dict, entry: dict | None, datasets: tuple[DatasetSource, ...], with_thumbnail: bool) -> Row:
-    entry = entry or {"caption": sample["caption"], "source": "written", "written": sample["caption"],
+def _row(sample: SampleRow, entry: dict | None, datasets: tuple[DatasetSource, ...], with_thumbnail: bool) -> Row:
+    entry = entry or {"caption": sample.caption, "source": "written", "written": sample.caption,
                       "generated": None}  # a sample the caption stage did not list keeps its written caption
     thumbnail, problem = _thumbnail(sample, datasets) if with_thumbnail else ("", "")
-    return Row(id=sample["id"], label=sample_label(sample, datasets), split=sample["split"],
-               size=f"{sample['size'][1]}x{sample['size'][0]}", caption=entry["caption"], source=entry["source"],
+    return Row(id=sample.id, label=sample.label(datasets), split=sample.split,
+               size=f"{sample.size[1]}x{sample.size[0]}", caption=entry["caption"], source=entry["source"],
                written=entry.get("written"), generated=entry.get("generated"), thumbnail=thumbnail, problem=problem)
 
 
@@ -78,22 +79,22 @@ def length_histogram(words: list[int]) -> list[tuple[str, int]]:
     return bins
 
 
-def _thumbnail(sample: dict, datasets: tuple[DatasetSource, ...]) -> tuple[str, str]:
+def _thumbnail(sample: SampleRow, datasets: tuple[DatasetSource, ...]) -> tuple[str, str]:
     """(data: URI of the upright, uncropped image at most THUMB_SIDE wide and high, "") or ("", why not)."""
-    height, width = sample["original_size"]
+    height, width = sample.original_size
     scale = min(1.0, THUMB_SIDE / max(height, width))
     size = (max(1, round(height * scale)), max(1, round(width * scale)))
-    source = datasets[sample["source"]]
+    source = datasets[sample.source]
     try:
-        if "frames" in sample:  # a clip's window: its first frame
-            frame = decode_frames(local_file(source, sample["path"]), sample["frames"][:1])[0]
+        if sample.is_clip:  # a clip's window: its first frame
+            frame = decode_frames(local_file(source, sample.path), list(sample.frames[:1]))[0]
             image = Image.fromarray(frame).resize(size[::-1], Image.BICUBIC)
         else:
-            data = read_image_bytes(source, sample["path"])
-            if digest_bytes(data) != sample["digest"]:
+            data = read_image_bytes(source, sample.path)
+            if digest_bytes(data) != sample.digest:
                 return "", "changed since preprocess ran"
             with Image.open(io.BytesIO(data)) as opened:
-                image = resized_upright(opened, size, tuple(sample.get("background", (255, 255, 255))))
+                image = resized_upright(opened, size, sample.background or (255, 255, 255))
     except (OSError, ValueError, SyntaxError, VideoProblem) as error:  # a line of the review, not its end
         return "", f"cannot be shown ({type(error).__name__}: {error})"
     buffer = io.BytesIO()

@@ -48,7 +48,7 @@ class Row:
     """One sample as the review shows it."""
 
     id: str
-    label: str  # its file, as the user knows it (sample_label)
+    label: str  # its file, as the user knows it (ImageRow.label)
     split: str
     size: str  # its bucket, WxH
     caption: str

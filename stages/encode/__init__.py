@@ -55,10 +55,11 @@ from ..processes.cpu_threads import usable_cores
 from ..encoded import write_index
 from ..processes.placement import DaskCluster, Placement, Where, place
 from ..preprocess import DATASET_FILE
+from ..preprocess.rows import ImageRow, PlacedImage, SampleRow, read_rows
 from ..preprocess.sources import DatasetSource
 from ..progress import ProgressLines
 from .captions import CaptionAugmentation
-from .images import ImageCrops, sample_label
+from .images import ImageCrops
 from .masks import mask_key
 from .references import reference_id, with_references
 
@@ -133,17 +134,8 @@ class EncodeInputs:
                    Path(v["cache_root"]), Path(v["model_path"]), v["family"], v["model_digests"])
 
 
-def pixel_identity(sample: dict) -> dict:
-    """What an image's placed pixels depend on: its bytes, resize and crop (and background, for an
-    image with alpha)."""
-    pixels = {"image": sample["digest"], "resized": sample["resized"], "crop_box": sample["crop_box"]}
-    if "background" in sample:  # only images with alpha depend on it
-        pixels["background"] = sample["background"]
-    return pixels
-
-
-def latent_key(sample: dict, params: EncodeParams, vae_digest: str, flip: bool = False) -> str:
-    return digest_json({**pixel_identity(sample), "flip": flip, "dtype": params.dtype, "vae": vae_digest,
+def latent_key(sample: ImageRow, params: EncodeParams, vae_digest: str, flip: bool = False) -> str:
+    return digest_json({**sample.pixel_identity(), "flip": flip, "dtype": params.dtype, "vae": vae_digest,
                         "version": LATENT_VERSION, "libs": library_majors("torch", "diffusers")})[:40]
 
 
@@ -162,10 +154,10 @@ def text_ingredients(family: families.Family, settings: Frozen, inputs: EncodeIn
             "text": settings.model_dump(mode="json")}
 
 
-def text_key(caption: str, params: EncodeParams, ingredients: dict, references: list[dict] = ()) -> str:
+def text_key(caption: str, params: EncodeParams, ingredients: dict, references: tuple[PlacedImage, ...] = ()) -> str:
     """`references`: the placed reference images a vision-language text encoder reads with the
     caption (Family.text_takes_references), by their pixel identity."""
-    images = {"references": [pixel_identity(r) for r in references]} if references else {}
+    images = {"references": [r.pixel_identity() for r in references]} if references else {}
     return digest_json({"caption": caption, **ingredients, **images, "dtype": params.dtype, "version": TEXT_VERSION,
                         "libs": library_majors("torch", "transformers")})[:40]
 
@@ -189,7 +181,7 @@ class SampleKeys:
     # its references (caption dropout, for a text encoder that reads them)
 
     @classmethod
-    def of(cls, dataset: list[dict], params: EncodeParams, vae_digest: str, text: dict,
+    def of(cls, dataset: list[SampleRow], params: EncodeParams, vae_digest: str, text: dict,
            mask_factor: int, log: Log = lambda line: None, every: float = 10.0,
            text_reads_references: bool = False) -> "SampleKeys":
         """`text`: text_ingredients; `mask_factor`: image pixels per latent pixel;
@@ -200,27 +192,27 @@ class SampleKeys:
         progress = ProgressLines("encode: keying samples", len(dataset), log, every, unit="sample", from_start=False)
         for s in dataset:
             keys = []
-            references = s.get("references", []) if text_reads_references else []
-            for caption in params.captions(s["caption"], s["digest"]) if s["split"] == "train" else (s["caption"],):
+            references = (s.references or ()) if text_reads_references else ()
+            for caption in params.captions(s.caption, s.digest) if s.split == "train" else (s.caption,):
                 keys.append(text_key(caption, params, text, references))
                 captions[keys[-1]] = caption
                 if references:
-                    readers[keys[-1]] = s["id"]
-            texts[s["id"]] = tuple(keys)
+                    readers[keys[-1]] = s.id
+            texts[s.id] = tuple(keys)
             if references:
-                own_empty[s["id"]] = text_key("", params, text, references)
-                captions[own_empty[s["id"]]], readers[own_empty[s["id"]]] = "", s["id"]
+                own_empty[s.id] = text_key("", params, text, references)
+                captions[own_empty[s.id]], readers[own_empty[s.id]] = "", s.id
             progress.advance()
         empty = None if text_reads_references else text_key("", params, text)
-        masked = [s for s in dataset if "mask" in s]
+        masked = [s for s in dataset if s.mask is not None]
         images = with_references(dataset)
-        return cls({s["id"]: latent_key(s, params, vae_digest) for s in images},
-                   {s["id"]: latent_key(s, params, vae_digest, True) for s in images} if params.flip else {},
+        return cls({s.id: latent_key(s, params, vae_digest) for s in images},
+                   {s.id: latent_key(s, params, vae_digest, True) for s in images} if params.flip else {},
                    texts, {**captions, **({empty: ""} if empty else {})}, empty,
-                   {s["id"]: mask_key(s, mask_factor) for s in masked},
-                   {s["id"]: mask_key(s, mask_factor, True) for s in masked} if params.flip else {},
-                   {s["id"]: tuple(reference_id(s["id"], k) for k in range(len(s["references"])))
-                    for s in dataset if "references" in s}, readers, own_empty)
+                   {s.id: mask_key(s, mask_factor) for s in masked},
+                   {s.id: mask_key(s, mask_factor, True) for s in masked} if params.flip else {},
+                   {s.id: tuple(reference_id(s.id, k) for k in range(len(s.references)))
+                    for s in dataset if s.references is not None}, readers, own_empty)
 
     def of_sample(self, sample_id: str) -> list[str]:
         images = (sample_id, *self.references.get(sample_id, ()))
@@ -253,57 +245,78 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     """`placement`: where the records are encoded (the plan's; default: what `where` says)."""
     from .workers import EncodeJobs, encode_at
 
-    dataset = json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"]
-    images = with_references(dataset)  # what latent jobs index
+    dataset = read_rows(inputs.preprocess_dir / DATASET_FILE)
     family = inputs.bound_family()
-    geometry = family.geometry(inputs.model_path)
-    check_sizes(dataset, geometry.pixel_multiple, family.label)
-    check_frames(dataset, family, inputs.model_path, inputs.datasets)
-    families.check_references(family, max(len(s.get("references", ())) for s in dataset))
-    settings = family.text_settings(inputs.model_path, params)
+    _check_dataset(dataset, family, inputs)
     keys = SampleKeys.of(dataset, params, family.components.latent_digest(inputs.model_digests),
-                         text_ingredients(family, settings, inputs), geometry.downsampling,
-                         log, options.progress_every, family.text_takes_references)
+                         text_ingredients(family, family.text_settings(inputs.model_path, params), inputs),
+                         family.geometry(inputs.model_path).downsampling, log, options.progress_every,
+                         family.text_takes_references)
     store = open_sample_store(inputs.cache_root)
     _add_member_digests(store, keys, log)
-    missing = set(store.missing(keys.all()))
-    jobs = EncodeJobs.plan(images, keys, missing, inputs.datasets)
+    images = with_references(dataset)  # what latent jobs index
+    jobs = EncodeJobs.plan(images, keys, set(store.missing(keys.all())), inputs.datasets)
     masks = f", {len(jobs.masks)} loss masks" if jobs.masks else ""
     log(f"encode: {len(jobs.latents)} latents and {len(jobs.texts)} text embeddings{masks} to encode,"
         f" {jobs.reused_latents} latents reused")
     placement = (placement or place(where(options))).sized(len(jobs.latents))
     failed = encode_at(placement, jobs, params, inputs, options, work_dir, log) if jobs.keys() else {}
-    images_by_id = {s["id"]: s for s in images}
-    failed_jobs = sum(1 for _, i, _ in jobs.latents if images[i]["id"] in failed)
-    undecodable = {sample_label(s, inputs.datasets): failed[s["id"]] for s in images if s["id"] in failed}
-    for s in dataset:  # an edit pair whose reference cannot be decoded is left out with it, never trained unpaired
-        broken = next((images_by_id[r] for r in keys.references.get(s["id"], ()) if r in failed), None)
-        if broken is not None and s["id"] not in failed:
-            failed[s["id"]] = f"its reference {sample_label(broken, inputs.datasets)} cannot be decoded"
-            undecodable[sample_label(s, inputs.datasets)] = failed[s["id"]]
-    usable = [s for s in dataset if s["id"] not in failed]
+    failed_latents = sum(1 for _, i, _ in jobs.latents if images[i].id in failed)
+    images_by_id = {s.id: s for s in images}
+    unpaired = _unpaired(dataset, images_by_id, keys, failed, inputs.datasets)
+    undecodable = {**{s.label(inputs.datasets): failed[s.id] for s in images if s.id in failed},
+                   **{images_by_id[i].label(inputs.datasets): why for i, why in unpaired.items()}}
+    failed = {**failed, **unpaired}
+    usable = [s for s in dataset if s.id not in failed]
     if not usable:
         first = next(iter(undecodable.items()))
         raise ValueError(f"encode: none of the {len(dataset)} images could be decoded; the first, {first[0]}: {first[1]}")
-    refs = _write_index(out_dir, usable, keys, open_sample_store(inputs.cache_root), inputs.datasets, {
+    refs = _write_index(out_dir, usable, keys, open_sample_store(inputs.cache_root), inputs.datasets,
+                        _index_header(params, family, inputs, keys))
+    (out_dir / "logs").mkdir()
+    (out_dir / "logs" / "report.json").write_text(json.dumps({"undecodable": undecodable}, indent=1, sort_keys=True))
+    counts = {
+        "latents_encoded": len(jobs.latents) - failed_latents, "latents_reused": jobs.reused_latents,
+        "texts_encoded": len(jobs.texts), "texts_reused": len(keys.texts()) - len(jobs.texts),
+        "masks_encoded": sum(1 for _, i, _ in jobs.masks if dataset[i].id not in failed),
+        "masks_reused": len(keys.masks()) - len(jobs.masks),
+        "undecodable": len(undecodable), "processes": placement.processes,
+    }
+    log("encode: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    sizes = dict(sorted(Counter(f"{s.size[1]}x{s.size[0]}" for s in usable).items()))
+    return Built(info={**counts, "sizes": sizes}, refs=refs)
+
+
+def _check_dataset(dataset: list[SampleRow], family: families.Family, inputs: EncodeInputs) -> None:
+    """Refuse what the model cannot take (before anything is encoded): image sides, window lengths,
+    references per target."""
+    check_sizes(dataset, family.geometry(inputs.model_path).pixel_multiple, family.label)
+    check_frames(dataset, family, inputs.model_path, inputs.datasets)
+    families.check_references(family, max(len(s.references or ()) for s in dataset))
+
+
+def _unpaired(dataset: list[SampleRow], images: dict[str, ImageRow], keys: SampleKeys, failed: dict[str, str],
+              datasets: tuple[DatasetSource, ...]) -> dict[str, str]:
+    """The edit pairs whose reference cannot be decoded (id -> why): left out with it, never trained
+    unpaired."""
+    unpaired = {}
+    for s in dataset:
+        broken = next((images[r] for r in keys.references.get(s.id, ()) if r in failed), None)
+        if broken is not None and s.id not in failed:
+            unpaired[s.id] = f"its reference {broken.label(datasets)} cannot be decoded"
+    return unpaired
+
+
+def _index_header(params: EncodeParams, family: families.Family, inputs: EncodeInputs, keys: SampleKeys) -> dict:
+    """samples.json's header: the family, the encoders' digests, the text and caption settings and
+    the latent normalisation train and evaluate apply."""
+    return {
         "family": family.name, "dtype": params.dtype, "models": inputs.model_digests,
         "text_options": families.TextOptions(**params.model_dump(include=set(families.TextOptions.model_fields))
                                              ).model_dump(mode="json"),
         **resolved_settings(family, inputs.model_path, params),
         "empty_text": keys.empty, "flip": params.flip, **_caption_header(params),
-    })
-    (out_dir / "logs").mkdir()
-    (out_dir / "logs" / "report.json").write_text(json.dumps({"undecodable": undecodable}, indent=1, sort_keys=True))
-    counts = {
-        "latents_encoded": len(jobs.latents) - failed_jobs, "latents_reused": jobs.reused_latents,
-        "texts_encoded": len(jobs.texts), "texts_reused": len(keys.texts()) - len(jobs.texts),
-        "masks_encoded": sum(1 for _, i, _ in jobs.masks if dataset[i]["id"] not in failed),
-        "masks_reused": len(keys.masks()) - len(jobs.masks),
-        "undecodable": len(undecodable), "processes": placement.processes,
     }
-    log("encode: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
-    sizes = dict(sorted(Counter(f"{s['size'][1]}x{s['size'][0]}" for s in usable).items()))
-    return Built(info={**counts, "sizes": sizes}, refs=refs)
 
 
 def where(options: EncodeOptions) -> Where:
@@ -331,23 +344,23 @@ def _add_member_digests(store: SampleStore, keys: SampleKeys, log: Log) -> None:
         log(f"encode: recorded the record digests of {completed} shards written by an older lorapipe")
 
 
-def check_sizes(dataset: list[dict], multiple: int, label: str) -> None:
+def check_sizes(dataset: list[SampleRow], multiple: int, label: str) -> None:
     """Refuse image sides the model cannot take (before anything is encoded)."""
-    odd = next((s for s in dataset if s["size"][0] % multiple or s["size"][1] % multiple), None)
+    odd = next((s for s in dataset if s.size[0] % multiple or s.size[1] % multiple), None)
     if odd is not None:
         raise UserError(f"preprocess.resolution / bucket_sizes: {label} needs image sides that are multiples of"
-                        f" {multiple} px, but images are cropped to {odd['size'][1]}x{odd['size'][0]}: choose"
+                        f" {multiple} px, but images are cropped to {odd.size[1]}x{odd.size[0]}: choose"
                         f" a resolution that is a multiple of {multiple}")
 
 
-def check_frames(dataset: list[dict], family: families.Family, model_path: Path,
+def check_frames(dataset: list[SampleRow], family: families.Family, model_path: Path,
                  datasets: tuple[DatasetSource, ...]) -> None:
     """Refuse clip windows of a length the model cannot take (before anything is encoded)."""
     for s in dataset:
-        problem = family.frames_problem(model_path, len(s.get("frames", ())))
+        problem = family.frames_problem(model_path, s.frame_count)
         if problem:
-            raise UserError(f"preprocess.video.num_frames / frame_buckets: {problem}; {sample_label(s, datasets)} has"
-                            f" a window of {len(s['frames'])} frames")
+            raise UserError(f"preprocess.video.num_frames / frame_buckets: {problem}; {s.label(datasets)} has"
+                            f" a window of {s.frame_count} frames")
 
 
 def _reference_entries(keys: SampleKeys, sample_id: str, flip: bool) -> dict:
@@ -358,32 +371,32 @@ def _reference_entries(keys: SampleKeys, sample_id: str, flip: bool) -> dict:
     return {"references": keys.reference_latents(sample_id), **mirrored}
 
 
-def _write_index(out_dir: Path, dataset: list[dict], keys: SampleKeys, store: SampleStore,
+def _write_index(out_dir: Path, dataset: list[SampleRow], keys: SampleKeys, store: SampleStore,
                  datasets: tuple[DatasetSource, ...], header: dict) -> dict:
     """Write samples.json (in record-key order, after `header`) and locations/index.json; return the
     shards they point into as artifact refs (size, digest)."""
     index = store.index()
-    ordered = sorted(dataset, key=lambda s: (keys.latent[s["id"]], keys.text[s["id"]][0]))
+    ordered = sorted(dataset, key=lambda s: (keys.latent[s.id], keys.text[s.id][0]))
 
-    def sample_entry(s: dict) -> dict:
-        flip = {"latent_flip": keys.latent_flip[s["id"]]} if header["flip"] else {}
-        texts = keys.text[s["id"]]
+    def sample_entry(s: SampleRow) -> dict:
+        flip = {"latent_flip": keys.latent_flip[s.id]} if header["flip"] else {}
+        texts = keys.text[s.id]
         variants = {"text_variants": list(texts), "caption_variants": [keys.captions[k] for k in texts]
                     } if len(texts) > 1 else {}
-        masks = {name: table[s["id"]] for name, table in (("mask", keys.mask), ("mask_flip", keys.mask_flip))
-                 if s["id"] in table}
+        masks = {name: table[s.id] for name, table in (("mask", keys.mask), ("mask_flip", keys.mask_flip))
+                 if s.id in table}
         return {
-            "split": s["split"], "caption": s["caption"], "original_size": s["original_size"],
-            "crop_box": s["crop_box"], "resized": s["resized"], "size": s["size"], "repeats": s["repeats"],
+            "split": s.split, "caption": s.caption, "original_size": s.original_size,
+            "crop_box": s.crop_box, "resized": s.resized, "size": s.size, "repeats": s.repeats,
             # a clip's window: its frames and the frame rate they were sampled at (absent: an image)
-            **({"frames": len(s["frames"]), "fps": s["fps"]} if "frames" in s else {}),
-            "latent": keys.latent[s["id"]], "text": texts[0], **variants, **flip, **masks,
-            **({"role": s["role"]} if "role" in s else {}),  # a prior sample's (absent: train, as before)
-            **_reference_entries(keys, s["id"], header["flip"]),
-            **({"empty_text": keys.own_empty[s["id"]]} if s["id"] in keys.own_empty else {}),
+            **({"frames": s.frame_count, "fps": s.fps} if s.is_clip else {}),
+            "latent": keys.latent[s.id], "text": texts[0], **variants, **flip, **masks,
+            **({"role": s.role} if s.role else {}),  # a prior sample's (absent: train, as before)
+            **_reference_entries(keys, s.id, header["flip"]),
+            **({"empty_text": keys.own_empty[s.id]} if s.id in keys.own_empty else {}),
         }
 
-    used = sorted({keys.empty} - {None} | {k for s in ordered for k in keys.of_sample(s["id"])})
-    write_index(out_dir, header, map(sample_entry, ordered), [{"id": s["id"], "dataset": datasets[s["source"]].label} for s in ordered],
+    used = sorted({keys.empty} - {None} | {k for s in ordered for k in keys.of_sample(s.id)})
+    write_index(out_dir, header, map(sample_entry, ordered), [{"id": s.id, "dataset": datasets[s.source].label} for s in ordered],
         {key: index[key] for key in used})
     return store.refs(index[key].shard for key in used)

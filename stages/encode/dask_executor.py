@@ -14,16 +14,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, TypeVar
 
 from lorapipe.cache.digest import digest_json
-from lorapipe.cache.fsutil import write_json_atomic
 from lorapipe.cache.object_store import open_sample_store
 
 from ..contract import Log
 from ..processes.jobs import Job
 from .latents import Progress
-from .workers import EncodeJobs, encode_chunks, read_spec
+from .workers import EncodeJobs, EncodeResult, EncodeSpec, encode_chunks, job_dataset
 
 if TYPE_CHECKING:
     from ..processes.placement import DaskPool
+    from ..preprocess.rows import ImageRow
     from . import EncodeInputs, EncodeOptions, EncodeParams
 
 T = TypeVar("T")
@@ -37,10 +37,11 @@ class ChunkResult:
     lines: list[str]  # what the worker logged (warnings, skipped images)
 
 
-def deal(job: Job, pool: DaskPool, log: Log) -> None:
-    """Encode the job as shard-sized chunks, each a task of `pool` (executor: dask); write what
-    failed into the work dir as one process does."""
-    params, inputs, options, jobs, dataset = read_spec(job)
+def deal(job: Job[EncodeSpec], pool: DaskPool, log: Log) -> EncodeResult:
+    """Encode the job as shard-sized chunks, each a task of `pool` (executor: dask); return what
+    failed, as one process does."""
+    params, inputs, options, jobs = job.spec.params, job.spec.inputs, job.spec.options, job.spec.jobs
+    dataset = job_dataset(job.spec)
     chunks = jobs.chunks(options.shard_records)
     log(f"encode: {len(chunks)} chunks of up to {options.shard_records} records on {pool.describe()}")
     progress = Progress(len(jobs.latents), jobs.reused_latents, log, options.progress_every,
@@ -54,10 +55,10 @@ def deal(job: Job, pool: DaskPool, log: Log) -> None:
             log(line)
         failed.update(result.failed)
         progress.advance(result.latents)
-    write_json_atomic(job.work_dir / "failed-0.json", failed)
+    return EncodeResult(failed=failed)
 
 
-def encode_chunk(chunk: EncodeJobs, samples: dict[int, dict], params: EncodeParams, inputs: EncodeInputs,
+def encode_chunk(chunk: EncodeJobs, samples: dict[int, ImageRow], params: EncodeParams, inputs: EncodeInputs,
                  options: EncodeOptions) -> ChunkResult:
     """A task: encode the chunk's records not committed yet (an earlier attempt, on a worker that
     died after committing, may have written them) into one shard."""

@@ -1,6 +1,6 @@
 """Pixel work, in decode threads: read, check, decode, orient, convert to RGB, resize, crop, flip.
 
-An image becomes (3, H, W) pixels; a clip's window (preprocess: `frames`) becomes (3, F, H, W):
+An image becomes (3, H, W) pixels; a clip's window (ImageRow.frames) becomes (3, F, H, W):
 each frame decoded upright (stages/video.py), checked against the window's digest, then resized,
 cropped and mirrored as an image of the clip's size is."""
 from __future__ import annotations
@@ -12,6 +12,7 @@ from PIL import ExifTags, Image
 
 from lorapipe.cache.digest import digest_bytes, digest_json
 
+from ..preprocess.rows import ImageRow
 from ..preprocess.sources import DatasetSource, local_file, read_image_bytes
 from ..preprocess.validation import TRANSPOSED
 from ..video import VideoProblem, decode_frames, frame_digest
@@ -24,11 +25,6 @@ EXIF_TRANSPOSE = {  # EXIF orientation -> the turn that shows the image upright
     5: Image.Transpose.TRANSPOSE, 6: Image.Transpose.ROTATE_270, 7: Image.Transpose.TRANSVERSE,
     8: Image.Transpose.ROTATE_90,
 }
-
-
-def sample_label(sample: dict, datasets: tuple[DatasetSource, ...]) -> str:
-    """The file as the user knows it: its path, prefixed by its dataset's name when there are several."""
-    return f"{datasets[sample['source']].label}/{sample['path']}" if len(datasets) > 1 else sample["path"]
 
 
 def to_rgb(im: Image.Image, background: tuple[int, int, int] | None) -> Image.Image:
@@ -64,32 +60,33 @@ def upright_resized(im: Image.Image, size: tuple[int, int], convert: Callable[[I
     return im.transpose(turn) if turn is not None else im
 
 
-def placed(im: Image.Image, sample: dict, flip: bool, convert: Callable[[Image.Image], Image.Image]) -> Image.Image:
+def placed(im: Image.Image, sample: ImageRow, flip: bool, convert: Callable[[Image.Image], Image.Image]
+           ) -> Image.Image:
     """convert(im) upright, resized and cropped as preprocess placed the sample, mirrored if `flip`."""
-    im = upright_resized(im, tuple(sample["resized"]), convert).crop(tuple(sample["crop_box"]))
+    im = upright_resized(im, sample.resized, convert).crop(sample.crop_box)
     return im.transpose(Image.FLIP_LEFT_RIGHT) if flip else im
 
 
-def placed_image(datasets: tuple[DatasetSource, ...], s: dict, flip: bool = False) -> Image.Image | None:
+def placed_image(datasets: tuple[DatasetSource, ...], s: ImageRow, flip: bool = False) -> Image.Image | None:
     """The sample's image, RGB, placed as preprocess decided (mirrored with `flip`); None when its
     bytes changed since preprocess. Raises OSError, ValueError or SyntaxError on a broken file."""
-    data = read_image_bytes(datasets[s["source"]], s["path"])
-    if digest_bytes(data) != s["digest"]:
+    data = read_image_bytes(datasets[s.source], s.path)
+    if digest_bytes(data) != s.digest:
         return None
     with Image.open(io.BytesIO(data)) as im:  # placed while open: a JPEG is drafted before it decodes
-        return placed(im, s, flip, lambda decoded: to_rgb(decoded, s.get("background")))
+        return placed(im, s, flip, lambda decoded: to_rgb(decoded, s.background))
 
 
-def upright_image(datasets: tuple[DatasetSource, ...], s: dict) -> Image.Image | None:
+def upright_image(datasets: tuple[DatasetSource, ...], s: ImageRow) -> Image.Image | None:
     """The sample's whole image, RGB (alpha on its background), turned upright as viewers show it;
     None when its bytes changed since preprocess. Raises OSError, ValueError or SyntaxError on a
     broken file."""
-    data = read_image_bytes(datasets[s["source"]], s["path"])
-    if digest_bytes(data) != s["digest"]:
+    data = read_image_bytes(datasets[s.source], s.path)
+    if digest_bytes(data) != s.digest:
         return None
     with Image.open(io.BytesIO(data)) as im:
         turn = EXIF_TRANSPOSE.get(im.getexif().get(ExifTags.Base.Orientation, 1))
-        rgb = to_rgb(im, s.get("background"))
+        rgb = to_rgb(im, s.background)
     return rgb.transpose(turn) if turn is not None else rgb
 
 
@@ -105,7 +102,7 @@ class ImageCrops:
     """A map-style dataset of (latent job index, pixels in [-1, 1] or None, why it failed): a broken
     file, or one whose bytes changed since preprocess, is reported, never raised."""
 
-    def __init__(self, datasets: tuple[DatasetSource, ...], samples: list[dict], flips: list[bool]):
+    def __init__(self, datasets: tuple[DatasetSource, ...], samples: list[ImageRow], flips: list[bool]):
         self.datasets, self.samples, self.flips = datasets, samples, flips
 
     def __len__(self) -> int:
@@ -116,7 +113,7 @@ class ImageCrops:
 
         s = self.samples[i]
         try:
-            frames = (self._placed_clip if "frames" in s else self._placed_image)(s, self.flips[i])
+            frames = (self._placed_clip if s.is_clip else self._placed_image)(s, self.flips[i])
         except VideoProblem as problem:
             return i, None, f"cannot decode ({problem})"
         except (OSError, ValueError, SyntaxError) as e:
@@ -124,15 +121,15 @@ class ImageCrops:
         if frames is None:
             return i, None, "changed since preprocess ran (run the pipeline again)"
         pixels = torch.stack([_tensor(im) for im in frames], dim=1)  # (3, F, H, W)
-        return i, pixels if "frames" in s else pixels[:, 0], ""
+        return i, pixels if s.is_clip else pixels[:, 0], ""
 
-    def _placed_image(self, s: dict, flip: bool) -> list[Image.Image] | None:
+    def _placed_image(self, s: ImageRow, flip: bool) -> list[Image.Image] | None:
         image = placed_image(self.datasets, s, flip)
         return None if image is None else [image]
 
-    def _placed_clip(self, s: dict, flip: bool) -> list[Image.Image] | None:
-        frames = decode_frames(local_file(self.datasets[s["source"]], s["path"]), s["frames"])
-        if digest_json([frame_digest(frame) for frame in frames]) != s["digest"]:
+    def _placed_clip(self, s: ImageRow, flip: bool) -> list[Image.Image] | None:
+        frames = decode_frames(local_file(self.datasets[s.source], s.path), list(s.frames))
+        if digest_json([frame_digest(frame) for frame in frames]) != s.digest:
             return None
         return [placed(Image.fromarray(frame), s, flip, lambda decoded: decoded) for frame in frames]
 
@@ -145,9 +142,9 @@ def _tensor(im: Image.Image) -> torch.Tensor:
     return pixels.view(im.height, im.width, 3).permute(2, 0, 1).float() / 127.5 - 1.0
 
 
-def sample_shape(sample: dict) -> tuple[int, int, int]:
+def sample_shape(sample: ImageRow) -> tuple[int, int, int]:
     """A preprocess sample's pixel shape as batches group it: (window frames, or 0 for an image, H, W)."""
-    return (len(sample.get("frames", ())), *sample["size"])
+    return (sample.frame_count, *sample.size)
 
 
 def size_batches(sizes: list[tuple[int, ...]], batch_size: int) -> list[list[int]]:

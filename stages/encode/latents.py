@@ -8,7 +8,8 @@ from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 from ..contract import Log
 from ..encoded import encode_record
 from ..progress import ProgressLines
-from .images import ImageCrops, sample_label, sample_shape, size_batches
+from ..preprocess.rows import ImageRow
+from .images import ImageCrops, sample_shape, size_batches
 
 if TYPE_CHECKING:
     import torch
@@ -60,7 +61,7 @@ def decoded_batches(crops: ImageCrops, batches: list[list[int]], workers: int) -
             yield decoding.popleft().result()
 
 
-def encode_latents(jobs: list[tuple[str, dict, bool]], datasets: tuple[DatasetSource, ...],
+def encode_latents(jobs: list[tuple[str, ImageRow, bool]], datasets: tuple[DatasetSource, ...],
                    encoder: Callable[[], LatentEncoder], dtype: torch.dtype, add: Callable[[str, dict[str, bytes]], None],
                    batch_size: int, num_workers: int, progress: Progress, log: Log,
                    chunks: list[int] | None = None) -> dict[str, str]:
@@ -81,8 +82,8 @@ def encode_latents(jobs: list[tuple[str, dict, bool]], datasets: tuple[DatasetSo
     with torch.inference_mode():
         for batch in decoded_batches(crops, batches, num_workers):
             for i, _, reason in (item for item in batch if item[1] is None):
-                failed[jobs[i][1]["id"]] = reason
-                log(f"encode: skipped {sample_label(jobs[i][1], datasets)}: {reason}")
+                failed[jobs[i][1].id] = reason
+                log(f"encode: skipped {jobs[i][1].label(datasets)}: {reason}")
             good = [(i, pixels) for i, pixels, _ in batch if pixels is not None]
             if good:
                 chunks = halve_on_oom(posterior, torch.stack([p for _, p in good]), log)
@@ -90,6 +91,6 @@ def encode_latents(jobs: list[tuple[str, dict, bool]], datasets: tuple[DatasetSo
                 for row, (i, _) in enumerate(good):
                     key, sample, flip = jobs[i]
                     tensors = {"mean": mean[row].to(dtype), "std": std[row].to(dtype)}
-                    add(key, encode_record(tensors, {"image": sample["digest"], "flip": flip}))
+                    add(key, encode_record(tensors, {"image": sample.digest, "flip": flip}))
             progress.advance(len(batch))
     return failed

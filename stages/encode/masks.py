@@ -20,8 +20,9 @@ from PIL import Image
 from lorapipe.cache.digest import digest_bytes, digest_json
 
 from ..encoded import encode_record
+from ..preprocess.rows import SampleRow
 from ..preprocess.sources import DatasetSource, read_image_bytes
-from .images import placed, sample_label, to_rgb
+from .images import placed, to_rgb
 
 if TYPE_CHECKING:
     import torch
@@ -29,28 +30,28 @@ if TYPE_CHECKING:
 MASK_VERSION = "1"
 
 
-def mask_key(sample: dict, factor: int, flip: bool = False) -> str | None:
+def mask_key(sample: SampleRow, factor: int, flip: bool = False) -> str | None:
     """The sample's mask record key; None when it has no mask."""
-    mask = sample.get("mask")
+    mask = sample.mask
     if mask is None:
         return None
-    made_from = {"sidecar": mask["digest"]} if mask["from"] == "sidecar" else {"alpha": sample["digest"]}
-    return digest_json({**made_from, "resized": sample["resized"], "crop_box": sample["crop_box"], "flip": flip,
+    made_from = {"sidecar": mask.digest} if mask.made_from == "sidecar" else {"alpha": sample.digest}
+    return digest_json({**made_from, "resized": list(sample.resized), "crop_box": list(sample.crop_box), "flip": flip,
                         "factor": factor, "version": MASK_VERSION})[:40]
 
 
-def mask_weights(sample: dict, datasets: tuple[DatasetSource, ...], factor: int, flip: bool) -> torch.Tensor:
+def mask_weights(sample: SampleRow, datasets: tuple[DatasetSource, ...], factor: int, flip: bool) -> torch.Tensor:
     """(1, h, w) weights in [0, 1]; OSError or ValueError when the file cannot be used."""
     import numpy as np
     import torch
 
-    mask, source = sample["mask"], datasets[sample["source"]]
-    path, digest = (mask["path"], mask["digest"]) if mask["from"] == "sidecar" else (sample["path"], sample["digest"])
+    mask, source = sample.mask, datasets[sample.source]
+    path, digest = (mask.path, mask.digest) if mask.made_from == "sidecar" else (sample.path, sample.digest)
     data = read_image_bytes(source, path)
     if digest_bytes(data) != digest:
         raise ValueError(f"{path} changed since preprocess ran (run the pipeline again)")
     gray: Callable[[Image.Image], Image.Image] = (
-        (lambda im: to_rgb(im, None).convert("L")) if mask["from"] == "sidecar"
+        (lambda im: to_rgb(im, None).convert("L")) if mask.made_from == "sidecar"
         else (lambda im: im.convert("RGBA").getchannel("A")))
     with Image.open(io.BytesIO(data)) as im:
         im = placed(im, sample, flip, gray)
@@ -59,7 +60,7 @@ def mask_weights(sample: dict, datasets: tuple[DatasetSource, ...], factor: int,
     return torch.from_numpy(np.asarray(averaged, dtype=np.float32) / 255).unsqueeze(0)
 
 
-def encode_masks(jobs: list[tuple[str, dict, bool]], datasets: tuple[DatasetSource, ...], factor: int,
+def encode_masks(jobs: list[tuple[str, SampleRow, bool]], datasets: tuple[DatasetSource, ...], factor: int,
                  add: Callable[[str, dict[str, bytes]], None], log: Callable[[str], None]) -> dict[str, str]:
     """jobs: (mask record key, preprocess sample, flipped). Returns the samples whose mask could not
     be read: id -> reason (they are left out, as an undecodable image is)."""
@@ -68,8 +69,8 @@ def encode_masks(jobs: list[tuple[str, dict, bool]], datasets: tuple[DatasetSour
         try:
             weights = mask_weights(sample, datasets, factor, flip)
         except (OSError, ValueError, SyntaxError) as e:
-            failed[sample["id"]] = f"its mask cannot be used ({type(e).__name__}: {e})"
-            log(f"encode: skipped {sample_label(sample, datasets)}: {failed[sample['id']]}")
+            failed[sample.id] = f"its mask cannot be used ({type(e).__name__}: {e})"
+            log(f"encode: skipped {sample.label(datasets)}: {failed[sample.id]}")
             continue
-        add(key, encode_record({"mask": weights}, {"from": sample["mask"]["from"], "flip": flip}))
+        add(key, encode_record({"mask": weights}, {"from": sample.mask.made_from, "flip": flip}))
     return failed

@@ -4,27 +4,28 @@ its placement says (stages/processes/placement.py): in one process, or dealt to 
 
 Rank r of N takes every N-th job of the sorted lists, so the split is deterministic and no two
 processes encode the same record; each commits its own shards (named by their content digest)
-and writes `failed-<rank>.json`. No collective communication is needed.
+and returns its share of the EncodeResult (the images it could not read), which the job layer
+gathers. No collective communication is needed.
 
 Whoever encodes (this process, a rank, a Dask worker) cuts its jobs into shard-sized chunks in
 plan order (EncodeJobs.chunks) and commits each chunk as one shard.
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Mapping, Sequence, TypeVar
 
-from lorapipe.cache.fsutil import write_json_atomic
 from lorapipe.cache.object_store import open_sample_store
 from lorapipe.cache.samples import SampleStore
 
-from ..contract import Log
+from ..contract import Frozen, Log, json_form
 from ..encoded import encode_record
-from ..processes.jobs import Job, process_device, process_rank
+from ..processes.jobs import Job, SplitResult, gather, process_device, process_rank
 from ..processes.optional_libraries import OPTIONAL
-from .images import decode_failure, placed_image, sample_label, sample_shape
+from ..processes.placement import Placement, run_at
+from . import EncodeInputs, EncodeOptions, EncodeParams
+from .images import decode_failure, placed_image, sample_shape
 from .latents import Progress, encode_latents
 from .masks import encode_masks
 
@@ -32,9 +33,9 @@ if TYPE_CHECKING:
     from PIL.Image import Image
 
     from ..families.base import TextEncoder
-    from ..processes.placement import Placement
+    from ..preprocess.rows import ImageRow
     from ..preprocess.sources import DatasetSource
-    from . import EncodeInputs, EncodeOptions, EncodeParams, SampleKeys
+    from . import SampleKeys
 
 T = TypeVar("T")
 Loader = Callable[[tuple, Callable[[], T]], T]  # ((kind, what identifies the model...), how to load it) -> it
@@ -50,24 +51,24 @@ class EncodeJobs:
     masks: list[tuple[str, int, bool]] = ()  # (mask record key, dataset.json index, flipped), by key
 
     @classmethod
-    def plan(cls, dataset: list[dict], keys: SampleKeys, missing: set[str],
+    def plan(cls, dataset: list[ImageRow], keys: SampleKeys, missing: set[str],
              datasets: tuple[DatasetSource, ...]) -> "EncodeJobs":
         texts = {keys.empty: ("", "the empty prompt", ())} if keys.empty else {}
-        index = {s["id"]: i for i, s in enumerate(dataset)}
+        index = {s.id: i for i, s in enumerate(dataset)}
         for s in dataset:
-            own_empty = (keys.own_empty[s["id"]],) if s["id"] in keys.own_empty else ()
-            for key in (*keys.text.get(s["id"], ()), *own_empty):  # a reference image has no caption
+            own_empty = (keys.own_empty[s.id],) if s.id in keys.own_empty else ()
+            for key in (*keys.text.get(s.id, ()), *own_empty):  # a reference image has no caption
                 reader = keys.text_references.get(key)
                 references = tuple(index[r] for r in keys.references[reader]) if reader else ()
-                texts.setdefault(key, (keys.captions[key], sample_label(s, datasets), references))
+                texts.setdefault(key, (keys.captions[key], s.label(datasets), references))
         latents = {}
         for i, s in enumerate(dataset):
             for flip, table in ((False, keys.latent), (True, keys.latent_flip)):
-                if s["id"] in table:
-                    latents[table[s["id"]]] = (sample_shape(s), i, flip)
+                if s.id in table:
+                    latents[table[s.id]] = (sample_shape(s), i, flip)
         todo = sorted((size, key, i, flip) for key, (size, i, flip) in latents.items() if key in missing)
-        masks = {table[s["id"]]: (i, flip) for i, s in enumerate(dataset)
-                 for flip, table in ((False, keys.mask), (True, keys.mask_flip)) if s["id"] in table}
+        masks = {table[s.id]: (i, flip) for i, s in enumerate(dataset)
+                 for flip, table in ((False, keys.mask), (True, keys.mask_flip)) if s.id in table}
         return cls(sorted((k, *job) for k, job in texts.items() if k in missing),
                    [(key, i, flip) for _, key, i, flip in todo], len(latents) - len(todo),
                    sorted((key, i, flip) for key, (i, flip) in masks.items() if key in missing))
@@ -97,7 +98,18 @@ class EncodeJobs:
                           self.reused_latents, [j for j in self.masks if j[0] in keys])
 
 
-def encode_jobs(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inputs: EncodeInputs,
+class EncodeSpec(Frozen):
+    params: EncodeParams
+    options: EncodeOptions
+    inputs: json_form(EncodeInputs)
+    jobs: EncodeJobs
+
+
+class EncodeResult(SplitResult):
+    failed: dict[str, str]  # undecodable sample id -> reason
+
+
+def encode_jobs(jobs: EncodeJobs, dataset: list[ImageRow], params: EncodeParams, inputs: EncodeInputs,
                 options: EncodeOptions, rank: int, world: int, log: Log) -> dict[str, str]:
     """Encode this rank's share of the jobs into the sample store; return undecodable sample ids."""
     import torch
@@ -111,7 +123,7 @@ def encode_jobs(jobs: EncodeJobs, dataset: list[dict], params: EncodeParams, inp
     return encode_chunks(mine.chunks(options.shard_records), dataset, params, inputs, options, progress, log)
 
 
-def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[dict] | Mapping[int, dict], params: EncodeParams,
+def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[ImageRow] | Mapping[int, ImageRow], params: EncodeParams,
                   inputs: EncodeInputs, options: EncodeOptions, progress: Progress, log: Log,
                   loaded: Loader = lambda _, load: load()) -> dict[str, str]:
     """Encode the chunks' jobs, one shard per chunk; `dataset[i]` is the sample of latent job i.
@@ -141,7 +153,7 @@ def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[dict] | Mapping[in
 
 def encode_texts(jobs: list[tuple[str, str, str, tuple[int, ...]]], encoder: Callable[[], TextEncoder],
                  add: Callable[[str, dict[str, bytes]], None], batch_size: int, log: Log,
-                 image: Callable[[int], tuple[dict, tuple[DatasetSource, ...]]]) -> dict[str, str]:
+                 image: Callable[[int], tuple[ImageRow, tuple[DatasetSource, ...]]]) -> dict[str, str]:
     """jobs: (text record key, caption, whose caption, its references' latent job indices) for texts
     not yet in the store; `image(i)`: latent job i's image and the datasets. Return the references
     that could not be read (id -> why): their texts are not encoded."""
@@ -168,16 +180,16 @@ def encode_texts(jobs: list[tuple[str, str, str, tuple[int, ...]]], encoder: Cal
     return failed
 
 
-def reference_picture(reference: dict, datasets: tuple[DatasetSource, ...], failed: dict[str, str]) -> Image | None:
+def reference_picture(reference: ImageRow, datasets: tuple[DatasetSource, ...], failed: dict[str, str]) -> Image | None:
     """A reference image placed as its latent is, for a text encoder that reads it; None (and the
     reason in `failed`) when it cannot be read or changed since preprocess."""
     try:
         picture = placed_image(datasets, reference)
     except (OSError, ValueError, SyntaxError) as e:
-        failed[reference["id"]] = decode_failure(e)
+        failed[reference.id] = decode_failure(e)
         return None
     if picture is None:
-        failed[reference["id"]] = "changed since preprocess ran (run the pipeline again)"
+        failed[reference.id] = "changed since preprocess ran (run the pipeline again)"
     return picture
 
 
@@ -208,39 +220,26 @@ class RecordBuffer:
 def encode_at(placement: Placement, jobs: EncodeJobs, params: EncodeParams, inputs: EncodeInputs,
               options: EncodeOptions, work_dir: Path, log: Log) -> dict[str, str]:
     """Encode the jobs where `placement` says (stages/processes/placement.py); return the undecodable samples."""
-    for stale in work_dir.glob("failed-*.json"):
-        stale.unlink()
     if placement.processes > 1:
         log(f"encode: {placement.processes} processes, {len(jobs.latents)} latents and {len(jobs.texts)} texts")
-    spec = {"params": params.model_dump(mode="json"), "options": options.model_dump(mode="json"),
-            "inputs": inputs.to_json(), "texts": jobs.texts, "latents": jobs.latents, "reused": jobs.reused_latents,
-            "masks": jobs.masks}
-    placement.run(Job("encode", spec, work_dir, placement.threads(options.cpu_threads), OPTIONAL, inputs.cache_root),
-                  log)
-    failed: dict[str, str] = {}
-    for rank in range(placement.processes):
-        failed.update(json.loads((work_dir / f"failed-{rank}.json").read_text()))
-    return failed
+    spec = EncodeSpec(params=params, options=options, inputs=inputs, jobs=jobs)
+    run_at(placement, Job("encode", spec, work_dir, placement.threads(options.cpu_threads), OPTIONAL,
+                          inputs.cache_root), log)
+    return gather(work_dir, EncodeResult, placement.processes).failed
 
 
-def run_job(job: Job, log: Log) -> None:
-    """Encode this rank's share of the job (stages/processes/jobs.py); write what failed into the work dir."""
-    params, inputs, options, jobs, dataset = read_spec(job)
+def run_job(job: Job[EncodeSpec], log: Log) -> EncodeResult:
+    """Encode this rank's share of the job (stages/processes/jobs.py); return what failed."""
+    spec = job.spec
     rank, world = process_rank()
-    failed = encode_jobs(jobs, dataset, params, inputs, options, rank, world,
-                         (lambda m: log(f"[rank {rank}] {m}")) if rank else log)
-    write_json_atomic(job.work_dir / f"failed-{rank}.json", failed)
+    return EncodeResult(failed=encode_jobs(spec.jobs, job_dataset(spec), spec.params, spec.inputs, spec.options, rank,
+                                           world, (lambda m: log(f"[rank {rank}] {m}")) if rank else log))
 
 
-def read_spec(job: Job) -> tuple[EncodeParams, EncodeInputs, EncodeOptions, EncodeJobs, list[dict]]:
-    """What `encode_at` wrote into the job, and the dataset its latent jobs index."""
-    from . import EncodeInputs, EncodeOptions, EncodeParams
+def job_dataset(spec: EncodeSpec) -> list[ImageRow]:
+    """The dataset the latent jobs of `spec` index."""
     from ..preprocess import DATASET_FILE
+    from ..preprocess.rows import read_rows
     from .references import with_references
 
-    spec = job.spec
-    inputs = EncodeInputs.from_json(spec["inputs"])
-    jobs = EncodeJobs([(*t[:3], tuple(t[3])) for t in spec["texts"]], [tuple(t) for t in spec["latents"]], spec["reused"],
-                      [tuple(t) for t in spec["masks"]])
-    dataset = with_references(json.loads((inputs.preprocess_dir / DATASET_FILE).read_text())["samples"])
-    return EncodeParams(**spec["params"]), inputs, EncodeOptions(**spec["options"]), jobs, dataset
+    return with_references(read_rows(spec.inputs.preprocess_dir / DATASET_FILE))

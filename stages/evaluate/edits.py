@@ -9,7 +9,6 @@ dataset and placed exactly as encode placed them, and each renders at its target
 """
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,10 +16,11 @@ from typing import TYPE_CHECKING
 import torch
 from PIL import Image
 
-from lorapipe.stages.encode.images import placed_image, sample_label
+from lorapipe.stages.encode.images import placed_image
 from lorapipe.stages.encode.references import reference_images
 from lorapipe.stages.encoded import EncodedData
 from lorapipe.stages.preprocess import DATASET_FILE
+from lorapipe.stages.preprocess.rows import read_rows
 from lorapipe.stages.preprocess.sources import DatasetSource
 
 from .losses import loss_subset
@@ -49,16 +49,15 @@ def held_out_pairs(encoded: EncodedData, preprocess_dir: str, sources: dict, lim
     if not held or not limit or not preprocess_dir:
         return []
     datasets = tuple(DatasetSource(**d) for d in sources["sources"])
-    by_id = {(datasets[s["source"]].label, s["id"]): s
-             for s in json.loads((Path(preprocess_dir) / DATASET_FILE).read_text())["samples"]}
+    by_id = {(datasets[s.source].label, s.id): s for s in read_rows(Path(preprocess_dir) / DATASET_FILE)}
     pairs = []
     for sample in loss_subset(held, limit, loss_seed):
         entry = by_id[(sample.dataset, sample.id)]
         images = [placed_image(datasets, image) for image in (entry, *reference_images([entry]))]
         if any(image is None for image in images):
-            raise ValueError(f"evaluate: {entry['path']} or its references changed since encode ran: run the"
+            raise ValueError(f"evaluate: {entry.path} or its references changed since encode ran: run the"
                              " pipeline again")
-        pairs.append(EditPair(sample.caption, images[1:], images[0], sample_label(entry, datasets)))
+        pairs.append(EditPair(sample.caption, images[1:], images[0], entry.label(datasets)))
     return pairs
 
 

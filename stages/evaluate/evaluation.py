@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -35,6 +36,35 @@ COLUMN = {LORA_ADAPTER: "LoRA", EMA_ADAPTER: "EMA"}  # the grid's column label o
 SPLITS = ("holdout", "train")
 
 
+@dataclass(frozen=True)
+class LossSamples:
+    """What the denoising losses are scored on: per split the subject's samples (a prior dataset's
+    images, train.prior_loss_weight, are not what the LoRA learns) and the subset scored, at the
+    timesteps the trained denoiser works at."""
+
+    encoded: EncodedData
+    in_split: dict[str, list[Sample]]
+    scored: dict[str, list[Sample]]  # evaluate.loss_samples of each split, drawn by loss_seed
+    timesteps: list[int]
+    seed: int
+
+    @classmethod
+    def of(cls, encoded: EncodedData, params: EvalParams, timesteps: list[int]) -> "LossSamples":
+        in_split = {name: [s for s in encoded.split(name) if s.role == "train"] for name in SPLITS}
+        return cls(encoded, in_split, {name: loss_subset(samples, params.loss_samples, params.loss_seed)
+                                       for name, samples in in_split.items()}, timesteps, params.loss_seed)
+
+    def losses(self, denoiser: torch.nn.Module, scoring: Scoring,
+               splits: dict[str, list[Sample]] | None = None) -> dict[str, LossResult]:
+        """Denoising loss of the pipeline's denoiser, as it is now, on every non-empty split (default: `scored`)."""
+        return {name: denoising_loss(denoiser, scoring, self.encoded, samples, self.timesteps, self.seed)
+                for name, samples in (self.scored if splits is None else splits).items() if samples}
+
+    def counts(self) -> dict[str, dict[str, int]]:
+        return {"n_samples": {name: len(samples) for name, samples in self.scored.items()},  # scored for the loss
+                "n_samples_in_split": {name: len(samples) for name, samples in self.in_split.items()}}
+
+
 def run(
     params: EvalParams, inputs: EvalInputs, out_dir: Path, work_dir: Path,
     options: EvalOptions = EvalOptions(), log: Log = print,
@@ -47,10 +77,7 @@ def run(
     encoded = EncodedData(inputs.encoded_dir, inputs.cache_root)
     encoded.check_model(inputs.model_path, family.name, inputs.model_digests)
     scoring = _scorings(family, inputs.model_path, inputs.train_dir)
-    loss_timesteps = _loss_timesteps(scoring["lora"], params, trained.get("denoiser"))
-    # the subject's samples: a prior dataset's images (train.prior_loss_weight) are not what the LoRA learns
-    in_split = {name: [s for s in encoded.split(name) if s.role == "train"] for name in SPLITS}
-    splits = {name: loss_subset(samples, params.loss_samples, params.loss_seed) for name, samples in in_split.items()}
+    samples = LossSamples.of(encoded, params, _loss_timesteps(scoring["lora"], params, trained.get("denoiser")))
     render_family, render_path = _renderer(family, inputs, params, trained.get("denoiser"))
     pairs = held_out_pairs(encoded, inputs.preprocess_dir, inputs.datasets, params.edit_pairs, params.loss_seed)
     settings = _render_settings(render_family, render_path, encoded, params, options,  # bad settings: before loading
@@ -62,8 +89,8 @@ def run(
     pipe = _load_pipeline(inputs.model_path, options)
     denoiser = getattr(pipe, family.components.denoiser)
 
-    log(f"evaluate: base model, {len(splits['holdout'])} held-out losses")
-    base = _split_losses(denoiser, scoring["base"], encoded, splits, loss_timesteps, params)
+    log(f"evaluate: base model, {len(samples.scored['holdout'])} held-out losses")
+    base = samples.losses(denoiser, scoring["base"])
     if columns is None:
         columns = _render_grid(pipe, family, inputs.model_path, settings, params, inputs.train_dir, log)
     else:
@@ -71,7 +98,7 @@ def run(
     adapters = {}
     for name in _adapter_files(inputs.train_dir):
         pipe.set_adapters([name], adapter_weights=[1.0])
-        adapters[name] = _split_losses(denoiser, scoring["lora"], encoded, splits, loss_timesteps, params)
+        adapters[name] = samples.losses(denoiser, scoring["lora"])
 
     edits = _render_edits(pipe, family, pairs, params, settings, inputs.train_dir, out_dir, log) if pairs else None
     rows = [(prompt, seed) for prompt in params.prompts for seed in params.seeds]
@@ -79,33 +106,27 @@ def run(
     compose_grid(stills, rows, params.resolution).save(out_dir / GRID)
     clips = write_clips(columns, rows, params.resolution, render_family.clip_fps, out_dir)
     metrics = {
-        "loss": {
-            name: {"base": base[name], **{adapter: scored[name] for adapter, scored in adapters.items()}}
-            if name in base
-            else {"skipped": f"the {name} split is empty"}
-            for name in SPLITS
-        },
+        "loss": _loss_table(base, adapters),
         "clip_score": _clip_metrics(params, stills, [prompt for prompt, _ in rows], pipe.device, log),
-        "fid_kid": _fid_metrics(params, stills, log),
-        "n_samples": {name: len(samples) for name, samples in splits.items()},  # scored for the loss
-        "n_samples_in_split": {name: len(samples) for name, samples in in_split.items()},
+        "fid_kid": _fid_metrics(params, stills, log), **samples.counts(),
         "prediction_type": {name: s.objective.prediction for name, s in scoring.items()},
-        "provenance": {
-            "base_model": inputs.base_model_digest, "encoded": inputs.encoded_digest,
-            "lora": inputs.lora_digest, "evaluate_version": VERSION,
-        },
+        "provenance": {"base_model": inputs.base_model_digest, "encoded": inputs.encoded_digest,
+                       "lora": inputs.lora_digest, "evaluate_version": VERSION},
         **({"clips": clips} if clips else {}),  # the animated grid and one mp4 per clip (video models)
         **({"edit": edits} if edits else {}),  # held-out edit pairs (edit models)
     }
     _write_json(out_dir / METRICS, metrics)
-    checkpoints = _checkpoint_losses(pipe, scoring["lora"], inputs.train_dir, encoded, splits["holdout"], base,
-                                     loss_timesteps, params)
-    if checkpoints is not None:
-        _write_json(out_dir / CHECKPOINT_LOSSES, checkpoints)
-        if "skipped" not in checkpoints:
-            plot_checkpoint_losses(out_dir / CHECKPOINT_CHART, checkpoints)
-    write_report(out_dir / REPORT, metrics, loss_timesteps, checkpoints)
+    checkpoints = _checkpoint_losses(pipe, scoring["lora"], inputs.train_dir, samples, base)
+    _write_checkpoint_losses(out_dir, checkpoints)
+    write_report(out_dir / REPORT, metrics, samples.timesteps, checkpoints)
     return Built(info=_headline(metrics))
+
+
+def _loss_table(base: dict[str, LossResult], adapters: dict[str, dict[str, LossResult]]) -> dict[str, Any]:
+    """metrics.json's `loss`: per split the base model's and each adapter's, or why it was skipped."""
+    return {name: {"base": base[name], **{adapter: scored[name] for adapter, scored in adapters.items()}}
+            if name in base else {"skipped": f"the {name} split is empty"}
+            for name in SPLITS}
 
 
 def _trained_params(train_dir: Path) -> dict[str, Any]:
@@ -246,15 +267,6 @@ def _render_settings(family: families.Family, model_path: Path, encoded: Encoded
                            **render_size_kwargs(family, params.resolution, params.resolution)})
 
 
-def _split_losses(denoiser: torch.nn.Module, scoring: Scoring, encoded: EncodedData,
-                  splits: dict[str, list[Sample]], timesteps: list[int], params: EvalParams) -> dict[str, LossResult]:
-    """Denoising loss of the pipeline's denoiser, as it is now, on every non-empty split."""
-    return {
-        name: denoising_loss(denoiser, scoring, encoded, samples, timesteps, params.loss_seed)
-        for name, samples in splits.items() if samples
-    }
-
-
 def _load_pipeline(model_path: Path, options: EvalOptions) -> DiffusionPipeline:
     from diffusers import DiffusionPipeline
 
@@ -287,13 +299,13 @@ def _fid_metrics(params: EvalParams, columns: dict[str, list[Image.Image]], log:
 
 
 def _checkpoint_losses(
-    pipe: DiffusionPipeline, scoring: Scoring, train_dir: Path, encoded: EncodedData,
-    holdout: list[Sample], base: dict[str, LossResult], timesteps: list[int], params: EvalParams,
+    pipe: DiffusionPipeline, scoring: Scoring, train_dir: Path, samples: LossSamples, base: dict[str, LossResult],
 ) -> dict[str, Any] | None:
     """Held-out loss of every retained checkpoint's LoRA; None when the train artifact has none."""
     found = checkpoint_loras(train_dir)
     if not found:
         return None
+    holdout = samples.scored["holdout"]
     if not holdout:
         return {"skipped": "the holdout split is empty"}
     denoiser = getattr(pipe, scoring.family.components.denoiser)
@@ -301,9 +313,17 @@ def _checkpoint_losses(
     for step, file in found:  # one adapter at a time: unloading restores the base denoiser
         pipe.unload_lora_weights()
         _load_adapter(pipe, scoring.family, file, LORA_ADAPTER)
-        loss = _split_losses(denoiser, scoring, encoded, {"holdout": holdout}, timesteps, params)["holdout"]
+        loss = samples.losses(denoiser, scoring, {"holdout": holdout})["holdout"]
         results.append({"step": step, **loss})
     return {"split": "holdout", "base": base["holdout"]["overall"], "checkpoints": results}
+
+
+def _write_checkpoint_losses(out_dir: Path, checkpoints: dict[str, Any] | None) -> None:
+    """checkpoint_losses.json and its chart, where the train artifact has checkpoints."""
+    if checkpoints is not None:
+        _write_json(out_dir / CHECKPOINT_LOSSES, checkpoints)
+        if "skipped" not in checkpoints:
+            plot_checkpoint_losses(out_dir / CHECKPOINT_CHART, checkpoints)
 
 
 def _headline(metrics: dict[str, Any]) -> dict[str, Any]:

@@ -30,11 +30,11 @@ class EvalParams(Frozen):
     lora_scales: tuple[float, ...] = Field((1.0,), min_length=1, description="the LoRA's strengths, one grid"
                                            " column each, after the base model's column")
     num_inference_steps: int | None = Field(None, ge=1, description="sampler steps per image; null: the rendering"
-                                            " model's (SD 20, Flux.1 dev 28, schnell 4, Z-Image Turbo 9)")
-    guidance_scale: float | None = Field(None, description="null: the rendering model's (SD 5.0, Flux.1 dev 3.5,"
-                                         " schnell 0, Z-Image Turbo 0)")
-    negative_prompt: str = Field("", description="for the families that take one (Flux.1 and Flux.2-klein refuse"
-                                 " it)")
+                                            " model's default (docs/adding-a-family.md, the family table)")
+    guidance_scale: float | None = Field(None, description="null: the rendering model's default"
+                                         " (docs/adding-a-family.md, the family table)")
+    negative_prompt: str = Field("", description="for the families that take one (some refuse it:"
+                                 " docs/adding-a-family.md, the family table)")
     resolution: int = Field(64, gt=0, multiple_of=8, description="the rendered images' side in pixels (a multiple"
                             " of the family's: SD 8, the flow-matching families 16)")
     num_frames: int | None = Field(None, ge=1, description="frames of each rendered clip (video models); null: the"

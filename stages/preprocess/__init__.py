@@ -30,21 +30,23 @@ from typing import Literal
 from pydantic import Field, field_validator
 
 from lorapipe.cache.digest import StatCache
-from lorapipe.cache.fsutil import write_json_rows
 from lorapipe.cache.store import Built
 
 from ..contract import Frozen, Log, OutputFile
 from ..video import ClipInfo
 from .clips import VideoSampling, cut_summary, inspect_clip, window_digest, windows
 from .crops import generated_buckets, nearest_bucket, place, shrink_to_fit
+from .rows import SampleRow, write_rows
 from .sources import BadRow, Candidate, DatasetSource, MissingCaption, candidates, fingerprint
 from .validation import ImageInfo, Rejected, inspect_image, mask_entry, summary_lines
 
 # 3: nothing read outside a dataset, metadata row problems reported, .caption fallback, warnings;
 # 4: the held-out split and random crops chosen by image content, not file name;
 # 5: edit pairs: control_dir or reference_columns may pair a target, a row without the column is no
-# reference, too_many_references, rejected.json; a PNG's pixels are not decoded (damage shows at encode)
-VERSION = "5"
+# reference, too_many_references, rejected.json; a PNG's pixels are not decoded (damage shows at encode);
+# 6: a clip that decodes short of its container's duration, or an MP4 without its index, is truncated;
+# a mirroring display matrix is refused; a one-frame clip is a one-frame window
+VERSION = "6"
 REJECTED_FILE = "rejected.json"
 OUTPUT_FILES = (OutputFile(REJECTED_FILE, "rejected files"),)  # its dataset manifest is encode's input, not the user's
 MAX_UPSCALE = 2.0  # an image enlarged more than this to cover its target gets a small_image warning
@@ -136,16 +138,15 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
         where = ", ".join(str(d.path) for d in inputs.datasets)
         raise ValueError(f"no usable image in {where} ({_reasons(rejected)})")
     _check_every_dataset_used(datasets, samples, rejected)
-    fixed = {s["id"]: _fixed_split(inputs.datasets[s["source"]]) for s in samples}  # a dataset may name its split
-    group = {s["id"]: s["clip"]["digest"] if "clip" in s else s["digest"] for s in samples}  # a clip's windows: one
+    fixed = {s.id: _fixed_split(inputs.datasets[s.source]) for s in samples}  # a dataset may name its split
+    group = {s.id: s.clip.digest if s.clip else s.digest for s in samples}  # a clip's windows: one
     held = _holdout_ids({group[i]: group[i] for i, split in fixed.items() if split == "auto"}, params.holdout_fraction)
     holdout = {i for i, split in fixed.items() if split == "auto" and group[i] in held}
     holdout |= {i for i, split in fixed.items() if split == "holdout"}
-    for s in samples:
-        s["split"] = "holdout" if s["id"] in holdout else "train"
+    samples = [s.model_copy(update={"split": "holdout"}) if s.id in holdout else s for s in samples]
     counts = dict(sorted(Counter(r["reason"] for r in rejected).items()))
-    buckets = dict(sorted(Counter(f"{s['size'][1]}x{s['size'][0]}" for s in samples).items()))
-    write_json_rows(out_dir / DATASET_FILE, {"format": 2}, "samples", samples)
+    buckets = dict(sorted(Counter(f"{s.size[1]}x{s.size[0]}" for s in samples).items()))
+    write_rows(out_dir / DATASET_FILE, samples)
     report = {"rejected": rejected, "counts": counts, "warnings": warnings, **_clips_report(samples, datasets)}
     (out_dir / REPORT_FILE).write_text(json.dumps(report, indent=1, sort_keys=True))
     if rejected:  # the user's copy, beside the run's outputs; absent when nothing is refused
@@ -153,7 +154,7 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
                                                         sort_keys=True))
     for line in summary_lines(rejected, "rejected") + summary_lines(warnings, "warning:"):
         log(line)
-    prior = sum(s.get("role") == "prior" for s in samples)
+    prior = sum(s.role == "prior" for s in samples)
     log(f"preprocess: {len(samples)} images ({len(holdout)} held out{f', {prior} prior' if prior else ''}) from"
         f" {len(inputs.datasets)} dataset(s), {len(rejected)} rejected, {len(warnings)} warnings; sizes (WxH): {buckets}")
     return Built(info={"images": len(samples), "holdout": len(holdout), "rejected": len(rejected),
@@ -164,10 +165,11 @@ def _reasons(rejected: list[dict]) -> str:
     return ", ".join(f"{n} {r}" for r, n in sorted(Counter(r["reason"] for r in rejected).items())) or "no image files"
 
 
-def _check_every_dataset_used(datasets: tuple[DatasetSource, ...], samples: list[dict], rejected: list[dict]) -> None:
+def _check_every_dataset_used(datasets: tuple[DatasetSource, ...], samples: list[SampleRow],
+                              rejected: list[dict]) -> None:
     """One of several datasets without a usable image is a mistake (a wrong path; a prior dataset
     would regularise nothing), not a dataset to leave out silently: one line naming it."""
-    used = {s["source"] for s in samples}
+    used = {s.source for s in samples}
     for i, d in enumerate(datasets):
         if i not in used:
             mine = [r for r in rejected if r["path"].startswith(f"{d.label}/")]
@@ -177,7 +179,7 @@ def _check_every_dataset_used(datasets: tuple[DatasetSource, ...], samples: list
 
 
 def _validate(found: list[Candidate], params: PreprocessParams, datasets: tuple[DatasetSource, ...],
-              max_references: int | None) -> tuple[list[dict], list[dict], list[dict]]:
+              max_references: int | None) -> tuple[list[SampleRow], list[dict], list[dict]]:
     """(samples, rejected, warnings); the first of identical files (by path) is kept."""
     samples, rejected, warnings, uncaptioned = [], [], [], []
     first_of: dict[str, str] = {}  # content digest or sample id -> the file that has it
@@ -204,9 +206,7 @@ def _validate(found: list[Candidate], params: PreprocessParams, datasets: tuple[
                 sample = _sample(c, sample_id, info, caption, source, params)
                 if c.references or c.reference_problem:
                     sample["references"] = _placed_references(c, sample["size"], params, max_references)
-                samples.append(sample)
-                if mask:
-                    samples[-1]["mask"] = mask
+                samples.append(SampleRow.model_validate({**sample, "mask": mask}))
             first_of.update({info.digest: c.label, sample_id: c.label})
         except Rejected as r:
             rejected.append({"path": c.label, "reason": r.reason, "detail": r.detail})
@@ -243,7 +243,7 @@ def _placed_references(c: Candidate, size: list[int], params: PreprocessParams,
 
 
 def _clip_samples(c: Candidate, sample_id: str, info: ImageInfo, clip: ClipInfo, caption: str,
-                  source: DatasetSource, params: PreprocessParams) -> list[dict]:
+                  source: DatasetSource, params: PreprocessParams) -> list[SampleRow]:
     """One sample per window of the clip (preprocess.video), each placed as an image of the clip's
     frame size would be, known by the digest of the frames it shows; `clip` says where it comes from
     (its windows share the clip's digest: held out together)."""
@@ -254,23 +254,22 @@ def _clip_samples(c: Candidate, sample_id: str, info: ImageInfo, clip: ClipInfo,
         digest = window_digest(clip, window)
         sample = _sample(c, sample_id if len(chosen) == 1 else f"{sample_id}@{k}",
                          ImageInfo(info.width, info.height, False, digest), caption, source, params)
-        sample["frames"], sample["fps"] = list(window.frames), sampling.fps
-        sample["clip"] = {"digest": info.digest, "duration": round(clip.duration, 3), "fps": round(clip.fps, 3),
-                          "start": window.start, "cut": cut_summary(clip, chosen, sampling.fps)}
-        samples.append(sample)
+        samples.append(SampleRow.model_validate({
+            **sample, "frames": window.frames, "fps": sampling.fps,
+            "clip": {"digest": info.digest, "duration": round(clip.duration, 3), "fps": round(clip.fps, 3),
+                     "start": window.start, "cut": cut_summary(clip, chosen, sampling.fps)}}))
     return samples
 
 
-def _clips_report(samples: list[dict], datasets: tuple[DatasetSource, ...]) -> dict:
+def _clips_report(samples: list[SampleRow], datasets: tuple[DatasetSource, ...]) -> dict:
     """Per clip: its duration and frame rate, each window's start, frames and bucket, and what the
     windows leave out (absent when there is no clip, so an image dataset's report is unchanged)."""
     clips: dict[str, dict] = {}
-    for s in (s for s in samples if "clip" in s):
-        label = f"{datasets[s['source']].label}/{s['path']}" if len(datasets) > 1 else s["path"]
-        entry = clips.setdefault(label, {"path": label, "duration": s["clip"]["duration"], "fps": s["clip"]["fps"],
-                                         "cut": s["clip"]["cut"], "windows": []})
-        entry["windows"].append({"id": s["id"], "start": s["clip"]["start"], "frames": len(s["frames"]),
-                                 "size": f"{s['size'][1]}x{s['size'][0]}", "split": s["split"]})
+    for s in (s for s in samples if s.clip):
+        entry = clips.setdefault(s.label(datasets), {"path": s.label(datasets), "duration": s.clip.duration,
+                                                     "fps": s.clip.fps, "cut": s.clip.cut, "windows": []})
+        entry["windows"].append({"id": s.id, "start": s.clip.start, "frames": s.frame_count,
+                                 "size": f"{s.size[1]}x{s.size[0]}", "split": s.split})
     return {"clips": list(clips.values())} if clips else {}
 
 
@@ -282,9 +281,9 @@ def _clip_warnings(c: Candidate, clip: ClipInfo) -> list[dict]:
                        " own timestamps"}]
 
 
-def _small_image(sample: dict) -> str:
+def _small_image(sample: SampleRow) -> str:
     """Why the sample is far below its target size ("" when it is not)."""
-    (h, w), (th, tw) = sample["original_size"], sample["size"]
+    (h, w), (th, tw) = sample.original_size, sample.size
     scale = max(th / h, tw / w)
     if scale <= MAX_UPSCALE:
         return ""

@@ -6,8 +6,8 @@ source frame nearest to s + k / fps (the earlier of two equally near), so a 30 f
 clip of the same scene give windows of the same duration, and a variable frame rate clip is
 sampled by its own timestamps. A clip too short for the shortest allowed window is rejected
 (`too_short`, with its duration), never padded; a clip shorter than `num_frames` takes the longest
-of `frame_buckets` that fits. Nothing here decodes: the clip's frame times come from its record
-(stages/video.py ClipInfo).
+of `frame_buckets` that fits (a one-frame window needs only a frame). Nothing here decodes: the
+clip's frame times come from its record (stages/video.py ClipInfo).
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ class Window:
 def windows(clip: ClipInfo, sampling: VideoSampling) -> list[Window]:
     """The clip's windows; Rejected `too_short` when not even the shortest window fits."""
     usable = clip.duration - sampling.start
-    length = next((n for n in sampling.lengths() if _span(n, sampling.fps) <= usable + 1e-9), None)
+    length = next((n for n in sampling.lengths() if _fits(n, sampling.fps, usable)), None)
     if length is None:
         shortest = sampling.lengths()[-1]
         raise Rejected("too_short", f"{clip.duration:.2f} s long; a window of {shortest} frames at"
@@ -69,6 +69,12 @@ def windows(clip: ClipInfo, sampling: VideoSampling) -> list[Window]:
     span = _span(length, sampling.fps)
     starts = _starts(sampling, usable, span)
     return [Window(round(s, 6), _frames_at(clip, s, length, sampling.fps)) for s in starts]
+
+
+def _fits(length: int, fps: float, usable: float) -> bool:
+    """Whether a window of `length` frames fits in `usable` seconds; a window of one frame needs
+    only a frame (a one-frame clip, which lasts no time between frames, is a one-frame window)."""
+    return usable >= 0 if length == 1 else _span(length, fps) <= usable + 1e-9
 
 
 def _span(length: int, fps: float) -> float:

@@ -37,7 +37,9 @@ from .references import (ReferenceNames, column_references, control_reference, c
                          target_references)
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
-CLIP_RECORD = "clip-frames-1"  # the stat cache's name for a clip's frame times and digests (stages/video.py)
+# the stat cache's name for a clip's frame times and digests (stages/video.py); 2: a clip that
+# decodes short of its container's duration is truncated, not a record
+CLIP_RECORD = "clip-frames-2"
 MASK_SUFFIX = ".mask.png"  # <image stem>.mask.png: that image's loss mask, never an image itself
 DEFAULT_CAPTION_EXTS = (".txt", ".caption")  # caption_ext unset: kohya's .caption where no .txt exists
 MissingCaption = Literal["error", "skip", "filename", "empty", "generate"]

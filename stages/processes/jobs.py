@@ -3,20 +3,23 @@ says (stages/processes/placement.py): caption, encode, train and evaluate.
 
 A stage's `run` (its parent side) describes its work as a Job and hands it to its placement, which
 runs it in this process, in a process of its own, under `accelerate launch`, in the warm process or
-on a Dask cluster. The worker side is the module WORKERS names for the stage: its `run_job(job, log)`
-does the work and leaves what the parent reads back (what failed, what it built) in job.work_dir.
+on a Dask cluster. A job carries its stage's typed spec (SPECS); the worker side is the module
+WORKERS names for the stage: its `run_job(job, log)` does the work and returns the stage's typed
+result (a JobResult: what failed, what it built), which this layer writes into the job's work_dir
+as RESULT_FILE, one per rank, and the parent reads back with `gather`.
 
     python -m lorapipe.stages.processes.jobs WORK/job.json                   # one job in a process of its own
     accelerate launch ... -m lorapipe.stages.processes.jobs WORK/job.json    # every rank runs it (RANK, WORLD_SIZE)
     python -m lorapipe.stages.processes.jobs --serve [--hide NAME]... [--warm-up STAGE]...   # the warm process
 
-The entry reads the job with the standard library, hides the optional libraries the job never uses
-(stages/processes/optional_libraries.py), and only then imports the stage's module, which imports torch and
-diffusers as any module does. With --serve it is the warm process (stages/processes/placement.py WarmProcess):
-it hides the NAMEs and imports each STAGE's worker (and calls its `warm_up`) before any job exists,
-then reads job paths on stdin, one a line, and prints JOB_DONE after each (after freeing what the
-job left on the GPU); it ends at end-of-file. A job that fails ends the process as a worker's error
-does (`reporting_errors`), so a later job runs elsewhere.
+The entry reads the job (its spec's model is in a module that imports no model library), hides the
+optional libraries the job never uses (stages/processes/optional_libraries.py), and only then imports
+the stage's worker, which imports torch and diffusers as any module does. With --serve it is the warm
+process (stages/processes/placement.py WarmProcess): it hides the NAMEs and imports each STAGE's
+worker (and calls its `warm_up`) before any job exists, then reads job paths on stdin, one a line,
+and prints JOB_DONE after each (after freeing what the job left on the GPU); it ends at end-of-file.
+A job that fails ends the process as a worker's error does (`reporting_errors`), so a later job runs
+elsewhere.
 """
 from __future__ import annotations
 
@@ -30,8 +33,10 @@ from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
-from typing import Callable
+from typing import Callable, Generic, TypeVar
 
+from lorapipe.cache.fsutil import write_json_atomic
+from lorapipe.stages.contract import Frozen
 from lorapipe.stages.processes.cpu_threads import torch_threads
 from lorapipe.stages.processes.launching import JOB_DONE, begin_worker, reporting_errors, skip_exit_collection
 from lorapipe.stages.processes.optional_libraries import hide
@@ -42,19 +47,31 @@ WORKERS = {  # stage -> the module of its worker side: run_job(job, log), and wa
     "train": "lorapipe.stages.train.recipe",
     "evaluate": "lorapipe.stages.evaluate.worker",
 }
+SPECS = {  # stage -> "module:name" of its job's spec, in a module that imports no model library (a job
+    # file is read before the libraries the job never uses are hidden)
+    "caption": "lorapipe.stages.caption.workers:CaptionSpec",
+    "encode": "lorapipe.stages.encode.workers:EncodeSpec",
+    "train": "lorapipe.stages.train.params:TrainSpec",
+    "evaluate": "lorapipe.stages.evaluate.worker:EvalSpec",
+}
 DEALERS = {  # stage -> the module whose deal(job, pool, log) hands its job to a Dask cluster in chunks
+    # and returns its result
     "encode": "lorapipe.stages.encode.dask_executor",
 }
 JOB_FILE = "job.json"  # in the job's work_dir
 DAMAGED_RECORD_FILE = "damaged-record.json"  # the damaged record a worker met (lorapipe.cache.samples.DamagedRecord)
+RESULT_FILE = "result-{rank}.json"  # in the job's work_dir: what that rank's run_job returned (a JobResult)
+
+Spec = TypeVar("Spec", bound=Frozen)
+Result = TypeVar("Result", bound="JobResult")
 
 
 @dataclass(frozen=True)
-class Job:
+class Job(Generic[Spec]):
     """A stage's work, as its worker reads it."""
 
     stage: str
-    spec: dict  # the stage's own JSON: its params, inputs, options and what to do
+    spec: Spec  # the stage's spec (SPECS): its params, inputs, options and what to do
     work_dir: Path  # the worker writes only here (and into the cache or out_dir its spec names)
     threads: int | None = None  # torch's CPU threads (stages/processes/cpu_threads.py); None: the process's own
     hidden: tuple[str, ...] = ()  # the optional libraries the job never uses
@@ -65,12 +82,14 @@ class Job:
         return self.work_dir / JOB_FILE
 
     def to_json(self) -> dict:
-        return {"stage": self.stage, "spec": self.spec, "work_dir": str(self.work_dir), "threads": self.threads,
-                "hidden": list(self.hidden), "writes_into": str(self.writes_into) if self.writes_into else None}
+        return {"stage": self.stage, "spec": self.spec.model_dump(mode="json"), "work_dir": str(self.work_dir),
+                "threads": self.threads, "hidden": list(self.hidden),
+                "writes_into": str(self.writes_into) if self.writes_into else None}
 
     @classmethod
     def from_json(cls, value: dict) -> Job:
-        return cls(value["stage"], value["spec"], Path(value["work_dir"]), value["threads"], tuple(value["hidden"]),
+        return cls(value["stage"], spec_model(value["stage"]).model_validate(value["spec"]), Path(value["work_dir"]),
+                   value["threads"], tuple(value["hidden"]),
                    Path(value["writes_into"]) if value["writes_into"] else None)
 
     def write(self) -> Path:
@@ -84,6 +103,51 @@ class Job:
     @classmethod
     def read(cls, path: Path) -> Job:
         return cls.from_json(json.loads(Path(path).read_text()))
+
+
+class JobResult(Frozen):
+    """What a stage's job reports besides its files, one model per stage: each rank that returns one
+    from run_job has it written into RESULT_FILE, and the parent reads them back (`gather`)."""
+
+    @classmethod
+    def merged(cls: type[Result], ranks: list[Result]) -> Result:
+        """The job's result from its ranks': a result that one process writes has just one."""
+        if len(ranks) != 1:
+            raise ValueError(f"{cls.__name__} is written by one process, not by {len(ranks)}")
+        return ranks[0]
+
+
+class SplitResult(JobResult):
+    """A result each rank writes its share of (the images it could not read): every field is a
+    mapping, and the ranks' are merged by key."""
+
+    @classmethod
+    def merged(cls: type[Result], ranks: list[Result]) -> Result:
+        return cls(**{name: {key: value for rank in ranks for key, value in getattr(rank, name).items()}
+                      for name in cls.model_fields})
+
+
+def spec_model(stage: str) -> type[Frozen]:
+    """The model of `stage`'s spec (SPECS)."""
+    module, name = SPECS[stage].split(":")
+    return getattr(importlib.import_module(module), name)
+
+
+def remove_results(work_dir: Path) -> None:
+    """Before a job runs: the results of an earlier run of it, so that `gather` reads only this one's."""
+    for stale in work_dir.glob(RESULT_FILE.format(rank="*")):
+        stale.unlink()
+
+
+def write_result(work_dir: Path, result: JobResult, rank: int) -> None:
+    write_json_atomic(work_dir / RESULT_FILE.format(rank=rank), result.model_dump())
+
+
+def gather(work_dir: Path, model: type[Result], ranks: int = 1) -> Result:
+    """The result of a job that `ranks` processes ran (only rank 0 for a result one process
+    writes): each rank's read back from work_dir, merged (`model.merged`)."""
+    return model.merged([model.model_validate(json.loads((work_dir / RESULT_FILE.format(rank=rank)).read_text()))
+                         for rank in range(ranks)])
 
 
 def process_rank() -> tuple[int, int]:
@@ -109,19 +173,21 @@ def dealer(stage: str) -> ModuleType:
 
 
 def run(job: Job, log: Callable[[str], None]) -> None:
-    """Do `job` in this process, on its threads. A damaged record it meets is also left in
-    DAMAGED_RECORD_FILE, so that a parent in another process can raise it again (stages/processes/placement.py)."""
+    """Do `job` in this process, on its threads, and write the result it returns (RESULT_FILE). A
+    damaged record it meets is also left in DAMAGED_RECORD_FILE, so that a parent in another process
+    can raise it again (stages/processes/placement.py)."""
     job.work_dir.mkdir(parents=True, exist_ok=True)
     with torch_threads(job.threads) if job.threads else nullcontext():
         try:
-            worker(job.stage).run_job(job, log)
+            result = worker(job.stage).run_job(job, log)
         except Exception as error:
-            from lorapipe.cache.fsutil import write_json_atomic
             from lorapipe.cache.samples import DamagedRecord
 
             if isinstance(error, DamagedRecord):
                 write_json_atomic(job.work_dir / DAMAGED_RECORD_FILE, error.to_json())
             raise
+    if result is not None:  # a rank with nothing to report (a training's other processes) returns none
+        write_result(job.work_dir, result, process_rank()[0])
 
 
 def run_reporting(job: Job) -> None:

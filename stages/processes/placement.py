@@ -159,7 +159,7 @@ class DaskCluster(Placement):
     """The cluster at `address`, or a local one of `workers` processes (one task at a time each)
     started for the job and stopped after it. The stage's dealer (stages/processes/jobs.py DEALERS) hands its
     job over in chunks: `deal(job, pool, log)` with a DaskPool, whose tasks a worker's death makes
-    Dask run again."""
+    Dask run again, returns the job's result."""
 
     address: str | None = None
     workers: int = 2
@@ -171,7 +171,8 @@ class DaskCluster(Placement):
 
     def run(self, job: Job, log: Log) -> None:
         with self.client(log) as client:
-            jobs.dealer(job.stage).deal(job, DaskPool(client, job.threads), log)
+            result = jobs.dealer(job.stage).deal(job, DaskPool(client, job.threads), log)
+        jobs.write_result(job.work_dir, result, 0)  # as one process's
 
     @contextmanager
     def client(self, log: Log) -> Iterator[Client]:
@@ -281,6 +282,13 @@ class WarmProcess:
         except BrokenPipeError:  # it died just now
             return False
         return True
+
+
+def run_at(placement: Placement, job: Job, log: Log) -> None:
+    """Run `job` where `placement` says, the results of an earlier run removed first (jobs.gather
+    then reads this run's)."""
+    jobs.remove_results(job.work_dir)
+    placement.run(job, log)
 
 
 def watch(process: subprocess.Popen, job: Job, log: Log, job_done: bool = False) -> None:

@@ -21,13 +21,13 @@ from lorapipe.cache.store import Built
 from lorapipe.stages import families
 from lorapipe.stages.contract import Log
 from lorapipe.stages.encoded import EncodedData
-from lorapipe.stages.processes.jobs import Job
+from lorapipe.stages.processes.jobs import Job, gather
 from lorapipe.stages.processes.launching import Interrupted
 from lorapipe.stages.processes.optional_libraries import OPTIONAL
-from lorapipe.stages.processes.placement import Machines, Placement, Where, place
+from lorapipe.stages.processes.placement import Machines, Placement, Where, place, run_at
 from lorapipe.stages.lora_formats.lora_folder import LORA_FILE, checkpoint_lora, step_name
 from lorapipe.stages.train.checkpoints import CheckpointDir
-from lorapipe.stages.train.params import TRACKER_RUN, TrainInputs, TrainOptions, TrainParams
+from lorapipe.stages.train.params import TRACKER_RUN, TrainInputs, TrainOptions, TrainParams, TrainResult, TrainSpec
 from lorapipe.stages.train.quantization import LIBRARY
 from lorapipe.stages.train.shorter import drop_own_dir, training_dir
 
@@ -68,13 +68,12 @@ def launch(params: TrainParams, inputs: TrainInputs, work_dir: Path, options: Tr
     """Run this machine's training processes to the end where `placement` says, streaming their
     log. `interrupted` says what Ctrl-C leaves."""
     placement = placement or place(where(params, options))
-    spec = {"params": params.model_dump(mode="json"), "inputs": inputs.to_json(),
-            "options": options.model_dump(mode="json")}
+    spec = TrainSpec(params=params, inputs=inputs, options=options)
     job = Job("train", spec, work_dir.resolve(), placement.threads(options.cpu_threads), unused_libraries(params))
     log(f"train: {params.num_processes} process(es) of {job.threads} thread(s) {placement.describe()},"
         f" {params.max_steps} steps, work dir {work_dir}")
     try:
-        placement.run(job, log)
+        run_at(placement, job, log)
     except KeyboardInterrupt:
         raise Interrupted(interrupted()) from None
 
@@ -233,10 +232,10 @@ def publish(work_dir: Path, out_dir: Path, max_steps: int, log: Log) -> Built:
     if (work_dir / "logs" / TRACKER_RUN).is_dir():
         shutil.copytree(work_dir / "logs" / TRACKER_RUN, out_dir / "logs" / TRACKER_RUN, dirs_exist_ok=True)
     losses = [json.loads(line) for line in (work_dir / "logs" / "loss.jsonl").read_text().splitlines() if line]
-    summary = json.loads((work_dir / "logs" / "summary.json").read_text())
+    result = gather(work_dir, TrainResult)
     final = [e["loss"] for e in losses if e["step"] == max_steps]
-    return Built(info={"steps": summary["steps"], "final_loss": final[-1] if final else None,
-                       "resumed_from": summary["resumed_from"]})
+    return Built(info={"steps": result.steps, "final_loss": final[-1] if final else None,
+                       "resumed_from": result.resumed_from})
 
 
 def _copy(src: Path, dst: Path) -> None:

@@ -1,4 +1,5 @@
-"""The train stage's settings and inputs. Imports nothing heavy: flows load this to build keys."""
+"""The train stage's settings and inputs, and its job's spec and result. Imports nothing heavy: flows
+load this to build keys, and a training process reads its job with it before hiding libraries."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -8,9 +9,10 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from lorapipe.cache.store import LOG_DIR
-from lorapipe.stages.contract import Frozen, JsonInputs, OutputFile
+from lorapipe.stages.contract import Frozen, JsonInputs, OutputFile, json_form
 from lorapipe.stages.families import ObjectiveParams
 from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, LORA_FILES
+from lorapipe.stages.processes.jobs import JobResult
 from lorapipe.stages.processes.optional_libraries import installed
 from lorapipe.stages.train.adapter import AdapterParams
 from lorapipe.stages.train.ema import EMAParams
@@ -187,3 +189,18 @@ class TrainInputs(JsonInputs):
     encoded_digest: str
     init_lora_digest: str = "none"  # the content digest of params.init_lora (provenance)
     model_digests: dict[str, str] = field(default_factory=dict)  # the model's components: checked against the encoder's
+
+
+class TrainSpec(Frozen):
+    """The training job (stages/processes/jobs.py), as stages/train/launch.py writes it."""
+
+    params: TrainParams
+    inputs: json_form(TrainInputs)
+    options: TrainOptions
+
+
+class TrainResult(JobResult):
+    """What a training reports besides its files (its main process's); also the user's logs/summary.json."""
+
+    steps: int  # the last step trained
+    resumed_from: int | None  # the checkpoint's step it resumed from; None: it started afresh

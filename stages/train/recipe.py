@@ -64,7 +64,7 @@ from lorapipe.stages.train.checkpoints import CheckpointDir
 from lorapipe.stages.train.compile import compile_blocks
 from lorapipe.stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
 from lorapipe.stages.train.params import (TOTAL_DEPENDENT_SCHEDULES, TRACKER_RUN, VERSION, TrainInputs, TrainOptions,
-                                          TrainParams)
+                                          TrainParams, TrainResult, TrainSpec)
 from lorapipe.stages.train.prior import base_output_target
 from lorapipe.stages.train.quantization import keep_base_out_of_ddp_sync, quantize_base
 from lorapipe.stages.train.trained_adapter import TrainedAdapter
@@ -400,20 +400,21 @@ class LoRATrainingRecipe:
             self.checkpoints.rotate(self.step, self.params.checkpoint_every, self.params.keep_checkpoints)
         acc.wait_for_everyone()
 
-    def export(self) -> None:
+    def export(self) -> TrainResult | None:
         """The final LoRA in the family's formats (diffusers first) and the training config, into
-        work_dir/export/."""
+        work_dir/export/; the main process returns the training's result (the other processes none)."""
         if not self.accelerator.is_main_process:
-            return
+            return None
         out = self.work_dir / "export"
         shutil.rmtree(out, ignore_errors=True)  # only this run's files are published
         out.mkdir(parents=True)
         self.adapter.export(self._lora_denoiser(), out, self.provenance(), self.kohya_metadata())
         config = {**self.train_config(), "steps": self.step}
         (out / TRAIN_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
-        (self.work_dir / "logs" / "summary.json").write_text(
-            json.dumps({"steps": self.step, "resumed_from": self.resumed_from}) + "\n")
+        result = TrainResult(steps=self.step, resumed_from=self.resumed_from)
+        (self.work_dir / "logs" / "summary.json").write_text(json.dumps(result.model_dump()) + "\n")
         plot_losses(self.loss_log, self.work_dir / "logs" / "loss.png")
+        return result
 
     def train_config(self) -> dict:
         """What produced these weights. Leaves out max_steps (the files record their step), so a
@@ -515,13 +516,13 @@ def warm_up() -> None:
     import peft  # noqa: F401  (diffusers.training_utils brings every family's model classes)
 
 
-def run_job(job: Job, log: Log) -> None:
-    """Train as the job says (written by the stage: stages/train/launch.py). Each process prints its
-    own lines, which the stage's placement streams (`log` is the stage's in the calling process)."""
-    spec = job.spec
-    recipe = LoRATrainingRecipe(TrainParams(**spec["params"]), TrainInputs.from_json(spec["inputs"]),
-                                TrainOptions(**spec["options"]), job.work_dir)
+def run_job(job: Job[TrainSpec], log: Log) -> TrainResult | None:
+    """Train as the job says (written by the stage: stages/train/launch.py); the main process returns
+    the result. Each process prints its own lines, which the stage's placement streams (`log` is the
+    stage's in the calling process)."""
+    recipe = LoRATrainingRecipe(job.spec.params, job.spec.inputs, job.spec.options, job.work_dir)
     recipe.setup()
     recipe.train()
-    recipe.export()
+    result = recipe.export()
     recipe.cleanup()
+    return result
