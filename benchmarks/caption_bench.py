@@ -41,7 +41,7 @@ def record_sizes(root: Path) -> list[dict]:
         model = tiny_model(root, arch)
         family = families.for_model(model)
         settings = family.text_settings(model, families.TextOptions())
-        records = family.load_text_encoder(model, settings, torch.bfloat16, "cpu")(captions)
+        records = family.text_encoder(model, settings, torch.bfloat16, "cpu")(captions)
         store = SampleStore(root / f"caption-records-{arch}")
         shard = store.write_shard({f"r{i}": encode_record(r, {"caption": c})
                                    for i, (r, c) in enumerate(zip(records, captions))})

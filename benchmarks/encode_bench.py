@@ -58,7 +58,7 @@ def load_encoders(inputs, device: str = "cpu", dtype: torch.dtype | None = None)
 
     family = inputs.bound_family()
     settings = family.text_settings(inputs.model_path, TextOptions())
-    text = family.load_text_encoder(inputs.model_path, settings, dtype or torch.float32, device)
+    text = family.text_encoder(inputs.model_path, settings, dtype or torch.float32, device)
     return Encoders(family.load_latent_encoder(inputs.model_path, device), text, torch.device(device))
 
 

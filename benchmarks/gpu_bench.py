@@ -172,7 +172,7 @@ def tiny_arch(arch: str) -> str:
     """The tiny model of the family (and variant) of stages/assets/arch/<arch>/."""
     from lorapipe.stages.families import for_model
 
-    return for_model(arch_folder(arch)).tiny_arch()
+    return for_model(arch_folder(arch)).variant.tiny_arch
 
 
 def _check_tokenizer(tokenizer, text_encoder_dir: Path) -> None:

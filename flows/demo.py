@@ -6,12 +6,16 @@ from __future__ import annotations
 
 from importlib.resources import files
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import yaml
 
 from lorapipe.cache.errors import UserError
 
 from .config import apply_override
+
+if TYPE_CHECKING:
+    from lorapipe.stages.families import Family
 
 CONFIGS = files("lorapipe.configs")
 
@@ -28,21 +32,45 @@ def prepare_demo(workdir: Path, arch: str, edits: bool = False, caption: bool = 
         print(f"demo: building the tiny {arch} model in {model}")
         families.build_tiny_model(model, arch)
     family = families.for_model(model)
-    if (built := family.tiny_arch()) != arch:
+    if (built := family.variant.tiny_arch) != arch:
         raise UserError(f"{model} holds the tiny {built} model, not {arch}: give another --workdir for the {arch} demo")
     edits = edits or family.demo_edits
     if edits:
-        family.check_references(1)
-    settings = family.demo_settings()
+        families.check_references(family, 1)
+    # on a model with several denoisers, the first of train.denoiser's choices
+    settings = {"train.denoiser": next(iter(choices))} if (choices := family.denoiser_choices) else {}
     if caption:
-        if edits or family.demo_config() != "demo.yaml":
+        if edits or demo_config(family) != "demo.yaml":
             raise UserError(f"demo --caption: captions the bundled photos, which the {arch} demo does not train on")
         settings = {**settings, **uncaptioned_demo(workdir)}
     else:
-        family.write_demo_data(workdir / "data", edits)
+        write_demo_data(family, workdir / "data", edits)
     config = workdir / "demo.yaml"
-    config.write_text(demo_config_text(family.demo_config(edits), settings))
+    config.write_text(demo_config_text(demo_config(family, edits), settings))
     return config
+
+
+def demo_config(family: Family, edits: bool = False) -> str:
+    """The file in configs/ that `lorapipe demo` runs on the family's tiny model (`edits`: on edit
+    pairs, for a family that takes references)."""
+    if family.video:
+        return "video-demo.yaml"
+    return "edit-demo.yaml" if edits else "demo.yaml"
+
+
+def write_demo_data(family: Family, folder: Path, edits: bool = False) -> None:
+    """Write the data demo_config trains on into folder, keeping the files already there: the bundled
+    photos and their captions, edit pairs generated from them (`edits`), or generated clips."""
+    from lorapipe.stages.demo.clips import write_demo_clips
+    from lorapipe.stages.demo.pairs import write_demo_pairs
+    from lorapipe.stages.demo.photos import DEMO_PHOTOS, copy_demo_photos
+
+    if family.video:
+        write_demo_clips(folder)
+    elif edits:
+        write_demo_pairs(folder, DEMO_PHOTOS)
+    else:
+        copy_demo_photos(folder)
 
 
 def uncaptioned_demo(workdir: Path) -> dict[str, str]:

@@ -65,7 +65,7 @@ class Context:
     @cached_property
     def identity(self) -> str:
         """The model's identity (its denoiser's digest): what a LoRA is made for."""
-        return self.declared_family.identity(self.model_digests)
+        return self.declared_family.components.identity(self.model_digests)
 
     @cached_property
     def model_path(self) -> Path:
@@ -74,7 +74,7 @@ class Context:
         path = self.config.model.path
         if not families.is_single_file(path):
             return path
-        return self.declared_family.single_file_folder(path, self.identity, self.store.root / "models")
+        return families.single_file_folder(self.declared_family, path, self.identity, self.store.root / "models")
 
     @cached_property
     def family(self) -> families.Family:

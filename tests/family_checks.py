@@ -244,7 +244,7 @@ FAMILIES = (
 def text_records(model: Path, captions: list[str], options: TextOptions = TextOptions()):
     """The family of `model` and the text records its encoder makes of `captions` (float32, CPU)."""
     family = families.for_model(model)
-    return family, family.load_text_encoder(model, family.text_settings(model, options), torch.float32, "cpu")(captions)
+    return family, family.text_encoder(model, family.text_settings(model, options), torch.float32, "cpu")(captions)
 
 
 def exported_lora(model: Path, targets: str, out: Path):

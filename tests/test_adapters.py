@@ -17,6 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import lorapipe.stages.families as families
+from lorapipe.stages.families.folders import empty_component
 from lorapipe.stages.lora_formats.diffusers_format import ADAPTER, peft_state_dict, write_diffusers_lora
 from lorapipe.stages.lora_formats.lycoris import adapted_modules
 from lorapipe.stages.train.adapter import AdapterParams, peft_config, plain_lora_alpha, plain_lora_swapped_in
@@ -49,7 +50,7 @@ def exported_comfyui_file(family, denoiser, out_dir: Path) -> Path:
     written = family.export_lora(denoiser, out_dir, {"lorapipe.steps": "1"}, {})
     assert [p.name for p in written] == ["pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors"]
     with safe_open(written[1], "pt") as f:
-        assert f.metadata()["ss_base_model_version"] == family.kohya_base_model
+        assert f.metadata()["ss_base_model_version"] == family.kohya.base_model
     return written[1]
 
 
@@ -113,7 +114,7 @@ def test_a_target_that_is_not_a_layer_is_refused_by_name_without_the_weights(arc
     family = families.for_model(model)
     for weights in (model / family.components.denoiser).glob("*.safetensors"):
         weights.unlink()
-    structure = family.empty_denoiser(model)
+    structure = empty_component(model, family.components.denoiser)
     targets = family.lora_target_modules(structure, (target, "to_q"))
     with pytest.raises(UserError, match=rf"^train\.target_modules: {re.escape(target)}: {module} is a ModuleList,"
                                         rf" which a {kind} cannot adapt \(only [\w, ]*Linear[\w, ]*\): name a"

@@ -1,9 +1,9 @@
 """Block swap on the CPU: a swapped block holds its frozen weights only while it runs (empty tensors
 otherwise), and a LoRA step computes the same loss and gradients, bit for bit, with and without the
-swap, with and without gradient checkpointing, for every transformer family's blocks (the family
-seam's swappable_blocks). Through the train stage (the tiny Flux.1 and its encoded demo photos): the
-same losses and LoRA files as without it, in one process and under 2-process DDP; where it cannot
-apply, one line naming train.blocks_to_swap before training starts."""
+swap, with and without gradient checkpointing, for every transformer family's blocks (its
+block_lists, families.swappable_blocks). Through the train stage (the tiny Flux.1 and its encoded
+demo photos): the same losses and LoRA files as without it, in one process and under 2-process
+DDP; where it cannot apply, one line naming train.blocks_to_swap before training starts."""
 from __future__ import annotations
 
 import json
@@ -90,7 +90,7 @@ def denoiser_step_inputs(tiny_models):
         if arch not in made:
             model = tiny_models(arch)
             family = families.for_model(model)
-            texts = family.load_text_encoder(model, family.text_settings(model, families.TextOptions()),
+            texts = family.text_encoder(model, family.text_settings(model, families.TextOptions()),
                                              torch.float32, "cpu")(["a red ball", "a blue sky over a field"])
             frames = (5,) if family.frames_problem(model, 5) is None else ()
             pixels = torch.rand(2, 3, *frames, 64, 64, generator=torch.Generator().manual_seed(0)) * 2 - 1
@@ -117,7 +117,7 @@ def test_every_transformer_familys_blocks_swap_bit_for_bit(arch, checkpointing, 
                                         target_modules=family.lora_target_modules(denoiser, "all_linear")))
         if checkpointing:
             denoiser.enable_gradient_checkpointing()
-        blocks = family.swappable_blocks(denoiser)
+        blocks = families.swappable_blocks(family, denoiser)
         if swap:
             BlockSwap(blocks, len(blocks), torch.device("cpu"))
         loss = family.predict(denoiser.train(), noisy, sigmas, cond, torch.float32).pow(2).mean()

@@ -9,7 +9,7 @@ from PIL import Image
 
 import lorapipe.stages.families as families
 from lorapipe.cache.errors import UserError
-from lorapipe.flows.demo import prepare_demo
+from lorapipe.flows.demo import demo_config, prepare_demo, write_demo_data
 from lorapipe.stages.demo.pairs import BRIM, CONTROL, CROWN, HAT_RED, INSTRUCTION, scaled, write_demo_pairs
 from lorapipe.stages.demo.photos import DEMO_PHOTOS
 
@@ -43,8 +43,8 @@ def test_pairs_are_byte_identical_when_rewritten_and_kept_when_present(tmp_path)
 def test_edit_models_demo_on_pairs_and_others_on_request(tmp_path):
     assert families.get("flux1-kontext").demo_edits and families.get("qwen-image-edit-plus").demo_edits
     klein = families.get("flux2-klein")
-    assert (klein.demo_config(), klein.demo_config(edits=True)) == ("demo.yaml", "edit-demo.yaml")
-    klein.write_demo_data(tmp_path, edits=True)
+    assert (demo_config(klein), demo_config(klein, edits=True)) == ("demo.yaml", "edit-demo.yaml")
+    write_demo_data(klein, tmp_path, edits=True)
     assert sorted(p.name for p in (tmp_path / CONTROL).iterdir()) == [p.name for p in PHOTOS]
     assert sorted(p.name for p in tmp_path.glob("*.png")) == sorted(f"{p.stem}.png" for p in PHOTOS)
 

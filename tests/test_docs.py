@@ -1,6 +1,7 @@
 """The documentation stays true to the code: every config key has a description, docs/config.md is
-what the generator writes from the models today, and every relative link in README.md and docs/
-points at a file (and heading) that exists."""
+what the generator writes from the models today, docs/adding-a-family.md's family table what it
+writes from the registry, and every relative link in README.md and docs/ points at a file (and
+heading) that exists."""
 from __future__ import annotations
 
 import re
@@ -9,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from lorapipe.flows.config_docs import render, settings
+from lorapipe.flows.family_docs import with_table
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -24,6 +26,12 @@ def test_docs_config_md_is_current():
     page = REPO / "docs" / "config.md"
     assert page.read_text() == render(), \
         "docs/config.md is stale: run `python -m lorapipe.flows.config_docs docs/config.md`"
+
+
+def test_docs_family_table_is_current():
+    page = (REPO / "docs" / "adding-a-family.md").read_text()
+    assert page == with_table(page), "docs/adding-a-family.md's family table is stale: run" \
+        " `python -m lorapipe.flows.family_docs docs/adding-a-family.md`"
 
 
 def unfenced(text: str) -> str:

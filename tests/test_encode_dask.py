@@ -122,7 +122,7 @@ def test_a_retried_chunk_encodes_only_what_its_killed_attempt_did_not_commit(tmp
     keys = encode.SampleKeys.of(dataset, encode.EncodeParams(), inputs.model_digests["vae"],
                                 encode.text_ingredients(inputs.bound_family(), inputs.bound_family().text_settings(
                                     inputs.model_path, encode.EncodeParams()), inputs),
-                                inputs.bound_family().latent_downsampling(inputs.model_path))
+                                inputs.bound_family().geometry(inputs.model_path).downsampling)
     chunk = EncodeJobs.plan(dataset, keys, keys.latents(), inputs.datasets).chunks(4)[0]  # 4 latents, no text
     samples = {i: dataset[i] for _, i, _ in chunk.latents}
     options = encode.EncodeOptions(num_workers=0, batch_size=2, shard_records=4)

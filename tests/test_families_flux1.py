@@ -40,8 +40,8 @@ def test_variants_are_told_apart_by_the_model(flux_dev, flux_schnell):
     assert schnell.text_settings(flux_schnell, TextOptions(max_sequence_length=64)).max_sequence_length == 64
     with pytest.raises(ValueError, match="encode.max_sequence_length: Flux.1 reads at most 512"):
         dev.text_settings(flux_dev, TextOptions(max_sequence_length=1024))
-    assert (dev.render_defaults()["num_inference_steps"], schnell.render_defaults()["num_inference_steps"]) == (28, 4)
-    assert dev.pixel_multiple(flux_dev) == 16
+    assert (dev.variant.render_steps, schnell.variant.render_steps) == (28, 4)
+    assert dev.geometry(flux_dev).pixel_multiple == 16
     with pytest.raises(RuntimeError, match="not bound"):
         families.get("flux1").conditioning([], [], ObjectiveParams())
 
@@ -51,7 +51,7 @@ def test_text_record_is_what_the_pipeline_encodes(variant, flux_dev, flux_schnel
     model = flux_dev if variant == "dev" else flux_schnell
     family = families.for_model(model)
     settings = family.text_settings(model, TextOptions())
-    records = family.load_text_encoder(model, settings, torch.float32, "cpu")(CAPTIONS)
+    records = family.text_encoder(model, settings, torch.float32, "cpu")(CAPTIONS)
     with torch.no_grad():  # as FluxPipeline.__call__ runs it
         embeds, pooled, _ = quiet_pipeline(model).encode_prompt(CAPTIONS, max_sequence_length=settings.max_sequence_length)
     for i, record in enumerate(records):
@@ -92,7 +92,7 @@ def test_denoiser_call_is_the_pipelines(variant, flux_dev, flux_schnell):
     handle.remove()
     kwargs = seen["kwargs"]
     settings = family.text_settings(model, TextOptions(max_sequence_length=64))
-    record = family.load_text_encoder(model, settings, torch.float32, "cpu")(CAPTIONS[:1])
+    record = family.text_encoder(model, settings, torch.float32, "cpu")(CAPTIONS[:1])
     params = ObjectiveParams(guidance=guidance) if variant == "dev" else ObjectiveParams()
     cond = family.conditioning(record, [], params)
     assert ("guidance" in cond) == (variant == "dev")
@@ -270,7 +270,7 @@ def test_single_file_flux_is_detected(tmp_path):
     family = families.for_model(tmp_path / "f.safetensors")
     assert family.name == "flux1"
     with pytest.raises(ValueError, match="single-file Flux.1 checkpoints are not supported yet"):
-        family.single_file_folder(tmp_path / "f.safetensors", "digest", tmp_path / "models")
+        families.single_file_folder(family, tmp_path / "f.safetensors", "digest", tmp_path / "models")
     save_file({"something.else": torch.zeros(1)}, tmp_path / "g.safetensors")
     with pytest.raises(ValueError, match="none of the tensors that identify"):
         families.for_model(tmp_path / "g.safetensors")

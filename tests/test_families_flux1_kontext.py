@@ -14,6 +14,7 @@ from family_checks import (assert_builds_byte_identically, assert_means_what_was
 from PIL import Image
 
 import lorapipe.stages.families as families
+from lorapipe.stages.evaluate.render import render_size_kwargs
 from lorapipe.stages.families import ObjectiveParams, TextOptions
 from lorapipe.stages.demo.photos import DEMO_PHOTOS
 from lorapipe.stages.families.base import REFERENCE_LATENTS
@@ -31,11 +32,11 @@ def test_tiny_kontext_builds_byte_identically_with_flux1_devs_transformer(kontex
     weights = "transformer/diffusion_pytorch_model.safetensors"
     assert (kontext / weights).read_bytes() == (flux_model / weights).read_bytes()
     family = families.for_model(kontext)
-    assert (family.name, family.bound.name, family.max_references, family.tiny_arch()) == (
+    assert (family.name, family.bound.name, family.max_references, family.variant.tiny_arch) == (
         "flux1-kontext", "dev", 1, "flux1-kontext")
     assert type(quiet_pipeline(kontext)).__name__ == "FluxKontextPipeline"
-    assert family.render_defaults() == {"num_inference_steps": 28, "guidance_scale": 2.5,
-                                        "sampler": "flow_match_euler"}
+    assert (family.variant.render_steps, family.variant.render_guidance, family.sampler) == \
+        (28, 2.5, "flow_match_euler")
 
 
 def reference_photo() -> Image.Image:
@@ -48,7 +49,7 @@ def pipeline_call(model: Path, **kwargs) -> tuple[dict, torch.Tensor, object]:
     family, pipe = families.for_model(model), quiet_pipeline(model)
     _, seen, output = first_call(pipe.transformer, lambda: pipe(
         prompt=INSTRUCTION, num_inference_steps=2, height=HEIGHT, width=WIDTH, guidance_scale=2.5, max_sequence_length=64,
-        generator=torch.Generator().manual_seed(0), output_type="latent", **family.render_size_kwargs(HEIGHT, WIDTH),
+        generator=torch.Generator().manual_seed(0), output_type="latent", **render_size_kwargs(family, HEIGHT, WIDTH),
         **kwargs))
     return seen, output[0], pipe
 
@@ -56,7 +57,7 @@ def pipeline_call(model: Path, **kwargs) -> tuple[dict, torch.Tensor, object]:
 def conditioning(model: Path) -> dict[str, torch.Tensor]:
     family = families.for_model(model)
     settings = family.text_settings(model, TextOptions(max_sequence_length=64))
-    record = family.load_text_encoder(model, settings, torch.float32, "cpu")([INSTRUCTION])
+    record = family.text_encoder(model, settings, torch.float32, "cpu")([INSTRUCTION])
     return family.conditioning(record, [], ObjectiveParams(guidance=2.5))
 
 

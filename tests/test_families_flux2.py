@@ -38,9 +38,10 @@ def test_tiny_klein_builds_byte_identically_and_loads(base, tmp_path):
 def test_variants_are_told_apart_by_the_model_index(base, distilled):
     b, d = families.for_model(base), families.for_model(distilled)
     assert (b.name, b.bound.name, d.bound.name) == ("flux2-klein", "base", "distilled")
-    assert d.train_instead().startswith("black-forest-labs/FLUX.2-klein-base-4B") and b.train_instead() is None
-    assert (b.render_defaults()["num_inference_steps"], d.render_defaults()["num_inference_steps"]) == (50, 4)
-    assert b.pixel_multiple(base) == 16
+    assert d.variant.train_instead.startswith("black-forest-labs/FLUX.2-klein-base-4B")
+    assert b.variant.train_instead is None
+    assert (b.variant.render_steps, d.variant.render_steps) == (50, 4)
+    assert b.geometry(base).pixel_multiple == 16
     settings = b.text_settings(base, TextOptions(max_sequence_length=64))
     assert (settings.hidden_layers, settings.max_sequence_length, settings.keep_padding) == ((9, 18, 27), 64, True)
     assert b.render_kwargs(settings, 4.0, "")["text_encoder_out_layers"] == (9, 18, 27)
@@ -51,7 +52,7 @@ def test_variants_are_told_apart_by_the_model_index(base, distilled):
 def test_text_records_are_what_the_pipeline_encodes(base):
     family = families.for_model(base)
     settings = family.text_settings(base, TextOptions())
-    records = family.load_text_encoder(base, settings, torch.float32, "cpu")(CAPTIONS)
+    records = family.text_encoder(base, settings, torch.float32, "cpu")(CAPTIONS)
     with torch.no_grad():
         embeds, _ = quiet_pipeline(base).encode_prompt(list(CAPTIONS), max_sequence_length=512)
     for i, record in enumerate(records):
@@ -84,7 +85,7 @@ def test_denoiser_call_is_the_pipelines(variant, base, distilled):
         prompt=CAPTIONS[:2], num_inference_steps=2, height=64, width=48, guidance_scale=1.0, max_sequence_length=64,
         generator=torch.Generator().manual_seed(0), output_type="latent"))
     settings = family.text_settings(model, TextOptions(max_sequence_length=64))
-    records = family.load_text_encoder(model, settings, torch.float32, "cpu")(CAPTIONS[:2])
+    records = family.text_encoder(model, settings, torch.float32, "cpu")(CAPTIONS[:2])
     cond = family.conditioning(records, [], ObjectiveParams())
     assert kwargs["guidance"] is None
     noisy = pipe._unpack_latents_with_ids(kwargs["hidden_states"], kwargs["img_ids"], 4, 3)
@@ -117,7 +118,7 @@ def test_denoiser_call_with_references_is_the_pipelines(count, base):
         prompt=CAPTIONS[:2], num_inference_steps=2, height=80, width=64, guidance_scale=1.0, max_sequence_length=64,
         generator=torch.Generator().manual_seed(0), output_type="latent", **family.reference_render_kwargs(images)))
     settings = family.text_settings(base, TextOptions(max_sequence_length=64))
-    cond = family.conditioning(family.load_text_encoder(base, settings, torch.float32, "cpu")(CAPTIONS[:2]), [],
+    cond = family.conditioning(family.text_encoder(base, settings, torch.float32, "cpu")(CAPTIONS[:2]), [],
                                ObjectiveParams())
     references = reference_latents(family, base, images)
     cond[REFERENCE_LATENTS] = references.unsqueeze(0).expand(2, *references.shape)
@@ -147,9 +148,9 @@ def test_references_render_as_the_pipelines_list_up_to_four(base):
     assert family.reference_render_kwargs(images) == {"image": images}
     with pytest.raises(ValueError, match="evaluate.resolution: Flux2KleinPipeline shrinks a reference image"):
         family.reference_render_kwargs(reference_images(1, 1024, 1040))
-    family.check_references(4)
+    families.check_references(family, 4)
     with pytest.raises(UserError, match="takes at most 4"):
-        family.check_references(5)
+        families.check_references(family, 5)
 
 
 def test_shift_is_the_pipelines_empirical_mu(base, distilled):

@@ -32,8 +32,8 @@ def test_tiny_ideogram4_builds_byte_identically(model, tmp_path):
     assert "unconditional_transformer/config.json" in assert_builds_byte_identically(model, "ideogram4",
                                                                                      tmp_path / "again")
     family = families.for_model(model)
-    assert (family.name, family.pixel_multiple(model), family.train_instead()) == ("ideogram4", 16, None)
-    assert family.render_defaults()["num_inference_steps"] == 48
+    assert (family.name, family.geometry(model).pixel_multiple, family.variant.train_instead) == ("ideogram4", 16, None)
+    assert family.variant.render_steps == 48
 
 
 def test_text_records_are_what_the_pipeline_encodes(model):

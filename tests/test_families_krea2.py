@@ -24,12 +24,12 @@ model = tiny_model_fixture("krea2")
 def test_tiny_krea2_builds_byte_identically_and_its_variants_are_told_apart(model, tmp_path):
     assert "text_encoder/config.json" in assert_builds_byte_identically(model, "krea2", tmp_path / "again")
     family = families.for_model(model)
-    assert (family.name, family.bound.name, family.pixel_multiple(model), family.train_instead()) == \
+    assert (family.name, family.bound.name, family.geometry(model).pixel_multiple, family.variant.train_instead) == \
         ("krea2", "base", 16, None)
     assert family.text_settings(model, TextOptions()).hidden_layers == (1, 2, 4)  # model_index.json's
     distilled = families.for_model(families.build_tiny_model(tmp_path / "distilled", "krea2-distilled"))
-    assert (distilled.bound.name, distilled.render_defaults()["guidance_scale"]) == ("distilled", 0.0)
-    assert "base" in distilled.train_instead()
+    assert (distilled.bound.name, distilled.variant.render_guidance) == ("distilled", 0.0)
+    assert "base" in distilled.variant.train_instead
 
 
 def test_text_records_are_what_the_pipeline_encodes(model):

@@ -19,6 +19,7 @@ from family_checks import assert_builds_byte_identically, assert_means_what_was_
 from test_adapters import exported_comfyui_file, trained_adapter
 
 import lorapipe.stages.families as families
+from lorapipe.stages.evaluate.render import clips_of
 from lorapipe.stages.families import ObjectiveParams, TextOptions
 from lorapipe.stages.train.adapter import AdapterParams
 
@@ -39,10 +40,11 @@ def test_tiny_ltx2_builds_byte_identically_and_is_told_apart(model, tmp_path):
     files = assert_builds_byte_identically(model, "ltx2", tmp_path / "again")
     assert {"connectors/diffusion_pytorch_model.safetensors", "tokenizer/tokenizer.json"} <= set(files)
     family = families.for_model(model)
-    assert (family.name, family.tiny_arch(), family.components.text) == \
+    assert (family.name, family.variant.tiny_arch, family.components.text) == \
         ("ltx2", "ltx2", ("text_encoder", "tokenizer", "connectors"))
-    assert (family.latent_downsampling(model), family.pixel_multiple(model)) == (32, 32)
-    assert family.render_defaults() == {"num_inference_steps": 30, "guidance_scale": 3.0, "sampler": "flow_match_euler"}
+    assert (family.geometry(model).downsampling, family.geometry(model).pixel_multiple) == (32, 32)
+    assert (family.variant.render_steps, family.variant.render_guidance, family.sampler) == \
+        (30, 3.0, "flow_match_euler")
 
 
 def test_a_folder_named_ltx2_in_the_working_directory_does_not_hide_the_connectors(tmp_path, monkeypatch):
@@ -88,7 +90,7 @@ def test_text_lengths_the_connectors_cannot_take_are_refused(model):
     assert family.text_settings(model, TextOptions()).model_dump() == {"max_sequence_length": 1024}
     with pytest.raises(ValueError, match=r"encode.max_sequence_length: .* 8 learnable registers .* not 12"):
         family.text_settings(model, TextOptions(max_sequence_length=12))
-    encoder = family.load_text_encoder(model, family.text_settings(model, TextOptions(max_sequence_length=8)),
+    encoder = family.text_encoder(model, family.text_settings(model, TextOptions(max_sequence_length=8)),
                                        torch.float32, "cpu")
     assert encoder.too_long(CAPTIONS[0]) and not encoder.too_long(CAPTIONS[1])
 
@@ -132,7 +134,7 @@ def test_window_lengths_follow_the_vaes_temporal_compression(model, tmp_path):
     config.update(temporal_compression_ratio=None, spatial_compression_ratio=None)
     config_file.write_text(json.dumps(config))
     vae = AutoencoderKLLTX2Video.from_config(config)
-    assert (family.temporal_compression(tmp_path / "m"), family.latent_downsampling(tmp_path / "m")) == \
+    assert (family.temporal_compression(tmp_path / "m"), family.geometry(tmp_path / "m").downsampling) == \
         (vae.temporal_compression_ratio, vae.spatial_compression_ratio) == (16, 64)
 
 
@@ -228,10 +230,10 @@ def test_the_pipeline_renders_with_the_familys_arguments(model):
     with pytest.raises(ValueError, match=r"evaluate.num_frames: LTX-2 takes windows of 8k\+1 frames .*, not 8"):
         family.clip_kwargs(model, 8)
     kwargs |= family.clip_kwargs(model, 9)
-    assert family.clip_fps() == 24
+    assert family.clip_fps == 24
     pipe = quiet_pipeline(model)
-    family.prepare_pipeline(pipe, family.render_defaults()["sampler"], None)
-    clips = family.rendered(pipe(["a cat"], num_inference_steps=2, height=64, width=96, output_type="pil",
+    family.prepare_pipeline(pipe, family.sampler, None)
+    clips = clips_of(pipe(["a cat"], num_inference_steps=2, height=64, width=96, output_type="pil",
                                  generator=[torch.Generator().manual_seed(0)],
                                  **{**kwargs, "negative_prompt": ["blurry"]}))
     assert len(clips) == 1 and len(clips[0]) == 9 and clips[0][0].size == (96, 64)

@@ -23,7 +23,8 @@ model = tiny_model_fixture("qwen-image")
 def test_tiny_qwen_image_builds_byte_identically_and_loads(model, tmp_path):
     assert "text_encoder/config.json" in assert_builds_byte_identically(model, "qwen-image", tmp_path / "again")
     family = families.for_model(model)
-    assert (family.name, family.pixel_multiple(model), family.train_instead()) == ("qwen-image", 16, None)
+    assert (family.name, family.variant.train_instead) == ("qwen-image", None)
+    assert family.geometry(model).pixel_multiple == 16
     with pytest.raises(ValueError, match="encode.max_sequence_length: Qwen-Image reads at most 1024"):
         family.text_settings(model, TextOptions(max_sequence_length=2048))
 

@@ -27,7 +27,8 @@ model = tiny_model_fixture("qwen-image-2.1")
 def test_tiny_qwen_image_21_builds_byte_identically_and_loads(model, tmp_path):
     assert "processor/tokenizer.json" in assert_builds_byte_identically(model, "qwen-image-2.1", tmp_path / "again")
     family = families.for_model(model)
-    assert (family.name, family.pixel_multiple(model), family.train_instead()) == ("qwen-image-2.1", 32, None)
+    assert (family.name, family.geometry(model).pixel_multiple, family.variant.train_instead) == \
+        ("qwen-image-2.1", 32, None)
     assert family.text_settings(model, TextOptions()).drop_tokens == quiet_pipeline(model)._drop_idx
 
 

@@ -35,13 +35,13 @@ def model(request, tiny_models) -> Path:
 
 
 def encoded(family, model: Path, captions: list[str], references: list[list[Image.Image]]):
-    encoder = family.load_text_encoder(model, family.text_settings(model, TextOptions()), torch.float32, "cpu")
+    encoder = family.text_encoder(model, family.text_settings(model, TextOptions()), torch.float32, "cpu")
     return encoder(captions, references)
 
 
 def test_tiny_edit_model_builds_byte_identically_and_loads(model, tmp_path):
     family = families.for_model(model)
-    files = assert_builds_byte_identically(model, family.tiny_arch(), tmp_path / "again")
+    files = assert_builds_byte_identically(model, family.variant.tiny_arch, tmp_path / "again")
     assert "processor/processor_config.json" in files
     assert (family.text_takes_references, family.max_references) == (True, MAX_REFERENCES[family.name])
     with pytest.raises(ValueError, match="encode.max_sequence_length: Qwen-Image-Edit.* reads the whole instruction"):

@@ -58,7 +58,7 @@ def test_text_records_are_the_pipelines(name, models):
     model = models[name][0]
     family = families.for_model(model)
     settings = family.text_settings(model, TextOptions())
-    records = family.load_text_encoder(model, settings, torch.float16, "cpu")(CAPTIONS)
+    records = family.text_encoder(model, settings, torch.float16, "cpu")(CAPTIONS)
     pipe = DiffusionPipeline.from_pretrained(model)
     with torch.no_grad():
         encoded = pipe.encode_prompt(CAPTIONS, device="cpu", num_images_per_prompt=1, do_classifier_free_guidance=False)
@@ -133,7 +133,7 @@ def test_each_stage_depends_on_the_components_the_family_names(models, tmp_path)
             assert set(family.components.for_stage("encode")) == parts["encode"] | extra
             assert set(family.components.for_stage("train")) == parts["train"]
             assert set(family.components.for_stage("evaluate")) == set(digests) == parts["encode"] | parts["train"] | extra
-            assert family.identity(digests) == digests["unet"] and family.name == name
+            assert family.components.identity(digests) == digests["unet"] and family.name == name
     with pytest.raises(ValueError, match="model.family is sdxl but"):
         families.for_model(models["sd15"][0], "sdxl")
 

@@ -23,6 +23,7 @@ from test_adapters import exported_comfyui_file, trained_adapter
 
 import lorapipe.stages.families as families
 from lorapipe.cache.errors import UserError
+from lorapipe.stages.evaluate.render import clips_of
 from lorapipe.stages.families import ObjectiveParams, TextOptions
 from lorapipe.stages.train.adapter import AdapterParams
 
@@ -42,14 +43,14 @@ def test_tiny_wan_builds_byte_identically_and_is_told_apart(arch, models, tmp_pa
                                                                                           tmp_path / "again")
     family = families.for_model(models[arch])
     five_b, a14b = arch == "wan2.2-5b", arch == "wan2.2-a14b"
-    assert (family.name, family.tiny_arch(), family.bound.per_token_timesteps) == ("wan", arch, five_b)
+    assert (family.name, family.variant.tiny_arch, family.bound.per_token_timesteps) == ("wan", arch, five_b)
     assert (family.bound.boundary_ratio, family.components.denoisers()) == \
         ((0.875, ("transformer", "transformer_2")) if a14b else (None, ("transformer",)))
-    assert (family.latent_downsampling(models[arch]), family.pixel_multiple(models[arch])) == \
+    assert (family.geometry(models[arch]).downsampling, family.geometry(models[arch]).pixel_multiple) == \
         ((16, 32) if five_b else (8, 16))
     steps, guidance = (40, 4.0) if a14b else (50, 5.0)
-    assert family.render_defaults() == {"num_inference_steps": steps, "guidance_scale": guidance,
-                                        "sampler": "flow_unipc"}
+    assert (family.variant.render_steps, family.variant.render_guidance, family.sampler) == \
+        (steps, guidance, "flow_unipc")
 
 
 def test_a14b_shares_wan21s_encoders_so_encode_records_are_reused(models):
@@ -92,7 +93,7 @@ def test_each_a14b_expert_predicts_as_the_pipeline_at_its_noise_levels_only(choi
     pipeline's prediction there, and training draws noise levels only in that range."""
     model = models["wan2.2-a14b"]
     family, pipe = families.for_model(model).with_denoiser(choice), quiet_pipeline(model)
-    assert family.components.denoiser == component and family.lora_prefix() == "transformer"
+    assert family.components.denoiser == component and family.components.adapter_prefix() == "transformer"
     calls = {name: [] for name in ("transformer", "transformer_2")}
     handles = [getattr(pipe, name).register_forward_hook(
         lambda _, args, kwargs, out, name=name: calls[name].append((kwargs, out)), with_kwargs=True) for name in calls]
@@ -142,8 +143,8 @@ def test_captions_are_cleaned_with_the_ftfy_the_text_settings_name(models):
     assert settings.model_dump() == {"max_sequence_length": 512, "ftfy": None}  # ftfy is not installed here
     with pytest.raises(UserError, match=r"encode: the text settings clean captions with ftfy 6.3.1, this process has"
                                         r" ftfy \(none\)"):
-        family.load_text_encoder(model, settings.model_copy(update={"ftfy": "6.3.1"}), torch.float32, "cpu")
-    encoder = family.load_text_encoder(model, family.text_settings(model, TextOptions(max_sequence_length=8)),
+        family.text_encoder(model, settings.model_copy(update={"ftfy": "6.3.1"}), torch.float32, "cpu")
+    encoder = family.text_encoder(model, family.text_settings(model, TextOptions(max_sequence_length=8)),
                                        torch.float32, "cpu")
     assert encoder.too_long(CAPTIONS[0]) and not encoder.too_long(CAPTIONS[1])
 
@@ -281,7 +282,7 @@ def test_a14b_expert_exports_load_into_their_expert_and_mean_what_was_trained(ch
         pipe = quiet_pipeline(model)
         before = {n: p.clone() for n, p in getattr(pipe, other).named_parameters()}
         assert_means_what_was_trained(transformer, targets, fused_change(pipe, family.components.denoiser, file,
-                                                                         **family.lora_load_kwargs()))
+                                                                         **dict(family.components.lora_load_kwargs)))
         assert all(torch.equal(p, before[n]) for n, p in getattr(pipe, other).named_parameters())
 
 
@@ -298,10 +299,10 @@ def test_the_pipeline_renders_with_the_familys_arguments(models):
         family.clip_kwargs(models["wan2.1"], 8)
     kwargs |= family.clip_kwargs(models["wan2.1"], None)
     pipe = quiet_pipeline(models["wan2.1"])
-    family.prepare_pipeline(pipe, family.render_defaults()["sampler"], None)
+    family.prepare_pipeline(pipe, family.sampler, None)
     with pytest.raises(ValueError, match="evaluate.scheduler: Wan renders with flow_unipc, not flow_match_euler"):
         family.prepare_pipeline(pipe, "flow_match_euler", None)
-    clips = family.rendered(pipe(["a cat"], num_inference_steps=2, height=32, width=32, output_type="pil",
+    clips = clips_of(pipe(["a cat"], num_inference_steps=2, height=32, width=32, output_type="pil",
                                  generator=[torch.Generator().manual_seed(0)], **{**kwargs, "negative_prompt": ["blurry"]}))
     assert len(clips) == 1 and len(clips[0]) == 81 and clips[0][0].size == (32, 32)
     video = pipe(["a cat"], num_inference_steps=2, height=32, width=32, output_type="pt",

@@ -31,9 +31,9 @@ def test_tiny_zimage_builds_byte_identically_and_loads(base, tmp_path):
 def test_variants_are_told_apart_by_the_scheduler(base, turbo):
     b, t = families.for_model(base), families.for_model(turbo)
     assert (b.name, b.bound.name, t.bound.name) == ("z-image", "base", "turbo")
-    assert t.bound.distilled and t.train_instead() == "Tongyi-MAI/Z-Image" and b.train_instead() is None
-    assert (b.render_defaults()["num_inference_steps"], t.render_defaults()["num_inference_steps"]) == (50, 9)
-    assert b.pixel_multiple(base) == 16
+    assert t.bound.distilled and t.variant.train_instead == "Tongyi-MAI/Z-Image" and b.variant.train_instead is None
+    assert (b.variant.render_steps, t.variant.render_steps) == (50, 9)
+    assert b.geometry(base).pixel_multiple == 16
     settings = b.text_settings(base, TextOptions())
     assert (settings.hidden_layers, settings.max_sequence_length, settings.keep_padding) == ((-2,), 512, False)
     with pytest.raises(ValueError, match="evaluate.negative_prompt"):
@@ -80,7 +80,7 @@ def test_denoiser_call_is_the_pipelines(variant, base, turbo):
         CAPTIONS[:2], num_inference_steps=2, height=64, width=48, guidance_scale=0.0,
         generator=torch.Generator().manual_seed(0), output_type="latent"))
     settings = family.text_settings(model, TextOptions())
-    records = family.load_text_encoder(model, settings, torch.float32, "cpu")(CAPTIONS[:2])
+    records = family.text_encoder(model, settings, torch.float32, "cpu")(CAPTIONS[:2])
     cond = family.conditioning(records, [], ObjectiveParams())
     noisy = torch.stack(args[0]).squeeze(2)
     sigma = pipe.scheduler.sigmas[0].expand(2)
@@ -129,5 +129,5 @@ def test_evaluate_renders_with_guidance_and_no_negative_prompt(base):
 
     family = families.for_model(base)
     text = family.text_settings(base, TextOptions())
-    settings = RenderSettings(["a photo of a cat"], [0], 1, 32, 1, family.render_kwargs(text, 4.0, ""), family.rendered)
+    settings = RenderSettings(["a photo of a cat"], [0], 1, 32, 1, family.render_kwargs(text, 4.0, ""))
     assert [[image.size for image in clip] for clip in render_column(quiet_pipeline(base), settings)] == [[(32, 32)]]

@@ -102,13 +102,13 @@ def test_single_file_checkpoint_loads_as_the_model_it_came_from(tmp_path, tiny_m
     arch = tmp_path / "arch"  # the tiny architecture's configs and tokenizer, no weights
     shutil.copytree(tiny_model, arch, ignore=shutil.ignore_patterns("*.safetensors"))
     sd15 = families.get("sd15")
-    folder = sd15.single_file_folder(checkpoint, "d1", tmp_path / "models", arch_dir=arch)
+    folder = families.single_file_folder(sd15, checkpoint, "d1", tmp_path / "models", arch_dir=arch)
     assert folder == tmp_path / "models" / "d1" and model_family(folder) == "sd15"
     for part in ("unet", "vae", "text_encoder"):
         ours, original = (load_file(next((root / part).glob("*.safetensors"))) for root in (folder, tiny_model))
         assert ours.keys() == original.keys(), part
         assert all(torch.equal(ours[k].reshape(original[k].shape), original[k]) for k in ours), part
-    assert sd15.single_file_folder(checkpoint, "d1", tmp_path / "models", arch_dir=arch) == folder
+    assert families.single_file_folder(sd15, checkpoint, "d1", tmp_path / "models", arch_dir=arch) == folder
 
 
 def test_family_detection_and_refusals(tmp_path, tiny_model):
@@ -121,4 +121,4 @@ def test_family_detection_and_refusals(tmp_path, tiny_model):
     with pytest.raises(ValueError, match="model.family is sdxl"):
         model_family(tiny_model, "sdxl")
     with pytest.raises(FileNotFoundError, match="no vocab.json/merges.txt"):  # the CLIP vocabulary is not shipped
-        families.get("sdxl").single_file_folder(tmp_path / "xl.safetensors", "d", tmp_path / "models")
+        families.single_file_folder(families.get("sdxl"), tmp_path / "xl.safetensors", "d", tmp_path / "models")

@@ -250,7 +250,7 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     _check_dataset(dataset, family, inputs)
     keys = SampleKeys.of(dataset, params, family.components.latent_digest(inputs.model_digests),
                          text_ingredients(family, family.text_settings(inputs.model_path, params), inputs),
-                         family.latent_downsampling(inputs.model_path), log, options.progress_every,
+                         family.geometry(inputs.model_path).downsampling, log, options.progress_every,
                          family.text_takes_references)
     store = open_sample_store(inputs.cache_root)
     _add_member_digests(store, keys, log)
@@ -290,9 +290,9 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
 def _check_dataset(dataset: list[SampleRow], family: families.Family, inputs: EncodeInputs) -> None:
     """Refuse what the model cannot take (before anything is encoded): image sides, window lengths,
     references per target."""
-    check_sizes(dataset, family.pixel_multiple(inputs.model_path), family.label)
+    check_sizes(dataset, family.geometry(inputs.model_path).pixel_multiple, family.label)
     check_frames(dataset, family, inputs.model_path, inputs.datasets)
-    family.check_references(max(len(s.references or ()) for s in dataset))
+    families.check_references(family, max(len(s.references or ()) for s in dataset))
 
 
 def _unpaired(dataset: list[SampleRow], images: dict[str, ImageRow], keys: SampleKeys, failed: dict[str, str],

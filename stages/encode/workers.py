@@ -138,7 +138,7 @@ def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[ImageRow] | Mappin
     model = (str(inputs.model_path), inputs.family, tuple(sorted(inputs.model_digests.items())), device)
     text_model = ("text", *model, settings.model_dump_json(), params.dtype)
     failed = encode_texts([t for c in chunks for t in c.texts],
-                          lambda: loaded(text_model, lambda: family.load_text_encoder(inputs.model_path, settings,
+                          lambda: loaded(text_model, lambda: family.text_encoder(inputs.model_path, settings,
                                                                                      dtype, device)),
                           buffer.add, options.batch_size, log, lambda i: (dataset[i], inputs.datasets))
     failed |= encode_latents([(key, dataset[i], flip) for c in chunks for key, i, flip in c.latents], inputs.datasets,
@@ -146,7 +146,7 @@ def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[ImageRow] | Mappin
                             dtype, buffer.add, options.batch_size, options.num_workers, progress, log,
                             [n for n, c in enumerate(chunks) for _ in c.latents])
     failed |= encode_masks([(key, dataset[i], flip) for c in chunks for key, i, flip in c.masks], inputs.datasets,
-                           family.latent_downsampling(inputs.model_path), buffer.add, log)
+                           family.geometry(inputs.model_path).downsampling, buffer.add, log)
     buffer.flush()
     return failed
 

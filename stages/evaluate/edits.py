@@ -24,7 +24,7 @@ from lorapipe.stages.preprocess.rows import read_rows
 from lorapipe.stages.preprocess.sources import DatasetSource
 
 from .losses import loss_subset
-from .render import compose_grid
+from .render import clips_of, compose_grid, render_size_kwargs
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
@@ -70,10 +70,10 @@ def render_pairs(pipe: DiffusionPipeline, family: Family, pairs: list[EditPair],
         for seed in seeds:
             height, width = pair.target.height, pair.target.width
             kwargs = {**family_kwargs, **family.reference_render_kwargs(pair.references),
-                      **family.render_size_kwargs(height, width)}  # its own references, not the prompt grid's
+                      **render_size_kwargs(family, height, width)}  # its own references, not the prompt grid's
             output = pipe(prompt=pair.instruction, height=height, width=width, num_inference_steps=steps,
                           generator=torch.Generator().manual_seed(seed), output_type="pil", **kwargs)
-            rendered.append(family.rendered(output)[0][0])
+            rendered.append(clips_of(output)[0][0])
     return rendered
 
 

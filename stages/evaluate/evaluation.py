@@ -24,7 +24,7 @@ from .fid import fid_kid
 from .losses import LossResult, Scoring, denoising_loss, loss_subset
 from .params import (CHECKPOINT_CHART, CHECKPOINT_LOSSES, EDIT_GRID, GRID, METRICS, REPORT, VERSION, EvalInputs,
                      EvalOptions, EvalParams)
-from .render import Clip, RenderSettings, compose_grid, first_frames, render_column, write_clips
+from .render import Clip, RenderSettings, compose_grid, first_frames, render_column, render_size_kwargs, write_clips
 from .report import plot_checkpoint_losses, write_report
 
 if TYPE_CHECKING:
@@ -104,7 +104,7 @@ def run(
     rows = [(prompt, seed) for prompt in params.prompts for seed in params.seeds]
     stills = first_frames(columns)
     compose_grid(stills, rows, params.resolution).save(out_dir / GRID)
-    clips = write_clips(columns, rows, params.resolution, render_family.clip_fps(), out_dir)
+    clips = write_clips(columns, rows, params.resolution, render_family.clip_fps, out_dir)
     metrics = {
         "loss": _loss_table(base, adapters),
         "clip_score": _clip_metrics(params, stills, [prompt for prompt, _ in rows], pipe.device, log),
@@ -179,9 +179,10 @@ def _adapter_files(train_dir: Path) -> dict[str, Path]:
 def _load_adapter(pipe: DiffusionPipeline, family: families.Family, file: Path, name: str) -> None:
     """A LoRA or DoRA file through diffusers' own loader (as a user loads it); LoKr and LoHa, which it
     refuses, through peft with the config the file records."""
-    prefix = family.lora_prefix()
+    prefix = family.components.adapter_prefix()
     if adapter_kind(recorded_adapter(file, prefix)) in ("lora", "dora"):
-        pipe.load_lora_weights(file.parent, weight_name=file.name, adapter_name=name, **family.lora_load_kwargs())
+        pipe.load_lora_weights(file.parent, weight_name=file.name, adapter_name=name,
+                               **dict(family.components.lora_load_kwargs))
     else:
         add_adapter_from_file(getattr(pipe, family.components.denoiser), file, prefix, name)
 
@@ -197,7 +198,7 @@ def _render_grid(pipe: DiffusionPipeline, family: families.Family, model_path: P
                  params: EvalParams, train_dir: Path, log: Log) -> dict[str, list[Clip]]:
     """The grid's columns: `pipe` without the LoRA, then with it at each scale, then its EMA at each
     scale when there is one (the adapters stay loaded)."""
-    sampler = params.scheduler or family.render_defaults()["sampler"]
+    sampler = params.scheduler or family.sampler
     scoring = _scorings(family, model_path, train_dir)  # a LoRA trained to predict v is sampled as v
     log(f"evaluate: {family.label} {model_path.name} renders {len(params.prompts) * len(params.seeds)} samples"
         f" per column, {settings.num_inference_steps} steps, {torch.get_num_threads()} torch threads")
@@ -249,22 +250,21 @@ def _render_settings(family: families.Family, model_path: Path, encoded: Encoded
     """The prompts rendered as the model renders them (the family's defaults for what is unset),
     with the text settings the records were encoded with (Flux.1's T5 length); `references`: the
     reference images a pipeline that only edits is given."""
-    multiple = family.pixel_multiple(model_path)
+    multiple = family.geometry(model_path).pixel_multiple
     if params.resolution % multiple:
         raise UserError(f"evaluate.resolution: {family.label} renders sides that are multiples of {multiple} px,"
                         f" not {params.resolution}")
-    defaults = family.render_defaults()
-    guidance = defaults["guidance_scale"] if params.guidance_scale is None else params.guidance_scale
+    guidance = family.variant.render_guidance if params.guidance_scale is None else params.guidance_scale
     text = family.text_settings(model_path, encoded.text_options)
     try:
         clip = family.clip_kwargs(model_path, params.num_frames)
     except ValueError as problem:
         raise UserError(str(problem)) from None
     return RenderSettings(list(params.prompts), list(params.seeds),
-                          params.num_inference_steps or defaults["num_inference_steps"], params.resolution,
+                          params.num_inference_steps or family.variant.render_steps, params.resolution,
                           options.render_batch_size,
                           {**family.render_kwargs(text, guidance, params.negative_prompt), **clip, **references,
-                           **family.render_size_kwargs(params.resolution, params.resolution)}, family.rendered)
+                           **render_size_kwargs(family, params.resolution, params.resolution)})
 
 
 def _load_pipeline(model_path: Path, options: EvalOptions) -> DiffusionPipeline:

@@ -2,7 +2,7 @@
 
 Every sample gets its own CPU generator seeded with its seed, so it depends on its prompt, seed
 and settings, not on what was rendered before it (batch size: see EvalOptions). A sample is a clip:
-a list of frames, one for an image model (family.rendered). The grid shows each clip's first frame;
+a list of frames, one for an image model (clips_of). The grid shows each clip's first frame;
 where clips have more, the grid is also written animated (every cell at its k-th frame), and each
 clip as an mp4 of its own.
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from PIL import Image, ImageDraw, ImageFont
@@ -19,6 +19,8 @@ from .params import ANIMATED_GRID, CLIPS_DIR
 
 if TYPE_CHECKING:
     from diffusers import DiffusionPipeline
+
+    from lorapipe.stages.families import Family
 
 LABEL_WIDTH = 160  # left column of the grid: prompt and seed of each row
 HEADER_HEIGHT = 20  # top row of the grid: base or LoRA scale of each column
@@ -34,7 +36,6 @@ class RenderSettings:
     batch_size: int
     family_kwargs: dict[str, Any]  # the family's pipeline arguments: guidance, negative prompt (one per
     # prompt, as the pipelines want a list with a list of prompts), text length, a clip's frames
-    rendered: Callable[[Any], list[Clip]]  # the pipeline's output as clips (family.rendered)
 
 
 Clip = list[Image.Image]  # a rendered sample's frames (one for an image)
@@ -48,12 +49,24 @@ def render_column(pipe: DiffusionPipeline, settings: RenderSettings) -> list[Cli
         for start in range(0, len(settings.seeds), settings.batch_size):
             seeds = settings.seeds[start:start + settings.batch_size]
             per_prompt = {k: [v] * len(seeds) if k == "negative_prompt" else v for k, v in settings.family_kwargs.items()}
-            clips += settings.rendered(pipe(
+            clips += clips_of(pipe(
                 prompt=[prompt] * len(seeds), generator=[torch.Generator().manual_seed(seed) for seed in seeds],
                 num_inference_steps=settings.num_inference_steps, height=settings.resolution,
                 width=settings.resolution, output_type="pil", **per_prompt,
             ))
     return clips
+
+
+def clips_of(output: Any) -> list[Clip]:
+    """The pipeline's output as clips: a video pipeline's frames, or its images as one-frame clips."""
+    frames = getattr(output, "frames", None)
+    return [list(clip) for clip in frames] if frames is not None else [[image] for image in output.images]
+
+
+def render_size_kwargs(family: Family, height: int, width: int) -> dict[str, Any]:
+    """The pipeline call's arguments, besides height and width, that keep its output at that size (a
+    pipeline that rescales to an area of its own is given this one)."""
+    return {family.render_area_argument: height * width} if family.render_area_argument else {}
 
 
 def first_frames(columns: dict[str, list[Clip]]) -> dict[str, list[Image.Image]]:

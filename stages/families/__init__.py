@@ -1,8 +1,8 @@
-"""Model families: the registry of model lines (SD1.x/2.x, SDXL, Flux.1, Flux.1 Kontext, Flux.2-klein,
-Z-Image, Qwen-Image, Qwen-Image-Edit and Edit-Plus, Qwen-Image 2.1, Krea 2, Ideogram 4, Wan, LTX-2) and
-`for_model`, which finds a model's family (a folder by its pipeline class, a single file by its
-tensor names) and binds it to the model's variant. What a family provides, and which stage calls
-what: the docstring of base.Family, the seam. Adding a family: docs/adding-a-family.md.
+"""Model families: the registry of model lines (`FAMILIES`; each one's values in the table of
+docs/adding-a-family.md, generated from it) and `for_model`, which finds a model's family (a folder
+by its pipeline class, a single file by its tensor names) and binds it to the model's variant. What
+a family provides, and which stage uses what: the docstring of base.Family, the seam. Adding a
+family: docs/adding-a-family.md.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lorapipe.cache.errors import UserError
 
-from .base import ALL_LINEAR, Components, Family, TextOptions
+from .base import ALL_LINEAR, Components, Family, TextOptions, check_references, swappable_blocks
 from .flux1 import FLUX1, FLUX1_KONTEXT
 from .flux2 import FLUX2_KLEIN
 from .folders import check_weights_file, is_single_file, model_index
@@ -22,6 +22,7 @@ from .qwenimage import QWEN_IMAGE
 from .qwenimage21 import QWEN_IMAGE_21
 from .qwenimage_edit import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
 from .sd import SD15, SDXL
+from .single_file import single_file_folder
 from .wan import WAN
 from .zimage import ZIMAGE
 
@@ -33,7 +34,8 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FL
 SINGLE_FILE_DETECTION = (SDXL, SD15, FLUX2_KLEIN, FLUX1, ZIMAGE, QWEN_IMAGE)
 
 __all__ = ["ALL_LINEAR", "Components", "FAMILIES", "Family", "ObjectiveParams", "TextOptions", "TimestepSampling",
-           "build_tiny_model", "for_model", "get", "is_single_file", "tiny_arches"]
+           "build_tiny_model", "check_references", "for_model", "get", "is_single_file", "single_file_folder",
+           "swappable_blocks", "tiny_arches"]
 
 
 def get(name: str) -> Family:
@@ -69,7 +71,7 @@ def single_file_family(path: Path) -> Family:
     check_weights_file(Path(path))
     with safe_open(path, "pt") as f:
         names = set(f.keys())
-    family = next((f for f in SINGLE_FILE_DETECTION if f.is_single_file(names)), None)
+    family = next((f for f in SINGLE_FILE_DETECTION if names & set(f.single_file_markers)), None)
     if family is None:
         raise ValueError(f"model.path: {path} holds none of the tensors that identify a {', '.join(FAMILIES)}"
                          " checkpoint in the original layout; give a diffusers folder, or set model.family")
@@ -78,7 +80,7 @@ def single_file_family(path: Path) -> Family:
 
 def tiny_arches() -> dict[str, Family]:
     """`lorapipe tiny-model --arch` names -> the family that builds them; the first is the default."""
-    return {arch: family for family in FAMILIES.values() for arch in family.tiny_arches}
+    return {variant.tiny_arch: family for family in FAMILIES.values() for variant in family.variants}
 
 
 TINY_CAPTIONER = "captioner"  # `lorapipe tiny-model --arch captioner`: the caption stage's tiny model, not a family's

@@ -1,9 +1,10 @@
-"""What every family shares: the declarative head, the seam's types, and the common defaults.
+"""What every family shares: the spec (Family's fields), the seam's types, and the common defaults.
 
-A family is a frozen dataclass: its fields are data (pipeline class, components, LoRA presets,
-variants), its methods the few functions that differ between model lines. The defaults here serve
-families with a diffusers `AutoencoderKL` normalised by scale and shift (SD, Flux.1, Z-Image); a
-family overrides what differs. Nothing here imports torch or diffusers at module level: flows
+A family is a frozen dataclass: its fields are data (pipeline class, components, text encoder
+class, latent normalisation, LoRA presets, variants), its methods the few functions that differ
+between model lines (the seam: Family's docstring). The field defaults serve families with a
+diffusers `AutoencoderKL` normalised by scale and shift (SD, Flux.1, Z-Image); a family sets what
+differs. Nothing here imports torch or diffusers at module level: flows
 import the registry to build cache keys.
 """
 from __future__ import annotations
@@ -12,13 +13,13 @@ import re
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 from pydantic import Field
 
 from lorapipe.stages.contract import Frozen
 
-from .folders import empty_component, load_component, vae_scale_factor
+from .folders import component_config, load_component, model_index, vae_scale_factor
 from .latents import LatentNormalisation, VaePosterior, scale_shift_of
 
 if TYPE_CHECKING:
@@ -30,6 +31,8 @@ TextRecord = dict[str, "torch.Tensor"]  # one caption's tensors, as cached in th
 Conditioning = dict[str, "torch.Tensor"]  # a batch's denoiser inputs besides x_t and t, named as its arguments
 REFERENCE_LATENTS = "reference_latents"  # the conditioning's reference images (Family.max_references)
 ALL_LINEAR = "all_linear"  # the LoRA preset every family offers
+FLOW_MATCH_EULER = "flow_match_euler"  # the flow-matching pipelines' own FlowMatchEulerDiscreteScheduler
+MODEL_INDEX = "model_index"  # a variant marker's component: the pipeline's own config
 
 
 @dataclass(frozen=True)
@@ -42,7 +45,8 @@ class Components:
     denoiser: str  # what the LoRA adapts; its digest is the model's identity
     scheduler: str = "scheduler"
     other_denoisers: tuple[str, ...] = ()  # a model with several (train.denoiser picks which one trains)
-    lora_prefix: str | None = None  # the denoiser's name in LoRA files, when not its own (Family.lora_prefix)
+    lora_prefix: str | None = None  # the denoiser's name in LoRA files, when not its own (adapter_prefix)
+    lora_load_kwargs: tuple[tuple[str, Any], ...] = ()  # what the pipeline's load_lora_weights takes to load into it
 
     def for_stage(self, stage: str) -> tuple[str, ...]:
         parts = {
@@ -57,6 +61,15 @@ class Components:
 
     def all(self) -> tuple[str, ...]:
         return (*self.text, *self.latent, *self.denoisers(), self.scheduler)
+
+    def identity(self, digests: dict[str, str]) -> str:
+        """The model's identity: its denoiser's weights digest (what a LoRA is made for)."""
+        return digests[self.denoiser]
+
+    def adapter_prefix(self) -> str:
+        """The denoiser's name in the keys of the diffusers LoRA file (a model's second denoiser takes
+        files written for its first, loaded with lora_load_kwargs)."""
+        return self.lora_prefix or self.denoiser
 
     def latent_digest(self, digests: dict[str, str]) -> str:
         """What a latent record's key holds of the model: the VAE's weights digest (its components'
@@ -144,101 +157,141 @@ def select_linear(model: torch.nn.Module, patterns: tuple[str, ...]) -> list[str
 
 
 @dataclass(frozen=True)
+class Variant:
+    """One checkpoint line of a family (Flux.1 dev or schnell, Z-Image base or Turbo, ...): what tells
+    it apart in the model's configs, and the values that differ with it."""
+
+    name: str
+    tiny_arch: str  # `lorapipe tiny-model --arch` name of its tiny model
+    render_steps: int  # evaluate.num_inference_steps unless set
+    render_guidance: float  # evaluate.guidance_scale unless set
+    markers: tuple[tuple[str, str, Any], ...] = ()  # (component, config key, value) that identify it; () matches all
+    distilled: bool = False  # step-distilled: LoRAs trained on it collapse; train on `train_instead`
+    train_instead: str | None = None  # the base checkpoint to train on, for a distilled variant (None otherwise)
+
+    def matches(self, model_path: Path) -> bool:
+        def config(component: str) -> dict:
+            return model_index(model_path) if component == MODEL_INDEX else component_config(model_path, component)
+
+        return all(config(component).get(key) == value for component, key, value in self.markers)
+
+
+@dataclass(frozen=True)
+class LatentGeometry:
+    """How image pixels map to a latent record and to the denoiser's tokens, along each side."""
+
+    downsampling: int  # image pixels per latent record pixel (the VAE's downsampling)
+    patch: int  # latent pixels per image token side (Family.latent_patch)
+
+    @property
+    def pixel_multiple(self) -> int:
+        """Image sides must be multiples of this."""
+        return self.downsampling * self.patch
+
+
+@dataclass(frozen=True)
+class Kohya:
+    """How the files in original names identify the model to kohya-style loaders."""
+
+    base_model: str  # ss_base_model_version
+    network_module: str = "networks.lora"  # a plain LoRA's ss_network_module: the trainer's own
+
+    def metadata(self, provenance: dict[str, str], kohya_metadata: dict[str, str]) -> dict[str, str]:
+        """The metadata of the files in original names: the run's provenance and kohya's training
+        keys, with the family's base model and network module (kohya_metadata's own, a LyCORIS
+        type's, wins)."""
+        return {"ss_network_module": self.network_module, **provenance, **kohya_metadata,
+                "ss_base_model_version": self.base_model}
+
+
+@dataclass(frozen=True)
 class Family(ABC):
     """A model line, and the one seam between the stages and model-specific code.
 
     Outside stages/families nothing branches on a family or names a model part (`unet`,
-    `text_encoder_2`): the stages and flows call the methods below on the family that
-    `families.for_model(path)` returns, bound to the model's variant (Flux.1 dev or schnell, a
-    distilled checkpoint: data read from the folder's configs). A family is a declarative head (the
-    fields) plus the methods that differ between model lines; a line that differs only in data
-    (SDXL from SD1.x, a variant) is another instance, not another class. Adding a family, step by
-    step: docs/adding-a-family.md.
+    `text_encoder_2`): the stages and flows read the fields and call the methods below on the family
+    that `families.for_model(path)` returns, bound to the model's variant (data read from the
+    folder's configs). What differs between model lines only as a value is a field: the pipeline
+    class, components, text encoder class, latent encoder and normalisation, latent patch, LoRA
+    presets, swappable block lists, reference bounds, sampler, the variants' steps and guidance,
+    kohya's names. A method is left only where behaviour differs. A line that differs only in data
+    (SDXL from SD1.x, a variant) is another instance, not another class. Every registered family's
+    values, and adding a family step by step: docs/adding-a-family.md.
 
     The seam, by caller:
       identity and loading (the flow's plan, every stage)
-        components.for_stage(stage)    the components whose digests key a stage (encode: text and
-                                       latent; train: denoiser(s) and scheduler; evaluate: all)
-        identity(digests)              the denoiser's digest: the model a LoRA is made for
-        denoiser_choices(), with_denoiser(choice)   a model with several denoisers (Wan 2.2
-                                       A14B's experts): the one train.denoiser trains, its noise
-                                       levels (the objective draws only those) and how its LoRA
-                                       loads (lora_prefix(), lora_load_kwargs())
-        single_file_folder(...)        a single-file checkpoint converted once into a diffusers folder
-        pixel_multiple(path), latent_downsampling(path)   image geometry (encode, evaluate)
+        for_model(path)                this family bound to the model's variant (`variant`)
+        components                     what keys each stage (Components.for_stage), the model's
+                                       identity (Components.identity) and how its LoRA loads
+                                       (adapter_prefix, lora_load_kwargs)
+        denoiser_choices, with_denoiser(choice)   a model with several denoisers (Wan 2.2 A14B's
+                                       experts): the one train.denoiser trains and its noise levels
+        geometry(path), frames_problem(path, frames)   image (and clip) sizes the model takes
       text records (encode)
         text_settings(path, options)   every setting that changes a record, as data: in each text
                                        record's key and in samples.json's header
-        load_text_encoder(...)         captions -> records as the pipeline's encode_prompt makes
-                                       them; variable-length records are stored unpadded
+        text_encoder(path, settings, dtype, device)   a field, the encoder's class: captions ->
+                                       records as the pipeline's encode_prompt makes them
       latent records (encode; train and evaluate apply the normalisation)
-        load_latent_encoder(...)       pixels -> the posterior's unscaled (mean, std)
-        latent_normalisation(path)     recorded with the records (latents.LatentNormalisation)
+        load_latent_encoder(path, device)   pixels -> the posterior's unscaled (mean, std), by the
+                                       `latent_encoder` field
+        latent_normalisation(path)     recorded with the records, by the `normalisation_of` field
       the objective and the denoiser call (train, and evaluate's losses)
         check_objective(params)        refuses, naming the train key, what does not apply to the model
         objective(path, params)        noise levels, noisy input, target and weight: one definition
                                        for both stages (objectives.Objective)
-        train_instead()                the base to train on when the model is a distilled checkpoint
         load_denoiser(...), conditioning(texts, images, params), predict(denoiser, noisy, t, ...)
                                        the batch's conditioning on the CPU, batch first, records
                                        padded by the family's rule; the prediction in float32, in
                                        the latent layout, as the pipeline calls its denoiser
       references (edit models: preprocess, train, evaluate)
-        max_references, check_references(count)   how many reference images a sample may have; a
+        max_references                 reference images a sample may have (check_references); a
                                        batch's references reach predict as conditioning[REFERENCE_LATENTS]:
                                        (B, K, C, h, w) normalised posterior means at the target's size
         reference_render_kwargs(images)   the pipeline call's arguments for a sample's reference images
-        renders_without_references     False for a pipeline that only edits: evaluate's prompt grid then
-                                       edits the first held-out pair's references
-        text_takes_references          its text encoder is called encoder(captions, references): each
-                                       caption's reference images (PIL, placed as their latents are),
-                                       and the references' content is in that text record's key
       LoRA (train)
         lora_target_modules(denoiser, preset), check_adapter(denoiser), export_lora(...)
                                        presets as regular expressions over module names; the
                                        diffusers file, then the family's original-name files
-      memory (train)
-        swappable_blocks(denoiser)     the blocks train.blocks_to_swap may keep off the accelerator,
-                                       in the order they run (the last N are swapped); [] for a
-                                       denoiser without a chain of blocks (SD's UNet), which refuses it
-      rendering (evaluate) and the tiny model (the demo, tests)
-        render_defaults(), render_kwargs(...), render_size_kwargs(h, w), prepare_pipeline(...),
-        build_tiny(out_dir, arch)
-        demo_config(edits), demo_settings(), write_demo_data(folder, edits)   what `lorapipe demo`
-                                       runs: its config in configs/, the values it sets in it for this
-                                       model, and the data that config trains on (edits: generated
-                                       edit pairs; demo_edits: an edit model's demo always is)
+        block_lists                    the blocks train.blocks_to_swap may keep off the accelerator
+      rendering (evaluate)
+        render_kwargs(settings, guidance, negative), clip_kwargs(path, num_frames),
+        prepare_pipeline(pipe, sampler, objective)   the pipeline call's family arguments and its
+                                       sampler; the defaults are the variant's and `sampler`
+      the tiny model (the demo, tests)
+        build_tiny(out_dir, arch)      `video` and `demo_edits` pick the demo's config and data
     """
 
     name: str  # the registry key, recorded in encode manifests and text record keys
     label: str  # for people: "Stable Diffusion 1.x/2.x"
     pipeline_class: str  # the diffusers pipeline that renders samples (model_index.json's _class_name)
     components: Components
-    kohya_base_model: str  # ss_base_model_version in the kohya export
-    tiny_arches: tuple[str, ...]  # `lorapipe tiny-model --arch` names this family builds
-    kohya_network_module: str = "networks.lora"  # a plain LoRA's ss_network_module: the trainer's own
+    kohya: Kohya
+    text_encoder: Callable[[Path, Any, torch.dtype, str], TextEncoder]  # its class: (path, settings, dtype, device)
+    variants: tuple[Variant, ...]  # detection order: the first whose markers match
+    variant: Variant | None = None  # set by for_model
+    sampler: str = FLOW_MATCH_EULER  # evaluate.scheduler unless set: the pipeline's own scheduler
+    latent_encoder: Callable[[Path, str, str], LatentEncoder] = VaePosterior  # (path, VAE component, device)
+    normalisation_of: Callable[[Path, str], LatentNormalisation] = scale_shift_of  # (path, VAE component)
     single_file_markers: tuple[str, ...] = ()  # a tensor name that identifies a single-file checkpoint
+    single_file_kwargs: dict[str, Any] | None = None  # from_single_file's arguments; None: not converted
     latent_patch: int = 1  # latent pixels per image token side (Flux: 2x2 patches)
     lora_presets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> what lora_target_modules reads
     block_lists: tuple[str, ...] = ()  # the denoiser's lists of blocks, in run order (swappable_blocks)
     max_references: int = 0  # reference images a sample may have (an edit model's); 0: none
     text_takes_references: bool = False  # its text encoder reads the references too (a vision-language one)
     renders_without_references: bool = True  # False: its pipeline only edits (evaluate's prompts edit a reference)
+    render_area_argument: str | None = None  # the pipeline's argument for the output's area, when it rescales to one
+    video: bool = False  # trains on clips and renders them (video.VideoFamily)
+    clip_fps: int = 16  # frames per second a rendered clip is written at
     demo_edits: bool = False  # `lorapipe demo` trains it on edit pairs (an edit model; else with --edit)
+    denoiser_choices: dict[str, Denoiser] = field(default_factory=dict)  # train.denoiser's values; for_model
     chosen: Denoiser | None = None  # set by with_denoiser on a model with several denoisers
 
     # ---- identity and loading
     def for_model(self, model_path: Path) -> Family:
-        """This family bound to the model's variant (its data read from the folder's configs)."""
-        return self
-
-    def identity(self, digests: dict[str, str]) -> str:
-        """The model's identity: its denoiser's weights digest (what a LoRA is made for)."""
-        return digests[self.components.denoiser]
-
-    def denoiser_choices(self) -> dict[str, Denoiser]:
-        """train.denoiser's values -> the denoiser each trains; {} for a model with one denoiser."""
-        return {}
+        """This family bound to the model's variant: the first of `variants` its configs match."""
+        return replace(self, variant=next(v for v in self.variants if v.matches(model_path)))
 
     def with_denoiser(self, choice: str | None) -> Family:
         """This (bound) family training the denoiser train.denoiser names: refuses, in one line naming
@@ -246,7 +299,7 @@ class Family(ABC):
         with several."""
         from lorapipe.cache.errors import UserError
 
-        choices = self.denoiser_choices()
+        choices = self.denoiser_choices
         if not choices:
             if choice is not None:
                 raise UserError(f"train.denoiser: {self.label} has one denoiser, there is none to choose;"
@@ -259,48 +312,17 @@ class Family(ABC):
         picked = choices[choice]
         others = tuple(c for c in self.components.denoisers() if c != picked.component)
         components = replace(self.components, denoiser=picked.component, other_denoisers=others,
-                             lora_prefix=self.lora_prefix())
+                             lora_prefix=self.components.adapter_prefix(), lora_load_kwargs=picked.load_kwargs)
         return replace(self, components=components, chosen=picked)
 
-    def lora_prefix(self) -> str:
-        """The denoiser's name in the keys of the diffusers LoRA file (a model's second denoiser takes
-        files written for its first, loaded with lora_load_kwargs)."""
-        return self.components.lora_prefix or self.components.denoiser
-
-    def lora_load_kwargs(self) -> dict[str, Any]:
-        """What the pipeline's load_lora_weights takes to load a LoRA into the trained denoiser."""
-        return dict(self.chosen.load_kwargs) if self.chosen else {}
-
-    def is_single_file(self, tensor_names: set[str]) -> bool:
-        return any(marker in tensor_names for marker in self.single_file_markers)
-
-    def single_file_folder(self, checkpoint: Path, digest: str, models_root: Path, arch_dir: Path | None = None) -> Path:
-        """A single-file checkpoint (ComfyUI/A1111 layout) converted once, offline, into a diffusers
-        folder under models_root that every stage then loads like any other (`arch_dir`: the
-        architecture configs to convert with; default: the ones shipped for the family)."""
-        raise ValueError(f"model.path: {checkpoint}: single-file {self.label} checkpoints are not supported yet;"
-                         f" give a diffusers-format folder")
-
-    def tiny_arch(self) -> str:
-        """The `lorapipe tiny-model --arch` name of this (bound) family's tiny model."""
-        return self.tiny_arches[0]
-
-    def train_instead(self) -> str | None:
-        """The base checkpoint to train on when the bound model is a known distilled one (None otherwise)."""
-        return None
-
-    def pixel_multiple(self, model_path: Path) -> int:
-        """Image sides must be multiples of this: the VAE's downsampling times the latent patch."""
-        return self.latent_downsampling(model_path) * self.latent_patch
+    def geometry(self, model_path: Path) -> LatentGeometry:
+        """Image pixels per latent pixel (the VAE's downsampling) and per token, along each side."""
+        return LatentGeometry(vae_scale_factor(model_path, self.components.latent[0]), self.latent_patch)
 
     def frames_problem(self, model_path: Path, frames: int) -> str | None:
         """Why the model cannot be trained on a clip window of `frames` frames (None: it can; 0 is an
         image). An image model takes no clip; a video family says which frame counts its VAE takes."""
         return None if frames == 0 else f"{self.label} is an image model: it trains on images, not clips"
-
-    def latent_downsampling(self, model_path: Path) -> int:
-        """Image pixels per latent record pixel, along each side (the VAE's downsampling)."""
-        return vae_scale_factor(model_path, self.components.latent[0])
 
     # ---- text records
     @abstractmethod
@@ -309,17 +331,13 @@ class Family(ABC):
         max length, padding/mask mode, template) as data: for the text record key, for the encoder,
         and for rendering with what training saw."""
 
-    @abstractmethod
-    def load_text_encoder(self, model_path: Path, settings: Frozen, dtype: torch.dtype, device: str) -> TextEncoder:
-        ...
-
     # ---- latent records
     def load_latent_encoder(self, model_path: Path, device: str) -> LatentEncoder:
-        return VaePosterior(model_path, self.components.latent[0], device)
+        return self.latent_encoder(model_path, self.components.latent[0], device)
 
     def latent_normalisation(self, model_path: Path) -> LatentNormalisation:
         """Read once at encode time and recorded with the records; train and evaluate apply it."""
-        return scale_shift_of(model_path, self.components.latent[0])
+        return self.normalisation_of(model_path, self.components.latent[0])
 
     # ---- the objective and the denoiser
     @abstractmethod
@@ -334,11 +352,6 @@ class Family(ABC):
     def load_denoiser(self, model_path: Path, dtype: torch.dtype) -> torch.nn.Module:
         return load_component(model_path, self.components.denoiser, torch_dtype=dtype)
 
-    def empty_denoiser(self, model_path: Path) -> torch.nn.Module:
-        """The denoiser's modules as load_denoiser builds them, without its weights (on the meta
-        device): its structure, at almost no cost."""
-        return empty_component(model_path, self.components.denoiser)
-
     @abstractmethod
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
                      params: ObjectiveParams) -> Conditioning:
@@ -352,58 +365,28 @@ class Family(ABC):
         """The denoiser's prediction for x_t (latent layout, already on the denoiser's device),
         packed and unpacked as the family needs, in float32, comparable with the objective's target."""
 
-    # ---- references (edit models)
-    def check_references(self, count: int) -> None:
-        """Refuse, naming the data keys, samples with more reference images than the model takes."""
-        from lorapipe.cache.errors import UserError
-
-        if count > self.max_references:
-            takes = f"takes at most {self.max_references}" if self.max_references else "takes none"
-            raise UserError(f"data.datasets: samples have {count} reference image(s) (control_dir /"
-                            f" reference_columns), but {self.label} {takes}: train an edit model, or remove them")
-
-    def reference_render_kwargs(self, images: list[Any]) -> dict[str, Any]:
-        """The pipeline call's arguments for one sample's reference images (PIL, in order)."""
-        return {"image": images[0] if len(images) == 1 else images}
-
     # ---- LoRA
     @abstractmethod
     def lora_target_modules(self, denoiser: torch.nn.Module, spec: str | tuple[str, ...]) -> list[str]:
         """peft's target_modules for a preset name (or the user's own tuple, passed through)."""
+
+    def check_adapter(self, denoiser: torch.nn.Module) -> None:
+        """Refuse, before training starts, an adapter that export_lora could not write (one line
+        naming the config key); every adapter on every target is writable unless a family says not."""
 
     @abstractmethod
     def export_lora(self, denoiser: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
                     kohya_metadata: dict[str, str]) -> list[Path]:
         """Write every LoRA file the family exports (diffusers format first) into out_dir."""
 
-    def original_names_metadata(self, provenance: dict[str, str], kohya_metadata: dict[str, str]) -> dict[str, str]:
-        """The metadata of the files in original names: the run's provenance and kohya's training
-        keys, with the family's base model and network module (kohya_metadata's own, a LyCORIS
-        type's, wins)."""
-        return {"ss_network_module": self.kohya_network_module, **provenance, **kohya_metadata,
-                "ss_base_model_version": self.kohya_base_model}
-
-    def swappable_blocks(self, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
-        """The blocks of `block_lists`, in the order the denoiser runs them."""
-        return [block for name in self.block_lists for block in getattr(denoiser, name)]
-
-    def check_adapter(self, denoiser: torch.nn.Module) -> None:
-        """Refuse, before training starts, an adapter that export_lora could not write (one line
-        naming the config key); every adapter on every target is writable unless a family says not."""
-
     # ---- rendering
-    @abstractmethod
-    def render_defaults(self) -> dict[str, Any]:
-        """num_inference_steps, guidance_scale and sampler that suit the model (variant)."""
+    def reference_render_kwargs(self, images: list[Any]) -> dict[str, Any]:
+        """The pipeline call's arguments for one sample's reference images (PIL, in order)."""
+        return {"image": images[0] if len(images) == 1 else images}
 
     @abstractmethod
     def render_kwargs(self, settings: Frozen, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
         """The pipeline call's family-specific arguments (besides prompt, size, steps and generator)."""
-
-    def render_size_kwargs(self, height: int, width: int) -> dict[str, Any]:
-        """The pipeline call's arguments, besides height and width, that keep its output at that size
-        (a pipeline that rescales to an area of its own is given this one)."""
-        return {}
 
     def clip_kwargs(self, model_path: Path, num_frames: int | None) -> dict[str, Any]:
         """The pipeline call's arguments for the length of a rendered clip (evaluate.num_frames; None:
@@ -412,15 +395,6 @@ class Family(ABC):
             raise ValueError(f"evaluate.num_frames: {self.label} renders images, not clips; remove it")
         return {}
 
-    def rendered(self, output: Any) -> list[list[Any]]:
-        """The pipeline's output as clips: a list of frames (PIL images) per prompt; an image is a
-        one-frame clip."""
-        return [[image] for image in output.images]
-
-    def clip_fps(self) -> int:
-        """Frames per second a rendered clip is written at."""
-        return 16
-
     @abstractmethod
     def prepare_pipeline(self, pipe: Any, sampler: str, objective: Objective) -> None:
         """Set the pipeline's sampler, consistent with what the (LoRA) model was trained to predict."""
@@ -428,27 +402,22 @@ class Family(ABC):
     # ---- tests and the demo
     @abstractmethod
     def build_tiny(self, out_dir: Path, arch: str) -> Path:
-        """A tiny model of `arch` (one of tiny_arches) in out_dir: random weights from a fixed seed,
+        """A tiny model of `arch` (a variant's tiny_arch) in out_dir: random weights from a fixed seed,
         tokenizers built offline, byte-identical when rebuilt, loadable by `pipeline_class`."""
 
-    def demo_config(self, edits: bool = False) -> str:
-        """The file in configs/ that `lorapipe demo` runs on this family's tiny model (`edits`: on edit
-        pairs, for a family that takes references)."""
-        return "edit-demo.yaml" if edits else "demo.yaml"
 
-    def demo_settings(self) -> dict[str, str]:
-        """Config values (as `--set` takes them) the demo sets beyond demo_config for this model: on a
-        model with several denoisers, the first of train.denoiser's choices."""
-        return {"train.denoiser": next(iter(choices))} if (choices := self.denoiser_choices()) else {}
+def check_references(family: Family, count: int) -> None:
+    """Refuse, naming the data keys, samples with more reference images than the model takes."""
+    from lorapipe.cache.errors import UserError
 
-    def write_demo_data(self, folder: Path, edits: bool = False) -> None:
-        """Write the data demo_config trains on into folder, keeping the files already there: the
-        bundled photos and their captions, or (`edits`) edit pairs generated from them."""
-        from lorapipe.stages.demo.photos import DEMO_PHOTOS, copy_demo_photos
+    if count > family.max_references:
+        takes = f"takes at most {family.max_references}" if family.max_references else "takes none"
+        raise UserError(f"data.datasets: samples have {count} reference image(s) (control_dir /"
+                        f" reference_columns), but {family.label} {takes}: train an edit model, or remove them")
 
-        if edits:
-            from lorapipe.stages.demo.pairs import write_demo_pairs
 
-            write_demo_pairs(folder, DEMO_PHOTOS)
-        else:
-            copy_demo_photos(folder)
+def swappable_blocks(family: Family, denoiser: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks of the family's `block_lists`, in the order the denoiser runs them: those
+    train.blocks_to_swap may keep off the accelerator (the last N); [] for a denoiser without a chain
+    of blocks (SD's UNet), which refuses it."""
+    return [block for name in family.block_lists for block in getattr(denoiser, name)]

@@ -1,12 +1,12 @@
 """What the flow-matching transformer families (Flux.1, Flux.2-klein, Z-Image, Qwen-Image, Wan, LTX-2) share:
-variants as data, detected from the model's configs; the objective built from the scheduler config;
-LoRA presets as regular expressions over module names; the exports (diffusers format, then the
-original-name files of `original_formats`); rendering with the pipeline's own sampler (flow-matching
-Euler; Wan's UniPC) at the variant's steps and guidance.
+the variants' text length and guidance input; the objective built from the scheduler config; the
+batch's text records padded with their mask; LoRA presets as regular expressions over module names;
+the exports (diffusers format, then the original-name files of `original_formats`); rendering with
+the pipeline's own sampler (flow-matching Euler; Wan's UniPC).
 
-A family module fills in the data head and writes what differs: text settings and encoder,
-`conditioning`, `predict`, `original_names` (derived from diffusers' single-file converter) and its
-tiny builder.
+A family module fills in the spec (its text encoder class among it) and writes what differs: text
+settings, `predict` (and `conditioning` where its denoiser reads the text otherwise),
+`original_names` (derived from diffusers' single-file converter) and its tiny builder.
 """
 from __future__ import annotations
 
@@ -17,49 +17,28 @@ from typing import TYPE_CHECKING, Any
 
 from lorapipe.stages.lora_formats.original_names import COMFYUI, KeySpelling, OriginalNames, fused_lora
 
-from .base import Family, select_linear
-from .folders import component_config, model_index
+from .base import (Conditioning, Family, ImageGeometry, TextOptions, TextRecord, Variant, pad_sequences,
+                   select_linear)
+from .folders import component_config
 from .objectives import FlowMatchingObjective, ObjectiveParams, TimestepSampling
 
 if TYPE_CHECKING:
     import torch
 
-SAMPLER = "flow_match_euler"  # the pipelines' own FlowMatchEulerDiscreteScheduler
-MODEL_INDEX = "model_index"  # a variant marker's component: the pipeline's own config
-
 
 @dataclass(frozen=True)
-class FlowVariant:
-    """One checkpoint line of a family (Flux.1 dev or schnell, Z-Image base or Turbo, ...)."""
-
-    name: str
-    tiny_arch: str  # `lorapipe tiny-model --arch` name of its tiny model
-    render_steps: int
-    render_guidance: float
-    markers: tuple[tuple[str, str, Any], ...] = ()  # (component, config key, value) that identify it; () matches all
+class FlowVariant(Variant):
     guidance_embeds: bool = False  # the transformer's guidance input (guidance-distilled)
     max_sequence_length: int = 512  # text tokens the variant was trained with
-    distilled: bool = False  # step-distilled: LoRAs trained on it collapse; train on `train_instead`
-    train_instead: str | None = None  # the base checkpoint to train on, for a distilled variant
-
-    def matches(self, model_path: Path) -> bool:
-        def config(component: str) -> dict:
-            return model_index(model_path) if component == MODEL_INDEX else component_config(model_path, component)
-
-        return all(config(component).get(key) == value for component, key, value in self.markers)
 
 
 @dataclass(frozen=True)
 class FlowFamily(Family):
-    variant: FlowVariant | None = None  # set by for_model
-    variants: tuple[FlowVariant, ...] = ()  # detection order: the first whose markers match
     sequence_patch: int = 2  # normalised-latent pixels per image token side (the objective's token count)
     original_formats: tuple[KeySpelling, ...] = (COMFYUI,)  # exported besides the diffusers file
     comfyui_slice_prefix: str | None = None  # ComfyUI maps <prefix><diffusers module> to its rows of a fused weight
-    sampler: str = SAMPLER  # the pipeline's own scheduler, the one it renders with
-
-    def for_model(self, model_path: Path) -> FlowFamily:
-        return replace(self, variant=next(v for v in self.variants if v.matches(model_path)))
+    # the denoiser's arguments for the batch's text records padded to its longest, and their mask (`conditioning`)
+    text_arguments: tuple[str, str] = ("encoder_hidden_states", "encoder_attention_mask")
 
     @property
     def bound(self) -> FlowVariant:
@@ -67,12 +46,9 @@ class FlowFamily(Family):
             raise RuntimeError(f"the {self.name} family is not bound to a model: use families.for_model(model_path)")
         return self.variant
 
-    def tiny_arch(self) -> str:
-        return self.bound.tiny_arch
-
-    def train_instead(self) -> str | None:
-        """The base checkpoint to train on when the bound variant is distilled (None otherwise)."""
-        return self.bound.train_instead if self.bound.distilled else None
+    def text_length(self, options: TextOptions) -> int:
+        """The text tokens a record holds: encode.max_sequence_length, else the variant's."""
+        return options.max_sequence_length or self.bound.max_sequence_length
 
     # ---- objective
     def model_shift(self, scheduler_config: dict) -> TimestepSampling | None:
@@ -91,9 +67,16 @@ class FlowFamily(Family):
         self.check_objective(params)
         config = component_config(model_path, self.components.scheduler)
         objective = FlowMatchingObjective.from_scheduler_config(config, params, self.sequence_patch,
-                                                                self.pixel_multiple(model_path),
+                                                                self.geometry(model_path).pixel_multiple,
                                                                 self.model_shift(config))
         return replace(objective, sigma_range=self.chosen.sigmas) if self.chosen else objective
+
+    def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
+                     params: ObjectiveParams) -> Conditioning:
+        """Variable-length text records padded to the batch's longest, with their mask, as
+        `text_arguments` (a family whose denoiser reads its text otherwise overrides this)."""
+        embeds, mask = pad_sequences(texts, "hidden_states")
+        return dict(zip(self.text_arguments, (embeds, mask)))
 
     # ---- LoRA
     def lora_target_modules(self, transformer: torch.nn.Module, spec: str | tuple[str, ...]) -> list[str]:
@@ -120,9 +103,9 @@ class FlowFamily(Family):
         from lorapipe.stages.lora_formats.lycoris import write_lycoris
 
         written = [Path(out_dir) / LORA_FILE]
-        write_diffusers_lora(transformer, written[0], provenance, self.lora_prefix())
+        write_diffusers_lora(transformer, written[0], provenance, self.components.adapter_prefix())
         adapter, names, lora = transformer.peft_config[ADAPTER], self.original_names(transformer), None
-        metadata = self.original_names_metadata(provenance, kohya_metadata)
+        metadata = self.kohya.metadata(provenance, kohya_metadata)
         lycoris = write_lycoris(transformer, names, out_dir, metadata, self.comfyui_slice_prefix)  # DoRA, LoKr, LoHa
         if lycoris:
             return [*written, lycoris]
@@ -133,10 +116,6 @@ class FlowFamily(Family):
         return written
 
     # ---- rendering
-    def render_defaults(self) -> dict[str, Any]:
-        return {"num_inference_steps": self.bound.render_steps, "guidance_scale": self.bound.render_guidance,
-                "sampler": self.sampler}
-
     def prepare_pipeline(self, pipe: Any, sampler: str, objective: FlowMatchingObjective) -> None:
         if sampler != self.sampler:
             raise ValueError(f"evaluate.scheduler: {self.label} renders with {self.sampler}, not {sampler}")
@@ -146,6 +125,12 @@ class FlowFamily(Family):
 
     @abstractmethod
     def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path: ...
+
+
+def refuse_negative_prompt(negative_prompt: str, why: str) -> None:
+    """Refuse a negative prompt the pipeline would not read (`why`: what it does instead)."""
+    if negative_prompt:
+        raise ValueError(f"evaluate.negative_prompt: {why}; remove it")
 
 
 def regex_presets(attention: tuple[str, ...], feed_forward: tuple[str, ...],

@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Literal
 from lorapipe.stages.contract import Frozen
 from lorapipe.stages.lora_formats.original_names import COMFYUI_DOWN_UP, KOHYA, OriginalNames, derive_original_names
 
-from .base import REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, TextOptions, TextRecord, stack
-from .flow import FlowFamily, FlowVariant, presets_field
+from .base import REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, Kohya, TextOptions, TextRecord, stack
+from .flow import FlowFamily, FlowVariant, presets_field, refuse_negative_prompt
 from .folders import load_component
 from .objectives import ObjectiveParams
 
@@ -92,15 +92,11 @@ class Flux1(FlowFamily):
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> Flux1TextSettings:
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         if length > MAX_T5_TOKENS:
             raise ValueError(f"encode.max_sequence_length: Flux.1 reads at most {MAX_T5_TOKENS} T5 tokens,"
                              f" not {length}")
         return Flux1TextSettings(max_sequence_length=length)
-
-    def load_text_encoder(self, model_path: Path, settings: Flux1TextSettings, dtype: torch.dtype,
-                          device: str) -> Flux1TextEncoder:
-        return Flux1TextEncoder(model_path, settings, dtype, device)
 
     # ---- denoiser
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
@@ -143,9 +139,7 @@ class Flux1(FlowFamily):
 
     # ---- rendering
     def render_kwargs(self, settings: Flux1TextSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
-        if negative_prompt:
-            raise ValueError("evaluate.negative_prompt: Flux.1 is guidance-distilled and ignores negative prompts;"
-                             " remove it")
+        refuse_negative_prompt(negative_prompt, "Flux.1 is guidance-distilled and ignores negative prompts")
         return {"guidance_scale": guidance_scale, "max_sequence_length": settings.max_sequence_length}
 
     # ---- tiny model
@@ -183,7 +177,7 @@ FLUX1 = Flux1(
     name="flux1", label="Flux.1", pipeline_class="FluxPipeline",
     components=Components(text=("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"), latent=("vae",),
                           denoiser="transformer"),
-    kohya_base_model="flux1", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
+    kohya=Kohya("flux1"), latent_patch=2, text_encoder=Flux1TextEncoder,
     original_formats=(KOHYA, COMFYUI_DOWN_UP), comfyui_slice_prefix="transformer.",
     single_file_markers=("double_blocks.0.img_attn.qkv.weight",  # BFL's, bare or under ComfyUI's prefix
                          "model.diffusion_model.double_blocks.0.img_attn.qkv.weight"),
@@ -202,15 +196,14 @@ class Flux1Kontext(Flux1):
         (image,) = images
         return {"image": image, "_auto_resize": False}
 
-    def render_size_kwargs(self, height: int, width: int) -> dict[str, Any]:
-        return {"max_area": height * width}  # the pipeline rescales its output to max_area, whatever the size
 
 
 KONTEXT_VARIANTS = (FlowVariant("dev", "flux1-kontext", 28, 2.5, guidance_embeds=True),)  # BFL's guidance for it
 
 FLUX1_KONTEXT = Flux1Kontext(
     name="flux1-kontext", label="Flux.1 Kontext", pipeline_class="FluxKontextPipeline",
-    components=FLUX1.components, kohya_base_model="flux1", tiny_arches=("flux1-kontext",), latent_patch=2,
+    components=FLUX1.components, kohya=FLUX1.kohya, latent_patch=2,
+    text_encoder=Flux1TextEncoder, render_area_argument="max_area",  # it rescales its output to max_area
     original_formats=FLUX1.original_formats, comfyui_slice_prefix=FLUX1.comfyui_slice_prefix,
     block_lists=FLUX1.block_lists, variants=KONTEXT_VARIANTS, max_references=1, demo_edits=True,
 )

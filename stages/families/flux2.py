@@ -36,13 +36,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from lorapipe.stages.lora_formats.original_names import (COMFYUI, KOHYA, OriginalNames, derive_original_names,
                                                          weight_keys)
 
-from .base import REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, TextOptions, TextRecord, stack
-from .flow import MODEL_INDEX, FlowFamily, FlowVariant, presets_field
+from .base import (MODEL_INDEX, REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, Kohya, TextOptions,
+                   TextRecord, stack)
+from .flow import FlowFamily, FlowVariant, presets_field, refuse_negative_prompt
 from .latents import PatchedBatchNorm, patched_batch_norm_of
 from .objectives import ObjectiveParams, TimestepSampling
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
@@ -76,22 +77,16 @@ VARIANTS = (
 @dataclass(frozen=True)
 class Flux2Klein(FlowFamily):
     variants: tuple[FlowVariant, ...] = VARIANTS
+    normalisation_of: Callable[[Path, str], PatchedBatchNorm] = patched_batch_norm_of
     lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (DOUBLE, SINGLE))
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> QwenPromptSettings:
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         return QwenPromptSettings(enable_thinking=False, hidden_layers=HIDDEN_LAYERS, max_sequence_length=length,
                                   token_window=length, pad_to_window=True, keep_padding=True)
 
-    def load_text_encoder(self, model_path: Path, settings: QwenPromptSettings, dtype: torch.dtype,
-                          device: str) -> QwenPromptEncoder:
-        return QwenPromptEncoder(model_path, settings, dtype, device)
-
     # ---- latents and objective
-    def latent_normalisation(self, model_path: Path) -> PatchedBatchNorm:
-        return patched_batch_norm_of(model_path, self.components.latent[0])
-
     def model_shift(self, scheduler_config: dict) -> TimestepSampling | None:
         if not scheduler_config.get("use_dynamic_shifting"):
             return None  # the pipeline's mu is ignored: the config's static shift
@@ -126,9 +121,8 @@ class Flux2Klein(FlowFamily):
 
     # ---- rendering
     def render_kwargs(self, settings: QwenPromptSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
-        if negative_prompt:
-            raise ValueError("evaluate.negative_prompt: Flux2KleinPipeline guides with an empty prompt and takes"
-                             " no negative prompt; remove it")
+        refuse_negative_prompt(negative_prompt, "Flux2KleinPipeline guides with an empty prompt and takes no"
+                                                " negative prompt")
         return {"guidance_scale": guidance_scale, "max_sequence_length": settings.max_sequence_length,
                 "text_encoder_out_layers": settings.hidden_layers}
 
@@ -181,7 +175,7 @@ def original_names(num_layers: int, num_single_layers: int, guidance: bool) -> O
 FLUX2_KLEIN = Flux2Klein(
     name="flux2-klein", label="Flux.2-klein", pipeline_class="Flux2KleinPipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
-    kohya_base_model="flux2_klein", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
+    kohya=Kohya("flux2_klein"), latent_patch=2, text_encoder=QwenPromptEncoder,
     sequence_patch=1, original_formats=(KOHYA, COMFYUI),
     single_file_markers=("double_stream_modulation_img.lin.weight",  # shared modulation: Flux.2's, not Flux.1's
                          "model.diffusion_model.double_stream_modulation_img.lin.weight"),

@@ -26,16 +26,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from fractions import Fraction
-from functools import cache
+from functools import cache, partial
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from lorapipe.stages.lora_formats.original_names import OriginalNames, Segment
 
-from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
-from .flow import FlowFamily, FlowVariant, presets_field
+from .base import Components, Conditioning, Kohya, TextOptions, TextRecord
+from .flow import FlowFamily, FlowVariant, presets_field, refuse_negative_prompt
 from .latents import PatchedBatchNorm, PatchMajorBatchNorm, patched_batch_norm_of
-from .objectives import ObjectiveParams, TimestepSampling
+from .objectives import TimestepSampling
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
 
 if TYPE_CHECKING:
@@ -91,24 +91,18 @@ def left_padded(embeds: torch.Tensor, lengths: list[int]) -> torch.Tensor:
 @dataclass(frozen=True)
 class Ideogram4(FlowFamily):
     variants: tuple[FlowVariant, ...] = VARIANTS
+    normalisation_of: Callable[[Path, str], PatchedBatchNorm] = partial(patched_batch_norm_of, kind=PatchMajorBatchNorm)
     lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (BLOCK,))
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> QwenPromptSettings:
         from diffusers.pipelines.ideogram4.pipeline_ideogram4 import QWEN3_VL_ACTIVATION_LAYERS
 
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         return QwenPromptSettings(hidden_layers=QWEN3_VL_ACTIVATION_LAYERS, max_sequence_length=length,
                                   token_window=length, pad_to_window=False, keep_padding=False)
 
-    def load_text_encoder(self, model_path: Path, settings: QwenPromptSettings, dtype: torch.dtype,
-                          device: str) -> Ideogram4PromptEncoder:
-        return Ideogram4PromptEncoder(model_path, settings, dtype, device)
-
     # ---- latents and objective
-    def latent_normalisation(self, model_path: Path) -> PatchedBatchNorm:
-        return patched_batch_norm_of(model_path, self.components.latent[0], PatchMajorBatchNorm)
-
     def model_shift(self, scheduler_config: dict) -> TimestepSampling:
         """The pipeline's logit-normal schedule at its call's default mean and deviation."""
         import inspect
@@ -120,11 +114,6 @@ class Ideogram4(FlowFamily):
                                 shift_std=defaults["std"].default)
 
     # ---- denoiser
-    def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
-                     params: ObjectiveParams) -> Conditioning:
-        embeds, mask = pad_sequences(texts, "hidden_states")
-        return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}
-
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As Ideogram4Pipeline calls its conditional transformer: [padding][text][image tokens],
@@ -151,9 +140,8 @@ class Ideogram4(FlowFamily):
     # ---- rendering
     def render_kwargs(self, settings: QwenPromptSettings, guidance_scale: float,
                       negative_prompt: str) -> dict[str, Any]:
-        if negative_prompt:
-            raise ValueError("evaluate.negative_prompt: Ideogram4Pipeline guides with its unconditional transformer"
-                             " and takes no negative prompt; remove it")
+        refuse_negative_prompt(negative_prompt, "Ideogram4Pipeline guides with its unconditional transformer and"
+                                                " takes no negative prompt")
         return {"guidance_scale": guidance_scale, "guidance_schedule": None,
                 "max_sequence_length": settings.max_sequence_length}
 
@@ -182,6 +170,6 @@ def original_names(num_layers: int) -> OriginalNames:
 IDEOGRAM4 = Ideogram4(
     name="ideogram4", label="Ideogram 4", pipeline_class="Ideogram4Pipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
-    kohya_base_model="ideogram4", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=PATCH,
+    kohya=Kohya("ideogram4"), latent_patch=PATCH, text_encoder=Ideogram4PromptEncoder,
     sequence_patch=1, block_lists=("layers",),
 )

@@ -28,17 +28,17 @@ import math
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import Field
 
 from lorapipe.stages.lora_formats.original_names import OriginalNames, derive_original_names, weight_keys
 
-from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
-from .flow import MODEL_INDEX, FlowFamily, FlowVariant, presets_field
+from .base import MODEL_INDEX, Components, Conditioning, Kohya, TextOptions, TextRecord
+from .flow import FlowFamily, FlowVariant, presets_field
 from .folders import model_index
-from .latents import ChannelMeanStd, VaePosterior, channel_mean_std_of
-from .objectives import ObjectiveParams, TimestepSampling
+from .latents import ONE_FRAME, ChannelMeanStd, VaePosterior, channel_mean_std_of
+from .objectives import TimestepSampling
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
 
 if TYPE_CHECKING:
@@ -93,36 +93,23 @@ class Krea2PromptEncoder(QwenPromptEncoder):
 @dataclass(frozen=True)
 class Krea2(FlowFamily):
     variants: tuple[FlowVariant, ...] = VARIANTS
+    latent_encoder: Callable[[Path, str, str], VaePosterior] = ONE_FRAME  # Qwen-Image's video VAE
+    normalisation_of: Callable[[Path, str], ChannelMeanStd] = channel_mean_std_of
     lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (BLOCK,))
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> Krea2PromptSettings:
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         layers = tuple(model_index(model_path).get("text_encoder_select_layers") or SELECT_LAYERS)
         return Krea2PromptSettings(system_template=PREFIX + "{}", suffix=SUFFIX, hidden_layers=layers,
                                    max_sequence_length=length, token_window=length + PREFIX_TOKENS - SUFFIX_TOKENS,
                                    pad_to_window=True, keep_padding=False, drop_tokens=PREFIX_TOKENS)
 
-    def load_text_encoder(self, model_path: Path, settings: Krea2PromptSettings, dtype: torch.dtype,
-                          device: str) -> Krea2PromptEncoder:
-        return Krea2PromptEncoder(model_path, settings, dtype, device)
-
     # ---- latents and objective
-    def load_latent_encoder(self, model_path: Path, device: str) -> VaePosterior:
-        return VaePosterior(model_path, self.components.latent[0], device, one_frame=True)
-
-    def latent_normalisation(self, model_path: Path) -> ChannelMeanStd:
-        return channel_mean_std_of(model_path, self.components.latent[0])
-
     def model_shift(self, scheduler_config: dict) -> TimestepSampling | None:
         return TimestepSampling(shift="static", shift_value=math.exp(DISTILLED_MU)) if self.bound.distilled else None
 
     # ---- denoiser
-    def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
-                     params: ObjectiveParams) -> Conditioning:
-        embeds, mask = pad_sequences(texts, "hidden_states")
-        return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask}
-
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As Krea2Pipeline calls its transformer: latents packed 2x2, t / 1000, the text's layers
@@ -175,6 +162,6 @@ def original_names(num_layers: int, layerwise_blocks: int, refiner_blocks: int) 
 KREA2 = Krea2(
     name="krea2", label="Krea 2", pipeline_class="Krea2Pipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
-    kohya_base_model="krea2", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=PATCH,
+    kohya=Kohya("krea2"), latent_patch=PATCH, text_encoder=Krea2PromptEncoder,
     block_lists=("transformer_blocks",),
 )

@@ -20,6 +20,7 @@ Kinds, told apart by `kind`:
 """
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -138,3 +139,6 @@ class VaePosterior:
         if self.one_frame:
             mean, std = mean.squeeze(2), std.squeeze(2)
         return mean.cpu(), std.cpu()
+
+
+ONE_FRAME = partial(VaePosterior, one_frame=True)  # a video VAE encoding images (Qwen-Image's)

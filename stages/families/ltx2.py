@@ -48,7 +48,7 @@ from pydantic import Field
 
 from lorapipe.stages.contract import Frozen
 
-from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, stack
+from .base import Components, Conditioning, ImageGeometry, Kohya, LatentGeometry, TextOptions, TextRecord, stack
 from .flow import presets_field
 from .folders import component_config, component_tensors, load_component
 from .latents import ChannelMeanStd
@@ -133,31 +133,19 @@ class LTX2Family(VideoFamily):
     def temporal_compression(self, model_path: Path) -> int:
         return _compression(component_config(model_path, self.components.latent[0]), "temporal")
 
-    def latent_downsampling(self, model_path: Path) -> int:
-        return _compression(component_config(model_path, self.components.latent[0]), "spatial")
+    def geometry(self, model_path: Path) -> LatentGeometry:
+        return LatentGeometry(_compression(component_config(model_path, self.components.latent[0]), "spatial"),
+                              self.latent_patch)
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> LTX2TextSettings:
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         config = component_config(model_path, "connectors")
         registers = {config.get(f"{s}_connector_num_learnable_registers") for s in ("video", "audio")} - {None}
         if any(length % r for r in registers):
             raise ValueError(f"encode.max_sequence_length: LTX-2's text connectors fill the padding with"
                              f" {max(registers)} learnable registers at a time: give a multiple of it, not {length}")
         return LTX2TextSettings(max_sequence_length=length)
-
-    def load_text_encoder(self, model_path: Path, settings: LTX2TextSettings, dtype: torch.dtype,
-                          device: str) -> LTX2TextEncoder:
-        return LTX2TextEncoder(model_path, settings, dtype, device)
-
-    # ---- latents
-    def latent_normalisation(self, model_path: Path) -> ChannelMeanStd:
-        """(z - mean) * scaling_factor / std, the buffers read from the VAE's weights."""
-        vae = self.components.latent[0]
-        scale = component_config(model_path, vae).get("scaling_factor", 1.0)
-        stats = component_tensors(model_path, vae, ("latents_mean", "latents_std"))
-        return ChannelMeanStd(mean=tuple(stats["latents_mean"].double().tolist()),
-                              std=tuple((stats["latents_std"].double() / scale).tolist()))
 
     # ---- denoiser
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
@@ -202,16 +190,21 @@ class LTX2Family(VideoFamily):
                 "max_sequence_length": settings.max_sequence_length}
 
     def clip_kwargs(self, model_path: Path, num_frames: int | None) -> dict[str, Any]:
-        return {**super().clip_kwargs(model_path, num_frames), "frame_rate": float(self.clip_fps())}
-
-    def clip_fps(self) -> int:
-        return FRAME_RATE
+        return {**super().clip_kwargs(model_path, num_frames), "frame_rate": float(self.clip_fps)}
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: VideoVariant) -> Path:
         from .tiny.ltx2 import build_tiny_ltx2
 
         return build_tiny_ltx2(out_dir)
+
+
+def normalisation_of(model_path: Path, vae: str) -> ChannelMeanStd:
+    """(z - mean) * scaling_factor / std, the buffers read from the VAE's weights."""
+    scale = component_config(model_path, vae).get("scaling_factor", 1.0)
+    stats = component_tensors(model_path, vae, ("latents_mean", "latents_std"))
+    return ChannelMeanStd(mean=tuple(stats["latents_mean"].double().tolist()),
+                          std=tuple((stats["latents_std"].double() / scale).tolist()))
 
 
 def _compression(vae_config: dict, axis: str) -> int:
@@ -234,6 +227,6 @@ def original_names(num_layers: int) -> OriginalNames:
 LTX2 = LTX2Family(
     name="ltx2", label="LTX-2", pipeline_class="LTX2Pipeline",
     components=Components(text=("text_encoder", "tokenizer", "connectors"), latent=("vae",), denoiser="transformer"),
-    kohya_base_model="ltx2", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), sequence_patch=1,
-    block_lists=("transformer_blocks",),
+    kohya=Kohya("ltx2"), sequence_patch=1, text_encoder=LTX2TextEncoder, normalisation_of=normalisation_of,
+    clip_fps=FRAME_RATE, block_lists=("transformer_blocks",),
 )

@@ -19,14 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from lorapipe.stages.lora_formats.original_names import OriginalNames, derive_original_names
 
-from .base import (REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, TextOptions, TextRecord,
+from .base import (REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, Kohya, TextOptions, TextRecord,
                    pad_sequences)
 from .flow import FlowFamily, FlowVariant, presets_field
-from .latents import ChannelMeanStd, VaePosterior, channel_mean_std_of
+from .latents import ONE_FRAME, ChannelMeanStd, VaePosterior, channel_mean_std_of
 from .objectives import ObjectiveParams
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
 
@@ -49,27 +49,18 @@ VARIANTS = (FlowVariant("qwen-image", "qwen-image", 50, 4.0),)
 @dataclass(frozen=True)
 class QwenImage(FlowFamily):
     variants: tuple[FlowVariant, ...] = VARIANTS
+    latent_encoder: Callable[[Path, str, str], VaePosterior] = ONE_FRAME  # a video VAE, one frame
+    normalisation_of: Callable[[Path, str], ChannelMeanStd] = channel_mean_std_of
     lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (BLOCK,))
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> QwenPromptSettings:
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         if length > MAX_TOKENS:
             raise ValueError(f"encode.max_sequence_length: Qwen-Image reads at most {MAX_TOKENS} tokens, not {length}")
         return QwenPromptSettings(system_template=TEMPLATE, hidden_layers=(-1,), max_sequence_length=length,
                                   token_window=MAX_TOKENS + TEMPLATE_PREFIX_TOKENS, pad_to_window=False,
                                   keep_padding=False, drop_tokens=TEMPLATE_PREFIX_TOKENS)
-
-    def load_text_encoder(self, model_path: Path, settings: QwenPromptSettings, dtype: torch.dtype,
-                          device: str) -> QwenPromptEncoder:
-        return QwenPromptEncoder(model_path, settings, dtype, device)
-
-    # ---- latents
-    def load_latent_encoder(self, model_path: Path, device: str) -> VaePosterior:
-        return VaePosterior(model_path, self.components.latent[0], device, one_frame=True)
-
-    def latent_normalisation(self, model_path: Path) -> ChannelMeanStd:
-        return channel_mean_std_of(model_path, self.components.latent[0])
 
     # ---- denoiser
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
@@ -133,7 +124,7 @@ def original_names(linear_modules: tuple[str, ...]) -> OriginalNames:
 QWEN_IMAGE = QwenImage(
     name="qwen-image", label="Qwen-Image", pipeline_class="QwenImagePipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
-    kohya_base_model="qwen_image", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
+    kohya=Kohya("qwen_image"), latent_patch=2, text_encoder=QwenPromptEncoder,
     single_file_markers=("transformer_blocks.0.img_mlp.net.0.proj.weight",
                          "model.diffusion_model.transformer_blocks.0.img_mlp.net.0.proj.weight"),
     block_lists=("transformer_blocks",),

@@ -26,7 +26,7 @@ from pydantic import Field
 
 from lorapipe.stages.lora_formats.original_names import OriginalNames
 
-from .base import Components, Conditioning, TextOptions, TextRecord
+from .base import Components, Conditioning, Kohya, TextOptions, TextRecord
 from .flow import FlowVariant, presets_field
 from .folders import load_component
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
@@ -88,15 +88,11 @@ class QwenImage21(QwenImage):
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> Qwen3VLPromptSettings:
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         system_tokens = len(processor_tokenizer(model_path)(SYSTEM_MESSAGE).input_ids)
         return Qwen3VLPromptSettings(system_template=TEMPLATE, hidden_layers=(-1,), max_sequence_length=length,
                                      token_window=length + system_tokens, pad_to_window=False, keep_padding=False,
                                      drop_tokens=system_tokens, padding_side="left")
-
-    def load_text_encoder(self, model_path: Path, settings: Qwen3VLPromptSettings, dtype: torch.dtype,
-                          device: str) -> Qwen3VLPromptEncoder:
-        return Qwen3VLPromptEncoder(model_path, settings, dtype, device)
 
     # ---- denoiser
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
@@ -140,6 +136,6 @@ class QwenImage21(QwenImage):
 QWEN_IMAGE_21 = QwenImage21(
     name="qwen-image-2.1", label="Qwen-Image 2.1", pipeline_class="QwenImage21Pipeline",
     components=Components(text=("text_encoder", PROCESSOR), latent=("vae",), denoiser="transformer"),
-    kohya_base_model="qwen_image_2_1", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
+    kohya=Kohya("qwen_image_2_1"), latent_patch=2, text_encoder=Qwen3VLPromptEncoder,
     block_lists=("transformer_blocks",),
 )

@@ -21,7 +21,7 @@ from pydantic import Field
 
 from lorapipe.stages.contract import Frozen
 
-from .base import Components, TextOptions, TextRecord
+from .base import Components, Kohya, TextOptions, TextRecord
 from .flow import FlowVariant
 from .folders import load_component
 from .qwen_text import hidden_states
@@ -109,10 +109,6 @@ class QwenImageEdit(QwenImage):
                                       picture_template=self.picture_template, image_area=self.image_area,
                                       drop_tokens=TEMPLATE_PREFIX_TOKENS)
 
-    def load_text_encoder(self, model_path: Path, settings: QwenEditPromptSettings, dtype: torch.dtype,
-                          device: str) -> QwenEditPromptEncoder:
-        return QwenEditPromptEncoder(model_path, settings, dtype, device)
-
     # ---- rendering
     def render_kwargs(self, settings: QwenEditPromptSettings, guidance_scale: float,
                       negative_prompt: str) -> dict[str, Any]:
@@ -132,7 +128,7 @@ def edit_family(name: str, label: str, pipeline_class: str, variant: FlowVariant
     return QwenImageEdit(
         name=name, label=label, pipeline_class=pipeline_class, variants=(variant,),
         components=Components(text=("text_encoder", PROCESSOR), latent=("vae",), denoiser="transformer"),
-        kohya_base_model=name.replace("-", "_"), tiny_arches=(variant.tiny_arch,), latent_patch=2,
+        kohya=Kohya(name.replace("-", "_")), latent_patch=2, text_encoder=QwenEditPromptEncoder,
         block_lists=("transformer_blocks",), **edit,
     )
 

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from lorapipe.stages.contract import Frozen
 from lorapipe.stages.lora_formats.original_names import OriginalNames
 
-from .base import ALL_LINEAR, Components, Conditioning, Family, ImageGeometry, TextOptions, TextRecord, stack
+from .base import (ALL_LINEAR, Components, Conditioning, Family, ImageGeometry, Kohya, TextOptions, TextRecord, Variant,
+                   stack)
 from .folders import load_component
 from .objectives import DDPMObjective, ObjectiveParams
 
@@ -30,6 +31,7 @@ SAMPLERS = {  # evaluate.scheduler -> the diffusers scheduler class that renders
     "ddim": "DDIMScheduler",
     "euler": "EulerDiscreteScheduler",
 }
+RENDER_STEPS, RENDER_GUIDANCE = 20, 5.0  # with dpm_solver_multistep
 FLOW_ONLY = "applies to flow-matching models; {name} samples DDPM timesteps uniformly"
 
 
@@ -106,24 +108,11 @@ def write_kohya_lora(unet: torch.nn.Module, path: Path, alpha: float, metadata: 
 class StableDiffusion(Family):
     text: SDTextSettings = SDTextSettings(encoders=())
     size_conditioning: bool = False  # SDXL's micro-conditioning on sizes and crop
-    single_file_kwargs: dict[str, Any] = field(default_factory=dict)  # the pipeline's from_single_file arguments
+    sampler: str = "dpm_solver_multistep"
     lora_presets: dict[str, tuple[str, ...]] = field(default_factory=lambda: {  # peft target_modules suffixes
         "attention": ("to_q", "to_k", "to_v", "to_out.0"),
         "attention_ff": ("to_q", "to_k", "to_v", "to_out.0", "ff.net.0.proj", "ff.net.2"),
     })
-
-    def single_file_folder(self, checkpoint: Path, digest: str, models_root: Path, arch_dir: Path | None = None) -> Path:
-        """Converted with the shipped configs (stages/assets/arch/<family>/), whose tokenizer folders
-        lack CLIP's BPE vocabulary: the user copies it in (the error says so)."""
-        from .single_file import ARCH_ROOT, converted_folder
-
-        arch_dir = Path(arch_dir or ARCH_ROOT / self.name)
-        for tokenizer in sorted(arch_dir.glob("tokenizer*")):
-            if not any((tokenizer / name).is_file() for name in ("vocab.json", "tokenizer.json")):
-                raise FileNotFoundError(f"{tokenizer}: no vocab.json/merges.txt (the CLIP BPE vocabulary is not"
-                                        f" shipped): copy them from the {self.name} model's {tokenizer.name} folder")
-        return converted_folder(checkpoint, digest, self.pipeline_class, arch_dir, models_root,
-                                **self.single_file_kwargs)
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> SDTextSettings:
@@ -131,10 +120,6 @@ class StableDiffusion(Family):
             raise ValueError(f"encode.max_sequence_length: {self.label} encodes CLIP's fixed 77-token window;"
                              " remove the setting")
         return self.text
-
-    def load_text_encoder(self, model_path: Path, settings: SDTextSettings, dtype: torch.dtype,
-                          device: str) -> ClipTextEncoder:
-        return ClipTextEncoder(model_path, settings, dtype, device)
 
     # ---- objective and denoiser
     def check_objective(self, params: ObjectiveParams) -> None:
@@ -193,8 +178,8 @@ class StableDiffusion(Family):
         from lorapipe.stages.lora_formats.original_names import COMFYUI, KOHYA, fused_lora
 
         diffusers_file, kohya_file, comfyui_file = (Path(out_dir) / f for f in (LORA_FILE, KOHYA.file, COMFYUI.file))
-        write_diffusers_lora(unet, diffusers_file, provenance, self.lora_prefix())
-        metadata = self.original_names_metadata(provenance, kohya_metadata)
+        write_diffusers_lora(unet, diffusers_file, provenance, self.components.adapter_prefix())
+        metadata = self.kohya.metadata(provenance, kohya_metadata)
         lycoris = write_lycoris(unet, self.original_names(unet), out_dir, metadata)
         if lycoris:
             return [diffusers_file, lycoris]
@@ -214,9 +199,6 @@ class StableDiffusion(Family):
         return unet_original_names(dict(unet.config), adapted_modules(unet))
 
     # ---- rendering
-    def render_defaults(self) -> dict[str, Any]:
-        return {"num_inference_steps": 20, "guidance_scale": 5.0, "sampler": "dpm_solver_multistep"}
-
     def render_kwargs(self, settings: SDTextSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
         return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt}
 
@@ -239,7 +221,8 @@ class StableDiffusion(Family):
 SD15 = StableDiffusion(
     name="sd15", label="Stable Diffusion 1.x/2.x", pipeline_class="StableDiffusionPipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="unet"),
-    kohya_base_model="sd_v1", tiny_arches=("sd15",),
+    kohya=Kohya("sd_v1"), text_encoder=ClipTextEncoder,
+    variants=(Variant("sd15", "sd15", RENDER_STEPS, RENDER_GUIDANCE),),
     single_file_markers=("model.diffusion_model.input_blocks.0.0.weight",),
     single_file_kwargs={"safety_checker": None, "requires_safety_checker": False},
     text=SDTextSettings(encoders=(ClipEncoding(encoder="text_encoder", tokenizer="tokenizer", hidden_layer=None),)),
@@ -248,7 +231,8 @@ SDXL = StableDiffusion(
     name="sdxl", label="Stable Diffusion XL", pipeline_class="StableDiffusionXLPipeline",
     components=Components(text=("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"), latent=("vae",),
                           denoiser="unet"),
-    kohya_base_model="sdxl_base_v1-0", tiny_arches=("sdxl",),
+    kohya=Kohya("sdxl_base_v1-0"), text_encoder=ClipTextEncoder,
+    variants=(Variant("sdxl", "sdxl", RENDER_STEPS, RENDER_GUIDANCE),), single_file_kwargs={},
     single_file_markers=("model.diffusion_model.label_emb.0.0.weight",),  # the size/crop embedding
     text=SDTextSettings(encoders=(
         ClipEncoding(encoder="text_encoder", tokenizer="tokenizer", hidden_layer=-2),

@@ -10,9 +10,30 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from .base import Family
 
 ARCH_ROOT = Path(__file__).resolve().parent.parent / "assets" / "arch"
+
+
+def single_file_folder(family: Family, checkpoint: Path, digest: str, models_root: Path,
+                       arch_dir: Path | None = None) -> Path:
+    """A single-file checkpoint of `family` converted once into a diffusers folder under models_root
+    that every stage then loads like any other (`arch_dir`: the architecture configs to convert
+    with; default: the ones shipped for the family, whose tokenizer folders lack CLIP's BPE
+    vocabulary: the user copies it in, the error says so)."""
+    if family.single_file_kwargs is None:
+        raise ValueError(f"model.path: {checkpoint}: single-file {family.label} checkpoints are not supported yet;"
+                         f" give a diffusers-format folder")
+    arch_dir = Path(arch_dir or ARCH_ROOT / family.name)
+    for tokenizer in sorted(arch_dir.glob("tokenizer*")):
+        if not any((tokenizer / name).is_file() for name in ("vocab.json", "tokenizer.json")):
+            raise FileNotFoundError(f"{tokenizer}: no vocab.json/merges.txt (the CLIP BPE vocabulary is not"
+                                    f" shipped): copy them from the {family.name} model's {tokenizer.name} folder")
+    return converted_folder(checkpoint, digest, family.pipeline_class, arch_dir, models_root,
+                            **family.single_file_kwargs)
 
 
 def converted_folder(checkpoint: Path, digest: str, pipeline_class: str, arch_dir: Path, models_root: Path,

@@ -1,15 +1,15 @@
 """What the video families (Wan, LTX-2) share: a causal 3-D VAE that keeps a clip's first frame and
 packs every `temporal_compression` frames after it into one latent frame, so it takes windows of
 k x step + 1 frames (an image is a one-frame clip); clips rendered at the variant's length by
-default, and the pipeline's output read as clips. `lorapipe demo` trains them on the generated clips
-(stages/demo/clips.py) with configs/video-demo.yaml.
+default. `lorapipe demo` trains them (`video`) on the generated clips (stages/demo/clips.py) with
+configs/video-demo.yaml.
 """
 from __future__ import annotations
 
 from abc import abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from .flow import FlowFamily, FlowVariant
 from .latents import VaePosterior
@@ -33,6 +33,9 @@ class ClipPosterior(VaePosterior):
 
 @dataclass(frozen=True)
 class VideoFamily(FlowFamily):
+    video: bool = True
+    latent_encoder: Callable[[Path, str, str], ClipPosterior] = ClipPosterior
+
     @abstractmethod
     def temporal_compression(self, model_path: Path) -> int:
         """Clip frames per latent frame after the first (the VAE's temporal downsampling)."""
@@ -43,23 +46,9 @@ class VideoFamily(FlowFamily):
             return f"{self.label} takes windows of {step}k+1 frames (1, {step + 1}, {2 * step + 1}, ...), not {frames}"
         return None
 
-    def load_latent_encoder(self, model_path: Path, device: str) -> ClipPosterior:
-        return ClipPosterior(model_path, self.components.latent[0], device)
-
     def clip_kwargs(self, model_path: Path, num_frames: int | None) -> dict[str, Any]:
         frames = num_frames or self.bound.render_frames
         problem = self.frames_problem(model_path, frames)
         if problem:
             raise ValueError(f"evaluate.num_frames: {problem}")
         return {"num_frames": frames}
-
-    def rendered(self, output: Any) -> list[list[Any]]:
-        return [list(frames) for frames in output.frames]
-
-    def demo_config(self, edits: bool = False) -> str:
-        return "video-demo.yaml"
-
-    def write_demo_data(self, folder: Path, edits: bool = False) -> None:
-        from lorapipe.stages.demo.clips import write_demo_clips
-
-        write_demo_clips(folder)

@@ -35,15 +35,16 @@ import math
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 from pydantic import Field
 
 from lorapipe.cache.errors import UserError
 from lorapipe.stages.contract import Frozen
 
-from .base import Components, Conditioning, Denoiser, ImageGeometry, TextOptions, TextRecord, pad_sequences
-from .flow import MODEL_INDEX, FlowVariant, presets_field
+from .base import (MODEL_INDEX, Components, Conditioning, Denoiser, ImageGeometry, Kohya, LatentGeometry, TextOptions,
+                   TextRecord, pad_sequences)
+from .flow import FlowVariant, presets_field
 from .folders import component_config, load_component, model_index
 from .latents import ChannelMeanStd, channel_mean_std_of
 from .objectives import ObjectiveParams, TimestepSampling
@@ -76,10 +77,11 @@ class WanVariant(VideoVariant):
 
 
 A14B = WanVariant("2.2-t2v-a14b", "wan2.2-a14b", 40, 4.0)  # its boundary_ratio: the model's (for_model)
-VARIANTS = (
+VARIANTS = (  # A14B last: told apart by its transformer_2 (for_model), not by markers
     WanVariant("2.2-ti2v-5b", "wan2.2-5b", 50, 5.0, markers=((MODEL_INDEX, "expand_timesteps", True),),
                per_token_timesteps=True, render_frames=121),
     WanVariant("2.1-t2v", "wan2.1", 50, 5.0),
+    A14B,
 )
 
 
@@ -134,6 +136,7 @@ class WanTextEncoder:
 @dataclass(frozen=True)
 class Wan(VideoFamily):
     variants: tuple[FlowVariant, ...] = VARIANTS
+    normalisation_of: Callable[[Path, str], ChannelMeanStd] = channel_mean_std_of
     lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (BLOCK,))
 
     def for_model(self, model_path: Path) -> Wan:
@@ -145,34 +148,24 @@ class Wan(VideoFamily):
             raise UserError(f"{model_path}/model_index.json: a Wan model with a transformer_2 needs the boundary_ratio"
                             f" (between 0 and 1) where the pipeline switches to it, not {ratio!r}")
         components = replace(self.components, other_denoisers=(LOW_NOISE,))
-        return replace(self, variant=replace(A14B, boundary_ratio=ratio), components=components)
-
-    def denoiser_choices(self) -> dict[str, Denoiser]:
-        ratio = self.bound.boundary_ratio
-        if ratio is None:
-            return {}
-        return {"high_noise": Denoiser(HIGH_NOISE, (ratio, math.inf)),
-                "low_noise": Denoiser(LOW_NOISE, (0.0, ratio), (("load_into_transformer_2", True),))}
+        choices = {"high_noise": Denoiser(HIGH_NOISE, (ratio, math.inf)),
+                   "low_noise": Denoiser(LOW_NOISE, (0.0, ratio), (("load_into_transformer_2", True),))}
+        return replace(self, variant=replace(A14B, boundary_ratio=ratio), components=components,
+                       denoiser_choices=choices)
 
     def temporal_compression(self, model_path: Path) -> int:
         return component_config(model_path, self.components.latent[0]).get("scale_factor_temporal", 4)
 
-    def latent_downsampling(self, model_path: Path) -> int:
-        return component_config(model_path, self.components.latent[0]).get("scale_factor_spatial", SPATIAL_DOWNSAMPLING)
+    def geometry(self, model_path: Path) -> LatentGeometry:
+        config = component_config(model_path, self.components.latent[0])
+        return LatentGeometry(config.get("scale_factor_spatial", SPATIAL_DOWNSAMPLING), self.latent_patch)
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> WanTextSettings:
-        return WanTextSettings(max_sequence_length=options.max_sequence_length or self.bound.max_sequence_length,
+        return WanTextSettings(max_sequence_length=self.text_length(options),
                                ftfy=ftfy_version())
 
-    def load_text_encoder(self, model_path: Path, settings: WanTextSettings, dtype: torch.dtype,
-                          device: str) -> WanTextEncoder:
-        return WanTextEncoder(model_path, settings, dtype, device)
-
-    # ---- latents and objective
-    def latent_normalisation(self, model_path: Path) -> ChannelMeanStd:
-        return channel_mean_std_of(model_path, self.components.latent[0])
-
+    # ---- objective
     def model_shift(self, scheduler_config: dict) -> TimestepSampling | None:
         if "flow_shift" not in scheduler_config:
             return None  # a FlowMatchEulerDiscreteScheduler: its own `shift`
@@ -206,11 +199,6 @@ class Wan(VideoFamily):
                 "max_sequence_length": settings.max_sequence_length}
 
     # ---- tiny model
-    def build_tiny(self, out_dir: Path, arch: str) -> Path:
-        if arch == A14B.tiny_arch:
-            return self.build_tiny_variant(Path(out_dir), A14B)
-        return super().build_tiny(out_dir, arch)
-
     def build_tiny_variant(self, out_dir: Path, variant: WanVariant) -> Path:
         from .tiny.wan import build_tiny_wan
 
@@ -229,8 +217,8 @@ def original_names(num_layers: int) -> OriginalNames:
 WAN = Wan(
     name="wan", label="Wan", pipeline_class="WanPipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser=HIGH_NOISE),
-    kohya_base_model="wan", kohya_network_module="networks.lora_wan",  # musubi-tuner's network module
-    tiny_arches=(*(v.tiny_arch for v in VARIANTS), A14B.tiny_arch), latent_patch=2,
+    kohya=Kohya("wan", "networks.lora_wan"),  # musubi-tuner's network module
+    latent_patch=2, text_encoder=WanTextEncoder,
     original_formats=(KOHYA, COMFYUI), sampler=SAMPLER,
     block_lists=("blocks",),
 )

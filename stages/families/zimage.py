@@ -30,9 +30,8 @@ from typing import TYPE_CHECKING, Any
 from lorapipe.stages.lora_formats.original_names import (OriginalNames, by_diffusers_module, derive_original_names,
                                                          weight_keys)
 
-from .base import Components, Conditioning, ImageGeometry, TextOptions, TextRecord, pad_sequences
-from .flow import FlowFamily, FlowVariant, presets_field
-from .objectives import ObjectiveParams
+from .base import Components, Conditioning, Kohya, TextOptions
+from .flow import FlowFamily, FlowVariant, presets_field, refuse_negative_prompt
 from .qwen_text import QwenPromptEncoder, QwenPromptSettings
 
 if TYPE_CHECKING:
@@ -57,24 +56,16 @@ VARIANTS = (
 @dataclass(frozen=True)
 class ZImage(FlowFamily):
     variants: tuple[FlowVariant, ...] = VARIANTS
+    text_arguments: tuple[str, str] = ("cap_feats", "cap_mask")  # ZImagePipeline's names
     lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (BLOCK,))
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> QwenPromptSettings:
-        length = options.max_sequence_length or self.bound.max_sequence_length
+        length = self.text_length(options)
         return QwenPromptSettings(enable_thinking=True, hidden_layers=(-2,), max_sequence_length=length,
                                   token_window=length, pad_to_window=True, keep_padding=False)
 
-    def load_text_encoder(self, model_path: Path, settings: QwenPromptSettings, dtype: torch.dtype,
-                          device: str) -> QwenPromptEncoder:
-        return QwenPromptEncoder(model_path, settings, dtype, device)
-
     # ---- denoiser
-    def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
-                     params: ObjectiveParams) -> Conditioning:
-        embeds, mask = pad_sequences(texts, "hidden_states")
-        return {"cap_feats": embeds, "cap_mask": mask}
-
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As ZImagePipeline calls its transformer: lists of one-frame latents and unpadded caption
@@ -94,9 +85,9 @@ class ZImage(FlowFamily):
 
     # ---- rendering
     def render_kwargs(self, settings: QwenPromptSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
-        if negative_prompt and self.bound.distilled:
-            raise ValueError(f"evaluate.negative_prompt: Z-Image {self.bound.name} renders without guidance and"
-                             " ignores negative prompts; remove it")
+        if self.bound.distilled:
+            refuse_negative_prompt(negative_prompt, f"Z-Image {self.bound.name} renders without guidance and ignores"
+                                                    " negative prompts")
         return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt,  # "" as the pipeline defaults to
                 "max_sequence_length": settings.max_sequence_length}
 
@@ -121,7 +112,7 @@ def original_names(n_layers: int, n_refiner_layers: int) -> OriginalNames:
 ZIMAGE = ZImage(
     name="z-image", label="Z-Image", pipeline_class="ZImagePipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
-    kohya_base_model="z_image", tiny_arches=tuple(v.tiny_arch for v in VARIANTS), latent_patch=2,
+    kohya=Kohya("z_image"), latent_patch=2, text_encoder=QwenPromptEncoder,
     single_file_markers=("layers.0.attention.qkv.weight", "model.diffusion_model.layers.0.attention.qkv.weight"),
     block_lists=("noise_refiner", "context_refiner", "layers"),
 )

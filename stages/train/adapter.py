@@ -103,7 +103,7 @@ def adaptable_types(kind: AdapterKind) -> tuple[type[torch.nn.Module], ...]:
 def check_targets(denoiser: torch.nn.Module, kind: AdapterKind, targets: list[str]) -> None:
     """Refuse, in one line naming train.target_modules and the module, a target the adapter cannot
     wrap (a container such as a ModuleList), where peft would stop with a TypeError of its own.
-    `denoiser` may be its empty structure (Family.empty_denoiser): only module types are read."""
+    `denoiser` may be its empty structure (folders.empty_component): only module types are read."""
     supported = adaptable_types(kind)
     for name, module in denoiser.named_modules():
         entry = next((t for t in targets if name == t or name.endswith(f".{t}")), None)  # peft's rule for names

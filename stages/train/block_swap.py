@@ -19,7 +19,7 @@ node of the blocks before it. So a block leaves at the next block's backward, th
 end of the backward pass. With the swap the step computes what it computes without it,
 bit for bit: only where the frozen weights wait between uses changes.
 
-Which blocks a denoiser has is its family's (Family.swappable_blocks). The swapped blocks' frozen
+Which blocks a denoiser has is its family's (Family.block_lists). The swapped blocks' frozen
 weights never reach the accelerator whole: `to_device_leaving` moves the rest of the model, the
 adapter is added, then BlockSwap takes the blocks' weights from the host and moves what else they
 hold (the adapter, buffers) to the accelerator. A quantised base is refused: its weights are tensor

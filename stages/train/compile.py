@@ -1,4 +1,4 @@
-"""train.compile: torch.compile of each block of the denoiser (its family's swappable_blocks).
+"""train.compile: torch.compile of each block of the denoiser (families.swappable_blocks).
 
 Each block is compiled in place (`nn.Module.compile`), so module names, the adapter's state dict,
 DDP and gradient checkpointing (which calls the compiled block inside its checkpoint) see the same

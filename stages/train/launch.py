@@ -146,7 +146,7 @@ def check_prior_settings(params: TrainParams, data: EncodedData) -> None:
 def warn_if_distilled(family: families.Family, model_path: Path, log: Log) -> None:
     """Once per run, in the launching process: a LoRA trained on a step-distilled checkpoint breaks
     its distillation (the images collapse); the family names the base to train on instead."""
-    base = family.train_instead()
+    base = family.variant.train_instead
     if base:
         log(f"train: warning: {model_path} is a distilled {family.label} checkpoint; a LoRA trained on it undoes"
             f" the distillation and its images collapse: train on the base model, {base}, and preview on this one"

@@ -53,6 +53,7 @@ from lorapipe.cache.errors import UserError
 from lorapipe.stages import families
 from lorapipe.stages.contract import Log
 from lorapipe.stages.encoded import EncodedData
+from lorapipe.stages.families.folders import empty_component
 from lorapipe.stages.families.objectives import Objective
 from lorapipe.stages.processes.jobs import Job
 from lorapipe.stages.lora_formats.lora_folder import TRAIN_CONFIG, step_name
@@ -161,14 +162,14 @@ class LoRATrainingRecipe:
         self.dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.mixed_precision]
         self.family = families.for_model(model_path).with_denoiser(p.denoiser)
         self.objective = self.family.objective(model_path, p)
-        structure = self.family.empty_denoiser(model_path)  # the targets are checked before the weights load
+        structure = empty_component(model_path, self.family.components.denoiser)  # targets checked before weights load
         targets = self.family.lora_target_modules(structure, p.target_modules)
         check_targets(structure, p.adapter, targets)
         swapped = self._blocks_to_swap(structure)
         denoiser = self.family.load_denoiser(model_path, self.dtype)
         denoiser.requires_grad_(False)
         quantize_base(denoiser, p.base_quantization, self.accelerator.device)
-        blocks = self.family.swappable_blocks(denoiser)
+        blocks = families.swappable_blocks(self.family, denoiser)
         if swapped:  # the swapped blocks' frozen weights stay on the host (BlockSwap takes them there)
             to_device_leaving(denoiser, self.accelerator.device, blocks[-swapped:])
         else:
@@ -178,7 +179,7 @@ class LoRATrainingRecipe:
         self.adapter.add_to(denoiser, self._saved_start(latest))
         self.family.check_adapter(denoiser)  # before a step is spent on what export would refuse
         if p.init_lora:
-            load_init_lora(denoiser, Path(p.init_lora), p, self.family.lora_prefix())
+            load_init_lora(denoiser, Path(p.init_lora), p, self.family.components.adapter_prefix())
         cast_training_params(denoiser, dtype=torch.float32)
         keep_base_out_of_ddp_sync(denoiser, p.base_quantization)
         if self.options.gradient_checkpointing:
@@ -196,7 +197,7 @@ class LoRATrainingRecipe:
     def _blocks_to_swap(self, structure: torch.nn.Module) -> int:
         """How many of the denoiser's last blocks train.blocks_to_swap keeps off the accelerator (0: none)."""
         setting = self.options.blocks_to_swap
-        return 0 if setting is None else swap_count(setting, len(self.family.swappable_blocks(structure)))
+        return 0 if setting is None else swap_count(setting, len(families.swappable_blocks(self.family, structure)))
 
     def _setup_optimizer(self) -> None:
         from diffusers.optimization import get_scheduler

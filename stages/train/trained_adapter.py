@@ -29,7 +29,7 @@ TRAINED_FILE = "trained_adapter.safetensors"
 
 class TrainedAdapter:
     def __init__(self, params: TrainParams, family: Family, targets: list[str]):
-        self.params, self.family, self.prefix = params, family, family.lora_prefix()
+        self.params, self.family, self.prefix = params, family, family.components.adapter_prefix()
         self.config = peft_config(params, targets)
         self.initial: dict[str, torch.Tensor] | None = None
         self.ema: AdapterEMA | None = None
