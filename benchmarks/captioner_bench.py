@@ -63,12 +63,11 @@ def caption_inputs(data: Path, cache: Path, model: Path, params):
 
 def stage_batches(inputs, params) -> list[list]:
     """The decoded images in the batches the stage makes: samples ordered by record key."""
-    import json
-
     from lorapipe.stages.encode.images import upright_image
+    from lorapipe.stages.preprocess.rows import read_rows
 
-    samples = json.loads((inputs.preprocess_dir / "dataset.json").read_text())["samples"]
-    ordered = sorted(samples, key=lambda s: params.record_key(s["digest"], inputs.captioner, inputs.prompt))
+    samples = read_rows(inputs.preprocess_dir / "dataset.json")
+    ordered = sorted(samples, key=lambda s: params.record_key(s.digest, inputs.captioner, inputs.prompt))
     images = [upright_image(inputs.datasets, s) for s in ordered]
     return [images[i:i + params.batch_size] for i in range(0, len(images), params.batch_size)]
 
@@ -218,10 +217,11 @@ def review_sizes(artifact: Path, datasets) -> dict:
 
     from lorapipe.stages.caption import CAPTIONS_FILE
     from lorapipe.stages.caption.review import PAGE_FILES, REVIEW_MD, Paging, write_review
+    from lorapipe.stages.preprocess.rows import read_rows
 
     logs = artifact / "logs"
     pages = [logs / name for name in PAGE_FILES if (logs / name).exists()]
-    samples = json.loads((artifact / "dataset.json").read_text())["samples"]
+    samples = read_rows(artifact / "dataset.json")
     one_page = artifact.parent / f"{artifact.name}-one-page-review"
     shutil.rmtree(one_page, ignore_errors=True)
     one_page.mkdir()
@@ -263,6 +263,7 @@ def camera_reads(root: Path) -> dict:
     from lorapipe.stages.caption import CaptionParams
     from lorapipe.stages.caption.review import collect
     from lorapipe.stages.encode.images import upright_image
+    from lorapipe.stages.preprocess.rows import read_rows
 
     from .decode_bench import camera_photos
 
@@ -270,7 +271,7 @@ def camera_reads(root: Path) -> dict:
     params = CaptionParams()
     inputs = caption_inputs(root / "photos-4000x3000", root / "caption-camera", tiny_captioner(root, "qwen2_5_vl"),
                             params)
-    samples = json.loads((inputs.preprocess_dir / "dataset.json").read_text())["samples"]
+    samples = read_rows(inputs.preprocess_dir / "dataset.json")
     started = time.perf_counter()
     for s in samples:
         upright_image(inputs.datasets, s)

@@ -2,7 +2,6 @@
 and reuse when 1% of the images are new."""
 from __future__ import annotations
 
-import json
 import shutil
 import time
 from pathlib import Path
@@ -67,12 +66,13 @@ def bare_forward_seconds(inputs, n: int, encoders: Encoders, batch_size: int = B
     import torch
 
     from lorapipe.stages.encode import ImageCrops
+    from lorapipe.stages.preprocess.rows import read_rows
 
-    samples = json.loads((inputs.preprocess_dir / "dataset.json").read_text())["samples"][:n]
+    samples = read_rows(inputs.preprocess_dir / "dataset.json")[:n]
     crops = ImageCrops(inputs.datasets, samples, [False] * n)
     starts = range(0, n, batch_size)
     batches = [torch.stack([crops[i][1] for i in range(s, min(s + batch_size, n))]) for s in starts]
-    captions = [[s["caption"] for s in samples[i:i + batch_size]] for i in starts]
+    captions = [[s.caption for s in samples[i:i + batch_size]] for i in starts]
     sync = device_sync(encoders.device)
     sync()
     started = time.perf_counter()

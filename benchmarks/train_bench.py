@@ -19,7 +19,6 @@ benchmarks/gpu_bench.py runs the same four steps at full size on a GPU.
 """
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -90,12 +89,13 @@ def on_the_fly_step(recipe: LoRATrainingRecipe, enc_inputs) -> Callable[[int], N
     import torch
 
     from lorapipe.stages.encode import ImageCrops
+    from lorapipe.stages.preprocess.rows import read_rows
     from lorapipe.stages.train.data import Batch, step_inputs
     from lorapipe.stages.train.recipe import step_loss
 
     device, dtype, family = recipe.accelerator.device, recipe.dtype, recipe.family
-    samples = json.loads((enc_inputs.preprocess_dir / "dataset.json").read_text())["samples"]
-    row = {s["id"]: i for i, s in enumerate(samples)}
+    samples = read_rows(enc_inputs.preprocess_dir / "dataset.json")
+    row = {s.id: i for i, s in enumerate(samples)}
     crops = ImageCrops(enc_inputs.datasets, samples, [False] * len(samples))
     encoders = load_encoders(enc_inputs, str(device), dtype)
     autocast = torch.autocast(device.type, dtype, enabled=dtype != torch.float32)

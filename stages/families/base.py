@@ -117,9 +117,9 @@ class TextOptions(Frozen):
     """The user's text-encoding settings; a family resolves them into its text settings and refuses,
     naming the key, what does not apply to it."""
 
-    max_sequence_length: int | None = Field(None, gt=0, description="the text tokens a record holds (Flux.1's"
-                                            " T5, the Qwen encoders of Flux.2-klein, Z-Image and Qwen-Image; SD"
-                                            " refuses it); null: the model's own (512; Flux.1 schnell 256)")
+    max_sequence_length: int | None = Field(None, gt=0, description="the text tokens a record holds, for a model"
+                                            " whose text encoder takes a length (a CLIP-only model refuses it);"
+                                            " null: the model's default (docs/adding-a-family.md, the family table)")
 
 
 def stack(records: list[TextRecord], name: str) -> torch.Tensor:
