@@ -1,11 +1,13 @@
 """The cache invariants for clips, on the tiny Wan 2.1 and the tiny LTX-2 through the real stages (all
 four run on the demo's clips), with encodes counted by forward hooks on their 3-D VAE encoders and
-text encoders (UMT5, Gemma 3): a caption edit encodes one text record and no latent; the frame
-count, frame rate or window strategy re-encode only the windows whose frames changed, never a text;
-a clip re-muxed into another container keeps its latents (it is known by its decoded frames); the
-timestep shift reruns training only."""
+text encoders (UMT5, Gemma 3): a caption edit encodes one text record and no latent, and an edit of
+one time range's caption only that window's text record; the frame count, frame rate or window
+strategy re-encode only the windows whose frames changed, never a text; a clip re-muxed into
+another container keeps its latents (it is known by its decoded frames); the timestep shift reruns
+training only."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -63,6 +65,21 @@ def encode_counted(config, count_encoder_rows) -> tuple[dict, dict]:
 def test_a_clip_caption_edit_encodes_one_text_record_and_no_latent(baseline, tmp_path, count_encoder_rows):
     config = clip_copy(baseline, tmp_path)
     (tmp_path / "data" / f"{SCENES[0][0]}.txt").write_text("a red ball speeding to the right")
+    results, counts = encode_counted(config, count_encoder_rows)
+    assert statuses(results) == {"preprocess": "computed", "encode": "computed"}
+    assert counts == {"vae": 0, "text": 1}
+
+
+def test_a_time_range_caption_edit_encodes_that_window_text_record_only(baseline, tmp_path, count_encoder_rows):
+    def ranges(later: str) -> str:  # the windows' middles: 0.28 s and 2.28 s
+        return json.dumps({"file_name": f"{SCENES[0][0]}.mp4", "captions": [
+            {"start": 0, "end": 1, "text": "a red ball rolling in"}, {"start": 1, "end": 2.5, "text": later}]})
+
+    config = clip_copy(baseline, tmp_path, {"windows": "uniform", "max_windows": 2})  # windows no other test takes
+    (tmp_path / "data" / "metadata.jsonl").write_text(ranges("a red ball rolling away"))
+    _, counts = encode_counted(config, count_encoder_rows)
+    assert counts == {"vae": CLIPS, "text": 2}  # each clip's last window; that clip's two captions
+    (tmp_path / "data" / "metadata.jsonl").write_text(ranges("a red ball rolling out of sight"))
     results, counts = encode_counted(config, count_encoder_rows)
     assert statuses(results) == {"preprocess": "computed", "encode": "computed"}
     assert counts == {"vae": 0, "text": 1}

@@ -94,6 +94,41 @@ def test_what_cannot_be_a_clip_is_a_row_and_a_variable_frame_rate_a_warning(clip
     assert "vfr" in {s["id"] for s in samples}
 
 
+def test_each_window_takes_the_caption_of_its_time_range(clips, tmp_path):
+    ranges = [{"start": 1, "end": 2.5, "text": "a square  leaving"},
+              {"start": 0, "end": 1, "text": "a square entering"}]
+    (clips / "metadata.jsonl").write_text(json.dumps({"file_name": "walk.mp4", "captions": ranges}) + "\n")
+    cell = json.dumps([{"start": 0, "end": 1.5, "text": "a square running"}]).replace('"', '""')
+    (clips / "metadata.csv").write_text(f'file_name,captions\nrun.mp4,"{cell}"\n')
+    video = {"fps": 16, "num_frames": 9, "windows": "sequential", "max_windows": 3}
+    samples, _, _, _ = preprocess(clips, tmp_path, video=video, holdout_fraction=0)
+    assert {s["id"]: s["caption"] for s in samples} == {  # windows' middles: 0.28, 0.84, 1.41 s; walk.txt unused
+        "walk@0": "a square entering", "walk@1": "a square entering", "walk@2": "a square leaving",
+        "run@0": "a square running", "run@1": "a square running", "still": "a caption"}
+
+
+def test_a_bad_time_range_is_a_row_naming_the_metadata_row_and_key(clips, tmp_path):
+    rows = [("walk.mp4", [(0, 0.5)]), ("run.mp4", [(0, 1), (1, 3)]), ("blink.mp4", [(0, 0.2), (0.1, 0.3)]),
+            ("still.png", [(0, 1)]), ("blink.mp4", [(1, 0.5)]), ("blink.mp4", [(0, 0.3)])]
+    (clips / "metadata.jsonl").write_text("".join(json.dumps({"file_name": name, "captions": [
+        {"start": start, "end": end, "text": "a square"} for start, end in ranges], **({"text": "a clip"} if line == 6
+        else {})}) + "\n" for line, (name, ranges) in enumerate(rows, 1)))
+    video = {"fps": 16, "num_frames": 9, "windows": "sequential", "max_windows": 3}
+    samples, report, _, _ = preprocess(clips, tmp_path, video=video, holdout_fraction=0)
+    assert {r["path"]: r["detail"] for r in report["rejected"] if r["reason"] == "bad_caption_range"} == {
+        "metadata.jsonl:3": "captions[1] (0.1-0.3 s) overlaps captions[0] (0-0.2 s)",
+        "metadata.jsonl:5": "captions[0]: end 0.5 s must come after start 1 s, and start be 0 or more",
+        "metadata.jsonl:6": "both 'text' and captions are set: a clip's windows take the captions of their ranges;"
+                            " remove one",
+        "run.mp4": "metadata.jsonl:2 captions[1] (1-3 s) is outside the clip, which lasts 1.50 s",
+        "walk.mp4": "metadata.jsonl:1 captions: no range holds the window at 0.56 s (its middle, 0.84 s)"}
+    still = next(s for s in samples if s["id"] == "still")
+    assert still["caption"] == "a caption"  # an image's row reads as before: a `captions` column there is its own
+    with pytest.raises(ValueError, match=r"/metadata.jsonl:3: bad_caption_range: captions\[1\] \(0.1-0.3 s\) overlaps"
+                                         r" captions\[0\] \(0-0.2 s\) \(and 2 more\); on_bad_row is error"):
+        preprocess(clips, tmp_path, video=video, on_bad_row="error")
+
+
 def test_clips_are_decoded_once_per_file_version_and_image_configs_keep_their_key(clips, tmp_path, monkeypatch):
     import lorapipe.stages.preprocess.sources as sources
 

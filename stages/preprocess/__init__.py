@@ -4,8 +4,9 @@ pick the held-out split. No pixels are decoded (headers only) and none are writt
 Reads:  one or more datasets (stages/preprocess/sources.py): nested image folders with caption
         sidecars, imagefolder metadata.jsonl / metadata.csv, saved `datasets` folders or parquet.
 Writes: dataset.json: per sample id, dataset index (`source`), relative path, content digest,
-        caption, repeats, original size, target size (a square or a bucket), resized size, crop
-        box, split, `background` for images with alpha, and `mask` for images with a loss mask
+        caption (a clip window's: its time range's, where its metadata row gives ranges), repeats,
+        original size, target size (a square or a bucket), resized size, crop box, split,
+        `background` for images with alpha, and `mask` for images with a loss mask
         (a sidecar's path and digest, or the alpha channel: the dataset's `mask` setting),
         `role: prior` for images of a prior dataset (never held out), `written: false` for an image
         without a caption that the caption stage is to caption (missing_caption: generate), and for an edit pair its
@@ -34,7 +35,7 @@ from lorapipe.cache.store import Built
 
 from ..contract import Frozen, Log, OutputFile
 from ..video import ClipInfo
-from .clips import VideoSampling, cut_summary, inspect_clip, window_digest, windows
+from .clips import VideoSampling, cut_summary, inspect_clip, window_captions, window_digest, windows
 from .crops import generated_buckets, nearest_bucket, place, shrink_to_fit
 from .rows import SampleRow, write_rows
 from .sources import BadRow, Candidate, DatasetSource, MissingCaption, candidates, fingerprint
@@ -188,7 +189,8 @@ def _validate(found: list[Candidate], params: PreprocessParams, datasets: tuple[
         sample_id = c.label.rsplit(".", 1)[0]
         try:
             info, clip = inspect_clip(c, params.min_side) if c.clip else (inspect_image(c, params.min_side), None)
-            caption = _caption(c, source.missing_caption)
+            # a clip with time-ranged captions takes its windows' captions from them (_clip_samples)
+            caption = "" if c.timed_captions else _caption(c, source.missing_caption)
             if caption is None:
                 uncaptioned.append(c)
                 continue
@@ -245,12 +247,15 @@ def _placed_references(c: Candidate, size: list[int], params: PreprocessParams,
 def _clip_samples(c: Candidate, sample_id: str, info: ImageInfo, clip: ClipInfo, caption: str,
                   source: DatasetSource, params: PreprocessParams) -> list[SampleRow]:
     """One sample per window of the clip (preprocess.video), each placed as an image of the clip's
-    frame size would be, known by the digest of the frames it shows; `clip` says where it comes from
-    (its windows share the clip's digest: held out together)."""
+    frame size would be, known by the digest of the frames it shows, captioned by `caption` or its
+    time range's caption; `clip` says where it comes from (its windows share the clip's digest: held
+    out together)."""
     sampling = params.video
     chosen = windows(clip, sampling)
+    captions = window_captions(clip, chosen, sampling.fps, c.timed_captions) if c.timed_captions \
+        else [caption] * len(chosen)
     samples = []
-    for k, window in enumerate(chosen):
+    for k, (window, caption) in enumerate(zip(chosen, captions)):
         digest = window_digest(clip, window)
         sample = _sample(c, sample_id if len(chosen) == 1 else f"{sample_id}@{k}",
                          ImageInfo(info.width, info.height, False, digest), caption, source, params)

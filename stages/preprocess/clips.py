@@ -22,6 +22,7 @@ from lorapipe.cache.digest import digest_json
 from ..contract import Frozen
 from ..video import ClipInfo, VideoProblem
 from .sources import Candidate
+from .timed_captions import BAD_RANGE, TIMED_CAPTIONS_KEY, TimedCaptions
 from .validation import ImageInfo, Rejected
 
 
@@ -99,6 +100,22 @@ def _frames_at(clip: ClipInfo, start: float, length: int, fps: float) -> tuple[i
     nearer_after = np.abs(times[after] - wanted) < np.abs(wanted - times[before])
     picked = np.where(nearer_after, after, before) if len(times) > 1 else np.zeros(length, int)
     return tuple(int(i) for i in picked)
+
+
+def window_captions(clip: ClipInfo, chosen: list[Window], fps: float, timed: TimedCaptions) -> list[str]:
+    """Each window's caption: that of the range holding its middle; Rejected `bad_caption_range` when
+    a range lies past the clip's end or a window's middle is in no range."""
+    if past := timed.past(clip.duration, clip.frame_interval):
+        raise Rejected(BAD_RANGE, past)
+    captions = []
+    for window in chosen:
+        middle = window.start + _span(len(window.frames), fps) / 2
+        caption = timed.caption_at(middle)
+        if caption is None:
+            raise Rejected(BAD_RANGE, f"{timed.where} {TIMED_CAPTIONS_KEY}: no range holds the window at"
+                           f" {window.start:.2f} s (its middle, {middle:.2f} s)")
+        captions.append(caption)
+    return captions
 
 
 def cut_summary(clip: ClipInfo, chosen: list[Window], fps: float) -> str:

@@ -4,7 +4,8 @@
 A row that cannot be used is a RowProblem, never silently dropped: `bad_row` (a malformed line,
 no file name, not UTF-8), `outside_dataset` (`../` or an absolute path, or through a link to
 outside), `listed_but_missing` (no such image in the dataset), `duplicate_row` (the file is
-listed again: the first row wins). The rest of the dataset is used.
+listed again: the first row wins), `bad_caption_range` (a clip's `captions` time ranges:
+stages/preprocess/timed_captions.py). The rest of the dataset is used.
 """
 from __future__ import annotations
 
@@ -16,7 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from ..video import VIDEO_SUFFIXES
 from .listing import Listing
+from .timed_captions import BAD_RANGE, TIMED_CAPTIONS_KEY, BadRanges, TimedCaptions, timed_captions
 
 METADATA_FILES = ("metadata.jsonl", "metadata.csv")
 
@@ -39,6 +42,7 @@ class MetadataCaption:
     where: str  # "metadata.jsonl:3"
     file: str = ""  # the metadata file, relative to the dataset folder
     row: dict | None = None  # the whole row (its reference columns: stages/preprocess/references.py)
+    timed: TimedCaptions | None = None  # a clip's captions per time range; None: the row gives none
 
 
 def metadata_captions(listing: Listing, offered: set[str], column: str
@@ -66,9 +70,25 @@ def metadata_captions(listing: Listing, offered: set[str], column: str
             if reason:
                 problems.append(RowProblem(meta, line, reason, detail))
                 continue
+            try:
+                timed = _timed_captions(row, rel, column, where)
+            except BadRanges as e:
+                problems.append(RowProblem(meta, line, BAD_RANGE, str(e)))
+                continue
             caption = row.get(column)
-            captions[rel] = MetadataCaption(None if caption is None else str(caption), where, meta, row)
+            captions[rel] = MetadataCaption(None if caption is None else str(caption), where, meta, row, timed)
     return captions, problems
+
+
+def _timed_captions(row: dict, rel: str, column: str, where: str) -> TimedCaptions | None:
+    """The row's time-ranged captions for the clip `rel` names (None: it gives none)."""
+    if not rel.lower().endswith(VIDEO_SUFFIXES):  # an image's row is read as before, whatever its columns
+        return None
+    timed = timed_captions(row.get(TIMED_CAPTIONS_KEY), where)
+    if timed and str(row.get(column) or "").strip():
+        raise BadRanges(f"both {column!r} and {TIMED_CAPTIONS_KEY} are set: a clip's windows take the captions of"
+                        " their ranges; remove one")
+    return timed
 
 
 def _target_problem(rel: str, name: str, listing: Listing, offered: set[str]) -> tuple[str, str]:

@@ -35,6 +35,7 @@ from .listing import Listing, list_folder, named_inside, within
 from .metadata import METADATA_FILES, MetadataCaption, RowProblem, metadata_captions
 from .references import (ReferenceNames, column_references, control_reference, control_stems, in_control_dir,
                          target_references)
+from .timed_captions import TimedCaptions
 
 IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png", ".webp")
 # the stat cache's name for a clip's frame times and digests (stages/video.py); 2: a clip that
@@ -186,6 +187,7 @@ class Candidate:
     clip: Callable[[], ClipInfo] | None = None  # a video file's frames (VideoProblem if it is not a clip)
     references: tuple[Candidate, ...] = ()  # an edit pair's reference images, in order (references.py)
     reference_problem: tuple[str, str] | None = None  # (reason, detail): a reference missing, ambiguous, ...
+    timed_captions: TimedCaptions | None = None  # a clip's captions per time range (its metadata row's)
 
 
 @dataclass(frozen=True)
@@ -282,7 +284,8 @@ def candidates(source: DatasetSource, index: int, prefix: str, stat_cache: StatC
         found.append(Candidate(index, rel, prefix + rel, caption, problem, lambda path=path: path.open("rb"),
                                lambda path=path: stat_cache.digest(path), _mask_file(scan, rel, stat_cache),
                                _clip(path, stat_cache) if rel.lower().endswith(VIDEO_SUFFIXES) else None,
-                               *_reference_candidates(references.get(rel), index, scan, stat_cache)))
+                               *_reference_candidates(references.get(rel), index, scan, stat_cache),
+                               timed_captions=captions[rel].timed if rel in captions else None))
     refused = [{"path": prefix + rel, "reason": reason, "detail": detail} for rel, reason, detail in scan.refused]
     refused += [{"path": prefix + p.where, "reason": p.reason, "detail": p.detail} for p in problems]
     return Offered(found, refused)
