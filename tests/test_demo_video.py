@@ -53,8 +53,9 @@ def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_pa
     assert metrics["clips"][0] == "grid.webp" and len(metrics["clips"]) == 1 + RENDERED
     assert all((evaluated / clip).is_file() for clip in metrics["clips"])
 
-    second = lorapipe("demo", "--arch", arch, "--workdir", arch, *FEWER_STEPS, cwd=tmp_path)
+    second = lorapipe("demo", "--arch", arch, "--workdir", arch, *FEWER_STEPS, cwd=tmp_path, report_loaded=True)
     assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stderr.splitlines()[-1] == "loaded: []"  # keys computed without the model code
     again = json.loads((outputs / "run-summary.json").read_text())
     assert [s["status"] for s in again["stages"]] == ["hit"] * 4
     assert [s["key"] for s in again["stages"]] == [s["key"] for s in summary["stages"]]
