@@ -27,12 +27,12 @@ def lorapipe(*args: str, cwd: Path, prefect_home: Path | None = None,
                           capture_output=True, timeout=900)
 
 
-def demo_on_tiny_model(arch: str, workdir: Path, tiny_models) -> subprocess.CompletedProcess:
-    """`lorapipe demo --arch ARCH --workdir WORKDIR` (FEWER_STEPS) run from WORKDIR's parent,
+def demo_on_tiny_model(arch: str, workdir: Path, tiny_models, *settings: str) -> subprocess.CompletedProcess:
+    """`lorapipe demo --arch ARCH --workdir WORKDIR` (FEWER_STEPS, then `settings`) run from WORKDIR's parent,
     WORKDIR holding a copy of the session's tiny model of ARCH, which the demo then trains instead of
     building its own (the same bytes: the SD demo's runs below cover building it)."""
     shutil.copytree(tiny_models(arch), workdir / "model")
-    return lorapipe("demo", "--arch", arch, "--workdir", workdir.name, *FEWER_STEPS, cwd=workdir.parent)
+    return lorapipe("demo", "--arch", arch, "--workdir", workdir.name, *FEWER_STEPS, *settings, cwd=workdir.parent)
 
 
 @pytest.fixture(scope="module")

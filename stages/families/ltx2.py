@@ -189,8 +189,8 @@ class LTX2Family(VideoFamily):
         return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt,
                 "max_sequence_length": settings.max_sequence_length}
 
-    def clip_kwargs(self, model_path: Path, num_frames: int | None) -> dict[str, Any]:
-        return {**super().clip_kwargs(model_path, num_frames), "frame_rate": float(self.clip_fps)}
+    def clip_kwargs(self, model_path: Path, num_frames: int | None, fps: float) -> dict[str, Any]:
+        return {**super().clip_kwargs(model_path, num_frames, fps), "frame_rate": float(fps)}
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: VideoVariant) -> Path:
