@@ -155,7 +155,8 @@ def said(names: list[str]) -> str:
     for name in names:
         folder = next((path for path in FOLDERS if name.startswith(f"{path}/")), None)
         grouped.setdefault(folder or name, []).append(name)
-    return ", ".join(f"{len(files)} {FOLDERS[key]} in {key}/" if key in FOLDERS else key for key, files in grouped.items())
+    return ", ".join(f"{len(files)} {FOLDERS[key]} in {key}/" if key in FOLDERS else key
+                     for key, files in grouped.items())
 
 
 def named_files(out: Path) -> list[tuple[str, Path]]:

@@ -67,7 +67,8 @@ def test_a_video_evaluation_publishes_its_clips_and_the_next_run_replaces_them(t
     output folder) and the log counts them; a later evaluation with other columns leaves none of the
     earlier clips, and an image model's no clips/ folder."""
     out, cfg, logs = tmp_path / "out", config(tmp_path), []
-    clips = tuple(f"clips/{column}/{row}.mp4" for column in ("00-base", "01-lora-x1") for row in ("00-seed0", "01-seed1"))
+    clips = tuple(f"clips/{column}/{row}.mp4" for column in ("00-base", "01-lora-x1")
+                  for row in ("00-seed0", "01-seed1"))
     video = artifact(tmp_path / "video", "evaluate", "video", (*EVALUATED, "grid.webp", *clips))
     finish_run(out, cfg, [video], "first", logs.append, record=False)
     assert set(published(out)) == {*EVALUATED, "grid.webp", *clips}

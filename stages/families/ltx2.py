@@ -203,7 +203,8 @@ def normalisation_of(model_path: Path, vae: str) -> ChannelMeanStd:
     """(z - mean) * scaling_factor / std, the buffers read from the VAE's weights."""
     scale = component_config(model_path, vae).get("scaling_factor", 1.0)
     stats = component_tensors(model_path, vae, ("latents_mean", "latents_std"))
-    return ChannelMeanStd(mean=tuple(stats["latents_mean"].tolist()), std=tuple((stats["latents_std"] / scale).tolist()))
+    return ChannelMeanStd(mean=tuple(stats["latents_mean"].tolist()),
+                          std=tuple((stats["latents_std"] / scale).tolist()))
 
 
 def _compression(vae_config: dict, axis: str) -> int:
