@@ -6,7 +6,7 @@ No Prefect here.
 
 The output folder holds the files of one run, never a mix of two. A filesystem cannot replace
 several files in one atomic step, so `run-summary.json` is the commit marker: whenever it exists,
-the stage output files in the folder (OUTPUT_FILES, `ema/` included) are exactly those it lists
+the stage output files in the folder (OUTPUT_FILES, `ema/` and `clips/` included) are exactly those it lists
 under each stage's `outputs`, all published by the run it describes; while it is missing, a
 publish is under way (or was cut off, and the next run publishes again). Publishing, one run at a
 time per folder (a lock file in it):
@@ -27,19 +27,21 @@ import os
 import shutil
 from collections.abc import Callable
 from pathlib import Path
+from typing import Iterable
 
 from lorapipe.cache.errors import UserError, naming_a_full_disk
 from lorapipe.cache.fsutil import fsync_dir, fsync_tree, remove_tree
 from lorapipe.cache.lock import key_lock
 from lorapipe.cache.object_store import open_store
 from lorapipe.cache.store import Artifact
+from lorapipe.stages.contract import OutputFile
 
 from .config import PipelineConfig
 from .steps import PIPELINE, object_settings
 from .runner import StageResult, record_repairs
 
 DECLARED = {stage: defined.module.OUTPUT_FILES for stage, defined in PIPELINE.items()}  # each stage's own declaration
-OUTPUT_FILES = {stage: tuple(f.path for f in files) for stage, files in DECLARED.items()}  # paths in the artifact
+FOLDERS = {f.path: f.label for files in DECLARED.values() for f in files if f.folder}  # published whole: clips/
 SUMMARY_FILE = "run-summary.json"
 STAGING = ".lorapipe-publishing"  # step 1's folder, inside the output folder
 PUBLISH_LOCK = ".lorapipe-publish.lock"
@@ -52,7 +54,7 @@ class ArtifactRemoved(UserError):
 def with_files(result: StageResult, artifact: Artifact | None) -> StageResult:
     """`result` naming the local folder its output files are copied from (on object storage, this
     host's copy, fetched once); stages without output files are left as they are."""
-    if OUTPUT_FILES[result.stage] and artifact:
+    if DECLARED[result.stage] and artifact:
         result.files = str(artifact.path)
     return result
 
@@ -81,8 +83,8 @@ def finish_run(out: Path, config: PipelineConfig, results: list[StageResult], ru
             dropped = swap_in(staging, out, published)
         finally:
             remove_tree(staging)
-    log(f"outputs: {out}: published {', '.join(published) or 'no stage files'} and {SUMMARY_FILE}"
-        + (f"; removed the previous run's {', '.join(dropped)}" if dropped else ""))
+    log(f"outputs: {out}: published {said(published) or 'no stage files'} and {SUMMARY_FILE}"
+        + (f"; removed the previous run's {said(dropped)}" if dropped else ""))
     if record:
         store = open_store(config.cache_dir, object_settings(config))
         store.record_run(config.name, run, {r.stage: r.key for r in results})
@@ -96,11 +98,10 @@ def copy_outputs(result: StageResult, out: Path) -> list[str]:
         return []
     folder, copied = Path(result.files), []
     try:
-        for name in OUTPUT_FILES.get(result.stage, ()):
-            if (folder / name).exists():
-                (out / name).parent.mkdir(exist_ok=True)
-                shutil.copyfile(folder / name, out / name)
-                copied.append(name)
+        for name in held(folder, DECLARED.get(result.stage, ())):
+            (out / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(folder / name, out / name)
+            copied.append(name)
         if folder.is_dir():
             return copied
     except FileNotFoundError:
@@ -113,25 +114,49 @@ def copy_outputs(result: StageResult, out: Path) -> list[str]:
 def swap_in(staging: Path, out: Path, names: list[str]) -> list[str]:
     """Steps 2 and 3 of the module docstring: replace every stage output file in `out` by the
     staged `names` and the staged summary. Returns the files removed and not published again."""
-    every = [name for names_of_stage in OUTPUT_FILES.values() for name in names_of_stage]
-    previous = [name for name in every if (out / name).exists()]
+    previous = [name for files in DECLARED.values() for name in held(out, files)]
     (out / SUMMARY_FILE).unlink(missing_ok=True)
     for name in previous:
         (out / name).unlink()
-    folders = sorted({(out / name).parent for name in every} - {out})
-    for folder in folders:
-        if folder.is_dir() and not any(folder.iterdir()):
-            folder.rmdir()  # the ema/ of an earlier run; made again below if this run has one
+    for folder in folders_of(out, previous):
+        if not any(folder.iterdir()):
+            folder.rmdir()  # the ema/ or clips/ of an earlier run; made again below if this run has one
     fsync_dir(out)  # the removals reach the disk before any new file appears
     for name in names:
-        (out / name).parent.mkdir(exist_ok=True)
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
         os.replace(staging / name, out / name)
-    for folder in folders:
-        if folder.is_dir():
-            fsync_dir(folder)
+    for folder in folders_of(out, names):
+        fsync_dir(folder)
     os.replace(staging / SUMMARY_FILE, out / SUMMARY_FILE)
     fsync_dir(out)
     return [name for name in previous if name not in names]
+
+
+def held(folder: Path, files: Iterable[OutputFile]) -> list[str]:
+    """The paths of the declared `files` that `folder` holds, a declared folder as each file under it."""
+    names = []
+    for file in files:
+        path = folder / file.path
+        if file.folder:
+            names += sorted(p.relative_to(folder).as_posix() for p in path.rglob("*") if p.is_file())
+        elif path.exists():
+            names.append(file.path)
+    return names
+
+
+def folders_of(out: Path, names: list[str]) -> list[Path]:
+    """The folders inside `out` that hold `names`, deepest first."""
+    return sorted({p for name in names for p in (out / name).parents if out in p.parents}, reverse=True)
+
+
+def said(names: list[str]) -> str:
+    """`names` as the log says them: a declared folder's files counted ("8 clips in clips/")."""
+    grouped: dict[str, list[str]] = {}
+    for name in names:
+        folder = next((path for path in FOLDERS if name.startswith(f"{path}/")), None)
+        grouped.setdefault(folder or name, []).append(name)
+    return ", ".join(f"{len(files)} {FOLDERS[key]} in {key}/" if key in FOLDERS else key
+                     for key, files in grouped.items())
 
 
 def named_files(out: Path) -> list[tuple[str, Path]]:

@@ -56,6 +56,7 @@ class OutputFile:
 
     path: str  # inside the artifact; a run publishes those its stage wrote
     label: str = ""  # what `lorapipe run` calls it when it names where the file went; "": not named
+    folder: bool = False  # `path` is a folder of the stage's: every file under it is published
 
 
 class JsonInputs:

@@ -40,6 +40,14 @@ def pytest_configure(config):
 
 LIBRARY_WARNINGS_SHOWN = {"TRANSFORMERS_VERBOSITY": "warning", "DIFFUSERS_VERBOSITY": "warning"}  # as for a user
 REPO = Path(__file__).resolve().parent.parent
+# `python -m lorapipe.flows.cli ARGS...`, printing at its exit which of these modules its own process had loaded
+LOADED_AT_EXIT = """
+import atexit, runpy, sys
+names = ("torch", "diffusers", "transformers", "bitsandbytes", "torchao")
+atexit.register(lambda: print("loaded:", sorted(n for n in names if sys.modules.get(n)), file=sys.stderr))
+sys.argv[0] = "lorapipe"
+runpy.run_module("lorapipe.flows.cli", run_name="__main__")
+"""
 # What a demo run trains and renders in the tests that are not about the shipped demo itself (test_demo's
 # demo_runs runs it as shipped): enough for every tiny model's LoRA to beat its base (docs/testing.md).
 FEWER_STEPS = ("--set", "train.max_steps=60", "--set", "evaluate.num_inference_steps=2")

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import LIBRARY_WARNINGS_SHOWN, REPO
+from conftest import LIBRARY_WARNINGS_SHOWN, LOADED_AT_EXIT, REPO
 
 
 @pytest.mark.slow
@@ -188,15 +188,6 @@ def test_an_api_in_the_active_prefect_profile_means_no_temporary_server(tmp_path
     (tmp_path / "profiles.toml").write_text("active = [unclosed")
     assert active_profile() == {}  # Prefect itself names a broken profiles file
 
-
-# `python -m lorapipe.flows.cli ARGS...`, printing at its exit which of these modules its own process had loaded
-LOADED_AT_EXIT = """
-import atexit, runpy, sys
-names = ("torch", "diffusers", "transformers", "bitsandbytes", "torchao")
-atexit.register(lambda: print("loaded:", sorted(n for n in names if sys.modules.get(n)), file=sys.stderr))
-sys.argv[0] = "lorapipe"
-runpy.run_module("lorapipe.flows.cli", run_name="__main__")
-"""
 
 
 @pytest.mark.slow

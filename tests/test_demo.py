@@ -13,23 +13,26 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FEWER_STEPS, LIBRARY_WARNINGS_SHOWN
+from conftest import FEWER_STEPS, LIBRARY_WARNINGS_SHOWN, LOADED_AT_EXIT
 
 pytestmark = pytest.mark.slow
 
 
-def lorapipe(*args: str, cwd: Path, prefect_home: Path | None = None) -> subprocess.CompletedProcess:
+def lorapipe(*args: str, cwd: Path, prefect_home: Path | None = None,
+             report_loaded: bool = False) -> subprocess.CompletedProcess:
+    """report_loaded: the last line of stderr names the model libraries the command's process loaded."""
     env = {**os.environ, **LIBRARY_WARNINGS_SHOWN, "PREFECT_HOME": str(prefect_home or cwd / "prefect-home")}
-    return subprocess.run([sys.executable, "-m", "lorapipe.flows.cli", *args], cwd=cwd, env=env, text=True,
+    entry = ["-c", LOADED_AT_EXIT] if report_loaded else ["-m", "lorapipe.flows.cli"]
+    return subprocess.run([sys.executable, *entry, *args], cwd=cwd, env=env, text=True,
                           capture_output=True, timeout=900)
 
 
-def demo_on_tiny_model(arch: str, workdir: Path, tiny_models) -> subprocess.CompletedProcess:
-    """`lorapipe demo --arch ARCH --workdir WORKDIR` (FEWER_STEPS) run from WORKDIR's parent,
+def demo_on_tiny_model(arch: str, workdir: Path, tiny_models, *settings: str) -> subprocess.CompletedProcess:
+    """`lorapipe demo --arch ARCH --workdir WORKDIR` (FEWER_STEPS, then `settings`) run from WORKDIR's parent,
     WORKDIR holding a copy of the session's tiny model of ARCH, which the demo then trains instead of
     building its own (the same bytes: the SD demo's runs below cover building it)."""
     shutil.copytree(tiny_models(arch), workdir / "model")
-    return lorapipe("demo", "--arch", arch, "--workdir", workdir.name, *FEWER_STEPS, cwd=workdir.parent)
+    return lorapipe("demo", "--arch", arch, "--workdir", workdir.name, *FEWER_STEPS, *settings, cwd=workdir.parent)
 
 
 @pytest.fixture(scope="module")

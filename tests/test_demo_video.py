@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import av
 import pytest
 from PIL import Image
 from conftest import FEWER_STEPS
@@ -18,13 +19,16 @@ pytestmark = pytest.mark.slow
 LORA_FILES = {"wan2.1": ("", "_comfyui", "_kohya"), "wan2.2-a14b": ("", "_comfyui", "_kohya"), "ltx2": ("", "_comfyui")}
 FRAMES = 17  # configs/video-demo.yaml's preprocess.video.num_frames and evaluate.num_frames
 RENDERED = 2 * 2 * 2  # prompts x seeds x columns (the base model, the LoRA at scale 1)
+FPS = 12  # the windows' frame rate (the generated clips have 16): what the rendered clips must play at
+AT_FPS = ("--set", f"preprocess.video.fps={FPS}")
 
 
 @pytest.mark.parametrize("arch", list(LORA_FILES))
 def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_path, tiny_models, arch):
     """The workdir is named after the arch, as a user may name it: a folder `ltx2` in the working
-    directory once hid the LTX-2 connectors' module."""
-    first = demo_on_tiny_model(arch, tmp_path / arch, tiny_models)
+    directory once hid the LTX-2 connectors' module. Trained on windows at 12 fps, its clips play at
+    12 fps, published with the rest."""
+    first = demo_on_tiny_model(arch, tmp_path / arch, tiny_models, *AT_FPS)
     assert first.returncode == 0, first.stderr[-3000:]
     run = tmp_path / arch
     assert sorted(p.name for p in (run / "data").iterdir()) == sorted(
@@ -35,12 +39,14 @@ def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_pa
     names = [f"pytorch_lora_weights{suffix}.safetensors" for suffix in LORA_FILES[arch]]
     for name in (*names, "grid.png", "grid.webp", "metrics.json", "run-summary.json"):
         assert (outputs / name).is_file(), name
-    named = {"LoRA": names[0], "sample grid": "grid.png", "animated sample grid": "grid.webp",
+    named = {"LoRA": names[0], "sample grid": "grid.png", "animated sample grid": "grid.webp", "clips": "clips",
              "metrics": "metrics.json", "run summary": "run-summary.json"}
     said = dict(line.split(": ", 1) for line in first.stdout.splitlines() if line.split(": ")[0] in named)
     assert {label: path.strip() for label, path in said.items()} == {k: str(outputs / v) for k, v in named.items()}
     with Image.open(outputs / "grid.webp") as grid:
-        assert grid.n_frames == FRAMES
+        grid.load()  # a frame's duration is read with its pixels
+        assert grid.n_frames == FRAMES and grid.info["duration"] == round(1000 / FPS)
+    assert f"preprocess: {len(SCENES)} windows of {len(SCENES)} clips (2 held out)" in first.stderr
 
     metrics = json.loads((outputs / "metrics.json").read_text())
     assert metrics["n_samples_in_split"] == {"holdout": 2, "train": len(SCENES) - 2}
@@ -52,9 +58,16 @@ def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_pa
     evaluated = Path(summary["stages"][3]["path"])
     assert metrics["clips"][0] == "grid.webp" and len(metrics["clips"]) == 1 + RENDERED
     assert all((evaluated / clip).is_file() for clip in metrics["clips"])
+    assert all((outputs / clip).is_file() for clip in metrics["clips"])  # published: the paths resolve there
+    assert f"{RENDERED} clips in clips/" in first.stderr
+    assert metrics["clip_fps"] == FPS and f"mp4 at {FPS} fps" in (outputs / "report.md").read_text()
+    with av.open(str(outputs / metrics["clips"][1])) as clip:
+        assert clip.streams.video[0].average_rate == FPS and clip.streams.video[0].frames == FRAMES
 
-    second = lorapipe("demo", "--arch", arch, "--workdir", arch, *FEWER_STEPS, cwd=tmp_path)
+    second = lorapipe("demo", "--arch", arch, "--workdir", arch, *FEWER_STEPS, *AT_FPS, cwd=tmp_path,
+                      report_loaded=True)
     assert second.returncode == 0, second.stderr[-3000:]
+    assert second.stderr.splitlines()[-1] == "loaded: []"  # keys computed without the model code
     again = json.loads((outputs / "run-summary.json").read_text())
     assert [s["status"] for s in again["stages"]] == ["hit"] * 4
     assert [s["key"] for s in again["stages"]] == [s["key"] for s in summary["stages"]]

@@ -4,11 +4,24 @@ trained module's A and B and loads through the family's own pipeline, meaning wh
 Each family's own checks are in tests/test_families_<family>.py."""
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 from family_checks import FAMILIES, assert_means_what_was_trained, fused_change, keys_of, quiet_pipeline
 
 import lorapipe.stages.families as families
+
+# what encode's key reads of each model folder given, then which model libraries that imported
+RESOLVED_KEYS = """
+import sys
+from pathlib import Path
+from lorapipe.stages import encode, families
+for path in map(Path, sys.argv[1:]):
+    encode.resolved_settings(families.for_model(path), path, encode.EncodeParams())
+print(sorted(name for name in ("torch", "diffusers", "transformers") if sys.modules.get(name)))
+"""
 
 
 @pytest.mark.parametrize("row", FAMILIES, ids=str)
@@ -31,3 +44,12 @@ def test_diffusers_export_loads_and_means_what_was_trained(row, tiny_models, exp
     assert keys_of(written[0]) == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
     pipe = quiet_pipeline(tiny_models(row.arch))
     assert_means_what_was_trained(transformer, targets, fused_change(pipe, "transformer", written[0]))
+
+
+def test_what_the_keys_read_of_a_model_imports_no_model_code(tiny_models):
+    """A rerun whose every stage is cached computes the keys and loads no model (flows/cached_run.py):
+    what encode's key reads of a model folder (text settings, latent normalisation) is read
+    without torch, diffusers or transformers, which take seconds to import, for every family."""
+    models = [str(tiny_models(arch)) for arch in ("sd15", *(row.arch for row in FAMILIES))]
+    loaded = subprocess.run([sys.executable, "-c", RESOLVED_KEYS, *models], capture_output=True, text=True, check=True)
+    assert loaded.stdout.splitlines()[-1] == "[]", loaded.stdout

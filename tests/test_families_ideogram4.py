@@ -14,7 +14,7 @@ from family_checks import CAPTIONS, assert_builds_byte_identically, assert_means
     text_records, tiny_model_fixture
 
 import lorapipe.stages.families as families
-from lorapipe.stages.families import ObjectiveParams
+from lorapipe.stages.families import ObjectiveParams, TextOptions
 from lorapipe.stages.families.latents import PatchedBatchNorm
 
 TEXT_WINDOW = 64  # the pipeline's max_sequence_length in these calls: its left padding
@@ -38,7 +38,10 @@ def test_tiny_ideogram4_builds_byte_identically(model, tmp_path):
 
 def test_text_records_are_what_the_pipeline_encodes(model):
     """Each record is the pipeline's text features at its own tokens (left of them: padding)."""
+    from diffusers.pipelines.ideogram4.pipeline_ideogram4 import QWEN3_VL_ACTIVATION_LAYERS
+
     family, records = text_records(model, CAPTIONS)
+    assert family.text_settings(model, TextOptions()).hidden_layers == QWEN3_VL_ACTIVATION_LAYERS
     with torch.no_grad():
         embeds, _, _, indicator = quiet_pipeline(model).encode_prompt(CAPTIONS, grid_h=2, grid_w=2,
                                                                  max_sequence_length=TEXT_WINDOW, device="cpu")

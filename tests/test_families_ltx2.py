@@ -221,15 +221,16 @@ def test_lycoris_types_are_written_for_comfyui(kind, model, tmp_path):
 
 def test_the_pipeline_renders_with_the_familys_arguments(model):
     """evaluate's render arguments (guidance, negative prompt, text length, the clip's frames: 121 by
-    default, evaluate.num_frames when of LTX-2's 8k+1 form, at the pipeline's 24 fps) are
+    default, evaluate.num_frames when of LTX-2's 8k+1 form, at the frame rate the clip renders at) are
     LTX2Pipeline's, and its output is read as clips."""
     family = families.for_model(model)
     kwargs = family.render_kwargs(family.text_settings(model, TextOptions(max_sequence_length=16)), 3.0, "blurry")
     assert kwargs == {"guidance_scale": 3.0, "negative_prompt": "blurry", "max_sequence_length": 16}
-    assert family.clip_kwargs(model, None) == {"num_frames": 121, "frame_rate": 24.0}
+    assert family.clip_kwargs(model, None, 24.0) == {"num_frames": 121, "frame_rate": 24.0}
+    assert family.clip_kwargs(model, None, 12.0) == {"num_frames": 121, "frame_rate": 12.0}
     with pytest.raises(ValueError, match=r"evaluate.num_frames: LTX-2 takes windows of 8k\+1 frames .*, not 8"):
-        family.clip_kwargs(model, 8)
-    kwargs |= family.clip_kwargs(model, 9)
+        family.clip_kwargs(model, 8, 24.0)
+    kwargs |= family.clip_kwargs(model, 9, 24.0)
     assert family.clip_fps == 24
     pipe = quiet_pipeline(model)
     family.prepare_pipeline(pipe, family.sampler, None)

@@ -293,11 +293,11 @@ def test_the_pipeline_renders_with_the_familys_arguments(models):
     family = families.for_model(models["wan2.1"])
     kwargs = family.render_kwargs(family.text_settings(models["wan2.1"], TextOptions()), 5.0, "blurry")
     assert kwargs == {"guidance_scale": 5.0, "negative_prompt": "blurry", "max_sequence_length": 512}
-    assert family.clip_kwargs(models["wan2.1"], None) == {"num_frames": 81}
-    assert family.clip_kwargs(models["wan2.1"], 9) == {"num_frames": 9}
+    assert family.clip_kwargs(models["wan2.1"], None, 16.0) == {"num_frames": 81}
+    assert family.clip_kwargs(models["wan2.1"], 9, 16.0) == {"num_frames": 9}
     with pytest.raises(ValueError, match=r"evaluate.num_frames: Wan takes windows of 4k\+1 frames .*, not 8"):
-        family.clip_kwargs(models["wan2.1"], 8)
-    kwargs |= family.clip_kwargs(models["wan2.1"], None)
+        family.clip_kwargs(models["wan2.1"], 8, 16.0)
+    kwargs |= family.clip_kwargs(models["wan2.1"], None, 16.0)
     pipe = quiet_pipeline(models["wan2.1"])
     family.prepare_pipeline(pipe, family.sampler, None)
     with pytest.raises(ValueError, match="evaluate.scheduler: Wan renders with flow_unipc, not flow_match_euler"):

@@ -62,6 +62,28 @@ def test_a_run_leaves_exactly_its_own_files_and_names_them(tmp_path):
                         f" run's {KOHYA}, ema/{LORA}, ema/{KOHYA}, ema/{COMFYUI}, {', '.join(EVALUATED)}")
 
 
+def test_a_video_evaluation_publishes_its_clips_and_the_next_run_replaces_them(tmp_path):
+    """A video model's evaluation publishes every clip under clips/ (metrics.json names them from the
+    output folder) and the log counts them; a later evaluation with other columns leaves none of the
+    earlier clips, and an image model's no clips/ folder."""
+    out, cfg, logs = tmp_path / "out", config(tmp_path), []
+    clips = tuple(f"clips/{column}/{row}.mp4" for column in ("00-base", "01-lora-x1")
+                  for row in ("00-seed0", "01-seed1"))
+    video = artifact(tmp_path / "video", "evaluate", "video", (*EVALUATED, "grid.webp", *clips))
+    finish_run(out, cfg, [video], "first", logs.append, record=False)
+    assert set(published(out)) == {*EVALUATED, "grid.webp", *clips}
+    assert logs[-1] == (f"outputs: {out}: published grid.png, grid.webp, 4 clips in clips/, metrics.json, report.md"
+                        " and run-summary.json")
+    other = (clips[0], "clips/02-ema-x1/00-seed0.mp4")
+    finish_run(out, cfg, [artifact(tmp_path / "other", "evaluate", "other", (*EVALUATED, "grid.webp", *other))],
+               "second", logs.append, record=False)
+    assert published(out) == {name: f"other {name}" for name in (*EVALUATED, "grid.webp", *other)}
+    assert not (out / "clips" / "01-lora-x1").exists()
+    assert logs[-1].endswith("; removed the previous run's 3 clips in clips/")
+    finish_run(out, cfg, [artifact(tmp_path / "image", "evaluate", "image", EVALUATED)], "third", print, record=False)
+    assert set(published(out)) == set(EVALUATED) and not (out / "clips").exists()
+
+
 def test_a_publish_cut_off_never_leaves_files_of_two_trainings(tmp_path, monkeypatch):
     """An artifact removed while its files are copied: the previous run's files and summary stay
     as they were. A publish that dies between two renames: only the new run's files, and no

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -80,8 +81,9 @@ def run(
     samples = LossSamples.of(encoded, params, _loss_timesteps(scoring["lora"], params, trained.get("denoiser")))
     render_family, render_path = _renderer(family, inputs, params, trained.get("denoiser"))
     pairs = held_out_pairs(encoded, inputs.preprocess_dir, inputs.datasets, params.edit_pairs, params.loss_seed)
+    fps = _clip_fps(params, encoded, render_family)
     settings = _render_settings(render_family, render_path, encoded, params, options,  # bad settings: before loading
-                                _prompt_references(render_family, pairs))
+                                _prompt_references(render_family, pairs), fps)
     columns = None
     if render_path != inputs.model_path:  # rendered first and released, so one pipeline is in memory at a time
         columns = _render_grid(_load_pipeline(render_path, options), render_family, render_path, settings, params,
@@ -104,7 +106,7 @@ def run(
     rows = [(prompt, seed) for prompt in params.prompts for seed in params.seeds]
     stills = first_frames(columns)
     compose_grid(stills, rows, params.resolution).save(out_dir / GRID)
-    clips = write_clips(columns, rows, params.resolution, render_family.clip_fps, out_dir)
+    clips = write_clips(columns, rows, params.resolution, fps, out_dir)
     metrics = {
         "loss": _loss_table(base, adapters),
         "clip_score": _clip_metrics(params, stills, [prompt for prompt, _ in rows], pipe.device, log),
@@ -112,7 +114,7 @@ def run(
         "prediction_type": {name: s.objective.prediction for name, s in scoring.items()},
         "provenance": {"base_model": inputs.base_model_digest, "encoded": inputs.encoded_digest,
                        "lora": inputs.lora_digest, "evaluate_version": VERSION},
-        **({"clips": clips} if clips else {}),  # the animated grid and one mp4 per clip (video models)
+        **({"clips": clips, "clip_fps": fps} if clips else {}),  # the animated grid and one mp4 per clip (video models)
         **({"edit": edits} if edits else {}),  # held-out edit pairs (edit models)
     }
     _write_json(out_dir / METRICS, metrics)
@@ -245,11 +247,20 @@ def _prompt_references(family: families.Family, pairs: list[EditPair]) -> dict[s
     return family.reference_render_kwargs(pairs[0].references)
 
 
+def _clip_fps(params: EvalParams, encoded: EncodedData, family: families.Family) -> float:
+    """The frame rate clips render and play at: evaluate.fps, else the rate the training clips were
+    sampled at (so a LoRA plays at the speed it learned), else the model's own (trained on stills)."""
+    if params.fps is not None:
+        return params.fps
+    sampled = Counter(s.fps for s in encoded.samples if s.fps).most_common(1)
+    return sampled[0][0] if sampled else float(family.clip_fps)
+
+
 def _render_settings(family: families.Family, model_path: Path, encoded: EncodedData, params: EvalParams,
-                     options: EvalOptions, references: dict[str, Any]) -> RenderSettings:
+                     options: EvalOptions, references: dict[str, Any], fps: float) -> RenderSettings:
     """The prompts rendered as the model renders them (the family's defaults for what is unset),
-    with the text settings the records were encoded with (Flux.1's T5 length); `references`: the
-    reference images a pipeline that only edits is given."""
+    with the text settings the records were encoded with (Flux.1's T5 length), clips at `fps`;
+    `references`: the reference images a pipeline that only edits is given."""
     multiple = family.geometry(model_path).pixel_multiple
     if params.resolution % multiple:
         raise UserError(f"evaluate.resolution: {family.label} renders sides that are multiples of {multiple} px,"
@@ -257,7 +268,7 @@ def _render_settings(family: families.Family, model_path: Path, encoded: Encoded
     guidance = family.variant.render_guidance if params.guidance_scale is None else params.guidance_scale
     text = family.text_settings(model_path, encoded.text_options)
     try:
-        clip = family.clip_kwargs(model_path, params.num_frames)
+        clip = family.clip_kwargs(model_path, params.num_frames, fps)
     except ValueError as problem:
         raise UserError(str(problem)) from None
     return RenderSettings(list(params.prompts), list(params.seeds),

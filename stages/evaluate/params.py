@@ -9,13 +9,13 @@ from pydantic import Field, field_validator
 
 from lorapipe.stages.contract import Frozen, JsonInputs, OutputFile
 
-VERSION = "2"  # 2: fixed noise and loss subset seeded by content, not file name
+VERSION = "3"  # 2: fixed noise and loss subset seeded by content, not file name; 3: clips at the trained fps
 GRID, METRICS, REPORT = "grid.png", "metrics.json", "report.md"
 ANIMATED_GRID, CLIPS_DIR = "grid.webp", "clips"  # a video model's grid of clips, animated; each clip as an mp4
 CHECKPOINT_CHART, CHECKPOINT_LOSSES = "checkpoint_loss.png", "checkpoint_losses.json"  # with checkpoints
 EDIT_GRID = "edit_grid.png"  # held-out edit pairs: reference | base | LoRA per scale | target
 OUTPUT_FILES = (OutputFile(GRID, "sample grid"), OutputFile(ANIMATED_GRID, "animated sample grid"),
-                OutputFile(EDIT_GRID, "edit grid"),
+                OutputFile(CLIPS_DIR, "clips", folder=True), OutputFile(EDIT_GRID, "edit grid"),
                 OutputFile(METRICS, "metrics"), OutputFile(REPORT), OutputFile(CHECKPOINT_CHART),
                 OutputFile(CHECKPOINT_LOSSES))
 LOCAL_PATHS = ("clip_model", "fid_reference", "inception_weights", "render_model")  # keyed by content, not path
@@ -39,6 +39,10 @@ class EvalParams(Frozen):
                             " of the family's: SD 8, the flow-matching families 16)")
     num_frames: int | None = Field(None, ge=1, description="frames of each rendered clip (video models); null: the"
                                    " model's default")
+    fps: float | None = Field(  # unset: out of the key (the rate training read is in the encoded data's digest)
+        None, gt=0, exclude_if=lambda v: v is None, description="frames per second rendered clips play at, and the"
+        " frame rate a pipeline that takes one (LTX-2) renders for (video models); null: the rate the training"
+        " clips were sampled at (preprocess.video.fps), or the model's own when it trained on stills only")
     scheduler: Literal["dpm_solver_multistep", "ddim", "euler", "flow_match_euler", "flow_unipc"] | None = Field(
         None, description="the sampler; null: the model's (SD dpm_solver_multistep; flow-matching image models"
         " flow_match_euler; Wan flow_unipc)")

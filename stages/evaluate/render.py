@@ -9,6 +9,7 @@ clip as an mp4 of its own.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -74,7 +75,7 @@ def first_frames(columns: dict[str, list[Clip]]) -> dict[str, list[Image.Image]]
     return {label: [clip[0] for clip in clips] for label, clips in columns.items()}
 
 
-def write_clips(columns: dict[str, list[Clip]], rows: list[tuple[str, int]], resolution: int, fps: int,
+def write_clips(columns: dict[str, list[Clip]], rows: list[tuple[str, int]], resolution: int, fps: float,
                 out_dir: Path) -> list[str]:
     """Where clips have more than one frame: the animated grid (grid.webp) and clips/<column>/
     <row>.mp4; returns the files written (none for images)."""
@@ -94,15 +95,16 @@ def write_clips(columns: dict[str, list[Clip]], rows: list[tuple[str, int]], res
     return written
 
 
-def write_mp4(frames: Clip, fps: int, path: Path) -> None:
-    """H.264 in MP4 (yuv420p: what every player plays), one encoder thread: the same bytes each time."""
+def write_mp4(frames: Clip, fps: float, path: Path) -> None:
+    """H.264 in MP4 (yuv420p: what every player plays) at `fps` (a fraction: 23.976 is 24000/1001),
+    one encoder thread: the same bytes each time."""
     import av
     import numpy as np
 
     path.parent.mkdir(parents=True, exist_ok=True)
     width, height = (side - side % 2 for side in frames[0].size)  # yuv420p needs even sides
     with av.open(str(path), "w") as container:
-        stream = container.add_stream("libx264", rate=fps)
+        stream = container.add_stream("libx264", rate=Fraction(fps).limit_denominator(1001))
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         stream.options = {"crf": "18", "threads": "1"}
         for image in frames:

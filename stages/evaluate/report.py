@@ -8,7 +8,7 @@ import re
 from pathlib import Path
 from typing import Any
 
-from .params import ANIMATED_GRID, CHECKPOINT_CHART, GRID
+from .params import ANIMATED_GRID, CHECKPOINT_CHART, CLIPS_DIR, GRID
 
 EMBED_MAX_SIDE = 2048  # px: as wide as a screen shows; keeps a grid's prompt labels readable
 EMBED_MAX_BYTES = 1_500_000  # per image before base64: the UI fetches an artifact as one JSON document
@@ -56,6 +56,8 @@ def write_report(
                                                              for s, v in clip[model].items()))
     grid = ANIMATED_GRID if metrics.get("clips") else GRID
     lines += ["", "## Samples", "", f"![base and LoRA samples]({grid})", ""]
+    if metrics.get("clips"):
+        lines += [f"Each clip as an mp4 at {metrics['clip_fps']:g} fps: {CLIPS_DIR}/<column>/<row>.mp4", ""]
     if checkpoints is not None:
         lines += ["## Held-out loss by checkpoint", ""]
         if "skipped" in checkpoints:

@@ -63,14 +63,10 @@ def for_model(model_path: Path, declared: str | None = None) -> Family:
 
 
 def single_file_family(path: Path) -> Family:
-    """The family whose marker tensor the checkpoint holds (read from its header only)."""
-    from safetensors import safe_open
-
+    """The family whose marker tensor the checkpoint holds (read from its header only, without torch)."""
     if not Path(path).is_file():
         raise UserError(f"model.path: {path} is not a file")
-    check_weights_file(Path(path))
-    with safe_open(path, "pt") as f:
-        names = set(f.keys())
+    names = check_weights_file(Path(path))
     family = next((f for f in SINGLE_FILE_DETECTION if names & set(f.single_file_markers)), None)
     if family is None:
         raise ValueError(f"model.path: {path} holds none of the tensors that identify a {', '.join(FAMILIES)}"

@@ -255,7 +255,7 @@ class Family(ABC):
                                        diffusers file, then the family's original-name files
         block_lists                    the blocks train.blocks_to_swap may keep off the accelerator
       rendering (evaluate)
-        render_kwargs(settings, guidance, negative), clip_kwargs(path, num_frames),
+        render_kwargs(settings, guidance, negative), clip_kwargs(path, num_frames, fps),
         prepare_pipeline(pipe, sampler, objective)   the pipeline call's family arguments and its
                                        sampler; the defaults are the variant's and `sampler`
       the tiny model (the demo, tests)
@@ -283,7 +283,7 @@ class Family(ABC):
     renders_without_references: bool = True  # False: its pipeline only edits (evaluate's prompts edit a reference)
     render_area_argument: str | None = None  # the pipeline's argument for the output's area, when it rescales to one
     video: bool = False  # trains on clips and renders them (video.VideoFamily)
-    clip_fps: int = 16  # frames per second a rendered clip is written at
+    clip_fps: int = 16  # frames per second a clip renders at when the training data has no clips (evaluate.fps unset)
     demo_edits: bool = False  # `lorapipe demo` trains it on edit pairs (an edit model; else with --edit)
     denoiser_choices: dict[str, Denoiser] = field(default_factory=dict)  # train.denoiser's values; for_model
     chosen: Denoiser | None = None  # set by with_denoiser on a model with several denoisers
@@ -388,9 +388,10 @@ class Family(ABC):
     def render_kwargs(self, settings: Frozen, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
         """The pipeline call's family-specific arguments (besides prompt, size, steps and generator)."""
 
-    def clip_kwargs(self, model_path: Path, num_frames: int | None) -> dict[str, Any]:
+    def clip_kwargs(self, model_path: Path, num_frames: int | None, fps: float) -> dict[str, Any]:
         """The pipeline call's arguments for the length of a rendered clip (evaluate.num_frames; None:
-        the model's default). An image model renders no clip: a set num_frames is refused."""
+        the model's default) and, for a pipeline conditioned on it, its frame rate `fps`. An image
+        model renders no clip: a set num_frames is refused."""
         if num_frames is not None:
             raise ValueError(f"evaluate.num_frames: {self.label} renders images, not clips; remove it")
         return {}

@@ -5,11 +5,14 @@ from __future__ import annotations
 import importlib
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
+
+import numpy as np
 
 from lorapipe.cache.errors import UserError
 
 SINGLE_FILE_SUFFIX = ".safetensors"
+FLOAT_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}  # safetensors' names, as numpy's (and BF16)
 
 
 def model_index(model_path: Path) -> dict:
@@ -27,23 +30,20 @@ def is_single_file(model_path: Path) -> bool:
     return Path(model_path).suffix == SINGLE_FILE_SUFFIX
 
 
-def check_weights_file(path: Path) -> None:
+def check_weights_file(path: Path) -> set[str]:
     """Raise UserError unless `path` is a whole safetensors file: its header parses and its last
-    tensor ends where the file ends (a truncated download or copy does not). Reads the header only."""
+    tensor ends where the file ends (a truncated download or copy does not). Reads the header only;
+    returns its tensors' names."""
     size = path.stat().st_size
     with open(path, "rb") as f:
-        prefix = f.read(8)
-        length = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
-        try:
-            header = json.loads(f.read(length)) if 0 < length <= size - 8 else None
-        except ValueError:
-            header = None
-    if not isinstance(header, dict):
+        header, length = _safetensors_header(f, size)
+    if header is None:
         raise UserError(f"{path} is not a readable safetensors file ({size:,} bytes): copy or download it again")
     end = 8 + length + max((t["data_offsets"][1] for name, t in header.items() if name != "__metadata__"), default=0)
     if end != size:
         raise UserError(f"{path} is truncated or damaged: its header describes {end:,} bytes but the file has"
                         f" {size:,}: copy or download it again")
+    return set(header) - {"__metadata__"}
 
 
 def component_config(model_path: Path, name: str) -> dict:
@@ -99,14 +99,36 @@ def vae_scale_factor(model_path: Path, vae: str) -> int:
     return 2 ** (len(config["block_out_channels"]) - 1)
 
 
-def component_tensors(model_path: Path, name: str, keys: tuple[str, ...]) -> dict:
-    """Named tensors of a component's safetensors weights, read without loading the component."""
-    from safetensors import safe_open
+def _safetensors_header(f: BinaryIO, size: int) -> tuple[dict | None, int]:
+    """(the header of the safetensors file open in `f`, or None where it does not parse; its length)."""
+    prefix = f.read(8)
+    length = int.from_bytes(prefix, "little") if len(prefix) == 8 else 0
+    try:
+        header = json.loads(f.read(length)) if 0 < length <= size - 8 else None
+    except ValueError:
+        header = None
+    return (header if isinstance(header, dict) else None), length
 
+
+def _float64(raw: bytes, dtype: str) -> np.ndarray:
+    """A tensor's little-endian bytes as float64 (every float type widens exactly)."""
+    if dtype == "BF16":  # bfloat16 is the top half of a float32
+        return (np.frombuffer(raw, "<u2").astype(np.uint32) << 16).view("<f4").astype(np.float64)
+    return np.frombuffer(raw, FLOAT_DTYPES[dtype]).astype(np.float64)
+
+
+def component_tensors(model_path: Path, name: str, keys: tuple[str, ...]) -> dict[str, np.ndarray]:
+    """Named float tensors of a component's safetensors weights, as float64 arrays. Read from the
+    files' headers and bytes, without loading the component or importing torch: the keys of a
+    run's stages read them, and a run served wholly from the cache imports no model code."""
     found = {}
     for file in sorted((Path(model_path) / name).glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            found.update({key: f.get_tensor(key) for key in keys if key in f.keys()})
+        with open(file, "rb") as f:
+            header, length = _safetensors_header(f, file.stat().st_size)
+            for key in (k for k in keys if header and k in header):
+                begin, end = header[key]["data_offsets"]
+                f.seek(8 + length + begin)
+                found[key] = _float64(f.read(end - begin), header[key]["dtype"]).reshape(header[key]["shape"])
     missing = [key for key in keys if key not in found]
     if missing:
         raise ValueError(f"{Path(model_path) / name} has no tensor {missing[0]}: the model folder is incomplete")

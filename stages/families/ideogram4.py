@@ -48,6 +48,9 @@ FEED_FORWARD = (BLOCK + r"feed_forward\.(w1|w2|w3)",)
 ONE_TO_ONE = ("feed_forward.w1", "feed_forward.w2", "feed_forward.w3", "adaln_modulation")
 
 VARIANTS = (FlowVariant("ideogram4", "ideogram4", 48, 7.0, max_sequence_length=2048),)
+# the Qwen3-VL layers Ideogram4Pipeline taps, as its module's QWEN3_VL_ACTIVATION_LAYERS: written out, as
+# encode's key reads them and a run served wholly from the cache imports no diffusers (tests check they agree)
+TAPPED_LAYERS = (0, 3, 6, 9, 12, 15, 18, 21, 24, 27, 30, 33, 35)
 
 
 class Ideogram4PromptEncoder(QwenPromptEncoder):
@@ -96,10 +99,8 @@ class Ideogram4(FlowFamily):
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> QwenPromptSettings:
-        from diffusers.pipelines.ideogram4.pipeline_ideogram4 import QWEN3_VL_ACTIVATION_LAYERS
-
         length = self.text_length(options)
-        return QwenPromptSettings(hidden_layers=QWEN3_VL_ACTIVATION_LAYERS, max_sequence_length=length,
+        return QwenPromptSettings(hidden_layers=TAPPED_LAYERS, max_sequence_length=length,
                                   token_window=length, pad_to_window=False, keep_padding=False)
 
     # ---- latents and objective

@@ -116,8 +116,8 @@ def patched_batch_norm_of(model_path: Path, vae: str,
                           kind: type[PatchedBatchNorm] = PatchedBatchNorm) -> PatchedBatchNorm:
     config = component_config(model_path, vae)
     stats = component_tensors(model_path, vae, ("bn.running_mean", "bn.running_var"))
-    return kind(running_mean=tuple(stats["bn.running_mean"].double().tolist()),
-                running_var=tuple(stats["bn.running_var"].double().tolist()), eps=config.get("batch_norm_eps", 1e-4))
+    return kind(running_mean=tuple(stats["bn.running_mean"].tolist()),
+                running_var=tuple(stats["bn.running_var"].tolist()), eps=config.get("batch_norm_eps", 1e-4))
 
 
 def normalisation_from_json(value: dict) -> LatentNormalisation:

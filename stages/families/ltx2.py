@@ -189,8 +189,8 @@ class LTX2Family(VideoFamily):
         return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt,
                 "max_sequence_length": settings.max_sequence_length}
 
-    def clip_kwargs(self, model_path: Path, num_frames: int | None) -> dict[str, Any]:
-        return {**super().clip_kwargs(model_path, num_frames), "frame_rate": float(self.clip_fps)}
+    def clip_kwargs(self, model_path: Path, num_frames: int | None, fps: float) -> dict[str, Any]:
+        return {**super().clip_kwargs(model_path, num_frames, fps), "frame_rate": float(fps)}
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: VideoVariant) -> Path:
@@ -203,8 +203,8 @@ def normalisation_of(model_path: Path, vae: str) -> ChannelMeanStd:
     """(z - mean) * scaling_factor / std, the buffers read from the VAE's weights."""
     scale = component_config(model_path, vae).get("scaling_factor", 1.0)
     stats = component_tensors(model_path, vae, ("latents_mean", "latents_std"))
-    return ChannelMeanStd(mean=tuple(stats["latents_mean"].double().tolist()),
-                          std=tuple((stats["latents_std"].double() / scale).tolist()))
+    return ChannelMeanStd(mean=tuple(stats["latents_mean"].tolist()),
+                          std=tuple((stats["latents_std"] / scale).tolist()))
 
 
 def _compression(vae_config: dict, axis: str) -> int:

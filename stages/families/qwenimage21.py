@@ -74,6 +74,15 @@ class Qwen3VLPromptEncoder(QwenPromptEncoder):
             handle.remove()
 
 
+def system_message_ids(model_path: Path) -> list[int]:
+    """The system message's tokens, by the processor's tokenizer.json through `tokenizers` (what
+    transformers' fast tokenizer runs) without importing transformers: encode's key counts them,
+    and a run served wholly from the cache imports no model code."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(Path(model_path) / PROCESSOR / "tokenizer.json")).encode(SYSTEM_MESSAGE).ids
+
+
 def processor_tokenizer(model_path: Path, **kwargs: Any) -> Any:
     """The processor's tokenizer alone (its image and video processors are not needed for text)."""
     from transformers import AutoTokenizer
@@ -89,7 +98,7 @@ class QwenImage21(QwenImage):
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> Qwen3VLPromptSettings:
         length = self.text_length(options)
-        system_tokens = len(processor_tokenizer(model_path)(SYSTEM_MESSAGE).input_ids)
+        system_tokens = len(system_message_ids(model_path))
         return Qwen3VLPromptSettings(system_template=TEMPLATE, hidden_layers=(-1,), max_sequence_length=length,
                                      token_window=length + system_tokens, pad_to_window=False, keep_padding=False,
                                      drop_tokens=system_tokens, padding_side="left")

@@ -46,7 +46,7 @@ class VideoFamily(FlowFamily):
             return f"{self.label} takes windows of {step}k+1 frames (1, {step + 1}, {2 * step + 1}, ...), not {frames}"
         return None
 
-    def clip_kwargs(self, model_path: Path, num_frames: int | None) -> dict[str, Any]:
+    def clip_kwargs(self, model_path: Path, num_frames: int | None, fps: float) -> dict[str, Any]:
         frames = num_frames or self.bound.render_frames
         problem = self.frames_problem(model_path, frames)
         if problem:

@@ -93,12 +93,18 @@ class WanTextSettings(Frozen):
 
 
 def ftfy_version() -> str | None:
-    """The installed ftfy's version when diffusers' Wan pipeline uses it, else None."""
-    from importlib.metadata import version
+    """The installed ftfy's version when diffusers' Wan pipeline uses it, else None. Found as
+    diffusers.utils.is_ftfy_available finds it, without importing diffusers: encode's key reads it,
+    and a run served wholly from the cache imports no model code (flows/cached_run.py)."""
+    from importlib.metadata import PackageNotFoundError, version
+    from importlib.util import find_spec
 
-    from diffusers.utils import is_ftfy_available
-
-    return version("ftfy") if is_ftfy_available() else None
+    if find_spec("ftfy") is None:
+        return None
+    try:
+        return version("ftfy")
+    except PackageNotFoundError:
+        return None
 
 
 class WanTextEncoder:

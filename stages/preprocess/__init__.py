@@ -156,10 +156,18 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
     for line in summary_lines(rejected, "rejected") + summary_lines(warnings, "warning:"):
         log(line)
     prior = sum(s.role == "prior" for s in samples)
-    log(f"preprocess: {len(samples)} images ({len(holdout)} held out{f', {prior} prior' if prior else ''}) from"
+    log(f"preprocess: {_counted(samples)} ({len(holdout)} held out{f', {prior} prior' if prior else ''}) from"
         f" {len(inputs.datasets)} dataset(s), {len(rejected)} rejected, {len(warnings)} warnings; sizes (WxH): {buckets}")
     return Built(info={"images": len(samples), "holdout": len(holdout), "rejected": len(rejected),
                        "rejected_by_reason": counts, "warnings": len(warnings), "sizes": buckets})
+
+
+def _counted(samples: list[SampleRow]) -> str:
+    """The samples as the log counts them: images, and the windows of clips ("6 windows of 6 clips")."""
+    windows = [s for s in samples if s.clip]
+    clips = f"{len(windows)} windows of {len({s.clip.digest for s in windows})} clips" if windows else ""
+    images = f"{len(samples) - len(windows)} images" if len(samples) > len(windows) else ""
+    return " and ".join(part for part in (images, clips) if part)
 
 
 def _reasons(rejected: list[dict]) -> str:
