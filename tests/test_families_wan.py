@@ -245,14 +245,24 @@ def test_musubi_export_loads_in_diffusers_and_comfyui(models, exported_loras):
     assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(models["wan2.1"]), "transformer",
                                                                      written[1]))
     assert_comfyui_applies_the_merged_model(written[1], transformer, families.for_model(models["wan2.1"]))
+    assert families.for_model(models["wan2.1"]).export_notes(transformer, written) == []
 
 
-def test_attention_only_comfyui_export_loads_in_diffusers(models, tmp_path):
-    """A LoRA on part of each block (no feed-forward) loads too: the converter reads what is there."""
+def test_attention_only_exports_say_which_file_diffusers_reads(models, tmp_path):
+    """A LoRA on part of each block (no feed-forward): the ComfyUI file loads in diffusers (its converter
+    reads what is there), the musubi file does not (that converter wants every Linear of every block, as
+    musubi-tuner trains them) and the training log's note names the files to give diffusers instead."""
     family = families.for_model(models["wan2.1"])
     transformer, targets = trained_lora(family, models["wan2.1"], "attention")
-    comfy = family.export_lora(transformer, tmp_path, {}, {})[2]
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(models["wan2.1"]), "transformer", comfy))
+    written = family.export_lora(transformer, tmp_path, {}, {})
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(models["wan2.1"]), "transformer",
+                                                                     written[2]))
+    with pytest.raises(KeyError, match="blocks_0_ffn_0.lora_down.weight"):
+        quiet_pipeline(models["wan2.1"]).load_lora_weights(written[1])
+    assert family.export_notes(transformer, written) == [
+        "pytorch_lora_weights_kohya.safetensors loads in ComfyUI and musubi-tuner, not in diffusers, whose loader"
+        " reads that spelling only for a LoRA on every Linear of every block (train.target_modules attention_ff or"
+        " all_linear): give diffusers pytorch_lora_weights.safetensors or pytorch_lora_weights_comfyui.safetensors"]
 
 
 @pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])

@@ -32,14 +32,16 @@ def test_train_denoiser_is_refused_before_training(tmp_path, a14b_model, wan_mod
 
 @pytest.mark.slow
 def test_low_noise_expert_trains_and_evaluates_in_its_expert(tmp_path, a14b_model, wan_clips_encoded):
-    """Training writes the expert's LoRA under transformer's names with the choice recorded; evaluate
-    loads it into transformer_2 (the render changes) and scores the held-out loss at the loss
-    timesteps of the expert's range only."""
+    """Training writes the expert's LoRA under transformer's names with the choice recorded (its log
+    says diffusers will not read the attention-only musubi file); evaluate loads it into transformer_2
+    (the render changes) and scores the held-out loss at the loss timesteps of the expert's range only."""
     out, built = run_train(tmp_path, "low", train_inputs(a14b_model, wan_clips_encoded), **LOW_NOISE)
     assert built.info["steps"] == 4
     with safe_open(out / "pytorch_lora_weights.safetensors", "pt") as f:
         assert all(k.startswith("transformer.blocks.") for k in f.keys())
         assert json.loads(f.metadata()["lorapipe.train_config"])["params"]["denoiser"] == "low_noise"
+    assert "train: note: pytorch_lora_weights_kohya.safetensors loads in ComfyUI and musubi-tuner, not in diffusers" \
+        in (out / "logs" / "train.log").read_text()  # an attention-only LoRA (test_families_wan.py)
     evaluated = tmp_path / "evaluate"
     evaluated.mkdir()
     params = EvalParams(prompts=("a red ball",), seeds=(0,), lora_scales=(1.0,), num_inference_steps=12,

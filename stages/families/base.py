@@ -379,6 +379,11 @@ class Family(ABC):
                     kohya_metadata: dict[str, str]) -> list[Path]:
         """Write every LoRA file the family exports (diffusers format first) into out_dir."""
 
+    def export_notes(self, denoiser: torch.nn.Module, written: list[Path]) -> list[str]:
+        """Lines for the training log about exported files a loader will not read (the file, which
+        loader, which file to give it instead); none unless the family says."""
+        return []
+
     # ---- rendering
     def reference_render_kwargs(self, images: list[Any]) -> dict[str, Any]:
         """The pipeline call's arguments for one sample's reference images (PIL, in order)."""

@@ -49,7 +49,7 @@ from .folders import component_config, load_component, model_index
 from .latents import ChannelMeanStd, channel_mean_std_of
 from .objectives import ObjectiveParams, TimestepSampling
 from lorapipe.stages.lora_formats.original_names import (COMFYUI, KOHYA, OriginalNames, derive_original_names,
-                                                         weight_keys)
+                                                         kohya_name, weight_keys)
 from .video import VideoFamily, VideoVariant
 
 if TYPE_CHECKING:
@@ -192,6 +192,26 @@ class Wan(VideoFamily):
     # ---- LoRA
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
         return original_names(transformer.config.num_layers)
+
+    def export_notes(self, transformer: torch.nn.Module, written: list[Path]) -> list[str]:
+        """diffusers' converter for musubi's spelling reads every Linear of every block and nothing
+        else (as musubi-tuner trains them); ComfyUI and musubi-tuner read any part of them."""
+        from safetensors import safe_open
+
+        from lorapipe.stages.lora_formats.lora_folder import LORA_FILE
+
+        kohya = next((file for file in written if file.name == KOHYA.file), None)
+        if kohya is None:
+            return []
+        with safe_open(kohya, "pt") as f:
+            trained = {key.removesuffix(".alpha") for key in f.keys() if key.endswith(".alpha")}
+        every = {kohya_name(f"blocks.{i}.{module}") for i in range(transformer.config.num_layers)
+                 for module in ORIGINAL_BLOCK_MODULES}
+        if every <= trained and all(name.startswith(kohya_name("blocks.")) for name in trained):
+            return []
+        return [f"{kohya.name} loads in ComfyUI and musubi-tuner, not in diffusers, whose loader reads that spelling"
+                " only for a LoRA on every Linear of every block (train.target_modules attention_ff or all_linear):"
+                f" give diffusers {LORA_FILE} or {COMFYUI.file}"]
 
     # ---- rendering
     def render_kwargs(self, settings: WanTextSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:

@@ -408,7 +408,9 @@ class LoRATrainingRecipe:
         out = self.work_dir / "export"
         shutil.rmtree(out, ignore_errors=True)  # only this run's files are published
         out.mkdir(parents=True)
-        self.adapter.export(self._lora_denoiser(), out, self.provenance(), self.kohya_metadata())
+        written = self.adapter.export(self._lora_denoiser(), out, self.provenance(), self.kohya_metadata())
+        for note in self.family.export_notes(self._lora_denoiser(), written):
+            print(f"train: note: {note}", flush=True)
         config = {**self.train_config(), "steps": self.step}
         (out / TRAIN_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
         result = TrainResult(steps=self.step, resumed_from=self.resumed_from)
