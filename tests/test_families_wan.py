@@ -67,16 +67,23 @@ def test_a14b_shares_wan21s_encoders_so_encode_records_are_reused(models):
 
 
 def test_train_denoiser_is_refused_in_one_line_where_it_does_not_apply(models, tmp_path):
-    """A model with one denoiser takes no train.denoiser; A14B needs one of its experts; a model
-    index with a transformer_2 but no boundary_ratio names the file."""
-    with pytest.raises(UserError, match=r"^train.denoiser: Wan has one denoiser, there is none to choose; remove it"
-                                        r" \(it is 'low_noise'\)$"):
-        families.for_model(models["wan2.1"]).with_denoiser("low_noise")
+    """A model with one denoiser takes no train.denoiser (not both either); A14B needs one of its
+    experts, or both (each bound as when chosen alone); a model index with a transformer_2 but no
+    boundary_ratio names the file."""
+    for choice in ("low_noise", "both"):
+        with pytest.raises(UserError, match=r"^train.denoiser: Wan has one denoiser, there is none to choose; remove"
+                                            rf" it \(it is '{choice}'\)$"):
+            families.for_model(models["wan2.1"]).trained_denoisers(choice)
     a14b = families.for_model(models["wan2.2-a14b"])
-    for choice, said in ((None, ""), ("both", " (not 'both')")):
+    for choice, said in ((None, ""), ("all", " (not 'all')")):
         with pytest.raises(UserError, match=r"^train.denoiser: this Wan model has 2 denoisers, each trained by a LoRA"
-                                            rf" of its own: set it to one of high_noise, low_noise{re.escape(said)}$"):
-            a14b.with_denoiser(choice)
+                                            rf" of its own: set it to one of high_noise, low_noise or both"
+                                            rf"{re.escape(said)}$"):
+            a14b.trained_denoisers(choice)
+    both = a14b.trained_denoisers("both")
+    assert {name: f.components.denoiser for name, f in both.items()} == \
+        {"high_noise": "transformer", "low_noise": "transformer_2"}
+    assert all(f.chosen == a14b.with_denoiser(name).chosen for name, f in both.items())
     model = tmp_path / "no-boundary"
     shutil.copytree(models["wan2.2-a14b"], model)
     index = json.loads((model / "model_index.json").read_text())
