@@ -313,7 +313,9 @@ def step_flops(recipe: LoRATrainingRecipe) -> int:
 
     inputs, device = recipe._prepare(0), recipe.accelerator.device
     with FlopCounterMode(display=False) as counter:
-        recipe.accelerator.backward(step_loss(recipe.family, recipe.objective, recipe.denoiser, inputs, device, recipe.dtype))
+        expert = recipe.experts[0]
+        recipe.accelerator.backward(step_loss(expert.family, expert.objective, expert.denoiser, inputs, device,
+                                              recipe.dtype))
     recipe.optimizer.zero_grad(set_to_none=True)
     return counter.get_total_flops()
 
@@ -326,7 +328,8 @@ def cached_step_variant(recipe: LoRATrainingRecipe, variant: str) -> Iterator[No
     import torch
     from diffusers.models.attention_processor import AttnProcessor
 
-    denoiser, prepared = recipe._lora_denoiser(), recipe.denoiser
+    expert = recipe.experts[0]
+    denoiser, prepared = recipe._lora_denoiser(expert), expert.denoiser
     classic = variant.removesuffix(COMPILED) == "classic"
     processors = denoiser.attn_processors if classic else None
     if classic:
@@ -336,11 +339,11 @@ def cached_step_variant(recipe: LoRATrainingRecipe, variant: str) -> Iterator[No
         denoiser.enable_group_offload(device, torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1,
                                       use_stream=device.type == "cuda")
     if variant.endswith(COMPILED):
-        recipe.denoiser = torch.compile(prepared)
+        expert.denoiser = torch.compile(prepared)
     try:
         yield
     finally:
-        recipe.denoiser = prepared
+        expert.denoiser = prepared
         if classic:
             denoiser.set_attn_processor(processors)
         if variant.endswith(COMPILED):
@@ -392,8 +395,9 @@ def train_figures(setting: Setting, mode: Mode, inputs: EncodeInputs, encoded: P
         seconds = interleaved(step_calls(recipe, inline, inputs), timing, device_sync(device))
         del inline
         release_memory(device)  # the on-the-fly step's VAE and text encoders, the inline recipe's denoiser
-        params = list(recipe._lora_denoiser().parameters())
-        on_host = [t for s in recipe.block_swap.swapped.values() for t in s.kept] if recipe.block_swap else []
+        expert = recipe.experts[0]
+        params = list(recipe._lora_denoiser(expert).parameters())
+        on_host = [t for s in expert.block_swap.swapped.values() for t in s.kept] if expert.block_swap else []
         gpu, peak = peak_bf16_flops(device)
         yield "train steps", {
             "resolution": setting.size or setting.resolution, "frames": setting.frames, "batch": setting.batch, "mixed_precision": mode.mixed_precision,

@@ -36,12 +36,12 @@ def step_ratio(root: Path, model: Path, name: str, timing: Timing) -> dict:
     inputs = encode_inputs(generated_images(root / f"images-{IMAGES}", IMAGES), cache, model, role="prior")
     run_encode(inputs, cache / "encoded", workers=0)
     recipe = training_recipe(inputs, cache / "encoded", cache / "work", loader_workers=0, prior_target="base_output")
-    base_model = recipe._base_output_of
+    base_model = recipe.experts[0].base_output_of
     step = cached_step(recipe)
 
     def with_target(model_or_none):
         def call(i: int) -> None:
-            recipe._base_output_of = model_or_none
+            recipe.experts[0].base_output_of = model_or_none
             step(i)
         return call
 

@@ -51,7 +51,7 @@ def training_recipe(enc_inputs, encoded_dir: Path, work: Path, batch_size: int =
                            gradient_checkpointing=gradient_checkpointing, blocks_to_swap=blocks_to_swap)
     recipe = LoRATrainingRecipe(params, inputs, options, work)
     recipe.setup()
-    recipe.denoiser.train()
+    recipe.experts[0].denoiser.train()
     recipe.batches = recipe.micro_batches()
     return recipe
 
@@ -67,7 +67,7 @@ def optimizer_step(recipe: LoRATrainingRecipe, loss: torch.Tensor) -> None:
 
 def cached_step(recipe: LoRATrainingRecipe) -> Callable[[int], None]:
     def step(i: int) -> None:
-        recipe._train_step()
+        recipe._train_step(recipe.experts[0])
         recipe.step += 1
 
     return step
@@ -79,7 +79,9 @@ def bare_step(recipe: LoRATrainingRecipe) -> Callable[[int], None]:
 
     device = recipe.accelerator.device
     inputs = recipe._prepare(0).map_tensors(lambda t: t.to(device))
-    return lambda i: optimizer_step(recipe, step_loss(recipe.family, recipe.objective, recipe.denoiser, inputs, device, recipe.dtype))
+    expert = recipe.experts[0]
+    return lambda i: optimizer_step(recipe, step_loss(expert.family, expert.objective, expert.denoiser, inputs, device,
+                                                      recipe.dtype))
 
 
 def on_the_fly_step(recipe: LoRATrainingRecipe, enc_inputs) -> Callable[[int], None]:
@@ -93,7 +95,7 @@ def on_the_fly_step(recipe: LoRATrainingRecipe, enc_inputs) -> Callable[[int], N
     from lorapipe.stages.train.data import Batch, step_inputs
     from lorapipe.stages.train.recipe import step_loss
 
-    device, dtype, family = recipe.accelerator.device, recipe.dtype, recipe.family
+    device, dtype, expert = recipe.accelerator.device, recipe.dtype, recipe.experts[0]
     samples = read_rows(enc_inputs.preprocess_dir / "dataset.json")
     row = {s.id: i for i, s in enumerate(samples)}
     crops = ImageCrops(enc_inputs.datasets, samples, [False] * len(samples))
@@ -110,8 +112,8 @@ def on_the_fly_step(recipe: LoRATrainingRecipe, enc_inputs) -> Callable[[int], N
         latents = recipe.data.normalisation.apply(mean.float() + std.float() * torch.randn(mean.shape, generator=rng))
         # drawn on the CPU, as the cached step's loader does
         batch = Batch(latents, texts, [(s, False) for s in chosen])
-        inputs = step_inputs(family, recipe.objective, batch, rng, recipe.params)
-        optimizer_step(recipe, step_loss(family, recipe.objective, recipe.denoiser, inputs, device, dtype))
+        inputs = step_inputs(expert.family, expert.objective, batch, rng, recipe.params)
+        optimizer_step(recipe, step_loss(expert.family, expert.objective, expert.denoiser, inputs, device, dtype))
 
     return step
 
@@ -182,7 +184,8 @@ def optimizer_variants(root: Path) -> dict:
     enc_inputs = encode_inputs(data, cache, tiny_model(root))
     run_encode(enc_inputs, cache / "encoded", workers=0)
     recipe = training_recipe(enc_inputs, cache / "encoded", cache / "work", loader_workers=0)
-    unet, lora = recipe._lora_denoiser(), [t for t in recipe._lora_denoiser().parameters() if t.requires_grad]
+    unet = recipe._lora_denoiser(recipe.experts[0])
+    lora = [t for t in unet.parameters() if t.requires_grad]
     for t in lora:
         t.grad = torch.randn_like(t)
     adamw = {kind: torch.optim.AdamW(lora, lr=1e-6, **{kind: True} if kind != "single_tensor" else {"foreach": False})

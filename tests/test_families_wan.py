@@ -67,16 +67,23 @@ def test_a14b_shares_wan21s_encoders_so_encode_records_are_reused(models):
 
 
 def test_train_denoiser_is_refused_in_one_line_where_it_does_not_apply(models, tmp_path):
-    """A model with one denoiser takes no train.denoiser; A14B needs one of its experts; a model
-    index with a transformer_2 but no boundary_ratio names the file."""
-    with pytest.raises(UserError, match=r"^train.denoiser: Wan has one denoiser, there is none to choose; remove it"
-                                        r" \(it is 'low_noise'\)$"):
-        families.for_model(models["wan2.1"]).with_denoiser("low_noise")
+    """A model with one denoiser takes no train.denoiser (not both either); A14B needs one of its
+    experts, or both (each bound as when chosen alone); a model index with a transformer_2 but no
+    boundary_ratio names the file."""
+    for choice in ("low_noise", "both"):
+        with pytest.raises(UserError, match=r"^train.denoiser: Wan has one denoiser, there is none to choose; remove"
+                                            rf" it \(it is '{choice}'\)$"):
+            families.for_model(models["wan2.1"]).trained_denoisers(choice)
     a14b = families.for_model(models["wan2.2-a14b"])
-    for choice, said in ((None, ""), ("both", " (not 'both')")):
+    for choice, said in ((None, ""), ("all", " (not 'all')")):
         with pytest.raises(UserError, match=r"^train.denoiser: this Wan model has 2 denoisers, each trained by a LoRA"
-                                            rf" of its own: set it to one of high_noise, low_noise{re.escape(said)}$"):
-            a14b.with_denoiser(choice)
+                                            rf" of its own: set it to one of high_noise, low_noise or both"
+                                            rf"{re.escape(said)}$"):
+            a14b.trained_denoisers(choice)
+    both = a14b.trained_denoisers("both")
+    assert {name: f.components.denoiser for name, f in both.items()} == \
+        {"high_noise": "transformer", "low_noise": "transformer_2"}
+    assert all(f.chosen == a14b.with_denoiser(name).chosen for name, f in both.items())
     model = tmp_path / "no-boundary"
     shutil.copytree(models["wan2.2-a14b"], model)
     index = json.loads((model / "model_index.json").read_text())
@@ -245,14 +252,24 @@ def test_musubi_export_loads_in_diffusers_and_comfyui(models, exported_loras):
     assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(models["wan2.1"]), "transformer",
                                                                      written[1]))
     assert_comfyui_applies_the_merged_model(written[1], transformer, families.for_model(models["wan2.1"]))
+    assert families.for_model(models["wan2.1"]).export_notes(transformer, written) == []
 
 
-def test_attention_only_comfyui_export_loads_in_diffusers(models, tmp_path):
-    """A LoRA on part of each block (no feed-forward) loads too: the converter reads what is there."""
+def test_attention_only_exports_say_which_file_diffusers_reads(models, tmp_path):
+    """A LoRA on part of each block (no feed-forward): the ComfyUI file loads in diffusers (its converter
+    reads what is there), the musubi file does not (that converter wants every Linear of every block, as
+    musubi-tuner trains them) and the training log's note names the files to give diffusers instead."""
     family = families.for_model(models["wan2.1"])
     transformer, targets = trained_lora(family, models["wan2.1"], "attention")
-    comfy = family.export_lora(transformer, tmp_path, {}, {})[2]
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(models["wan2.1"]), "transformer", comfy))
+    written = family.export_lora(transformer, tmp_path, {}, {})
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(models["wan2.1"]), "transformer",
+                                                                     written[2]))
+    with pytest.raises(KeyError, match="blocks_0_ffn_0.lora_down.weight"):
+        quiet_pipeline(models["wan2.1"]).load_lora_weights(written[1])
+    assert family.export_notes(transformer, written) == [
+        "pytorch_lora_weights_kohya.safetensors loads in ComfyUI and musubi-tuner, not in diffusers, whose loader"
+        " reads that spelling only for a LoRA on every Linear of every block (train.target_modules attention_ff or"
+        " all_linear): give diffusers pytorch_lora_weights.safetensors or pytorch_lora_weights_comfyui.safetensors"]
 
 
 @pytest.mark.parametrize("kind", ["dora", "lokr", "loha"])

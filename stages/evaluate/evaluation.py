@@ -71,9 +71,12 @@ def run(
     options: EvalOptions = EvalOptions(), log: Log = print,
 ) -> Built:
     """Write the evaluation of inputs.train_dir's LoRA into out_dir (work_dir is not needed)."""
+    trained = _trained_params(inputs.train_dir)
+    if trained.get("denoiser") == families.BOTH_DENOISERS:
+        raise UserError(f"evaluate: {inputs.train_dir} holds a LoRA for each denoiser (train.denoiser both), which"
+                        " evaluate does not load yet: run the pipeline with --only train, or train one denoiser")
     if not (Path(inputs.train_dir) / LORA_FILE).is_file():
         raise FileNotFoundError(f"{inputs.train_dir} has no {LORA_FILE}: it is not a train artifact; re-run train")
-    trained = _trained_params(inputs.train_dir)
     family = families.for_model(inputs.model_path).with_denoiser(trained.get("denoiser"))
     encoded = EncodedData(inputs.encoded_dir, inputs.cache_root)
     encoded.check_model(inputs.model_path, family.name, inputs.model_digests)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from lorapipe.cache.errors import UserError
 
-from .base import ALL_LINEAR, Components, Family, TextOptions, check_references, swappable_blocks
+from .base import ALL_LINEAR, BOTH_DENOISERS, Components, Family, TextOptions, check_references, swappable_blocks
 from .flux1 import FLUX1, FLUX1_KONTEXT
 from .flux2 import FLUX2_KLEIN
 from .folders import check_weights_file, is_single_file, model_index
@@ -29,12 +29,14 @@ from .zimage import ZIMAGE
 FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FLUX1, FLUX1_KONTEXT, FLUX2_KLEIN,
                                                                   ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
                                                                   QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, LTX2)}
+DENOISER_NAMES = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.denoiser_names))
 # single files: SDXL's marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's before Flux.1's,
 # whose markers Flux.2 checkpoints also carry
 SINGLE_FILE_DETECTION = (SDXL, SD15, FLUX2_KLEIN, FLUX1, ZIMAGE, QWEN_IMAGE)
 
-__all__ = ["ALL_LINEAR", "Components", "FAMILIES", "Family", "ObjectiveParams", "TextOptions", "TimestepSampling",
-           "build_tiny_model", "check_references", "for_model", "get", "is_single_file", "single_file_folder",
+__all__ = ["ALL_LINEAR", "BOTH_DENOISERS", "Components", "DENOISER_NAMES", "FAMILIES", "Family", "ObjectiveParams",
+           "TextOptions", "TimestepSampling", "build_tiny_model", "check_references", "for_model", "get",
+           "is_single_file", "single_file_folder",
            "swappable_blocks", "tiny_arches"]
 
 

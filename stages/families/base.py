@@ -31,6 +31,7 @@ TextRecord = dict[str, "torch.Tensor"]  # one caption's tensors, as cached in th
 Conditioning = dict[str, "torch.Tensor"]  # a batch's denoiser inputs besides x_t and t, named as its arguments
 REFERENCE_LATENTS = "reference_latents"  # the conditioning's reference images (Family.max_references)
 ALL_LINEAR = "all_linear"  # the LoRA preset every family offers
+BOTH_DENOISERS = "both"  # train.denoiser: every denoiser of a model that has several, a LoRA each
 FLOW_MATCH_EULER = "flow_match_euler"  # the flow-matching pipelines' own FlowMatchEulerDiscreteScheduler
 MODEL_INDEX = "model_index"  # a variant marker's component: the pipeline's own config
 
@@ -226,6 +227,7 @@ class Family(ABC):
                                        (adapter_prefix, lora_load_kwargs)
         denoiser_choices, with_denoiser(choice)   a model with several denoisers (Wan 2.2 A14B's
                                        experts): the one train.denoiser trains and its noise levels
+        trained_denoisers(choice)      train.denoiser `both`: each of them, one LoRA each
         geometry(path), frames_problem(path, frames)   image (and clip) sizes the model takes
       text records (encode)
         text_settings(path, options)   every setting that changes a record, as data: in each text
@@ -285,7 +287,8 @@ class Family(ABC):
     video: bool = False  # trains on clips and renders them (video.VideoFamily)
     clip_fps: int = 16  # frames per second a clip renders at when the training data has no clips (evaluate.fps unset)
     demo_edits: bool = False  # `lorapipe demo` trains it on edit pairs (an edit model; else with --edit)
-    denoiser_choices: dict[str, Denoiser] = field(default_factory=dict)  # train.denoiser's values; for_model
+    denoiser_names: tuple[str, ...] = ()  # train.denoiser's values where a model has several denoisers
+    denoiser_choices: dict[str, Denoiser] = field(default_factory=dict)  # by denoiser_names; set by for_model
     chosen: Denoiser | None = None  # set by with_denoiser on a model with several denoisers
 
     # ---- identity and loading
@@ -307,13 +310,20 @@ class Family(ABC):
             return self
         if choice not in choices:
             raise UserError(f"train.denoiser: this {self.label} model has {len(choices)} denoisers, each trained by"
-                            f" a LoRA of its own: set it to one of {', '.join(choices)}"
+                            f" a LoRA of its own: set it to one of {', '.join(choices)} or {BOTH_DENOISERS}"
                             f"{'' if choice is None else f' (not {choice!r})'}")
         picked = choices[choice]
         others = tuple(c for c in self.components.denoisers() if c != picked.component)
         components = replace(self.components, denoiser=picked.component, other_denoisers=others,
                              lora_prefix=self.components.adapter_prefix(), lora_load_kwargs=picked.load_kwargs)
         return replace(self, components=components, chosen=picked)
+
+    def trained_denoisers(self, choice: str | None) -> dict[str, Family]:
+        """The families train.denoiser trains, by name: with `both`, every denoiser of a model that has
+        several, each bound by with_denoiser; else the one with_denoiser binds, named ''."""
+        if choice == BOTH_DENOISERS and self.denoiser_choices:
+            return {name: self.with_denoiser(name) for name in self.denoiser_choices}
+        return {"": self.with_denoiser(choice)}
 
     def geometry(self, model_path: Path) -> LatentGeometry:
         """Image pixels per latent pixel (the VAE's downsampling) and per token, along each side."""
@@ -378,6 +388,11 @@ class Family(ABC):
     def export_lora(self, denoiser: torch.nn.Module, out_dir: Path, provenance: dict[str, str],
                     kohya_metadata: dict[str, str]) -> list[Path]:
         """Write every LoRA file the family exports (diffusers format first) into out_dir."""
+
+    def export_notes(self, denoiser: torch.nn.Module, written: list[Path]) -> list[str]:
+        """Lines for the training log about exported files a loader will not read (the file, which
+        loader, which file to give it instead); none unless the family says."""
+        return []
 
     # ---- rendering
     def reference_render_kwargs(self, images: list[Any]) -> dict[str, Any]:

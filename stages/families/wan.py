@@ -18,9 +18,9 @@ Wan 2.2 TI2V-5B (`expand_timesteps`: one timestep per latent token; a 48-channel
 pixels 2x2 first, 16x spatial). The shift is the UniPC scheduler's `flow_shift`, static. Wan 2.2
 A14B has two experts: WanPipeline denoises with `transformer` while t >= boundary_ratio x 1000 (high
 noise) and with `transformer_2` below (low noise). Each is trained by a LoRA of its own, as the
-ecosystem loads them (train.denoiser: high_noise or low_noise), on the noise levels of its range only;
-both files use the names of `transformer` (diffusers loads the low-noise one with
-`load_into_transformer_2=True`, ComfyUI into its low-noise model).
+ecosystem loads them (train.denoiser: high_noise or low_noise, or both in one run), on the noise
+levels of its range only; both files use the names of `transformer` (diffusers loads the low-noise
+one with `load_into_transformer_2=True`, ComfyUI into its low-noise model).
 
 Exports: diffusers format, and Wan's original names (`blocks.N.self_attn.q`, `cross_attn.o`,
 `ffn.0`, ... one to one with diffusers' modules, as diffusers' convert_wan_transformer_to_diffusers
@@ -48,8 +48,8 @@ from .flow import FlowVariant, presets_field
 from .folders import component_config, load_component, model_index
 from .latents import ChannelMeanStd, channel_mean_std_of
 from .objectives import ObjectiveParams, TimestepSampling
-from lorapipe.stages.lora_formats.original_names import (COMFYUI, KOHYA, OriginalNames, derive_original_names,
-                                                         weight_keys)
+from lorapipe.stages.lora_formats.original_names import (COMFYUI, KOHYA, KeySpelling, OriginalNames,
+                                                         derive_original_names, kohya_name, weight_keys)
 from .video import VideoFamily, VideoVariant
 
 if TYPE_CHECKING:
@@ -154,8 +154,9 @@ class Wan(VideoFamily):
             raise UserError(f"{model_path}/model_index.json: a Wan model with a transformer_2 needs the boundary_ratio"
                             f" (between 0 and 1) where the pipeline switches to it, not {ratio!r}")
         components = replace(self.components, other_denoisers=(LOW_NOISE,))
-        choices = {"high_noise": Denoiser(HIGH_NOISE, (ratio, math.inf)),
-                   "low_noise": Denoiser(LOW_NOISE, (0.0, ratio), (("load_into_transformer_2", True),))}
+        choices = dict(zip(self.denoiser_names, (
+            Denoiser(HIGH_NOISE, (ratio, math.inf)),
+            Denoiser(LOW_NOISE, (0.0, ratio), (("load_into_transformer_2", True),)))))
         return replace(self, variant=replace(A14B, boundary_ratio=ratio), components=components,
                        denoiser_choices=choices)
 
@@ -199,6 +200,27 @@ class Wan(VideoFamily):
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
         return original_names(transformer.config.num_layers)
 
+    def export_notes(self, transformer: torch.nn.Module, written: list[Path]) -> list[str]:
+        """diffusers' converter for musubi's spelling reads every Linear of every block and nothing
+        else (as musubi-tuner trains them); ComfyUI and musubi-tuner read any part of them."""
+        from safetensors import safe_open
+
+        def named(spelling: KeySpelling) -> Path | None:  # its name, or with a denoiser's after it (expert_file)
+            return next((file for file in written if file.name.startswith(Path(spelling.file).stem)), None)
+
+        kohya = named(KOHYA)
+        if kohya is None:
+            return []
+        with safe_open(kohya, "pt") as f:
+            trained = {key.removesuffix(".alpha") for key in f.keys() if key.endswith(".alpha")}
+        every = {kohya_name(f"blocks.{i}.{module}") for i in range(transformer.config.num_layers)
+                 for module in ORIGINAL_BLOCK_MODULES}
+        if every <= trained and all(name.startswith(kohya_name("blocks.")) for name in trained):
+            return []
+        return [f"{kohya.name} loads in ComfyUI and musubi-tuner, not in diffusers, whose loader reads that spelling"
+                " only for a LoRA on every Linear of every block (train.target_modules attention_ff or all_linear):"
+                f" give diffusers {written[0].name} or {named(COMFYUI).name}"]
+
     # ---- rendering
     def render_kwargs(self, settings: WanTextSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
         return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt,
@@ -227,4 +249,5 @@ WAN = Wan(
     latent_patch=2, text_encoder=WanTextEncoder,
     original_formats=(KOHYA, COMFYUI), sampler=SAMPLER,
     block_lists=("blocks",),
+    denoiser_names=("high_noise", "low_noise"),  # A14B's transformer and transformer_2, as the ecosystem names them
 )

@@ -3,6 +3,7 @@ flows read them.
 
     LORA_FILE                          the adapter in diffusers format (load_lora_weights' default name)
     the family's other formats         beside it (LORA_FILES: every name a family may write)
+    each name _<denoiser>              instead, a run that trains several denoisers (expert_file)
     EMA_DIR/                           the same files of the weights' average (train.ema_decay)
     TRAIN_CONFIG                       what trained it: settings, target modules, digests, family
     CHECKPOINTS/step-XXXXXX/LORA_FILE  the adapter of every retained checkpoint
@@ -18,6 +19,13 @@ LORA_FILES = (LORA_FILE, KOHYA.file, COMFYUI.file)
 EMA_DIR = "ema"
 TRAIN_CONFIG = "train_config.json"
 CHECKPOINTS = "checkpoints"
+
+
+def expert_file(name: str, denoiser: str) -> str:
+    """A LoRA file's name for one denoiser of several (`pytorch_lora_weights_high_noise.safetensors`,
+    as ComfyUI workflows name a Wan 2.2 A14B pair); `name` itself for the one denoiser a run trains ('')."""
+    stem, dot, suffix = name.rpartition(".")
+    return f"{stem}_{denoiser}{dot}{suffix}" if denoiser else name
 
 
 def step_name(step: int) -> str:

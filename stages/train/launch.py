@@ -25,7 +25,7 @@ from lorapipe.stages.processes.jobs import Job, gather
 from lorapipe.stages.processes.launching import Interrupted
 from lorapipe.stages.processes.optional_libraries import OPTIONAL
 from lorapipe.stages.processes.placement import Machines, Placement, Where, place, run_at
-from lorapipe.stages.lora_formats.lora_folder import LORA_FILE, checkpoint_lora, step_name
+from lorapipe.stages.lora_formats.lora_folder import LORA_FILE, checkpoint_lora, expert_file, step_name
 from lorapipe.stages.train.checkpoints import CheckpointDir
 from lorapipe.stages.train.params import TRACKER_RUN, TrainInputs, TrainOptions, TrainParams, TrainResult, TrainSpec
 from lorapipe.stages.train.quantization import LIBRARY
@@ -92,7 +92,10 @@ def check_inputs(params: TrainParams, inputs: TrainInputs, options: TrainOptions
     names one of its denoisers where it has several, every objective setting applies to its
     family, prior settings have prior samples to apply to, and block swap and compile can apply
     (one line naming the key otherwise). Returns the family."""
-    family = families.for_model(inputs.model_path).with_denoiser(params.denoiser)
+    family = families.for_model(inputs.model_path)
+    if len(family.trained_denoisers(params.denoiser)) > 1 and params.init_lora:
+        raise UserError(f"train.init_lora: one file cannot start train.denoiser {params.denoiser}'s several LoRAs;"
+                        " remove it, or train one denoiser")
     data = EncodedData(inputs.encoded_dir, inputs.cache_root)
     data.check_model(inputs.model_path, family.name, inputs.model_digests)
     family.check_objective(params)
@@ -226,7 +229,9 @@ def publish(work_dir: Path, out_dir: Path, max_steps: int, log: Log) -> Built:
         if problem:
             log(f"train: not publishing {step_name(step)}: {problem}")
             continue
-        _copy(checkpoints.path(step) / LORA_FILE, checkpoint_lora(out_dir, step))
+        for lora in sorted(checkpoints.path(step).glob(f"**/{LORA_FILE}")):  # each denoiser's, in its folder
+            denoiser = "" if lora.parent == checkpoints.path(step) else lora.parent.name
+            _copy(lora, checkpoint_lora(out_dir, step).with_name(expert_file(LORA_FILE, denoiser)))
     for name in ("loss.jsonl", "loss.png", "train.log", "summary.json"):
         _copy(work_dir / "logs" / name, out_dir / "logs" / name)
     if (work_dir / "logs" / TRACKER_RUN).is_dir():

@@ -10,8 +10,8 @@ from pydantic import Field, model_validator
 
 from lorapipe.cache.store import LOG_DIR
 from lorapipe.stages.contract import Frozen, JsonInputs, OutputFile, json_form
-from lorapipe.stages.families import ObjectiveParams
-from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, LORA_FILES
+from lorapipe.stages.families import DENOISER_NAMES, ObjectiveParams
+from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, LORA_FILES, expert_file
 from lorapipe.stages.processes.jobs import JobResult
 from lorapipe.stages.processes.optional_libraries import installed
 from lorapipe.stages.train.adapter import AdapterParams
@@ -21,8 +21,11 @@ from lorapipe.stages.train.quantization import BaseQuantization, check_available
 VERSION = "4"  # bump by hand when the trained output's semantics change; 3: batch plan in content order;
 # 4: sample-prediction models trained against the clean latent (they were trained against v)
 LOSS_LOG = f"{LOG_DIR}/loss.jsonl"  # a row per step: step, loss, lr, time, seconds (stages/train/recipe.py)
-OUTPUT_FILES = (*(OutputFile(name, "LoRA" if name == LORA_FILE else "") for name in LORA_FILES),
-                *(OutputFile(f"{EMA_DIR}/{name}") for name in LORA_FILES),  # the adapter's files, then its EMA's
+LORA_OUTPUTS = tuple((expert_file(name, denoiser), denoiser) for denoiser in ("", *DENOISER_NAMES)
+                     for name in LORA_FILES)  # (file, its denoiser): one set, or one per denoiser (train.denoiser both)
+OUTPUT_FILES = (*(OutputFile(name, f"LoRA {denoiser}".strip() if name == expert_file(LORA_FILE, denoiser) else "")
+                  for name, denoiser in LORA_OUTPUTS),
+                *(OutputFile(f"{EMA_DIR}/{name}") for name, _ in LORA_OUTPUTS),  # the adapter's files, then its EMA's
                 OutputFile(LOSS_LOG))  # the training curve, which a sweep's report overlays
 
 PriorTarget = Literal["data", "base_output"]
@@ -44,7 +47,9 @@ class TrainParams(ObjectiveParams, AdapterParams, EMAParams):
         " attention_ff, all_linear) or a list of layer names, each matching the end of a name (to_out.0)")
     denoiser: str | None = Field(None, exclude_if=lambda v: v is None, description="a model with several"
                                  " denoisers (Wan 2.2 A14B: high_noise, low_noise): the one this LoRA trains, on"
-                                 " the noise levels the model uses it at; null for a model with one")
+                                 " the noise levels the model uses it at, or both: a LoRA for each in one run, each"
+                                 " step training the one whose noise levels it draws (files named by denoiser);"
+                                 " null for a model with one")
     init_lora: str | None = Field(None, description="start from this diffusers-format LoRA file instead of"
                                   " zero-initialised adapters (same rank, alpha and targets); keyed by its"
                                   " content, not its path")

@@ -63,6 +63,7 @@ from lorapipe.stages.train.block_swap import BlockSwap, swap_count, to_device_le
 from lorapipe.stages.train.checkpoints import CheckpointDir
 from lorapipe.stages.train.compile import compile_blocks
 from lorapipe.stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
+from lorapipe.stages.train.experts import Expert, check_routable, experts_of, export_expert, routed
 from lorapipe.stages.train.params import (TOTAL_DEPENDENT_SCHEDULES, TRACKER_RUN, VERSION, TrainInputs, TrainOptions,
                                           TrainParams, TrainResult, TrainSpec)
 from lorapipe.stages.train.prior import base_output_target
@@ -103,7 +104,9 @@ class LoRATrainingRecipe:
     blocks off the accelerator between their uses: less memory, slower steps, the same result;
     block_swap.py), exact resume from atomic checkpoints that hold only the adapter (with its
     PiSSA/OLoRA start and its EMA), optimizer, LR scheduler and RNG
-    states. A non-finite loss or LoRA weight stops the run before it can be checkpointed.
+    states, a LoRA on each of a model's denoisers in one run with train.denoiser both (each step
+    routed to one: experts.py). A non-finite loss or LoRA weight stops the run before it can be
+    checkpointed.
     """
 
     def __init__(self, params: TrainParams, inputs: TrainInputs, options: TrainOptions, work_dir: Path):
@@ -156,43 +159,54 @@ class LoRATrainingRecipe:
               flush=True)
 
     def _setup_model(self, latest: int | None) -> None:
+        p, model_path = self.params, self.inputs.model_path
+        self.dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.mixed_precision]
+        self.family = families.for_model(model_path)  # the model's, whichever denoisers train
+        self.experts = experts_of(self.family, p.denoiser, model_path, p)
+        self.unconditioned = self.family.objective(model_path, p)  # every noise level: what routes a step
+        if len(self.experts) > 1:
+            check_routable(self.unconditioned)
+        for expert in self.experts:
+            self._setup_expert(expert, latest)
+
+    def _setup_expert(self, expert: Expert, latest: int | None) -> None:
+        """Load one trained denoiser and give it its adapter (resumed from `latest`'s start if PiSSA/OLoRA)."""
         from diffusers.training_utils import cast_training_params
 
         p, model_path = self.params, self.inputs.model_path
-        self.dtype = {"no": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[p.mixed_precision]
-        self.family = families.for_model(model_path).with_denoiser(p.denoiser)
-        self.objective = self.family.objective(model_path, p)
-        structure = empty_component(model_path, self.family.components.denoiser)  # targets checked before weights load
-        targets = self.family.lora_target_modules(structure, p.target_modules)
+        structure = empty_component(model_path, expert.family.components.denoiser)  # targets checked before loading
+        targets = expert.family.lora_target_modules(structure, p.target_modules)
         check_targets(structure, p.adapter, targets)
         swapped = self._blocks_to_swap(structure)
-        denoiser = self.family.load_denoiser(model_path, self.dtype)
+        denoiser = expert.family.load_denoiser(model_path, self.dtype)
         denoiser.requires_grad_(False)
         quantize_base(denoiser, p.base_quantization, self.accelerator.device)
-        blocks = families.swappable_blocks(self.family, denoiser)
+        blocks = families.swappable_blocks(expert.family, denoiser)
         if swapped:  # the swapped blocks' frozen weights stay on the host (BlockSwap takes them there)
             to_device_leaving(denoiser, self.accelerator.device, blocks[-swapped:])
         else:
             denoiser.to(self.accelerator.device)
-        self.adapter = TrainedAdapter(p, self.family, targets)
-        torch.manual_seed(derived_seed(p.seed, "init"))  # the adapter's random init
-        self.adapter.add_to(denoiser, self._saved_start(latest))
-        self.family.check_adapter(denoiser)  # before a step is spent on what export would refuse
+        expert.adapter = TrainedAdapter(p, expert.family, targets)
+        # the adapter's random init (each denoiser's its own, where there are several)
+        torch.manual_seed(derived_seed(p.seed, "init", expert.name) if expert.name else derived_seed(p.seed, "init"))
+        expert.adapter.add_to(denoiser, self._saved_start(latest, expert))
+        expert.family.check_adapter(denoiser)  # before a step is spent on what export would refuse
         if p.init_lora:
-            load_init_lora(denoiser, Path(p.init_lora), p, self.family.components.adapter_prefix())
+            load_init_lora(denoiser, Path(p.init_lora), p, expert.family.components.adapter_prefix())
         cast_training_params(denoiser, dtype=torch.float32)
         keep_base_out_of_ddp_sync(denoiser, p.base_quantization)
         if self.options.gradient_checkpointing:
             denoiser.enable_gradient_checkpointing()
         if self.options.compile:
             compile_blocks(blocks)
-        self.block_swap = BlockSwap(blocks, swapped, self.accelerator.device) if swapped else None
+        expert.block_swap = BlockSwap(blocks, swapped, self.accelerator.device) if swapped else None
         if swapped:
-            self.accelerator.print(f"block swap: the last {swapped} of {len(blocks)} blocks wait off"
+            self.accelerator.print(f"block swap: the last {swapped} of {len(blocks)} blocks"
+                                   f"{f' of {expert.name}' if expert.name else ''} wait off"
                                    f" {self.accelerator.device} between their uses", flush=True)
         if self.accelerator.is_main_process:  # rank 0 alone saves and exports the EMA
-            self.adapter.start_ema(denoiser)
-        self.denoiser = denoiser
+            expert.adapter.start_ema(denoiser)
+        expert.denoiser = denoiser
 
     def _blocks_to_swap(self, structure: torch.nn.Module) -> int:
         """How many of the denoiser's last blocks train.blocks_to_swap keeps off the accelerator (0: none)."""
@@ -203,8 +217,9 @@ class LoRATrainingRecipe:
         from diffusers.optimization import get_scheduler
 
         p = self.params
-        # the LoRA's tensors, listed once: walking denoiser.parameters() every step costs more than clipping
-        self.lora_params = [t for t in self.denoiser.parameters() if t.requires_grad]
+        # the LoRA's tensors, listed once: walking denoiser.parameters() every step costs more than clipping; one
+        # optimizer for every denoiser's: a step leaves another's gradients None, and AdamW skips those
+        self.lora_params = [t for e in self.experts for t in e.denoiser.parameters() if t.requires_grad]
         settings = dict(lr=p.effective_learning_rate, weight_decay=p.weight_decay)
         if p.optimizer == "adamw8bit":
             from bitsandbytes.optim import AdamW8bit
@@ -214,9 +229,11 @@ class LoRATrainingRecipe:
             optimizer = torch.optim.AdamW(self.lora_params, fused=True, **settings)
         self.lr_scheduler = get_scheduler(p.lr_scheduler, optimizer, num_warmup_steps=p.warmup_steps,
                                           num_training_steps=p.max_steps)
-        self.denoiser, self.optimizer = self.accelerator.prepare(self.denoiser, optimizer)
-        # train.prior_target base_output: the prior samples' target is this model's output with its adapter off
-        self._base_output_of = self._lora_denoiser() if p.prior_target == "base_output" else None
+        *prepared, self.optimizer = self.accelerator.prepare(*(e.denoiser for e in self.experts), optimizer)
+        for expert, denoiser in zip(self.experts, prepared):
+            expert.denoiser = denoiser
+            # train.prior_target base_output: the prior samples' target is this model's output with its adapter off
+            expert.base_output_of = self._lora_denoiser(expert) if p.prior_target == "base_output" else None
         # not prepare(): a prepared scheduler steps once per process per call
         self.accelerator.register_for_checkpointing(self.lr_scheduler)
 
@@ -226,11 +243,14 @@ class LoRATrainingRecipe:
         def save_hook(models, weights, output_dir):
             weights.clear()
             if self.accelerator.is_main_process:
-                self.adapter.save(self._lora_denoiser(), Path(output_dir), self.provenance())
+                for expert in self.experts:
+                    expert.folder(output_dir).mkdir(exist_ok=True)
+                    expert.adapter.save(self._lora_denoiser(expert), expert.folder(output_dir), self.provenance())
 
         def load_hook(models, input_dir):
             models.clear()
-            self.adapter.load(self._lora_denoiser(), Path(input_dir))
+            for expert in self.experts:
+                expert.adapter.load(self._lora_denoiser(expert), expert.folder(input_dir))
 
         self.accelerator.register_save_state_pre_hook(save_hook)
         self.accelerator.register_load_state_pre_hook(load_hook)
@@ -281,11 +301,12 @@ class LoRATrainingRecipe:
                           " shorter training through the train stage (`lorapipe run`), which trains it beside this one")
         return latest, None
 
-    def _saved_start(self, latest: int | None) -> dict[str, torch.Tensor] | None:
+    def _saved_start(self, latest: int | None, expert: Expert) -> dict[str, torch.Tensor] | None:
         """A resumed PiSSA/OLoRA run's initial adapter, read by rank 0 and sent to the others."""
         if latest is None or self.params.init == "default":
             return None
-        start = self.adapter.saved_start(self.checkpoints.path(latest)) if self.accelerator.is_main_process else None
+        checkpoint = expert.folder(self.checkpoints.path(latest))
+        start = expert.adapter.saved_start(checkpoint) if self.accelerator.is_main_process else None
         return broadcast_object_list([start])[0] if self.world > 1 else start
 
     def _receive_state_from_rank_0(self) -> None:
@@ -313,14 +334,16 @@ class LoRATrainingRecipe:
 
     # ---- training
     def train(self) -> None:
-        self.denoiser.train()
+        for expert in self.experts:
+            expert.denoiser.train()
         self.batches = self.micro_batches()
         try:
             self._train_loop()
         finally:
             self.batches.close()
-            if self.block_swap is not None:  # every weight in its place again, for the export
-                self.block_swap.remove()
+            for expert in self.experts:
+                if expert.block_swap is not None:  # every weight in its place again, for the export
+                    expert.block_swap.remove()
 
     def micro_batches(self) -> MicroBatches:
         """The micro-batches from the current step to max_steps, prepared before the step needs them."""
@@ -330,8 +353,13 @@ class LoRATrainingRecipe:
                             workers, pin=cuda)
 
     def _prepare(self, micro_batch: int) -> StepInputs:
-        return prepare_micro_batch(self.data, self.plan, self.family, self.objective, self.params, micro_batch,
+        expert = self._routed(micro_batch // self.params.gradient_accumulation_steps)
+        return prepare_micro_batch(self.data, self.plan, expert.family, expert.objective, self.params, micro_batch,
                                    self.rank)
+
+    def _routed(self, step: int) -> Expert:
+        """The denoiser that trains optimizer step `step` (0-based; experts.py says how)."""
+        return routed(self.experts, self.unconditioned, self.params.seed, step)
 
     def _train_loop(self) -> None:
         p, acc = self.params, self.accelerator
@@ -339,20 +367,24 @@ class LoRATrainingRecipe:
         while self.step < p.max_steps:
             lr = self.optimizer.param_groups[0]["lr"]  # the rate this step uses
             step_started = time.perf_counter()
-            loss = self._train_step()
+            expert = self._routed(self.step)
+            loss = self._train_step(expert)
             self.step += 1
             if not torch.isfinite(loss):
                 self._stop(f"loss is {loss.item()} at step {self.step}")
-            self.adapter.update_ema(self.step)
+            for each in self.experts:
+                each.adapter.update_ema(self.step)
             if acc.is_main_process:
                 row = {"step": self.step, "loss": loss.item(), "lr": lr, "time": round(time.time(), 3),
-                       "seconds": round(time.perf_counter() - step_started, 4)}  # wall clock; the step's duration
+                       "seconds": round(time.perf_counter() - step_started, 4),  # wall clock; the step's duration
+                       **({"denoiser": expert.name} if expert.name else {})}  # which one trained it, of several
                 with open(self.loss_log, "a") as f:
                     f.write(json.dumps(row) + "\n")
             acc.log({"loss": loss.item(), "lr": lr}, step=self.step)
             if self.step in (started_step + 1, p.max_steps) or self.step % self.options.log_every == 0:
                 acc.print(progress_line("step", self.step, p.max_steps, time.perf_counter() - started, started_step,
-                                        note=f" loss {loss.item():.5f} lr {lr:.3e}"), flush=True)
+                                        note=f" loss {loss.item():.5f} lr {lr:.3e}"
+                                        f"{f' ({expert.name})' if expert.name else ''}"), flush=True)
             if self.step == started_step + 1 and acc.is_main_process:
                 # the loss plot's library, imported while the other steps run (before the first, it delayed it)
                 threading.Thread(target=import_plotting, name="import-matplotlib", daemon=True).start()
@@ -367,9 +399,9 @@ class LoRATrainingRecipe:
         kept = f"{self.checkpoints.path(last[-1])} is kept" if last else "there is no checkpoint yet"
         raise FloatingPointError(f"{what}; training stopped and {kept}. Lower train.learning_rate or check the data.")
 
-    def _train_step(self) -> torch.Tensor:
-        """One optimizer step over gradient_accumulation_steps micro-batches; returns the mean
-        loss over micro-batches and ranks."""
+    def _train_step(self, expert: Expert) -> torch.Tensor:
+        """One optimizer step of `expert` over gradient_accumulation_steps micro-batches; returns the
+        mean loss over micro-batches and ranks."""
         p, acc = self.params, self.accelerator
         losses = []
         for j in range(p.gradient_accumulation_steps):
@@ -378,9 +410,9 @@ class LoRATrainingRecipe:
             if p.dropout:  # LoRA dropout draws from the global generator
                 torch.manual_seed(derived_seed(p.seed, "dropout", micro_batch, self.rank))
             last = j == p.gradient_accumulation_steps - 1
-            with nullcontext() if last else acc.no_sync(self.denoiser):
-                loss = step_loss(self.family, self.objective, self.denoiser, inputs, acc.device, self.dtype,
-                                 self._base_output_of)
+            with nullcontext() if last else acc.no_sync(expert.denoiser):
+                loss = step_loss(expert.family, expert.objective, expert.denoiser, inputs, acc.device, self.dtype,
+                                 expert.base_output_of)
                 acc.backward(loss / p.gradient_accumulation_steps)
             losses.append(loss.detach())
         acc.clip_grad_norm_(self.lora_params, p.max_grad_norm)
@@ -408,7 +440,10 @@ class LoRATrainingRecipe:
         out = self.work_dir / "export"
         shutil.rmtree(out, ignore_errors=True)  # only this run's files are published
         out.mkdir(parents=True)
-        self.adapter.export(self._lora_denoiser(), out, self.provenance(), self.kohya_metadata())
+        for expert in self.experts:
+            written = export_expert(expert, self._lora_denoiser(expert), out, self.provenance(), self.kohya_metadata())
+            for note in expert.family.export_notes(self._lora_denoiser(expert), written):
+                print(f"train: note: {note}", flush=True)
         config = {**self.train_config(), "steps": self.step}
         (out / TRAIN_CONFIG).write_text(json.dumps(config, indent=1, sort_keys=True) + "\n")
         result = TrainResult(steps=self.step, resumed_from=self.resumed_from)
@@ -421,7 +456,7 @@ class LoRATrainingRecipe:
         checkpoint's bytes do not depend on the max_steps of the run that wrote it."""
         return {
             "version": VERSION, "params": self.params.model_dump(mode="json", exclude={"max_steps", "init_lora"}),
-            "target_modules": sorted(self.adapter.config.target_modules),
+            "target_modules": sorted(self.experts[0].adapter.config.target_modules),
             "base_model_digest": self.inputs.base_model_digest, "encoded_digest": self.inputs.encoded_digest,
             "init_lora_digest": self.inputs.init_lora_digest, "family": self.family.name,
         }
@@ -462,8 +497,8 @@ class LoRATrainingRecipe:
     def cleanup(self) -> None:
         self.accelerator.end_training()
 
-    def _lora_denoiser(self) -> torch.nn.Module:
-        return self.accelerator.unwrap_model(self.denoiser)
+    def _lora_denoiser(self, expert: Expert) -> torch.nn.Module:
+        return self.accelerator.unwrap_model(expert.denoiser)
 
     def _truncate_loss_log(self, step: int) -> None:
         """Forget losses logged after `step` by a run that died before its next checkpoint."""
