@@ -1,15 +1,23 @@
 """Independent trainings side by side. A training subprocess of the tiny models keeps about one core
 busy (on CI's 2 cores it gets one torch thread) while the test's own process only waits on it, so on
 2 idle cores two at a time take about the wall time of one. Only for trainings started through
-`train.run` (a subprocess each): whole stages run in threads of one process (lorapipe.flows.runner) failed."""
+`train.run` (a subprocess each): whole stages run in threads of one process (lorapipe.flows.runner) failed.
+Many trainings of one module go to warm processes (`warm_trainers`), as `lorapipe run` hands its
+training to the process it started ahead: torch, diffusers and peft imported once per process, not
+once per training."""
 from __future__ import annotations
 
+import queue
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from typing import TypeVar
+from functools import partial
+from typing import TYPE_CHECKING, TypeVar
 
 import pytest
+
+if TYPE_CHECKING:
+    from lorapipe.stages.processes.placement import Placement
 
 AT_ONCE = 2
 K = TypeVar("K", bound=Hashable)
@@ -35,6 +43,42 @@ def started(calls: dict[K, Callable[[], T]]) -> Iterator[Callable[[K], T]]:
         yield lambda key: futures[key].result()
     finally:
         pool.shutdown(wait=True, cancel_futures=True)
+
+
+@contextmanager
+def warm_trainers(threads: int = 1) -> Iterator[Callable[[Callable[[Placement], T]], T]]:
+    """AT_ONCE warm processes (stages/processes/placement.py WarmProcess) of `threads` torch threads,
+    hiding what a training with default libraries hides; yields `in_warm(call)`, which takes an idle one and
+    returns call(its placement), for `train.run(..., placement=)`: a training there runs as in a
+    process of its own (tests/test_train.py: a process started ahead trains as a fresh one would).
+    A job that fails ends its process; that placement's later jobs start processes of their own."""
+    from lorapipe.stages import train
+    from lorapipe.stages.processes.placement import InWarmProcess, OwnProcess, WarmProcess
+
+    warm = [WarmProcess(threads, train.unused_libraries(train.TrainParams())) for _ in range(AT_ONCE)]
+    idle: queue.SimpleQueue[Placement] = queue.SimpleQueue()
+    for process in warm:
+        idle.put(InWarmProcess(process, OwnProcess()))
+
+    def in_warm(call: Callable[[Placement], T]) -> T:
+        placement = idle.get()
+        try:
+            return call(placement)
+        finally:
+            idle.put(placement)
+
+    try:
+        yield in_warm
+    finally:
+        for process in warm:
+            process.end()
+
+
+@contextmanager
+def started_warm(trainings: dict[K, Callable[[Placement], T]]) -> Iterator[Callable[[K], T]]:
+    """`started` for trainings that take their placement: each runs in one of `warm_trainers`'."""
+    with warm_trainers() as in_warm, started({key: partial(in_warm, run) for key, run in trainings.items()}) as result:
+        yield result
 
 
 def selected(request: pytest.FixtureRequest, case_of: Callable[[pytest.Item], K | None]) -> list[K]:
