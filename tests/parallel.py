@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 from collections.abc import Callable, Hashable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from functools import partial
 from typing import TYPE_CHECKING, TypeVar
 
@@ -46,32 +46,37 @@ def started(calls: dict[K, Callable[[], T]]) -> Iterator[Callable[[K], T]]:
 
 
 @contextmanager
-def warm_trainers(threads: int = 1) -> Iterator[Callable[[Callable[[Placement], T]], T]]:
-    """AT_ONCE warm processes (stages/processes/placement.py WarmProcess) of `threads` torch threads,
-    hiding what a training with default libraries hides; yields `in_warm(call)`, which takes an idle one and
-    returns call(its placement), for `train.run(..., placement=)`: a training there runs as in a
-    process of its own (tests/test_train.py: a process started ahead trains as a fresh one would).
-    A job that fails ends its process; that placement's later jobs start processes of their own."""
+def trained_ahead(cpu_threads: int | None = None) -> Iterator[Placement]:
+    """Where `train.run(..., placement=)` (or a Context's "train") trains in one process started ahead,
+    as `lorapipe run` starts one: it trains as a process of its own would (tests/test_train.py, a
+    process started ahead), one training after another, importing torch, diffusers and peft once.
+    It hides what a training with default libraries hides: a training that uses one of those, or
+    one after a failed job (which ends the process), runs in a process of its own."""
     from lorapipe.stages import train
-    from lorapipe.stages.processes.placement import InWarmProcess, OwnProcess, WarmProcess
+    from lorapipe.stages.processes.placement import OwnProcess, WarmProcess, place
 
-    warm = [WarmProcess(threads, train.unused_libraries(train.TrainParams())) for _ in range(AT_ONCE)]
-    idle: queue.SimpleQueue[Placement] = queue.SimpleQueue()
-    for process in warm:
-        idle.put(InWarmProcess(process, OwnProcess()))
+    params, options = train.TrainParams(), train.TrainOptions(cpu_threads=cpu_threads)
+    with WarmProcess(OwnProcess().threads(options.cpu_threads), train.unused_libraries(params)) as process:
+        yield place(train.where(params, options), process)
 
-    def in_warm(call: Callable[[Placement], T]) -> T:
-        placement = idle.get()
-        try:
-            return call(placement)
-        finally:
-            idle.put(placement)
 
-    try:
+@contextmanager
+def warm_trainers(cpu_threads: int | None = 1) -> Iterator[Callable[[Callable[[Placement], T]], T]]:
+    """AT_ONCE `trained_ahead` placements; yields `in_warm(call)`, which takes an idle one and
+    returns call(it)."""
+    with ExitStack() as stack:
+        idle: queue.SimpleQueue[Placement] = queue.SimpleQueue()
+        for _ in range(AT_ONCE):
+            idle.put(stack.enter_context(trained_ahead(cpu_threads)))
+
+        def in_warm(call: Callable[[Placement], T]) -> T:
+            placement = idle.get()
+            try:
+                return call(placement)
+            finally:
+                idle.put(placement)
+
         yield in_warm
-    finally:
-        for process in warm:
-            process.end()
 
 
 @contextmanager
