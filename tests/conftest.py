@@ -244,13 +244,14 @@ def tiny_config(tiny_model):
 @pytest.fixture(scope="session")
 def run_stages():
     """A function that serves or builds a config's stages in-process (no Prefect, which only wraps
-    the same calls in tasks): stage -> (StageResult, Artifact)."""
+    the same calls in tasks), their jobs where `placements` say (by stage; default: where their
+    settings say): stage -> (StageResult, Artifact)."""
     from lorapipe.flows.config import load_config
     from lorapipe.flows.steps import Context
     from lorapipe.flows.runner import run_stage
 
-    def run(config_path: Path, stages: tuple[str, ...]) -> dict:
-        ctx = Context(load_config(config_path), log=lambda line: None)
+    def run(config_path: Path, stages: tuple[str, ...], placements: dict | None = None) -> dict:
+        ctx = Context(load_config(config_path), log=lambda line: None, placements=placements)
         done, upstream = {}, {}
         try:
             for stage in stages:

@@ -27,11 +27,13 @@ import hashlib
 import json
 import shutil
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
+from parallel import trained_ahead
 from PIL import Image
 
 from lorapipe.flows.steps import STAGES
@@ -41,6 +43,14 @@ DEMO_IMAGES = Path(__file__).resolve().parent.parent / "stages" / "assets" / "de
 GOLDEN_IMAGES = Path(__file__).resolve().parent / "golden"
 PIXEL_LEVELS = 2  # how far a pixel may be from the recorded one (instruction-set rounding: 1 seen)
 RESOLUTION = 64
+
+
+@pytest.fixture(scope="module")
+def run_stages(run_stages):
+    """conftest's run_stages with every variant's training in one process started ahead (parallel.py),
+    which trains as a process of its own would: the module's trainings import torch and diffusers once."""
+    with trained_ahead() as placement:
+        yield partial(run_stages, placements={"train": placement})
 
 
 @dataclass(frozen=True)

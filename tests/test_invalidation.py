@@ -9,10 +9,12 @@ import shutil
 from pathlib import Path
 
 import pytest
+from parallel import trained_ahead
 
 from lorapipe.flows.config import validate_config
 from lorapipe.flows.steps import STAGES, Context
 from lorapipe.flows.runner import explain, run_stage
+from lorapipe.stages.processes.placement import Placement
 
 pytestmark = pytest.mark.slow
 
@@ -32,8 +34,8 @@ def make_config(tmp: Path, model: Path, data: Path | dict, cache: Path, **sectio
     return validate_config(raw, "test")
 
 
-def run_all(config, stages=STAGES, log=lambda line: None) -> dict:
-    ctx = Context(config, log=log)
+def run_all(config, stages=STAGES, log=lambda line: None, placements: dict[str, Placement] | None = None) -> dict:
+    ctx = Context(config, log=log, placements=placements)
     upstream, results = {}, {}
     try:
         for stage in stages:
@@ -48,7 +50,17 @@ def statuses(results: dict) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def baseline(tmp_path_factory, tiny_model, demo_images, count_encoder_rows):
+def ahead():
+    """The module's placements: training in one process started ahead, as `lorapipe run` hands its
+    training to one (tests/test_train.py: it trains as a process of its own would), so the
+    trainings here pay their imports once. A training that fails there ends it: later ones start
+    processes of their own."""
+    with trained_ahead() as placement:
+        yield {"train": placement}
+
+
+@pytest.fixture(scope="module")
+def baseline(tmp_path_factory, tiny_model, demo_images, count_encoder_rows, ahead):
     """One complete run; every test starts from copies of its model and data over its cache."""
     root = tmp_path_factory.mktemp("baseline")
     shutil.copytree(tiny_model, root / "model")
@@ -57,7 +69,7 @@ def baseline(tmp_path_factory, tiny_model, demo_images, count_encoder_rows):
     with count_encoder_rows() as counts:
         encoded = run_all(config, STAGES[:2])
     assert counts == {"vae": 8, "text": 9}  # 8 images, 8 captions + the empty prompt
-    results = run_all(config)
+    results = run_all(config, placements=ahead)
     assert statuses(encoded) == {"preprocess": "computed", "encode": "computed"}
     assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed", "evaluate": "computed"}
     return root
@@ -79,15 +91,16 @@ def test_unchanged_inputs_moved_and_touched_rerun_nothing(baseline, tmp_path, co
     assert counts == {"vae": 0, "text": 0}
 
 
-def test_learning_rate_reruns_only_train_and_evaluate(baseline, tmp_path):
+def test_learning_rate_reruns_only_train_and_evaluate(baseline, tmp_path, ahead):
     config = copy_of(baseline, tmp_path, train={"learning_rate": 1e-3})
     rows = {r["stage"]: r for r in explain(Context(config), STAGES)}
     assert rows["train"]["status"] == "miss" and "params.learning_rate" in rows["train"]["reason"]
-    results = run_all(config)
+    results = run_all(config, placements=ahead)
     assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed", "evaluate": "computed"}
 
 
-def test_adapter_type_and_ema_rerun_train_and_evaluate_but_encode_nothing(baseline, tmp_path, count_encoder_rows):
+def test_adapter_type_and_ema_rerun_train_and_evaluate_but_encode_nothing(baseline, tmp_path, count_encoder_rows,
+                                                                          ahead):
     """A LoKr with an EMA: train and evaluate rerun, nothing is encoded; the run's checkpoints hold the
     EMA, and evaluate scores and renders it beside the trained adapter (one more grid column)."""
     from PIL import Image
@@ -98,7 +111,7 @@ def test_adapter_type_and_ema_rerun_train_and_evaluate_but_encode_nothing(baseli
     with count_encoder_rows() as counts:  # evaluate's renders encode their prompts: count the stages before
         encoded = run_all(config, STAGES[:2])
     assert statuses(encoded) == {"preprocess": "hit", "encode": "hit"} and counts == {"vae": 0, "text": 0}
-    results = run_all(config)
+    results = run_all(config, placements=ahead)
     assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed", "evaluate": "computed"}
     trained, evaluated = Path(results["train"].path), Path(results["evaluate"].path)
     assert (trained / "ema" / "pytorch_lora_weights.safetensors").is_file()
@@ -154,13 +167,13 @@ def test_byte_identical_re_encode_does_not_rerun_train(baseline, tmp_path):
     assert trained.status == "hit"
 
 
-def test_a_truncated_file_in_a_published_artifact_is_a_logged_miss_then_rebuilt(baseline, tmp_path):
+def test_a_truncated_file_in_a_published_artifact_is_a_logged_miss_then_rebuilt(baseline, tmp_path, ahead):
     shutil.copytree(baseline / "cache", tmp_path / "cache")  # damage a private copy of the cache
     config = make_config(tmp_path, baseline / "model", baseline / "data", tmp_path / "cache")
     lora = Path(run_all(config)["train"].path) / "pytorch_lora_weights.safetensors"
     lora.write_bytes(lora.read_bytes()[:100])
     logs: list[str] = []
-    ctx = Context(config, log=logs.append)
+    ctx = Context(config, log=logs.append, placements=ahead)
     upstream, results = {}, {}
     for stage in STAGES:
         results[stage], upstream[stage] = run_stage(ctx, stage, upstream)
@@ -170,7 +183,7 @@ def test_a_truncated_file_in_a_published_artifact_is_a_logged_miss_then_rebuilt(
     assert lora.stat().st_size > 100
 
 
-def test_lowering_max_steps_trains_beside_the_longer_run_and_leaves_it_as_it_was(baseline, tmp_path):
+def test_lowering_max_steps_trains_beside_the_longer_run_and_leaves_it_as_it_was(baseline, tmp_path, ahead):
     """max_steps 15 after the baseline's 20 (checkpoints 10 and 20, a constant lr): trained on from a
     copy of step 10 in a folder of its own; the 20-step training's files stay byte for byte. (Before
     the test that raises the baseline's max_steps.)"""
@@ -182,27 +195,27 @@ def test_lowering_max_steps_trains_beside_the_longer_run_and_leaves_it_as_it_was
     checkpoints = ctx.store.work_dir("train", work_key) / "checkpoints"
     ctx.close()
     before = {p: p.read_bytes() for p in sorted(checkpoints.parent.rglob("*")) if p.is_file()}
-    results = run_all(config, STAGES[:3])
+    results = run_all(config, STAGES[:3], placements=ahead)
     assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed"}
     assert results["train"].info["resumed_from"] == 10 and results["train"].info["steps"] == 15
     assert sorted(p.name for p in checkpoints.iterdir()) == ["step-000010", "step-000020"]
     assert {p: p.read_bytes() for p in sorted(checkpoints.parent.rglob("*")) if p.is_file()} == before
 
 
-def test_raising_max_steps_continues_from_the_published_run(baseline, tmp_path):
+def test_raising_max_steps_continues_from_the_published_run(baseline, tmp_path, ahead):
     config = copy_of(baseline, tmp_path, train={"max_steps": 30})
-    results = run_all(config, STAGES[:3])
+    results = run_all(config, STAGES[:3], placements=ahead)
     assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed"}
     assert results["train"].reason == "changed: params.max_steps"
     assert results["train"].info["resumed_from"] == 20 and results["train"].info["steps"] == 30
 
 
-def test_warm_start_continues_from_the_previous_lora_only_when_the_data_changed(baseline, tmp_path):
+def test_warm_start_continues_from_the_previous_lora_only_when_the_data_changed(baseline, tmp_path, ahead):
     from lorapipe.cache.digest import digest_file
     from lorapipe.flows.training import run_warm_train
 
     config = copy_of(baseline, tmp_path)
-    ctx = Context(config, log=lambda m: None)
+    ctx = Context(config, log=lambda m: None, placements=ahead)
     upstream = {}
     for stage in STAGES[:2]:
         _, upstream[stage] = run_stage(ctx, stage, upstream)
@@ -242,7 +255,7 @@ def encoded_data(config):
 
 
 def test_a_shard_damaged_in_place_is_re_encoded_when_training_meets_it_and_training_resumes(
-        baseline, tmp_path, count_encoder_rows, damage_in_place, capsys):
+        baseline, tmp_path, count_encoder_rows, damage_in_place, capsys, ahead):
     """Training meets a record damaged in place: its shard is encoded again (its latents only),
     training resumes from its checkpoint, and the run's summary (run-summary.json, the table) says
     that encode, a hit, was repaired while train ran, with what was encoded."""
@@ -263,7 +276,7 @@ def test_a_shard_damaged_in_place_is_re_encoded_when_training_meets_it_and_train
     in_shard = len(data.store.shard_meta(latent.location.shard)["records"])
     shard = damage_in_place(data.store, latent)
     logs: list[str] = []
-    ctx = Context(config, log=logs.append)
+    ctx = Context(config, log=logs.append, placements=ahead)
     upstream, results = {}, {}
     with count_encoder_rows() as counts:
         for stage in STAGES[:3]:
@@ -314,7 +327,8 @@ def test_a_repaired_or_compacted_shard_reruns_only_encode(baseline, tmp_path, co
     assert counts == {"vae": 0, "text": 0}
 
 
-def test_renamed_and_moved_images_rerun_preprocess_and_encode_but_not_training(baseline, tmp_path, count_encoder_rows):
+def test_renamed_and_moved_images_rerun_preprocess_and_encode_but_not_training(baseline, tmp_path, count_encoder_rows,
+                                                                              ahead):
     config = private_copy(baseline, tmp_path)
     data = tmp_path / "data"
     (data / "moved").mkdir()
@@ -326,7 +340,8 @@ def test_renamed_and_moved_images_rerun_preprocess_and_encode_but_not_training(b
         results = run_all(config)
     assert statuses(results) == {"preprocess": "computed", "encode": "computed", "train": "hit", "evaluate": "hit"}
     assert counts == {"vae": 0, "text": 0}
-    ctx = Context(config, log=lambda m: None)  # and training on the renamed files trains the same LoRA:
+    # and training on the renamed files trains the same LoRA:
+    ctx = Context(config, log=lambda m: None, placements=ahead)
     upstream = {stage: ctx.store.lookup(stage, results[stage].key).artifact for stage in STAGES[:2]}
     for stage in ("train", "evaluate"):  # the batch plan, split and evaluate's noise follow content
         forced, upstream[stage] = run_stage(ctx, stage, upstream, force=True)
@@ -334,7 +349,8 @@ def test_renamed_and_moved_images_rerun_preprocess_and_encode_but_not_training(b
     ctx.close()
 
 
-def test_a_prior_dataset_its_weight_and_target_rerun_training_but_encode_nothing(baseline, tmp_path, count_encoder_rows):
+def test_a_prior_dataset_its_weight_and_target_rerun_training_but_encode_nothing(baseline, tmp_path, count_encoder_rows,
+                                                                                ahead):
     """Four photos made a prior dataset: preprocess reruns (its manifest: no pixels), encode writes a
     new index and encodes nothing, train and evaluate rerun (evaluate scores the subject's samples
     only); then train.prior_loss_weight and train.prior_target rerun train alone."""
@@ -357,7 +373,7 @@ def test_a_prior_dataset_its_weight_and_target_rerun_training_but_encode_nothing
         assert statuses(run_all(config("train"), STAGES[:2])) == {"preprocess": "computed", "encode": "computed"}
         rows = {r["stage"]: r for r in explain(Context(config("prior")), STAGES)}
         assert rows["preprocess"]["status"] == "miss" and "role" in rows["preprocess"]["reason"]
-        trained = run_all(config("prior"), STAGES[:3])
+        trained = run_all(config("prior"), STAGES[:3], placements=ahead)
     assert counts == {"vae": 0, "text": 0}  # (evaluate's renders encode their prompts: not counted)
     assert statuses(trained) == dict.fromkeys(STAGES[:3], "computed")
     prior = run_all(config("prior"))
@@ -366,6 +382,6 @@ def test_a_prior_dataset_its_weight_and_target_rerun_training_but_encode_nothing
     assert metrics["n_samples_in_split"] == {"holdout": 1, "train": 3}  # the subject's four, one held out
     for setting in ("prior_loss_weight", "prior_target"):
         results = run_all(config("prior", **{setting: {"prior_loss_weight": 0.5, "prior_target": "base_output"}[setting]}),
-                          STAGES[:3])
+                          STAGES[:3], placements=ahead)
         assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed"}
         assert f"params.{setting}" in results["train"].reason

@@ -1,6 +1,7 @@
 """The train stage on the tiny SD1.5 and SDXL models and the encoded demo photos (6 train samples),
 CPU only, every run a real training subprocess (the recipe directly for one process, `accelerate launch`
-for DDP or a user's accelerate config).
+for DDP or a user's accelerate config); the trainings a test compares with another (resumes, shorter
+trainings, loader threads, init_lora) run one after another in one process started ahead (`warm`).
 
 One 120-step training (`trained`) is shared: its files, its loss curve, exact resume against it,
 that its exported LoRA files reproduce the trained UNet, and a start from its LoRA (init_lora).
@@ -23,12 +24,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from parallel import trained_ahead
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lorapipe.cache.errors import UserError
 from lorapipe.stages import train
 from lorapipe.stages.processes.launching import WorkerFailed
+from lorapipe.stages.processes.placement import Placement
 from lorapipe.stages.lora_formats.diffusers_format import save_safetensors_sorted
 from lorapipe.stages.train.checkpoints import CheckpointDir
 from lorapipe.stages.train.data import BatchPlan, MicroBatches
@@ -49,11 +52,11 @@ def train_inputs(tiny_model: Path, encoded) -> train.TrainInputs:
 
 
 def run_train(tmp: Path, name: str, inputs: train.TrainInputs, work: Path | None = None,
-              options: dict | None = None, **overrides):
+              options: dict | None = None, placement: Placement | None = None, **overrides):
     out = tmp / f"out-{name}"
     out.mkdir()
     built = train.run(train.TrainParams(**{**PARAMS, **overrides}), inputs, out, work or tmp / f"work-{name}",
-                      train.TrainOptions(log_every=20, **(options or {})), log=lambda line: None)
+                      train.TrainOptions(log_every=20, **(options or {})), log=lambda line: None, placement=placement)
     return out, built
 
 
@@ -64,6 +67,14 @@ def losses(out: Path) -> list[dict]:
 def trajectory(out: Path) -> list[tuple[int, float, float]]:
     """(step, loss, lr) per row of loss.jsonl: what a resumed run must reproduce (not the wall times)."""
     return [(e["step"], e["loss"], e["lr"]) for e in losses(out)]
+
+
+@pytest.fixture(scope="module")
+def warm():
+    """Where a compared training runs: one process started ahead (parallel.py), which trains as a
+    process of its own would (test_a_process_started_ahead_...) without each training's imports."""
+    with trained_ahead() as placement:
+        yield placement
 
 
 @pytest.fixture(scope="module")
@@ -130,10 +141,10 @@ def test_loss_goes_down(trained):
     assert last < 0.6 * first, (first, last)
 
 
-def test_resume_is_exact(trained, tmp_path, tiny_model, encoded):
+def test_resume_is_exact(trained, tmp_path, tiny_model, encoded, warm):
     inputs, work = train_inputs(tiny_model, encoded), tmp_path / "work"
-    run_train(tmp_path, "first-half", inputs, work, max_steps=STEPS // 2)
-    out, built = run_train(tmp_path, "resumed", inputs, work)
+    run_train(tmp_path, "first-half", inputs, work, placement=warm, max_steps=STEPS // 2)
+    out, built = run_train(tmp_path, "resumed", inputs, work, placement=warm)
     assert built.info["resumed_from"] == STEPS // 2
     assert trajectory(out) == trajectory(trained[0])  # bit-exact: the same floats, printed the same
     ours, straight = load_file(out / "pytorch_lora_weights.safetensors"), load_file(trained[0] / "pytorch_lora_weights.safetensors")
@@ -144,8 +155,8 @@ def test_resume_is_exact(trained, tmp_path, tiny_model, encoded):
         assert (out / rel).read_bytes() == (trained[0] / rel).read_bytes(), rel
 
 
-def test_resume_with_lora_dropout_is_exact(tmp_path, tiny_model, encoded):
-    inputs, dropout = train_inputs(tiny_model, encoded), dict(dropout=0.3, checkpoint_every=10)
+def test_resume_with_lora_dropout_is_exact(tmp_path, tiny_model, encoded, warm):
+    inputs, dropout = train_inputs(tiny_model, encoded), dict(dropout=0.3, checkpoint_every=10, placement=warm)
     straight, _ = run_train(tmp_path, "straight", inputs, max_steps=20, **dropout)
     run_train(tmp_path, "half", inputs, tmp_path / "work", max_steps=10, **dropout)
     resumed, built = run_train(tmp_path, "resumed", inputs, tmp_path / "work", max_steps=20, **dropout)
@@ -162,7 +173,7 @@ def same_tensors(a: Path, b: Path) -> bool:
 
 
 def test_a_shorter_training_starts_from_the_longer_ones_checkpoint_and_leaves_it_as_it_was(
-        trained, tmp_path, tiny_model, encoded):
+        trained, tmp_path, tiny_model, encoded, warm):
     """Over the 120-step training's work folder (checkpoints 80 and 120, a constant lr): max_steps 80
     is its step-000080 exported as is, max_steps 100 trains on from it, both as a straight run
     would (the 120-step run's losses, and at 80 its LoRA); its files stay byte for byte."""
@@ -170,8 +181,8 @@ def test_a_shorter_training_starts_from_the_longer_ones_checkpoint_and_leaves_it
     shutil.copytree(trained[0].parent / "work-straight", work)
     before = files_of(work)
     at_80 = train.run(train.TrainParams(**{**PARAMS, "max_steps": 80}), inputs, tmp_path / "out-80", work,
-                      train.TrainOptions(), log=logs.append)
-    out, at_100 = run_train(tmp_path, "100", inputs, work, max_steps=100)
+                      train.TrainOptions(), log=logs.append, placement=warm)
+    out, at_100 = run_train(tmp_path, "100", inputs, work, placement=warm, max_steps=100)
     assert (at_80.info["resumed_from"], at_100.info["resumed_from"]) == (80, 80)
     assert any("its step-000080 is this training's result" in line for line in logs), logs
     assert same_tensors(tmp_path / "out-80" / "pytorch_lora_weights.safetensors",
@@ -181,14 +192,15 @@ def test_a_shorter_training_starts_from_the_longer_ones_checkpoint_and_leaves_it
     assert files_of(work) == before  # the longer training's checkpoints, losses and exports; no folder left
 
 
-def test_a_shorter_training_under_a_schedule_of_the_total_starts_from_scratch_beside_it(tmp_path, tiny_model, encoded):
+def test_a_shorter_training_under_a_schedule_of_the_total_starts_from_scratch_beside_it(tmp_path, tiny_model, encoded,
+                                                                                       warm):
     inputs, cosine, logs = train_inputs(tiny_model, encoded), dict(lr_scheduler="cosine", checkpoint_every=2), []
-    run_train(tmp_path, "6", inputs, tmp_path / "work", max_steps=6, **cosine)
+    run_train(tmp_path, "6", inputs, tmp_path / "work", placement=warm, max_steps=6, **cosine)
     before = files_of(tmp_path / "work")
     out = tmp_path / "out-4"
     built = train.run(train.TrainParams(**{**PARAMS, **cosine, "max_steps": 4}), inputs, out, tmp_path / "work",
-                      train.TrainOptions(), log=logs.append)
-    straight, _ = run_train(tmp_path, "straight", inputs, max_steps=4, **cosine)
+                      train.TrainOptions(), log=logs.append, placement=warm)
+    straight, _ = run_train(tmp_path, "straight", inputs, placement=warm, max_steps=4, **cosine)
     assert built.info["resumed_from"] is None and any("training from scratch" in line for line in logs), logs
     assert trajectory(out) == trajectory(straight)
     assert same_tensors(out / "pytorch_lora_weights.safetensors", straight / "pytorch_lora_weights.safetensors")
@@ -196,10 +208,11 @@ def test_a_shorter_training_under_a_schedule_of_the_total_starts_from_scratch_be
 
 
 @pytest.mark.slow
-def test_resume_on_clips_is_exact(tmp_path, wan_model, wan_clips_encoded):
+def test_resume_on_clips_is_exact(tmp_path, wan_model, wan_clips_encoded, warm):
     """The tiny Wan 2.1 on 9-frame clip windows: 10 steps, then max_steps raised to 20 over the same
     work folder, trains what 20 straight steps train, bit for bit (losses and LoRA files)."""
-    inputs, clips = train_inputs(wan_model, wan_clips_encoded), dict(target_modules="attention", checkpoint_every=5)
+    inputs = train_inputs(wan_model, wan_clips_encoded)
+    clips = dict(target_modules="attention", checkpoint_every=5, placement=warm)
     straight, _ = run_train(tmp_path, "straight", inputs, max_steps=20, **clips)
     run_train(tmp_path, "first-half", inputs, tmp_path / "work", max_steps=10, **clips)
     resumed, built = run_train(tmp_path, "resumed", inputs, tmp_path / "work", max_steps=20, **clips)
@@ -211,9 +224,9 @@ def test_resume_on_clips_is_exact(tmp_path, wan_model, wan_clips_encoded):
         assert (resumed / name).read_bytes() == (straight / name).read_bytes(), name
 
 
-def test_loader_threads_train_what_the_step_would_prepare_itself(trained, tmp_path, tiny_model, encoded):
+def test_loader_threads_train_what_the_step_would_prepare_itself(trained, tmp_path, tiny_model, encoded, warm):
     out, _ = run_train(tmp_path, "threads", train_inputs(tiny_model, encoded), options={"loader_workers": 2},
-                       max_steps=40)
+                       placement=warm, max_steps=40)
     assert trajectory(out) == trajectory(trained[0])[:40]  # trained prepared them in the step (the CPU default)
 
 
@@ -422,7 +435,7 @@ def test_nan_loss_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path, tin
     assert not (tmp_path / "out-nan" / "pytorch_lora_weights.safetensors").exists()
 
 
-def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded):
+def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded, warm):
     """Step 1's loss is computed before the first update: it must be the init LoRA's loss on the
     plan's first batch, computed here with the recipe's own data and loss functions."""
     from diffusers import UNet2DConditionModel
@@ -436,7 +449,7 @@ def test_init_lora_starts_from_that_lora(trained, tmp_path, tiny_model, encoded)
 
     init = trained[0] / "pytorch_lora_weights.safetensors"
     inputs = replace(train_inputs(tiny_model, encoded), init_lora_digest="init-digest")
-    out, _ = run_train(tmp_path, "init", inputs, init_lora=str(init), max_steps=1)
+    out, _ = run_train(tmp_path, "init", inputs, placement=warm, init_lora=str(init), max_steps=1)
     params = train.TrainParams(**PARAMS)
     data = EncodedData(encoded.artifact_dir, encoded.cache_root)
     unet = UNet2DConditionModel.from_pretrained(tiny_model, subfolder="unet")

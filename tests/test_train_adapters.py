@@ -15,13 +15,14 @@ import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import merged, weight
-from parallel import case_by_test, selected, started
+from parallel import case_by_test, selected, started_warm
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lorapipe.stages import families, train
 from lorapipe.stages.lora_formats.diffusers_format import add_adapter_from_file
 from lorapipe.stages.lora_formats.lycoris import adapted_modules
+from lorapipe.stages.processes.placement import Placement
 
 STEPS = 4
 PARAMS = dict(rank=2, alpha=3.0, target_modules="attention", learning_rate=1e-2, batch_size=2, max_steps=STEPS,
@@ -36,13 +37,15 @@ CASE_TESTS = {  # the tests of adapter_runs: a test's parameters -> its (family,
     "test_init_lora_starts_a_lokr_from_a_lokr_file": lambda params: ("sd", "lokr")}
 
 
-def run_train(tmp: Path, name: str, model: Path, encoded, work: Path, **overrides) -> Path:
+def run_train(tmp: Path, name: str, model: Path, encoded, work: Path, placement: Placement | None = None,
+              **overrides) -> Path:
+    """Train into tmp/out-{name} with PARAMS and `overrides`, where `placement` says (default: a process of its own)."""
     out = tmp / f"out-{name}"
     out.mkdir()
     inputs = train.TrainInputs(encoded_dir=encoded.artifact_dir, cache_root=encoded.cache_root, model_path=model,
                                base_model_digest="base", encoded_digest=encoded.digest)
     train.run(train.TrainParams(**{**PARAMS, **overrides}), inputs, out, work,
-              train.TrainOptions(log_with="none", cpu_threads=1), log=lambda line: None)
+              train.TrainOptions(log_with="none", cpu_threads=1), log=lambda line: None, placement=placement)
     return out
 
 
@@ -53,24 +56,26 @@ class AdapterRun:
     resumed: Path
 
 
-def train_straight_and_resumed(tmp: Path, model: Path, encoded, settings: dict) -> AdapterRun:
+def train_straight_and_resumed(tmp: Path, model: Path, encoded, settings: dict,
+                               placement: Placement | None = None) -> AdapterRun:
     """A run straight through, and one resumed from what a run killed after its first checkpoint
     leaves: that checkpoint (committed atomically), copied from the straight run's work dir."""
-    straight = run_train(tmp, "straight", model, encoded, tmp / "work-straight", **settings)
+    straight = run_train(tmp, "straight", model, encoded, tmp / "work-straight", placement, **settings)
     halfway = f"checkpoints/step-{settings.get('max_steps', STEPS) // 2:06d}"
     shutil.copytree(tmp / "work-straight" / halfway, tmp / "work" / halfway)
-    return AdapterRun(tmp, straight, run_train(tmp, "resumed", model, encoded, tmp / "work", **settings))
+    return AdapterRun(tmp, straight, run_train(tmp, "resumed", model, encoded, tmp / "work", placement, **settings))
 
 
 @pytest.fixture(scope="module")
 def adapter_runs(request, tmp_path_factory):
     """(family, kind) -> its AdapterRun, for every case of the adapter tests this session runs. The
-    trainings start when the module does, AT_ONCE at a time (parallel.py) in case order (each case's two
-    in turn), so the tests wait on their own case's while the next ones train."""
+    trainings start when the module does, AT_ONCE at a time in warm processes (parallel.py) in case order
+    (each case's two in turn), so the tests wait on their own case's while the next ones train."""
     cases = selected(request, case_by_test(CASE_TESTS))
     inputs = {family: tuple(request.getfixturevalue(name) for name in FAMILIES[family]) for family in dict(cases)}
-    with started({(family, kind): partial(train_straight_and_resumed, tmp_path_factory.mktemp(f"{family}-{kind}"),
-                                          *inputs[family], ADAPTERS[kind]) for family, kind in cases}) as result:
+    trainings = {(family, kind): partial(train_straight_and_resumed, tmp_path_factory.mktemp(f"{family}-{kind}"),
+                                         *inputs[family], ADAPTERS[kind]) for family, kind in cases}
+    with started_warm(trainings) as result:
         yield lambda family, kind: result((family, kind))
 
 

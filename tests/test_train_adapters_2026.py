@@ -27,7 +27,7 @@ import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
 from family_checks import fused_change, merged, weight, quiet_pipeline
-from parallel import case_by_test, selected, started
+from parallel import case_by_test, selected, started_warm
 from safetensors import safe_open
 from safetensors.torch import load_file
 from test_adapters import documented_keys, exported_comfyui_file, per_module, trained_adapter
@@ -37,6 +37,7 @@ from test_train_adapters import run_train as train_once
 from lorapipe.stages import families, train
 from lorapipe.stages.lora_formats.diffusers_format import add_adapter_from_file
 from lorapipe.stages.lora_formats.lycoris import adapted_modules
+from lorapipe.stages.processes.placement import Placement
 from lorapipe.stages.train.adapter import AdapterParams
 from lorapipe.stages.train.trained_adapter import INITIAL_FILE, TrainedAdapter
 
@@ -87,8 +88,8 @@ def settings(family: str, kind: str) -> dict:
     return {**ADAPTERS[kind], "target_modules": WHOLE_MODULES[family] if kind == "lokr" else "attention"}
 
 
-def run_train(root: Path, name: str, model: Path, encoded, **overrides) -> Path:
-    return train_once(root, name, model, encoded, root / f"work-{name}", **{**PARAMS, **overrides})
+def run_train(root: Path, name: str, model: Path, encoded, placement: Placement | None = None, **overrides) -> Path:
+    return train_once(root, name, model, encoded, root / f"work-{name}", placement, **{**PARAMS, **overrides})
 
 
 def checkpoint(work: Path, step: int) -> Path:
@@ -103,13 +104,14 @@ class Run:
     resumed: Path | None  # the resumed run's output (REAL_RESUME cases)
 
 
-def train_case(root: Path, model: Path, encoded, family: str, kind: str) -> Run:
+def train_case(root: Path, model: Path, encoded, family: str, kind: str, placement: Placement) -> Run:
     """Straight for STEPS steps; for REAL_RESUME, also resumed from its halfway checkpoint in a fresh
     work dir (what a run killed after that checkpoint leaves)."""
     if (family, kind) in REAL_RESUME:
-        both = train_straight_and_resumed(root, model, encoded, {**PARAMS, **settings(family, kind)})
+        both = train_straight_and_resumed(root, model, encoded, {**PARAMS, **settings(family, kind)}, placement)
         return Run(model, both.straight, root / "work-straight", both.resumed)
-    return Run(model, run_train(root, "straight", model, encoded, **settings(family, kind)), root / "work-straight", None)
+    straight = run_train(root, "straight", model, encoded, placement, **settings(family, kind))
+    return Run(model, straight, root / "work-straight", None)
 
 
 CASE_TESTS = dict.fromkeys(  # the tests that take a run: their parameters -> its (family, kind)
@@ -121,12 +123,13 @@ CASE_TESTS = dict.fromkeys(  # the tests that take a run: their parameters -> it
 @pytest.fixture(scope="module")
 def runs(request, tmp_path_factory, models):
     """(family, adapter) -> its Run, for every case this session's tests need: the trainings start
-    with the module, two at a time (parallel.py), in case order, so a test waits on its own case's
-    while the next ones train."""
+    with the module, two at a time in warm processes (parallel.py), in case order, so a test waits on
+    its own case's while the next ones train."""
     cases = selected(request, case_by_test(CASE_TESTS))
     inputs = {family: models[family]() for family in dict(cases)}
-    with started({(family, kind): partial(train_case, tmp_path_factory.mktemp(f"{family}-{kind}"),
-                                          *inputs[family], family, kind) for family, kind in cases}) as result:
+    trainings = {(family, kind): partial(train_case, tmp_path_factory.mktemp(f"{family}-{kind}"), *inputs[family],
+                                         family, kind) for family, kind in cases}
+    with started_warm(trainings) as result:
         yield lambda family, kind: result((family, kind))
 
 
