@@ -142,6 +142,15 @@ def _tensor(im: Image.Image) -> torch.Tensor:
     return pixels.view(im.height, im.width, 3).permute(2, 0, 1).float() / 127.5 - 1.0
 
 
+def condition_clip(pixels: torch.Tensor, frames: int) -> torch.Tensor:
+    """An image-to-video model's conditioning image, (3, H, W) or a one-frame clip (3, 1, H, W), as the
+    clip its VAE encodes (ImageCondition): the image, then zero frames up to `frames` (3, F, H, W)."""
+    import torch
+
+    image = pixels if pixels.ndim == 4 else pixels.unsqueeze(1)
+    return torch.cat([image, image.new_zeros(image.shape[0], frames - 1, *image.shape[2:])], dim=1)
+
+
 def sample_shape(sample: ImageRow) -> tuple[int, int, int]:
     """A preprocess sample's pixel shape as batches group it: (window frames, or 0 for an image, H, W)."""
     return (sample.frame_count, *sample.size)

@@ -24,11 +24,12 @@ from .qwenimage_edit import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
 from .sd import SD15, SDXL
 from .single_file import single_file_folder
 from .wan import WAN
+from .wan_i2v import WAN_I2V
 from .zimage import ZIMAGE
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FLUX1, FLUX1_KONTEXT, FLUX2_KLEIN,
                                                                   ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
-                                                                  QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, LTX2)}
+                                                                  QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, WAN_I2V, LTX2)}
 # single files: SDXL's marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's before Flux.1's,
 # whose markers Flux.2 checkpoints also carry
 SINGLE_FILE_DETECTION = (SDXL, SD15, FLUX2_KLEIN, FLUX1, ZIMAGE, QWEN_IMAGE)

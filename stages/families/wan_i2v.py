@@ -1,0 +1,102 @@
+"""Wan image-to-video (WanImageToVideoPipeline): Wan 2.1 I2V, a clip conditioned on its first frame.
+
+As WanImageToVideoPipeline.prepare_latents builds the condition: the image followed by zero frames
+to the clip's length through the VAE (the posterior's mean), normalised per channel, behind a
+first-frame mask of `vae_scale_factor_temporal` channels (ones on the first latent frame, zeros
+after), concatenated on channels after the noisy latents; the transformer also reads the image's
+CLIP-vision embedding (the penultimate hidden state, the pipeline's encode_image) as
+encoder_hidden_states_image. The conditioning image's record (ImageCondition, padded) holds the
+normalised-to-be posterior of the padded clip and that embedding; everything else is Wan's.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .base import IMAGE_EMBEDS, REFERENCE_LATENTS, Conditioning, ImageCondition
+from .folders import load_component
+from .wan import TIMESTEP_SCALE, WAN, Wan, WanVariant, ftfy_version
+
+if TYPE_CHECKING:
+    import torch
+
+    from .objectives import Objective
+
+I2V_VARIANTS = (WanVariant("2.1-i2v", "wan2.1-i2v", 50, 5.0),)
+
+
+class ClipVisionEmbedder:
+    """WanImageToVideoPipeline.encode_image on placed pixels: the image processor on the image as
+    8-bit RGB (what the pipeline is handed), the CLIP vision model's penultimate hidden state."""
+
+    def __init__(self, model_path: Path, component: str, device: str):
+        self.processor = load_component(model_path, "image_processor")
+        self.encoder = load_component(model_path, component).eval().requires_grad_(False).to(device)
+        self.device = device
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor:
+        import torch
+        from PIL import Image
+
+        images = [Image.fromarray(((p + 1) * 127.5).round().clamp(0, 255).byte().permute(1, 2, 0).numpy())
+                  for p in pixels]
+        inputs = self.processor(images=images, return_tensors="pt").to(self.device)
+        with torch.inference_mode():
+            return self.encoder(**inputs, output_hidden_states=True).hidden_states[-2].float().cpu()
+
+
+def first_frame_condition(reference: torch.Tensor, mask_channels: int) -> torch.Tensor:
+    """The transformer's conditioning channels (B, mask_channels + C, F', h, w) from the conditioning
+    image's normalised latents (B, C, F', h, w): the first-frame mask, then the latents."""
+    import torch
+
+    mask = torch.zeros(reference.shape[0], mask_channels, *reference.shape[2:], dtype=reference.dtype)
+    mask[:, :, 0] = 1
+    return torch.cat([mask.to(reference.device), reference], dim=1)
+
+
+@dataclass(frozen=True)
+class WanI2V(Wan):
+    variants: tuple[WanVariant, ...] = I2V_VARIANTS
+    max_references: int = 1
+    image_condition: ImageCondition | None = ImageCondition(padded=True, embedder=ClipVisionEmbedder)
+    renders_without_references: bool = False
+
+    def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
+                conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
+        """As WanImageToVideoPipeline calls its transformer: the noisy latents with the first-frame
+        mask and the condition on channels, 1000 sigma, the padded text, the image embedding."""
+        import torch
+
+        reference = conditioning[REFERENCE_LATENTS][:, 0].to(noisy.device, noisy.dtype)
+        mask_channels = transformer.config.in_channels - noisy.shape[1] - reference.shape[1]
+        hidden = torch.cat([noisy, first_frame_condition(reference, mask_channels)], dim=1)
+        text = conditioning["encoder_hidden_states"].to(device=noisy.device, dtype=dtype)
+        image = conditioning[IMAGE_EMBEDS][:, 0].to(device=noisy.device, dtype=dtype)
+        t = (timesteps.float() * TIMESTEP_SCALE).to(noisy.device)
+        return transformer(hidden_states=hidden.to(dtype), timestep=t, encoder_hidden_states=text,
+                           encoder_hidden_states_image=image, return_dict=False)[0].float()
+
+    def prepare_pipeline(self, pipe: Any, sampler: str, objective: Objective) -> None:
+        super().prepare_pipeline(pipe, sampler, objective)
+        if ftfy_version() is None:  # the I2V pipeline's prompt_clean calls ftfy unchecked; WanPipeline's,
+            from diffusers import WanPipeline  # the same code otherwise, checks that it is installed
+
+            pipe._get_t5_prompt_embeds = WanPipeline._get_t5_prompt_embeds.__get__(pipe)
+
+    def reference_render_kwargs(self, images: list[Any]) -> dict[str, Any]:
+        return {"image": images[0]}
+
+    def build_tiny_variant(self, out_dir: Path, variant: WanVariant) -> Path:
+        from .tiny.wan_i2v import build_tiny_wan_i2v
+
+        return build_tiny_wan_i2v(out_dir)
+
+
+WAN_I2V = WanI2V(
+    name="wan-i2v", label="Wan I2V", pipeline_class="WanImageToVideoPipeline",
+    components=replace(WAN.components, image=("image_encoder", "image_processor")), kohya=WAN.kohya,
+    latent_patch=WAN.latent_patch, text_encoder=WAN.text_encoder, original_formats=WAN.original_formats,
+    sampler=WAN.sampler, block_lists=WAN.block_lists,
+)
