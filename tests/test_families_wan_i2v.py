@@ -45,7 +45,7 @@ def test_condition_embedding_and_denoiser_call_are_the_pipelines(model):
     _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
         prompt=captions, image=image, height=HEIGHT, width=WIDTH, num_frames=FRAMES, num_inference_steps=2,
         guidance_scale=1.0, generator=torch.Generator().manual_seed(0), output_type="latent"))
-    pixels = torch.from_numpy(numpy.asarray(image)).permute(2, 0, 1).float() / 127.5 - 1
+    pixels = torch.from_numpy(numpy.array(image)).permute(2, 0, 1).float() / 127.5 - 1
     mean, _ = family.load_latent_encoder(model, "cpu")(condition_clip(pixels, FRAMES).unsqueeze(0))
     reference = family.latent_normalisation(model).apply(mean)
     embeds = family.image_condition.embedder(model, family.components.image[0], "cpu")(pixels.unsqueeze(0))
