@@ -1,8 +1,9 @@
-"""Wan image-to-video against WanImageToVideoPipeline on the tiny offline Wan 2.1 I2V: the condition the
-training step builds from the conditioning image's record (the image then zero frames through the VAE,
-normalised, behind the first-frame mask) is what the pipeline's prepare_latents builds, the record's
-CLIP-vision embedding is the pipeline's encode_image, and family.predict is the pipeline's
-transformer call."""
+"""Wan image-to-video against WanImageToVideoPipeline on the tiny offline Wan 2.1 I2V and Wan 2.2 I2V
+A14B: the condition the training step builds from the conditioning image's record (the image then
+zero frames through the VAE, normalised, behind the first-frame mask) is what the pipeline's
+prepare_latents builds, the record's CLIP-vision embedding (Wan 2.1) is the pipeline's encode_image,
+and family.predict is the pipeline's transformer call (A14B: its high-noise expert's, at the first
+step)."""
 from __future__ import annotations
 
 import numpy
@@ -16,28 +17,36 @@ from lorapipe.stages.encode.images import condition_clip
 from lorapipe.stages.families import ObjectiveParams
 from lorapipe.stages.families.base import IMAGE_EMBEDS, REFERENCE_LATENTS
 
-ARCH = "wan2.1-i2v"
+ARCHES = ("wan2.1-i2v", "wan2.2-i2v-a14b")
 HEIGHT, WIDTH, FRAMES = 64, 32, 5
 
 
 @pytest.fixture(scope="module")
-def model(tiny_models):
-    return tiny_models(ARCH)
+def models(tiny_models):
+    return {arch: tiny_models(arch) for arch in ARCHES}
 
 
-def test_tiny_wan_i2v_builds_byte_identically_and_is_told_apart(model, tmp_path):
-    assert "image_encoder/model.safetensors" in assert_builds_byte_identically(model, ARCH, tmp_path / "again")
-    family = families.for_model(model)
-    assert (family.name, family.variant.tiny_arch, family.max_references) == ("wan-i2v", ARCH, 1)
-    assert family.image_condition.padded and family.components.for_stage("encode")[-2:] == \
-        ("image_encoder", "image_processor")
+@pytest.mark.parametrize("arch", ARCHES)
+def test_tiny_wan_i2v_builds_byte_identically_and_is_told_apart(arch, models, tmp_path):
+    files = assert_builds_byte_identically(models[arch], arch, tmp_path / "again")
+    family = families.for_model(models[arch])
+    a14b = arch == "wan2.2-i2v-a14b"
+    assert (family.name, family.variant.tiny_arch, family.max_references) == ("wan-i2v", arch, 1)
+    assert ("image_encoder/model.safetensors" in files) == (not a14b) and family.image_condition.padded
+    assert family.components.image == (() if a14b else ("image_encoder", "image_processor"))
+    assert (family.bound.boundary_ratio, family.components.denoisers()) == \
+        ((0.9, ("transformer", "transformer_2")) if a14b else (None, ("transformer",)))
 
 
-def test_condition_embedding_and_denoiser_call_are_the_pipelines(model):
+@pytest.mark.parametrize("arch", ARCHES)
+def test_condition_embedding_and_denoiser_call_are_the_pipelines(arch, models):
     """The pipeline's first transformer call on an image (no CFG): its 20 conditioning channels are
     the first-frame mask and the normalised posterior mean of the padded clip our encoder gives, its
-    image input is our embedder's, and family.predict on its noisy latents is its output."""
+    image input is our embedder's (none for A14B), and family.predict on its noisy latents is its
+    output."""
+    model = models[arch]
     family, pipe = families.for_model(model), quiet_pipeline(model)
+    family = family.with_denoiser("high_noise" if family.denoiser_choices else None)
     family.prepare_pipeline(pipe, family.sampler, family.objective(model, ObjectiveParams()))
     image = Image.fromarray(torch.randint(0, 256, (HEIGHT, WIDTH, 3), generator=torch.Generator().manual_seed(5),
                                           dtype=torch.uint8).numpy())
@@ -48,15 +57,18 @@ def test_condition_embedding_and_denoiser_call_are_the_pipelines(model):
     pixels = torch.from_numpy(numpy.array(image)).permute(2, 0, 1).float() / 127.5 - 1
     mean, _ = family.load_latent_encoder(model, "cpu")(condition_clip(pixels, FRAMES).unsqueeze(0))
     reference = family.latent_normalisation(model).apply(mean)
-    embeds = family.image_condition.embedder(model, family.components.image[0], "cpu")(pixels.unsqueeze(0))
     channels = reference.shape[1]
     assert torch.allclose(kwargs["hidden_states"][:, channels + 4:], reference, atol=1e-5)
     assert (kwargs["hidden_states"][:, channels:channels + 4, 0] == 1).all()
     assert (kwargs["hidden_states"][:, channels:channels + 4, 1:] == 0).all()
-    assert torch.equal(embeds, kwargs["encoder_hidden_states_image"])
-
     cond = family.conditioning(text_records(model, captions)[1], [], ObjectiveParams())
-    cond |= {REFERENCE_LATENTS: reference.unsqueeze(1), IMAGE_EMBEDS: embeds.unsqueeze(1)}
+    cond[REFERENCE_LATENTS] = reference.unsqueeze(1)
+    if family.image_condition.embedder is None:
+        assert kwargs["encoder_hidden_states_image"] is None
+    else:
+        embeds = family.image_condition.embedder(model, family.components.image[0], "cpu")(pixels.unsqueeze(0))
+        assert torch.equal(embeds, kwargs["encoder_hidden_states_image"])
+        cond[IMAGE_EMBEDS] = embeds.unsqueeze(1)
     sigma = pipe.scheduler.timesteps[0].float().expand(1) / 1000
     with torch.no_grad():
         predicted = family.predict(pipe.transformer, kwargs["hidden_states"][:, :channels], sigma, cond,

@@ -1,4 +1,5 @@
-"""Wan image-to-video (WanImageToVideoPipeline): Wan 2.1 I2V, a clip conditioned on its first frame.
+"""Wan image-to-video (WanImageToVideoPipeline): Wan 2.1 I2V and Wan 2.2 I2V A14B, a clip conditioned on
+its first frame.
 
 As WanImageToVideoPipeline.prepare_latents builds the condition: the image followed by zero frames
 to the clip's length through the VAE (the posterior's mean), normalised per channel, behind a
@@ -6,7 +7,9 @@ first-frame mask of `vae_scale_factor_temporal` channels (ones on the first late
 after), concatenated on channels after the noisy latents; the transformer also reads the image's
 CLIP-vision embedding (the penultimate hidden state, the pipeline's encode_image) as
 encoder_hidden_states_image. The conditioning image's record (ImageCondition, padded) holds the
-normalised-to-be posterior of the padded clip and that embedding; everything else is Wan's.
+normalised-to-be posterior of the padded clip and that embedding; everything else is Wan's. Wan 2.2
+I2V A14B has two experts chosen as Wan's A14B's are (train.denoiser) and no image encoder: its
+condition is the mask and the latents alone.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ if TYPE_CHECKING:
 
     from .objectives import Objective
 
-I2V_VARIANTS = (WanVariant("2.1-i2v", "wan2.1-i2v", 50, 5.0),)
+I2V_A14B = WanVariant("2.2-i2v-a14b", "wan2.2-i2v-a14b", 40, 3.5)  # its boundary_ratio: the model's (for_model)
+I2V_VARIANTS = (WanVariant("2.1-i2v", "wan2.1-i2v", 50, 5.0), I2V_A14B)  # A14B: told apart by its transformer_2
 
 
 class ClipVisionEmbedder:
@@ -63,6 +67,14 @@ class WanI2V(Wan):
     image_condition: ImageCondition | None = ImageCondition(padded=True, embedder=ClipVisionEmbedder)
     renders_without_references: bool = False
 
+    def for_model(self, model_path: Path) -> WanI2V:
+        """Wan 2.2 I2V A14B (two experts, as Wan's A14B) reads no image embedding: no image encoder."""
+        bound = super().for_model(model_path)
+        if not bound.denoiser_choices:
+            return bound
+        return replace(bound, variant=replace(I2V_A14B, boundary_ratio=bound.variant.boundary_ratio),
+                       components=replace(bound.components, image=()), image_condition=ImageCondition(padded=True))
+
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As WanImageToVideoPipeline calls its transformer: the noisy latents with the first-frame
@@ -73,7 +85,8 @@ class WanI2V(Wan):
         mask_channels = transformer.config.in_channels - noisy.shape[1] - reference.shape[1]
         hidden = torch.cat([noisy, first_frame_condition(reference, mask_channels)], dim=1)
         text = conditioning["encoder_hidden_states"].to(device=noisy.device, dtype=dtype)
-        image = conditioning[IMAGE_EMBEDS][:, 0].to(device=noisy.device, dtype=dtype)
+        image = conditioning[IMAGE_EMBEDS][:, 0].to(device=noisy.device, dtype=dtype) \
+            if IMAGE_EMBEDS in conditioning else None  # Wan 2.1's; A14B's transformers read none
         t = (timesteps.float() * TIMESTEP_SCALE).to(noisy.device)
         return transformer(hidden_states=hidden.to(dtype), timestep=t, encoder_hidden_states=text,
                            encoder_hidden_states_image=image, return_dict=False)[0].float()
@@ -91,7 +104,7 @@ class WanI2V(Wan):
     def build_tiny_variant(self, out_dir: Path, variant: WanVariant) -> Path:
         from .tiny.wan_i2v import build_tiny_wan_i2v
 
-        return build_tiny_wan_i2v(out_dir)
+        return build_tiny_wan_i2v(out_dir, experts=variant is I2V_A14B)
 
 
 WAN_I2V = WanI2V(
