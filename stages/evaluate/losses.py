@@ -76,7 +76,7 @@ def denoising_loss(denoiser: torch.nn.Module, scoring: Scoring, encoded: Encoded
         conditioning |= {name: tensor.unsqueeze(0) for name, tensor in references.items()}
         conditioning = {k: v.expand(n, *v.shape[1:]).to(device) for k, v in conditioning.items()}
         pred = family.predict(denoiser, noised.noisy.to(device), noised.timesteps.to(device), conditioning, dtype)
-        total += MSE.per_sample(pred.cpu(), noised.target).double()
+        total += MSE.per_sample(*family.loss_region(pred.cpu(), noised.target)).double()
     per_t = total / len(samples)
     return {
         "overall": per_t.mean().item(),

@@ -269,6 +269,7 @@ class Family(ABC):
                                        the batch's conditioning on the CPU, batch first, records
                                        padded by the family's rule; the prediction in float32, in
                                        the latent layout, as the pipeline calls its denoiser
+        loss_region(pred, target)      what of them the loss scores (all, but a conditioning frame)
       references (edit models: preprocess, train, evaluate)
         max_references                 reference images a sample may have (check_references); a
                                        batch's references reach predict as conditioning[REFERENCE_LATENTS]:
@@ -393,6 +394,11 @@ class Family(ABC):
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """The denoiser's prediction for x_t (latent layout, already on the denoiser's device),
         packed and unpacked as the family needs, in float32, comparable with the objective's target."""
+
+    def loss_region(self, pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts of a prediction and its target the loss scores: all of them, unless part of the
+        input is the condition rather than something denoised (an image-to-video model's first frame)."""
+        return pred, target
 
     # ---- LoRA
     @abstractmethod

@@ -9,7 +9,9 @@ CLIP-vision embedding (the penultimate hidden state, the pipeline's encode_image
 encoder_hidden_states_image. The conditioning image's record (ImageCondition, padded) holds the
 normalised-to-be posterior of the padded clip and that embedding; everything else is Wan's. Wan 2.2
 I2V A14B has two experts chosen as Wan's A14B's are (train.denoiser) and no image encoder: its
-condition is the mask and the latents alone.
+condition is the mask and the latents alone. Wan 2.2 TI2V-5B conditioned on an image (a folder whose
+model_index.json names WanImageToVideoPipeline with expand_timesteps): the image alone through the
+VAE replaces the first latent frame, whose tokens take timestep 0; the loss scores the frames after it.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .base import IMAGE_EMBEDS, REFERENCE_LATENTS, Conditioning, ImageCondition
+from .base import IMAGE_EMBEDS, MODEL_INDEX, REFERENCE_LATENTS, Conditioning, ImageCondition
 from .folders import load_component
 from .wan import TIMESTEP_SCALE, WAN, Wan, WanVariant, ftfy_version
 
@@ -26,8 +28,20 @@ if TYPE_CHECKING:
 
     from .objectives import Objective
 
-I2V_A14B = WanVariant("2.2-i2v-a14b", "wan2.2-i2v-a14b", 40, 3.5)  # its boundary_ratio: the model's (for_model)
-I2V_VARIANTS = (WanVariant("2.1-i2v", "wan2.1-i2v", 50, 5.0), I2V_A14B)  # A14B: told apart by its transformer_2
+
+
+@dataclass(frozen=True)
+class WanI2VVariant(WanVariant):
+    reads_image_embedding: bool = False  # Wan 2.1's transformer also reads the image's CLIP-vision embedding
+
+
+I2V_A14B = WanI2VVariant("2.2-i2v-a14b", "wan2.2-i2v-a14b", 40, 3.5)  # its boundary_ratio: the model's (for_model)
+I2V_VARIANTS = (  # A14B last: told apart by its transformer_2
+    WanI2VVariant("2.2-ti2v-5b-i2v", "wan2.2-5b-i2v", 50, 5.0, markers=((MODEL_INDEX, "expand_timesteps", True),),
+                  per_token_timesteps=True, render_frames=121),
+    WanI2VVariant("2.1-i2v", "wan2.1-i2v", 50, 5.0, reads_image_embedding=True),
+    I2V_A14B,
+)
 
 
 class ClipVisionEmbedder:
@@ -62,34 +76,51 @@ def first_frame_condition(reference: torch.Tensor, mask_channels: int) -> torch.
 
 @dataclass(frozen=True)
 class WanI2V(Wan):
-    variants: tuple[WanVariant, ...] = I2V_VARIANTS
+    variants: tuple[WanI2VVariant, ...] = I2V_VARIANTS
     max_references: int = 1
     image_condition: ImageCondition | None = ImageCondition(padded=True, embedder=ClipVisionEmbedder)
     renders_without_references: bool = False
 
     def for_model(self, model_path: Path) -> WanI2V:
-        """Wan 2.2 I2V A14B (two experts, as Wan's A14B) reads no image embedding: no image encoder."""
+        """Bound to the variant, whose condition follows from it: TI2V-5B's is the image alone (its
+        first latent frame), the others' the padded clip; only Wan 2.1's reads an image embedding."""
         bound = super().for_model(model_path)
-        if not bound.denoiser_choices:
-            return bound
-        return replace(bound, variant=replace(I2V_A14B, boundary_ratio=bound.variant.boundary_ratio),
-                       components=replace(bound.components, image=()), image_condition=ImageCondition(padded=True))
+        variant = bound.variant if not bound.denoiser_choices else \
+            replace(I2V_A14B, boundary_ratio=bound.variant.boundary_ratio)  # Wan's rule found two experts
+        embedder = ClipVisionEmbedder if variant.reads_image_embedding else None
+        return replace(bound, variant=variant, image_condition=ImageCondition(not variant.per_token_timesteps, embedder),
+                       components=replace(bound.components, image=bound.components.image if embedder else ()))
 
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As WanImageToVideoPipeline calls its transformer: the noisy latents with the first-frame
-        mask and the condition on channels, 1000 sigma, the padded text, the image embedding."""
+        mask and the condition on channels (TI2V-5B: the condition as the first latent frame, its
+        tokens at timestep 0), 1000 sigma, the padded text, the image embedding (Wan 2.1's)."""
         import torch
 
         reference = conditioning[REFERENCE_LATENTS][:, 0].to(noisy.device, noisy.dtype)
-        mask_channels = transformer.config.in_channels - noisy.shape[1] - reference.shape[1]
-        hidden = torch.cat([noisy, first_frame_condition(reference, mask_channels)], dim=1)
+        t = (timesteps.float() * TIMESTEP_SCALE).to(noisy.device)
+        if self.bound.per_token_timesteps:
+            hidden = torch.cat([reference, noisy[:, :, 1:]], dim=2)
+            frames, height, width = noisy.shape[2:]
+            per_frame = t[:, None].expand(-1, frames).clone()
+            per_frame[:, 0] = 0
+            t = per_frame[:, :, None].expand(-1, -1, (height // self.latent_patch) * (width // self.latent_patch))
+            t = t.flatten(1)
+        else:
+            mask_channels = transformer.config.in_channels - noisy.shape[1] - reference.shape[1]
+            hidden = torch.cat([noisy, first_frame_condition(reference, mask_channels)], dim=1)
         text = conditioning["encoder_hidden_states"].to(device=noisy.device, dtype=dtype)
         image = conditioning[IMAGE_EMBEDS][:, 0].to(device=noisy.device, dtype=dtype) \
-            if IMAGE_EMBEDS in conditioning else None  # Wan 2.1's; A14B's transformers read none
-        t = (timesteps.float() * TIMESTEP_SCALE).to(noisy.device)
+            if IMAGE_EMBEDS in conditioning else None  # Wan 2.1's; the others' transformers read none
         return transformer(hidden_states=hidden.to(dtype), timestep=t, encoder_hidden_states=text,
                            encoder_hidden_states_image=image, return_dict=False)[0].float()
+
+    def loss_region(self, pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """TI2V-5B's first latent frame is the condition, not denoised: the loss scores the others."""
+        if self.bound.per_token_timesteps:
+            return pred[:, :, 1:], target[:, :, 1:]
+        return pred, target
 
     def prepare_pipeline(self, pipe: Any, sampler: str, objective: Objective) -> None:
         super().prepare_pipeline(pipe, sampler, objective)
@@ -102,8 +133,10 @@ class WanI2V(Wan):
         return {"image": images[0]}
 
     def build_tiny_variant(self, out_dir: Path, variant: WanVariant) -> Path:
-        from .tiny.wan_i2v import build_tiny_wan_i2v
+        from .tiny.wan_i2v import build_tiny_ti2v_i2v, build_tiny_wan_i2v
 
+        if variant.per_token_timesteps:
+            return build_tiny_ti2v_i2v(out_dir)
         return build_tiny_wan_i2v(out_dir, experts=variant is I2V_A14B)
 
 

@@ -1,5 +1,6 @@
 """A tiny Wan 2.1 I2V built offline, byte-for-byte reproducible: `lorapipe tiny-model DIR --arch wan2.1-i2v`,
-or a tiny Wan 2.2 I2V A14B: `--arch wan2.2-i2v-a14b`.
+a tiny Wan 2.2 I2V A14B: `--arch wan2.2-i2v-a14b`, or the tiny Wan 2.2 TI2V-5B (`wan2.2-5b`, the same
+bytes) as an image-to-video pipeline: `--arch wan2.2-5b-i2v`.
 
 The tiny Wan 2.1's text encoder, tokenizer, VAE and scheduler (the same bytes, as the real I2V
 models share Wan 2.1's VAE and UMT5), a transformer that reads the noisy latents, the 4-channel
@@ -66,6 +67,24 @@ def build_tiny_wan_i2v(out_dir: Path, experts: bool = False) -> Path:
         scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
                                           flow_shift=A14B_FLOW_SHIFT if experts else FLOW_SHIFT[False]),
         transformer=seeded(_transformer, vae.config.z_dim, not experts), **parts,
+    )
+    pipe.save_pretrained(Path(out_dir), safe_serialization=True)
+    return Path(out_dir)
+
+
+def build_tiny_ti2v_i2v(out_dir: Path) -> Path:
+    """Write the tiny Wan 2.2 TI2V-5B (its components' bytes) as a WanImageToVideoPipeline into out_dir."""
+    from diffusers import UniPCMultistepScheduler, WanImageToVideoPipeline
+
+    from .wan import _transformer as t2v_transformer
+
+    tokenizer = t5_tokenizer()
+    vae = seeded(_vae, True)
+    pipe = WanImageToVideoPipeline(
+        tokenizer=tokenizer, text_encoder=seeded(_umt5, len(tokenizer)), vae=vae,
+        scheduler=UniPCMultistepScheduler(prediction_type="flow_prediction", use_flow_sigmas=True,
+                                          flow_shift=FLOW_SHIFT[True]),
+        transformer=seeded(t2v_transformer, vae.config.z_dim), expand_timesteps=True,
     )
     pipe.save_pretrained(Path(out_dir), safe_serialization=True)
     return Path(out_dir)
