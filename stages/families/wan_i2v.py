@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 from .base import IMAGE_EMBEDS, MODEL_INDEX, REFERENCE_LATENTS, Conditioning, ImageCondition
 from .folders import load_component
+from .video import after_first_frame, with_first_frame_condition
 from .wan import TIMESTEP_SCALE, WAN, Wan, WanVariant, ftfy_version
 
 if TYPE_CHECKING:
@@ -101,12 +102,9 @@ class WanI2V(Wan):
         reference = conditioning[REFERENCE_LATENTS][:, 0].to(noisy.device, noisy.dtype)
         t = (timesteps.float() * TIMESTEP_SCALE).to(noisy.device)
         if self.bound.per_token_timesteps:
-            hidden = torch.cat([reference, noisy[:, :, 1:]], dim=2)
-            frames, height, width = noisy.shape[2:]
-            per_frame = t[:, None].expand(-1, frames).clone()
-            per_frame[:, 0] = 0
-            t = per_frame[:, :, None].expand(-1, -1, (height // self.latent_patch) * (width // self.latent_patch))
-            t = t.flatten(1)
+            height, width = noisy.shape[3:]
+            hidden, t = with_first_frame_condition(noisy, reference, t,
+                                                   (height // self.latent_patch) * (width // self.latent_patch))
         else:
             mask_channels = transformer.config.in_channels - noisy.shape[1] - reference.shape[1]
             hidden = torch.cat([noisy, first_frame_condition(reference, mask_channels)], dim=1)
@@ -118,9 +116,7 @@ class WanI2V(Wan):
 
     def loss_region(self, pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """TI2V-5B's first latent frame is the condition, not denoised: the loss scores the others."""
-        if self.bound.per_token_timesteps:
-            return pred[:, :, 1:], target[:, :, 1:]
-        return pred, target
+        return after_first_frame(pred, target) if self.bound.per_token_timesteps else (pred, target)
 
     def prepare_pipeline(self, pipe: Any, sampler: str, objective: Objective) -> None:
         super().prepare_pipeline(pipe, sampler, objective)
