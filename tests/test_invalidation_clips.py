@@ -174,3 +174,19 @@ def test_a_swapped_conditioning_image_encodes_its_one_record(i2v_baseline, tmp_p
 
 def test_an_i2v_caption_edit_encodes_one_text_record_and_no_latent(i2v_baseline, tmp_path, count_encoder_rows):
     assert_a_caption_edit_encodes_one_text_record(i2v_copy(i2v_baseline, tmp_path), tmp_path, count_encoder_rows)
+
+
+def test_an_image_in_an_i2v_dataset_is_refused_in_one_line(i2v_baseline, tmp_path):
+    """Without control_dir (which rejects a target it names no image for), a still image reaches encode."""
+    from PIL import Image
+
+    from lorapipe.cache.errors import UserError
+
+    i2v_copy(i2v_baseline, tmp_path)
+    shutil.rmtree(tmp_path / "data" / "control")
+    config = make_config(tmp_path, tmp_path / "model", tmp_path / "data", i2v_baseline / "cache", **VIDEO)
+    Image.new("RGB", (64, 64), (10, 20, 30)).save(tmp_path / "data" / "still.png")
+    (tmp_path / "data" / "still.txt").write_text("a still")
+    with pytest.raises(UserError, match=r"^data.datasets: still.png is an image, but Wan I2V trains image-to-video on"
+                                        r" clips \(each window conditioned on an image\): remove it"):
+        run_all(config, STAGES[:2])

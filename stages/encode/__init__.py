@@ -298,10 +298,11 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
 
 def _check_dataset(dataset: list[SampleRow], family: families.Family, inputs: EncodeInputs) -> None:
     """Refuse what the model cannot take (before anything is encoded): image sides, window lengths,
-    references per target."""
+    references per target, still images for an image-to-video model."""
     check_sizes(dataset, family.geometry(inputs.model_path).pixel_multiple, family.label)
     check_frames(dataset, family, inputs.model_path, inputs.datasets)
     families.check_references(family, max(len(s.references or ()) for s in dataset))
+    check_conditioned(dataset, family, inputs.datasets)
 
 
 def _unpaired(dataset: list[SampleRow], images: dict[str, ImageRow], keys: SampleKeys, failed: dict[str, str],
@@ -360,6 +361,15 @@ def check_sizes(dataset: list[SampleRow], multiple: int, label: str) -> None:
         raise UserError(f"preprocess.resolution / bucket_sizes: {label} needs image sides that are multiples of"
                         f" {multiple} px, but images are cropped to {odd.size[1]}x{odd.size[0]}: choose"
                         f" a resolution that is a multiple of {multiple}")
+
+
+def check_conditioned(dataset: list[SampleRow], family: families.Family,
+                      datasets: tuple[DatasetSource, ...]) -> None:
+    """Refuse, for an image-to-video model, a still image: only a clip window has a conditioning image."""
+    still = next((s for s in dataset if family.image_condition and not s.references), None)
+    if still is not None:
+        raise UserError(f"data.datasets: {still.label(datasets)} is an image, but {family.label} trains image-to-video"
+                        " on clips (each window conditioned on an image): remove it, or train a text-to-video model")
 
 
 def check_frames(dataset: list[SampleRow], family: families.Family, model_path: Path,
