@@ -1,5 +1,5 @@
-"""Wan image-to-video (WanImageToVideoPipeline): Wan 2.1 I2V and Wan 2.2 I2V A14B, a clip conditioned on
-its first frame.
+"""Wan image-to-video (WanImageToVideoPipeline): Wan 2.1 I2V, Wan 2.2 I2V A14B and Wan 2.2 TI2V-5B, a
+clip conditioned on its first frame.
 
 As WanImageToVideoPipeline.prepare_latents builds the condition: the image followed by zero frames
 to the clip's length through the VAE (the posterior's mean), normalised per channel, behind a
@@ -7,7 +7,7 @@ first-frame mask of `vae_scale_factor_temporal` channels (ones on the first late
 after), concatenated on channels after the noisy latents; the transformer also reads the image's
 CLIP-vision embedding (the penultimate hidden state, the pipeline's encode_image) as
 encoder_hidden_states_image. The conditioning image's record (ImageCondition, padded) holds the
-normalised-to-be posterior of the padded clip and that embedding; everything else is Wan's. Wan 2.2
+padded clip's posterior (normalised when read) and that embedding; everything else is Wan's. Wan 2.2
 I2V A14B has two experts chosen as Wan's A14B's are (train.denoiser) and no image encoder: its
 condition is the mask and the latents alone. Wan 2.2 TI2V-5B conditioned on an image (a folder whose
 model_index.json names WanImageToVideoPipeline with expand_timesteps): the image alone through the
@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     import torch
 
     from .objectives import Objective
-
 
 
 @dataclass(frozen=True)
