@@ -123,8 +123,10 @@ def preprocess_step(ctx: Context) -> Step:
     datasets = preprocess.dataset_ingredients(cfg.data.sources, params, ctx.stat_cache)
     # an edit model's bound on a target's references (a model that takes none refuses pairs at encode)
     limit = ctx.declared_family.max_references if any(d.pairs for d in cfg.data.sources) else 0
-    inputs = preprocess.PreprocessInputs(cfg.data.sources, ctx.stat_cache, limit or None)
-    resolved = {"max_references": limit} if limit else None
+    conditioned = ctx.declared_family.image_condition is not None  # an image-to-video model's windows
+    inputs = preprocess.PreprocessInputs(cfg.data.sources, ctx.stat_cache, limit or None, conditioned)
+    resolved = {**({"max_references": limit} if limit else {}),
+                **({"image_condition": True} if conditioned else {})} or None
     return Step(ctx.stage_key("preprocess", params, {"datasets": datasets}, resolved=resolved),
                 lambda out, work: preprocess.run(params, inputs, out, work, None, ctx.log))
 

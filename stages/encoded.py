@@ -35,6 +35,7 @@ from lorapipe.cache.fsutil import write_json_rows
 from lorapipe.cache.object_store import open_sample_store
 from lorapipe.cache.samples import RecordLocation
 from lorapipe.stages.families import TextOptions
+from lorapipe.stages.families.base import REFERENCE_LATENTS
 from lorapipe.stages.families.latents import normalisation_from_json
 
 if TYPE_CHECKING:  # torch is imported where records are read or written, not by config loading
@@ -162,14 +163,24 @@ class EncodedData:
         return t["mean"], t["std"]
 
     def reference_latents(self, sample: Sample, flipped: bool = False) -> torch.Tensor | None:
-        """Its reference images' posterior means (K, C, h, w) under the latent normalisation, as edit
-        pipelines encode their input images (argmax, not a sample); None: it has none."""
+        """Its reference images' normalised posterior means (K, C, h, w); None: it has none."""
+        conditioning = self.reference_conditioning(sample, flipped)
+        return None if conditioning is None else conditioning[REFERENCE_LATENTS]
+
+    def reference_conditioning(self, sample: Sample, flipped: bool = False) -> dict[str, torch.Tensor] | None:
+        """Its reference images as the denoiser's conditioning: their posterior means (K, C, h, w) under
+        the latent normalisation as REFERENCE_LATENTS, as edit pipelines encode their input images
+        (argmax, not a sample), and what else their records hold (a conditioning image's embedding)
+        under its own name, (K, ...); None: it has none."""
         import torch
 
         records = sample.references_flip if flipped else sample.references
         if not sample.references:
             return None
-        return self.normalisation.apply(torch.stack([self._tensors(r)["mean"].float() for r in records]))
+        tensors = [self._tensors(r) for r in records]
+        means = self.normalisation.apply(torch.stack([t["mean"].float() for t in tensors]))
+        return {REFERENCE_LATENTS: means, **{name: torch.stack([t[name].float() for t in tensors])
+                                             for name in tensors[0] if name not in ("mean", "std")}}
 
     def mask(self, sample: Sample, flipped: bool = False) -> torch.Tensor | None:
         """The loss weights (1, h, w) of the (mirrored) latent, or None where the sample has no mask."""

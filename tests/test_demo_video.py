@@ -16,7 +16,10 @@ from lorapipe.stages.demo.clips import SCENES
 
 pytestmark = pytest.mark.slow
 
-LORA_FILES = {"wan2.1": ("", "_comfyui", "_kohya"), "wan2.2-a14b": ("", "_comfyui", "_kohya"), "ltx2": ("", "_comfyui")}
+LORA_FILES = {"wan2.1": ("", "_comfyui", "_kohya"), "wan2.2-a14b": ("", "_comfyui", "_kohya"), "ltx2": ("", "_comfyui"),
+              "wan2.1-i2v": ("", "_comfyui", "_kohya")}
+CONDITIONED = {"wan2.1-i2v"}  # image-to-video: a conditioning image per window, its own record; clips rendered from
+# the held-out windows' first frames beside them (edit_grid.png)
 FRAMES = 17  # configs/video-demo.yaml's preprocess.video.num_frames and evaluate.num_frames
 RENDERED = 2 * 2 * 2  # prompts x seeds x columns (the base model, the LoRA at scale 1)
 FPS = 12  # the windows' frame rate (the generated clips have 16): what the rendered clips must play at
@@ -54,7 +57,9 @@ def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_pa
     assert train["lora"]["overall"] < train["base"]["overall"]
     summary = json.loads((outputs / "run-summary.json").read_text())
     assert [s["status"] for s in summary["stages"]] == ["computed"] * 4
-    assert summary["stages"][1]["info"]["latents_encoded"] == len(SCENES)
+    assert summary["stages"][1]["info"]["latents_encoded"] == len(SCENES) * (2 if arch in CONDITIONED else 1)
+    if arch in CONDITIONED:
+        assert metrics["edit"]["pairs"] == 2 and (outputs / "edit_grid.png").is_file()
     evaluated = Path(summary["stages"][3]["path"])
     assert metrics["clips"][0] == "grid.webp" and len(metrics["clips"]) == 1 + RENDERED
     assert all((evaluated / clip).is_file() for clip in metrics["clips"])

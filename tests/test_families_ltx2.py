@@ -11,6 +11,7 @@ import shutil
 import sys
 from dataclasses import dataclass
 
+import numpy
 import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
@@ -34,6 +35,7 @@ class Clip:
 
 
 model = tiny_model_fixture("ltx2")
+i2v_model = tiny_model_fixture("ltx2-i2v")
 
 
 def test_tiny_ltx2_builds_byte_identically_and_is_told_apart(model, tmp_path):
@@ -164,6 +166,48 @@ def test_denoiser_call_is_the_pipelines_video_without_audio(model):
     assert torch.equal(ours["timestep"], kwargs["timestep"].float())
     assert torch.equal(LTX2Pipeline._pack_latents(predicted[0]), output[0])
     assert torch.equal(other_audio[0], output[0])
+
+
+def test_image_to_video_condition_and_denoiser_call_are_the_pipelines(i2v_model):
+    """LTX2ImageToVideoPipeline's first modality-isolation pass on an image (without the H.264
+    re-compression it applies by default: a training window's first frame is a video frame already):
+    its first latent frame is the normalised posterior mean of the image alone through our encoder
+    (without the VAE's scaling_factor, as the pipeline normalises it), its tokens at timestep 0,
+    and family.predict on its noisy latents (that frame replaced by the condition) is its output; the
+    loss scores the frames after it."""
+    from diffusers import LTX2Pipeline
+    from PIL import Image
+
+    from lorapipe.stages.encode.images import condition_clip
+    from lorapipe.stages.families.base import REFERENCE_LATENTS
+
+    family, pipe = families.for_model(i2v_model), quiet_pipeline(i2v_model)
+    assert (family.name, family.max_references, family.image_condition.padded) == ("ltx2-i2v", 1, False)
+    pixels = torch.rand(3, 64, 32, generator=torch.Generator().manual_seed(5)) * 2 - 1
+    image = Image.fromarray(((pixels + 1) * 127.5).round().byte().permute(1, 2, 0).numpy())
+    pixels = torch.from_numpy(numpy.array(image)).permute(2, 0, 1).float() / 127.5 - 1
+    calls = []
+    handle = pipe.transformer.register_forward_hook(lambda m, a, kw, out: calls.append((kw, out)), with_kwargs=True)
+    pipe(image=image, prompt=CAPTIONS[:1], num_inference_steps=2, height=64, width=32, num_frames=9, image_crf=0,
+         frame_rate=25.0, guidance_scale=1.0, max_sequence_length=16, generator=torch.Generator().manual_seed(0),
+         output_type="latent")
+    handle.remove()
+    kwargs, output = next((kw, out) for kw, out in calls if kw["isolate_modalities"])
+    mean, _ = family.load_latent_encoder(i2v_model, "cpu")(condition_clip(pixels, 1).unsqueeze(0))
+    reference = family.latent_normalisation(i2v_model).apply(mean)  # as the record reaches predict
+    noisy = LTX2Pipeline._unpack_latents(kwargs["hidden_states"], 2, 2, 1)
+    assert torch.allclose(noisy[:, :, :1], reference * family.condition_scale, atol=1e-5)  # no scaling_factor
+    cond = family.conditioning(text_records(i2v_model, CAPTIONS[:1], TextOptions(max_sequence_length=16))[1],
+                               [(Clip(25.0), False)], ObjectiveParams())
+    cond[REFERENCE_LATENTS] = reference.unsqueeze(1)
+    sigma, predicted = kwargs["sigma"].float() / 1000, []
+    with torch.no_grad():
+        _, ours, _ = first_call(pipe.transformer, lambda: predicted.append(
+            family.predict(pipe.transformer, noisy, sigma, cond, torch.float32)))
+    assert (kwargs["timestep"][:, :2] == 0).all() and (kwargs["timestep"][:, 2:] > 0).all()
+    assert torch.equal(ours["timestep"], kwargs["timestep"].float())
+    assert torch.allclose(LTX2Pipeline._pack_latents(predicted[0]), output[0], atol=1e-5)
+    assert [t.shape[2] for t in family.loss_region(predicted[0], noisy)] == [1, 1]
 
 
 def test_shift_is_the_pipelines_and_counts_every_frame(model):

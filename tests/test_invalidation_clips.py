@@ -4,7 +4,8 @@ text encoders (UMT5, Gemma 3): a caption edit encodes one text record and no lat
 one time range's caption only that window's text record; the frame count, frame rate or window
 strategy re-encode only the windows whose frames changed, never a text; a clip re-muxed into
 another container keeps its latents (it is known by its decoded frames); the timestep shift reruns
-training only."""
+training only. On the tiny Wan 2.1 I2V (encode only): a named conditioning image swapped encodes its
+one record (no window's latent, no text), a caption edit one text record."""
 from __future__ import annotations
 
 import json
@@ -63,7 +64,10 @@ def encode_counted(config, count_encoder_rows) -> tuple[dict, dict]:
 
 
 def test_a_clip_caption_edit_encodes_one_text_record_and_no_latent(baseline, tmp_path, count_encoder_rows):
-    config = clip_copy(baseline, tmp_path)
+    assert_a_caption_edit_encodes_one_text_record(clip_copy(baseline, tmp_path), tmp_path, count_encoder_rows)
+
+
+def assert_a_caption_edit_encodes_one_text_record(config, tmp_path: Path, count_encoder_rows) -> None:
     (tmp_path / "data" / f"{SCENES[0][0]}.txt").write_text("a red ball speeding to the right")
     results, counts = encode_counted(config, count_encoder_rows)
     assert statuses(results) == {"preprocess": "computed", "encode": "computed"}
@@ -128,3 +132,78 @@ def remux(source: Path, target: Path) -> None:
             if packet.dts is not None:
                 packet.stream = stream
                 out.mux(packet)
+
+
+@pytest.fixture(scope="module")
+def i2v_baseline(tmp_path_factory, tiny_models, count_encoder_rows):
+    """The demo clips on the tiny Wan 2.1 I2V, encoded: the first clip's conditioning image named in
+    control_dir, the others' their windows' first frames; each window's record and its conditioning
+    image's (the padded clip through the VAE, with its CLIP-vision embedding)."""
+    root = tmp_path_factory.mktemp("wan-i2v-baseline")
+    shutil.copytree(tiny_models("wan2.1-i2v"), root / "model")
+    write_demo_clips(root / "data")
+    (root / "data" / "control").mkdir()
+    conditioning_image(root, (200, 30, 30))
+    with count_encoder_rows() as counts:
+        encoded = run_all(i2v_config(root, root), STAGES[:2])
+    assert counts == {"vae": 2 * CLIPS, "text": CLIPS + 1}  # a window and its conditioning image per clip
+    samples = EncodedData(Path(encoded["encode"].path), root / "cache").samples
+    assert all(len(s.references) == 1 for s in samples)
+    return root
+
+
+def conditioning_image(root: Path, colour: tuple[int, int, int]) -> None:
+    from PIL import Image
+
+    Image.new("RGB", (64, 64), colour).save(root / "data" / "control" / f"{SCENES[0][0]}.png")
+
+
+def i2v_config(root: Path, baseline: Path):
+    return make_config(root, root / "model", {"datasets": [{"path": root / "data", "control_dir": "control"}]},
+                       baseline / "cache",
+                       **VIDEO)
+
+
+def i2v_copy(baseline: Path, tmp_path: Path):
+    shutil.copytree(baseline / "model", tmp_path / "model")
+    shutil.copytree(baseline / "data", tmp_path / "data")
+    return i2v_config(tmp_path, baseline)
+
+
+def encoded_keys(result, cache: Path) -> tuple[set[str], set[str]]:
+    """The windows' latent record keys and their conditioning images'."""
+    samples = EncodedData(Path(result.path), cache).samples
+    return {s.latent.key for s in samples}, {r.key for s in samples for r in s.references}
+
+
+def test_a_swapped_conditioning_image_encodes_its_one_record(i2v_baseline, tmp_path, count_encoder_rows):
+    """A named conditioning image replaced: its record alone (no window's latent, no text)."""
+    before = encoded_keys(run_all(i2v_config(i2v_baseline, i2v_baseline), STAGES[:2])["encode"],
+                          i2v_baseline / "cache")
+    config = i2v_copy(i2v_baseline, tmp_path)
+    conditioning_image(tmp_path, (30, 200, 30))
+    results, counts = encode_counted(config, count_encoder_rows)
+    assert statuses(results) == {"preprocess": "computed", "encode": "computed"}
+    assert counts == {"vae": 1, "text": 0} and results["encode"].info["latents_encoded"] == 1
+    windows, conditions = encoded_keys(results["encode"], i2v_baseline / "cache")
+    assert windows == before[0] and len(conditions - before[1]) == 1
+
+
+def test_an_i2v_caption_edit_encodes_one_text_record_and_no_latent(i2v_baseline, tmp_path, count_encoder_rows):
+    assert_a_caption_edit_encodes_one_text_record(i2v_copy(i2v_baseline, tmp_path), tmp_path, count_encoder_rows)
+
+
+def test_an_image_in_an_i2v_dataset_is_refused_in_one_line(i2v_baseline, tmp_path):
+    """Without control_dir (which rejects a target it names no image for), a still image reaches encode."""
+    from PIL import Image
+
+    from lorapipe.cache.errors import UserError
+
+    i2v_copy(i2v_baseline, tmp_path)
+    shutil.rmtree(tmp_path / "data" / "control")
+    config = make_config(tmp_path, tmp_path / "model", tmp_path / "data", i2v_baseline / "cache", **VIDEO)
+    Image.new("RGB", (64, 64), (10, 20, 30)).save(tmp_path / "data" / "still.png")
+    (tmp_path / "data" / "still.txt").write_text("a still")
+    with pytest.raises(UserError, match=r"^data.datasets: still.png is an image, but Wan I2V trains image-to-video on"
+                                        r" clips \(each window conditioned on an image\): remove it"):
+        run_all(config, STAGES[:2])

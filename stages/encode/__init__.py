@@ -50,6 +50,7 @@ from lorapipe.cache.samples import SampleStore
 from lorapipe.cache.store import Built
 
 from .. import families
+from ..families.base import ImageCondition
 from ..contract import Frozen, Log, OutputFile, library_majors
 from ..processes.cpu_threads import usable_cores
 from ..encoded import write_index
@@ -183,9 +184,12 @@ class SampleKeys:
     @classmethod
     def of(cls, dataset: list[SampleRow], params: EncodeParams, vae_digest: str, text: dict,
            mask_factor: int, log: Log = lambda line: None, every: float = 10.0,
-           text_reads_references: bool = False) -> "SampleKeys":
+           text_reads_references: bool = False, condition: ImageCondition | None = None,
+           condition_digest: str = "") -> "SampleKeys":
         """`text`: text_ingredients; `mask_factor`: image pixels per latent pixel;
-        `text_reads_references`: the family's text encoder reads each sample's references. Variant
+        `text_reads_references`: the family's text encoder reads each sample's references;
+        `condition`: an image-to-video model's conditioning image (the references), whose records
+        are keyed with `condition_digest` (Components.condition_digest). Variant
         captions are made and keyed one at a time, with a progress line every `every` seconds once it
         takes that long (many samples times caption_variants)."""
         captions, texts, readers, own_empty = {}, {}, {}, {}
@@ -205,9 +209,13 @@ class SampleKeys:
             progress.advance()
         empty = None if text_reads_references else text_key("", params, text)
         masked = [s for s in dataset if s.mask is not None]
-        images = with_references(dataset)
-        return cls({s.id: latent_key(s, params, vae_digest) for s in images},
-                   {s.id: latent_key(s, params, vae_digest, True) for s in images} if params.flip else {},
+        images = with_references(dataset, condition)
+
+        def model(s: ImageRow) -> str:
+            return condition_digest if s.condition_frames else vae_digest
+
+        return cls({s.id: latent_key(s, params, model(s)) for s in images},
+                   {s.id: latent_key(s, params, model(s), True) for s in images} if params.flip else {},
                    texts, {**captions, **({empty: ""} if empty else {})}, empty,
                    {s.id: mask_key(s, mask_factor) for s in masked},
                    {s.id: mask_key(s, mask_factor, True) for s in masked} if params.flip else {},
@@ -251,10 +259,11 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
     keys = SampleKeys.of(dataset, params, family.components.latent_digest(inputs.model_digests),
                          text_ingredients(family, family.text_settings(inputs.model_path, params), inputs),
                          family.geometry(inputs.model_path).downsampling, log, options.progress_every,
-                         family.text_takes_references)
+                         family.text_takes_references, family.image_condition,
+                         family.components.condition_digest(inputs.model_digests))
     store = open_sample_store(inputs.cache_root)
     _add_member_digests(store, keys, log)
-    images = with_references(dataset)  # what latent jobs index
+    images = with_references(dataset, family.image_condition)  # what latent jobs index
     jobs = EncodeJobs.plan(images, keys, set(store.missing(keys.all())), inputs.datasets)
     masks = f", {len(jobs.masks)} loss masks" if jobs.masks else ""
     log(f"encode: {len(jobs.latents)} latents and {len(jobs.texts)} text embeddings{masks} to encode,"
@@ -289,10 +298,11 @@ def run(params: EncodeParams, inputs: EncodeInputs, out_dir: Path, work_dir: Pat
 
 def _check_dataset(dataset: list[SampleRow], family: families.Family, inputs: EncodeInputs) -> None:
     """Refuse what the model cannot take (before anything is encoded): image sides, window lengths,
-    references per target."""
+    references per target, still images for an image-to-video model."""
     check_sizes(dataset, family.geometry(inputs.model_path).pixel_multiple, family.label)
     check_frames(dataset, family, inputs.model_path, inputs.datasets)
     families.check_references(family, max(len(s.references or ()) for s in dataset))
+    check_conditioned(dataset, family, inputs.datasets)
 
 
 def _unpaired(dataset: list[SampleRow], images: dict[str, ImageRow], keys: SampleKeys, failed: dict[str, str],
@@ -351,6 +361,15 @@ def check_sizes(dataset: list[SampleRow], multiple: int, label: str) -> None:
         raise UserError(f"preprocess.resolution / bucket_sizes: {label} needs image sides that are multiples of"
                         f" {multiple} px, but images are cropped to {odd.size[1]}x{odd.size[0]}: choose"
                         f" a resolution that is a multiple of {multiple}")
+
+
+def check_conditioned(dataset: list[SampleRow], family: families.Family,
+                      datasets: tuple[DatasetSource, ...]) -> None:
+    """Refuse, for an image-to-video model, a still image: only a clip window has a conditioning image."""
+    still = next((s for s in dataset if family.image_condition and not s.references), None)
+    if still is not None:
+        raise UserError(f"data.datasets: {still.label(datasets)} is an image, but {family.label} trains image-to-video"
+                        " on clips (each window conditioned on an image): remove it, or train a text-to-video model")
 
 
 def check_frames(dataset: list[SampleRow], family: families.Family, model_path: Path,

@@ -121,6 +121,8 @@ class ImageCrops:
         if frames is None:
             return i, None, "changed since preprocess ran (run the pipeline again)"
         pixels = torch.stack([_tensor(im) for im in frames], dim=1)  # (3, F, H, W)
+        if s.condition_frames:
+            return i, condition_clip(pixels, s.condition_frames), ""
         return i, pixels if s.is_clip else pixels[:, 0], ""
 
     def _placed_image(self, s: ImageRow, flip: bool) -> list[Image.Image] | None:
@@ -128,10 +130,25 @@ class ImageCrops:
         return None if image is None else [image]
 
     def _placed_clip(self, s: ImageRow, flip: bool) -> list[Image.Image] | None:
-        frames = decode_frames(local_file(self.datasets[s.source], s.path), list(s.frames))
-        if digest_json([frame_digest(frame) for frame in frames]) != s.digest:
-            return None
-        return [placed(Image.fromarray(frame), s, flip, lambda decoded: decoded) for frame in frames]
+        return placed_clip(self.datasets, s, flip)
+
+
+def placed_clip(datasets: tuple[DatasetSource, ...], s: ImageRow, flip: bool = False) -> list[Image.Image] | None:
+    """A clip window's frames placed as preprocess decided; None when they changed since. Raises
+    VideoProblem on a clip that cannot be decoded."""
+    frames = decode_frames(local_file(datasets[s.source], s.path), list(s.frames))
+    if digest_json([frame_digest(frame) for frame in frames]) != s.digest:
+        return None
+    return [placed(Image.fromarray(frame), s, flip, lambda decoded: decoded) for frame in frames]
+
+
+def placed_still(datasets: tuple[DatasetSource, ...], s: ImageRow) -> Image.Image | None:
+    """An image placed, or a clip window's first frame (what a rendered clip is compared with); None
+    when it changed since preprocess."""
+    if not s.is_clip:
+        return placed_image(datasets, s)
+    frames = placed_clip(datasets, s)
+    return None if frames is None else frames[0]
 
 
 def _tensor(im: Image.Image) -> torch.Tensor:
@@ -142,9 +159,19 @@ def _tensor(im: Image.Image) -> torch.Tensor:
     return pixels.view(im.height, im.width, 3).permute(2, 0, 1).float() / 127.5 - 1.0
 
 
+def condition_clip(pixels: torch.Tensor, frames: int) -> torch.Tensor:
+    """An image-to-video model's conditioning image, (3, H, W) or a one-frame clip (3, 1, H, W), as the
+    clip its VAE encodes (ImageCondition): the image, then zero frames up to `frames` (3, F, H, W)."""
+    import torch
+
+    image = pixels if pixels.ndim == 4 else pixels.unsqueeze(1)
+    return torch.cat([image, image.new_zeros(image.shape[0], frames - 1, *image.shape[2:])], dim=1)
+
+
 def sample_shape(sample: ImageRow) -> tuple[int, int, int]:
-    """A preprocess sample's pixel shape as batches group it: (window frames, or 0 for an image, H, W)."""
-    return (sample.frame_count, *sample.size)
+    """A preprocess sample's pixel shape as batches group it: (the frames it is encoded from, or 0 for
+    an image, H, W)."""
+    return (sample.encoded_frames, *sample.size)
 
 
 def size_batches(sizes: list[tuple[int, ...]], batch_size: int) -> list[list[int]]:

@@ -3,9 +3,11 @@ from __future__ import annotations
 
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
+from functools import cache
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from ..contract import Log
+from ..families.base import IMAGE_EMBEDS
 from ..encoded import encode_record
 from ..progress import ProgressLines
 from ..preprocess.rows import ImageRow
@@ -14,7 +16,7 @@ from .images import ImageCrops, sample_shape, size_batches
 if TYPE_CHECKING:
     import torch
 
-    from ..families.base import LatentEncoder
+    from ..families.base import ImageEmbedder, LatentEncoder
     from ..preprocess.sources import DatasetSource
 
 T = TypeVar("T")
@@ -64,9 +66,11 @@ def decoded_batches(crops: ImageCrops, batches: list[list[int]], workers: int) -
 def encode_latents(jobs: list[tuple[str, ImageRow, bool]], datasets: tuple[DatasetSource, ...],
                    encoder: Callable[[], LatentEncoder], dtype: torch.dtype, add: Callable[[str, dict[str, bytes]], None],
                    batch_size: int, num_workers: int, progress: Progress, log: Log,
-                   chunks: list[int] | None = None) -> dict[str, str]:
+                   chunks: list[int] | None = None,
+                   embedder: Callable[[], ImageEmbedder | None] = lambda: None) -> dict[str, str]:
     """jobs: (latent record key, preprocess sample, flipped), grouped by size; `encoder` loads the
-    family's latent encoder (pixels -> posterior mean and std). `chunks`: each job's chunk, where
+    family's latent encoder (pixels -> posterior mean and std), `embedder` its image encoder, whose
+    embedding of a conditioning image's first frame its record also holds. `chunks`: each job's chunk, where
     no batch crosses a chunk's end (a record's bytes depend on its batch: the same batches
     whichever executor encodes the chunks). Returns the samples whose image could not be
     decoded: id -> reason."""
@@ -75,7 +79,7 @@ def encode_latents(jobs: list[tuple[str, ImageRow, bool]], datasets: tuple[Datas
         return failed
     import torch
 
-    posterior = encoder()
+    posterior, embedder = encoder(), cache(embedder)  # the image encoder loaded at its first conditioning image
     groups = chunks or [0] * len(jobs)
     batches = size_batches([(g, *sample_shape(s)) for g, (_, s, _) in zip(groups, jobs)], batch_size)
     crops = ImageCrops(datasets, [s for _, s, _ in jobs], [f for _, _, f in jobs])
@@ -88,9 +92,25 @@ def encode_latents(jobs: list[tuple[str, ImageRow, bool]], datasets: tuple[Datas
             if good:
                 chunks = halve_on_oom(posterior, torch.stack([p for _, p in good]), log)
                 mean, std = torch.cat([m for m, _ in chunks]), torch.cat([s for _, s in chunks])
+                embeds = condition_embeds([(jobs[i][1], pixels) for i, pixels in good], embedder)
                 for row, (i, _) in enumerate(good):
                     key, sample, flip = jobs[i]
-                    tensors = {"mean": mean[row].to(dtype), "std": std[row].to(dtype)}
+                    tensors = {"mean": mean[row], "std": std[row], **embeds.get(row, {})}
+                    tensors = {name: t.to(dtype) for name, t in tensors.items()}
                     add(key, encode_record(tensors, {"image": sample.digest, "flip": flip}))
             progress.advance(len(batch))
     return failed
+
+
+def condition_embeds(batch: list[tuple[ImageRow, torch.Tensor]], embedder: Callable[[], ImageEmbedder | None]
+                     ) -> dict[int, dict[str, torch.Tensor]]:
+    """The image encoder's embedding of each conditioning image of the batch (its first frame), by row;
+    {} where the batch has none or the family embeds none."""
+    rows = [row for row, (sample, _) in enumerate(batch) if sample.condition_frames]
+    embed = embedder() if rows else None
+    if embed is None:
+        return {}
+    import torch
+
+    embeds = embed(torch.stack([batch[row][1][:, 0] for row in rows]))
+    return {row: {IMAGE_EMBEDS: embeds[n]} for n, row in enumerate(rows)}

@@ -32,7 +32,7 @@ from .masks import encode_masks
 if TYPE_CHECKING:
     from PIL.Image import Image
 
-    from ..families.base import TextEncoder
+    from ..families.base import Family, ImageEmbedder, TextEncoder
     from ..preprocess.rows import ImageRow
     from ..preprocess.sources import DatasetSource
     from . import SampleKeys
@@ -144,11 +144,20 @@ def encode_chunks(chunks: list[EncodeJobs], dataset: Sequence[ImageRow] | Mappin
     failed |= encode_latents([(key, dataset[i], flip) for c in chunks for key, i, flip in c.latents], inputs.datasets,
                             lambda: loaded(("latent", *model), lambda: family.load_latent_encoder(inputs.model_path, device)),
                             dtype, buffer.add, options.batch_size, options.num_workers, progress, log,
-                            [n for n, c in enumerate(chunks) for _ in c.latents])
+                            [n for n, c in enumerate(chunks) for _ in c.latents],
+                            lambda: loaded(("image", *model), lambda: image_embedder(family, inputs.model_path, device)))
     failed |= encode_masks([(key, dataset[i], flip) for c in chunks for key, i, flip in c.masks], inputs.datasets,
                            family.geometry(inputs.model_path).downsampling, buffer.add, log)
     buffer.flush()
     return failed
+
+
+def image_embedder(family: Family, model_path: Path, device: str) -> ImageEmbedder | None:
+    """The family's image encoder for its conditioning images (None: the denoiser reads no embedding)."""
+    condition = family.image_condition
+    if condition is None or condition.embedder is None:
+        return None
+    return condition.embedder(model_path, family.components.image[0], device)
 
 
 def encode_texts(jobs: list[tuple[str, str, str, tuple[int, ...]]], encoder: Callable[[], TextEncoder],
@@ -242,4 +251,5 @@ def job_dataset(spec: EncodeSpec) -> list[ImageRow]:
     from ..preprocess.rows import read_rows
     from .references import with_references
 
-    return with_references(read_rows(spec.inputs.preprocess_dir / DATASET_FILE))
+    return with_references(read_rows(spec.inputs.preprocess_dir / DATASET_FILE),
+                           spec.inputs.bound_family().image_condition)

@@ -5,7 +5,9 @@ pixel difference in [0, 1]: lower is closer).
 
 The pairs are the held-out samples with references, at most `edit_pairs` of them, chosen as the
 loss subset is (by content, so a growing dataset keeps them); their images are read from the
-dataset and placed exactly as encode placed them, and each renders at its target's size.
+dataset and placed exactly as encode placed them, and each renders at its target's size. An
+image-to-video model's pairs are held-out clip windows and their conditioning images: each renders
+a clip from its conditioning image, compared by its first frame with the window's.
 """
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 from PIL import Image
 
-from lorapipe.stages.encode.images import placed_image
+from lorapipe.stages.encode.images import placed_still
 from lorapipe.stages.encode.references import reference_images
 from lorapipe.stages.encoded import EncodedData
 from lorapipe.stages.preprocess import DATASET_FILE
@@ -53,7 +55,7 @@ def held_out_pairs(encoded: EncodedData, preprocess_dir: str, sources: dict, lim
     pairs = []
     for sample in loss_subset(held, limit, loss_seed):
         entry = by_id[(sample.dataset, sample.id)]
-        images = [placed_image(datasets, image) for image in (entry, *reference_images([entry]))]
+        images = [placed_still(datasets, image) for image in (entry, *reference_images([entry]))]
         if any(image is None for image in images):
             raise ValueError(f"evaluate: {entry.path} or its references changed since encode ran: run the"
                              " pipeline again")

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lorapipe.stages.encoded import EncodedData, Sample
-from lorapipe.stages.families.base import REFERENCE_LATENTS
 from lorapipe.stages.families.objectives import LossFunction
 
 if TYPE_CHECKING:
@@ -73,12 +72,11 @@ def denoising_loss(denoiser: torch.nn.Module, scoring: Scoring, encoded: Encoded
         clean = clean.expand(n, *clean.shape[1:])
         noised = objective.noised(clean, fixed_noise(loss_seed, sample.content_id, tuple(clean.shape)), t)
         conditioning = family.conditioning([encoded.text(sample)], [(sample, False)], scoring.params)
-        references = encoded.reference_latents(sample)  # an edit pair's: its loss is the edit's
-        if references is not None:
-            conditioning[REFERENCE_LATENTS] = references.unsqueeze(0)
+        references = encoded.reference_conditioning(sample) or {}  # an edit pair's: its loss is the edit's
+        conditioning |= {name: tensor.unsqueeze(0) for name, tensor in references.items()}
         conditioning = {k: v.expand(n, *v.shape[1:]).to(device) for k, v in conditioning.items()}
         pred = family.predict(denoiser, noised.noisy.to(device), noised.timesteps.to(device), conditioning, dtype)
-        total += MSE.per_sample(pred.cpu(), noised.target).double()
+        total += MSE.per_sample(*family.loss_region(pred.cpu(), noised.target)).double()
     per_t = total / len(samples)
     return {
         "overall": per_t.mean().item(),

@@ -17,6 +17,7 @@ from .folders import check_weights_file, is_single_file, model_index
 from .ideogram4 import IDEOGRAM4
 from .krea2 import KREA2
 from .ltx2 import LTX2
+from .ltx2_i2v import LTX2_I2V
 from .objectives import ObjectiveParams, TimestepSampling
 from .qwenimage import QWEN_IMAGE
 from .qwenimage21 import QWEN_IMAGE_21
@@ -24,11 +25,13 @@ from .qwenimage_edit import QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS
 from .sd import SD15, SDXL
 from .single_file import single_file_folder
 from .wan import WAN
+from .wan_i2v import WAN_I2V
 from .zimage import ZIMAGE
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FLUX1, FLUX1_KONTEXT, FLUX2_KLEIN,
                                                                   ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
-                                                                  QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, LTX2)}
+                                                                  QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, WAN_I2V, LTX2,
+                                                                  LTX2_I2V)}
 DENOISER_NAMES = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.denoiser_names))
 # single files: SDXL's marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's before Flux.1's,
 # whose markers Flux.2 checkpoints also carry

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 TextRecord = dict[str, "torch.Tensor"]  # one caption's tensors, as cached in the sample store
 Conditioning = dict[str, "torch.Tensor"]  # a batch's denoiser inputs besides x_t and t, named as its arguments
 REFERENCE_LATENTS = "reference_latents"  # the conditioning's reference images (Family.max_references)
+IMAGE_EMBEDS = "image_embeds"  # the conditioning image's embedding by the model's image encoder (ImageCondition)
 ALL_LINEAR = "all_linear"  # the LoRA preset every family offers
 BOTH_DENOISERS = "both"  # train.denoiser: every denoiser of a model that has several, a LoRA each
 FLOW_MATCH_EULER = "flow_match_euler"  # the flow-matching pipelines' own FlowMatchEulerDiscreteScheduler
@@ -46,12 +47,13 @@ class Components:
     denoiser: str  # what the LoRA adapts; its digest is the model's identity
     scheduler: str = "scheduler"
     other_denoisers: tuple[str, ...] = ()  # a model with several (train.denoiser picks which one trains)
+    image: tuple[str, ...] = ()  # an image-to-video model's image encoder: its conditioning image records depend on it
     lora_prefix: str | None = None  # the denoiser's name in LoRA files, when not its own (adapter_prefix)
     lora_load_kwargs: tuple[tuple[str, Any], ...] = ()  # what the pipeline's load_lora_weights takes to load into it
 
     def for_stage(self, stage: str) -> tuple[str, ...]:
         parts = {
-            "encode": (*self.text, *self.latent),
+            "encode": (*self.text, *self.latent, *self.image),
             "train": (*self.denoisers(), self.scheduler),  # every denoiser: train.denoiser picks one
             "evaluate": self.all(),
         }
@@ -61,7 +63,7 @@ class Components:
         return (self.denoiser, *self.other_denoisers)
 
     def all(self) -> tuple[str, ...]:
-        return (*self.text, *self.latent, *self.denoisers(), self.scheduler)
+        return (*self.text, *self.latent, *self.image, *self.denoisers(), self.scheduler)
 
     def identity(self, digests: dict[str, str]) -> str:
         """The model's identity: its denoiser's weights digest (what a LoRA is made for)."""
@@ -77,6 +79,11 @@ class Components:
         digests joined, for a family with more than one)."""
         return "+".join(digests[name] for name in self.latent)
 
+    def condition_digest(self, digests: dict[str, str]) -> str:
+        """What a conditioning image's record key holds of the model: the VAE's digest and, where the
+        denoiser also reads its embedding, the image encoder's."""
+        return "+".join(digests[name] for name in (*self.latent, *self.image))
+
 
 @dataclass(frozen=True)
 class Denoiser:
@@ -86,6 +93,24 @@ class Denoiser:
     component: str  # its folder in the model
     sigmas: tuple[float, float]  # the noise levels the pipeline uses it at: low <= sigma < high
     load_kwargs: tuple[tuple[str, Any], ...] = ()  # what the pipeline's load_lora_weights takes to load into it
+
+
+@dataclass(frozen=True)
+class ImageCondition:
+    """What an image-to-video model conditions a clip window on: one image, the window's first sampled
+    frame unless the dataset names one (a reference). Its record (a latent record of its own, keyed by
+    its pixels and placement) reaches predict as conditioning[REFERENCE_LATENTS] (B, 1, C, F', h, w),
+    its embedding by the image encoder (Components.image) as conditioning[IMAGE_EMBEDS]."""
+
+    padded: bool  # encoded as a clip of the window's length, the image then zero frames; else the image alone
+    embedder: Callable[[Path, str, str], ImageEmbedder] | None = None  # (path, image encoder component, device)
+
+
+class ImageEmbedder(Protocol):
+    """A loaded image encoder: placed pixels (B, 3, H, W) in [-1, 1] -> the embedding (B, L, D) the
+    denoiser reads, as the pipeline computes it from the same image, on the CPU."""
+
+    def __call__(self, pixels: torch.Tensor) -> torch.Tensor: ...
 
 
 class ImageGeometry(Protocol):
@@ -246,11 +271,15 @@ class Family(ABC):
                                        the batch's conditioning on the CPU, batch first, records
                                        padded by the family's rule; the prediction in float32, in
                                        the latent layout, as the pipeline calls its denoiser
+        loss_region(pred, target)      what of them the loss scores (all, but a conditioning frame)
       references (edit models: preprocess, train, evaluate)
         max_references                 reference images a sample may have (check_references); a
                                        batch's references reach predict as conditioning[REFERENCE_LATENTS]:
                                        (B, K, C, h, w) normalised posterior means at the target's size
         reference_render_kwargs(images)   the pipeline call's arguments for a sample's reference images
+        image_condition                an image-to-video model's conditioning image (ImageCondition): a clip
+                                       window's one reference, its first sampled frame unless named; its
+                                       embedding (Components.image) reaches predict as conditioning[IMAGE_EMBEDS]
       LoRA (train)
         lora_target_modules(denoiser, preset), check_adapter(denoiser), export_lora(...)
                                        presets as regular expressions over module names; the
@@ -281,6 +310,7 @@ class Family(ABC):
     lora_presets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> what lora_target_modules reads
     block_lists: tuple[str, ...] = ()  # the denoiser's lists of blocks, in run order (swappable_blocks)
     max_references: int = 0  # reference images a sample may have (an edit model's); 0: none
+    image_condition: ImageCondition | None = None  # an image-to-video model's conditioning image; None: none
     text_takes_references: bool = False  # its text encoder reads the references too (a vision-language one)
     renders_without_references: bool = True  # False: its pipeline only edits (evaluate's prompts edit a reference)
     render_area_argument: str | None = None  # the pipeline's argument for the output's area, when it rescales to one
@@ -374,6 +404,11 @@ class Family(ABC):
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """The denoiser's prediction for x_t (latent layout, already on the denoiser's device),
         packed and unpacked as the family needs, in float32, comparable with the objective's target."""
+
+    def loss_region(self, pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The parts of a prediction and its target the loss scores: all of them, unless part of the
+        input is the condition rather than something denoised (an image-to-video model's first frame)."""
+        return pred, target
 
     # ---- LoRA
     @abstractmethod

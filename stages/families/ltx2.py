@@ -161,6 +161,13 @@ class LTX2Family(VideoFamily):
         """As LTX2Pipeline's modality-isolation pass calls its transformer: the latents packed into
         (B, F x H x W, C) tokens, 1000 sigma as timestep and sigma, the cached text, the clip's frame
         rate; the audio stream one placeholder token (without cross-attention the video does not read it)."""
+        t = (timesteps.float() * TIMESTEP_SCALE).to(noisy.device)
+        return self.transformer_call(transformer, noisy, t, t, conditioning, dtype)
+
+    def transformer_call(self, transformer: torch.nn.Module, noisy: torch.Tensor, t: torch.Tensor,
+                         video_t: torch.Tensor, conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
+        """predict's transformer call at timestep `t` (B,), the video's tokens at `video_t` ((B,) or
+        per token)."""
         import torch
         from diffusers import LTX2Pipeline
 
@@ -168,13 +175,12 @@ class LTX2Family(VideoFamily):
         if len(rates) > 1:
             raise ValueError(f"LTX-2 takes one frame rate per batch, not {rates.tolist()}")
         batch, _, frames, height, width = noisy.shape
-        t = (timesteps.float() * TIMESTEP_SCALE).to(noisy.device)
         audio = torch.zeros(batch, 1, self.audio_widths[0], device=noisy.device, dtype=dtype)
         audio_text = torch.zeros(batch, 1, self.audio_widths[1], device=noisy.device, dtype=dtype)
         video = transformer(
             hidden_states=LTX2Pipeline._pack_latents(noisy.to(dtype)), audio_hidden_states=audio,
             encoder_hidden_states=conditioning["encoder_hidden_states"].to(device=noisy.device, dtype=dtype),
-            audio_encoder_hidden_states=audio_text, timestep=t, sigma=t,
+            audio_encoder_hidden_states=audio_text, timestep=video_t, audio_timestep=t, sigma=t,
             encoder_attention_mask=conditioning["encoder_attention_mask"].to(noisy.device),
             num_frames=frames, height=height, width=width, fps=float(rates[0]), audio_num_frames=1,
             isolate_modalities=True, return_dict=False)[0]

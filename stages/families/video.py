@@ -52,3 +52,21 @@ class VideoFamily(FlowFamily):
         if problem:
             raise ValueError(f"evaluate.num_frames: {problem}")
         return {"num_frames": frames}
+
+
+def with_first_frame_condition(noisy: torch.Tensor, condition: torch.Tensor, timesteps: torch.Tensor,
+                               tokens_per_frame: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An image-to-video input whose first latent frame is the condition (TI2V-5B, LTX-2): the noisy
+    latents (B, C, F, h, w) with their first frame replaced by `condition` (B, C, 1, h, w), and the
+    timestep per token (B, F x tokens_per_frame), 0 on the first frame's tokens."""
+    import torch
+
+    per_frame = timesteps[:, None].expand(-1, noisy.shape[2]).clone()
+    per_frame[:, 0] = 0
+    tokens = per_frame[:, :, None].expand(-1, -1, tokens_per_frame).flatten(1)
+    return torch.cat([condition.to(noisy.dtype), noisy[:, :, 1:]], dim=2), tokens
+
+
+def after_first_frame(pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What the loss scores where the first latent frame is the condition: the frames after it."""
+    return pred[:, :, 1:], target[:, :, 1:]

@@ -11,13 +11,16 @@ Writes: dataset.json: per sample id, dataset index (`source`), relative path, co
         `role: prior` for images of a prior dataset (never held out), `written: false` for an image
         without a caption that the caption stage is to caption (missing_caption: generate), and for an edit pair its
         `references` (each reference image's path, digest, sizes and crop box in the target's
-        bucket: stages/preprocess/references.py);
+        bucket: stages/preprocess/references.py); for an image-to-video model, each clip window's
+        conditioning image as its one reference: the image the dataset names, else the window's
+        first sampled frame (`frames`, its digest that frame's);
         report.json: every rejected file or metadata row, its reason and detail, counts per
         reason, and warnings (`small_image`); rejected.json, when something is rejected: the
         rejected rows and counts, published to the run's output folder.
 Key:    these params + per dataset its settings and a fingerprint of its files (relative paths and
         content digests, stat-cached, and what it refuses) — never a folder's location; with edit
-        pairs, the model's bound on a target's references (its family's `max_references`).
+        pairs, the model's bound on a target's references (its family's `max_references`); for an
+        image-to-video model, that it conditions windows on an image.
 """
 from __future__ import annotations
 
@@ -30,12 +33,12 @@ from typing import Literal
 
 from pydantic import Field, field_validator
 
-from lorapipe.cache.digest import StatCache
+from lorapipe.cache.digest import StatCache, digest_json
 from lorapipe.cache.store import Built
 
 from ..contract import Frozen, Log, OutputFile
 from ..video import ClipInfo
-from .clips import VideoSampling, cut_summary, inspect_clip, window_captions, window_digest, windows
+from .clips import VideoSampling, Window, cut_summary, inspect_clip, window_captions, window_digest, windows
 from .crops import generated_buckets, nearest_bucket, place, shrink_to_fit
 from .rows import SampleRow, write_rows
 from .sources import BadRow, Candidate, DatasetSource, MissingCaption, candidates, fingerprint
@@ -108,6 +111,7 @@ class PreprocessInputs:
     datasets: tuple[DatasetSource, ...]
     stat_cache: StatCache
     max_references: int | None = None  # the model's bound on a target's references (its family's); None: unchecked
+    image_condition: bool = False  # the model conditions each clip window on an image (Family.image_condition)
 
 
 def dataset_ingredients(datasets: tuple[DatasetSource, ...], params: PreprocessParams,
@@ -132,8 +136,7 @@ def run(params: PreprocessParams, inputs: PreprocessInputs, out_dir: Path, work_
     datasets = _settled(inputs.datasets, params)
     several = len(datasets) > 1
     offered = [candidates(d, i, f"{d.label}/" if several else "", inputs.stat_cache) for i, d in enumerate(datasets)]
-    samples, rejected, warnings = _validate([c for o in offered for c in o.candidates], params, datasets,
-                                            inputs.max_references)
+    samples, rejected, warnings = _validate([c for o in offered for c in o.candidates], params, datasets, inputs)
     rejected = [r for o in offered for r in o.refused] + rejected
     if not samples:
         where = ", ".join(str(d.path) for d in inputs.datasets)
@@ -188,7 +191,7 @@ def _check_every_dataset_used(datasets: tuple[DatasetSource, ...], samples: list
 
 
 def _validate(found: list[Candidate], params: PreprocessParams, datasets: tuple[DatasetSource, ...],
-              max_references: int | None) -> tuple[list[SampleRow], list[dict], list[dict]]:
+              inputs: PreprocessInputs) -> tuple[list[SampleRow], list[dict], list[dict]]:
     """(samples, rejected, warnings); the first of identical files (by path) is kept."""
     samples, rejected, warnings, uncaptioned = [], [], [], []
     first_of: dict[str, str] = {}  # content digest or sample id -> the file that has it
@@ -207,15 +210,15 @@ def _validate(found: list[Candidate], params: PreprocessParams, datasets: tuple[
                 if seen in first_of:
                     raise Rejected("duplicate", f"{what} {first_of[seen]}")
             if clip:
-                if c.references or c.reference_problem:
+                if (c.references or c.reference_problem) and not inputs.image_condition:
                     raise Rejected("unsupported", "a clip cannot be an edit target (control_dir / reference_columns)")
-                samples.extend(_clip_samples(c, sample_id, info, clip, caption, source, params))
+                samples.extend(_clip_samples(c, sample_id, info, clip, caption, source, params, inputs))
                 warnings.extend(_clip_warnings(c, clip))
             else:
                 mask = mask_entry(c, info, source)
                 sample = _sample(c, sample_id, info, caption, source, params)
                 if c.references or c.reference_problem:
-                    sample["references"] = _placed_references(c, sample["size"], params, max_references)
+                    sample["references"] = _placed_references(c, sample["size"], params, inputs.max_references)
                 samples.append(SampleRow.model_validate({**sample, "mask": mask}))
             first_of.update({info.digest: c.label, sample_id: c.label})
         except Rejected as r:
@@ -253,11 +256,11 @@ def _placed_references(c: Candidate, size: list[int], params: PreprocessParams,
 
 
 def _clip_samples(c: Candidate, sample_id: str, info: ImageInfo, clip: ClipInfo, caption: str,
-                  source: DatasetSource, params: PreprocessParams) -> list[SampleRow]:
+                  source: DatasetSource, params: PreprocessParams, inputs: PreprocessInputs) -> list[SampleRow]:
     """One sample per window of the clip (preprocess.video), each placed as an image of the clip's
     frame size would be, known by the digest of the frames it shows, captioned by `caption` or its
     time range's caption; `clip` says where it comes from (its windows share the clip's digest: held
-    out together)."""
+    out together). For an image-to-video model, each with its conditioning image (_condition_image)."""
     sampling = params.video
     chosen = windows(clip, sampling)
     captions = window_captions(clip, chosen, sampling.fps, c.timed_captions) if c.timed_captions \
@@ -267,11 +270,24 @@ def _clip_samples(c: Candidate, sample_id: str, info: ImageInfo, clip: ClipInfo,
         digest = window_digest(clip, window)
         sample = _sample(c, sample_id if len(chosen) == 1 else f"{sample_id}@{k}",
                          ImageInfo(info.width, info.height, False, digest), caption, source, params)
+        if inputs.image_condition:
+            sample["references"] = _condition_image(c, sample, clip, window, params, inputs)
         samples.append(SampleRow.model_validate({
             **sample, "frames": window.frames, "fps": sampling.fps,
             "clip": {"digest": info.digest, "duration": round(clip.duration, 3), "fps": round(clip.fps, 3),
                      "start": window.start, "cut": cut_summary(clip, chosen, sampling.fps)}}))
     return samples
+
+
+def _condition_image(c: Candidate, sample: dict, clip: ClipInfo, window: Window, params: PreprocessParams,
+                     inputs: PreprocessInputs) -> list[dict]:
+    """A window's conditioning image: the one the dataset names (placed as an edit pair's reference),
+    else (none named) its first sampled frame, placed as the window is."""
+    if c.references or (c.reference_problem and c.reference_problem[0] != "missing_reference"):
+        return _placed_references(c, sample["size"], params, inputs.max_references)
+    first = window.frames[0]
+    return [{"path": sample["path"], "digest": digest_json([clip.digests[first]]), "frames": [first],
+             **{k: sample[k] for k in ("original_size", "resized", "crop_box")}}]
 
 
 def _clips_report(samples: list[SampleRow], datasets: tuple[DatasetSource, ...]) -> dict:

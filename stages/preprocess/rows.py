@@ -33,6 +33,8 @@ class PlacedImage(Frozen):
     resized: tuple[int, int]  # height, width before the crop
     crop_box: tuple[int, int, int, int]  # left, top, right, bottom in the resized image
     background: tuple[int, int, int] | None = None  # RGB its alpha is composited on; None: no alpha
+    frames: tuple[int, ...] | None = None  # a clip window's source frame indices (a conditioning image cut
+    # from a clip: its one frame); None: an image
 
     def pixel_identity(self) -> dict:
         """What its placed pixels depend on: its bytes, resize and crop (and background, for an
@@ -50,8 +52,13 @@ class ImageRow(PlacedImage):
     id: str
     source: int  # the dataset's index
     size: tuple[int, int]  # the target: height, width
-    frames: tuple[int, ...] | None = None  # a clip window's source frame indices; None: an image
     fps: float | None = None  # the frame rate the window is sampled at
+    condition_frames: int | None = None  # an image-to-video model's conditioning image: encoded as a clip of
+    # this many frames, the image then zeros (Family.image_condition); None: as it is
+
+    def pixel_identity(self) -> dict:
+        padded = {"condition_frames": self.condition_frames} if self.condition_frames else {}
+        return {**super().pixel_identity(), **padded}
 
     @property
     def is_clip(self) -> bool:
@@ -61,6 +68,11 @@ class ImageRow(PlacedImage):
     def frame_count(self) -> int:
         """The window's frames; 0 for an image."""
         return len(self.frames or ())
+
+    @property
+    def encoded_frames(self) -> int:
+        """The frames its latent is encoded from: the window's, a conditioning image's clip's; 0 for an image."""
+        return self.condition_frames or self.frame_count
 
     def label(self, datasets: tuple[DatasetSource, ...]) -> str:
         """The file as the user knows it: its path, prefixed by its dataset's name when there are several."""

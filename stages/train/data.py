@@ -28,7 +28,6 @@ import torch
 
 from lorapipe.stages.contract import derived_seed
 from lorapipe.stages.encoded import EncodedData, Sample
-from lorapipe.stages.families.base import REFERENCE_LATENTS
 from lorapipe.stages.train.params import TrainParams
 
 if TYPE_CHECKING:
@@ -101,8 +100,9 @@ class Batch:
     # sample of the batch has a mask (one without gets weight 1)
     priors: torch.Tensor | None = None  # (B,) bool: which samples come from a dataset with role: prior;
     # None: none of the batch's
-    references: torch.Tensor | None = None  # (B, K, C, h, w) the reference latents of edit pairs (mirrored
-    # with their target); None: the batch's samples have none
+    references: dict[str, torch.Tensor] | None = None  # the references' conditioning (EncodedData.reference_conditioning,
+    # batched): REFERENCE_LATENTS (B, K, C, h, w) of edit pairs (mirrored with their target); None: the batch's
+    # samples have none
 
 
 def draws_flipped(sample: Sample, rng: torch.Generator) -> bool:
@@ -123,11 +123,12 @@ def load_batch(data: EncodedData, samples: list[Sample], rng: torch.Generator, c
         texts.append(data.empty_text(sample) if dropped else data.text(sample))
         images.append((sample, flipped))
         masks.append(data.mask(sample, flipped))
-        references.append(data.reference_latents(sample, flipped))
+        references.append(data.reference_conditioning(sample, flipped))
     priors = [sample.role == "prior" for sample in samples]
     return Batch(torch.cat(latents), texts, images, batch_masks(masks, latents[0].shape[-2:]),
                  torch.tensor(priors) if any(priors) else None,
-                 None if references[0] is None else torch.stack(references))
+                 None if references[0] is None else {name: torch.stack([r[name] for r in references])
+                                                     for name in references[0]})
 
 
 def batch_masks(masks: list[torch.Tensor | None], size: torch.Size) -> torch.Tensor | None:
@@ -169,8 +170,7 @@ def step_inputs(family: Family, objective: Objective, batch: Batch, rng: torch.G
     input, target and weight, and the family's conditioning."""
     noised = objective.noised(batch.latents, *objective.draw(batch.latents, rng))
     conditioning = family.conditioning(batch.texts, batch.images, params)
-    if batch.references is not None:
-        conditioning[REFERENCE_LATENTS] = batch.references
+    conditioning |= batch.references or {}
     return StepInputs(noised.noisy, noised.timesteps, conditioning,
                       noised.target, prior_weighted(noised.weight, batch.priors, params.prior_loss_weight),
                       batch.masks, batch.priors)

@@ -83,7 +83,7 @@ def step_loss(family: families.Family, objective: Objective, denoiser: torch.nn.
     if base_output_of is not None and inputs.prior is not None:
         target = base_output_target(family, base_output_of, inputs, dtype)
     pred = family.predict(denoiser, inputs.noisy, inputs.timesteps, inputs.conditioning, dtype)
-    return objective.loss(pred, target, inputs.loss_weight, inputs.loss_mask)
+    return objective.loss(*family.loss_region(pred, target), inputs.loss_weight, inputs.loss_mask)
 
 
 class LoRATrainingRecipe:

@@ -1,4 +1,5 @@
-"""A tiny LTX-2 built offline, byte-for-byte reproducible: `lorapipe tiny-model DIR --arch ltx2`.
+"""A tiny LTX-2 built offline, byte-for-byte reproducible: `lorapipe tiny-model DIR --arch ltx2` (or
+`--arch ltx2-i2v`: the same components as an LTX2ImageToVideoPipeline).
 
 Text: a Gemma 3 (conditional generation, a tiny SigLIP vision tower beside it) with hidden size 16
 and 2 layers, around a byte-fallback BPE tokenizer trained on the bundled captions (words of the
@@ -119,14 +120,14 @@ def _transformer(audio_channels: int):
         caption_channels=TEXT_DIM)
 
 
-def build_tiny_ltx2(out_dir: Path) -> Path:
-    """Write a tiny LTX-2 into out_dir."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2Pipeline
+def build_tiny_ltx2(out_dir: Path, image_to_video: bool = False) -> Path:
+    """Write a tiny LTX-2 into out_dir (`image_to_video`: the same components as an LTX2ImageToVideoPipeline)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2ImageToVideoPipeline, LTX2Pipeline
 
     tokenizer = gemma_tokenizer()
     audio_vae = seeded(_audio_vae)
     latent_mel_bins = audio_vae.config.mel_bins // audio_vae.mel_compression_ratio
-    pipe = LTX2Pipeline(
+    pipe = (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(
         tokenizer=tokenizer, text_encoder=seeded(_gemma3, len(tokenizer)), connectors=seeded(_connectors),
         vae=seeded(_vae), audio_vae=audio_vae, vocoder=seeded(_vocoder, audio_vae),
         transformer=seeded(_transformer, audio_vae.config.latent_channels * latent_mel_bins),
