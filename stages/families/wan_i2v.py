@@ -139,5 +139,5 @@ WAN_I2V = WanI2V(
     name="wan-i2v", label="Wan I2V", pipeline_class="WanImageToVideoPipeline",
     components=replace(WAN.components, image=("image_encoder", "image_processor")), kohya=WAN.kohya,
     latent_patch=WAN.latent_patch, text_encoder=WAN.text_encoder, original_formats=WAN.original_formats,
-    sampler=WAN.sampler, block_lists=WAN.block_lists,
+    sampler=WAN.sampler, block_lists=WAN.block_lists, denoiser_names=WAN.denoiser_names,
 )
