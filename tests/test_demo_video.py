@@ -16,9 +16,10 @@ from lorapipe.stages.demo.clips import SCENES
 
 pytestmark = pytest.mark.slow
 
-LORA_FILES = {"wan2.1": ("", "_comfyui", "_kohya"), "wan2.2-a14b": ("", "_comfyui", "_kohya"), "ltx2": ("", "_comfyui"),
-              "wan2.1-i2v": ("", "_comfyui", "_kohya")}
-CONDITIONED = {"wan2.1-i2v"}  # image-to-video: a conditioning image per window, its own record; clips rendered from
+WAN_FILES, LTX2_FILES = ("", "_comfyui", "_kohya"), ("", "_comfyui")
+LORA_FILES = {"wan2.1": WAN_FILES, "wan2.2-a14b": WAN_FILES, "ltx2": LTX2_FILES, "wan2.1-i2v": WAN_FILES,
+              "wan2.2-i2v-a14b": WAN_FILES, "wan2.2-5b-i2v": WAN_FILES, "ltx2-i2v": LTX2_FILES}
+CONDITIONED = {"wan2.1-i2v", "wan2.2-i2v-a14b", "wan2.2-5b-i2v", "ltx2-i2v"}  # image-to-video: a conditioning image per window, its own record; clips rendered from
 # the held-out windows' first frames beside them (edit_grid.png)
 FRAMES = 17  # configs/video-demo.yaml's preprocess.video.num_frames and evaluate.num_frames
 RENDERED = 2 * 2 * 2  # prompts x seeds x columns (the base model, the LoRA at scale 1)
@@ -36,7 +37,7 @@ def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_pa
     run = tmp_path / arch
     assert sorted(p.name for p in (run / "data").iterdir()) == sorted(
         f"{name}{suffix}" for name, *_ in SCENES for suffix in (".mp4", ".txt"))  # the clips, not the photos
-    if arch == "wan2.2-a14b":  # two denoisers: the demo trains the first, and its config says so
+    if arch.endswith("a14b"):  # two denoisers: the demo trains the first, and its config says so
         assert "with train.denoiser: high_noise" in (run / "demo.yaml").read_text().splitlines()[0]
     outputs = run / "outputs"
     names = [f"pytorch_lora_weights{suffix}.safetensors" for suffix in LORA_FILES[arch]]
