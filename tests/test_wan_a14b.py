@@ -70,7 +70,9 @@ def test_both_experts_train_in_one_run_resume_exactly_and_load_into_their_transf
     4 steps, then 8 over the same work folder, train what 8 straight steps train, bit for bit; each
     expert's files, named by it, load into its transformer (the low-noise one's with
     load_into_transformer_2) and change it by the trained B @ A x alpha/rank,
-    the other transformer not at all. Evaluate refuses the run in one line (it does not load two yet)."""
+    the other transformer not at all. Evaluate loads both (its render differs from the base model's on
+    the same seed) and scores each expert's held-out loss at the loss timesteps of its own range, merged
+    into one figure, as it scores each checkpoint's pair."""
     inputs = train_inputs(a14b_model, wan_clips_encoded)
     straight, _ = run_train(tmp_path, "straight", inputs, **BOTH)
     run_train(tmp_path, "half", inputs, tmp_path / "work", **{**BOTH, "max_steps": 4})
@@ -91,12 +93,29 @@ def test_both_experts_train_in_one_run_resume_exactly_and_load_into_their_transf
                 torch.allclose(delta, trained.get(module, torch.zeros_like(delta)), atol=1e-6)
                 for module, delta in change.items()), name
             assert all(torch.equal(p, before[n]) for n, p in getattr(pipe, other).named_parameters()), name
-    with pytest.raises(UserError, match=r"^evaluate: .* holds a LoRA for each denoiser \(train.denoiser both\), which"
-                                        " evaluate does not load yet: run the pipeline with --only train"):
-        run(EvalParams(prompts=("a red ball",)),
-            EvalInputs(a14b_model, straight, wan_clips_encoded.artifact_dir, wan_clips_encoded.cache_root, "base",
-                       wan_clips_encoded.digest, "lora"),
-            tmp_path / "evaluate", tmp_path / "evaluate-work", log=lambda message: None)
+    evaluated = tmp_path / "evaluate"
+    evaluated.mkdir()
+    params = EvalParams(prompts=("a red ball",), seeds=(0,), lora_scales=(1.0,), num_inference_steps=2,
+                        resolution=32, num_frames=5, loss_timesteps=(100, 500, 900), loss_samples=2)
+    run(params, EvalInputs(a14b_model, straight, wan_clips_encoded.artifact_dir, wan_clips_encoded.cache_root, "base",
+                           wan_clips_encoded.digest, "lora"),
+        evaluated, tmp_path / "evaluate-work", log=lambda message: None)
+    metrics = json.loads((evaluated / "metrics.json").read_text())
+    assert len([c for c in metrics["clips"] if c.endswith(".mp4")]) == 2  # the base and LoRA columns' clip
+    assert all((evaluated / clip).is_file() for clip in metrics["clips"])
+    grid = Image.open(evaluated / "grid.png")
+    assert ImageChops.difference(cell(grid, 0, 0, 32), cell(grid, 0, 1, 32)).getbbox() is not None
+    lora = metrics["loss"]["holdout"]["lora"]
+    by_expert = {expert: set(result["by_timestep"]) for expert, result in lora["by_denoiser"].items()}
+    assert by_expert == {"high_noise": {"900"}, "low_noise": {"100", "500"}}
+    assert lora["by_timestep"] == {step: result["by_timestep"][step] for result in lora["by_denoiser"].values()
+                                   for step in result["by_timestep"]}
+    assert lora["overall"] == pytest.approx(sum(lora["by_timestep"].values()) / 3)
+    base = metrics["loss"]["holdout"]["base"]
+    assert all(lora["by_denoiser"][e]["overall"] != base["by_denoiser"][e]["overall"] for e in EXPERTS)  # each loaded
+    steps = json.loads((evaluated / "checkpoint_losses.json").read_text())["checkpoints"]
+    assert [row["step"] for row in steps] == [4, 8] and all(set(row["by_denoiser"]) == set(EXPERTS) for row in steps)
+    assert steps[-1]["overall"] == lora["overall"] != steps[0]["overall"]
 
 
 def trained_change(diffusers_file, scale: float) -> dict[str, torch.Tensor]:

@@ -1,7 +1,8 @@
 """Evaluate: sample grid (base vs LoRA), denoising loss on held-out and train data, CLIP score.
 
 Reads:  the base model folder (through its family: stages/families); the train artifact (`pytorch_lora_weights.safetensors`, and
-        `checkpoints/step-N/pytorch_lora_weights.safetensors` for every retained checkpoint);
+        `checkpoints/step-N/pytorch_lora_weights.safetensors` for every retained checkpoint; one of each
+        per denoiser, named by it, for a run that trained several: each loads into its denoiser);
         the encode artifact and its sample store (cached latents and text embeddings).
 Renders with the family's pipeline (model_index.json's class), sampler and defaults for steps and
 guidance; scores the loss with the family's objective as the LoRA was trained (train_config.json).

@@ -17,12 +17,13 @@ from lorapipe.stages.contract import Log
 from lorapipe.stages.encoded import EncodedData, Sample
 from lorapipe.stages.families import ObjectiveParams
 from lorapipe.stages.lora_formats.diffusers_format import add_adapter_from_file, adapter_kind, recorded_adapter
-from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, TRAIN_CONFIG, checkpoint_loras
+from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, TRAIN_CONFIG, checkpoint_loras, expert_file
 
 from .clip import clip_score, load_clip
 from .edits import EditPair, held_out_pairs, pixel_distances, render_pairs, write_edit_grid
 from .fid import fid_kid
 from .losses import LossResult, Scoring, denoising_loss, loss_subset
+from .merged_losses import merged
 from .params import (CHECKPOINT_CHART, CHECKPOINT_LOSSES, EDIT_GRID, GRID, METRICS, REPORT, VERSION, EvalInputs,
                      EvalOptions, EvalParams)
 from .render import Clip, RenderSettings, compose_grid, first_frames, render_column, render_size_kwargs, write_clips
@@ -66,46 +67,65 @@ class LossSamples:
                 "n_samples_in_split": {name: len(samples) for name, samples in self.in_split.items()}}
 
 
+@dataclass(frozen=True)
+class TrainedDenoiser:
+    """One trained denoiser: its name ('' for a run's one denoiser), its family bound to it, the base
+    model's and the LoRA's scorings, and the samples scored at the timesteps of its range."""
+
+    name: str
+    family: families.Family
+    scoring: dict[str, Scoring]
+    samples: LossSamples
+
+    def lora_file(self, folder: Path) -> Path:
+        return Path(folder) / expert_file(LORA_FILE, self.name)
+
+
+def scored_losses(denoisers: list[TrainedDenoiser], pipe: DiffusionPipeline, scoring: str,
+                  splits: dict[str, list[Sample]] | None = None) -> dict[str, LossResult]:
+    """Per split, the loss of the pipeline's trained denoisers as they are now, scored as `scoring`
+    (base or lora) says, merged (merged_losses)."""
+    return merged({d.name: d.samples.losses(getattr(pipe, d.family.components.denoiser), d.scoring[scoring], splits)
+                   for d in denoisers})
+
+
 def run(
     params: EvalParams, inputs: EvalInputs, out_dir: Path, work_dir: Path,
     options: EvalOptions = EvalOptions(), log: Log = print,
 ) -> Built:
     """Write the evaluation of inputs.train_dir's LoRA into out_dir (work_dir is not needed)."""
-    trained = _trained_params(inputs.train_dir)
-    if trained.get("denoiser") == families.BOTH_DENOISERS:
-        raise UserError(f"evaluate: {inputs.train_dir} holds a LoRA for each denoiser (train.denoiser both), which"
-                        " evaluate does not load yet: run the pipeline with --only train, or train one denoiser")
-    if not (Path(inputs.train_dir) / LORA_FILE).is_file():
-        raise FileNotFoundError(f"{inputs.train_dir} has no {LORA_FILE}: it is not a train artifact; re-run train")
-    family = families.for_model(inputs.model_path).with_denoiser(trained.get("denoiser"))
+    choice = _trained_params(inputs.train_dir).get("denoiser")
+    trained = _bound(families.for_model(inputs.model_path), choice)
+    family, bound = trained
+    _check_lora_files(inputs.train_dir, bound)
     encoded = EncodedData(inputs.encoded_dir, inputs.cache_root)
     encoded.check_model(inputs.model_path, family.name, inputs.model_digests)
-    scoring = _scorings(family, inputs.model_path, inputs.train_dir)
-    samples = LossSamples.of(encoded, params, _loss_timesteps(scoring["lora"], params, trained.get("denoiser")))
-    render_family, render_path = _renderer(family, inputs, params, trained.get("denoiser"))
+    denoisers = _trained_denoisers(bound, choice, encoded, params, inputs)
+    samples = denoisers[0].samples  # every denoiser scores the same samples
+    (render_family, render_bound), render_path = _renderer(trained, inputs, params, choice)
     pairs = held_out_pairs(encoded, inputs.preprocess_dir, inputs.datasets, params.edit_pairs, params.loss_seed)
     fps = _clip_fps(params, encoded, render_family)
     settings = _render_settings(render_family, render_path, encoded, params, options,  # bad settings: before loading
                                 _prompt_references(render_family, pairs), fps)
     columns = None
     if render_path != inputs.model_path:  # rendered first and released, so one pipeline is in memory at a time
-        columns = _render_grid(_load_pipeline(render_path, options), render_family, render_path, settings, params,
-                               inputs.train_dir, log)
+        columns = _render_grid(_load_pipeline(render_path, options), render_family, render_bound, render_path,
+                               settings, params, inputs.train_dir, log)
     pipe = _load_pipeline(inputs.model_path, options)
-    denoiser = getattr(pipe, family.components.denoiser)
 
     log(f"evaluate: base model, {len(samples.scored['holdout'])} held-out losses")
-    base = samples.losses(denoiser, scoring["base"])
+    base = scored_losses(denoisers, pipe, "base")
     if columns is None:
-        columns = _render_grid(pipe, family, inputs.model_path, settings, params, inputs.train_dir, log)
+        columns = _render_grid(pipe, family, bound, inputs.model_path, settings, params, inputs.train_dir, log)
     else:
-        _load_adapters(pipe, family, inputs.train_dir)
+        _load_adapters(pipe, bound, inputs.train_dir)
     adapters = {}
-    for name in _adapter_files(inputs.train_dir):
+    for name in _adapter_files(inputs.train_dir, bound):
         pipe.set_adapters([name], adapter_weights=[1.0])
-        adapters[name] = samples.losses(denoiser, scoring["lora"])
+        adapters[name] = scored_losses(denoisers, pipe, "lora")
 
-    edits = _render_edits(pipe, family, pairs, params, settings, inputs.train_dir, out_dir, log) if pairs else None
+    edits = (_render_edits(pipe, family, bound, pairs, params, settings, inputs.train_dir, out_dir, log)
+             if pairs else None)
     rows = [(prompt, seed) for prompt in params.prompts for seed in params.seeds]
     stills = first_frames(columns)
     compose_grid(stills, rows, params.resolution).save(out_dir / GRID)
@@ -114,16 +134,16 @@ def run(
         "loss": _loss_table(base, adapters),
         "clip_score": _clip_metrics(params, stills, [prompt for prompt, _ in rows], pipe.device, log),
         "fid_kid": _fid_metrics(params, stills, log), **samples.counts(),
-        "prediction_type": {name: s.objective.prediction for name, s in scoring.items()},
+        "prediction_type": {name: s.objective.prediction for name, s in denoisers[0].scoring.items()},
         "provenance": {"base_model": inputs.base_model_digest, "encoded": inputs.encoded_digest,
                        "lora": inputs.lora_digest, "evaluate_version": VERSION},
         **({"clips": clips, "clip_fps": fps} if clips else {}),  # the animated grid and one mp4 per clip (video models)
         **({"edit": edits} if edits else {}),  # held-out edit pairs (edit models)
     }
     _write_json(out_dir / METRICS, metrics)
-    checkpoints = _checkpoint_losses(pipe, scoring["lora"], inputs.train_dir, samples, base)
+    checkpoints = _checkpoint_losses(pipe, denoisers, inputs.train_dir, base)
     _write_checkpoint_losses(out_dir, checkpoints)
-    write_report(out_dir / REPORT, metrics, samples.timesteps, checkpoints)
+    write_report(out_dir / REPORT, metrics, sorted(t for d in denoisers for t in d.samples.timesteps), checkpoints)
     return Built(info=_headline(metrics))
 
 
@@ -138,6 +158,31 @@ def _trained_params(train_dir: Path) -> dict[str, Any]:
     """The train settings train_config.json records ({} without one)."""
     config = Path(train_dir) / TRAIN_CONFIG
     return json.loads(config.read_text()).get("params", {}) if config.is_file() else {}
+
+
+def _bound(model: families.Family, choice: str | None) -> tuple[families.Family, dict[str, families.Family]]:
+    """The family that renders (bound to the trained denoiser; the model as a whole where train.denoiser
+    trained several) and each trained denoiser's family, by name (Family.trained_denoisers)."""
+    bound = model.trained_denoisers(choice)
+    return bound.get("", model), bound
+
+
+def _check_lora_files(train_dir: Path, bound: dict[str, families.Family]) -> None:
+    for name in bound:
+        file = expert_file(LORA_FILE, name)
+        if not (Path(train_dir) / file).is_file():
+            raise FileNotFoundError(f"{train_dir} has no {file}: it is not a train artifact; re-run train")
+
+
+def _trained_denoisers(bound: dict[str, families.Family], choice: str | None, encoded: EncodedData,
+                       params: EvalParams, inputs: EvalInputs) -> list[TrainedDenoiser]:
+    """Each trained denoiser with its scorings and the samples scored at the timesteps of its range."""
+    found = []
+    for name, family in bound.items():
+        scoring = _scorings(family, inputs.model_path, inputs.train_dir)
+        steps = _loss_timesteps(scoring["lora"], params, name or choice)
+        found.append(TrainedDenoiser(name, family, scoring, LossSamples.of(encoded, params, steps)))
+    return found
 
 
 def _loss_timesteps(scoring: Scoring, params: EvalParams, denoiser: str | None) -> list[int]:
@@ -159,26 +204,30 @@ def _scorings(family: families.Family, model_path: Path, train_dir: Path) -> dic
             "lora": Scoring(family, family.objective(model_path, trained), trained)}
 
 
-def _renderer(family: families.Family, inputs: EvalInputs, params: EvalParams,
-              denoiser: str | None) -> tuple[families.Family, Path]:
-    """The family (bound to its variant and the trained denoiser) and folder of the model that renders
-    the grid: evaluate.render_model, else the training model."""
+def _renderer(trained: tuple[families.Family, dict[str, families.Family]], inputs: EvalInputs, params: EvalParams,
+              denoiser: str | None) -> tuple[tuple[families.Family, dict[str, families.Family]], Path]:
+    """The families (_bound: bound to its variant and the trained denoisers) and folder of the model
+    that renders the grid: evaluate.render_model, else the training model (`trained`)."""
     if params.render_model is None:
-        return family, inputs.model_path
+        return trained, inputs.model_path
+    family = trained[0]
     path = Path(params.render_model)
     if not (path / "model_index.json").is_file():
         raise UserError(f"evaluate.render_model: {path} is not a diffusers model folder (no model_index.json)")
-    renderer = families.for_model(path).with_denoiser(denoiser)
+    renderer, bound = _bound(families.for_model(path), denoiser)
     if renderer.name != family.name:
         raise UserError(f"evaluate.render_model: {path} is a {renderer.label} model, but the LoRA is trained on"
                         f" {family.label} ({inputs.model_path}); give a checkpoint of the same family")
-    return renderer, path
+    return (renderer, bound), path
 
 
-def _adapter_files(train_dir: Path) -> dict[str, Path]:
-    """The train artifact's adapters: the trained one, and its EMA when the run kept one."""
-    files = {LORA_ADAPTER: Path(train_dir) / LORA_FILE, EMA_ADAPTER: Path(train_dir) / EMA_DIR / LORA_FILE}
-    return {name: file for name, file in files.items() if file.is_file()}
+def _adapter_files(train_dir: Path, bound: dict[str, families.Family]) -> dict[str, dict[str, Path]]:
+    """The train artifact's adapters (the trained one, and its EMA when the run kept one): the file
+    of each trained denoiser, by its name."""
+    folders = {LORA_ADAPTER: Path(train_dir), EMA_ADAPTER: Path(train_dir) / EMA_DIR}
+    files = {adapter: {name: folder / expert_file(LORA_FILE, name) for name in bound}
+             for adapter, folder in folders.items()}
+    return {adapter: by_name for adapter, by_name in files.items() if all(f.is_file() for f in by_name.values())}
 
 
 def _load_adapter(pipe: DiffusionPipeline, family: families.Family, file: Path, name: str) -> None:
@@ -192,15 +241,19 @@ def _load_adapter(pipe: DiffusionPipeline, family: families.Family, file: Path, 
         add_adapter_from_file(getattr(pipe, family.components.denoiser), file, prefix, name)
 
 
-def _load_adapters(pipe: DiffusionPipeline, family: families.Family, train_dir: Path) -> dict[str, Path]:
-    files = _adapter_files(train_dir)
-    for name, file in files.items():
-        _load_adapter(pipe, family, file, name)
+def _load_adapters(pipe: DiffusionPipeline, bound: dict[str, families.Family],
+                   train_dir: Path) -> dict[str, dict[str, Path]]:
+    """Each adapter into each trained denoiser, under the adapter's name (one per denoiser module)."""
+    files = _adapter_files(train_dir, bound)
+    for adapter, by_name in files.items():
+        for name, file in by_name.items():
+            _load_adapter(pipe, bound[name], file, adapter)
     return files
 
 
-def _render_grid(pipe: DiffusionPipeline, family: families.Family, model_path: Path, settings: RenderSettings,
-                 params: EvalParams, train_dir: Path, log: Log) -> dict[str, list[Clip]]:
+def _render_grid(pipe: DiffusionPipeline, family: families.Family, bound: dict[str, families.Family],
+                 model_path: Path, settings: RenderSettings, params: EvalParams, train_dir: Path,
+                 log: Log) -> dict[str, list[Clip]]:
     """The grid's columns: `pipe` without the LoRA, then with it at each scale, then its EMA at each
     scale when there is one (the adapters stay loaded)."""
     sampler = params.scheduler or family.sampler
@@ -210,7 +263,7 @@ def _render_grid(pipe: DiffusionPipeline, family: families.Family, model_path: P
     family.prepare_pipeline(pipe, sampler, scoring["base"].objective)
     columns = {"base": render_column(pipe, settings)}
     family.prepare_pipeline(pipe, sampler, scoring["lora"].objective)
-    for name in _load_adapters(pipe, family, train_dir):
+    for name in _load_adapters(pipe, bound, train_dir):
         for scale in params.lora_scales:
             log(f"evaluate: {COLUMN[name]} at scale {scale:g}")
             pipe.set_adapters([name], adapter_weights=[scale])
@@ -218,8 +271,9 @@ def _render_grid(pipe: DiffusionPipeline, family: families.Family, model_path: P
     return columns
 
 
-def _render_edits(pipe: DiffusionPipeline, family: families.Family, pairs: list[EditPair], params: EvalParams,
-                  settings: RenderSettings, train_dir: Path, out_dir: Path, log: Log) -> dict[str, Any]:
+def _render_edits(pipe: DiffusionPipeline, family: families.Family, bound: dict[str, families.Family],
+                  pairs: list[EditPair], params: EvalParams, settings: RenderSettings, train_dir: Path,
+                  out_dir: Path, log: Log) -> dict[str, Any]:
     """edit_grid.png of the held-out pairs, by the base model and the adapters at each scale (they
     are loaded), and each column's distance to the targets."""
     seeds = list(params.seeds)
@@ -231,7 +285,7 @@ def _render_edits(pipe: DiffusionPipeline, family: families.Family, pairs: list[
     pipe.disable_lora()
     rendered = {"base": render()}
     pipe.enable_lora()
-    for name in _adapter_files(train_dir):
+    for name in _adapter_files(train_dir, bound):
         for scale in params.lora_scales:
             pipe.set_adapters([name], adapter_weights=[scale])
             rendered[f"{COLUMN[name]} x{scale:g}"] = render()
@@ -313,21 +367,23 @@ def _fid_metrics(params: EvalParams, columns: dict[str, list[Image.Image]], log:
 
 
 def _checkpoint_losses(
-    pipe: DiffusionPipeline, scoring: Scoring, train_dir: Path, samples: LossSamples, base: dict[str, LossResult],
+    pipe: DiffusionPipeline, denoisers: list[TrainedDenoiser], train_dir: Path, base: dict[str, LossResult],
 ) -> dict[str, Any] | None:
-    """Held-out loss of every retained checkpoint's LoRA; None when the train artifact has none."""
-    found = checkpoint_loras(train_dir)
-    if not found:
+    """Held-out loss of every retained checkpoint's LoRA (its file for each trained denoiser); None
+    when the train artifact has none."""
+    found = {d.name: dict(checkpoint_loras(train_dir, d.lora_file(train_dir).name)) for d in denoisers}
+    steps = sorted(set.intersection(*(set(files) for files in found.values())))
+    if not steps:
         return None
-    holdout = samples.scored["holdout"]
+    holdout = denoisers[0].samples.scored["holdout"]
     if not holdout:
         return {"skipped": "the holdout split is empty"}
-    denoiser = getattr(pipe, scoring.family.components.denoiser)
     results = []
-    for step, file in found:  # one adapter at a time: unloading restores the base denoiser
+    for step in steps:  # one checkpoint at a time: unloading restores the base denoisers
         pipe.unload_lora_weights()
-        _load_adapter(pipe, scoring.family, file, LORA_ADAPTER)
-        loss = samples.losses(denoiser, scoring, {"holdout": holdout})["holdout"]
+        for d in denoisers:
+            _load_adapter(pipe, d.family, found[d.name][step], LORA_ADAPTER)
+        loss = scored_losses(denoisers, pipe, "lora", {"holdout": holdout})["holdout"]
         results.append({"step": step, **loss})
     return {"split": "holdout", "base": base["holdout"]["overall"], "checkpoints": results}
 

@@ -37,10 +37,10 @@ def checkpoint_lora(folder: Path, step: int) -> Path:
     return Path(folder) / CHECKPOINTS / step_name(step) / LORA_FILE
 
 
-def checkpoint_loras(folder: Path) -> list[tuple[int, Path]]:
-    """(step, LoRA file) of every checkpoint a LoRA folder keeps, oldest first."""
+def checkpoint_loras(folder: Path, name: str = LORA_FILE) -> list[tuple[int, Path]]:
+    """(step, LoRA file `name`) of every checkpoint a LoRA folder keeps, oldest first."""
     found = []
-    for path in (Path(folder) / CHECKPOINTS).glob(f"step-*/{LORA_FILE}"):
+    for path in (Path(folder) / CHECKPOINTS).glob(f"step-*/{name}"):
         step = path.parent.name.removeprefix("step-")
         if step.isdigit():
             found.append((int(step), path))
