@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from .base import REFERENCE_LATENTS, Conditioning, ImageCondition
 from .folders import component_config
@@ -46,9 +46,6 @@ class LTX2I2V(LTX2Family):
 
     def loss_region(self, pred: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return after_first_frame(pred, target)
-
-    def reference_render_kwargs(self, images: list[Any]) -> dict[str, Any]:
-        return {"image": images[0]}
 
     def build_tiny_variant(self, out_dir: Path, variant: VideoVariant) -> Path:
         from .tiny.ltx2 import build_tiny_ltx2

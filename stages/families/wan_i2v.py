@@ -124,9 +124,6 @@ class WanI2V(Wan):
 
             pipe._get_t5_prompt_embeds = WanPipeline._get_t5_prompt_embeds.__get__(pipe)
 
-    def reference_render_kwargs(self, images: list[Any]) -> dict[str, Any]:
-        return {"image": images[0]}
-
     def build_tiny_variant(self, out_dir: Path, variant: WanVariant) -> Path:
         from .tiny.wan_i2v import build_tiny_ti2v_i2v, build_tiny_wan_i2v
 
