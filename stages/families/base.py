@@ -306,6 +306,12 @@ class Family(ABC):
     normalisation_of: Callable[[Path, str], LatentNormalisation] = scale_shift_of  # (path, VAE component)
     single_file_markers: tuple[str, ...] = ()  # a tensor name that identifies a single-file checkpoint
     single_file_kwargs: dict[str, Any] | None = None  # from_single_file's arguments; None: not converted
+    # a component's tensor-name prefix in a whole single-file checkpoint (A1111's `first_stage_model.`), which
+    # diffusers' converter for it reads (stages/sources/convert.py); none: its names stand alone
+    checkpoint_prefixes: dict[str, str] = field(default_factory=dict)
+    # component -> (original tensors, its config) -> diffusers tensors, where diffusers' own converter
+    # assumes full sizes (Flux.1's fixes the inner width); else diffusers' converter for the component's class
+    size_free_converters: dict[str, Callable[[dict, dict], dict]] = field(default_factory=dict)
     latent_patch: int = 1  # latent pixels per image token side (Flux: 2x2 patches)
     lora_presets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> what lora_target_modules reads
     block_lists: tuple[str, ...] = ()  # the denoiser's lists of blocks, in run order (swappable_blocks)
