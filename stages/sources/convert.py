@@ -77,13 +77,12 @@ def _diffusers_names(tensors: dict[str, torch.Tensor], family: Family, component
                      file: Path, key: str) -> dict[str, torch.Tensor]:
     """The tensors in the diffusers class's names, by the family's size-free converter or diffusers'
     own (which reads the names under the family's whole-checkpoint prefix)."""
-    convert = family.size_free_converters.get(component)
-    if convert is not None:
-        return convert(tensors, config)
+    size_free = family.size_free_converters.get(component)
     prefix = family.checkpoint_prefixes.get(component, "")
-    checkpoint = {prefix + name: t for name, t in tensors.items()}
     try:
-        return _diffusers_converter(cls, file, key)(checkpoint=checkpoint, config=config)
+        if size_free is not None:
+            return size_free(tensors, config)
+        return _diffusers_converter(cls, file, key)(checkpoint={prefix + n: t for n, t in tensors.items()}, config=config)
     except (KeyError, IndexError, ValueError, RuntimeError) as e:
         raise UserError(f"{key}: {file} is not a {cls.__name__} in a layout diffusers converts"
                         f" ({type(e).__name__}: {e})") from None
