@@ -1,18 +1,21 @@
-"""Flux.1 (dev, Kontext) transformers from files in BFL's layout, bare or under ComfyUI's prefix:
-each converts to the tiny folder's weights exactly, through the family's size-free converter
-(diffusers' own fixes Flux.1's inner width, so its from_single_file cannot read a tiny file)."""
+"""Flux.1 (dev, Kontext) and Flux.2-klein transformers from files in BFL's layout, bare or under
+ComfyUI's prefix: each converts to the tiny folder's weights exactly; Flux.1's through the family's
+size-free converter (diffusers' own fixes Flux.1's inner width, so its from_single_file cannot read
+a tiny file), Flux.2's through diffusers' converter, whose from_single_file reads the same."""
 from __future__ import annotations
 
 import json
 
 import pytest
+from diffusers import Flux2Transformer2DModel
 
 from lorapipe.cache.errors import UserError
 from lorapipe.stages import families
 from lorapipe.stages.families.flux1 import tensor_map
 
-from . import COMFYUI_PREFIX, assert_same_tensors, convert_written, folder_tensors
-from .flux import to_original
+from . import COMFYUI_PREFIX, assert_diffusers_reads_the_same, assert_same_tensors, convert_written, folder_tensors, \
+    write_file
+from .flux import flux2_map, to_original
 
 
 def bfl_transformer(model) -> dict:
@@ -36,3 +39,14 @@ def test_a_bfl_file_with_a_tensor_left_over_is_one_line(tmp_path, flux_model):
     with pytest.raises(UserError, match=r"^model.transformer: .* not a FluxTransformer2DModel .*lora_unet_x.alpha is"
                                         r" not a tensor of this model \(1 left over\)"):
         convert_written(families.get("flux1"), "transformer", flux_model, original, tmp_path)
+
+
+def test_a_flux2_klein_bfl_transformer_converts_exactly_and_diffusers_reads_the_same(tmp_path, flux2_model):
+    config = json.loads((flux2_model / "transformer" / "config.json").read_text())
+    original = to_original(flux2_map(config), folder_tensors(flux2_model, "transformer"))
+    assert "double_blocks.0.img_attn.qkv.weight" in original and "single_blocks.0.linear1.weight" in original
+    for prefix in ("", COMFYUI_PREFIX):
+        assert_same_tensors(convert_written(families.get("flux2-klein"), "transformer", flux2_model, original,
+                                            tmp_path, prefix), folder_tensors(flux2_model, "transformer"))
+    file = write_file(original, tmp_path / "flux2.safetensors")
+    assert_diffusers_reads_the_same(Flux2Transformer2DModel, file, flux2_model, "transformer")
