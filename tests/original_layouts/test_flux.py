@@ -50,3 +50,14 @@ def test_a_flux2_klein_bfl_transformer_converts_exactly_and_diffusers_reads_the_
                                             tmp_path, prefix), folder_tensors(flux2_model, "transformer"))
     file = write_file(original, tmp_path / "flux2.safetensors")
     assert_diffusers_reads_the_same(Flux2Transformer2DModel, file, flux2_model, "transformer")
+
+
+def test_text_encoder_files_in_transformers_names_load_as_the_folders(tmp_path, flux_model):
+    """ComfyUI's clip_l and t5xxl files: transformers' names, written with the base's config."""
+    from lorapipe.stages.families.folders import load_component
+
+    flux1 = families.get("flux1")
+    for component in ("text_encoder", "text_encoder_2"):
+        convert_written(flux1, component, flux_model, folder_tensors(flux_model, component), tmp_path)
+        folder = load_component(flux_model, component)
+        assert_same_tensors(type(folder).from_pretrained(tmp_path / component).state_dict(), folder.state_dict())
