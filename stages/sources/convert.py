@@ -36,13 +36,12 @@ def convert_component(family: Family, component: str, file: Path, base: Path, ta
     """Write `target`, the diffusers folder of `base`'s `component` with the weights of `file`;
     UserError in one line naming the file and the config key for a file that does not fit."""
     import transformers
-    from safetensors.torch import load_file
 
-    check_weights_file(file)
+    names = check_weights_file(file)
     cls = component_class(base, component)
     is_text_encoder = issubclass(cls, transformers.PreTrainedModel)
     key = "model.text_encoders" if is_text_encoder else f"model.{component}"
-    tensors = _own_tensors(load_file(file), _prefixes(family, component))
+    tensors = _own_tensors(file, names, _prefixes(family, component))
     tensors = dequantised(tensors, file, log)
     expected = _empty_state(cls, base, component, is_text_encoder)
     if not is_text_encoder and not set(tensors) <= set(expected):  # not (only) the class's own names
@@ -63,14 +62,14 @@ def _prefixes(family: Family, component: str) -> tuple[str, ...]:
     return tuple(dict.fromkeys((*own, *comfyui)))
 
 
-def _own_tensors(checkpoint: dict[str, torch.Tensor], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """The tensors under the longest of `prefixes` that some name has, the prefix stripped (a
-    whole checkpoint's other components left out); all of them where none has one."""
-    for prefix in sorted(prefixes, key=len, reverse=True):
-        own = {name[len(prefix):]: t for name, t in checkpoint.items() if name.startswith(prefix)}
-        if own:
-            return own
-    return checkpoint
+def _own_tensors(file: Path, names: set[str], prefixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """The file's tensors under the longest of `prefixes` that some name has, the prefix stripped,
+    read alone (a whole checkpoint's other components are not read); all of them where none has one."""
+    from safetensors import safe_open
+
+    prefix = next((p for p in sorted(prefixes, key=len, reverse=True) if any(n.startswith(p) for n in names)), "")
+    with safe_open(file, "pt") as f:
+        return {name[len(prefix):]: f.get_tensor(name) for name in sorted(names) if name.startswith(prefix)}
 
 
 def _diffusers_names(tensors: dict[str, torch.Tensor], family: Family, component: str, cls: type, config: dict,
@@ -140,14 +139,14 @@ def _check_loads(cls: type, target: Path, file: Path, key: str) -> None:
                             f" ({len(names)} in all)")
 
 
-def write_sharded(tensors: dict[str, torch.Tensor], target: Path, stem: str) -> None:
+def write_sharded(tensors: dict[str, torch.Tensor], target: Path, stem: str, max_shard_size: str = MAX_SHARD_SIZE) -> None:
     """`tensors` as `<stem>.safetensors`, or shards and `<stem>.safetensors.index.json` when large,
     as diffusers' and transformers' save_pretrained name them; one shard copied at a time."""
     from huggingface_hub import split_torch_state_dict_into_shards
     from safetensors.torch import save_file
 
     split = split_torch_state_dict_into_shards(tensors, filename_pattern=stem + "{suffix}.safetensors",
-                                               max_shard_size=MAX_SHARD_SIZE)
+                                               max_shard_size=max_shard_size)
     for shard, names in split.filename_to_tensors.items():
         save_file({name: tensors[name].clone() for name in names}, target / shard, metadata={"format": "pt"})
     if split.is_sharded:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 from diffusers import Flux2Transformer2DModel
 
 from lorapipe.cache.errors import UserError
@@ -61,3 +62,22 @@ def test_text_encoder_files_in_transformers_names_load_as_the_folders(tmp_path, 
         convert_written(flux1, component, flux_model, folder_tensors(flux_model, component), tmp_path)
         folder = load_component(flux_model, component)
         assert_same_tensors(type(folder).from_pretrained(tmp_path / component).state_dict(), folder.state_dict())
+
+
+def test_at_flux1s_real_width_the_writer_and_the_row_map_agree_with_diffusers_converter():
+    """Independent of the row map: at Flux.1's own widths (rows; one column each, so it is small)
+    diffusers' converter reads what the writer wrote back to the diffusers tensors, as the family's
+    size-free converter does."""
+    from accelerate import init_empty_weights
+    from diffusers import FluxTransformer2DModel
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    from lorapipe.stages.families.flux1 import bfl_transformer as size_free
+
+    config = {"num_layers": 1, "num_single_layers": 1, "guidance_embeds": True}  # the rest: Flux.1's defaults
+    with init_empty_weights():
+        shapes = {k: v.shape for k, v in FluxTransformer2DModel(**config).state_dict().items()}
+    thin = {k: torch.randn(shape[0], *([1] if len(shape) > 1 else [])) for k, shape in shapes.items()}
+    original = to_original(tensor_map(1, 1, True), thin)
+    assert_same_tensors(convert_flux_transformer_checkpoint_to_diffusers(dict(original)), thin)
+    assert_same_tensors(size_free(original, config), thin)

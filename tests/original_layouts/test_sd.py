@@ -11,7 +11,7 @@ from transformers import CLIPTextModel
 
 from lorapipe.cache.errors import UserError
 from lorapipe.stages import families
-from lorapipe.stages.sources.convert import convert_component
+from lorapipe.stages.sources.convert import convert_component, write_sharded
 
 from . import COMFYUI_PREFIX, assert_diffusers_reads_the_same, assert_same_tensors, convert_written, folder_tensors, \
     write_file
@@ -63,3 +63,15 @@ def test_a_file_that_does_not_fit_the_base_is_one_line_naming_file_key_and_shape
     (tmp_path / "cut.safetensors").write_bytes((tmp_path / "cut.safetensors").read_bytes()[:-2])
     with pytest.raises(UserError, match="cut.safetensors is truncated"):
         convert_component(sd15, "unet", tmp_path / "cut.safetensors", tiny_model, tmp_path / "t", print)
+
+
+def test_a_large_component_is_written_in_shards_with_the_index_diffusers_and_transformers_read(tmp_path, tiny_model):
+    for component, cls, stem in (("unet", UNet2DConditionModel, "diffusion_pytorch_model"),
+                                 ("text_encoder", CLIPTextModel, "model")):
+        folder = cls.from_pretrained(tiny_model / component)
+        (tmp_path / component).mkdir()
+        write_sharded(folder_tensors(tiny_model, component), tmp_path / component, stem, max_shard_size="100KB")
+        assert len(list((tmp_path / component).glob(f"{stem}-*-of-*.safetensors"))) > 1
+        assert (tmp_path / component / f"{stem}.safetensors.index.json").is_file()
+        (tmp_path / component / "config.json").write_bytes((tiny_model / component / "config.json").read_bytes())
+        assert_same_tensors(cls.from_pretrained(tmp_path / component).state_dict(), folder.state_dict())
