@@ -37,10 +37,10 @@ def convert_component(family: Family, component: str, file: Path, base: Path, ta
     UserError in one line naming the file and the config key for a file that does not fit."""
     import transformers
 
-    names = check_weights_file(file)
     cls = component_class(base, component)
     is_text_encoder = issubclass(cls, transformers.PreTrainedModel)
     key = "model.text_encoders" if is_text_encoder else f"model.{component}"
+    names = _whole_file_names(file, key)
     tensors = _own_tensors(file, names, _prefixes(family, component))
     tensors = dequantised(tensors, file, log)
     expected = _empty_state(cls, base, component, is_text_encoder)
@@ -52,6 +52,16 @@ def convert_component(family: Family, component: str, file: Path, base: Path, ta
     write_sharded(tensors, target, "model" if is_text_encoder else "diffusion_pytorch_model")
     if is_text_encoder:
         _check_loads(cls, target, file, key)
+
+
+def _whole_file_names(file: Path, key: str) -> set[str]:
+    """The tensor names of `file`, a whole safetensors file, or UserError naming the key."""
+    if not file.is_file():
+        raise UserError(f"{key}: {file} not found")
+    try:
+        return check_weights_file(file)
+    except UserError as e:
+        raise UserError(f"{key}: {e}") from None
 
 
 def _prefixes(family: Family, component: str) -> tuple[str, ...]:

@@ -1,4 +1,4 @@
-"""Flux.1 (dev, Kontext) and Flux.2-klein transformers from files in BFL's layout, bare or under
+"""Flux.1 (dev, schnell, Kontext) and Flux.2-klein transformers from files in BFL's layout, bare or under
 ComfyUI's prefix: each converts to the tiny folder's weights exactly; Flux.1's through the family's
 size-free converter (diffusers' own fixes Flux.1's inner width, so its from_single_file cannot read
 a tiny file), Flux.2's through diffusers' converter, whose from_single_file reads the same."""
@@ -25,9 +25,10 @@ def bfl_transformer(model) -> dict:
     return to_original(shape, folder_tensors(model, "transformer"))
 
 
-@pytest.mark.parametrize("arch", ["flux1", "flux1-kontext"])
+@pytest.mark.parametrize("arch", ["flux1", "flux1-schnell", "flux1-kontext"])
 def test_a_bfl_transformer_converts_exactly_bare_or_under_comfyuis_prefix(tmp_path, tiny_models, arch):
-    model, family = tiny_models(arch), families.get(arch)
+    model = tiny_models(arch)
+    family = families.for_model(model)
     original = bfl_transformer(model)
     assert "double_blocks.0.img_attn.qkv.weight" in original and "single_blocks.0.linear1.bias" in original
     for prefix in ("", COMFYUI_PREFIX):
