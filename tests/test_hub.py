@@ -1,0 +1,96 @@
+"""A Hugging Face repo id as model.path, resolved offline from a local Hugging Face cache laid out
+as huggingface_hub writes it (tests/hub_cache.py): it runs as the same model given as a folder
+does, with the same keys, and the run records the repo and its commit."""
+from __future__ import annotations
+
+import json
+import shutil
+
+import huggingface_hub
+import pytest
+import yaml
+from hub_cache import write_hub_cache
+
+from lorapipe.cache.errors import UserError
+from lorapipe.flows.config import ConfigError, load_config
+from lorapipe.flows.steps import Context
+
+REPO_ID = "owner/tiny-sd"
+
+
+def hub_config(config_path, name: str, **model) -> object:
+    """A copy of the config at `config_path` (beside it, as `name`) whose model is `model`."""
+    raw = yaml.safe_load(config_path.read_text())
+    copy = config_path.with_name(name)
+    copy.write_text(yaml.safe_dump({**raw, "model": model}))
+    return copy
+
+
+@pytest.fixture
+def hf_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face cache for this test: the folder huggingface_hub reads (HF_HUB_OFFLINE
+    is set for the whole suite: tests/conftest.py)."""
+    cache = tmp_path / "hf-cache"
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def test_a_repo_id_trains_with_the_keys_of_its_folder_and_the_run_records_its_commit(
+        tmp_path, tiny_config, tiny_model, run_stages, hf_cache, monkeypatch):
+    from lorapipe.flows.cached_run import all_cached_run
+    from lorapipe.flows.run_plan import plan_run, plan_status
+
+    folder_config = tiny_config(tmp_path, "hub", max_steps=2, checkpoint_every=2)
+    commit = write_hub_cache(hf_cache, REPO_ID, tiny_model)
+    config_path = hub_config(folder_config, "hub.yaml", path=REPO_ID)
+    done = run_stages(config_path, ("preprocess", "encode", "train"))  # trains on the snapshot's files
+    assert [result.status for result, _ in done.values()] == ["computed"] * 3
+    folder = plan_status(load_config(folder_config), print)
+    assert [s.row()["status"] for s in folder.standings][:3] == ["hit"] * 3  # the same keys as the folder's
+
+    moved = tmp_path / "moved-hf-cache"  # the snapshot's links are relative: a moved cache is the same model
+    shutil.move(hf_cache, moved)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(moved))
+    config = load_config(config_path)
+    summary = all_cached_run(config, plan_run(config, ["train"], None, [], print))
+    assert [row["status"] for row in summary] == ["hit"] * 3
+    recorded = json.loads((config.output_dir / "run-summary.json").read_text())["model"]
+    assert recorded == {"kind": "hub", "location": REPO_ID, "revision": "main", "commit": commit}
+
+
+def test_a_revision_is_a_commit_a_tag_or_a_branch(tmp_path, tiny_config, tiny_model, hf_cache):
+    first = write_hub_cache(hf_cache, REPO_ID, tiny_model, refs=("main", "v1.0"))
+    second = write_hub_cache(hf_cache, REPO_ID, tiny_model, refs=("dev",), commit="1" * 40)
+    folder_config = tiny_config(tmp_path, "revisions")
+
+    def resolved(**model) -> str:
+        ctx = Context(load_config(hub_config(folder_config, "hub.yaml", **model)), log=lambda line: None)
+        try:
+            assert (ctx.base.path / "model_index.json").is_file()
+            return ctx.base.source.commit
+        finally:
+            ctx.close()
+
+    assert resolved(path=REPO_ID) == first
+    assert resolved(path=REPO_ID, revision="v1.0") == first
+    assert resolved(path=REPO_ID, revision="dev") == second
+    assert resolved(path=REPO_ID, revision=second) == second
+
+
+def test_an_uncached_repo_a_bad_revision_and_a_revision_of_a_folder_are_one_line_each(
+        tmp_path, tiny_config, tiny_model, hf_cache):
+    write_hub_cache(hf_cache, REPO_ID, tiny_model)
+    folder_config = tiny_config(tmp_path, "refused")
+
+    def error(**model) -> str:
+        with pytest.raises(UserError) as raised:
+            Context(load_config(hub_config(folder_config, "hub.yaml", **model))).base  # noqa: B018
+        assert "\n" not in str(raised.value)
+        return str(raised.value)
+
+    assert error(path="owner/elsewhere") == (
+        f"model.path: Hugging Face repo owner/elsewhere@main is not in the Hugging Face cache ({hf_cache}) and"
+        " HF_HUB_OFFLINE is set; nor is owner/elsewhere a local path")
+    assert error(path=REPO_ID, revision="v9").startswith(f"model.path: Hugging Face repo {REPO_ID}@v9 is not in")
+    with pytest.raises(ConfigError, match="model.revision is set but model.path .* is a local path"):
+        load_config(hub_config(folder_config, "local.yaml", path=str(tiny_model), revision="main"))
