@@ -59,12 +59,13 @@ class ModelConfig(Frozen):
             raise ValueError(f"unknown model family {family!r}: expected one of {', '.join(families.FAMILIES)}")
         return family
 
-    @model_validator(mode="after")
-    def _revision_of_a_repo(self) -> "ModelConfig":
-        if self.revision is not None and isinstance(self.path, Path):
-            raise ValueError(f"model.revision is set but model.path {self.path} is a local path (a revision is for"
-                             " a Hugging Face repo id)")
-        return self
+    @field_validator("revision")
+    @classmethod
+    def _revision_of_a_repo(cls, revision: str | None, info: ValidationInfo) -> str | None:
+        if revision is not None and isinstance(info.data.get("path"), Path):
+            raise ValueError(f"model.path {info.data['path']} is a local path: a revision is for a Hugging Face"
+                             " repo id")
+        return revision
 
     @property
     def repo(self) -> str | None:

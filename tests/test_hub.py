@@ -92,5 +92,5 @@ def test_an_uncached_repo_a_bad_revision_and_a_revision_of_a_folder_are_one_line
         f"model.path: Hugging Face repo owner/elsewhere@main is not in the Hugging Face cache ({hf_cache}) and"
         " HF_HUB_OFFLINE is set; nor is owner/elsewhere a local path")
     assert error(path=REPO_ID, revision="v9").startswith(f"model.path: Hugging Face repo {REPO_ID}@v9 is not in")
-    with pytest.raises(ConfigError, match="model.revision is set but model.path .* is a local path"):
+    with pytest.raises(ConfigError, match="model.revision: .*model.path .* is a local path: a revision is"):
         load_config(hub_config(folder_config, "local.yaml", path=str(tiny_model), revision="main"))
