@@ -218,6 +218,31 @@ def status(config_path: Path, overrides: list[str], as_json: bool) -> int:
     return 0
 
 
+def model(config_path: Path, overrides: list[str], as_json: bool) -> int:
+    """The config's base model: its family and, per component, its source, class, dtype, parameter
+    count and the digest the stage keys use; read from configs and headers, no model loaded."""
+    from lorapipe.stages.sources.inventory import describe
+
+    from .steps import Context
+
+    config = load_config(config_path, overrides)
+    ctx = Context(config, log=note, reads_only=True)
+    try:
+        report = describe(ctx.base, ctx.declared_family, ctx.model_digests, ctx.store.root / "models" / ctx.identity)
+    finally:
+        ctx.close()
+    if as_json:
+        _print_json(report.to_json())
+        return 0
+    print(f"family: {report.family} ({report.label})" + (f", variant {report.variant}" if report.variant else ""))
+    print(f"model:  {report.source}")
+    print(f"\n{'component':<16}{'class':<44}{'dtype':<10}{'parameters':>14}  {'digest':<14}source")
+    for c in report.components:
+        print(f"{c.name:<16}{c.class_name or '-':<44}{c.dtype or '-':<10}{c.parameters:>14,}  {c.digest[:12]:<14}"
+              f"{c.source}")
+    return 0
+
+
 def _open_cache(args):
     """The store --config or --cache-dir names (a folder or an s3:// URL; default ./demo-run/cache)."""
     from lorapipe.cache.object_store import open_store

@@ -1,14 +1,18 @@
 """A Hugging Face repo id as model.path, resolved offline from a local Hugging Face cache laid out
 as huggingface_hub writes it (tests/hub_cache.py): it runs as the same model given as a folder
-does, with the same keys, and the run records the repo and its commit."""
+does, with the same keys, and the run records the repo and its commit; `lorapipe model` shows
+what a model is made of without loading it."""
 from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
 import huggingface_hub
 import pytest
 import yaml
+from conftest import LOADED_AT_EXIT, REPO
 from hub_cache import write_hub_cache
 
 from lorapipe.cache.errors import UserError
@@ -94,3 +98,41 @@ def test_an_uncached_repo_a_bad_revision_and_a_revision_of_a_folder_are_one_line
     assert error(path=REPO_ID, revision="v9").startswith(f"model.path: Hugging Face repo {REPO_ID}@v9 is not in")
     with pytest.raises(ConfigError, match="model.revision: .*model.path .* is a local path: a revision is"):
         load_config(hub_config(folder_config, "local.yaml", path=str(tiny_model), revision="main"))
+
+
+def lorapipe_model(config_path, *env: tuple[str, str]) -> tuple[dict, str]:
+    """`lorapipe model CONFIG --json`'s document, and which model libraries its process loaded."""
+    import os
+
+    run = subprocess.run([sys.executable, "-c", LOADED_AT_EXIT, "model", str(config_path), "--json"], cwd=REPO,
+                         env={**os.environ, **dict(env)}, capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return json.loads(run.stdout), run.stderr.splitlines()[-1]
+
+
+def test_the_model_command_lists_each_component_without_loading_it(tmp_path, tiny_config, tiny_model, hf_cache):
+    from lorapipe.cache.digest import StatCache
+    from lorapipe.stages import families
+    from lorapipe.stages.models import component_digests
+
+    folder_config = tiny_config(tmp_path, "model")
+    report, loaded = lorapipe_model(folder_config)
+    assert loaded == "loaded: []"  # no torch, diffusers nor transformers for a folder model
+    assert (report["family"], report["variant"]) == ("sd15", "sd15")
+    assert report["source"] == {"kind": "folder", "location": str(tiny_model)}
+    rows = {row["name"]: row for row in report["components"]}
+    with StatCache(tmp_path / "stat.sqlite") as stat_cache:
+        digests = component_digests(tiny_model, stat_cache, families.for_model(tiny_model))
+    assert {name: row["digest"] for name, row in rows.items()} == digests  # the stage keys' digests
+    assert rows["unet"]["class_name"] == "diffusers.UNet2DConditionModel" and rows["unet"]["dtype"] == "F32"
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_model / "unet")
+    assert rows["unet"]["parameters"] == sum(p.numel() for p in unet.parameters())
+    assert (rows["scheduler"]["dtype"], rows["scheduler"]["parameters"]) == (None, 0)
+
+    commit = write_hub_cache(hf_cache, REPO_ID, tiny_model)
+    hub, _ = lorapipe_model(hub_config(folder_config, "hub.yaml", path=REPO_ID), ("HF_HUB_CACHE", str(hf_cache)))
+    assert hub["source"] == {"kind": "hub", "location": REPO_ID, "revision": "main", "commit": commit}
+    assert [{**row, "source": None} for row in hub["components"]] == \
+        [{**row, "source": None} for row in report["components"]]
