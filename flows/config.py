@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import Annotated, Any, Union
 
 import yaml
-from pydantic import BeforeValidator, Field, ValidationError, ValidationInfo, field_serializer, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, ValidationInfo, field_serializer, field_validator, \
+    model_validator
 
 from lorapipe.cache.errors import CacheRootError, UserError
 from lorapipe.cache.objects import bucket_and_prefix, is_url, local_path
@@ -66,11 +67,6 @@ class ModelConfig(Frozen):
             raise ValueError(f"model.path {info.data['path']} is a local path: a revision is for a Hugging Face"
                              " repo id")
         return revision
-
-    @property
-    def repo(self) -> str | None:
-        """The Hugging Face repo id model.path names, or None for a local path."""
-        return self.path if isinstance(self.path, str) else None
 
 
 class DataConfig(Frozen):

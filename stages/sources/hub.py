@@ -28,11 +28,11 @@ class Snapshot:
 
 def is_repo_id(text: str) -> bool:
     """Whether `text` is shaped like a Hugging Face repo id (`owner/name`), as huggingface_hub validates it."""
+    if text.count("/") != 1:  # a model repo's id is always namespaced
+        return False
     from huggingface_hub.errors import HFValidationError
     from huggingface_hub.utils import validate_repo_id
 
-    if text.count("/") != 1:
-        return False
     try:
         validate_repo_id(text)
     except HFValidationError:
