@@ -40,8 +40,9 @@ def hf_cache(tmp_path, monkeypatch):
 
 
 def test_a_repo_id_trains_with_the_keys_of_its_folder_and_the_run_records_its_commit(
-        tmp_path, tiny_config, tiny_model, run_stages, hf_cache, monkeypatch):
+        tmp_path, tiny_config, tiny_model, run_stages, hf_cache, monkeypatch, capsys):
     from lorapipe.flows.cached_run import all_cached_run
+    from lorapipe.flows.commands import print_summary
     from lorapipe.flows.run_plan import plan_run, plan_status
 
     folder_config = tiny_config(tmp_path, "hub", max_steps=2, checkpoint_every=2)
@@ -60,6 +61,27 @@ def test_a_repo_id_trains_with_the_keys_of_its_folder_and_the_run_records_its_co
     assert [row["status"] for row in summary] == ["hit"] * 3
     recorded = json.loads((config.output_dir / "run-summary.json").read_text())["model"]
     assert recorded == {"kind": "hub", "location": REPO_ID, "revision": "main", "commit": commit}
+    print_summary(config, summary, tmp_path / "run.log", as_json=False)
+    assert f"model:       hub {REPO_ID}@{commit}\n" in capsys.readouterr().out
+
+
+def test_only_what_a_diffusers_pipeline_loads_is_fetched():
+    """A repo's files as the Hub lists them (FLUX.1-dev's, in part): the pipeline's folders, never
+    its top-level single-file checkpoints nor pickled weights."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from lorapipe.stages.sources.hub import PIPELINE_FILES
+
+    fetched = ["model_index.json", "scheduler/scheduler_config.json", "text_encoder/config.json",
+               "text_encoder/model.safetensors", "text_encoder_2/model-00001-of-00002.safetensors",
+               "text_encoder_2/model.safetensors.index.json", "tokenizer/merges.txt", "tokenizer/vocab.json",
+               "tokenizer_2/spiece.model", "tokenizer_2/tokenizer.json", "transformer/config.json",
+               "transformer/diffusion_pytorch_model-00001-of-00003.safetensors",
+               "transformer/diffusion_pytorch_model.safetensors.index.json", "vae/config.json",
+               "vae/diffusion_pytorch_model.safetensors"]
+    left = ["flux1-dev.safetensors", "ae.safetensors", "README.md", "dev_grid.jpg", "LICENSE.md", ".gitattributes",
+            "text_encoder/pytorch_model.bin", "vae/diffusion_pytorch_model.bin", "unet/model.ckpt", "unet/model.pt"]
+    assert list(filter_repo_objects(fetched + left, allow_patterns=PIPELINE_FILES)) == fetched
 
 
 def test_a_revision_is_a_commit_a_tag_or_a_branch(tmp_path, tiny_config, tiny_model, hf_cache):
