@@ -62,7 +62,8 @@ LDM_WRITERS = {"unet": unet_to_ldm, "vae": vae_to_ldm, "text_encoder": text_to_l
 
 
 def ldm_component(model_dir: Path, component: str) -> dict[str, torch.Tensor]:
-    """A tiny SD folder's component in LDM names, without A1111's prefix for it."""
+    """A tiny folder's UNet, AutoencoderKL (SD's, or Flux.1's: BFL's ae.safetensors is in LDM names
+    too) or CLIP text encoder in LDM names, without A1111's prefix for it."""
     config = json.loads((model_dir / component / "config.json").read_text())
     return LDM_WRITERS[component](folder_tensors(model_dir, component), config)
 

@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from diffusers import Flux2Transformer2DModel
+from diffusers import AutoencoderKL, Flux2Transformer2DModel
 
 from lorapipe.cache.errors import UserError
 from lorapipe.stages import families
@@ -17,6 +17,7 @@ from lorapipe.stages.families.flux1 import tensor_map
 from . import COMFYUI_PREFIX, assert_diffusers_reads_the_same, assert_same_tensors, convert_written, folder_tensors, \
     write_file
 from .flux import flux2_map, to_original
+from .sd import ldm_component
 
 
 def bfl_transformer(model) -> dict:
@@ -82,3 +83,14 @@ def test_at_flux1s_real_width_the_writer_and_the_row_map_agree_with_diffusers_co
     original = to_original(tensor_map(1, 1, True), thin)
     assert_same_tensors(convert_flux_transformer_checkpoint_to_diffusers(dict(original)), thin)
     assert_same_tensors(size_free(original, config), thin)
+
+
+@pytest.mark.parametrize("prefix", ["", "vae."])
+def test_bfls_ae_file_converts_exactly_and_diffusers_reads_the_same(tmp_path, flux_model, prefix):
+    """BFL's ae.safetensors: the VAE in LDM's names, bare (or under ComfyUI's `vae.` in a checkpoint)."""
+    original = ldm_component(flux_model, "vae")
+    assert "decoder.mid.attn_1.q.weight" in original
+    converted = convert_written(families.get("flux1"), "vae", flux_model, original, tmp_path, prefix)
+    assert_same_tensors(converted, folder_tensors(flux_model, "vae"))
+    file = write_file(original, tmp_path / "ae.safetensors", prefix)
+    assert_diffusers_reads_the_same(AutoencoderKL, file, flux_model, "vae")
