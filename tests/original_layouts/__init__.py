@@ -4,7 +4,8 @@ stages/sources/convert.py over the folder, must give every tensor of the folder'
 and in its dtype; and, where diffusers' `from_single_file` reads the file at tiny size, diffusers
 must load the same weights (an independent check of the writer).
 
-    converted = convert_written(family, "transformer", model, original_tensors, tmp_path)
+    original = to_original(tensor_map, folder_tensors(model, "transformer"))  # or a writer of its own
+    converted = convert_written(family, "transformer", model, original, tmp_path, COMFYUI_PREFIX)
     assert_same_tensors(converted, folder_tensors(model, "transformer"))
 """
 from __future__ import annotations
@@ -15,6 +16,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from lorapipe.stages.families import Family
+from lorapipe.stages.lora_formats.original_names import TensorMap
 from lorapipe.stages.sources.convert import convert_component
 
 COMFYUI_PREFIX = "model.diffusion_model."
@@ -28,6 +30,17 @@ def folder_tensors(folder: Path, component: str = "") -> dict[str, torch.Tensor]
 def write_file(tensors: dict[str, torch.Tensor], path: Path, prefix: str = "") -> Path:
     save_file({prefix + k: v.contiguous() for k, v in tensors.items()}, path)
     return path
+
+
+def to_original(tensor_map: TensorMap, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Diffusers-named `tensors` in the original names, by inverting a row map derived from
+    diffusers' converter (original_names.derive_tensor_map): each original tensor its rows, in order."""
+    pieces: dict[str, list] = {}
+    for key, segments in tensor_map.items():
+        rows = tensors[key].shape[0]
+        for s in segments:
+            pieces.setdefault(s.module, []).append((s.start, tensors[key][int(s.part_start * rows):int(s.part_end * rows)]))
+    return {name: torch.cat([piece for _, piece in sorted(parts, key=lambda p: p[0])]) for name, parts in pieces.items()}
 
 
 def convert_written(family: Family, component: str, model: Path, tensors: dict[str, torch.Tensor], tmp_path: Path,

@@ -15,8 +15,8 @@ from lorapipe.stages import families
 from lorapipe.stages.families.flux1 import tensor_map
 
 from . import COMFYUI_PREFIX, assert_diffusers_reads_the_same, assert_same_tensors, convert_written, folder_tensors, \
-    write_file
-from .flux import flux2_map, to_original
+    to_original, write_file
+from .flux import flux2_map
 from .sd import ldm_component
 
 
