@@ -206,6 +206,8 @@ FLUX1 = Flux1(
                          "model.diffusion_model.double_blocks.0.img_attn.qkv.weight"),
     block_lists=("transformer_blocks", "single_transformer_blocks"),
     size_free_converters={"transformer": bfl_transformer},
+    checkpoint_prefixes={"vae": "vae.", "text_encoder": "text_encoders.clip_l.transformer.",  # ComfyUI's, whole files
+                         "text_encoder_2": "text_encoders.t5xxl.transformer."},
 )
 
 
@@ -230,5 +232,6 @@ FLUX1_KONTEXT = Flux1Kontext(
     text_encoder=Flux1TextEncoder, render_area_argument="max_area",  # it rescales its output to max_area
     original_formats=FLUX1.original_formats, comfyui_slice_prefix=FLUX1.comfyui_slice_prefix,
     block_lists=FLUX1.block_lists, size_free_converters=FLUX1.size_free_converters,
+    checkpoint_prefixes=FLUX1.checkpoint_prefixes,
     variants=KONTEXT_VARIANTS, max_references=1, demo_edits=True,
 )

@@ -91,7 +91,8 @@ def _diffusers_names(tensors: dict[str, torch.Tensor], family: Family, component
     try:
         if size_free is not None:
             return size_free(tensors, config)
-        return _diffusers_converter(cls, file, key)(checkpoint={prefix + n: t for n, t in tensors.items()}, config=config)
+        checkpoint = {prefix + name: t for name, t in tensors.items()}
+        return _diffusers_converter(cls, file, key)(checkpoint=checkpoint, config=config)
     except (KeyError, IndexError, ValueError, RuntimeError) as e:
         raise UserError(f"{key}: {file} is not a {cls.__name__} in a layout diffusers converts"
                         f" ({type(e).__name__}: {e})") from None
@@ -149,7 +150,8 @@ def _check_loads(cls: type, target: Path, file: Path, key: str) -> None:
                             f" ({len(names)} in all)")
 
 
-def write_sharded(tensors: dict[str, torch.Tensor], target: Path, stem: str, max_shard_size: str = MAX_SHARD_SIZE) -> None:
+def write_sharded(tensors: dict[str, torch.Tensor], target: Path, stem: str,
+                  max_shard_size: str = MAX_SHARD_SIZE) -> None:
     """`tensors` as `<stem>.safetensors`, or shards and `<stem>.safetensors.index.json` when large,
     as diffusers' and transformers' save_pretrained name them; one shard copied at a time."""
     from huggingface_hub import split_torch_state_dict_into_shards

@@ -39,8 +39,10 @@ def to_original(tensor_map: TensorMap, tensors: dict[str, torch.Tensor]) -> dict
     for key, segments in tensor_map.items():
         rows = tensors[key].shape[0]
         for s in segments:
-            pieces.setdefault(s.module, []).append((s.start, tensors[key][int(s.part_start * rows):int(s.part_end * rows)]))
-    return {name: torch.cat([piece for _, piece in sorted(parts, key=lambda p: p[0])]) for name, parts in pieces.items()}
+            piece = tensors[key][int(s.part_start * rows):int(s.part_end * rows)]
+            pieces.setdefault(s.module, []).append((s.start, piece))
+    return {name: torch.cat([piece for _, piece in sorted(parts, key=lambda p: p[0])])
+            for name, parts in pieces.items()}
 
 
 def convert_written(family: Family, component: str, model: Path, tensors: dict[str, torch.Tensor], tmp_path: Path,

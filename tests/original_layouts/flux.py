@@ -13,6 +13,7 @@ def flux2_map(config: dict) -> TensorMap:
     converter renames only the keys it is given)."""
     norms = [f"double_blocks.{i}.{side}_attn.norm.{qk}_norm.scale" for i in range(config["num_layers"])
              for side in ("img", "txt") for qk in ("query", "key")]
-    norms += [f"single_blocks.{i}.norm.{qk}_norm.scale" for i in range(config["num_single_layers"]) for qk in ("query", "key")]
+    norms += [f"single_blocks.{i}.norm.{qk}_norm.scale" for i in range(config["num_single_layers"])
+              for qk in ("query", "key")]
     seeds = seed_keys(config["num_layers"], config["num_single_layers"], config["guidance_embeds"]) + norms
     return derive_tensor_map(convert_flux2_transformer_checkpoint_to_diffusers, seeds)

@@ -13,6 +13,7 @@ from diffusers import AutoencoderKL, Flux2Transformer2DModel
 from lorapipe.cache.errors import UserError
 from lorapipe.stages import families
 from lorapipe.stages.families.flux1 import tensor_map
+from lorapipe.stages.sources.convert import convert_component
 
 from . import COMFYUI_PREFIX, assert_diffusers_reads_the_same, assert_same_tensors, convert_written, folder_tensors, \
     to_original, write_file
@@ -94,3 +95,24 @@ def test_bfls_ae_file_converts_exactly_and_diffusers_reads_the_same(tmp_path, fl
     assert_same_tensors(converted, folder_tensors(flux_model, "vae"))
     file = write_file(original, tmp_path / "ae.safetensors", prefix)
     assert_diffusers_reads_the_same(AutoencoderKL, file, flux_model, "vae")
+
+
+def test_each_component_of_a_whole_comfyui_flux1_checkpoint_converts_exactly(tmp_path, flux_model):
+    """ComfyUI's Flux.1 checkpoints: the BFL transformer, BFL's VAE and the two text encoders, each
+    under its prefix in one file."""
+    from lorapipe.stages.families.folders import load_component
+
+    flux1 = families.get("flux1")
+    parts = {"transformer": (COMFYUI_PREFIX, bfl_transformer(flux_model)),
+             "vae": ("vae.", ldm_component(flux_model, "vae")),
+             **{c: (flux1.checkpoint_prefixes[c], folder_tensors(flux_model, c))
+                for c in ("text_encoder", "text_encoder_2")}}
+    whole = write_file({prefix + k: v for prefix, tensors in parts.values() for k, v in tensors.items()},
+                       tmp_path / "flux1-dev-fp16.safetensors")
+    for component in parts:
+        convert_component(flux1, component, whole, flux_model, tmp_path / component, print)
+    for component in ("transformer", "vae"):
+        assert_same_tensors(folder_tensors(tmp_path / component), folder_tensors(flux_model, component))
+    for component in ("text_encoder", "text_encoder_2"):
+        folder = load_component(flux_model, component)
+        assert_same_tensors(type(folder).from_pretrained(tmp_path / component).state_dict(), folder.state_dict())

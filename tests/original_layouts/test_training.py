@@ -71,7 +71,8 @@ def fp8_files(tensors: dict[str, torch.Tensor], out: Path, prefix: str = "") -> 
     scaled_file = {**scaled, **{k.removesuffix(".weight") + ".scale_weight": s for k, s in scales.items()},
                    "scaled_fp8": torch.empty(0, dtype=fp8)}
     out.mkdir()
-    files = write_file(plain, out / "fp8.safetensors", prefix), write_file(scaled_file, out / "scaled.safetensors", prefix)
+    files = (write_file(plain, out / "fp8.safetensors", prefix),
+             write_file(scaled_file, out / "scaled.safetensors", prefix))
     as_comfyui = lambda q, k: q.to(torch.float32) * scales[k].to(torch.float32)  # noqa: E731  weight.to(dtype) * scale
     return (*files, {k: v.float() for k, v in plain.items()},
             {k: as_comfyui(v, k) if k in matrices else v for k, v in scaled.items()})
