@@ -240,7 +240,8 @@ class Family(ABC):
     folder's configs). What differs between model lines only as a value is a field: the pipeline
     class, components, text encoder class, latent encoder and normalisation, latent patch, LoRA
     presets, swappable block lists, reference bounds, sampler, the variants' steps and guidance,
-    kohya's names. A method is left only where behaviour differs. A line that differs only in data
+    kohya's names, how component files convert (checkpoint_prefixes, size_free_converters). A
+    method is left only where behaviour differs. A line that differs only in data
     (SDXL from SD1.x, a variant) is another instance, not another class. Every registered family's
     values, and adding a family step by step: docs/adding-a-family.md.
 
