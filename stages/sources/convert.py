@@ -34,7 +34,8 @@ MAX_SHARD_SIZE = "5GB"  # transformers' save_pretrained default
 
 def convert_component(family: Family, component: str, file: Path, base: Path, target: Path, log: Log) -> None:
     """Write `target`, the diffusers folder of `base`'s `component` with the weights of `file`;
-    UserError in one line naming the file and the config key for a file that does not fit."""
+    UserError in one line naming the file and the config key for a file that does not fit (a text
+    encoder is refused after it is written: the caller writes `target` in a staging folder)."""
     import transformers
 
     cls = component_class(base, component)
