@@ -24,6 +24,7 @@ from lorapipe.stages import caption, encode, evaluate, families, preprocess, tra
 from lorapipe.stages.contract import KEYED_LIBRARIES, Log, library_majors, library_versions
 from lorapipe.stages.models import component_digests
 from lorapipe.stages.processes.placement import Placement, Where
+from lorapipe.stages.sources.model_source import BaseModel, resolve_base
 
 from .config import PipelineConfig, split
 
@@ -54,13 +55,21 @@ class Context:
         self.stat_cache = StatCache(self.store.root / "stat-cache.sqlite", read_only)  # on this host, for an object store
 
     @cached_property
+    def base(self) -> BaseModel:
+        """model.path as local files (a Hugging Face repo: its snapshot, fetched once), and where they came from."""
+        base = resolve_base(self.config.model.path, self.config.model.revision)
+        if base.source.kind == "hub":
+            self.log(f"model: {base.source} ({base.path})")
+        return base
+
+    @cached_property
     def declared_family(self) -> families.Family:
         """The model's family, from its folder's index or a single file's tensor names (or model.family)."""
-        return families.for_model(self.config.model.path, self.config.model.family)
+        return families.for_model(self.base.path, self.config.model.family)
 
     @cached_property
     def model_digests(self) -> dict[str, str]:
-        return component_digests(self.config.model.path, self.stat_cache, self.declared_family)
+        return component_digests(self.base.path, self.stat_cache, self.declared_family)
 
     @cached_property
     def identity(self) -> str:
@@ -69,9 +78,9 @@ class Context:
 
     @cached_property
     def model_path(self) -> Path:
-        """A diffusers folder: the configured one, or a single-file checkpoint converted once into
-        the cache (`<cache>/models/<digest>`)."""
-        path = self.config.model.path
+        """A diffusers folder: the configured one (a repo's snapshot), or a single-file checkpoint
+        converted once into the cache (`<cache>/models/<digest>`)."""
+        path = self.base.path
         if not families.is_single_file(path):
             return path
         return families.single_file_folder(self.declared_family, path, self.identity, self.store.root / "models")
