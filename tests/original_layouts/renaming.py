@@ -1,14 +1,11 @@
-"""What the original-layout writers share: a diffusers state dict renamed by ordered string
-replacements, and diffusers' separate projections fused back into one original weight."""
+"""What the original-layout writers of the 2026 families and the video VAEs share: a diffusers
+state dict renamed by ordered string replacements, and diffusers' separate projections fused back
+into one original weight."""
 from __future__ import annotations
-
-from typing import Callable
 
 import torch
 
 State = dict[str, torch.Tensor]
-Writer = Callable[[State, dict], State]  # (diffusers-named weights, the component's config) -> original ones
-COMFYUI_PREFIX = "model.diffusion_model."
 
 
 def replaced(key: str, pairs: tuple[tuple[str, str], ...]) -> str:
@@ -27,7 +24,3 @@ def fused(state: State, parts: tuple[str, ...], into: str) -> State:
         elif not any(part in key for part in parts[1:]):
             out[key] = value
     return out
-
-
-def prefixed(state: State, prefix: str) -> State:
-    return {prefix + key: value for key, value in state.items()}
