@@ -1,6 +1,7 @@
 """The import graph keeps its floors (DESIGN.md, "Layout"): flows -> stages -> cache, and inside
-stages the stage packages -> the families -> the LoRA file formats -> how jobs run (processes/)
-and the demo's data (demo/) -> the contracts; and no production module is in an import cycle. Read from the source, every import (lazy and
+stages the stage packages -> the models and their sources (models, encoded, sources/) -> the families
+-> the LoRA file formats -> how jobs run (processes/) and the demo's data (demo/) -> the contracts;
+and no production module is in an import cycle. Read from the source, every import (lazy and
 TYPE_CHECKING ones too), so nothing is imported."""
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TOPS = ("cache", "stages", "flows")  # bottom to top
 STAGE_FLOORS = (  # inside stages, bottom to top; a module named nowhere is a contract (the ground)
-    ("processes", "demo"), ("lora_formats",), ("families",), ("encoded", "models"), ("preprocess", "caption", "encode", "train", "evaluate"))
+    ("processes", "demo"), ("lora_formats",), ("families",), ("encoded", "models", "sources"), ("preprocess", "caption", "encode", "train", "evaluate"))
 
 
 def module_name(path: Path) -> str:

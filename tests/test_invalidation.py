@@ -155,6 +155,44 @@ def test_new_vae_weights_at_the_same_path_re_encode_latents_but_no_text(baseline
     assert counts == {"vae": 8, "text": 0}
 
 
+def over_base(config, **components: Path | dict[str, Path]):
+    """`config` with components set over its base model (model.unet, model.vae, model.text_encoders)."""
+    return config.model_copy(update={"model": config.model.model_copy(update=components)})
+
+
+def test_a_unet_over_the_base_reruns_train_and_evaluate_and_encodes_nothing(baseline, tmp_path, count_encoder_rows,
+                                                                            ahead):
+    from test_compose import perturbed_copy
+
+    config = copy_of(baseline, tmp_path)
+    same = shutil.copytree(tmp_path / "model" / "unet", tmp_path / "same-unet")
+    assert statuses(run_all(over_base(config, unet=same))) == dict.fromkeys(STAGES, "hit")  # keyed by content
+    config = over_base(config, unet=perturbed_copy(tmp_path / "model" / "unet", tmp_path / "my-unet"))
+    rows = {r["stage"]: r for r in explain(Context(config), STAGES)}
+    assert rows["encode"]["status"] == "hit" and "models.unet" in rows["train"]["reason"]
+    with count_encoder_rows() as counts:
+        encoded = run_all(config, STAGES[:2])
+    assert statuses(encoded) == {"preprocess": "hit", "encode": "hit"} and counts == {"vae": 0, "text": 0}
+    results = run_all(config, placements=ahead)
+    assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed", "evaluate": "computed"}
+
+
+@pytest.mark.parametrize("component, counted", [("vae", {"vae": 8, "text": 0}), ("text_encoder", {"vae": 0, "text": 9})])
+def test_a_vae_or_text_encoder_over_the_base_re_encodes_its_records_only(baseline, tmp_path, count_encoder_rows,
+                                                                         component, counted):
+    from test_compose import perturbed_copy
+
+    mine = perturbed_copy(baseline / "model" / component, tmp_path / f"my-{component}")
+    setting = {"vae": mine} if component == "vae" else {"text_encoders": [mine]}
+    config = over_base(copy_of(baseline, tmp_path), **setting)
+    row = next(r for r in explain(Context(config), STAGES) if r["stage"] == "encode")
+    assert row["status"] == "miss" and f"models.{component}" in row["reason"]
+    with count_encoder_rows() as counts:
+        results = run_all(config, STAGES[:2])
+    assert statuses(results) == {"preprocess": "hit", "encode": "computed"}
+    assert counts == counted
+
+
 def test_byte_identical_re_encode_does_not_rerun_train(baseline, tmp_path):
     config = copy_of(baseline, tmp_path)
     ctx = Context(config, log=lambda m: None)
