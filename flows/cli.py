@@ -5,6 +5,7 @@
     lorapipe sweep CONFIG [--grid key=v1,v2]... [--set key=value]... [--concurrency N] [--yes] [--dry-run]
                    [--strict] [--json]
     lorapipe status CONFIG [--set key=value]... [--strict] [--json]
+    lorapipe model CONFIG [--set key=value]... [--json]
     lorapipe cache ls|verify|rm|gc [--cache-dir DIR | --config CONFIG] [--keep-last N] [--keep-days D | --since DATE]
     lorapipe captions export CONFIG [DIR]... [--overwrite] [--set key=value]... [--json]
     lorapipe tiny-model DIR [--arch ARCH]            ARCH: a tiny model of the family registry (stages/families),
@@ -76,15 +77,18 @@ def _add_demo(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
 
 
 def _add_pipeline_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
-    """run, sweep and status: a config's pipeline."""
+    """run, sweep and status: a config's pipeline; model: its base model."""
     run = sub.add_parser("run", parents=[common], help="run a config's pipeline")
     sweep = sub.add_parser("sweep", parents=[common], help="train and evaluate a config's variants over one encode;"
                            " report them, publish the best (docs/sweeps.md)")
     status = sub.add_parser("status", parents=[common], help="per stage: hit or miss and why, without running")
-    for cmd in (run, sweep, status):
+    model = sub.add_parser("model", parents=[common], help="the base model: its family and, per component, its"
+                           " source, class, dtype, parameters and digest")
+    for cmd in (run, sweep, status, model):
         cmd.add_argument("config", type=Path)
         _add_overrides(cmd)
         cmd.add_argument("--json", action="store_true")
+    for cmd in (run, sweep, status):
         cmd.add_argument("--strict", action="store_true", help="a bad metadata row stops the run"
                          " (preprocess.on_bad_row: error)")
     sweep.add_argument("--grid", action="append", default=[], metavar="KEY=V1,V2", help="values to try for"
@@ -197,6 +201,8 @@ def _dispatch(args: argparse.Namespace) -> int:
                               args.json, args.debug, server, args.yes, args.dry_run, tuple(args.force))
     if args.command == "status":
         return commands.status(args.config, args.overrides + STRICT * args.strict, args.json)
+    if args.command == "model":
+        return commands.model(args.config, args.overrides, args.json)
     if args.command == "cache":
         return commands.cache(args)
     if args.command == "captions":

@@ -37,12 +37,14 @@ def import_model_code_ahead(config: PipelineConfig, building: frozenset[str]) ->
     for Prefect's server. Best effort: the stage meets any error itself."""
     from lorapipe.stages.families import for_model
     from lorapipe.stages.models import import_model_code
+    from lorapipe.stages.sources.model_source import resolve_base
 
     def import_all() -> None:
         try:
-            family = for_model(config.model.path, config.model.family)
+            model = resolve_base(config.model.path, config.model.revision, cached_only=True).path
+            family = for_model(model, config.model.family)
             for stage in sorted({"encode", "evaluate"} & building):
-                import_model_code(config.model.path, family, stage)
+                import_model_code(model, family, stage)
         except Exception:  # noqa: BLE001, S110
             pass
 
@@ -170,8 +172,13 @@ def print_dry_run(sweep: Sweep, as_json: bool) -> int:
 
 def print_summary(config: PipelineConfig, summary: list[dict], log_path: Path, as_json: bool) -> int:
     """A run's stages (hit or computed, seconds, artifact) and where its outputs and log are."""
+    from lorapipe.stages.sources.model_source import Source
+
+    from .outputs import model_record, named_files
+
+    model = model_record(config)
     if as_json:
-        _print_json({"pipeline": config.name, "stages": summary, "log": str(log_path)})
+        _print_json({"pipeline": config.name, "model": model, "stages": summary, "log": str(log_path)})
         return 0
     print(f"\n{'stage':<11}{'status':<10}{'seconds':>9}  artifact")
     for row in summary:
@@ -183,9 +190,7 @@ def print_summary(config: PipelineConfig, summary: list[dict], log_path: Path, a
         for repair in row["repairs"]:
             print(f"{'':<21}repaired while {repair['during']} ran ({repair['seconds']:.1f} s): "
                   f"{encode_counts(repair['info']) if row['stage'] == 'encode' else 'computed again'}")
-    from .outputs import named_files
-
-    named = [*named_files(config.output_dir), ("run log", log_path)]
+    named = [("model", Source(**model)), *named_files(config.output_dir), ("run log", log_path)]
     width = max(13, *(len(label) + 2 for label, _ in named))
     for label, path in named:
         print(f"{label + ':':<{width}}{path}")
@@ -210,6 +215,31 @@ def status(config_path: Path, overrides: list[str], as_json: bool) -> int:
         for row in rows:
             key = (row["key"] or "?")[:12]
             print(f"{row['stage']:<11}{row['status']:<6}{key:<14}{row['reason']}")
+    return 0
+
+
+def model(config_path: Path, overrides: list[str], as_json: bool) -> int:
+    """The config's base model: its family and, per component, its source, class, dtype, parameter
+    count and the digest the stage keys use; read from configs and headers, no model loaded."""
+    from lorapipe.stages.sources.inventory import describe
+
+    from .steps import Context
+
+    config = load_config(config_path, overrides)
+    ctx = Context(config, log=note, reads_only=True)
+    try:
+        report = describe(ctx.base, ctx.declared_family, ctx.model_digests, ctx.store.root / "models" / ctx.identity)
+    finally:
+        ctx.close()
+    if as_json:
+        _print_json(report.to_json())
+        return 0
+    print(f"family: {report.family} ({report.label})" + (f", variant {report.variant}" if report.variant else ""))
+    print(f"model:  {report.source}")
+    print(f"\n{'component':<16}{'class':<44}{'dtype':<10}{'parameters':>14}  {'digest':<14}source")
+    for c in report.components:
+        print(f"{c.name:<16}{c.class_name or '-':<44}{c.dtype or '-':<10}{c.parameters:>14,}  {c.digest[:12]:<14}"
+              f"{c.source}")
     return 0
 
 

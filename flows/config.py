@@ -6,10 +6,11 @@ separates them. Relative paths are resolved against the config file's folder.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any, Union
 
 import yaml
-from pydantic import Field, ValidationError, ValidationInfo, field_serializer, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, ValidationInfo, field_serializer, field_validator, \
+    model_validator
 
 from lorapipe.cache.errors import CacheRootError, UserError
 from lorapipe.cache.objects import bucket_and_prefix, is_url, local_path
@@ -18,6 +19,7 @@ from lorapipe.stages.caption import CaptionOptions, CaptionParams
 from lorapipe.stages.encode import EncodeOptions, EncodeParams
 from lorapipe.stages.evaluate import LOCAL_PATHS, EvalOptions, EvalParams
 from lorapipe.stages.preprocess import DatasetSource, PreprocessParams
+from lorapipe.stages.sources import hub
 from lorapipe.stages.train import TrainOptions, TrainParams
 from lorapipe.stages.contract import Frozen, PathOrUrl
 
@@ -30,12 +32,25 @@ class ConfigError(UserError, ValueError):
     """A bad config: the message is one line naming the file and the key."""
 
 
+def _path_or_repo_id(path: Any) -> Any:
+    """A repo id stays a string; a path is a Path (load_config made every existing one absolute,
+    and a missing one too unless it is shaped like a repo id)."""
+    if isinstance(path, str) and not Path(path).is_absolute() and hub.is_repo_id(path):
+        return path
+    return Path(path) if isinstance(path, str) else path
+
+
+PathOrRepoId = Annotated[Union[Path, str], BeforeValidator(_path_or_repo_id), "path or Hugging Face repo id"]
 COMPONENT_KEYS = ("transformer", "transformer_2", "unet", "vae")  # model.<name>: that component over the base
 
 
 class ModelConfig(Frozen):
-    path: Path = Field(description="a diffusers-format model folder (model_index.json), or a single-file"
-                       " .safetensors checkpoint in the original layout (A1111/ComfyUI)")
+    path: PathOrRepoId = Field(description="a diffusers-format model folder (model_index.json), a single-file"
+                             " .safetensors checkpoint in the original layout (A1111/ComfyUI), or a Hugging Face"
+                             " repo id (owner/name) of a diffusers model, fetched into the Hugging Face cache"
+                             " (offline from there with HF_HUB_OFFLINE=1); a path that exists is local")
+    revision: str | None = Field(None, description="a Hugging Face repo's branch, tag or commit (unset: main);"
+                                 " only with a repo id")
     family: str | None = Field(None, description=f"a single file's family ({', '.join(families.FAMILIES)}); unset:"
                                " detected from its tensor names (a folder's from model_index.json)")
     transformer: Path | None = Field(None, description="the denoiser over the base model.path (a community"
@@ -63,6 +78,14 @@ class ModelConfig(Frozen):
         if family is not None and family not in families.FAMILIES:
             raise ValueError(f"unknown model family {family!r}: expected one of {', '.join(families.FAMILIES)}")
         return family
+
+    @field_validator("revision")
+    @classmethod
+    def _revision_of_a_repo(cls, revision: str | None, info: ValidationInfo) -> str | None:
+        if revision is not None and isinstance(info.data.get("path"), Path):
+            raise ValueError(f"model.path {info.data['path']} is a local path: a revision is for a Hugging Face"
+                             " repo id")
+        return revision
 
 
 class DataConfig(Frozen):
@@ -289,7 +312,9 @@ def _resolve_paths(raw: dict, base: Path) -> None:
         for part in parents:
             node = node.get(part) if isinstance(node, dict) else None
         if isinstance(node, dict) and isinstance(node.get(leaf), str) and not is_url(node[leaf]):
-            node[leaf] = str((base / local_path(node[leaf]).expanduser()).resolve())
+            resolved = (base / local_path(node[leaf]).expanduser()).resolve()
+            if dotted != "model.path" or resolved.exists() or not hub.is_repo_id(node[leaf]):  # else a repo id
+                node[leaf] = str(resolved)
     datasets = raw.get("data", {}).get("datasets") if isinstance(raw.get("data"), dict) else None
     for entry in datasets if isinstance(datasets, list) else []:
         if isinstance(entry, dict) and isinstance(entry.get("path"), str) and not is_url(entry["path"]):

@@ -132,7 +132,8 @@ def render() -> str:
         if s.holds:
             intros[s.holds] = s.field.description or ""
             continue
-        kind, how = type_name(s.field.annotation, constraints(s.field)), keyed(s.key)
+        label = next((m for m in s.field.metadata if isinstance(m, str)), None)  # a type named for people
+        kind, how = label or type_name(s.field.annotation, constraints(s.field)), keyed(s.key)
         rows.setdefault(s.section, []).append((how, f"| `{s.key}` | {_cell(kind)} | {default(s.field)} | {how}"
                                                f" | {_cell(s.field.description or '')} |"))
     out = [HEADER]

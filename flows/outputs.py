@@ -35,6 +35,7 @@ from lorapipe.cache.lock import key_lock
 from lorapipe.cache.object_store import open_store
 from lorapipe.cache.store import Artifact
 from lorapipe.stages.contract import OutputFile
+from lorapipe.stages.sources.model_source import resolve_base
 
 from .config import PipelineConfig
 from .steps import PIPELINE, object_settings
@@ -77,7 +78,7 @@ def finish_run(out: Path, config: PipelineConfig, results: list[StageResult], ru
             summary = [r.to_json() for r in results]
             (staging / SUMMARY_FILE).write_text(json.dumps(
                 {"pipeline": config.name, "output_dir": str(out.resolve()), "deployment": deployment,
-                 "flow_run": flow_run, "run": run, "stages": summary}, indent=1))
+                 "flow_run": flow_run, "run": run, "model": model_record(config), "stages": summary}, indent=1))
             fsync_tree(staging)
             published = [name for r in results for name in r.outputs]
             dropped = swap_in(staging, out, published)
@@ -89,6 +90,12 @@ def finish_run(out: Path, config: PipelineConfig, results: list[StageResult], ru
         store = open_store(config.cache_dir, object_settings(config))
         store.record_run(config.name, run, {r.stage: r.key for r in results})
     return summary
+
+
+def model_record(config: PipelineConfig) -> dict:
+    """Where the run's base model came from: its path, or its Hugging Face repo and the commit the
+    run's stages resolved it to (read back from the Hugging Face cache, where they left it)."""
+    return resolve_base(config.model.path, config.model.revision, cached_only=True).source.to_json()
 
 
 def copy_outputs(result: StageResult, out: Path) -> list[str]:

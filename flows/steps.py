@@ -25,6 +25,7 @@ from lorapipe.stages.contract import KEYED_LIBRARIES, Log, library_majors, libra
 from lorapipe.stages.models import component_digests, weights_digest
 from lorapipe.stages.processes.placement import Placement, Where
 from lorapipe.stages.sources import compose
+from lorapipe.stages.sources.model_source import BaseModel, resolve_base
 
 from .config import PipelineConfig, split
 
@@ -55,20 +56,28 @@ class Context:
         self.stat_cache = StatCache(self.store.root / "stat-cache.sqlite", read_only)  # on this host, for an object store
 
     @cached_property
+    def base(self) -> BaseModel:
+        """model.path as local files (a Hugging Face repo: its snapshot, fetched once), and where they came from."""
+        base = resolve_base(self.config.model.path, self.config.model.revision)
+        if base.source.kind == "hub":
+            self.log(f"model: {base.source} ({base.path})")
+        return base
+
+    @cached_property
     def declared_family(self) -> families.Family:
         """The model's family, from its folder's index or a single file's tensor names (or model.family)."""
-        return families.for_model(self.config.model.path, self.config.model.family)
+        return families.for_model(self.base.path, self.config.model.family)
 
     @cached_property
     def base_digests(self) -> dict[str, str]:
         """The base model's component digests (model.path's)."""
-        return component_digests(self.config.model.path, self.stat_cache, self.declared_family)
+        return component_digests(self.base.path, self.stat_cache, self.declared_family)
 
     @cached_property
     def base_folder(self) -> Path:
-        """The base as a diffusers folder: model.path, or its single-file checkpoint converted once
-        into the cache (`<cache>/models/<digest>`)."""
-        path = self.config.model.path
+        """The base as a diffusers folder: model.path (a repo's snapshot), or its single-file checkpoint
+        converted once into the cache (`<cache>/models/<digest>`)."""
+        path = self.base.path
         if not families.is_single_file(path):
             return path
         identity = self.declared_family.components.identity(self.base_digests)

@@ -46,6 +46,14 @@ def check_weights_file(path: Path) -> set[str]:
     return set(header) - {"__metadata__"}
 
 
+def tensor_headers(path: Path) -> dict[str, dict]:
+    """The tensors of a whole safetensors file (check_weights_file): name -> dtype, shape and
+    offsets, read from its header without loading it."""
+    with open(path, "rb") as f:
+        header, _ = _safetensors_header(f, path.stat().st_size)
+    return {name: entry for name, entry in (header or {}).items() if name != "__metadata__"}
+
+
 def component_config(model_path: Path, name: str) -> dict:
     """A component's config.json (scheduler_config.json for schedulers), without loading it."""
     folder = Path(model_path) / name

@@ -1,0 +1,83 @@
+"""What a base model is made of, per component, read without loading it (`lorapipe model`): where
+its files came from, its class, its weights' dtype and parameter count (from the safetensors
+headers), and the digest the stage keys use for it."""
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from lorapipe.stages.families.folders import is_component, is_single_file, model_index, tensor_headers
+
+from .model_source import BaseModel, Source
+
+if TYPE_CHECKING:
+    from lorapipe.stages.families import Family
+
+SHARD_INDEX = "*.safetensors.index.json"  # a sharded component's map of tensors to files
+
+
+@dataclass(frozen=True)
+class Component:
+    name: str  # as model_index.json names it
+    source: Source
+    digest: str
+    class_name: str | None = None  # library.Class, as model_index.json names it (None: not known unconverted)
+    dtype: str | None = None  # the weights' dtype, by parameter count ("BF16+F32" when mixed); None: no weights
+    parameters: int = 0
+
+    def to_json(self) -> dict:
+        return {**vars(self), "source": self.source.to_json()}
+
+
+def components(folder: Path | None, digests: dict[str, str], source: Source) -> list[Component]:
+    """A row per component the digests name, read from the diffusers `folder` (None: a single file
+    not converted yet, known by its digests only)."""
+    if folder is None:
+        return [Component(name, source, digest) for name, digest in sorted(digests.items())]
+    index = model_index(folder)
+    return [Component(name, source, digest, ".".join(index[name]) if is_component(index.get(name)) else None,
+                      *weights_summary(folder / name)) for name, digest in sorted(digests.items())]
+
+
+def weights_summary(folder: Path) -> tuple[str | None, int]:
+    """(the dtype of most of a component folder's parameters, with the others after a +; how many
+    there are), from its safetensors files' headers: the shards its index names, else every file."""
+    counts: Counter[str] = Counter()
+    for file in weight_files(folder):
+        for entry in tensor_headers(file).values():
+            counts[entry["dtype"]] += math.prod(entry["shape"])
+    return ("+".join(dtype for dtype, _ in counts.most_common()) or None), sum(counts.values())
+
+
+def weight_files(folder: Path) -> list[Path]:
+    index = next(iter(sorted(folder.glob(SHARD_INDEX))), None)
+    if index is None:
+        return sorted(folder.glob("*.safetensors"))
+    return [folder / name for name in sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+
+
+@dataclass(frozen=True)
+class ModelReport:
+    family: str
+    label: str
+    variant: str | None  # None: a single file not converted yet
+    source: Source
+    components: list[Component]
+
+    def to_json(self) -> dict:
+        return {**vars(self), "source": self.source.to_json(), "components": [c.to_json() for c in self.components]}
+
+
+def describe(base: BaseModel, family: Family, digests: dict[str, str], converted: Path) -> ModelReport:
+    """The model `base` of `family`, its components keyed by `digests`; a single file read from
+    `converted`, its diffusers folder in the cache, once a run has made it."""
+    folder = base.path
+    if is_single_file(folder):
+        folder = converted if (converted / "model_index.json").is_file() else None
+    bound = family.for_model(folder) if folder else family
+    return ModelReport(bound.name, bound.label, bound.variant.name if bound.variant else None, base.source,
+                       components(folder, digests, base.source))
