@@ -3,6 +3,7 @@ composed in the cache, what keys each component, and the one-line refusals. The 
 component over the base reruns are in tests/test_invalidation.py (its trained baseline)."""
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -38,7 +39,7 @@ def snapshot(folder: Path) -> dict[str, tuple[int, int]]:
     return {str(p): (p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*"))}
 
 
-def test_a_vae_folder_over_a_base_composes_links_keys_itself_and_loads_in_the_pipeline(tmp_path, tiny_model):
+def test_a_vae_folder_over_a_base_composes_links_keys_itself_and_loads_in_the_pipeline(tmp_path, tiny_model, capsys):
     from diffusers import StableDiffusionPipeline
 
     vae = perturbed_copy(tiny_model / "vae", tmp_path / "my-vae")
@@ -58,6 +59,20 @@ def test_a_vae_folder_over_a_base_composes_links_keys_itself_and_loads_in_the_pi
     again = context(tmp_path, tiny_model, vae=str(vae))
     assert again.model_path == folder and sorted(folder.parent.iterdir()) == [folder]  # made once, no staging left
     assert (snapshot(tiny_model), snapshot(vae)) == before  # the user's files are left as they were
+    rows = lorapipe_model(again.config, tmp_path / "run.yaml", capsys)
+    assert rows["vae"]["source"] == {"kind": "folder", "location": str(vae)}
+    assert rows["vae"]["digest"] == ctx.model_digests["vae"] and rows["vae"]["class_name"] == "diffusers.AutoencoderKL"
+    assert rows["unet"]["source"] == {"kind": "folder", "location": str(tiny_model)}
+
+
+def lorapipe_model(config, path: Path, capsys) -> dict[str, dict]:
+    """`lorapipe model CONFIG --json`'s rows by component."""
+    from lorapipe.flows.commands import model
+
+    path.write_text(yaml.safe_dump(config.model_dump(mode="json")))
+    capsys.readouterr()
+    assert model(path, [], as_json=True) == 0
+    return {row["name"]: row for row in json.loads(capsys.readouterr().out)["components"]}
 
 
 def test_text_encoders_by_name_or_in_order_and_components_the_model_has_not_are_refused(tmp_path, tiny_model):
