@@ -21,6 +21,8 @@ from lorapipe.stages.contract import Log
 from lorapipe.stages.families import Family
 from lorapipe.stages.families.folders import SINGLE_FILE_SUFFIX, component_names
 
+from .convert import convert_component
+
 TEXT_ENCODERS = "model.text_encoders"
 
 
@@ -98,9 +100,4 @@ def composed_folder(family: Family, base: Path, components: Mapping[str, Path], 
 
 def _convert(family: Family, name: str, file: Path, base: Path, target: Path, log: Log) -> None:
     log(f"model: converting {file} into the {name} of a diffusers folder (once; kept in the cache)")
-    try:
-        from lorapipe.stages.sources.convert import convert_component
-    except ModuleNotFoundError:
-        raise UserError(f"model.{name}: {file}: single-file components are not supported yet; give a diffusers"
-                        " component folder (config.json and weights)") from None
     convert_component(family, name, file, base, target, log)
