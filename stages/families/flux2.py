@@ -95,20 +95,28 @@ class Flux2Klein(FlowFamily):
     # ---- denoiser
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
                      params: ObjectiveParams) -> Conditioning:
-        return {"encoder_hidden_states": stack(texts, "hidden_states")}
+        import torch
+
+        cond = {"encoder_hidden_states": stack(texts, "hidden_states")}
+        if self.bound.guidance_embeds:  # Flux.2-dev's guidance input; none on Klein
+            cond["guidance"] = torch.full((len(texts),), params.guidance, dtype=torch.float32)
+        return cond
 
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As Flux2KleinPipeline calls its transformer: the patchified latents packed to tokens with
         (0, row, col, 0) ids, an edit pair's references after them (with_references), text ids (0, 0,
-        0, position), t / 1000, no guidance; the noisy tokens' prediction unpacked back."""
+        0, position), t / 1000, the guidance where the model has its input (as Flux2Pipeline passes
+        it; none on Klein); the noisy tokens' prediction unpacked back."""
         from diffusers import Flux2KleinPipeline as Pipe
 
         text = conditioning["encoder_hidden_states"].to(device=noisy.device, dtype=dtype)
         latent_ids = Pipe._prepare_latent_ids(noisy).to(noisy.device)
         tokens, ids = with_references(Pipe._pack_latents(noisy), latent_ids, conditioning.get(REFERENCE_LATENTS))
         t = timesteps * TIMESTEP_SCALE / TIMESTEP_SCALE
-        out = transformer(hidden_states=tokens.to(dtype), timestep=t.to(dtype), guidance=None,
+        guidance = conditioning.get("guidance")
+        out = transformer(hidden_states=tokens.to(dtype), timestep=t.to(dtype),
+                          guidance=None if guidance is None else guidance.to(noisy.device),
                           encoder_hidden_states=text, txt_ids=Pipe._prepare_text_ids(text).to(noisy.device),
                           img_ids=ids, return_dict=False)[0]
         noisy_tokens = out[:, :latent_ids.shape[1]]
