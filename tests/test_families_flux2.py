@@ -173,32 +173,39 @@ def test_shift_is_the_pipelines_empirical_mu(base, distilled):
     assert mine.sampling.shift_steps == 8
 
 
-def test_kohya_export_loads_through_diffusers_converter(base, exported_loras):
+FLUX2_BASE_MODELS = [("flux2-klein", "flux2_klein"), ("flux2-dev", "flux2_dev")]  # arch, ss_base_model_version
+
+
+@pytest.mark.parametrize("arch, base_model", FLUX2_BASE_MODELS)
+def test_kohya_export_loads_through_diffusers_converter(arch, base_model, tiny_models, exported_loras):
     """musubi-tuner's spelling (`lora_unet_double_blocks_0_img_attn_qkv`, single blocks' linear1 and
-    linear2), read by Flux2KleinPipeline's kohya-Flux.2 converter: every module's change is the
-    trained one (fused q/k/v split back by its sparse path)."""
-    transformer, targets, written = exported_loras("flux2-klein")
+    linear2), read by the pipeline's kohya-Flux.2 converter (Flux2KleinPipeline's, Flux2Pipeline's):
+    every module's change is the trained one (fused q/k/v split back by its sparse path)."""
+    transformer, targets, written = exported_loras(arch)
     with safe_open(written[1], "pt") as f:
         modules = {k.rsplit(".", 2)[0] for k in f.keys() if k.endswith(".weight")}
-        assert f.metadata()["ss_base_model_version"] == "flux2_klein"
+        assert f.metadata()["ss_base_model_version"] == base_model
     assert modules == {f"lora_unet_double_blocks_0_{m}" for m in (
         "img_attn_qkv", "img_attn_proj", "img_mlp_0", "img_mlp_2", "txt_attn_qkv", "txt_attn_proj", "txt_mlp_0",
         "txt_mlp_2")} | {"lora_unet_single_blocks_0_linear1", "lora_unet_single_blocks_0_linear2"}
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(base), "transformer", written[1]))
+    model = tiny_models(arch)
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[1]))
 
 
-def test_comfyui_export_loads_in_diffusers_and_comfyui(base, exported_loras):
+@pytest.mark.parametrize("arch", [arch for arch, _ in FLUX2_BASE_MODELS])
+def test_comfyui_export_loads_in_diffusers_and_comfyui(arch, tiny_models, exported_loras):
     """ComfyUI/ai-toolkit's spelling (`diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight`) with
-    the scale in lora_B and no `.alpha`, which Flux2KleinPipeline's ai-toolkit converter refuses:
+    the scale in lora_B and no `.alpha`, which the Flux.2 pipelines' ai-toolkit converter refuses:
     load_lora_weights reads the file as it is and the fused change is the trained one; ComfyUI reads
     every key of it and of the kohya file and applies the trained model."""
-    transformer, targets, written = exported_loras("flux2-klein")
+    model = tiny_models(arch)
+    transformer, targets, written = exported_loras(arch)
     tensors = load_file(written[2])
     assert "diffusion_model.single_blocks.0.linear1.lora_A.weight" in tensors
     assert not any(k.endswith(".alpha") for k in tensors)
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(base), "transformer", written[2]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[2]))
     for file in written[1:]:
-        assert_comfyui_applies_the_merged_model(file, transformer, families.for_model(base))
+        assert_comfyui_applies_the_merged_model(file, transformer, families.for_model(model))
 
 
 def test_single_file_flux2_is_told_from_flux1(tmp_path):
