@@ -108,10 +108,15 @@ def reference_latents(family, model: Path, images: list[Image.Image]) -> torch.T
     return family.latent_normalisation(model).apply(mean)
 
 
+@pytest.mark.parametrize("arch", ["flux2-klein", "flux2-dev"])
 @pytest.mark.parametrize("count", [1, 2])
-def test_denoiser_call_with_references_is_the_pipelines(count, base):
+def test_denoiser_call_with_references_is_the_pipelines(count, arch, tiny_models):
     """An edit pair's references, encoded by our VAE at the target's size, are the tokens and ids
-    Flux2KleinPipeline(image=...) appends to the noisy ones, and the prediction is its own."""
+    Flux2KleinPipeline(image=...) (Flux2Pipeline's, on Flux.2-dev) appends to the noisy ones, and the
+    prediction is its own."""
+    from diffusers import Flux2KleinPipeline
+
+    base, unpack = tiny_models(arch), Flux2KleinPipeline._unpack_latents_with_ids  # tokens -> (B, C, h, w)
     family, pipe = families.for_model(base), quiet_pipeline(base)
     images = reference_images(count)
     _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
@@ -123,18 +128,18 @@ def test_denoiser_call_with_references_is_the_pipelines(count, base):
     references = reference_latents(family, base, images)
     cond[REFERENCE_LATENTS] = references.unsqueeze(0).expand(2, *references.shape)
     tokens = 5 * 4
-    noisy = pipe._unpack_latents_with_ids(kwargs["hidden_states"][:, :tokens], kwargs["img_ids"][:, :tokens], 5, 4)
+    noisy = unpack(kwargs["hidden_states"][:, :tokens], kwargs["img_ids"][:, :tokens], 5, 4)
     sigma = pipe.scheduler.sigmas[0].expand(2)
     predicted = []
     with torch.no_grad():
         _, mine, _ = first_call(pipe.transformer, lambda: predicted.append(family.predict(
             pipe.transformer, noisy, sigma, cond, torch.float32)))
-        unreferenced = family.predict(pipe.transformer, noisy, sigma, {"encoder_hidden_states": cond[
-            "encoder_hidden_states"]}, torch.float32)
+        unreferenced = family.predict(pipe.transformer, noisy, sigma, {k: v for k, v in cond.items()
+                                                                       if k != REFERENCE_LATENTS}, torch.float32)
     assert kwargs["hidden_states"].shape[1] == tokens * (1 + count)
     assert torch.equal(mine["img_ids"], kwargs["img_ids"])
     assert torch.allclose(mine["hidden_states"], kwargs["hidden_states"], atol=1e-5)
-    expected = pipe._unpack_latents_with_ids(output[0][:, :tokens], kwargs["img_ids"][:, :tokens], 5, 4)
+    expected = unpack(output[0][:, :tokens], kwargs["img_ids"][:, :tokens], 5, 4)
     assert predicted[0].shape == (2, 32, 5, 4)
     assert torch.allclose(predicted[0], expected, atol=1e-5)
     assert not torch.allclose(unreferenced, expected, atol=1e-3)

@@ -64,7 +64,7 @@ ORIGINAL_TOP = ("img_in", "txt_in", "time_in.in_layer", "time_in.out_layer", "do
                 "final_layer.adaLN_modulation.1")
 TIMESTEP_SCALE = 1000  # the pipeline's scheduler timesteps are 1000 sigma; the transformer reads t / 1000
 MAX_REFERENCES = 4  # what BFL's API takes for Klein; the diffusers pipeline sets no bound
-REFERENCE_MAX_AREA = 1024 * 1024  # Flux2KleinPipeline shrinks a larger reference image to this area
+REFERENCE_MAX_AREA = 1024 * 1024  # the Flux.2 pipelines shrink a larger reference image to this area
 BASES = "black-forest-labs/FLUX.2-klein-base-4B (or -base-9B for the 9B model)"
 
 VARIANTS = (
@@ -135,12 +135,12 @@ class Flux2Klein(FlowFamily):
                 "text_encoder_out_layers": settings.hidden_layers}
 
     def reference_render_kwargs(self, images: list[Any]) -> dict[str, Any]:
-        """The references as the list Flux2KleinPipeline takes. It keeps an image of at most 1024 x 1024
+        """The references as the list the Flux.2 pipelines take. It keeps an image of at most 1024 x 1024
         pixels with sides multiples of 16 as it is (images placed at a target's size are), and shrinks
         a larger one to that area: refused, as it would not be the reference training saw."""
         for image in images:
             if image.width * image.height > REFERENCE_MAX_AREA:
-                raise ValueError(f"evaluate.resolution: Flux2KleinPipeline shrinks a reference image above"
+                raise ValueError(f"evaluate.resolution: {self.pipeline_class} shrinks a reference image above"
                                  f" 1024 x 1024 pixels ({image.width} x {image.height}) to that area, so it would"
                                  f" not be the reference training saw; render at 1024 or less")
         return {"image": list(images)}

@@ -9,7 +9,8 @@ concatenated per token, every position kept. Only the processor's tokenizer is l
 reads nothing else of it. The system message and the layers are text settings, in the record's key.
 
 Everything else is Klein's (flux2.py): the batch-norm normalised, 2x2-patchified latents, the
-empirical-mu shift, the denoiser call, the presets and the exports in BFL's names; the denoiser
+empirical-mu shift, the denoiser call, edit pairs' references (up to ten: Flux2Pipeline(image=[...])
+encodes and places them as Klein's pipeline does), the presets and the exports in BFL's names; the denoiser
 also reads train.guidance (Flux2Pipeline passes its guidance_scale; the transformer scales it by
 1000 itself), which the family puts into the conditioning as Flux.1 dev does.
 """
@@ -37,6 +38,7 @@ SYSTEM_MESSAGE = ("You are an AI that reasons about image descriptions. You give
                   " object relationships, object\nattribution and actions without speculation.")
 IMAGE_MARKER = "[IMG]"  # format_input removes it from prompts: the processor would count it as an image token
 
+MAX_REFERENCES = 10  # what BFL's FLUX.2 overview gives for multi-reference editing; the pipeline sets no bound
 VARIANTS = (FlowVariant("dev", "flux2-dev", 50, 4.0, guidance_embeds=True),)  # BFL's model card: 50 steps, 4
 
 
@@ -92,5 +94,5 @@ class Flux2Dev(Flux2Klein):
 FLUX2_DEV = Flux2Dev(
     name="flux2-dev", label="Flux.2-dev", pipeline_class="Flux2Pipeline", components=FLUX2_KLEIN.components,
     kohya=Kohya("flux2_dev"), latent_patch=2, text_encoder=MistralPromptEncoder, sequence_patch=1,
-    original_formats=(KOHYA, COMFYUI), block_lists=FLUX2_KLEIN.block_lists,
+    original_formats=(KOHYA, COMFYUI), block_lists=FLUX2_KLEIN.block_lists, max_references=MAX_REFERENCES,
 )
