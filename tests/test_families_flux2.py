@@ -145,17 +145,19 @@ def test_denoiser_call_with_references_is_the_pipelines(count, arch, tiny_models
     assert not torch.allclose(unreferenced, expected, atol=1e-3)
 
 
-def test_references_render_as_the_pipelines_list_up_to_four(base):
-    family = families.for_model(base)
+@pytest.mark.parametrize("arch, bound, pipeline", [("flux2-klein", 4, "Flux2KleinPipeline"),
+                                                    ("flux2-dev", 10, "Flux2Pipeline")])  # BFL's bounds
+def test_references_render_as_the_pipelines_list_up_to_the_bound(arch, bound, pipeline, tiny_models):
+    family = families.for_model(tiny_models(arch))
     images = reference_images(2)
-    assert family.max_references == 4
+    assert family.max_references == bound
     assert family.reference_render_kwargs(images[:1]) == {"image": images[:1]}
     assert family.reference_render_kwargs(images) == {"image": images}
-    with pytest.raises(ValueError, match="evaluate.resolution: Flux2KleinPipeline shrinks a reference image"):
+    with pytest.raises(ValueError, match=f"evaluate.resolution: {pipeline} shrinks a reference image"):
         family.reference_render_kwargs(reference_images(1, 1024, 1040))
-    families.check_references(family, 4)
-    with pytest.raises(UserError, match="takes at most 4"):
-        families.check_references(family, 5)
+    families.check_references(family, bound)
+    with pytest.raises(UserError, match=f"{family.label} takes at most {bound}"):
+        families.check_references(family, bound + 1)
 
 
 def test_shift_is_the_pipelines_empirical_mu(base, distilled):

@@ -80,19 +80,3 @@ def test_shift_is_the_pipelines_empirical_mu(dev):
     objective = assert_shift_is_the_schedulers(dev, lambda tokens: compute_empirical_mu(tokens, 50))
     assert (objective.sampling.shift, objective.sampling.shift_steps) == ("empirical", 50)
 
-
-def test_references_render_as_flux2_pipelines_list_up_to_ten(dev):
-    """Flux2Pipeline takes edit references as Klein's pipeline does (tests/test_families_flux2.py checks
-    the denoiser call with them); BFL's bound for FLUX.2 is ten."""
-    from test_families_flux2 import reference_images
-
-    from lorapipe.cache.errors import UserError
-
-    family = families.for_model(dev)
-    images = reference_images(2)
-    assert family.reference_render_kwargs(images) == {"image": images}
-    with pytest.raises(ValueError, match="evaluate.resolution: Flux2Pipeline shrinks a reference image"):
-        family.reference_render_kwargs(reference_images(1, 1024, 1040))
-    families.check_references(family, 10)
-    with pytest.raises(UserError, match="Flux.2-dev takes at most 10"):
-        families.check_references(family, 11)
