@@ -71,6 +71,17 @@ def remove_tree(path: Path) -> None:
     shutil.rmtree(doomed, ignore_errors=True)
 
 
+def publish_folder(staging: Path, target: Path) -> None:
+    """Rename the complete folder `staging` to `target` (atomic); where another process published
+    `target` first, its folder stays and `staging` is removed."""
+    try:
+        staging.rename(target)
+    except OSError:
+        if not target.is_dir():
+            raise
+        shutil.rmtree(staging)
+
+
 def probe_writable(folder: Path) -> None:
     """Create `folder` if needed, then write, fsync and remove a small file in it: raises the
     OSError a full, read-only or forbidden folder (or a file in its place) gives."""

@@ -219,8 +219,9 @@ def status(config_path: Path, overrides: list[str], as_json: bool) -> int:
 
 
 def model(config_path: Path, overrides: list[str], as_json: bool) -> int:
-    """The config's base model: its family and, per component, its source, class, dtype, parameter
-    count and the digest the stage keys use; read from configs and headers, no model loaded."""
+    """The config's model: its family and, per component (the base's, or one set over it), its source,
+    class, dtype, parameter count and the digest the stage keys use; read from configs and headers,
+    no model loaded."""
     from lorapipe.stages.sources.inventory import describe
 
     from .steps import Context
@@ -228,7 +229,8 @@ def model(config_path: Path, overrides: list[str], as_json: bool) -> int:
     config = load_config(config_path, overrides)
     ctx = Context(config, log=note, reads_only=True)
     try:
-        report = describe(ctx.base, ctx.declared_family, ctx.model_digests, ctx.store.root / "models" / ctx.identity)
+        converted = ctx.store.root / "models" / ctx.declared_family.components.identity(ctx.base_digests)
+        report = describe(ctx.base, ctx.declared_family, ctx.model_digests, converted, ctx.components)
     finally:
         ctx.close()
     if as_json:

@@ -41,6 +41,7 @@ def _path_or_repo_id(path: Any) -> Any:
 
 
 PathOrRepoId = Annotated[Union[Path, str], BeforeValidator(_path_or_repo_id), "path or Hugging Face repo id"]
+COMPONENT_KEYS = ("transformer", "transformer_2", "unet", "vae")  # model.<name>: that component over the base
 
 
 class ModelConfig(Frozen):
@@ -52,6 +53,24 @@ class ModelConfig(Frozen):
                                  " only with a repo id")
     family: str | None = Field(None, description=f"a single file's family ({', '.join(families.FAMILIES)}); unset:"
                                " detected from its tensor names (a folder's from model_index.json)")
+    transformer: Path | None = Field(None, description="the denoiser over the base model.path (a community"
+                                     " fine-tune): one .safetensors file in the original layout (BFL, Wan, LTX, with or"
+                                     " without ComfyUI's prefix) or a diffusers component folder; the base supplies"
+                                     " the rest (docs/families.md)")
+    transformer_2: Path | None = Field(None, description="Wan 2.2 A14B's low-noise expert over the base, as"
+                                       " model.transformer")
+    unet: Path | None = Field(None, description="an SD1.x/SDXL UNet over the base, as model.transformer")
+    vae: Path | None = Field(None, description="the VAE over the base: a .safetensors file or a diffusers component"
+                             " folder; latents are encoded again, text records kept")
+    text_encoders: dict[str, Path] | tuple[Path, ...] | None = Field(
+        None, description="text encoders over the base, by their model_index.json names ({text_encoder: FILE,"
+        " text_encoder_2: FILE}) or as a list in the family's order; each a .safetensors file or a diffusers"
+        " component folder; text records are encoded again, latents kept")
+
+    @property
+    def components(self) -> dict[str, Path]:
+        """The denoiser and VAE set over the base, by their model_index.json names (which is the key's name)."""
+        return {name: getattr(self, name) for name in COMPONENT_KEYS if getattr(self, name) is not None}
 
     @field_validator("family")
     @classmethod
@@ -284,7 +303,8 @@ def set_key(raw: dict, dotted: str, value: Any, where: str) -> None:
 
 
 def _resolve_paths(raw: dict, base: Path) -> None:
-    for dotted in ("cache_dir", "object_store.local_dir", "output_dir", "model.path", "caption.model", "data.path",
+    for dotted in ("cache_dir", "object_store.local_dir", "output_dir", "model.path",
+                   *(f"model.{name}" for name in COMPONENT_KEYS), "caption.model", "data.path",
                    "train.init_lora",
                    "train.accelerate_config", *(f"evaluate.{name}" for name in LOCAL_PATHS)):
         *parents, leaf = dotted.split(".")
@@ -299,6 +319,11 @@ def _resolve_paths(raw: dict, base: Path) -> None:
     for entry in datasets if isinstance(datasets, list) else []:
         if isinstance(entry, dict) and isinstance(entry.get("path"), str) and not is_url(entry["path"]):
             entry["path"] = str((base / local_path(entry["path"]).expanduser()).resolve())
+    encoders = raw.get("model", {}).get("text_encoders") if isinstance(raw.get("model"), dict) else None
+    named = encoders.items() if isinstance(encoders, dict) else enumerate(encoders if isinstance(encoders, list) else [])
+    for name, path in list(named):
+        if isinstance(path, str):
+            encoders[name] = str((base / Path(path).expanduser()).resolve())
 
 
 def load_config(path: Path, overrides: list[str] = ()) -> PipelineConfig:

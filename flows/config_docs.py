@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
-from lorapipe.flows.config import PipelineConfig
+from lorapipe.flows.config import COMPONENT_KEYS, PipelineConfig
 from lorapipe.stages.caption import CaptionParams
 from lorapipe.stages.encode import EncodeParams
 from lorapipe.stages.evaluate import LOCAL_PATHS, EvalParams
@@ -30,8 +30,8 @@ KEYED_PARAMS: dict[str, type[BaseModel]] = {"preprocess": PreprocessParams, "cap
                                             "encode": EncodeParams, "train": TrainParams, "evaluate": EvalParams}
 KEYED_BY_PREPROCESS = "data.datasets[]"  # every dataset setting is in preprocess's key (caption's: caption's)
 # keyed by the content digest of what they point at, never by the path
-BY_CONTENT = {"model.path", "caption.model", "data.path", "data.datasets[].path", "train.init_lora",
-              *(f"evaluate.{name}" for name in LOCAL_PATHS)}
+BY_CONTENT = {"model.path", *(f"model.{name}" for name in COMPONENT_KEYS), "model.text_encoders", "caption.model",
+              "data.path", "data.datasets[].path", "train.init_lora", *(f"evaluate.{name}" for name in LOCAL_PATHS)}
 
 HEADER = """# Config reference
 

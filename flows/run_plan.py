@@ -102,6 +102,7 @@ def plan_run(config: PipelineConfig, only: list[str], start: str | None, force: 
     try:
         ctx.model_digests  # noqa: B018 (reads the model index, checks every weights file, hashes new ones)
         ctx.declared_family  # noqa: B018
+        ctx.model_path  # noqa: B018 (the folder the stages load: a single file converted, components composed; once)
         try:
             return replace(plan, standings=tuple(stand(ctx, plan.walked)))
         except Exception:  # noqa: BLE001  the flow meets it and reports it as it does

@@ -22,8 +22,9 @@ from lorapipe.cache.objects import is_url, use_storage_options
 from lorapipe.cache.store import Artifact, Built, StageKey
 from lorapipe.stages import caption, encode, evaluate, families, preprocess, train
 from lorapipe.stages.contract import KEYED_LIBRARIES, Log, library_majors, library_versions
-from lorapipe.stages.models import component_digests
+from lorapipe.stages.models import component_digests, weights_digest
 from lorapipe.stages.processes.placement import Placement, Where
+from lorapipe.stages.sources import compose
 from lorapipe.stages.sources.model_source import BaseModel, resolve_base
 
 from .config import PipelineConfig, split
@@ -68,8 +69,38 @@ class Context:
         return families.for_model(self.base.path, self.config.model.family)
 
     @cached_property
-    def model_digests(self) -> dict[str, str]:
+    def base_digests(self) -> dict[str, str]:
+        """The base model's component digests (model.path's)."""
         return component_digests(self.base.path, self.stat_cache, self.declared_family)
+
+    @cached_property
+    def base_folder(self) -> Path:
+        """The base as a diffusers folder: model.path (a repo's snapshot), or its single-file checkpoint
+        converted once into the cache (`<cache>/models/<digest>`)."""
+        path = self.base.path
+        if not families.is_single_file(path):
+            return path
+        identity = self.declared_family.components.identity(self.base_digests)
+        return families.single_file_folder(self.declared_family, path, identity, self.store.root / "models")
+
+    @cached_property
+    def base_family(self) -> families.Family:
+        """The family bound to the base's variant (read from its diffusers folder's configs)."""
+        return families.for_model(self.base_folder, self.declared_family.name)
+
+    @cached_property
+    def components(self) -> dict[str, Path]:
+        """The components set over the base (model.transformer, model.vae, model.text_encoders, ...)."""
+        model = self.config.model
+        if not model.components and not model.text_encoders:
+            return {}
+        return compose.components_over(self.base_family, self.base_folder, model.components, model.text_encoders)
+
+    @cached_property
+    def model_digests(self) -> dict[str, str]:
+        """Every component's digest: the base's, but each component set over it by its own content."""
+        return {**self.base_digests, **{name: weights_digest(path, self.stat_cache)
+                                        for name, path in self.components.items()}}
 
     @cached_property
     def identity(self) -> str:
@@ -78,12 +109,12 @@ class Context:
 
     @cached_property
     def model_path(self) -> Path:
-        """A diffusers folder: the configured one (a repo's snapshot), or a single-file checkpoint
-        converted once into the cache (`<cache>/models/<digest>`)."""
-        path = self.base.path
-        if not families.is_single_file(path):
-            return path
-        return families.single_file_folder(self.declared_family, path, self.identity, self.store.root / "models")
+        """A diffusers folder: the base's, or one composed once in the cache with the components set
+        over it (stages/sources/compose.py)."""
+        if not self.components:
+            return self.base_folder
+        return compose.composed_folder(self.base_family, self.base_folder, self.components, self.model_digests,
+                                       self.store.root / "models", self.log)
 
     @cached_property
     def family(self) -> families.Family:

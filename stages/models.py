@@ -3,7 +3,8 @@
 A model is a diffusers-format folder or one `.safetensors` checkpoint in the original layout, as
 A1111/ComfyUI users have them (its family from stages/families, which also converts it). Folder
 keys use per-component digests so that, say, a new VAE re-encodes latents but no text; a single
-file's identity is its content digest for every component of its family.
+file's identity is its content digest for every component of its family. A component set over the
+base (model.transformer, model.vae, ...) is keyed by its own content, the others by the base's.
 """
 from __future__ import annotations
 
@@ -12,8 +13,7 @@ from pathlib import Path
 from lorapipe.cache.digest import StatCache, digest_tree
 from lorapipe.cache.errors import UserError
 from lorapipe.stages.families import Family, is_single_file
-from lorapipe.stages.families.folders import SINGLE_FILE_SUFFIX, check_weights_file, component_class, is_component, \
-    model_index
+from lorapipe.stages.families.folders import SINGLE_FILE_SUFFIX, check_weights_file, component_class, component_names
 
 
 def component_digests(model_path: Path, stat_cache: StatCache, family: Family) -> dict[str, str]:
@@ -24,19 +24,23 @@ def component_digests(model_path: Path, stat_cache: StatCache, family: Family) -
         digest = stat_cache.digest(Path(model_path))
         return {name: digest for name in sorted(family.components.all())}
     digests = {}
-    for name in _components(model_path):
+    for name in component_names(model_path):
         folder = Path(model_path) / name
         if not folder.is_dir():
             raise UserError(f"{model_path}/model_index.json names {name!r} but there is no folder {folder}")
-        for weights in sorted(folder.rglob(f"*{SINGLE_FILE_SUFFIX}")):
-            check_weights_file(weights)
-        digests[name] = digest_tree(folder, stat_cache)
+        digests[name] = weights_digest(folder, stat_cache)
     return digests
 
 
-def _components(model_path: Path) -> list[str]:
-    return [name for name, spec in sorted(model_index(model_path).items())
-            if not name.startswith("_") and is_component(spec)]
+def weights_digest(path: Path, stat_cache: StatCache) -> str:
+    """A component's content digest (one set over a base is keyed by it): of its one weights file,
+    or of its folder's files, every weights file checked whole first."""
+    if path.is_file():
+        check_weights_file(path)
+        return stat_cache.digest(path)
+    for weights in sorted(path.rglob(f"*{SINGLE_FILE_SUFFIX}")):
+        check_weights_file(weights)
+    return digest_tree(path, stat_cache)
 
 
 def import_model_code(model_path: Path, family: Family, stage: str) -> None:

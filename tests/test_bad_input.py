@@ -108,6 +108,16 @@ def truncated_single_file(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
     yield [str(ws.config), "--set", f"model.path={tmp / 'model.safetensors'}"]
 
 
+@contextmanager
+def a_transformer_file_alone(ws: Workspace, tmp: Path) -> Iterator[list[str]]:
+    """A ComfyUI `diffusion_models/` file (a Flux.1 transformer) given as the whole model."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"model.diffusion_model.double_blocks.0.img_attn.qkv.weight": torch.zeros(1)}, tmp / "flux.safetensors")
+    yield [str(ws.config), "--set", f"model.path={tmp / 'flux.safetensors'}"]
+
+
 def file_in_the_cache(rel: str, *extra: str) -> Setup:
     """A file where the shared cache keeps the folder `rel` (the folder is put back afterwards)."""
     @contextmanager
@@ -242,6 +252,8 @@ ROWS = [
     Row("truncated VAE weights", model_copy(lambda m: truncate(m / "vae" / "diffusion_pytorch_model.safetensors")),
         ("vae/diffusion_pytorch_model.safetensors is truncated",)),
     Row("truncated single-file checkpoint", truncated_single_file, ("model.safetensors is truncated",)),
+    Row("transformer file alone", a_transformer_file_alone,
+        ("flux.safetensors is a Flux.1 transformer alone", "model.path to a Flux.1 base", "model.transformer:")),
     # the cache and output folders
     Row("cache_dir is a file", a_file_at("cache_dir"),
         ("file is a file where the cache keeps a folder", "cache_dir")),

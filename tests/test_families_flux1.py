@@ -15,6 +15,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import lorapipe.stages.families as families
+from lorapipe.cache.errors import UserError
 from lorapipe.stages.families import ObjectiveParams, TextOptions, TimestepSampling
 from lorapipe.stages.families.flux1 import original_names
 from lorapipe.stages.lora_formats.diffusers_format import save_safetensors_sorted
@@ -269,8 +270,11 @@ def test_single_file_flux_is_detected(tmp_path):
     save_file({"model.diffusion_model.double_blocks.0.img_attn.qkv.weight": torch.zeros(1)}, tmp_path / "f.safetensors")
     family = families.for_model(tmp_path / "f.safetensors")
     assert family.name == "flux1"
-    with pytest.raises(ValueError, match="single-file Flux.1 checkpoints are not supported yet"):
+    with pytest.raises(UserError) as alone:  # a transformer file holds no VAE nor text encoders: which keys to set
         families.single_file_folder(family, tmp_path / "f.safetensors", "digest", tmp_path / "models")
+    assert str(alone.value) == (f"model.path: {tmp_path / 'f.safetensors'} is a Flux.1 transformer alone, not a whole"
+                                " model: set model.path to a Flux.1 base (a diffusers folder or a Hugging Face repo id)"
+                                f" and model.transformer: {tmp_path / 'f.safetensors'}")
     save_file({"something.else": torch.zeros(1)}, tmp_path / "g.safetensors")
     with pytest.raises(ValueError, match="none of the tensors that identify"):
         families.for_model(tmp_path / "g.safetensors")

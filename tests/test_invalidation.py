@@ -155,6 +155,53 @@ def test_new_vae_weights_at_the_same_path_re_encode_latents_but_no_text(baseline
     assert counts == {"vae": 8, "text": 0}
 
 
+def over_base(config, **components: Path | dict[str, Path]):
+    """`config` with components set over its base model (model.unet, model.vae, model.text_encoders)."""
+    return config.model_copy(update={"model": config.model.model_copy(update=components)})
+
+
+def test_a_unet_over_the_base_folder_or_file_reruns_train_and_evaluate_and_encodes_nothing(
+        baseline, tmp_path, count_encoder_rows, ahead):
+    import torch
+    from safetensors.torch import load_file
+    from test_compose import perturbed_copy
+
+    base = copy_of(baseline, tmp_path)
+    same = shutil.copytree(tmp_path / "model" / "unet", tmp_path / "same-unet")
+    assert statuses(run_all(over_base(base, unet=same))) == dict.fromkeys(STAGES, "hit")  # keyed by content
+    mine = perturbed_copy(tmp_path / "model" / "unet", tmp_path / "my-unet")
+    trained = {}
+    for given in (mine, mine / "diffusion_pytorch_model.safetensors"):  # its folder, then its one file
+        config = over_base(base, unet=given)
+        rows = {r["stage"]: r for r in explain(Context(config), STAGES)}
+        assert rows["encode"]["status"] == "hit" and "models.unet" in rows["train"]["reason"]
+        with count_encoder_rows() as counts:
+            encoded = run_all(config, STAGES[:2])
+        assert statuses(encoded) == {"preprocess": "hit", "encode": "hit"} and counts == {"vae": 0, "text": 0}
+        results = run_all(config, placements=ahead)
+        assert statuses(results) == {"preprocess": "hit", "encode": "hit", "train": "computed", "evaluate": "computed"}
+        trained[given] = load_file(Path(results["train"].path) / "pytorch_lora_weights.safetensors")
+    lora, from_file = trained.values()  # the file converted to exactly the folder's weights trains the same LoRA
+    assert lora.keys() == from_file.keys() and all(torch.equal(lora[k], from_file[k]) for k in lora)
+
+
+@pytest.mark.parametrize("component, counted", [("vae", {"vae": 8, "text": 0}), ("text_encoder", {"vae": 0, "text": 9})])
+def test_a_vae_or_text_encoder_over_the_base_re_encodes_its_records_only(baseline, tmp_path, count_encoder_rows,
+                                                                         component, counted):
+    from test_compose import perturbed_copy
+
+    mine = perturbed_copy(baseline / "model" / component, tmp_path / f"my-{component}")
+    for given in (mine, next(mine.glob("*.safetensors"))):  # its folder, then its one file (keyed by its own bytes)
+        setting = {"vae": given} if component == "vae" else {"text_encoders": [given]}
+        config = over_base(copy_of(baseline, tmp_path / given.name), **setting)
+        row = next(r for r in explain(Context(config), STAGES) if r["stage"] == "encode")
+        assert row["status"] == "miss" and f"models.{component}" in row["reason"]
+        with count_encoder_rows() as counts:
+            results = run_all(config, STAGES[:2])
+        assert statuses(results) == {"preprocess": "hit", "encode": "computed"}
+        assert counts == counted
+
+
 def test_byte_identical_re_encode_does_not_rerun_train(baseline, tmp_path):
     config = copy_of(baseline, tmp_path)
     ctx = Context(config, log=lambda m: None)

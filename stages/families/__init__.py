@@ -77,7 +77,8 @@ def single_file_family(path: Path) -> Family:
     family = next((f for f in SINGLE_FILE_DETECTION if names & set(f.single_file_markers)), None)
     if family is None:
         raise ValueError(f"model.path: {path} holds none of the tensors that identify a {', '.join(FAMILIES)}"
-                         " checkpoint in the original layout; give a diffusers folder, or set model.family")
+                         " checkpoint in the original layout; give a diffusers folder or a Hugging Face repo id"
+                         " (a denoiser file goes over it in model.transformer), or set model.family")
     return family
 
 

@@ -240,7 +240,8 @@ class Family(ABC):
     folder's configs). What differs between model lines only as a value is a field: the pipeline
     class, components, text encoder class, latent encoder and normalisation, latent patch, LoRA
     presets, swappable block lists, reference bounds, sampler, the variants' steps and guidance,
-    kohya's names. A method is left only where behaviour differs. A line that differs only in data
+    kohya's names, how component files convert (checkpoint_prefixes, size_free_converters). A
+    method is left only where behaviour differs. A line that differs only in data
     (SDXL from SD1.x, a variant) is another instance, not another class. Every registered family's
     values, and adding a family step by step: docs/adding-a-family.md.
 
@@ -306,6 +307,12 @@ class Family(ABC):
     normalisation_of: Callable[[Path, str], LatentNormalisation] = scale_shift_of  # (path, VAE component)
     single_file_markers: tuple[str, ...] = ()  # a tensor name that identifies a single-file checkpoint
     single_file_kwargs: dict[str, Any] | None = None  # from_single_file's arguments; None: not converted
+    # a component's tensor-name prefix in a whole single-file checkpoint (A1111's `first_stage_model.`), which
+    # diffusers' converter for it reads (stages/sources/convert.py); none: its names stand alone
+    checkpoint_prefixes: dict[str, str] = field(default_factory=dict)
+    # component -> (original tensors, its config) -> diffusers tensors, where diffusers' own converter
+    # assumes full sizes (Flux.1's fixes the inner width); else diffusers' converter for the component's class
+    size_free_converters: dict[str, Callable[[dict, dict], dict]] = field(default_factory=dict)
     latent_patch: int = 1  # latent pixels per image token side (Flux: 2x2 patches)
     lora_presets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> what lora_target_modules reads
     block_lists: tuple[str, ...] = ()  # the denoiser's lists of blocks, in run order (swappable_blocks)

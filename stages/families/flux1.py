@@ -21,7 +21,9 @@ attn.to_q/to_k/to_v, proj_mlp, proj_out); every Linear of the double and single 
 blocks' `linear1` = q|k|v|mlp) and as ComfyUI (`diffusion_model.double_blocks.N.img_attn.qkv`, with
 `lora_down`/`lora_up`, the spelling diffusers' Flux.1 loader converts too),
 derived from diffusers' `convert_flux_transformer_checkpoint_to_diffusers`
-(stages/lora_formats/original_names.py); the seed keys below are the one hand-written part.
+(stages/lora_formats/original_names.py); the seed keys below are the one hand-written part. The
+same derivation over every tensor converts a BFL-layout transformer file of any size
+(`bfl_transformer`, the family's size-free converter: diffusers' fixes Flux.1's inner width).
 """
 from __future__ import annotations
 
@@ -31,7 +33,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from lorapipe.stages.contract import Frozen
-from lorapipe.stages.lora_formats.original_names import COMFYUI_DOWN_UP, KOHYA, OriginalNames, derive_original_names
+from lorapipe.stages.lora_formats.original_names import COMFYUI_DOWN_UP, KOHYA, OriginalNames, TensorMap, \
+    apply_tensor_map, derive_original_names, derive_tensor_map
 
 from .base import REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, Kohya, TextOptions, TextRecord, stack
 from .flow import FlowFamily, FlowVariant, presets_field, refuse_negative_prompt
@@ -162,15 +165,35 @@ def packed(latents: torch.Tensor, index: int, dtype: torch.dtype) -> tuple[torch
 
 @cache
 def original_names(num_layers: int, num_single_layers: int, guidance: bool) -> OriginalNames:
-    """BFL's module names for a transformer of this shape, from diffusers' single-file converter.
-    Seed keys (hand-written): one per block, so that the converter counts them, and the guidance
-    embedder's, whose presence it checks."""
+    """BFL's module names for a transformer of this shape, from diffusers' single-file converter."""
     from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
 
+    return derive_original_names(convert_flux_transformer_checkpoint_to_diffusers,
+                                 seed_keys(num_layers, num_single_layers, guidance))
+
+
+@cache
+def tensor_map(num_layers: int, num_single_layers: int, guidance: bool) -> TensorMap:
+    """Every diffusers tensor of a transformer of this shape from BFL's, by diffusers' converter."""
+    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
+
+    return derive_tensor_map(convert_flux_transformer_checkpoint_to_diffusers,
+                             seed_keys(num_layers, num_single_layers, guidance))
+
+
+def seed_keys(num_layers: int, num_single_layers: int, guidance: bool) -> list[str]:
+    """What diffusers' converter needs to see (hand-written): one key per block, so that it counts
+    them, and the guidance embedder's, whose presence it checks."""
     seeds = [f"double_blocks.{i}.img_mod.lin.weight" for i in range(num_layers)]
     seeds += [f"single_blocks.{i}.modulation.lin.weight" for i in range(num_single_layers)]
-    seeds += ["guidance_in.in_layer.weight"] if guidance else []
-    return derive_original_names(convert_flux_transformer_checkpoint_to_diffusers, seeds)
+    return seeds + (["guidance_in.in_layer.weight"] if guidance else [])
+
+
+def bfl_transformer(tensors: dict[str, torch.Tensor], config: dict) -> dict[str, torch.Tensor]:
+    """A BFL-layout transformer in diffusers' names at any size: diffusers' converter fixes the
+    inner width at Flux.1's, its row map (tensor_map) does not."""
+    return apply_tensor_map(tensor_map(config["num_layers"], config["num_single_layers"],
+                                       config.get("guidance_embeds", False)), tensors)
 
 
 FLUX1 = Flux1(
@@ -182,6 +205,9 @@ FLUX1 = Flux1(
     single_file_markers=("double_blocks.0.img_attn.qkv.weight",  # BFL's, bare or under ComfyUI's prefix
                          "model.diffusion_model.double_blocks.0.img_attn.qkv.weight"),
     block_lists=("transformer_blocks", "single_transformer_blocks"),
+    size_free_converters={"transformer": bfl_transformer},
+    checkpoint_prefixes={"vae": "vae.", "text_encoder": "text_encoders.clip_l.transformer.",  # ComfyUI's, whole files
+                         "text_encoder_2": "text_encoders.t5xxl.transformer."},
 )
 
 
@@ -205,5 +231,7 @@ FLUX1_KONTEXT = Flux1Kontext(
     components=FLUX1.components, kohya=FLUX1.kohya, latent_patch=2,
     text_encoder=Flux1TextEncoder, render_area_argument="max_area",  # it rescales its output to max_area
     original_formats=FLUX1.original_formats, comfyui_slice_prefix=FLUX1.comfyui_slice_prefix,
-    block_lists=FLUX1.block_lists, variants=KONTEXT_VARIANTS, max_references=1, demo_edits=True,
+    block_lists=FLUX1.block_lists, size_free_converters=FLUX1.size_free_converters,
+    checkpoint_prefixes=FLUX1.checkpoint_prefixes,
+    variants=KONTEXT_VARIANTS, max_references=1, demo_edits=True,
 )

@@ -174,10 +174,16 @@ def original_names(num_layers: int, num_single_layers: int, guidance: bool) -> O
     """BFL's Flux.2 module names for a transformer of this shape, from diffusers' converter."""
     from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
 
+    return derive_original_names(convert_flux2_transformer_checkpoint_to_diffusers,
+                                 seed_keys(num_layers, num_single_layers, guidance))
+
+
+def seed_keys(num_layers: int, num_single_layers: int, guidance: bool) -> list[str]:
+    """BFL's Flux.2 weight names for a transformer of this shape (diffusers' converter renames the
+    keys it is given, so it is given every weight)."""
     seeds = weight_keys((f"double_blocks.{i}" for i in range(num_layers)), ORIGINAL_DOUBLE)
     seeds += weight_keys((f"single_blocks.{i}" for i in range(num_single_layers)), ORIGINAL_SINGLE, ORIGINAL_TOP)
-    seeds += ["guidance_in.in_layer.weight", "guidance_in.out_layer.weight"] if guidance else []
-    return derive_original_names(convert_flux2_transformer_checkpoint_to_diffusers, seeds)
+    return seeds + (["guidance_in.in_layer.weight", "guidance_in.out_layer.weight"] if guidance else [])
 
 
 FLUX2_KLEIN = Flux2Klein(

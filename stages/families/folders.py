@@ -83,6 +83,12 @@ def is_component(spec: Any) -> bool:
     return isinstance(spec, list) and len(spec) == 2 and all(isinstance(part, str) for part in spec)
 
 
+def component_names(model_path: Path) -> list[str]:
+    """The components model_index.json names (not the pipeline's settings nor those left out), sorted."""
+    return [name for name, spec in sorted(model_index(model_path).items())
+            if not name.startswith("_") and is_component(spec)]
+
+
 def component_class(model_path: Path, name: str) -> type:
     """The class model_index.json names for a component, its library's modules imported. A library
     that is a diffusers pipeline's own module (LTX-2's connectors' "ltx2") is looked up there first,

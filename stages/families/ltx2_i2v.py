@@ -57,4 +57,5 @@ LTX2_I2V = LTX2I2V(
     name="ltx2-i2v", label="LTX-2 I2V", pipeline_class="LTX2ImageToVideoPipeline", components=LTX2.components,
     kohya=LTX2.kohya, sequence_patch=LTX2.sequence_patch, text_encoder=LTX2.text_encoder,
     normalisation_of=LTX2.normalisation_of, clip_fps=LTX2.clip_fps, block_lists=LTX2.block_lists,
+    checkpoint_prefixes=LTX2.checkpoint_prefixes,
 )

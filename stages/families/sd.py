@@ -218,6 +218,8 @@ class StableDiffusion(Family):
         return build_tiny_sd(out_dir, self.size_conditioning)
 
 
+LDM_PREFIXES = {"unet": "model.diffusion_model.", "vae": "first_stage_model."}  # A1111's, whole files
+
 SD15 = StableDiffusion(
     name="sd15", label="Stable Diffusion 1.x/2.x", pipeline_class="StableDiffusionPipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="unet"),
@@ -225,6 +227,7 @@ SD15 = StableDiffusion(
     variants=(Variant("sd15", "sd15", RENDER_STEPS, RENDER_GUIDANCE),),
     single_file_markers=("model.diffusion_model.input_blocks.0.0.weight",),
     single_file_kwargs={"safety_checker": None, "requires_safety_checker": False},
+    checkpoint_prefixes={**LDM_PREFIXES, "text_encoder": "cond_stage_model.transformer."},
     text=SDTextSettings(encoders=(ClipEncoding(encoder="text_encoder", tokenizer="tokenizer", hidden_layer=None),)),
 )
 SDXL = StableDiffusion(
@@ -234,6 +237,7 @@ SDXL = StableDiffusion(
     kohya=Kohya("sdxl_base_v1-0"), text_encoder=ClipTextEncoder,
     variants=(Variant("sdxl", "sdxl", RENDER_STEPS, RENDER_GUIDANCE),), single_file_kwargs={},
     single_file_markers=("model.diffusion_model.label_emb.0.0.weight",),  # the size/crop embedding
+    checkpoint_prefixes={**LDM_PREFIXES, "text_encoder": "conditioner.embedders.0.transformer."},
     text=SDTextSettings(encoders=(
         ClipEncoding(encoder="text_encoder", tokenizer="tokenizer", hidden_layer=-2),
         ClipEncoding(encoder="text_encoder_2", tokenizer="tokenizer_2", hidden_layer=-2, pooled=True),

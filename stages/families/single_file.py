@@ -8,9 +8,11 @@ loads like any other.
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from lorapipe.cache.errors import UserError
+from lorapipe.cache.fsutil import publish_folder
 
 if TYPE_CHECKING:
     from .base import Family
@@ -24,9 +26,11 @@ def single_file_folder(family: Family, checkpoint: Path, digest: str, models_roo
     that every stage then loads like any other (`arch_dir`: the architecture configs to convert
     with; default: the ones shipped for the family, whose tokenizer folders lack CLIP's BPE
     vocabulary: the user copies it in, the error says so)."""
-    if family.single_file_kwargs is None:
-        raise ValueError(f"model.path: {checkpoint}: single-file {family.label} checkpoints are not supported yet;"
-                         f" give a diffusers-format folder")
+    if family.single_file_kwargs is None:  # the file holds the denoiser alone
+        denoiser = family.components.denoiser
+        raise UserError(f"model.path: {checkpoint} is a {family.label} {denoiser} alone, not a whole model: set"
+                        f" model.path to a {family.label} base (a diffusers folder or a Hugging Face repo id) and"
+                        f" model.{denoiser}: {checkpoint}")
     arch_dir = Path(arch_dir or ARCH_ROOT / family.name)
     for tokenizer in sorted(arch_dir.glob("tokenizer*")):
         if not any((tokenizer / name).is_file() for name in ("vocab.json", "tokenizer.json")):
@@ -48,8 +52,5 @@ def converted_folder(checkpoint: Path, digest: str, pipeline_class: str, arch_di
     pipe = getattr(diffusers, pipeline_class).from_single_file(str(checkpoint), config=str(arch_dir), **pipeline_kwargs)
     staging = target.with_name(f".{digest}.{os.getpid()}.tmp")
     pipe.save_pretrained(staging, safe_serialization=True)
-    try:
-        staging.rename(target)
-    except OSError:  # another process converted it first
-        shutil.rmtree(staging)
+    publish_folder(staging, target)
     return target

@@ -51,6 +51,7 @@ from .objectives import ObjectiveParams, TimestepSampling
 from lorapipe.stages.lora_formats.original_names import (COMFYUI, KOHYA, KeySpelling, OriginalNames,
                                                          derive_original_names, kohya_name, weight_keys)
 from .video import VideoFamily, VideoVariant
+from .wan_vae_names import wan21_vae
 
 if TYPE_CHECKING:
     import torch
@@ -248,6 +249,6 @@ WAN = Wan(
     kohya=Kohya("wan", "networks.lora_wan"),  # musubi-tuner's network module
     latent_patch=2, text_encoder=WanTextEncoder,
     original_formats=(KOHYA, COMFYUI), sampler=SAMPLER,
-    block_lists=("blocks",),
+    block_lists=("blocks",), size_free_converters={"vae": wan21_vae},  # diffusers' fixes the VAE's depth
     denoiser_names=("high_noise", "low_noise"),  # A14B's transformer and transformer_2, as the ecosystem names them
 )

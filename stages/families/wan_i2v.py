@@ -137,4 +137,5 @@ WAN_I2V = WanI2V(
     components=replace(WAN.components, image=("image_encoder", "image_processor")), kohya=WAN.kohya,
     latent_patch=WAN.latent_patch, text_encoder=WAN.text_encoder, original_formats=WAN.original_formats,
     sampler=WAN.sampler, block_lists=WAN.block_lists, denoiser_names=WAN.denoiser_names,
+    size_free_converters=WAN.size_free_converters,
 )

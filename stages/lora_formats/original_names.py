@@ -50,6 +50,7 @@ class Segment:
 
 
 OriginalNames = dict[str, tuple[Segment, ...]]  # original module -> its rows, in order
+TensorMap = dict[str, tuple[Segment, ...]]  # diffusers tensor -> the original tensors' rows it is made of, in order
 
 
 class _Probe(dict):
@@ -84,25 +85,58 @@ def weight_keys(blocks: Iterable[str], block_modules: Iterable[str], top_modules
         [f"{module}.weight" for module in top_modules]
 
 
-def derive_original_names(convert: Callable[[dict], dict], seed_keys: list[str]) -> OriginalNames:
-    """Which original weights' rows each diffusers weight is made of, by running `convert`."""
+def derive_tensor_map(convert: Callable[[dict], dict], seed_keys: list[str]) -> TensorMap:
+    """Which original tensors' rows each diffusers tensor (weight, bias, norm) is made of, by
+    running `convert` on a probe: a map that converts a checkpoint of any size (apply_tensor_map)."""
     probe = _Probe(seed_keys)
     converted = convert(probe)
-    found: dict[str, list[Segment]] = {}
+    found: TensorMap = {}
     for key, tags in converted.items():
-        if not key.endswith(".weight") or tags.ndim != 1:
+        if tags.ndim != 1:
             continue
         source, row = (tags // ROWS).tolist(), (tags % ROWS).tolist()
-        start = 0
+        segments, start = [], 0
         for i in range(1, len(tags) + 1):  # runs of consecutive rows of one source
             if i == len(tags) or source[i] != source[start] or row[i] != row[i - 1] + 1:
-                original = probe.names[source[start]]
-                if original.endswith(".weight"):
-                    found.setdefault(original.removesuffix(".weight"), []).append(Segment(
-                        key.removesuffix(".weight"), Fraction(row[start], ROWS), Fraction(row[i - 1] + 1, ROWS),
-                        Fraction(start, len(tags)), Fraction(i, len(tags))))
+                segments.append(Segment(probe.names[source[start]], Fraction(row[start], ROWS),
+                                        Fraction(row[i - 1] + 1, ROWS), Fraction(start, len(tags)),
+                                        Fraction(i, len(tags))))
                 start = i
+        found[key] = tuple(segments)
+    return found
+
+
+def derive_original_names(convert: Callable[[dict], dict], seed_keys: list[str]) -> OriginalNames:
+    """Which original weights' rows each diffusers weight is made of, by running `convert`."""
+    found: dict[str, list[Segment]] = {}
+    for key, segments in derive_tensor_map(convert, seed_keys).items():
+        for s in segments if key.endswith(".weight") else ():
+            if s.module.endswith(".weight"):
+                found.setdefault(s.module.removesuffix(".weight"), []).append(
+                    replace(s, module=key.removesuffix(".weight")))
     return {name: tuple(sorted(segments, key=lambda s: s.start)) for name, segments in found.items()}
+
+
+def apply_tensor_map(tensor_map: TensorMap, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An original checkpoint's `tensors` in diffusers' names, at whatever size they are; KeyError
+    for a tensor it lacks, ValueError for one left over or whose rows do not split as the map does."""
+    import torch
+
+    out, used = {}, set()
+    for key, segments in tensor_map.items():
+        parts = []
+        for s in segments:
+            source = tensors[s.module]
+            start, end = s.start * source.shape[0], s.end * source.shape[0]
+            if start.denominator != 1 or end.denominator != 1:
+                raise ValueError(f"{s.module}: its {source.shape[0]} rows do not split as {key} takes them")
+            parts.append(source[int(start):int(end)])
+            used.add(s.module)
+        out[key] = parts[0] if len(parts) == 1 else torch.cat(parts)
+    left = sorted(set(tensors) - used)
+    if left:
+        raise ValueError(f"{left[0]} is not a tensor of this model ({len(left)} left over)")
+    return out
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Mapping
 
 from lorapipe.stages.families.folders import is_component, is_single_file, model_index, tensor_headers
 
@@ -33,14 +33,21 @@ class Component:
         return {**vars(self), "source": self.source.to_json()}
 
 
-def components(folder: Path | None, digests: dict[str, str], source: Source) -> list[Component]:
+def components(folder: Path | None, digests: dict[str, str], source: Source,
+               over: Mapping[str, Path]) -> list[Component]:
     """A row per component the digests name, read from the diffusers `folder` (None: a single file
-    not converted yet, known by its digests only)."""
+    not converted yet, known by its digests only) or, for those set over it, from their own files."""
     if folder is None:
         return [Component(name, source, digest) for name, digest in sorted(digests.items())]
     index = model_index(folder)
-    return [Component(name, source, digest, ".".join(index[name]) if is_component(index.get(name)) else None,
-                      *weights_summary(folder / name)) for name, digest in sorted(digests.items())]
+    return [Component(name, component_source(over[name]) if name in over else source, digest,
+                      ".".join(index[name]) if is_component(index.get(name)) else None,
+                      *weights_summary(over.get(name, folder / name))) for name, digest in sorted(digests.items())]
+
+
+def component_source(path: Path) -> Source:
+    """Where a component set over the base came from: its single file or its folder."""
+    return Source("single file" if is_single_file(path) else "folder", str(path))
 
 
 def weights_summary(folder: Path) -> tuple[str | None, int]:
@@ -54,6 +61,8 @@ def weights_summary(folder: Path) -> tuple[str | None, int]:
 
 
 def weight_files(folder: Path) -> list[Path]:
+    if folder.is_file():  # a component's one file
+        return [folder]
     index = next(iter(sorted(folder.glob(SHARD_INDEX))), None)
     if index is None:
         return sorted(folder.glob("*.safetensors"))
@@ -72,12 +81,14 @@ class ModelReport:
         return {**vars(self), "source": self.source.to_json(), "components": [c.to_json() for c in self.components]}
 
 
-def describe(base: BaseModel, family: Family, digests: dict[str, str], converted: Path) -> ModelReport:
+def describe(base: BaseModel, family: Family, digests: dict[str, str], converted: Path,
+             over: Mapping[str, Path] | None = None) -> ModelReport:
     """The model `base` of `family`, its components keyed by `digests`; a single file read from
-    `converted`, its diffusers folder in the cache, once a run has made it."""
+    `converted`, its diffusers folder in the cache, once a run has made it; `over`: the components
+    set over the base (stages/sources/compose.py), read from their own files."""
     folder = base.path
     if is_single_file(folder):
         folder = converted if (converted / "model_index.json").is_file() else None
     bound = family.for_model(folder) if folder else family
     return ModelReport(bound.name, bound.label, bound.variant.name if bound.variant else None, base.source,
-                       components(folder, digests, base.source))
+                       components(folder, digests, base.source, over or {}))
