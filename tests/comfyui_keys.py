@@ -98,7 +98,7 @@ def _layout(family, denoiser) -> OriginalNames:
         return unet_original_names(dict(config), linear)
     if family.name == "flux1":
         return flux1.original_names(config.num_layers, config.num_single_layers, config.guidance_embeds)
-    if family.name == "flux2-klein":
+    if family.name in ("flux2-klein", "flux2-dev"):
         return flux2.original_names(config.num_layers, config.num_single_layers, config.guidance_embeds)
     if family.name == "z-image":
         return zimage.original_names(config.n_layers, config.n_refiner_layers)

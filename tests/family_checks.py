@@ -208,6 +208,12 @@ FAMILIES = (
               _names("transformer_blocks.0.{m}.{io}", m=("ff", "ff_context"), io=("linear_in", "linear_out")),
               frozenset(),
               (DIFFUSERS_FILE, KOHYA_FILE, COMFYUI_FILE)),
+    FamilyRow("flux2-dev",  # Klein's transformer with the guidance input, outside the blocks
+              _names("transformer_blocks.0.attn.{m}", m=JOINT_ATTENTION)
+              | _names("single_transformer_blocks.0.attn.{m}", m=("to_qkv_mlp_proj", "to_out")),
+              _names("transformer_blocks.0.{m}.{io}", m=("ff", "ff_context"), io=("linear_in", "linear_out")),
+              frozenset(),
+              (DIFFUSERS_FILE, KOHYA_FILE, COMFYUI_FILE)),
     FamilyRow("qwen-image",
               _names("transformer_blocks.{i}.attn.{m}", i=TWO, m=JOINT_ATTENTION),
               _names("transformer_blocks.{i}.{m}.net.{p}", i=TWO, m=("img_mlp", "txt_mlp"), p=("0.proj", "2")),

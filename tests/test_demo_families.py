@@ -34,11 +34,12 @@ def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path, t
                                                      " give another --workdir for the sd15 demo")
 
 
-@pytest.mark.parametrize("arch", ["z-image", "flux2-klein", "qwen-image", "qwen-image-2.1", "krea2",
+@pytest.mark.parametrize("arch", ["z-image", "flux2-klein", "flux2-dev", "qwen-image", "qwen-image-2.1", "krea2",
                                   "ideogram4"])
 def test_2026_family_demo_trains_its_tiny_base_and_its_lora_beats_the_base(tmp_path, tiny_models, arch):
     """`lorapipe demo --arch X` for each 2026 family end to end through Prefect: variable-length or
-    stacked-layer text records, per-family latent normalisation, the ComfyUI export."""
+    stacked-layer text records, per-family latent normalisation, the ComfyUI export; the same command
+    again is all hits (the all-hit path: no model code, a second or so)."""
     run = demo_on_tiny_model(arch, tmp_path / "run", tiny_models)
     assert run.returncode == 0, run.stderr[-3000:]
     outputs = tmp_path / "run" / "outputs"
@@ -47,6 +48,10 @@ def test_2026_family_demo_trains_its_tiny_base_and_its_lora_beats_the_base(tmp_p
     metrics = json.loads((outputs / "metrics.json").read_text())
     assert metrics["prediction_type"] == {"base": "flow", "lora": "flow"}
     assert metrics["loss"]["train"]["lora"]["overall"] < metrics["loss"]["train"]["base"]["overall"]
+    again = lorapipe("demo", "--arch", arch, "--workdir", "run", *FEWER_STEPS, cwd=tmp_path)
+    assert again.returncode == 0, again.stderr[-3000:]
+    summary = json.loads((outputs / "run-summary.json").read_text())
+    assert [s["status"] for s in summary["stages"]] == ["hit"] * 4
 
 
 def test_edit_demo_trains_kontext_on_generated_pairs_and_renders_the_edit_grid(tmp_path, tiny_models):

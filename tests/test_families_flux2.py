@@ -108,10 +108,15 @@ def reference_latents(family, model: Path, images: list[Image.Image]) -> torch.T
     return family.latent_normalisation(model).apply(mean)
 
 
+@pytest.mark.parametrize("arch", ["flux2-klein", "flux2-dev"])
 @pytest.mark.parametrize("count", [1, 2])
-def test_denoiser_call_with_references_is_the_pipelines(count, base):
+def test_denoiser_call_with_references_is_the_pipelines(count, arch, tiny_models):
     """An edit pair's references, encoded by our VAE at the target's size, are the tokens and ids
-    Flux2KleinPipeline(image=...) appends to the noisy ones, and the prediction is its own."""
+    Flux2KleinPipeline(image=...) (Flux2Pipeline's, on Flux.2-dev) appends to the noisy ones, and the
+    prediction is its own."""
+    from diffusers import Flux2KleinPipeline
+
+    base, unpack = tiny_models(arch), Flux2KleinPipeline._unpack_latents_with_ids  # tokens -> (B, C, h, w)
     family, pipe = families.for_model(base), quiet_pipeline(base)
     images = reference_images(count)
     _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
@@ -123,34 +128,36 @@ def test_denoiser_call_with_references_is_the_pipelines(count, base):
     references = reference_latents(family, base, images)
     cond[REFERENCE_LATENTS] = references.unsqueeze(0).expand(2, *references.shape)
     tokens = 5 * 4
-    noisy = pipe._unpack_latents_with_ids(kwargs["hidden_states"][:, :tokens], kwargs["img_ids"][:, :tokens], 5, 4)
+    noisy = unpack(kwargs["hidden_states"][:, :tokens], kwargs["img_ids"][:, :tokens], 5, 4)
     sigma = pipe.scheduler.sigmas[0].expand(2)
     predicted = []
     with torch.no_grad():
         _, mine, _ = first_call(pipe.transformer, lambda: predicted.append(family.predict(
             pipe.transformer, noisy, sigma, cond, torch.float32)))
-        unreferenced = family.predict(pipe.transformer, noisy, sigma, {"encoder_hidden_states": cond[
-            "encoder_hidden_states"]}, torch.float32)
+        unreferenced = family.predict(pipe.transformer, noisy, sigma, {k: v for k, v in cond.items()
+                                                                       if k != REFERENCE_LATENTS}, torch.float32)
     assert kwargs["hidden_states"].shape[1] == tokens * (1 + count)
     assert torch.equal(mine["img_ids"], kwargs["img_ids"])
     assert torch.allclose(mine["hidden_states"], kwargs["hidden_states"], atol=1e-5)
-    expected = pipe._unpack_latents_with_ids(output[0][:, :tokens], kwargs["img_ids"][:, :tokens], 5, 4)
+    expected = unpack(output[0][:, :tokens], kwargs["img_ids"][:, :tokens], 5, 4)
     assert predicted[0].shape == (2, 32, 5, 4)
     assert torch.allclose(predicted[0], expected, atol=1e-5)
     assert not torch.allclose(unreferenced, expected, atol=1e-3)
 
 
-def test_references_render_as_the_pipelines_list_up_to_four(base):
-    family = families.for_model(base)
+@pytest.mark.parametrize("arch, bound, pipeline", [("flux2-klein", 4, "Flux2KleinPipeline"),
+                                                    ("flux2-dev", 10, "Flux2Pipeline")])  # BFL's bounds
+def test_references_render_as_the_pipelines_list_up_to_the_bound(arch, bound, pipeline, tiny_models):
+    family = families.for_model(tiny_models(arch))
     images = reference_images(2)
-    assert family.max_references == 4
+    assert family.max_references == bound
     assert family.reference_render_kwargs(images[:1]) == {"image": images[:1]}
     assert family.reference_render_kwargs(images) == {"image": images}
-    with pytest.raises(ValueError, match="evaluate.resolution: Flux2KleinPipeline shrinks a reference image"):
+    with pytest.raises(ValueError, match=f"evaluate.resolution: {pipeline} shrinks a reference image"):
         family.reference_render_kwargs(reference_images(1, 1024, 1040))
-    families.check_references(family, 4)
-    with pytest.raises(UserError, match="takes at most 4"):
-        families.check_references(family, 5)
+    families.check_references(family, bound)
+    with pytest.raises(UserError, match=f"{family.label} takes at most {bound}"):
+        families.check_references(family, bound + 1)
 
 
 def test_shift_is_the_pipelines_empirical_mu(base, distilled):
@@ -173,32 +180,39 @@ def test_shift_is_the_pipelines_empirical_mu(base, distilled):
     assert mine.sampling.shift_steps == 8
 
 
-def test_kohya_export_loads_through_diffusers_converter(base, exported_loras):
+FLUX2_BASE_MODELS = [("flux2-klein", "flux2_klein"), ("flux2-dev", "flux2_dev")]  # arch, ss_base_model_version
+
+
+@pytest.mark.parametrize("arch, base_model", FLUX2_BASE_MODELS)
+def test_kohya_export_loads_through_diffusers_converter(arch, base_model, tiny_models, exported_loras):
     """musubi-tuner's spelling (`lora_unet_double_blocks_0_img_attn_qkv`, single blocks' linear1 and
-    linear2), read by Flux2KleinPipeline's kohya-Flux.2 converter: every module's change is the
-    trained one (fused q/k/v split back by its sparse path)."""
-    transformer, targets, written = exported_loras("flux2-klein")
+    linear2), read by the pipeline's kohya-Flux.2 converter (Flux2KleinPipeline's, Flux2Pipeline's):
+    every module's change is the trained one (fused q/k/v split back by its sparse path)."""
+    transformer, targets, written = exported_loras(arch)
     with safe_open(written[1], "pt") as f:
         modules = {k.rsplit(".", 2)[0] for k in f.keys() if k.endswith(".weight")}
-        assert f.metadata()["ss_base_model_version"] == "flux2_klein"
+        assert f.metadata()["ss_base_model_version"] == base_model
     assert modules == {f"lora_unet_double_blocks_0_{m}" for m in (
         "img_attn_qkv", "img_attn_proj", "img_mlp_0", "img_mlp_2", "txt_attn_qkv", "txt_attn_proj", "txt_mlp_0",
         "txt_mlp_2")} | {"lora_unet_single_blocks_0_linear1", "lora_unet_single_blocks_0_linear2"}
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(base), "transformer", written[1]))
+    model = tiny_models(arch)
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[1]))
 
 
-def test_comfyui_export_loads_in_diffusers_and_comfyui(base, exported_loras):
+@pytest.mark.parametrize("arch", [arch for arch, _ in FLUX2_BASE_MODELS])
+def test_comfyui_export_loads_in_diffusers_and_comfyui(arch, tiny_models, exported_loras):
     """ComfyUI/ai-toolkit's spelling (`diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight`) with
-    the scale in lora_B and no `.alpha`, which Flux2KleinPipeline's ai-toolkit converter refuses:
+    the scale in lora_B and no `.alpha`, which the Flux.2 pipelines' ai-toolkit converter refuses:
     load_lora_weights reads the file as it is and the fused change is the trained one; ComfyUI reads
     every key of it and of the kohya file and applies the trained model."""
-    transformer, targets, written = exported_loras("flux2-klein")
+    model = tiny_models(arch)
+    transformer, targets, written = exported_loras(arch)
     tensors = load_file(written[2])
     assert "diffusion_model.single_blocks.0.linear1.lora_A.weight" in tensors
     assert not any(k.endswith(".alpha") for k in tensors)
-    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(base), "transformer", written[2]))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(model), "transformer", written[2]))
     for file in written[1:]:
-        assert_comfyui_applies_the_merged_model(file, transformer, families.for_model(base))
+        assert_comfyui_applies_the_merged_model(file, transformer, families.for_model(model))
 
 
 def test_single_file_flux2_is_told_from_flux1(tmp_path):

@@ -55,7 +55,7 @@ def run_stages(run_stages):
 
 @dataclass(frozen=True)
 class Variant:
-    arch: str  # the tiny model: sd15, sdxl, flux1, flux1-schnell or qwen-image-2.1
+    arch: str  # the tiny model: sd15, sdxl, flux1, flux1-schnell, qwen-image-2.1, flux2-dev, ...
     prediction_type: str | None = None  # written into a copy's scheduler config (SD2-style: v_prediction)
     train: dict = field(default_factory=dict)
     encode: dict = field(default_factory=dict)
@@ -201,6 +201,18 @@ IDEOGRAM4_GOLDEN = Golden(2.6160852909088135, 1.4251568516095479, 1.405749638875
 def test_ideogram4_golden_numbers(tmp_path, ideogram4_model, run_stages):
     measured = measure(run_stages(write_config(tmp_path, ideogram4_model, Variant("ideogram4")), STAGES))
     assert_golden("ideogram4", measured, IDEOGRAM4_GOLDEN)
+
+
+# Recorded at Flux.2-dev's first run through the stages (commit "Pin Flux.2-dev's golden numbers"), once
+# tests/test_families_flux2_dev.py had checked its text records, normalisation and transformer call
+# (guidance included) against Flux2Pipeline: they pin its numbers from then on. Trained at guidance 3.5,
+# so that the value reaches the transformer's guidance input.
+FLUX2_DEV_GOLDEN = Golden(2.508070707321167, 1.451669732729594, 1.4509828686714172, "08f3a91b038ac834")
+
+
+def test_flux2_dev_golden_numbers(tmp_path, tiny_models, run_stages):
+    config = write_config(tmp_path, tiny_models("flux2-dev"), Variant("flux2-dev", train={"guidance": 3.5}))
+    assert_golden("flux2-dev", measure(run_stages(config, STAGES)), FLUX2_DEV_GOLDEN)
 
 
 # Flux.1 Kontext without references is Flux.1 dev's text-to-image model, and the tiny Kontext holds the

@@ -66,15 +66,16 @@ def test_a_repo_id_trains_with_the_keys_of_its_folder_and_the_run_records_its_co
 
 
 def test_only_what_a_diffusers_pipeline_loads_is_fetched():
-    """A repo's files as the Hub lists them (FLUX.1-dev's, in part): the pipeline's folders, never
-    its top-level single-file checkpoints nor pickled weights."""
+    """A repo's files as the Hub lists them (FLUX.1-dev's, in part, and a chat template as transformers
+    writes it, which Flux.2's and Z-Image's text records read): the pipeline's folders, never its
+    top-level single-file checkpoints nor pickled weights."""
     from huggingface_hub.utils import filter_repo_objects
 
     from lorapipe.stages.sources.hub import PIPELINE_FILES
 
     fetched = ["model_index.json", "scheduler/scheduler_config.json", "text_encoder/config.json",
                "text_encoder/model.safetensors", "text_encoder_2/model-00001-of-00002.safetensors",
-               "text_encoder_2/model.safetensors.index.json", "tokenizer/merges.txt", "tokenizer/vocab.json",
+               "text_encoder_2/model.safetensors.index.json", "tokenizer/chat_template.jinja", "tokenizer/merges.txt", "tokenizer/vocab.json",
                "tokenizer_2/spiece.model", "tokenizer_2/tokenizer.json", "transformer/config.json",
                "transformer/diffusion_pytorch_model-00001-of-00003.safetensors",
                "transformer/diffusion_pytorch_model.safetensors.index.json", "vae/config.json",

@@ -1,7 +1,7 @@
 """The cache invariants for the families with variable-length text records (Z-Image, Krea 2, Qwen-Image
-2.1, Ideogram 4), a row each: on the family's tiny model, through the real preprocess and encode
-stages, with encodes counted by forward hooks on the VAE encoder and on the text encoder (Qwen3;
-Qwen3-VL at its first decoder layer: one row per caption). A caption edit re-encodes one text
+2.1, Ideogram 4) and for Flux.2-dev, a row each: on the family's tiny model, through the real
+preprocess and encode stages, with encodes counted by forward hooks on the VAE encoder and on the
+text encoder (Qwen3; Qwen3-VL at its first decoder layer: one row per caption; Mistral3). A caption edit re-encodes one text
 record; new VAE weights (Ideogram 4's batch-norm statistics too) re-encode latents only; what shapes
 a family's text records (TEXT_CHANGES: a file of the model, a setting in model_index.json, the
 family's own data, the token window) re-encodes text records only."""
@@ -20,7 +20,7 @@ from lorapipe.stages.families.zimage import ZImage
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ("z-image", "krea2", "qwen-image-2.1", "ideogram4")
+FAMILIES = ("z-image", "krea2", "qwen-image-2.1", "ideogram4", "flux2-dev")
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -36,7 +36,7 @@ def test_new_vae_weights_re_encode_latents_but_no_text(arch, encoded_baselines, 
 
 
 def chat_template(baseline, tmp_path, monkeypatch):
-    """Z-Image's chat template, a file of the tokenizer folder."""
+    """The chat template, a file of the tokenizer folder (Z-Image's tokenizer, Flux.2-dev's processor)."""
     config = baseline_copy(baseline, tmp_path)
     template = tmp_path / "model" / "tokenizer" / "chat_template.jinja"
     template.write_text("{{- '<|im_start|>system\\nDraw it.<|im_end|>\\n' }}" + template.read_text())
@@ -77,6 +77,7 @@ TEXT_CHANGES = [  # (arch, the change, what status names as the reason)
     pytest.param("z-image", chat_template, "models.tokenizer", id="z-image-chat_template"),
     pytest.param("z-image", hidden_layer, "resolved.text.hidden_layers", id="z-image-hidden_layer"),
     pytest.param("z-image", token_window, "params.max_sequence_length", id="z-image-max_sequence_length"),
+    pytest.param("flux2-dev", chat_template, "models.tokenizer", id="flux2-dev-chat_template"),
     pytest.param("krea2", select_layers, "resolved.text.hidden_layers", id="krea2-select_layers_in_model_index"),
     pytest.param("qwen-image-2.1", processor_tokenizer, "models.processor", id="qwen-image-2.1-processor_tokenizer"),
 ]

@@ -13,6 +13,7 @@ from lorapipe.cache.errors import UserError
 from .base import ALL_LINEAR, BOTH_DENOISERS, Components, Family, TextOptions, check_references, swappable_blocks
 from .flux1 import FLUX1, FLUX1_KONTEXT
 from .flux2 import FLUX2_KLEIN
+from .flux2_dev import FLUX2_DEV
 from .folders import check_weights_file, is_single_file, model_index
 from .ideogram4 import IDEOGRAM4
 from .krea2 import KREA2
@@ -29,6 +30,7 @@ from .wan_i2v import WAN_I2V
 from .zimage import ZIMAGE
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FLUX1, FLUX1_KONTEXT, FLUX2_KLEIN,
+                                                                  FLUX2_DEV,
                                                                   ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
                                                                   QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, WAN_I2V, LTX2,
                                                                   LTX2_I2V)}

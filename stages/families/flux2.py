@@ -64,7 +64,7 @@ ORIGINAL_TOP = ("img_in", "txt_in", "time_in.in_layer", "time_in.out_layer", "do
                 "final_layer.adaLN_modulation.1")
 TIMESTEP_SCALE = 1000  # the pipeline's scheduler timesteps are 1000 sigma; the transformer reads t / 1000
 MAX_REFERENCES = 4  # what BFL's API takes for Klein; the diffusers pipeline sets no bound
-REFERENCE_MAX_AREA = 1024 * 1024  # Flux2KleinPipeline shrinks a larger reference image to this area
+REFERENCE_MAX_AREA = 1024 * 1024  # the Flux.2 pipelines shrink a larger reference image to this area
 BASES = "black-forest-labs/FLUX.2-klein-base-4B (or -base-9B for the 9B model)"
 
 VARIANTS = (
@@ -95,20 +95,28 @@ class Flux2Klein(FlowFamily):
     # ---- denoiser
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
                      params: ObjectiveParams) -> Conditioning:
-        return {"encoder_hidden_states": stack(texts, "hidden_states")}
+        import torch
+
+        cond = {"encoder_hidden_states": stack(texts, "hidden_states")}
+        if self.bound.guidance_embeds:  # Flux.2-dev's guidance input; none on Klein
+            cond["guidance"] = torch.full((len(texts),), params.guidance, dtype=torch.float32)
+        return cond
 
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As Flux2KleinPipeline calls its transformer: the patchified latents packed to tokens with
         (0, row, col, 0) ids, an edit pair's references after them (with_references), text ids (0, 0,
-        0, position), t / 1000, no guidance; the noisy tokens' prediction unpacked back."""
+        0, position), t / 1000, the guidance where the model has its input (as Flux2Pipeline passes
+        it; none on Klein); the noisy tokens' prediction unpacked back."""
         from diffusers import Flux2KleinPipeline as Pipe
 
         text = conditioning["encoder_hidden_states"].to(device=noisy.device, dtype=dtype)
         latent_ids = Pipe._prepare_latent_ids(noisy).to(noisy.device)
         tokens, ids = with_references(Pipe._pack_latents(noisy), latent_ids, conditioning.get(REFERENCE_LATENTS))
         t = timesteps * TIMESTEP_SCALE / TIMESTEP_SCALE
-        out = transformer(hidden_states=tokens.to(dtype), timestep=t.to(dtype), guidance=None,
+        guidance = conditioning.get("guidance")
+        out = transformer(hidden_states=tokens.to(dtype), timestep=t.to(dtype),
+                          guidance=None if guidance is None else guidance.to(noisy.device),
                           encoder_hidden_states=text, txt_ids=Pipe._prepare_text_ids(text).to(noisy.device),
                           img_ids=ids, return_dict=False)[0]
         noisy_tokens = out[:, :latent_ids.shape[1]]
@@ -127,12 +135,12 @@ class Flux2Klein(FlowFamily):
                 "text_encoder_out_layers": settings.hidden_layers}
 
     def reference_render_kwargs(self, images: list[Any]) -> dict[str, Any]:
-        """The references as the list Flux2KleinPipeline takes. It keeps an image of at most 1024 x 1024
+        """The references as the list the Flux.2 pipelines take. It keeps an image of at most 1024 x 1024
         pixels with sides multiples of 16 as it is (images placed at a target's size are), and shrinks
         a larger one to that area: refused, as it would not be the reference training saw."""
         for image in images:
             if image.width * image.height > REFERENCE_MAX_AREA:
-                raise ValueError(f"evaluate.resolution: Flux2KleinPipeline shrinks a reference image above"
+                raise ValueError(f"evaluate.resolution: {self.pipeline_class} shrinks a reference image above"
                                  f" 1024 x 1024 pixels ({image.width} x {image.height}) to that area, so it would"
                                  f" not be the reference training saw; render at 1024 or less")
         return {"image": list(images)}

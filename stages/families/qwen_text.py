@@ -43,6 +43,8 @@ class QwenPromptEncoder:
     """Captions -> records {"hidden_states": (L, D)}: L = max_sequence_length when the padding is
     kept, else the caption's own token count (stored unpadded; families pad per batch)."""
 
+    add_special_tokens = True  # False where the chat template writes the bos itself, as processors then tokenize
+
     def __init__(self, model_path: Path, settings: QwenPromptSettings, dtype: torch.dtype, device: str,
                  tokenizer: str = "tokenizer", encoder: str = "text_encoder"):
         self.settings, self.dtype, self.device = settings, dtype, device
@@ -57,14 +59,15 @@ class QwenPromptEncoder:
                                                   add_generation_prompt=True, enable_thinking=s.enable_thinking)
 
     def too_long(self, caption: str) -> bool:
-        tokens = len(self.tokenizer(self.templated(caption)).input_ids)
+        tokens = len(self.tokenizer(self.templated(caption), add_special_tokens=self.add_special_tokens).input_ids)
         s = self.settings
         return tokens > s.token_window or tokens - s.drop_tokens > s.max_sequence_length
 
     def __call__(self, captions: list[str]) -> list[TextRecord]:
         s = self.settings
         tokens = self.tokenizer([self.templated(c) for c in captions], max_length=s.token_window, truncation=True,
-                                padding="max_length" if s.pad_to_window else True, return_tensors="pt")
+                                padding="max_length" if s.pad_to_window else True, return_tensors="pt",
+                                add_special_tokens=self.add_special_tokens)
         mask = tokens.attention_mask.to(self.device)
         hidden = hidden_states(self.encoder, s.hidden_layers, input_ids=tokens.input_ids.to(self.device),
                                attention_mask=mask)

@@ -15,7 +15,9 @@ from pathlib import Path
 from lorapipe.cache.errors import UserError
 
 DEFAULT_REVISION = "main"
-PIPELINE_FILES = ["model_index.json", "*/*.json", "*/*.safetensors", "*/*.txt", "*/*.model", "*/*.tiktoken"]
+# *.jinja: a chat template as transformers writes it (a processor's or tokenizer's chat_template.jinja)
+PIPELINE_FILES = ["model_index.json", "*/*.json", "*/*.safetensors", "*/*.txt", "*/*.model", "*/*.tiktoken",
+                  "*/*.jinja"]
 
 
 @dataclass(frozen=True)

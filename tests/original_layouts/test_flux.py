@@ -1,4 +1,4 @@
-"""Flux.1 (dev, schnell, Kontext) and Flux.2-klein transformers from files in BFL's layout, bare or under
+"""Flux.1 (dev, schnell, Kontext) and Flux.2 (klein, dev) transformers from files in BFL's layout, bare or under
 ComfyUI's prefix: each converts to the tiny folder's weights exactly; Flux.1's through the family's
 size-free converter (diffusers' own fixes Flux.1's inner width, so its from_single_file cannot read
 a tiny file), Flux.2's through diffusers' converter, whose from_single_file reads the same."""
@@ -45,15 +45,17 @@ def test_a_bfl_file_with_a_tensor_left_over_is_one_line(tmp_path, flux_model):
         convert_written(families.get("flux1"), "transformer", flux_model, original, tmp_path)
 
 
-def test_a_flux2_klein_bfl_transformer_converts_exactly_and_diffusers_reads_the_same(tmp_path, flux2_model):
-    config = json.loads((flux2_model / "transformer" / "config.json").read_text())
-    original = to_original(flux2_map(config), folder_tensors(flux2_model, "transformer"))
+@pytest.mark.parametrize("arch", ["flux2-klein", "flux2-dev"])  # Flux.2-dev's guidance_in too
+def test_a_flux2_bfl_transformer_converts_exactly_and_diffusers_reads_the_same(tmp_path, tiny_models, arch):
+    model = tiny_models(arch)
+    config = json.loads((model / "transformer" / "config.json").read_text())
+    original = to_original(flux2_map(config), folder_tensors(model, "transformer"))
     assert "double_blocks.0.img_attn.qkv.weight" in original and "single_blocks.0.linear1.weight" in original
     for prefix in ("", COMFYUI_PREFIX):
-        assert_same_tensors(convert_written(families.get("flux2-klein"), "transformer", flux2_model, original,
-                                            tmp_path, prefix), folder_tensors(flux2_model, "transformer"))
+        assert_same_tensors(convert_written(families.get(arch), "transformer", model, original, tmp_path, prefix),
+                            folder_tensors(model, "transformer"))
     file = write_file(original, tmp_path / "flux2.safetensors")
-    assert_diffusers_reads_the_same(Flux2Transformer2DModel, file, flux2_model, "transformer")
+    assert_diffusers_reads_the_same(Flux2Transformer2DModel, file, model, "transformer")
 
 
 def test_text_encoder_files_in_transformers_names_load_as_the_folders(tmp_path, flux_model):

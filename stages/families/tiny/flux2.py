@@ -18,12 +18,14 @@ from .qwen import TEXT_DIM, qwen3_config, qwen_tokenizer, seeded
 LATENT_CHANNELS = 8
 
 
-def _transformer():
+def transformer(guidance: bool = False):
+    """Klein's tiny transformer; `guidance`: with the guidance input (Flux.2-dev's)."""
     from diffusers import Flux2Transformer2DModel
 
     return Flux2Transformer2DModel(patch_size=1, in_channels=4 * LATENT_CHANNELS, num_layers=1, num_single_layers=1,
                                    attention_head_dim=16, num_attention_heads=2, joint_attention_dim=3 * TEXT_DIM,
-                                   timestep_guidance_channels=256, axes_dims_rope=(4, 4, 4, 4), guidance_embeds=False)
+                                   timestep_guidance_channels=256, axes_dims_rope=(4, 4, 4, 4),
+                                   guidance_embeds=guidance)
 
 
 def tiny_flux2_vae():
@@ -46,7 +48,7 @@ def build_tiny_flux2(out_dir: Path, distilled: bool = False) -> Path:
     pipe = Flux2KleinPipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True), vae=seeded(tiny_flux2_vae),
         text_encoder=seeded(Qwen3ForCausalLM, qwen3_config(len(tokenizer))), tokenizer=tokenizer,
-        transformer=seeded(_transformer), is_distilled=distilled,
+        transformer=seeded(transformer), is_distilled=distilled,
     )
     pipe.save_pretrained(Path(out_dir), safe_serialization=True)
     return Path(out_dir)
