@@ -238,9 +238,10 @@ def model(config_path: Path, overrides: list[str], as_json: bool) -> int:
         return 0
     print(f"family: {report.family} ({report.label})" + (f", variant {report.variant}" if report.variant else ""))
     print(f"model:  {report.source}")
-    print(f"\n{'component':<16}{'class':<44}{'dtype':<10}{'parameters':>14}  {'digest':<14}source")
+    width = max(len(c.class_name or "-") for c in report.components) + 2  # a class column as wide as its longest
+    print(f"\n{'component':<16}{'class':<{width}}{'dtype':<10}{'parameters':>14}  {'digest':<14}source")
     for c in report.components:
-        print(f"{c.name:<16}{c.class_name or '-':<44}{c.dtype or '-':<10}{c.parameters:>14,}  {c.digest[:12]:<14}"
+        print(f"{c.name:<16}{c.class_name or '-':<{width}}{c.dtype or '-':<10}{c.parameters:>14,}  {c.digest[:12]:<14}"
               f"{c.source}")
     return 0
 
