@@ -67,6 +67,19 @@ def first_call(module: torch.nn.Module, run) -> tuple[tuple, dict, object]:
     return seen[0]
 
 
+def encoded_clip(model: Path, pipe, frames: int, height: int, width: int):
+    """A seeded clip in [-1, 1] (1, 3, F, H, W) through the family's latent encoder, checked to be the
+    pipeline VAE's posterior: the family, its encoder, the clip and the posterior's mean."""
+    family = families.for_model(model)
+    encoder = family.load_latent_encoder(model, "cpu")
+    clip = torch.rand(1, 3, frames, height, width, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    mean, std = encoder(clip)
+    assert mean.shape == std.shape
+    with torch.no_grad():
+        assert torch.equal(mean, pipe.vae.encode(clip).latent_dist.mode())
+    return family, encoder, clip, mean
+
+
 def assert_shift_is_the_schedulers(model: Path, mu_of: Callable[[int], float]):
     """The objective's shifted sigmas are the scheduler's, at `mu_of(image tokens)` (64 x 48 px and
     1024 x 1024 px at 16 px a token); returns the objective."""

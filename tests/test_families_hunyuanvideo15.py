@@ -1,38 +1,76 @@
-"""The tiny offline HunyuanVideo 1.5 (text-to-video) that the family will be checked against: built
-twice byte for byte, loaded and run by diffusers' HunyuanVideo15Pipeline, with a text encoder whose
-tapped hidden state is a layer's output (so a record of the wrong layer differs)."""
+"""The HunyuanVideo 1.5 family against HunyuanVideo15Pipeline on the tiny offline text-to-video model:
+the cached text records (Qwen2.5-VL's and, for quoted text, ByT5's, each at its own tokens) are what
+encode_prompt makes, the latents' normalisation is what the pipeline inverts before decoding, and the
+denoiser call is the pipeline's first."""
 from __future__ import annotations
-
-from pathlib import Path
 
 import pytest
 import torch
-from family_checks import quiet_pipeline
+from family_checks import assert_builds_byte_identically, encoded_clip, first_call, quiet_pipeline, text_records, \
+    tiny_model_fixture
 
-from lorapipe.stages.families.tiny.hunyuanvideo15 import build_tiny_hunyuanvideo15
+import lorapipe.stages.families as families
+from lorapipe.stages.families import ObjectiveParams
 
+CAPTIONS = ['a sign that says "hello" on a wall', "a rocket", ""]  # the first quotes text for ByT5
 
-@pytest.fixture(scope="module")
-def tiny_hunyuanvideo15(tmp_path_factory) -> Path:
-    return build_tiny_hunyuanvideo15(tmp_path_factory.mktemp("hunyuanvideo15"))
-
-
-def test_tiny_hunyuanvideo15_builds_byte_identically(tiny_hunyuanvideo15, tmp_path):
-    again = build_tiny_hunyuanvideo15(tmp_path / "again")
-    files = sorted(str(p.relative_to(tiny_hunyuanvideo15)) for p in tiny_hunyuanvideo15.rglob("*") if p.is_file())
-    assert files == sorted(str(p.relative_to(again)) for p in again.rglob("*") if p.is_file())
-    assert {"transformer/diffusion_pytorch_model.safetensors", "text_encoder_2/model.safetensors",
-            "tokenizer_2/tokenizer_config.json", "guider/guider_config.json"} <= set(files)
-    for rel in files:
-        assert (tiny_hunyuanvideo15 / rel).read_bytes() == (again / rel).read_bytes(), rel
+model = tiny_model_fixture("hunyuanvideo1.5")
 
 
-def test_tiny_hunyuanvideo15_renders_a_clip_through_its_pipeline(tiny_hunyuanvideo15):
-    pipe = quiet_pipeline(tiny_hunyuanvideo15)
-    assert type(pipe).__name__ == "HunyuanVideo15Pipeline"
-    frames = pipe('a sign that says "hi"', height=32, width=32, num_frames=5, num_inference_steps=2,
-                  generator=torch.Generator().manual_seed(0)).frames
-    assert frames.shape == (1, 5, 32, 32, 3)
-    tokens = pipe.tokenizer("a rocket", return_tensors="pt").input_ids
-    hidden = pipe.text_encoder(input_ids=tokens, output_hidden_states=True).hidden_states
-    assert not torch.equal(hidden[-3], hidden[0])  # the pipeline's tapped layer is not the embeddings
+def test_tiny_hunyuanvideo15_builds_byte_identically_and_is_told_apart(model, tmp_path):
+    files = assert_builds_byte_identically(model, "hunyuanvideo1.5", tmp_path / "again")
+    assert {"text_encoder_2/model.safetensors", "tokenizer_2/tokenizer_config.json",
+            "guider/guider_config.json"} <= set(files)
+    family = families.for_model(model)
+    assert (family.name, family.variant.tiny_arch, family.temporal_compression(model)) == \
+        ("hunyuanvideo1.5", "hunyuanvideo1.5", 4)
+    assert (family.geometry(model).downsampling, family.sampler) == (16, "flow_match_euler")
+
+
+def test_text_records_are_encode_prompts_at_their_own_tokens(model):
+    """Each record is encode_prompt's Qwen2.5-VL states and ByT5 states at the caption's own tokens
+    (no quoted text: no ByT5 token); padded per batch by the family, with masks counting them."""
+    family, records = text_records(model, CAPTIONS)
+    pipe = quiet_pipeline(model)
+    with torch.no_grad():
+        embeds, mask, glyphs, glyph_mask = pipe.encode_prompt(CAPTIONS, device="cpu", batch_size=len(CAPTIONS))
+    for record, embed, own, glyph, own_glyph in zip(records, embeds, mask.bool(), glyphs, glyph_mask.bool()):
+        assert torch.equal(record["hidden_states"], embed[own])
+        assert torch.equal(record["glyph_states"], glyph[own_glyph])
+    assert [len(r["glyph_states"]) for r in records][1:] == [0, 0] and len(records[0]["glyph_states"]) > 0
+    cond = family.conditioning(records, [], ObjectiveParams())
+    assert cond["encoder_attention_mask"].sum(1).tolist() == mask.sum(1).tolist()
+    assert cond["encoder_attention_mask_2"].sum(1).tolist() == glyph_mask.sum(1).tolist()
+
+
+def test_latents_and_their_normalisation_are_the_pipelines(model):
+    """A 5-frame clip through the family's encoder is the VAE's posterior (C, F', H', W'); normalised,
+    it is what the pipeline turns back into the VAE's latents before decoding (the decoder's first
+    input, after one step at sigma 0, which leaves the latents as they are)."""
+    pipe = quiet_pipeline(model)
+    family, _, _, mean = encoded_clip(model, pipe, 5, 32, 48)
+    assert mean.shape == (1, 4, 2, 2, 3)
+    normalised = family.latent_normalisation(model).apply(mean)
+    args, _, _ = first_call(pipe.vae.decoder.conv_in, lambda: pipe(
+        "a cat", latents=normalised, sigmas=[0.0], num_inference_steps=1, height=32, width=48, num_frames=5,
+        output_type="pt"))
+    assert torch.allclose(args[0], mean, atol=1e-6)
+
+
+@pytest.mark.parametrize("captions", [CAPTIONS[:2], CAPTIONS[1:2]])
+def test_denoiser_call_is_the_pipelines(model, captions):
+    """family.predict on the pipeline's first noisy latents, the cached records padded per batch and
+    sigma = t / 1000 is the pipeline's first (conditional) transformer call: the same timestep and
+    prediction, though the pipeline pads its texts to their full lengths."""
+    family, pipe = families.for_model(model), quiet_pipeline(model)
+    _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
+        captions, num_inference_steps=2, height=32, width=32, num_frames=5,
+        generator=torch.Generator().manual_seed(0), output_type="latent"))
+    cond = family.conditioning(text_records(model, captions)[1], [], ObjectiveParams())
+    noisy, predicted = kwargs["hidden_states"][:, :4], []
+    with torch.no_grad():
+        _, ours, _ = first_call(pipe.transformer, lambda: predicted.append(
+            family.predict(pipe.transformer, noisy, kwargs["timestep"] / 1000, cond, torch.float32)))
+    assert torch.equal(ours["hidden_states"], kwargs["hidden_states"])
+    assert torch.allclose(ours["timestep"], kwargs["timestep"])
+    assert torch.allclose(predicted[0], output[0], atol=1e-5)
