@@ -44,12 +44,14 @@ def test_text_records_are_encode_prompts_at_their_own_tokens(model):
 
 
 def test_latents_and_their_normalisation_are_the_pipelines(model):
-    """A 5-frame clip through the family's encoder is the VAE's posterior (C, F', H', W'); normalised,
-    it is what the pipeline turns back into the VAE's latents before decoding (the decoder's first
-    input, after one step at sigma 0, which leaves the latents as they are)."""
+    """A 5-frame clip through the family's encoder is the VAE's posterior (C, F', H', W'), in a batch
+    too (which diffusers' VAE itself fails on); normalised, it is what the pipeline turns back into
+    the VAE's latents before decoding (the decoder's first input, after one step at sigma 0, which
+    leaves the latents as they are)."""
     pipe = quiet_pipeline(model)
-    family, _, _, mean = encoded_clip(model, pipe, 5, 32, 48)
+    family, encoder, clip, mean = encoded_clip(model, pipe, 5, 32, 48)
     assert mean.shape == (1, 4, 2, 2, 3)
+    assert torch.equal(encoder(torch.cat([-clip, clip]))[0][1:], mean)  # a batch: each clip as if alone
     normalised = family.latent_normalisation(model).apply(mean)
     args, _, _ = first_call(pipe.vae.decoder.conv_in, lambda: pipe(
         "a cat", latents=normalised, sigmas=[0.0], num_inference_steps=1, height=32, width=48, num_frames=5,

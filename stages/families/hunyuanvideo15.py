@@ -9,7 +9,8 @@ tokens). A record holds both at their own tokens (`hidden_states` (L, 3584), `gl
 G = 0 without quotes), padded per batch with masks: the transformer gathers the unmasked tokens of
 each first, so the padding's length changes nothing.
 
-Latents: records (C, F', H', W') of the VAE's posterior, unscaled; 4k + 1 frames become k + 1 latent
+Latents: records (C, F', H', W') of the VAE's posterior, unscaled, encoded one clip at a time
+(diffusers' VAE fails on a batch of several); 4k + 1 frames become k + 1 latent
 frames, 16x spatial; normalised by the VAE config's scaling_factor (the pipeline divides by it
 before decoding). The transformer reads the latents with the text-to-video condition channels (zero
 latents and a zero mask) after them, 1000 sigma as the timestep, and zero image embeddings, as the
@@ -36,7 +37,7 @@ from .flow import presets_field
 from .folders import component_config, load_component
 from .objectives import ObjectiveParams
 from lorapipe.stages.lora_formats.original_names import OriginalNames, Segment
-from .video import VideoFamily, VideoVariant
+from .video import ClipPosterior, VideoFamily, VideoVariant
 
 if TYPE_CHECKING:
     import torch
@@ -99,6 +100,18 @@ class HunyuanVideo15TextEncoder:
                                                                   self.device, tokenizer_max_length=s.glyph_max_length)
         return [{"hidden_states": hidden[i][mask[i].bool()].to(self.dtype).cpu(),
                  "glyph_states": glyphs[i][glyph_mask[i].bool()].to(self.dtype).cpu()} for i in range(len(captions))]
+
+
+class ClipByClip(ClipPosterior):
+    """ClipPosterior one clip at a time: the VAE's mid-block attention fails on a batch of several
+    (its causal mask, (B, L, L), does not broadcast against the (B, 1, L, C) queries)."""
+
+    def __call__(self, pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        encode = super().__call__
+        means, stds = zip(*(encode(clip[None]) for clip in pixels))
+        return torch.cat(means), torch.cat(stds)
 
 
 @dataclass(frozen=True)
@@ -168,5 +181,6 @@ HUNYUANVIDEO15 = HunyuanVideo15(
     components=Components(text=("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"), latent=("vae",),
                           denoiser="transformer"),
     kohya=Kohya("hunyuan_video_1_5"), sequence_patch=1, text_encoder=HunyuanVideo15TextEncoder,
+    latent_encoder=ClipByClip,
     original_formats=(), clip_fps=24, block_lists=("transformer_blocks",),
 )
