@@ -10,7 +10,7 @@ from family_checks import assert_builds_byte_identically, encoded_clip, first_ca
     tiny_model_fixture
 
 import lorapipe.stages.families as families
-from lorapipe.stages.families import ObjectiveParams
+from lorapipe.stages.families import ObjectiveParams, TextOptions
 
 CAPTIONS = ['a sign that says "hello" on a wall', "a rocket", ""]  # the first quotes text for ByT5
 
@@ -76,3 +76,12 @@ def test_denoiser_call_is_the_pipelines(model, captions):
     assert torch.equal(ours["hidden_states"], kwargs["hidden_states"])
     assert torch.allclose(ours["timestep"], kwargs["timestep"])
     assert torch.allclose(predicted[0], output[0], atol=1e-5)
+
+
+def test_a_guidance_scale_other_than_the_guiders_is_refused(model):
+    """The pipeline guides at its guider's scale and takes none in the call: another is refused, not ignored."""
+    family = families.for_model(model)
+    settings = family.text_settings(model, TextOptions())
+    assert family.render_kwargs(settings, 6.0, "blurry") == {"negative_prompt": "blurry"}
+    with pytest.raises(ValueError, match="evaluate.guidance_scale: HunyuanVideo15Pipeline guides at its guider's"):
+        family.render_kwargs(settings, 4.0, "")

@@ -35,7 +35,7 @@ from .base import Components, Conditioning, ImageGeometry, Kohya, LatentGeometry
     pad_sequences
 from .flow import presets_field
 from .folders import component_config, load_component
-from .objectives import ObjectiveParams
+from .objectives import FlowMatchingObjective, ObjectiveParams
 from lorapipe.stages.lora_formats.original_names import OriginalNames, Segment
 from .video import ClipPosterior, VideoFamily, VideoVariant
 
@@ -165,8 +165,20 @@ class HunyuanVideo15(VideoFamily):
                 if isinstance(module, torch.nn.Linear)}
 
     # ---- rendering
+    def prepare_pipeline(self, pipe: Any, sampler: str, objective: FlowMatchingObjective) -> None:
+        """The pipeline with diffusers' LoRA loader for a transformer named `transformer`, which
+        HunyuanVideo15Pipeline lacks in diffusers 0.42.1 (its transformer loads adapters itself)."""
+        from diffusers.loaders import HunyuanVideoLoraLoaderMixin
+
+        super().prepare_pipeline(pipe, sampler, objective)
+        if not hasattr(pipe, "load_lora_weights"):
+            pipe.__class__ = type(f"{type(pipe).__name__}WithLora", (type(pipe), HunyuanVideoLoraLoaderMixin), {})
+
     def render_kwargs(self, settings: HunyuanVideo15TextSettings, guidance_scale: float,
                       negative_prompt: str) -> dict[str, Any]:
+        if guidance_scale != self.bound.render_guidance:
+            raise ValueError(f"evaluate.guidance_scale: HunyuanVideo15Pipeline guides at its guider's scale"
+                             f" (guider/guider_config.json), not {guidance_scale:g}; remove it")
         return {"negative_prompt": negative_prompt}
 
     # ---- tiny model
