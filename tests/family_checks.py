@@ -67,6 +67,19 @@ def first_call(module: torch.nn.Module, run) -> tuple[tuple, dict, object]:
     return seen[0]
 
 
+def encoded_clip(model: Path, pipe, frames: int, height: int, width: int):
+    """A seeded clip in [-1, 1] (1, 3, F, H, W) through the family's latent encoder, checked to be the
+    pipeline VAE's posterior: the family, its encoder, the clip and the posterior's mean."""
+    family = families.for_model(model)
+    encoder = family.load_latent_encoder(model, "cpu")
+    clip = torch.rand(1, 3, frames, height, width, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    mean, std = encoder(clip)
+    assert mean.shape == std.shape
+    with torch.no_grad():
+        assert torch.equal(mean, pipe.vae.encode(clip).latent_dist.mode())
+    return family, encoder, clip, mean
+
+
 def assert_shift_is_the_schedulers(model: Path, mu_of: Callable[[int], float]):
     """The objective's shifted sigmas are the scheduler's, at `mu_of(image tokens)` (64 x 48 px and
     1024 x 1024 px at 16 px a token); returns the objective."""
@@ -100,14 +113,18 @@ def trained_lora(family, model: Path, targets: str | tuple[str, ...], alpha: flo
 
 def fused_change(pipe, denoiser: str, lora: Path | dict, **load_kwargs) -> dict[str, torch.Tensor]:
     """Each Linear's weight change after load_lora_weights (with `load_kwargs`) + fuse_lora of
-    `denoiser` in `pipe` (fresh)."""
+    `denoiser` in `pipe` (fresh); for a pipeline without diffusers' LoRA loader (HunyuanVideo 1.5),
+    the denoiser's own load_lora_adapter, as its users load a file."""
     model = getattr(pipe, denoiser)
     base = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-    if isinstance(lora, Path):
-        pipe.load_lora_weights(lora.parent, weight_name=lora.name, **load_kwargs)
+    file = {"pretrained_model_name_or_path_or_dict": lora.parent, "weight_name": lora.name} \
+        if isinstance(lora, Path) else {"pretrained_model_name_or_path_or_dict": lora}
+    if hasattr(pipe, "load_lora_weights"):
+        pipe.load_lora_weights(**file, **load_kwargs)
+        pipe.fuse_lora(components=[denoiser])
     else:
-        pipe.load_lora_weights(lora, **load_kwargs)
-    pipe.fuse_lora(components=[denoiser])
+        model.load_lora_adapter(**file, prefix=denoiser, **load_kwargs)
+        model.fuse_lora()
     return {n: m.weight.detach() - base[n] for n, m in model.named_modules() if n in base}
 
 
@@ -239,6 +256,11 @@ FAMILIES = (
               _names("blocks.{i}.ffn.net.{p}", i=TWO, p=("0.proj", "2")),
               frozenset(),  # a block has no other Linear
               (DIFFUSERS_FILE, KOHYA_FILE, COMFYUI_FILE)),
+    FamilyRow("hunyuanvideo1.5",
+              _names("transformer_blocks.{i}.attn.{m}", i=TWO, m=JOINT_ATTENTION),
+              _names("transformer_blocks.{i}.{m}.net.{p}", i=TWO, m=("ff", "ff_context"), p=("0.proj", "2")),
+              _names("transformer_blocks.{i}.{m}.linear", i=TWO, m=("norm1", "norm1_context")),
+              (DIFFUSERS_FILE,)),
     FamilyRow("ltx2",
               _names("transformer_blocks.{i}.{a}.{m}", i=TWO, a=("attn1", "attn2"), m=QKVO),
               _names("transformer_blocks.{i}.ff.net.{p}", i=TWO, p=("0.proj", "2")),

@@ -15,8 +15,8 @@ import numpy
 import pytest
 import torch
 from comfyui_keys import assert_comfyui_applies_the_merged_model
-from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, first_call, fused_change, \
-    keys_of, quiet_pipeline, text_records, tiny_model_fixture, trained_lora
+from family_checks import assert_builds_byte_identically, assert_means_what_was_trained, encoded_clip, first_call, \
+    fused_change, keys_of, quiet_pipeline, text_records, tiny_model_fixture, trained_lora
 from test_adapters import exported_comfyui_file, trained_adapter
 
 import lorapipe.stages.families as families
@@ -103,13 +103,9 @@ def test_latents_and_their_normalisation_are_the_pipelines(model):
     LTX2Pipeline turns back into the VAE's latents before decoding (the decoder's first input)."""
     from diffusers import LTX2Pipeline
 
-    family, pipe = families.for_model(model), quiet_pipeline(model)
-    encoder = family.load_latent_encoder(model, "cpu")
-    clip = torch.rand(1, 3, 9, 64, 96, generator=torch.Generator().manual_seed(3)) * 2 - 1
-    mean, std = encoder(clip)
-    assert mean.shape == std.shape == (1, 8, 2, 2, 3)
-    with torch.no_grad():
-        assert torch.equal(mean, pipe.vae.encode(clip).latent_dist.mode())
+    pipe = quiet_pipeline(model)
+    family, encoder, clip, mean = encoded_clip(model, pipe, 9, 64, 96)
+    assert mean.shape == (1, 8, 2, 2, 3)
     assert torch.equal(encoder(clip[:, :, 0])[0], encoder(clip[:, :, :1])[0])  # an image is a one-frame clip
     normalised = LTX2Pipeline._pack_latents(family.latent_normalisation(model).apply(mean))
 

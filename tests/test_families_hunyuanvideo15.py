@@ -1,0 +1,87 @@
+"""The HunyuanVideo 1.5 family against HunyuanVideo15Pipeline on the tiny offline text-to-video model:
+the cached text records (Qwen2.5-VL's and, for quoted text, ByT5's, each at its own tokens) are what
+encode_prompt makes, the latents' normalisation is what the pipeline inverts before decoding, and the
+denoiser call is the pipeline's first."""
+from __future__ import annotations
+
+import pytest
+import torch
+from family_checks import assert_builds_byte_identically, encoded_clip, first_call, quiet_pipeline, text_records, \
+    tiny_model_fixture
+
+import lorapipe.stages.families as families
+from lorapipe.stages.families import ObjectiveParams, TextOptions
+
+CAPTIONS = ['a sign that says "hello" on a wall', "a rocket", ""]  # the first quotes text for ByT5
+
+model = tiny_model_fixture("hunyuanvideo1.5")
+
+
+def test_tiny_hunyuanvideo15_builds_byte_identically_and_is_told_apart(model, tmp_path):
+    files = assert_builds_byte_identically(model, "hunyuanvideo1.5", tmp_path / "again")
+    assert {"text_encoder_2/model.safetensors", "tokenizer_2/tokenizer_config.json",
+            "guider/guider_config.json"} <= set(files)
+    family = families.for_model(model)
+    assert (family.name, family.variant.tiny_arch, family.temporal_compression(model)) == \
+        ("hunyuanvideo1.5", "hunyuanvideo1.5", 4)
+    assert (family.geometry(model).downsampling, family.sampler) == (16, "flow_match_euler")
+
+
+def test_text_records_are_encode_prompts_at_their_own_tokens(model):
+    """Each record is encode_prompt's Qwen2.5-VL states and ByT5 states at the caption's own tokens
+    (no quoted text: no ByT5 token); padded per batch by the family, with masks counting them."""
+    family, records = text_records(model, CAPTIONS)
+    pipe = quiet_pipeline(model)
+    with torch.no_grad():
+        embeds, mask, glyphs, glyph_mask = pipe.encode_prompt(CAPTIONS, device="cpu", batch_size=len(CAPTIONS))
+    for record, embed, own, glyph, own_glyph in zip(records, embeds, mask.bool(), glyphs, glyph_mask.bool()):
+        assert torch.equal(record["hidden_states"], embed[own])
+        assert torch.equal(record["glyph_states"], glyph[own_glyph])
+    assert [len(r["glyph_states"]) for r in records][1:] == [0, 0] and len(records[0]["glyph_states"]) > 0
+    cond = family.conditioning(records, [], ObjectiveParams())
+    assert cond["encoder_attention_mask"].sum(1).tolist() == mask.sum(1).tolist()
+    assert cond["encoder_attention_mask_2"].sum(1).tolist() == glyph_mask.sum(1).tolist()
+
+
+def test_latents_and_their_normalisation_are_the_pipelines(model):
+    """A 5-frame clip through the family's encoder is the VAE's posterior (C, F', H', W'), in a batch
+    too (which diffusers' VAE itself fails on); normalised, it is what the pipeline turns back into
+    the VAE's latents before decoding (the decoder's first input, after one step at sigma 0, which
+    leaves the latents as they are)."""
+    pipe = quiet_pipeline(model)
+    family, encoder, clip, mean = encoded_clip(model, pipe, 5, 32, 48)
+    assert mean.shape == (1, 4, 2, 2, 3)
+    assert torch.equal(encoder(torch.cat([-clip, clip]))[0][1:], mean)  # a batch: each clip as if alone
+    normalised = family.latent_normalisation(model).apply(mean)
+    args, _, _ = first_call(pipe.vae.decoder.conv_in, lambda: pipe(
+        "a cat", latents=normalised, sigmas=[0.0], num_inference_steps=1, height=32, width=48, num_frames=5,
+        output_type="pt"))
+    assert torch.allclose(args[0], mean, atol=1e-6)
+
+
+@pytest.mark.parametrize("captions", [CAPTIONS[:2], CAPTIONS[1:2]])
+def test_denoiser_call_is_the_pipelines(model, captions):
+    """family.predict on the pipeline's first noisy latents, the cached records padded per batch and
+    sigma = t / 1000 is the pipeline's first (conditional) transformer call: the same timestep and
+    prediction, though the pipeline pads its texts to their full lengths."""
+    family, pipe = families.for_model(model), quiet_pipeline(model)
+    _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
+        captions, num_inference_steps=2, height=32, width=32, num_frames=5,
+        generator=torch.Generator().manual_seed(0), output_type="latent"))
+    cond = family.conditioning(text_records(model, captions)[1], [], ObjectiveParams())
+    noisy, predicted = kwargs["hidden_states"][:, :4], []
+    with torch.no_grad():
+        _, ours, _ = first_call(pipe.transformer, lambda: predicted.append(
+            family.predict(pipe.transformer, noisy, kwargs["timestep"] / 1000, cond, torch.float32)))
+    assert torch.equal(ours["hidden_states"], kwargs["hidden_states"])
+    assert torch.allclose(ours["timestep"], kwargs["timestep"])
+    assert torch.allclose(predicted[0], output[0], atol=1e-5)
+
+
+def test_a_guidance_scale_other_than_the_guiders_is_refused(model):
+    """The pipeline guides at its guider's scale and takes none in the call: another is refused, not ignored."""
+    family = families.for_model(model)
+    settings = family.text_settings(model, TextOptions())
+    assert family.render_kwargs(settings, 6.0, "blurry") == {"negative_prompt": "blurry"}
+    with pytest.raises(ValueError, match="evaluate.guidance_scale: HunyuanVideo15Pipeline guides at its guider's"):
+        family.render_kwargs(settings, 4.0, "")
