@@ -61,8 +61,9 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
         force: list[str], as_json: bool, debug: bool = False, server: EmbeddedServer | None = None) -> int:
     from .run_plan import plan_run
     from .runlog import new_log_path, run_log
+    from .steps import pinned
 
-    config = load_config(config_path, overrides)
+    config = pinned(load_config(config_path, overrides))
     current().pipeline = config.name
     plan = plan_run(config, only, start, force, note)  # what fails here is the command's only line
     print(f"lorapipe: running pipeline {config.name!r} ({config_path}): starting Prefect", file=sys.stderr,

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 from typing import Iterable
@@ -98,9 +99,13 @@ def finish_run(out: Path, config: PipelineConfig, results: list[StageResult], ru
 
 
 def model_record(config: PipelineConfig) -> dict:
-    """Where the run's base model came from: its path, or its Hugging Face repo and the commit the
-    run's stages resolved it to (read back from the Hugging Face cache, where they left it)."""
-    return resolve_base(config.model.path, config.model.revision, cached_only=True).source.to_json()
+    """Where the run's base model came from: its path, or its Hugging Face repo, the revision as
+    configured and the commit the run's stages resolved it to (read back from the Hugging Face
+    cache, where they left it)."""
+    source = resolve_base(config.model.path, config.model.revision, cached_only=True).source
+    if source.commit:  # a run's config names the commit it pinned (flows/steps.py pinned)
+        source = replace(source, revision=config.model.configured_revision or source.revision)
+    return source.to_json()
 
 
 def add_dataset_findings(staging: Path, results: list[StageResult]) -> None:

@@ -1,6 +1,6 @@
 """A Hugging Face repo id as model.path, resolved offline from a local Hugging Face cache laid out
 as huggingface_hub writes it (tests/hub_cache.py): it runs as the same model given as a folder
-does, with the same keys, and the run records the repo and its commit; `lorapipe model` shows
+does, with the same keys, and the run records the repo and the one commit it used throughout; `lorapipe model` shows
 what a model is made of without loading it."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hub_cache import write_hub_cache
 
 from lorapipe.cache.errors import UserError
 from lorapipe.flows.config import ConfigError, load_config
-from lorapipe.flows.steps import Context
+from lorapipe.flows.steps import Context, pinned
 
 REPO_ID = "owner/tiny-sd"
 
@@ -56,11 +56,13 @@ def test_a_repo_id_trains_with_the_keys_of_its_folder_and_the_run_records_its_co
     moved = tmp_path / "moved-hf-cache"  # the snapshot's links are relative: a moved cache is the same model
     shutil.move(hf_cache, moved)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(moved))
-    config = load_config(config_path)
-    summary = all_cached_run(config, plan_run(config, ["train"], None, [], print))
+    config = pinned(load_config(config_path))  # as `lorapipe run` does first
+    plan = plan_run(config, ["train"], None, [], print)
+    write_hub_cache(moved, REPO_ID, tiny_model, commit="2" * 40)  # main moves between the plan and the run
+    summary = all_cached_run(config, plan)
     assert [row["status"] for row in summary] == ["hit"] * 3
     recorded = json.loads((config.output_dir / "run-summary.json").read_text())["model"]
-    assert recorded == {"kind": "hub", "location": REPO_ID, "revision": "main", "commit": commit}
+    assert recorded == {"kind": "hub", "location": REPO_ID, "revision": "main", "commit": commit}  # one commit
     print_summary(config, summary, tmp_path / "run.log", as_json=False)
     assert f"model:       hub {REPO_ID}@{commit}\n" in capsys.readouterr().out
 
