@@ -104,9 +104,9 @@ def sweep(config_path: Path, overrides: list[str], grid: list[str], concurrency:
     from .run_plan import plan_run
     from .runlog import new_log_path, run_log
     from .sweep.flow import run_sweep
-    from .sweep.grid import check_size, load_sweep, size_line
+    from .sweep.grid import check_size, load_sweep, pinned_sweep, size_line
 
-    sweep = load_sweep(config_path, overrides, grid, concurrency)
+    sweep = pinned_sweep(load_sweep(config_path, overrides, grid, concurrency))
     current().pipeline = sweep.base.name
     note(size_line(sweep))
     if not dry_run:

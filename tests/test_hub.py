@@ -67,6 +67,22 @@ def test_a_repo_id_trains_with_the_keys_of_its_folder_and_the_run_records_its_co
     assert f"model:       hub {REPO_ID}@{commit}\n" in capsys.readouterr().out
 
 
+def test_a_sweeps_variants_train_on_the_commit_its_branch_named_at_the_start(tmp_path, tiny_config, tiny_model,
+                                                                            hf_cache):
+    from lorapipe.flows.sweep.grid import load_sweep, pinned_sweep
+
+    commit = write_hub_cache(hf_cache, REPO_ID, tiny_model)
+    config_path = hub_config(tiny_config(tmp_path, "sweep"), "hub.yaml", path=REPO_ID)
+    sweep = pinned_sweep(load_sweep(config_path, grid=["train.learning_rate=1e-4,2e-4"]))
+    write_hub_cache(hf_cache, REPO_ID, tiny_model, commit="2" * 40)  # main moves while the sweep runs
+    for config in (sweep.base, *(v.config for v in sweep.variants)):
+        ctx = Context(config, log=lambda line: None)
+        try:
+            assert ctx.base.source.commit == commit and config.model.configured_revision == "main"
+        finally:
+            ctx.close()
+
+
 def test_only_what_a_diffusers_pipeline_loads_is_fetched():
     """A repo's files as the Hub lists them (FLUX.1-dev's, in part): the pipeline's folders, never
     its top-level single-file checkpoints nor pickled weights."""
