@@ -61,8 +61,9 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
         force: list[str], as_json: bool, debug: bool = False, server: EmbeddedServer | None = None) -> int:
     from .run_plan import plan_run
     from .runlog import new_log_path, run_log
+    from .steps import pinned
 
-    config = load_config(config_path, overrides)
+    config = pinned(load_config(config_path, overrides))
     current().pipeline = config.name
     plan = plan_run(config, only, start, force, note)  # what fails here is the command's only line
     print(f"lorapipe: running pipeline {config.name!r} ({config_path}): starting Prefect", file=sys.stderr,
@@ -103,9 +104,9 @@ def sweep(config_path: Path, overrides: list[str], grid: list[str], concurrency:
     from .run_plan import plan_run
     from .runlog import new_log_path, run_log
     from .sweep.flow import run_sweep
-    from .sweep.grid import check_size, load_sweep, size_line
+    from .sweep.grid import check_size, load_sweep, pinned_sweep, size_line
 
-    sweep = load_sweep(config_path, overrides, grid, concurrency)
+    sweep = pinned_sweep(load_sweep(config_path, overrides, grid, concurrency))
     current().pipeline = sweep.base.name
     note(size_line(sweep))
     if not dry_run:

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Union
 
 import yaml
 from pydantic import BeforeValidator, Field, ValidationError, ValidationInfo, field_serializer, field_validator, \
-    model_validator
+    model_validator, PrivateAttr
 
 from lorapipe.cache.errors import CacheRootError, UserError
 from lorapipe.cache.objects import bucket_and_prefix, is_url, local_path
@@ -51,6 +51,8 @@ class ModelConfig(Frozen):
                              " (offline from there with HF_HUB_OFFLINE=1); a path that exists is local")
     revision: str | None = Field(None, description="a Hugging Face repo's branch, tag or commit (unset: main);"
                                  " only with a repo id")
+    _configured_revision: str | None = PrivateAttr(None)  # set by `pinned`: the revision the user named
+
     family: str | None = Field(None, description=f"a single file's family ({', '.join(families.FAMILIES)}); unset:"
                                " detected from its tensor names (a folder's from model_index.json)")
     transformer: Path | None = Field(None, description="the denoiser over the base model.path (a community"
@@ -86,6 +88,17 @@ class ModelConfig(Frozen):
             raise ValueError(f"model.path {info.data['path']} is a local path: a revision is for a Hugging Face"
                              " repo id")
         return revision
+
+    def pinned(self, commit: str, configured: str) -> ModelConfig:
+        """This repo's model at `commit`, remembering the `configured` revision it was resolved from."""
+        model = self.model_copy(update={"revision": commit})
+        model._configured_revision = self._configured_revision or configured
+        return model
+
+    @property
+    def configured_revision(self) -> str | None:
+        """The revision as the user configured it, also once `pinned` to a commit."""
+        return self._configured_revision or self.revision
 
 
 class DataConfig(Frozen):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from dataclasses import replace
 from collections.abc import Callable
 from pathlib import Path
 from typing import Iterable
@@ -35,6 +36,8 @@ from lorapipe.cache.lock import key_lock
 from lorapipe.cache.object_store import open_store
 from lorapipe.cache.store import Artifact
 from lorapipe.stages.contract import OutputFile
+from lorapipe.stages.evaluate.params import REPORT as EVALUATION_REPORT
+from lorapipe.stages.preprocess.validation import findings_markdown
 from lorapipe.stages.sources.model_source import resolve_base
 
 from .config import PipelineConfig
@@ -42,6 +45,8 @@ from .steps import PIPELINE, object_settings
 from .runner import StageResult, record_repairs
 
 DECLARED = {stage: defined.module.OUTPUT_FILES for stage, defined in PIPELINE.items()}  # each stage's own declaration
+FINDINGS = {stage: defined.module.FINDINGS_FILE for stage, defined in PIPELINE.items()
+            if hasattr(defined.module, "FINDINGS_FILE")}  # stages/contract.py: the dataset's rejected files
 FOLDERS = {f.path: f.label for files in DECLARED.values() for f in files if f.folder}  # published whole: clips/
 SUMMARY_FILE = "run-summary.json"
 STAGING = ".lorapipe-publishing"  # step 1's folder, inside the output folder
@@ -75,6 +80,7 @@ def finish_run(out: Path, config: PipelineConfig, results: list[StageResult], ru
         try:
             for result in results:
                 result.outputs = copy_outputs(result, staging)
+            add_dataset_findings(staging, results)
             summary = [r.to_json() for r in results]
             (staging / SUMMARY_FILE).write_text(json.dumps(
                 {"pipeline": config.name, "output_dir": str(out.resolve()), "deployment": deployment,
@@ -93,9 +99,25 @@ def finish_run(out: Path, config: PipelineConfig, results: list[StageResult], ru
 
 
 def model_record(config: PipelineConfig) -> dict:
-    """Where the run's base model came from: its path, or its Hugging Face repo and the commit the
-    run's stages resolved it to (read back from the Hugging Face cache, where they left it)."""
-    return resolve_base(config.model.path, config.model.revision, cached_only=True).source.to_json()
+    """Where the run's base model came from: its path, or its Hugging Face repo, the revision as
+    configured and the commit the run's stages resolved it to (read back from the Hugging Face
+    cache, where they left it)."""
+    source = resolve_base(config.model.path, config.model.revision, cached_only=True).source
+    if source.commit:  # a run's config names the commit it pinned (flows/steps.py pinned)
+        source = replace(source, revision=config.model.configured_revision or source.revision)
+    return source.to_json()
+
+
+def add_dataset_findings(staging: Path, results: list[StageResult]) -> None:
+    """Append to the staged report.md the files this run's dataset rejected and the warnings, read from
+    the last stage that names them (preprocess, or caption where configured): evaluate's key holds no
+    rejected file, so its own report cannot; the run's stages are consistent, so this is its dataset."""
+    noted = [r for r in results if r.stage in FINDINGS and r.files]
+    report = staging / EVALUATION_REPORT
+    if not noted or not report.exists():
+        return
+    findings = json.loads((Path(noted[-1].files) / FINDINGS[noted[-1].stage]).read_text())
+    report.write_text(report.read_text() + "\n" + "\n".join(findings_markdown(findings)))
 
 
 def copy_outputs(result: StageResult, out: Path) -> list[str]:

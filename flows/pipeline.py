@@ -35,7 +35,7 @@ from lorapipe.stages.processes.optional_libraries import hide
 from .artifacts import StageProgress, publish_run_artifacts
 from .config import PipelineConfig, load_config
 from .outputs import finish_run, with_files
-from .steps import ALL_STAGES, Context
+from .steps import ALL_STAGES, Context, pinned
 from .run_record import current
 from .run_plan import RunPlan, plan_flow
 from .runner import StageResult, run_stage
@@ -66,6 +66,7 @@ def pipeline(config: PipelineConfig, only: list[Stage] = [], start: Stage | None
     quiet_harmless_notes()  # in a deployment's flow process too
     if deployment.id:  # a process of its own, started for this run: hide what `lorapipe run` hides (flows/cli.py)
         hide()  # before a stage imports diffusers; training runs in processes of its own, with its own choice
+    config = pinned(config)  # a deployment's run; the command's is already (resolving a commit again is a no-op)
     plan = plan or plan_flow(config, only, start, force)
     data = dataset_stages(config, plan)
     lora = train(config, plan, data.enc, warm_start)

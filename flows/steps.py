@@ -37,6 +37,16 @@ class Step:
     follow: Callable[[Path], None] | None = None  # train on machine rank > 0: join rank 0's build (a private work dir)
 
 
+def pinned(config: PipelineConfig) -> PipelineConfig:
+    """`config` with a Hugging Face repo's revision resolved, once per run, to the commit it names
+    now: every Context of the run (its plan, each stage, a sweep's variants) then reads that
+    commit, even if the branch moves meanwhile. A local model is left as it is."""
+    if isinstance(config.model.path, Path):
+        return config
+    source = resolve_base(config.model.path, config.model.revision).source
+    return config.model_copy(update={"model": config.model.pinned(source.commit, source.revision)})
+
+
 class Context:
     """Per-run facts shared by the steps: the store, the stat cache, the model's identity."""
 

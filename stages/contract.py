@@ -3,7 +3,9 @@
 A stage module exposes VERSION, OUTPUT_FILES (the files of its artifact a run publishes for the
 user), a `Params` model (exactly the settings that change its output), optionally an `Options`
 model (settings that do not: batch sizes, worker counts), an inputs dataclass, and
-`run(params, inputs, out_dir, work_dir, options, log) -> Built | None`.
+`run(params, inputs, out_dir, work_dir, options, log) -> Built | None`. A stage that decides which
+files the dataset keeps also names FINDINGS_FILE: its artifact's JSON of rejected and warning rows
+(`path`, `reason`, `detail`), every earlier stage's included, which the published report lists.
 """
 from __future__ import annotations
 

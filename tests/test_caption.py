@@ -18,10 +18,12 @@ from pathlib import Path
 import pytest
 from conftest import FEWER_STEPS, LIBRARY_WARNINGS_SHOWN, REPO
 from PIL import Image
+from published import published_report
 from test_invalidation import SMALL, run_all, statuses
 
 from lorapipe.cache.errors import UserError
 from lorapipe.flows.config import ConfigError, validate_config
+from lorapipe.flows.outputs import with_files
 from lorapipe.flows.steps import STAGES, Context, config_stages
 from lorapipe.flows.runner import explain, run_stage
 from lorapipe.stages.caption import CAPTIONS_FILE, CaptionParams
@@ -443,7 +445,7 @@ def test_an_image_that_cannot_be_read_is_left_to_encode(tmp_path, tiny_model, ti
     ctx = Context(validate_config(raw_config(tmp_path, tiny_model, data, tmp_path / "cache", tiny_captioner), "test"),
                   log=lines.append)
     try:
-        pre = run_stage(ctx, "preprocess", {})[1]
+        preprocessed, pre = run_stage(ctx, "preprocess", {})
         jpeg = (data / "rocket.jpg").read_bytes()
         (data / "rocket.jpg").write_bytes(jpeg[: len(jpeg) // 3])
         with count_generated_rows() as counts:
@@ -465,3 +467,5 @@ def test_an_image_that_cannot_be_read_is_left_to_encode(tmp_path, tiny_model, ti
     assert set(json.loads((Path(encoded.path) / "logs" / "report.json").read_text())["undecodable"]) == {
         "retina.jpg", "rocket.jpg"}
     assert encoded.info["undecodable"] == 2 and encoded.info["latents_encoded"] == 6
+    report_md = published_report(tmp_path, [with_files(preprocessed, pre), with_files(result, captioned)])
+    assert "- `retina.jpg`: undecodable (" in report_md and "- `rocket.jpg`: changed (" in report_md  # caption's rows

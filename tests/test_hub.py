@@ -1,6 +1,6 @@
 """A Hugging Face repo id as model.path, resolved offline from a local Hugging Face cache laid out
 as huggingface_hub writes it (tests/hub_cache.py): it runs as the same model given as a folder
-does, with the same keys, and the run records the repo and its commit; `lorapipe model` shows
+does, with the same keys, and the run records the repo and the one commit it used throughout; `lorapipe model` shows
 what a model is made of without loading it."""
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from hub_cache import write_hub_cache
 
 from lorapipe.cache.errors import UserError
 from lorapipe.flows.config import ConfigError, load_config
-from lorapipe.flows.steps import Context
+from lorapipe.flows.steps import Context, pinned
 
 REPO_ID = "owner/tiny-sd"
 
@@ -56,13 +56,31 @@ def test_a_repo_id_trains_with_the_keys_of_its_folder_and_the_run_records_its_co
     moved = tmp_path / "moved-hf-cache"  # the snapshot's links are relative: a moved cache is the same model
     shutil.move(hf_cache, moved)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", str(moved))
-    config = load_config(config_path)
-    summary = all_cached_run(config, plan_run(config, ["train"], None, [], print))
+    config = pinned(load_config(config_path))  # as `lorapipe run` does first
+    plan = plan_run(config, ["train"], None, [], print)
+    write_hub_cache(moved, REPO_ID, tiny_model, commit="2" * 40)  # main moves between the plan and the run
+    summary = all_cached_run(config, plan)
     assert [row["status"] for row in summary] == ["hit"] * 3
     recorded = json.loads((config.output_dir / "run-summary.json").read_text())["model"]
-    assert recorded == {"kind": "hub", "location": REPO_ID, "revision": "main", "commit": commit}
+    assert recorded == {"kind": "hub", "location": REPO_ID, "revision": "main", "commit": commit}  # one commit
     print_summary(config, summary, tmp_path / "run.log", as_json=False)
     assert f"model:       hub {REPO_ID}@{commit}\n" in capsys.readouterr().out
+
+
+def test_a_sweeps_variants_train_on_the_commit_its_branch_named_at_the_start(tmp_path, tiny_config, tiny_model,
+                                                                            hf_cache):
+    from lorapipe.flows.sweep.grid import load_sweep, pinned_sweep
+
+    commit = write_hub_cache(hf_cache, REPO_ID, tiny_model)
+    config_path = hub_config(tiny_config(tmp_path, "sweep"), "hub.yaml", path=REPO_ID)
+    sweep = pinned_sweep(load_sweep(config_path, grid=["train.learning_rate=1e-4,2e-4"]))
+    write_hub_cache(hf_cache, REPO_ID, tiny_model, commit="2" * 40)  # main moves while the sweep runs
+    for config in (sweep.base, *(v.config for v in sweep.variants)):
+        ctx = Context(config, log=lambda line: None)
+        try:
+            assert ctx.base.source.commit == commit and config.model.configured_revision == "main"
+        finally:
+            ctx.close()
 
 
 def test_only_what_a_diffusers_pipeline_loads_is_fetched():

@@ -16,6 +16,7 @@ from PIL import Image
 
 from lorapipe.cache.digest import StatCache
 from lorapipe.flows.config import ConfigError, validate_config
+from lorapipe.flows.runner import StageResult
 from lorapipe.stages.encode import ImageCrops
 from lorapipe.stages.preprocess import (DATASET_FILE, DatasetSource, PreprocessInputs, PreprocessParams, dataset_ingredients,
                                run)
@@ -23,6 +24,7 @@ from lorapipe.stages.preprocess.crops import generated_buckets, place
 from lorapipe.stages.preprocess.rows import SampleRow
 from lorapipe.stages.preprocess.sources import read_image_bytes
 from permissions import as_a_plain_user
+from published import EVALUATION, published_report
 
 TESTS = Path(__file__).resolve().parent
 
@@ -74,6 +76,13 @@ def test_every_kind_of_bad_image_is_reported_by_reason_and_name(folder, tmp_path
     assert len(samples) == 8 and built.info["rejected"] == 7 and report["counts"]["duplicate"] == 2
     assert next(r for r in report["rejected"] if r["path"] == "zz-copy.jpg")["detail"] == "same bytes as coffee.jpg"
     assert "preprocess: rejected 2 duplicate: rocket.png, zz-copy.jpg" in logs
+    out = str(tmp_path / "out")
+    report_md = published_report(tmp_path, [StageResult("preprocess", "computed", "key", "digest", out, 1.0, "miss",
+                                                        files=out)])
+    assert report_md.startswith(f"{EVALUATION}\n## Dataset\n\nRejected: 7\n")  # the user's report lists them
+    assert "- `gone.jpg`: unreadable (cannot read the file (No such file or directory))\n" in report_md
+    assert "- `tiny.png`: too_small (20x20 is below preprocess.min_side 32)\n" in report_md
+    assert report_md.endswith("Warnings: none\n")
 
 
 def test_a_file_without_read_permission_is_reported(folder, tmp_path):

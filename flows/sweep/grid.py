@@ -7,7 +7,7 @@ from __future__ import annotations
 import copy
 import itertools
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +15,7 @@ import yaml
 
 from ..config import (ConfigError, PipelineConfig, SweepConfig, config_from, parse_override, read_config,
                       set_key)
+from ..steps import pinned
 from .keys import OPEN, closest_key, setting_type, typed
 from .report import METRICS
 
@@ -72,6 +73,16 @@ def load_sweep(path: Path, overrides: list[str] = (), grid: list[str] = (), conc
                      for name, combo in zip(variant_names(combos), combos))
     check_metric(settings.metric, variants, source)
     return Sweep(base, settings, variants, shared)
+
+
+def pinned_sweep(sweep: Sweep) -> Sweep:
+    """`sweep` with its base's Hugging Face revision resolved once (flows/steps.py pinned), and each
+    variant on the base's model pinned to the same commit: no variant trains on a moved branch."""
+    base = pinned(sweep.base)
+    variants = tuple(replace(v, config=v.config.model_copy(update={"model": base.model}))
+                     if v.config.model == sweep.base.model else replace(v, config=pinned(v.config))
+                     for v in sweep.variants)
+    return replace(sweep, base=base, variants=variants)
 
 
 def parse_grid(entries: list[str], source: str) -> dict[str, tuple[str, ...]]:

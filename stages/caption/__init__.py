@@ -52,6 +52,7 @@ OUTPUT_FILES: tuple[OutputFile, ...] = (OutputFile(f"{LOG_DIR}/{PAGE_FILES[0]}",
                                         *(OutputFile(f"{LOG_DIR}/{page}") for page in PAGE_FILES[1:]),
                                         OutputFile(f"{LOG_DIR}/{REVIEW_MD}"))
 CAPTIONS_FILE = "captions.json"
+FINDINGS_FILE = f"{LOG_DIR}/{REPORT_FILE}"  # preprocess's rows and the images left out, for the run's report.md
 LEFT_OUT = "left_out"  # the source of an image that could not be read: not captioned
 
 __all__ = ["VERSION", "OUTPUT_FILES", "CAPTIONS_FILE", "CaptionParams", "CaptionOptions", "CaptionInputs",

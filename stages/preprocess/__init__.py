@@ -57,6 +57,7 @@ MAX_UPSCALE = 2.0  # an image enlarged more than this to cover its target gets a
 DATASET_FILE = "dataset.json"
 CAPTION_SETTINGS = ("caption_policy", "caption_text")  # a dataset's settings for the caption stage, not preprocess
 REPORT_FILE = "report.json"
+FINDINGS_FILE = REPORT_FILE  # the rejected files and warnings the run's report.md lists
 
 __all__ = ["VERSION", "OUTPUT_FILES", "DATASET_FILE", "DatasetSource", "PreprocessParams", "PreprocessInputs",
            "dataset_ingredients", "run"]

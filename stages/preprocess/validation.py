@@ -145,3 +145,15 @@ def summary_lines(entries: list[dict], verb: str) -> list[str]:
         more = f" and {len(paths) - SHOWN_PER_REASON} more" if len(paths) > SHOWN_PER_REASON else ""
         lines.append(f"preprocess: {verb} {len(paths)} {reason}: {', '.join(paths[:SHOWN_PER_REASON])}{more}")
     return lines
+
+
+def findings_markdown(report: dict) -> list[str]:
+    """A "Dataset" section for a markdown report: every file preprocess rejected and every warning
+    (its report.json's rows), each with its reason and detail."""
+    lines = ["## Dataset", ""]
+    for title, entries in (("Rejected", report.get("rejected", [])), ("Warnings", report.get("warnings", []))):
+        lines += [f"{title}: {len(entries) or 'none'}", ""]
+        lines += [f"- `{e['path']}`: {e['reason']}" + (f" ({' '.join(e['detail'].split())})" if e.get("detail") else "")
+                  for e in entries]
+        lines += [""] if entries else []
+    return lines
