@@ -1,17 +1,19 @@
-"""FLUX.3, which diffusers ships only as a modular pipeline, on tiny components built offline: its
+"""The models diffusers ships only as modular pipelines, on tiny components built offline: FLUX.3's
 text-encode, VAE-encode and denoise blocks run on their own, each in a ModularPipeline built from
 the block and local components (no hub), so each gives the reference a family's parity checks
-compare with (docs/families.md, "Models diffusers ships only as modular pipelines").
+compare with; LTX-2.5's text blocks (LTX-2's) equal what LTX2Pipeline encodes; MiniMax-H3's text
+block reads one hidden layer (docs/families.md, "Models diffusers ships only as modular
+pipelines").
 
-The text encoder and processor are the tiny Qwen-Image 2.1 ones (a Qwen3-VL; FLUX.3 reads two of
-its hidden layers); the VAE is the tiny Flux.2 one, read from the tiny flux2-klein model."""
+FLUX.3's text encoder and processor are the tiny Qwen-Image 2.1 ones (a Qwen3-VL; FLUX.3 reads two
+of its hidden layers); its VAE is the tiny Flux.2 one, read from the tiny flux2-klein model."""
 from __future__ import annotations
 
 import pytest
 import torch
 from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep, Flux3VaeEncoderStep
 from diffusers.modular_pipelines.flux3.modular_blocks_flux3 import Flux3CoreDenoiseStep
-from family_checks import first_call, tiny_model_fixture
+from family_checks import first_call, quiet_pipeline, tiny_model_fixture
 
 import lorapipe.stages.families as families
 from lorapipe.stages.families.tiny.qwen import TEXT_DIM, qwen_tokenizer, seeded
@@ -103,3 +105,45 @@ def test_denoise_block_first_call_is_the_reference(text):
                               "txt_ids"]
     stepped = (tokens - prediction).transpose(1, 2).reshape(latents.shape)  # sigma 1 to 0
     assert torch.allclose(result["state"]["latents"], stepped, atol=1e-6)
+
+
+ltx2 = tiny_model_fixture("ltx2")
+
+
+def test_ltx25_text_blocks_are_what_ltx2_pipeline_encodes(ltx2):
+    """LTX-2.5's text side is LTX-2's blocks (`LTX2TextConditioningStep`, in `LTX25AutoBlocks`):
+    Gemma's layers then the connectors, equal to LTX2Pipeline's encode_prompt and connectors, on
+    which the ltx2 family's text records rest."""
+    from diffusers.modular_pipelines.ltx2.modular_blocks_ltx2 import LTX2TextConditioningStep
+
+    pipe = quiet_pipeline(ltx2)
+    blocks = _pipeline(LTX2TextConditioningStep(), text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer,
+                       connectors=pipe.connectors)
+    state = blocks(prompt="a red fox", max_sequence_length=32,
+                   output=["connector_prompt_embeds", "connector_attention_mask"])
+    with torch.no_grad():
+        embeds, mask, negative, negative_mask = pipe.encode_prompt("a red fox", max_sequence_length=32,
+                                                                   device="cpu")
+        video, _, video_mask = pipe.connectors(torch.cat([negative, embeds]), torch.cat([negative_mask, mask]),
+                                               padding_side="left")
+    assert torch.equal(state["connector_prompt_embeds"], video[1:])
+    assert torch.equal(state["connector_attention_mask"], video_mask[1:])
+
+
+def test_minimax_h3_text_block_is_one_fixed_hidden_layer():
+    """MiniMax-H3's text block: the prompt's tokens with no template, unpadded, the hidden state after
+    the decoder layer its pipeline fixes (`text_encoder_layer`), so the tiny Qwen3-VL needs one layer
+    more than that; a LlavaProcessor stands in for the Qwen3VLProcessor."""
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3TextEncoderStep
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
+
+    layer = MiniMaxH3ModularPipeline.text_encoder_layer.fget(None)
+    tokenizer = qwen_tokenizer()
+    encoder = seeded(_text_encoder, tokenizer, layers=layer + 1)
+    pipe = _pipeline(MiniMaxH3TextEncoderStep(), text_encoder=encoder, tokenizer=tokenizer,
+                     processor=_processor(tokenizer))
+    embeds = pipe(prompt="a red fox in the snow", output="prompt_embeds")
+    ids = tokenizer("a red fox in the snow", add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = encoder(input_ids=ids, output_hidden_states=True).hidden_states[layer]
+    assert torch.allclose(embeds, expected, atol=1e-5)
