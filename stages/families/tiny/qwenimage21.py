@@ -49,14 +49,14 @@ def _vae():
                                     in_channels=3, out_channels=3, latents_mean=mean, latents_std=std)
 
 
-def _text_encoder(tokenizer):
+def _text_encoder(tokenizer, layers: int = 2):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
     ids = dict(zip(("vision_start_token_id", "vision_end_token_id", "image_token_id", "video_token_id"),
                    tokenizer.convert_tokens_to_ids(["<|vision_start|>", "<|vision_end|>", "<|image_pad|>",
                                                     "<|video_pad|>"])))
     config = Qwen3VLConfig(
-        text_config={"hidden_size": TEXT_DIM, "intermediate_size": 32, "num_hidden_layers": 2, "head_dim": 8,
+        text_config={"hidden_size": TEXT_DIM, "intermediate_size": 32, "num_hidden_layers": layers, "head_dim": 8,
                      "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": len(tokenizer),
                      "rope_parameters": {"rope_type": "default", "rope_theta": 5000000.0,
                                          "mrope_section": [2, 1, 1], "mrope_interleaved": True}},

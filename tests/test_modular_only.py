@@ -1,0 +1,149 @@
+"""The models diffusers ships only as modular pipelines, on tiny components built offline: FLUX.3's
+text-encode, VAE-encode and denoise blocks run on their own, each in a ModularPipeline built from
+the block and local components (no hub), so each gives the reference a family's parity checks
+compare with; LTX-2.5's text blocks (LTX-2's) equal what LTX2Pipeline encodes; MiniMax-H3's text
+block reads one hidden layer (docs/families.md, "Models diffusers ships only as modular
+pipelines").
+
+FLUX.3's text encoder and processor are the tiny Qwen-Image 2.1 ones (a Qwen3-VL; FLUX.3 reads two
+of its hidden layers); its VAE is the tiny Flux.2 one, read from the tiny flux2-klein model."""
+from __future__ import annotations
+
+import pytest
+import torch
+from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep, Flux3VaeEncoderStep
+from diffusers.modular_pipelines.flux3.modular_blocks_flux3 import Flux3CoreDenoiseStep
+from family_checks import first_call, quiet_pipeline, tiny_model_fixture
+
+import lorapipe.stages.families as families
+from lorapipe.stages.families.tiny.qwen import TEXT_DIM, qwen_tokenizer, seeded
+from lorapipe.stages.families.tiny.qwenimage21 import _processor, _text_encoder
+
+flux2 = tiny_model_fixture("flux2-klein")
+LAYERS = (1, 2)  # the tiny encoder's two decoder layers' outputs (0 is the embeddings)
+
+
+def _transformer(channels: int):
+    from diffusers import Flux3Transformer2DModel
+
+    return Flux3Transformer2DModel(in_channels=channels, cond_in_channels=channels, num_layers=1,
+                                   num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
+                                   joint_attention_dim=TEXT_DIM * len(LAYERS), axes_dims_rope=(4, 4, 4, 4)).eval()
+
+
+def _pipeline(block, **components):
+    """A ModularPipeline of one block, its components given here, not fetched."""
+    pipe = block.init_pipeline()
+    pipe.update_components(**components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+@pytest.fixture(scope="module")
+def text():
+    tokenizer = qwen_tokenizer()
+    return seeded(_text_encoder, tokenizer), _processor(tokenizer)
+
+
+def test_text_block_is_hidden_layers_padded_to_the_blocks_multiple(text):
+    """The caption's tokens read as the concatenated hidden states of the chosen layers, then pad rows
+    up to the block's `pad_multiple` that are not zeros: the transformer takes no text mask, so a record must
+    keep the pad rows the block computes (per-batch padding would change the prediction)."""
+    encoder, processor = text
+    caption = "a red fox in the snow"
+    step = Flux3TextEncoderStep()
+    embeds = _pipeline(step, text_encoder=encoder, tokenizer=processor)(
+        prompt=caption, text_encoder_out_layers=LAYERS, output="prompt_embeds")
+    rendered = processor.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
+                                             add_generation_prompt=True)
+    ids = processor.tokenizer(rendered, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        states = encoder(input_ids=ids, output_hidden_states=True).hidden_states
+    unpadded = torch.cat([states[k] for k in LAYERS], dim=-1)
+    assert embeds.shape == (1, step.pad_multiple, TEXT_DIM * len(LAYERS)) and ids.shape[1] < step.pad_multiple
+    assert torch.allclose(embeds[:, :ids.shape[1]], unpadded, atol=1e-5)
+    assert embeds[:, ids.shape[1]:].abs().amin(dim=-1).gt(0).all()
+
+
+def test_vae_block_normalises_as_the_flux2_family(flux2):
+    """FLUX.3 encodes with Flux.2's VAE: the block's normalised latents are the flux2 family's record
+    after its own normalisation, so the latent records and their parity check carry over."""
+    from diffusers import AutoencoderKLFlux2
+
+    family = families.for_model(flux2)
+    pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(3)) * 2 - 1
+    mean, _ = family.load_latent_encoder(flux2, "cpu")(pixels)
+    latents = _pipeline(Flux3VaeEncoderStep(), vae=AutoencoderKLFlux2.from_pretrained(flux2 / "vae"))(
+        condition_images=[pixels[:1], pixels[1:]], output="image_cond_latents")
+    ours = family.latent_normalisation(flux2).apply(mean)
+    assert torch.allclose(ours, torch.cat(latents), atol=1e-5)  # the block encodes one image a call, ours the batch
+
+
+def test_denoise_block_first_call_is_the_reference(text):
+    """The first transformer call of the core denoise block: the given latents packed to tokens, the
+    text block's embeddings, the flow time (sigma, not sigma x 1000), and the Euler step of its
+    prediction is what the block returns."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.guiders import ClassifierFreeGuidance
+
+    encoder, processor = text
+    embeds = _pipeline(Flux3TextEncoderStep(), text_encoder=encoder, tokenizer=processor)(
+        prompt="a red fox", text_encoder_out_layers=LAYERS, output="prompt_embeds")
+    transformer = seeded(_transformer, 32)
+    pipe = _pipeline(Flux3CoreDenoiseStep(), transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(),
+                     guider=ClassifierFreeGuidance(guidance_scale=1.0))
+    latents = torch.randn(1, 32, 4, 3, generator=torch.Generator().manual_seed(5))
+    result = {}
+    _, kwargs, (prediction,) = first_call(transformer, lambda: result.update(state=pipe(
+        prompt_embeds=embeds, latents=latents, height=64, width=48, num_inference_steps=1,
+        output=["latents", "timesteps"])))
+    tokens = latents.flatten(2).transpose(1, 2)
+    assert torch.equal(kwargs["hidden_states"], tokens)
+    assert torch.equal(kwargs["encoder_hidden_states"], embeds)
+    assert kwargs["timestep"].tolist() == [1.0] and result["state"]["timesteps"].tolist() == [1000.0]
+    assert sorted(kwargs) == ["encoder_hidden_states", "hidden_states", "img_ids", "return_dict", "timestep",
+                              "txt_ids"]
+    stepped = (tokens - prediction).transpose(1, 2).reshape(latents.shape)  # sigma 1 to 0
+    assert torch.allclose(result["state"]["latents"], stepped, atol=1e-6)
+
+
+ltx2 = tiny_model_fixture("ltx2")
+
+
+def test_ltx25_text_blocks_are_what_ltx2_pipeline_encodes(ltx2):
+    """LTX-2.5's text side is LTX-2's blocks (`LTX2TextConditioningStep`, in `LTX25AutoBlocks`):
+    Gemma's layers then the connectors, equal to LTX2Pipeline's encode_prompt and connectors, on
+    which the ltx2 family's text records rest."""
+    from diffusers.modular_pipelines.ltx2.modular_blocks_ltx2 import LTX2TextConditioningStep
+
+    pipe = quiet_pipeline(ltx2)
+    blocks = _pipeline(LTX2TextConditioningStep(), text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer,
+                       connectors=pipe.connectors)
+    state = blocks(prompt="a red fox", max_sequence_length=32,
+                   output=["connector_prompt_embeds", "connector_attention_mask"])
+    with torch.no_grad():
+        embeds, mask, negative, negative_mask = pipe.encode_prompt("a red fox", max_sequence_length=32,
+                                                                   device="cpu")
+        video, _, video_mask = pipe.connectors(torch.cat([negative, embeds]), torch.cat([negative_mask, mask]),
+                                               padding_side="left")
+    assert torch.equal(state["connector_prompt_embeds"], video[1:])
+    assert torch.equal(state["connector_attention_mask"], video_mask[1:])
+
+
+def test_minimax_h3_text_block_is_one_fixed_hidden_layer():
+    """MiniMax-H3's text block: the prompt's tokens with no template, unpadded, the hidden state after
+    the decoder layer its pipeline fixes (`text_encoder_layer`), so the tiny Qwen3-VL needs one layer
+    more than that; a LlavaProcessor stands in for the Qwen3VLProcessor."""
+    from diffusers.modular_pipelines.minimax_h3.encoders import MiniMaxH3TextEncoderStep
+    from diffusers.modular_pipelines.minimax_h3.modular_pipeline import MiniMaxH3ModularPipeline
+
+    layer = MiniMaxH3ModularPipeline.text_encoder_layer.fget(None)
+    tokenizer = qwen_tokenizer()
+    encoder = seeded(_text_encoder, tokenizer, layers=layer + 1)
+    pipe = _pipeline(MiniMaxH3TextEncoderStep(), text_encoder=encoder, tokenizer=tokenizer,
+                     processor=_processor(tokenizer))
+    embeds = pipe(prompt="a red fox in the snow", output="prompt_embeds")
+    ids = tokenizer("a red fox in the snow", add_special_tokens=False, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        expected = encoder(input_ids=ids, output_hidden_states=True).hidden_states[layer]
+    assert torch.allclose(embeds, expected, atol=1e-5)
