@@ -175,11 +175,12 @@ def print_summary(config: PipelineConfig, summary: list[dict], log_path: Path, a
     """A run's stages (hit or computed, seconds, artifact) and where its outputs and log are."""
     from lorapipe.stages.sources.model_source import Source
 
-    from .outputs import model_record, named_files
+    from .outputs import components_record, model_record, named_files
 
-    model = model_record(config)
+    model, components = model_record(config), components_record(config)
     if as_json:
-        _print_json({"pipeline": config.name, "model": model, "stages": summary, "log": str(log_path)})
+        _print_json({"pipeline": config.name, "model": model, "components": components, "stages": summary,
+                     "log": str(log_path)})
         return 0
     print(f"\n{'stage':<11}{'status':<10}{'seconds':>9}  artifact")
     for row in summary:
@@ -191,7 +192,7 @@ def print_summary(config: PipelineConfig, summary: list[dict], log_path: Path, a
         for repair in row["repairs"]:
             print(f"{'':<21}repaired while {repair['during']} ran ({repair['seconds']:.1f} s): "
                   f"{encode_counts(repair['info']) if row['stage'] == 'encode' else 'computed again'}")
-    named = [("model", Source(**model)), *named_files(config.output_dir), ("run log", log_path)]
+    named = [("model", Source(**model)), *components.items(), *named_files(config.output_dir), ("run log", log_path)]
     width = max(13, *(len(label) + 2 for label, _ in named))
     for label, path in named:
         print(f"{label + ':':<{width}}{path}")

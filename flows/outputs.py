@@ -84,7 +84,8 @@ def finish_run(out: Path, config: PipelineConfig, results: list[StageResult], ru
             summary = [r.to_json() for r in results]
             (staging / SUMMARY_FILE).write_text(json.dumps(
                 {"pipeline": config.name, "output_dir": str(out.resolve()), "deployment": deployment,
-                 "flow_run": flow_run, "run": run, "model": model_record(config), "stages": summary}, indent=1))
+                 "flow_run": flow_run, "run": run, "model": model_record(config),
+                 "components": components_record(config), "stages": summary}, indent=1))
             fsync_tree(staging)
             published = [name for r in results for name in r.outputs]
             dropped = swap_in(staging, out, published)
@@ -106,6 +107,19 @@ def model_record(config: PipelineConfig) -> dict:
     if source.commit:  # a run's config names the commit it pinned (flows/steps.py pinned)
         source = replace(source, revision=config.model.configured_revision or source.revision)
     return source.to_json()
+
+
+def components_record(config: PipelineConfig) -> dict[str, str]:
+    """The components the config sets over the base model, each config key -> its path as given
+    (what they were converted to is keyed by their content, not recorded here)."""
+    model = config.model
+    given = {f"model.{name}": str(path) for name, path in model.components.items()}
+    encoders = model.text_encoders or ()
+    if isinstance(encoders, dict):
+        given.update({f"model.text_encoders.{name}": str(path) for name, path in encoders.items()})
+    else:
+        given.update({f"model.text_encoders[{i}]": str(path) for i, path in enumerate(encoders)})
+    return given
 
 
 def add_dataset_findings(staging: Path, results: list[StageResult]) -> None:

@@ -134,3 +134,24 @@ def test_the_terminal_summary_names_where_the_lora_grid_and_metrics_went(tmp_pat
     capsys.readouterr()
     print_summary(cfg, summary, tmp_path / "run.log", as_json=False)
     assert "grid" not in capsys.readouterr().out  # not published by this run: not named
+
+
+def test_the_summaries_name_the_components_set_over_the_base(tmp_path, capsys):
+    """run-summary.json, `run --json` and the printed summary say which files were set over the base
+    (model.transformer, model.text_encoders, ...), as the config named them."""
+    from lorapipe.flows.commands import print_summary
+
+    transformer, clip, t5 = (tmp_path / f"{name}.safetensors" for name in ("finetune", "clip_l", "t5xxl"))
+    cfg = validate_config({"name": "t", "cache_dir": tmp_path / "cache", "output_dir": tmp_path / "out",
+                           "model": {"path": tmp_path, "transformer": transformer, "text_encoders": [clip, t5]},
+                           "data": {"path": tmp_path}, "train": {}, "evaluate": {"prompts": ["a photo"]}}, "test")
+    expected = {"model.transformer": str(transformer), "model.text_encoders[0]": str(clip),
+                "model.text_encoders[1]": str(t5)}
+    summary = finish_run(tmp_path / "out", cfg, lora_run(tmp_path), "first", print, record=False)
+    assert json.loads((tmp_path / "out" / "run-summary.json").read_text())["components"] == expected
+    capsys.readouterr()
+    print_summary(cfg, summary, tmp_path / "run.log", as_json=True)
+    assert json.loads(capsys.readouterr().out)["components"] == expected
+    print_summary(cfg, summary, tmp_path / "run.log", as_json=False)
+    printed = capsys.readouterr().out
+    assert all(f"{key}: " in printed and path in printed for key, path in expected.items())
