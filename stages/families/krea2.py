@@ -163,5 +163,6 @@ KREA2 = Krea2(
     name="krea2", label="Krea 2", pipeline_class="Krea2Pipeline",
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
     kohya=Kohya("krea2"), latent_patch=PATCH, text_encoder=Krea2PromptEncoder,
+    single_file_markers=("blocks.0.attn.wq.weight", "model.diffusion_model.blocks.0.attn.wq.weight"),  # Krea's names
     block_lists=("transformer_blocks",),
 )

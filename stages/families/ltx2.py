@@ -235,5 +235,7 @@ LTX2 = LTX2Family(
     components=Components(text=("text_encoder", "tokenizer", "connectors"), latent=("vae",), denoiser="transformer"),
     kohya=Kohya("ltx2"), sequence_patch=1, text_encoder=LTX2TextEncoder, normalisation_of=normalisation_of,
     clip_fps=FRAME_RATE, block_lists=("transformer_blocks",),
+    single_file_markers=("adaln_single.emb.timestep_embedder.linear_1.weight",  # Lightricks' names
+                         "model.diffusion_model.adaln_single.emb.timestep_embedder.linear_1.weight"),
     checkpoint_prefixes={"vae": "vae."},  # in Lightricks' whole checkpoint (the transformer under ComfyUI's prefix)
 )

@@ -146,5 +146,7 @@ QWEN_IMAGE_21 = QwenImage21(
     name="qwen-image-2.1", label="Qwen-Image 2.1", pipeline_class="QwenImage21Pipeline",
     components=Components(text=("text_encoder", PROCESSOR), latent=("vae",), denoiser="transformer"),
     kohya=Kohya("qwen_image_2_1"), latent_patch=2, text_encoder=Qwen3VLPromptEncoder,
+    single_file_markers=("transformer_blocks.0.img_mlp.gate_up.weight",  # ComfyUI's fused gate and up, bare or prefixed
+                         "model.diffusion_model.transformer_blocks.0.img_mlp.gate_up.weight"),
     block_lists=("transformer_blocks",),
 )

@@ -249,6 +249,7 @@ WAN = Wan(
     kohya=Kohya("wan", "networks.lora_wan"),  # musubi-tuner's network module
     latent_patch=2, text_encoder=WanTextEncoder,
     original_formats=(KOHYA, COMFYUI), sampler=SAMPLER,
-    block_lists=("blocks",), size_free_converters={"vae": wan21_vae},  # diffusers' fixes the VAE's depth
+    block_lists=("blocks",), size_free_converters={"vae": wan21_vae},
+    single_file_markers=("blocks.0.cross_attn.q.weight", "model.diffusion_model.blocks.0.cross_attn.q.weight"),  # diffusers' fixes the VAE's depth
     denoiser_names=("high_noise", "low_noise"),  # A14B's transformer and transformer_2, as the ecosystem names them
 )

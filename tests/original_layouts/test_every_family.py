@@ -5,10 +5,12 @@ the folder, whose denoiser loads to exactly the folder's weights, keyed by the f
 while every other component keeps the folder's. A family whose denoiser has no writer here fails:
 a new family adds its layout (tests/original_layouts/). Training from such a model is checked
 byte for byte in test_training.py (Flux.1's size-free path, SD1.5); for the others the weights
-training loads are the folder's, bit for bit."""
+training loads are the folder's, bit for bit. A denoiser file given alone as model.path is told
+apart by its tensor names, and refused in one line naming the keys to set."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import huggingface_hub
@@ -17,6 +19,7 @@ import torch
 from hub_cache import write_hub_cache
 
 from lorapipe.cache.digest import StatCache
+from lorapipe.cache.errors import UserError
 from lorapipe.flows.config import validate_config
 from lorapipe.flows.steps import Context
 from lorapipe.stages import families
@@ -74,3 +77,19 @@ def test_a_repo_id_with_its_denoiser_as_an_original_layout_file_is_the_folders_m
     assert changed == set(denoisers)  # keyed by the files: only train and evaluate see another model
     assert all(ctx.model_digests[name] == ctx.stat_cache.digest(file) for name, file in files.items())
 
+
+
+@pytest.mark.parametrize("arch", ["flux1", "flux2-klein", "z-image", "qwen-image", "qwen-image-2.1", "krea2", "wan2.1",
+                                  "ltx2"])
+def test_a_denoiser_file_alone_is_told_by_its_names_and_the_error_names_the_keys_to_set(tmp_path, tiny_models, arch):
+    model = tiny_models(arch)
+    family = families.for_model(model)
+    original = ORIGINAL_LAYOUT[config_of(model, "transformer")["_class_name"]](model, "transformer")
+    for prefix in ("", COMFYUI_PREFIX):
+        file = write_file(original, tmp_path / f"alone{prefix.replace('.', '_')}.safetensors", prefix)
+        assert families.for_model(file).name == family.name
+        raw = {"cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "out"), "model": {"path": str(file)},
+               "data": {"path": str(tmp_path)}, "train": {}, "evaluate": {"prompts": ["a photo"]}}
+        with pytest.raises(UserError, match=rf"^model.path: {file} is a {re.escape(family.label)} transformer alone,"
+                                            rf" .* and model.transformer: {file}$"):
+            Context(validate_config(raw, "test")).model_path
