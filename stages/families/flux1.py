@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from lorapipe.stages.contract import Frozen
 from lorapipe.stages.lora_formats.original_names import COMFYUI_DOWN_UP, KOHYA, OriginalNames, TensorMap, \
-    apply_tensor_map, derive_original_names, derive_tensor_map
+    apply_tensor_map, derive_tensor_map, names_of
 
 from .base import REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, Kohya, TextOptions, TextRecord, stack
 from .flow import FlowFamily, FlowVariant, presets_field, refuse_negative_prompt
@@ -165,11 +165,8 @@ def packed(latents: torch.Tensor, index: int, dtype: torch.dtype) -> tuple[torch
 
 @cache
 def original_names(num_layers: int, num_single_layers: int, guidance: bool) -> OriginalNames:
-    """BFL's module names for a transformer of this shape, from diffusers' single-file converter."""
-    from diffusers.loaders.single_file_utils import convert_flux_transformer_checkpoint_to_diffusers
-
-    return derive_original_names(convert_flux_transformer_checkpoint_to_diffusers,
-                                 seed_keys(num_layers, num_single_layers, guidance))
+    """BFL's module names for a transformer of this shape: its tensor map's weights."""
+    return names_of(tensor_map(num_layers, num_single_layers, guidance))
 
 
 @cache

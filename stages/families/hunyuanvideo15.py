@@ -23,20 +23,19 @@ the original layout to name a ComfyUI file from.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
 from lorapipe.stages.contract import Frozen
+from lorapipe.stages.lora_formats.original_names import OriginalNames, whole
 
 from .base import Components, Conditioning, ImageGeometry, Kohya, LatentGeometry, TextOptions, TextRecord, \
     pad_sequences
 from .flow import presets_field
 from .folders import component_config, load_component
 from .objectives import FlowMatchingObjective, ObjectiveParams
-from lorapipe.stages.lora_formats.original_names import OriginalNames, Segment
 from .video import ClipPosterior, VideoFamily, VideoVariant
 
 if TYPE_CHECKING:
@@ -160,8 +159,7 @@ class HunyuanVideo15(VideoFamily):
         """Each Linear under its own name, whole: no original-name file is written (none of original_formats)."""
         import torch
 
-        whole = (Fraction(0), Fraction(1))
-        return {name: (Segment(name, *whole, *whole),) for name, module in transformer.named_modules()
+        return {name: (whole(name),) for name, module in transformer.named_modules()
                 if isinstance(module, torch.nn.Linear)}
 
     # ---- rendering

@@ -12,9 +12,8 @@ converter (tests/test_families_sd.py).
 """
 from __future__ import annotations
 
-from fractions import Fraction
 
-from lorapipe.stages.lora_formats.original_names import OriginalNames, Segment
+from lorapipe.stages.lora_formats.original_names import OriginalNames, whole
 
 TOP = (("time_embed.0.", "time_embedding.linear_1."), ("time_embed.2.", "time_embedding.linear_2."),
        ("input_blocks.0.0.", "conv_in."), ("out.0.", "conv_norm_out."), ("out.2.", "conv_out."),
@@ -67,5 +66,4 @@ def unet_original_names(config: dict, modules: list[str]) -> OriginalNames:
     """The LDM name of each of `modules` (diffusers UNet module names), one whole module each: the
     LDM UNet fuses none of the layers a LoRA adapts."""
     blocks = unet_block_prefixes(config)
-    whole = (Fraction(0), Fraction(1))
-    return {ldm_name(f"{m}.", blocks).removesuffix("."): (Segment(m, *whole, *whole),) for m in modules}
+    return {ldm_name(f"{m}.", blocks).removesuffix("."): (whole(m),) for m in modules}

@@ -50,6 +50,12 @@ class Segment:
 
 
 OriginalNames = dict[str, tuple[Segment, ...]]  # original module -> its rows, in order
+
+
+def whole(module: str) -> Segment:
+    """All of a diffusers module's rows, as all of an original module's."""
+    return Segment(module, Fraction(0), Fraction(1), Fraction(0), Fraction(1))
+
 TensorMap = dict[str, tuple[Segment, ...]]  # diffusers tensor -> the original tensors' rows it is made of, in order
 
 
@@ -108,8 +114,13 @@ def derive_tensor_map(convert: Callable[[dict], dict], seed_keys: list[str]) -> 
 
 def derive_original_names(convert: Callable[[dict], dict], seed_keys: list[str]) -> OriginalNames:
     """Which original weights' rows each diffusers weight is made of, by running `convert`."""
+    return names_of(derive_tensor_map(convert, seed_keys))
+
+
+def names_of(tensor_map: TensorMap) -> OriginalNames:
+    """A tensor map's weights as original modules, each with the diffusers modules' rows it holds."""
     found: dict[str, list[Segment]] = {}
-    for key, segments in derive_tensor_map(convert, seed_keys).items():
+    for key, segments in tensor_map.items():
         for s in segments if key.endswith(".weight") else ():
             if s.module.endswith(".weight"):
                 found.setdefault(s.module.removesuffix(".weight"), []).append(
@@ -170,8 +181,7 @@ def kohya_name(original: str) -> str:
 def by_diffusers_module(names: OriginalNames) -> OriginalNames:
     """The same modules each under its own (diffusers) name, whole: for a loader that maps diffusers
     names onto their rows of the original weights itself (ComfyUI's Z-Image key map)."""
-    whole = (Fraction(0), Fraction(1))
-    return {s.module: (Segment(s.module, *whole, *whole),) for segments in names.values() for s in segments}
+    return {s.module: (whole(s.module),) for segments in names.values() for s in segments}
 
 
 def fused_lora(lora: dict[str, torch.Tensor], scale: float, names: OriginalNames,
