@@ -231,8 +231,7 @@ def model(config_path: Path, overrides: list[str], as_json: bool) -> int:
     config = load_config(config_path, overrides)
     ctx = Context(config, log=note, reads_only=True)
     try:
-        converted = ctx.store.root / "models" / ctx.declared_family.components.identity(ctx.base_digests)
-        report = describe(ctx.base, ctx.declared_family, ctx.model_digests, converted, ctx.components)
+        report = describe(ctx.base, ctx.declared_family, ctx.model_digests, ctx.converted_base, ctx.components)
     finally:
         ctx.close()
     if as_json:

@@ -83,15 +83,25 @@ class Context:
         """The base model's component digests (model.path's)."""
         return component_digests(self.base.path, self.stat_cache, self.declared_family)
 
+    @property
+    def models_root(self) -> Path:
+        """Where model folders made from the user's files are kept: converted checkpoints, composed models."""
+        return self.store.root / "models"
+
+    @cached_property
+    def converted_base(self) -> Path:
+        """Where a single-file base's diffusers folder is (made by base_folder, once): `<models>/<its identity>`."""
+        return self.models_root / self.declared_family.components.identity(self.base_digests)
+
     @cached_property
     def base_folder(self) -> Path:
         """The base as a diffusers folder: model.path (a repo's snapshot), or its single-file checkpoint
-        converted once into the cache (`<cache>/models/<digest>`)."""
+        converted once into the cache (converted_base)."""
         path = self.base.path
         if not families.is_single_file(path):
             return path
-        identity = self.declared_family.components.identity(self.base_digests)
-        return families.single_file_folder(self.declared_family, path, identity, self.store.root / "models")
+        converted = self.converted_base
+        return families.single_file_folder(self.declared_family, path, converted.name, converted.parent)
 
     @cached_property
     def base_family(self) -> families.Family:
@@ -124,7 +134,7 @@ class Context:
         if not self.components:
             return self.base_folder
         return compose.composed_folder(self.base_family, self.base_folder, self.components, self.model_digests,
-                                       self.store.root / "models", self.log)
+                                       self.models_root, self.log)
 
     @cached_property
     def family(self) -> families.Family:
