@@ -34,8 +34,11 @@ def dequantised(tensors: dict[str, torch.Tensor], file: Path, log: Log) -> dict[
     for name, t in tensors.items():
         if name == MARKER or name.endswith((SCALE, INPUT_SCALE)):
             continue
-        scale = tensors.get(name.removesuffix(".weight") + SCALE) if name in fp8 else None
-        out[name] = t.to(dtype) * scale.to(dtype) if scale is not None else t.to(dtype) if name in fp8 else t
+        if name not in fp8:
+            out[name] = t
+            continue
+        scale = tensors.get(name.removesuffix(".weight") + SCALE)  # none in a plain fp8 file
+        out[name] = t.to(dtype) if scale is None else t.to(dtype) * scale.to(dtype)
     before = sum(tensors[name].nbytes for name in fp8)
     after = sum(out[name].nbytes for name in fp8 if name in out)
     log(f"{file}: {len(fp8)} fp8 tensors dequantised to {str(dtype).removeprefix('torch.')} for training:"

@@ -28,12 +28,11 @@ from lorapipe.stages.models import component_digests
 from . import COMFYUI_PREFIX, assert_same_tensors, folder_tensors, to_original, write_file
 from .flux import flux2_map
 from .sd import unet_to_ldm
-from .test_families_2026 import WRITERS
+from .test_families_2026 import WRITERS, original
 from .test_flux import bfl_transformer
 
 ORIGINAL_LAYOUT = {  # the denoiser's class -> (its folder, its component) -> its tensors in the original names
-    **{cls: lambda model, c, write=write: write(folder_tensors(model, c), config_of(model, c))
-       for cls, write in WRITERS.items()},
+    **dict.fromkeys(WRITERS, original),
     "UNet2DConditionModel": lambda model, c: unet_to_ldm(folder_tensors(model, c), config_of(model, c)),
     "FluxTransformer2DModel": lambda model, c: bfl_transformer(model),
     "Flux2Transformer2DModel": lambda model, c: to_original(flux2_map(config_of(model, c)), folder_tensors(model, c)),
@@ -84,9 +83,9 @@ def test_a_repo_id_with_its_denoiser_as_an_original_layout_file_is_the_folders_m
 def test_a_denoiser_file_alone_is_told_by_its_names_and_the_error_names_the_keys_to_set(tmp_path, tiny_models, arch):
     model = tiny_models(arch)
     family = families.for_model(model)
-    original = ORIGINAL_LAYOUT[config_of(model, "transformer")["_class_name"]](model, "transformer")
+    tensors = ORIGINAL_LAYOUT[config_of(model, "transformer")["_class_name"]](model, "transformer")
     for prefix in ("", COMFYUI_PREFIX):
-        file = write_file(original, tmp_path / f"alone{prefix.replace('.', '_')}.safetensors", prefix)
+        file = write_file(tensors, tmp_path / f"alone{prefix.replace('.', '_')}.safetensors", prefix)
         assert families.for_model(file).name == family.name
         raw = {"cache_dir": str(tmp_path / "cache"), "output_dir": str(tmp_path / "out"), "model": {"path": str(file)},
                "data": {"path": str(tmp_path)}, "train": {}, "evaluate": {"prompts": ["a photo"]}}
