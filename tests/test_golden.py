@@ -227,3 +227,15 @@ KONTEXT_GOLDEN = Golden(FLUX_GOLDEN["flux1-dev"].train_loss, FLUX_GOLDEN["flux1-
 def test_flux1_kontext_text_to_image_golden_numbers(tmp_path, flux_kontext_model, run_stages):
     measured = measure(run_stages(write_config(tmp_path, flux_kontext_model, Variant("flux1-kontext")), STAGES))
     assert_golden("flux1-kontext", measured, KONTEXT_GOLDEN)
+
+
+# Recorded at HunyuanImage 2.1's first run through the stages (commit "Add the HunyuanImage 2.1
+# family with its tiny model"), once tests/test_families_hunyuanimage21.py had checked its text
+# records, normalisation and transformer call against HunyuanImagePipeline: they pin its numbers from
+# then on. Its image rendered at the guider's scale (adaptive projected mix guidance).
+HUNYUANIMAGE21_GOLDEN = Golden(2.005096197128296, 1.9129582643508911, 1.8928301235040028, "709d65e7ed2a4bda")
+
+
+def test_hunyuanimage21_golden_numbers(tmp_path, tiny_models, run_stages):
+    config = write_config(tmp_path, tiny_models("hunyuanimage2.1"), Variant("hunyuanimage2.1"))
+    assert_golden("hunyuanimage2.1", measure(run_stages(config, STAGES)), HUNYUANIMAGE21_GOLDEN)
