@@ -4,12 +4,16 @@ makes, the latents' normalisation is what the pipeline inverts before decoding, 
 call is the pipeline's first."""
 from __future__ import annotations
 
+import json
+import shutil
+
 import pytest
 import torch
 from family_checks import assert_builds_byte_identically, assert_only_the_guiders_scale_renders, \
     assert_text_and_glyph_records_are_encode_prompts, first_call, quiet_pipeline, text_records, tiny_model_fixture
 
 import lorapipe.stages.families as families
+from lorapipe.cache.errors import UserError
 from lorapipe.stages.families import ObjectiveParams
 
 CAPTIONS = ["a sign that says 'hello' on a wall", "a rocket", ""]  # the first quotes text (single quotes: read too)
@@ -66,3 +70,16 @@ def test_denoiser_call_is_the_pipelines(model, captions):
 
 def test_a_guidance_scale_other_than_the_guiders_is_refused(model):
     assert_only_the_guiders_scale_renders(model, 3.5)
+
+
+def test_the_distilled_checkpoint_is_refused_naming_the_base(model, tmp_path):
+    """The distilled model's meanflow transformer reads the sampler's next timestep too: refused in one
+    line naming its config and the base to train instead, not trained as the base."""
+    shutil.copy(model / "model_index.json", tmp_path)
+    (tmp_path / "transformer").mkdir()
+    config = json.loads((model / "transformer" / "config.json").read_text())
+    (tmp_path / "transformer" / "config.json").write_text(json.dumps({**config, "use_meanflow": True,
+                                                                      "guidance_embeds": True}))
+    with pytest.raises(UserError, match=r"transformer/config.json: the distilled HunyuanImage 2.1 \(use_meanflow\).*"
+                                        r"train the base \(hunyuanvideo-community/HunyuanImage-2.1-Diffusers\)"):
+        families.for_model(tmp_path)

@@ -12,6 +12,9 @@ scaling_factor (the pipeline divides by it before decoding). The transformer rea
 (1x1 patches), 1000 sigma as its timestep, both texts with their masks.
 
 LoRA: diffusers format only, as the Hunyuan families export (hunyuan.py).
+
+The distilled checkpoint is refused: its meanflow transformer reads the sampler's next timestep as well
+(`timestep_r`), which a training step, at one noise level, does not have.
 """
 from __future__ import annotations
 
@@ -22,7 +25,7 @@ from typing import TYPE_CHECKING
 from .base import Conditioning, Kohya, TextOptions, TextRecord
 from .flow import FlowFamily, FlowVariant, presets_field
 from .flux1 import ATTENTION, DOUBLE, FEED_FORWARD, SINGLE
-from .folders import load_component
+from .folders import component_config, load_component
 from .hunyuan import COMPONENTS, HunyuanFamily, HunyuanTextSettings, on_device
 
 if TYPE_CHECKING:
@@ -36,6 +39,7 @@ GLYPH_LENGTH = 128  # the pipeline's tokenizer_2_max_length
 TIMESTEP_SCALE = 1000  # the pipeline's timesteps are 1000 sigma, as the transformer reads them
 
 VARIANTS = (FlowVariant("base", "hunyuanimage2.1", 50, 3.5, max_sequence_length=1000),)  # the guider's scale
+BASE = "hunyuanvideo-community/HunyuanImage-2.1-Diffusers"
 
 
 class HunyuanImageTextSettings(HunyuanTextSettings):
@@ -90,6 +94,15 @@ class HunyuanImageTextEncoder:
 class HunyuanImage21(HunyuanFamily, FlowFamily):
     variants: tuple[FlowVariant, ...] = VARIANTS
     lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (DOUBLE, SINGLE))
+
+    def for_model(self, model_path: Path) -> HunyuanImage21:
+        from lorapipe.cache.errors import UserError
+
+        if component_config(model_path, self.components.denoiser).get("use_meanflow"):
+            raise UserError(f"{model_path}/{self.components.denoiser}/config.json: the distilled HunyuanImage 2.1"
+                            " (use_meanflow) reads the sampler's next timestep too, which training has not: train"
+                            f" the base ({BASE}) instead")
+        return super().for_model(model_path)
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> HunyuanImageTextSettings:
