@@ -8,6 +8,7 @@ diffusers file only: diffusers has no converter from their original layouts to n
 """
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
@@ -16,6 +17,7 @@ from lorapipe.stages.contract import Frozen
 from lorapipe.stages.lora_formats.original_names import OriginalNames, whole
 
 from .base import Components, Conditioning, ImageGeometry, TextRecord, pad_sequences
+from .folders import load_component
 from .objectives import FlowMatchingObjective, ObjectiveParams
 
 if TYPE_CHECKING:
@@ -31,6 +33,19 @@ class HunyuanTextSettings(Frozen):
     crop_start: int = Field(ge=0, description="the template's tokens cut off the hidden states")
     skipped_layers: int = Field(ge=0, description="last hidden layers skipped: the record is hidden_states[-(n + 1)]")
     glyph_max_length: int = Field(gt=0, description="ByT5 tokens of the caption's quoted text")
+
+
+class HunyuanTextEncoders:
+    """A Hunyuan pipeline's two text encoders, frozen on `device`: Qwen2.5-VL (tokenizer,
+    text_encoder) and ByT5 (tokenizer_2, text_encoder_2); each family's subclass encodes as its
+    pipeline's encode_prompt does."""
+
+    def __init__(self, model_path: Path, settings: HunyuanTextSettings, dtype: torch.dtype, device: str):
+        self.settings, self.dtype, self.device = settings, dtype, device
+        self.tokenizer = load_component(model_path, "tokenizer")
+        self.encoder = load_component(model_path, "text_encoder").eval().requires_grad_(False).to(device)
+        self.glyph_tokenizer = load_component(model_path, "tokenizer_2")
+        self.glyph_encoder = load_component(model_path, "text_encoder_2").eval().requires_grad_(False).to(device)
 
 
 class HunyuanFamily:

@@ -22,11 +22,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from pydantic import Field
+
 from .base import Conditioning, Kohya, TextOptions, TextRecord
 from .flow import FlowFamily, FlowVariant, presets_field
 from .flux1 import ATTENTION, DOUBLE, FEED_FORWARD, SINGLE
-from .folders import component_config, load_component
-from .hunyuan import COMPONENTS, HunyuanFamily, HunyuanTextSettings, on_device
+from .folders import component_config
+from .hunyuan import COMPONENTS, HunyuanFamily, HunyuanTextEncoders, HunyuanTextSettings, on_device
 
 if TYPE_CHECKING:
     import torch
@@ -43,20 +45,13 @@ BASE = "hunyuanvideo-community/HunyuanImage-2.1-Diffusers"
 
 
 class HunyuanImageTextSettings(HunyuanTextSettings):
-    template: str  # the pipeline's prompt_template_encode, '{}' the caption
+    template: str = Field(description="the pipeline's prompt_template_encode, '{}' the caption")
 
 
-class HunyuanImageTextEncoder:
+class HunyuanImageTextEncoder(HunyuanTextEncoders):
     """HunyuanImagePipeline.encode_prompt, batched: each caption's Qwen2.5-VL and ByT5 states at their
     own tokens. The pipeline's encoding methods read nothing of the pipeline but what they are given
     (device and dtype among it), so they run here without one."""
-
-    def __init__(self, model_path: Path, settings: HunyuanImageTextSettings, dtype: torch.dtype, device: str):
-        self.settings, self.dtype, self.device = settings, dtype, device
-        self.tokenizer = load_component(model_path, "tokenizer")
-        self.encoder = load_component(model_path, "text_encoder").eval().requires_grad_(False).to(device)
-        self.glyph_tokenizer = load_component(model_path, "tokenizer_2")
-        self.glyph_encoder = load_component(model_path, "text_encoder_2").eval().requires_grad_(False).to(device)
 
     def too_long(self, caption: str) -> bool:
         s = self.settings

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING
 
 from .base import Conditioning, Kohya, TextOptions, TextRecord
 from .flow import presets_field
-from .folders import component_config, load_component
-from .hunyuan import COMPONENTS, HunyuanFamily, HunyuanTextSettings, on_device
+from .folders import component_config
+from .hunyuan import COMPONENTS, HunyuanFamily, HunyuanTextEncoders, HunyuanTextSettings, on_device
 from .video import ClipPosterior, VideoFamily, VideoVariant
 
 if TYPE_CHECKING:
@@ -44,16 +44,9 @@ IMAGE_TOKENS = 729  # the pipeline's vision_num_semantic_tokens: zero image embe
 VARIANTS = (VideoVariant("1.5-t2v", "hunyuanvideo1.5", 50, 6.0, max_sequence_length=1000, render_frames=121),)
 
 
-class HunyuanVideo15TextEncoder:
+class HunyuanVideo15TextEncoder(HunyuanTextEncoders):
     """HunyuanVideo15Pipeline.encode_prompt, batched: each caption's Qwen2.5-VL and ByT5 states at
     their own tokens."""
-
-    def __init__(self, model_path: Path, settings: HunyuanTextSettings, dtype: torch.dtype, device: str):
-        self.settings, self.dtype, self.device = settings, dtype, device
-        self.tokenizer = load_component(model_path, "tokenizer")
-        self.encoder = load_component(model_path, "text_encoder").eval().requires_grad_(False).to(device)
-        self.glyph_tokenizer = load_component(model_path, "tokenizer_2")
-        self.glyph_encoder = load_component(model_path, "text_encoder_2").eval().requires_grad_(False).to(device)
 
     def too_long(self, caption: str) -> bool:
         from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import format_text_input
