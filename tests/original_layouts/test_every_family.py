@@ -36,8 +36,9 @@ ORIGINAL_LAYOUT = {  # the denoiser's class -> (its folder, its component) -> it
     "UNet2DConditionModel": lambda model, c: unet_to_ldm(folder_tensors(model, c), config_of(model, c)),
     "FluxTransformer2DModel": lambda model, c: bfl_transformer(model),
     "Flux2Transformer2DModel": lambda model, c: to_original(flux2_map(config_of(model, c)), folder_tensors(model, c)),
-    "HunyuanVideo15Transformer3DModel": lambda model, c: folder_tensors(model, c),  # no converter: diffusers' names
-    "ErnieImageTransformer2DModel": lambda model, c: folder_tensors(model, c),  # its converter keeps diffusers' names
+    # no converter, or ERNIE's that keeps them: diffusers' names
+    **dict.fromkeys(("HunyuanVideo15Transformer3DModel", "HunyuanImageTransformer2DModel",
+                      "ErnieImageTransformer2DModel"), folder_tensors),
 }
 ARCHES = [family.variants[0].tiny_arch for family in families.FAMILIES.values()] + ["wan2.2-a14b"]
 
