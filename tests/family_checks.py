@@ -135,6 +135,15 @@ def assert_means_what_was_trained(denoiser, targets: list[str], change: dict[str
         assert torch.allclose(delta, trained, atol=1e-6), name
 
 
+
+def assert_loads_key_for_key(pipe, file: Path) -> None:
+    """Every key of the diffusers file lands on a LoRA weight of its value in the pipeline's
+    transformer (load_lora_weights), nothing unexpected, nothing missing."""
+    pipe.load_lora_weights(file.parent, weight_name=file.name, adapter_name="x")
+    loaded = {f"transformer.{k.replace('.x.', '.')}": v for k, v in pipe.transformer.state_dict().items() if ".x." in k}
+    tensors = load_file(file)
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+
 def keys_of(file: Path) -> set[str]:
     """The tensor names a safetensors file holds."""
     with safe_open(file, "pt") as f:

@@ -1,13 +1,16 @@
 """The Chroma family against ChromaPipeline on the tiny offline Chroma: the cached text record (T5
 encoded with the tokenizer's mask, every position kept, the mask the transformer reads) is what
 inference encodes, the latents are Flux.1's normalisation as the pipeline's VAE makes them, and the
-denoiser call, its additive text mask included, is the pipeline's."""
+denoiser call, its additive text mask included, is the pipeline's; the LoRA files in Chroma's original
+names load through diffusers' converter and ComfyUI's key map."""
 from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import (CAPTIONS, assert_builds_byte_identically, assert_resolution_shift_is_the_pipelines,
-                           first_step_predicted, quiet_pipeline, text_records, tiny_model_fixture)
+from comfyui_keys import assert_comfyui_applies_the_merged_model, comfyui_unread
+from family_checks import (CAPTIONS, assert_builds_byte_identically, assert_loads_key_for_key, assert_means_what_was_trained,
+                           assert_resolution_shift_is_the_pipelines, first_step_predicted, fused_change, keys_of,
+                           quiet_pipeline, text_records, tiny_model_fixture, trained_lora)
 
 import lorapipe.stages.families as families
 from lorapipe.stages.families import ObjectiveParams, TextOptions
@@ -74,3 +77,29 @@ def test_shift_is_the_pipelines_by_resolution(chroma):
     from diffusers.pipelines.flux.pipeline_flux import calculate_shift
 
     assert_resolution_shift_is_the_pipelines(chroma, calculate_shift, 256, 4096, 0.5, 1.15)
+
+
+def test_every_exported_file_loads_as_written(chroma, exported_loras):
+    """The diffusers file lands key for key on ChromaPipeline's LoRA weights; ComfyUI (whose Chroma is
+    a Flux model: Chroma's original names and Flux.1's diffusers names) applies the trained model from
+    the kohya and ComfyUI files and reads every key of the diffusers one."""
+    transformer, _, written = exported_loras("chroma")
+    family, pipe = families.for_model(chroma), quiet_pipeline(chroma)
+    assert_loads_key_for_key(pipe, written[0])
+    for file in written[1:]:
+        assert_comfyui_applies_the_merged_model(file, transformer, family)
+    assert not comfyui_unread(written[0], transformer, family)
+
+
+@pytest.mark.parametrize("file", [1, 2], ids=["kohya", "comfyui"])
+def test_original_name_exports_load_through_diffusers_converter(chroma, tmp_path, file):
+    """Chroma's names (q/k/v fused into img_attn.qkv and txt_attn.qkv), spelt as kohya and as ComfyUI,
+    loaded by ChromaPipeline's (Flux.1's) kohya converter: every key maps and the fused change is the
+    trained one. Double blocks only: diffusers 0.42.1 splits linear1 at Flux.1's fixed widths."""
+    family = families.for_model(chroma)
+    double = tuple(t for t in family.lora_target_modules(family.load_denoiser(chroma, torch.float32), "all_linear")
+                   if t.startswith("transformer_blocks."))
+    transformer, targets = trained_lora(family, chroma, double)
+    exported = family.export_lora(transformer, tmp_path, {"lorapipe.steps": "1"}, {"ss_network_alpha": "3.0"})[file]
+    assert next(iter(keys_of(exported))).startswith(("lora_unet_double_blocks_0_", "diffusion_model.double_blocks.0."))
+    assert_means_what_was_trained(transformer, targets, fused_change(quiet_pipeline(chroma), "transformer", exported))
