@@ -6,8 +6,9 @@ the tokenizer's mask (Flux.1 encodes unmasked); the record keeps every position,
 and the mask the transformer reads: the caption's tokens and the first padding token. The pipeline
 hands that mask to the transformer as 0/1 floats, which diffusers' attention adds to the scores:
 the other padding tokens are read, weighted e^-1 against the rest, so records keep them. The
-transformer takes sigma as its timestep, no guidance and no pooled text; the pipeline renders with
-real classifier-free guidance and a negative prompt. Packing, latent normalisation, presets and the
+transformer takes sigma as its timestep, no guidance and no pooled text (with gradient checkpointing,
+the family hands its single blocks the mask diffusers leaves out: keep_mask_when_checkpointed); the
+pipeline renders with real classifier-free guidance and a negative prompt. Packing, latent normalisation, presets and the
 export spellings are Flux.1's (a `Flux1` subclass). Chroma1-HD and Chroma1-Base share their configs:
 one variant.
 
@@ -87,6 +88,11 @@ class Chroma(Flux1):
                      params: ObjectiveParams) -> Conditioning:
         return {"encoder_hidden_states": stack(texts, "hidden_states"), "attention_mask": stack(texts, "attention_mask")}
 
+    def load_denoiser(self, model_path: Path, dtype: torch.dtype) -> torch.nn.Module:
+        transformer = super().load_denoiser(model_path, dtype)
+        keep_mask_when_checkpointed(transformer)
+        return transformer
+
     def text_inputs(self, conditioning: Conditioning, image_tokens: int, dtype: torch.dtype) -> Conditioning:
         """The text mask followed by the image tokens', all read (ChromaPipeline._prepare_attention_mask)."""
         import torch
@@ -108,6 +114,27 @@ class Chroma(Flux1):
         from .tiny.chroma import build_tiny_chroma
 
         return build_tiny_chroma(out_dir)
+
+
+def keep_mask_when_checkpointed(transformer: torch.nn.Module) -> None:
+    """Hand each single block the attention mask of the transformer call it runs in when the call left it
+    out: with gradient checkpointing on, diffusers 0.42.1's ChromaTransformer2DModel calls its single
+    blocks without it (its double blocks, and every block without checkpointing, get it), which would
+    train another function than the pipeline renders. The mask is the latest call's when a checkpointed
+    block is recomputed: the step's backward follows its own forward."""
+    call: dict[str, torch.Tensor | None] = {}
+
+    def remember(module, args, kwargs):
+        call["attention_mask"] = kwargs.get("attention_mask")
+
+    def hand_over(block, args, kwargs):
+        if len(args) < 4 and "attention_mask" not in kwargs:  # (hidden_states, temb, image_rotary_emb) alone
+            return args, {**kwargs, "attention_mask": call["attention_mask"]}
+        return None
+
+    transformer.register_forward_pre_hook(remember, with_kwargs=True)
+    for block in transformer.single_transformer_blocks:
+        block.register_forward_pre_hook(hand_over, with_kwargs=True)
 
 
 @cache
