@@ -31,8 +31,8 @@ from lorapipe.stages.lora_formats.original_names import OriginalNames, TensorMap
     derive_tensor_map, names_of
 
 from .base import Components, Conditioning, ImageGeometry, Kohya, TextOptions, TextRecord, stack
-from .flow import FlowFamily, FlowVariant, presets_field
-from .flux1 import ATTENTION, DOUBLE, FEED_FORWARD, FLUX1, SINGLE, Flux1
+from .flow import FlowFamily, FlowVariant
+from .flux1 import FLUX1, Flux1
 from .folders import load_component
 from .objectives import ObjectiveParams
 
@@ -45,7 +45,7 @@ VARIANTS = (FlowVariant("chroma1", "chroma", 35, 5.0),)  # ChromaPipeline's defa
 class ChromaTextSettings(Frozen):
     max_sequence_length: int  # T5 tokens
     padding: Literal["max_length"] = "max_length"  # records hold every position, encoded with the tokenizer's mask
-    mask: Literal["tokens_and_first_pad"] = "tokens_and_first_pad"  # what the transformer's mask marks read in full
+    mask: Literal["tokens_and_first_pad"] = "tokens_and_first_pad"  # what the record's mask marks (the rest: e^-1)
 
 
 class ChromaTextEncoder:
@@ -76,8 +76,7 @@ class ChromaTextEncoder:
 
 @dataclass(frozen=True)
 class Chroma(Flux1):
-    variants: tuple[FlowVariant, ...] = VARIANTS
-    lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (DOUBLE, SINGLE))
+    variants: tuple[FlowVariant, ...] = VARIANTS  # Flux.1's presets: the same blocks
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> ChromaTextSettings:
