@@ -272,6 +272,11 @@ FAMILIES = (
               _names("transformer_blocks.{i}.{m}.net.{p}", i=TWO, m=("ff", "ff_context"), p=("0.proj", "2")),
               _names("transformer_blocks.{i}.{m}.linear", i=TWO, m=("norm1", "norm1_context")),
               (DIFFUSERS_FILE,)),
+    FamilyRow("ernie-image",
+              _names("layers.{i}.self_attention.{m}", i=TWO, m=QKVO),
+              _names("layers.{i}.mlp.{m}", i=TWO, m=("gate_proj", "up_proj", "linear_fc2")),
+              frozenset(),  # the modulation is shared, outside the blocks
+              (DIFFUSERS_FILE, COMFYUI_FILE)),
     FamilyRow("ltx2",
               _names("transformer_blocks.{i}.{a}.{m}", i=TWO, a=("attn1", "attn2"), m=QKVO),
               _names("transformer_blocks.{i}.ff.net.{p}", i=TWO, p=("0.proj", "2")),

@@ -238,3 +238,14 @@ KONTEXT_GOLDEN = Golden(FLUX_GOLDEN["flux1-dev"].train_loss, FLUX_GOLDEN["flux1-
 def test_flux1_kontext_text_to_image_golden_numbers(tmp_path, flux_kontext_model, run_stages):
     measured = measure(run_stages(write_config(tmp_path, flux_kontext_model, Variant("flux1-kontext")), STAGES))
     assert_golden("flux1-kontext", measured, KONTEXT_GOLDEN)
+
+
+# Recorded at ERNIE-Image's first run through the stages (commit "Pin ERNIE-Image's golden numbers"), once
+# tests/test_families_ernie_image.py had checked its text records, normalisation and transformer call
+# against ErnieImagePipeline: they pin its numbers from then on.
+ERNIE_IMAGE_GOLDEN = Golden(2.5594756603240967, 1.476486345132192, 1.4738749861717224, "94998a542f067556")
+
+
+def test_ernie_image_golden_numbers(tmp_path, tiny_models, run_stages):
+    config = write_config(tmp_path, tiny_models("ernie-image"), Variant("ernie-image"))
+    assert_golden("ernie-image", measure(run_stages(config, STAGES)), ERNIE_IMAGE_GOLDEN)

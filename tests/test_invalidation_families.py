@@ -1,7 +1,8 @@
 """The cache invariants for the families with variable-length text records (Z-Image, Krea 2, Qwen-Image
-2.1, Ideogram 4, HunyuanVideo 1.5) and for Flux.2-dev and Chroma, a row each: on the family's tiny model, through the real
+2.1, Ideogram 4, HunyuanVideo 1.5, ERNIE-Image) and for Flux.2-dev and Chroma, a row each: on the family's tiny model, through the real
 preprocess and encode stages, with encodes counted by forward hooks on the VAE encoder and on the
-text encoder (Qwen3; Qwen3-VL at its first decoder layer: one row per caption; Mistral3). A caption edit re-encodes one text
+text encoder (Qwen3; Qwen3-VL at its first decoder layer: one row per caption; Mistral3: Flux.2-dev's
+and ERNIE-Image's). A caption edit re-encodes one text
 record; new VAE weights (Ideogram 4's batch-norm statistics too) re-encode latents only; what shapes
 a family's text records (TEXT_CHANGES: a file of the model, a setting in model_index.json, the
 family's own data, the token window) re-encodes text records only."""
@@ -20,7 +21,8 @@ from lorapipe.stages.families.zimage import ZImage
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ("z-image", "krea2", "qwen-image-2.1", "ideogram4", "flux2-dev", "hunyuanvideo1.5", "chroma")
+FAMILIES = ("z-image", "krea2", "qwen-image-2.1", "ideogram4", "flux2-dev", "hunyuanvideo1.5", "ernie-image",
+            "chroma")
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -82,6 +84,7 @@ TEXT_CHANGES = [  # (arch, the change, what status names as the reason)
     pytest.param("qwen-image-2.1", processor_tokenizer, "models.processor", id="qwen-image-2.1-processor_tokenizer"),
     pytest.param("hunyuanvideo1.5", token_window, "params.max_sequence_length",
                  id="hunyuanvideo1.5-max_sequence_length"),
+    pytest.param("ernie-image", token_window, "params.max_sequence_length", id="ernie-image-max_sequence_length"),
     pytest.param("chroma", token_window, "params.max_sequence_length", id="chroma-max_sequence_length"),
 ]
 

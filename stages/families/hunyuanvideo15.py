@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from pydantic import Field
 
 from lorapipe.stages.contract import Frozen
-from lorapipe.stages.lora_formats.original_names import OriginalNames, whole
+from lorapipe.stages.lora_formats.original_names import OriginalNames, own_names
 
 from .base import Components, Conditioning, ImageGeometry, Kohya, LatentGeometry, TextOptions, TextRecord, \
     pad_sequences
@@ -157,10 +157,7 @@ class HunyuanVideo15(VideoFamily):
     # ---- LoRA
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
         """Each Linear under its own name, whole: no original-name file is written (none of original_formats)."""
-        import torch
-
-        return {name: (whole(name),) for name, module in transformer.named_modules()
-                if isinstance(module, torch.nn.Linear)}
+        return own_names(transformer)
 
     # ---- rendering
     def prepare_pipeline(self, pipe: Any, sampler: str, objective: FlowMatchingObjective) -> None:

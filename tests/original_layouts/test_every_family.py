@@ -38,6 +38,7 @@ ORIGINAL_LAYOUT = {  # the denoiser's class -> (its folder, its component) -> it
     "FluxTransformer2DModel": lambda model, c: bfl_transformer(model),
     "Flux2Transformer2DModel": lambda model, c: to_original(flux2_map(config_of(model, c)), folder_tensors(model, c)),
     "HunyuanVideo15Transformer3DModel": lambda model, c: folder_tensors(model, c),  # no converter: diffusers' names
+    "ErnieImageTransformer2DModel": lambda model, c: folder_tensors(model, c),  # its converter keeps diffusers' names
     "ChromaTransformer2DModel": lambda model, c: to_original(chroma_map(*(config_of(model, c)[k] for k in (
         "num_layers", "num_single_layers", "approximator_layers"))), folder_tensors(model, c)),
 }
@@ -82,7 +83,7 @@ def test_a_repo_id_with_its_denoiser_as_an_original_layout_file_is_the_folders_m
 
 
 @pytest.mark.parametrize("arch", ["flux1", "flux2-klein", "z-image", "qwen-image", "qwen-image-2.1", "krea2", "wan2.1",
-                                  "ltx2", "chroma"])
+                                  "ltx2", "ernie-image", "chroma"])
 def test_a_denoiser_file_alone_is_told_by_its_names_and_the_error_names_the_keys_to_set(tmp_path, tiny_models, arch):
     model = tiny_models(arch)
     family = families.for_model(model)
