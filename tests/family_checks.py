@@ -130,6 +130,15 @@ def assert_means_what_was_trained(denoiser, targets: list[str], change: dict[str
         assert torch.allclose(delta, trained, atol=1e-6), name
 
 
+
+def assert_loads_key_for_key(pipe, file: Path) -> None:
+    """Every key of the diffusers file lands on a LoRA weight of its value in the pipeline's
+    transformer (load_lora_weights), nothing unexpected, nothing missing."""
+    pipe.load_lora_weights(file.parent, weight_name=file.name, adapter_name="x")
+    loaded = {f"transformer.{k.replace('.x.', '.')}": v for k, v in pipe.transformer.state_dict().items() if ".x." in k}
+    tensors = load_file(file)
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
+
 def keys_of(file: Path) -> set[str]:
     """The tensor names a safetensors file holds."""
     with safe_open(file, "pt") as f:
@@ -198,15 +207,17 @@ def _names(pattern: str, **each: tuple) -> frozenset[str]:
 TWO = range(2)
 QKVO = ("to_q", "to_k", "to_v", "to_out.0")
 JOINT_ATTENTION = (*QKVO, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")  # image and text streams
+FLUX1_ATTENTION = (_names("transformer_blocks.0.attn.{m}", m=JOINT_ATTENTION)
+                   | _names("single_transformer_blocks.0.attn.{m}", m=QKVO[:3]))
+FLUX1_FEED_FORWARD = (_names("transformer_blocks.0.{m}", m=("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                                                            "ff_context.net.2"))
+                      | {"single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.proj_out"})
 FAMILIES = (
-    FamilyRow("flux1",
-              _names("transformer_blocks.0.attn.{m}", m=JOINT_ATTENTION)
-              | _names("single_transformer_blocks.0.attn.{m}", m=QKVO[:3]),
-              _names("transformer_blocks.0.{m}", m=("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                                                    "ff_context.net.2"))
-              | {"single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.proj_out"},
+    FamilyRow("flux1", FLUX1_ATTENTION, FLUX1_FEED_FORWARD,
               frozenset({"transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1_context.linear",
                          "single_transformer_blocks.0.norm.linear"}),
+              (DIFFUSERS_FILE, KOHYA_FILE, COMFYUI_FILE)),
+    FamilyRow("chroma", FLUX1_ATTENTION, FLUX1_FEED_FORWARD, frozenset(),  # its modulation is outside the blocks
               (DIFFUSERS_FILE, KOHYA_FILE, COMFYUI_FILE)),
     FamilyRow("z-image",
               _names("{b}.attention.{m}", b=("layers.0", "layers.1", "noise_refiner.0", "context_refiner.0"), m=QKVO),

@@ -215,6 +215,17 @@ def test_flux2_dev_golden_numbers(tmp_path, tiny_models, run_stages):
     assert_golden("flux2-dev", measure(run_stages(config, STAGES)), FLUX2_DEV_GOLDEN)
 
 
+
+# Recorded at Chroma's first run through the stages, once tests/test_families_chroma.py had checked its
+# text records (every position and the pipeline's mask), normalisation and transformer call against
+# ChromaPipeline: they pin its numbers from then on.
+CHROMA_GOLDEN = Golden(1.7553458213806152, 1.5976020693778992, 1.567533512910207, "9e8d6ff01acb5e38")
+
+
+def test_chroma_golden_numbers(tmp_path, tiny_models, run_stages):
+    measured = measure(run_stages(write_config(tmp_path, tiny_models("chroma"), Variant("chroma")), STAGES))
+    assert_golden("chroma", measured, CHROMA_GOLDEN)
+
 # Flux.1 Kontext without references is Flux.1 dev's text-to-image model, and the tiny Kontext holds the
 # tiny Flux.1 dev's weights: its losses are flux1-dev's (both measured equal to the last bit). Its image, rendered by
 # FluxKontextPipeline at Kontext's guidance (2.5) and output size (max_area), recorded at its first run
