@@ -47,7 +47,7 @@ from .base import (MODEL_INDEX, Components, Conditioning, Denoiser, ImageGeometr
 from .flow import FlowVariant, presets_field
 from .folders import component_config, load_component, model_index
 from .latents import ChannelMeanStd, channel_mean_std_of
-from .objectives import ObjectiveParams, TimestepSampling
+from .objectives import ObjectiveParams
 from lorapipe.stages.lora_formats.original_names import (COMFYUI, KOHYA, KeySpelling, OriginalNames,
                                                          derive_original_names, kohya_name, weight_keys)
 from .video import VideoFamily, VideoVariant
@@ -172,12 +172,6 @@ class Wan(VideoFamily):
     def text_settings(self, model_path: Path, options: TextOptions) -> WanTextSettings:
         return WanTextSettings(max_sequence_length=self.text_length(options),
                                ftfy=ftfy_version())
-
-    # ---- objective
-    def model_shift(self, scheduler_config: dict) -> TimestepSampling | None:
-        if "flow_shift" not in scheduler_config:
-            return None  # a FlowMatchEulerDiscreteScheduler: its own `shift`
-        return TimestepSampling(shift="static", shift_value=scheduler_config["flow_shift"])
 
     # ---- denoiser
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
