@@ -227,3 +227,15 @@ KONTEXT_GOLDEN = Golden(FLUX_GOLDEN["flux1-dev"].train_loss, FLUX_GOLDEN["flux1-
 def test_flux1_kontext_text_to_image_golden_numbers(tmp_path, flux_kontext_model, run_stages):
     measured = measure(run_stages(write_config(tmp_path, flux_kontext_model, Variant("flux1-kontext")), STAGES))
     assert_golden("flux1-kontext", measured, KONTEXT_GOLDEN)
+
+
+# Recorded at HiDream-I1's first run through the stages (commit "Pin HiDream-I1's golden numbers"), once
+# tests/test_families_hidream.py had checked its text records, normalisation and transformer call (in
+# inference and training mode) against HiDreamImagePipeline: they pin its numbers from then on. Full:
+# UniPC's static flow_shift in training, its image rendered at evaluate's size with guidance 5.
+HIDREAM_GOLDEN = Golden(1.541206955909729, 1.4348503351211548, 1.4252611796061199, "be58d867cbf1069b")
+
+
+def test_hidream_golden_numbers(tmp_path, tiny_models, run_stages):
+    config = write_config(tmp_path, tiny_models("hidream-i1"), Variant("hidream-i1"))
+    assert_golden("hidream-i1", measure(run_stages(config, STAGES)), HIDREAM_GOLDEN)
