@@ -68,25 +68,27 @@ def test_latent_normalisation_is_flux1s_the_pipeline_decodes(full):
     assert torch.allclose(normalise.apply(mean), expected, atol=1e-6)
 
 
-@pytest.mark.parametrize("height, width", [(64, 64), (64, 48)])
-def test_denoiser_call_is_the_pipelines_at_the_area_asked_for(full, height, width):
+def test_denoiser_call_is_the_pipelines_at_the_area_asked_for(full):
     """The prepared pipeline renders at evaluate's size (its own area would be 64 x 64 latents here);
-    predict is its transformer's first call, and the same in training mode, where the transformer
-    returns its tokens otherwise (a non-square image's padded to max_seq)."""
+    predict is its transformer's first call, on a square and a non-square image, and the same in
+    training mode, where the transformer returns its tokens otherwise (a non-square image's padded
+    to max_seq)."""
     family, pipe = families.for_model(full), quiet_pipeline(full)
     family.prepare_pipeline(pipe, family.sampler, family.objective(full, ObjectiveParams()))
-    _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
-        CAPTIONS[:2], num_inference_steps=2, height=height, width=width, guidance_scale=1.0,
-        generator=torch.Generator().manual_seed(0), output_type="latent", max_area=height * width))
-    noisy, sigma = kwargs["hidden_states"], kwargs["timesteps"] / 1000
-    assert noisy.shape == (2, 16, height // 8, width // 8)
     cond = family.conditioning(text_records(full, CAPTIONS[:2])[1], [], ObjectiveParams())
-    with torch.no_grad():
-        predicted = family.predict(pipe.transformer, noisy, sigma, cond, torch.float32)
-        assert torch.equal(predicted, -output[0])
-        pipe.transformer.train()
-        training = family.predict(pipe.transformer, noisy, sigma, cond, torch.float32)
-    assert torch.allclose(training, predicted, atol=1e-5)
+    for height, width in ((64, 64), (64, 48)):
+        _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
+            CAPTIONS[:2], num_inference_steps=2, height=height, width=width, guidance_scale=1.0,
+            generator=torch.Generator().manual_seed(0), output_type="latent", max_area=height * width))
+        noisy, sigma = kwargs["hidden_states"], kwargs["timesteps"] / 1000
+        assert noisy.shape == (2, 16, height // 8, width // 8)
+        with torch.no_grad():
+            predicted = family.predict(pipe.transformer, noisy, sigma, cond, torch.float32)
+            assert torch.equal(predicted, -output[0])
+            pipe.transformer.train()
+            training = family.predict(pipe.transformer, noisy, sigma, cond, torch.float32)
+            pipe.transformer.eval()
+        assert torch.allclose(training, predicted, atol=1e-5)
 
 
 def test_comfyui_export_loads_in_diffusers_and_comfyui(full, exported_loras):
