@@ -261,7 +261,7 @@ FAMILIES = (
               _names("transformer_blocks.{i}.{m}.net.{p}", i=TWO, m=("ff", "ff_context"), p=("0.proj", "2")),
               _names("transformer_blocks.{i}.{m}.linear", i=TWO, m=("norm1", "norm1_context")),
               (DIFFUSERS_FILE,)),
-    FamilyRow("hidream-i1",  # the image feed-forward is a mixture: a shared and 4 routed experts (its router is no Linear)
+    FamilyRow("hidream-i1",  # the image feed-forward mixes a shared and 4 routed experts (its router is no Linear)
               _names("double_stream_blocks.{i}.block.attn1.{m}{t}", i=TWO, m=("to_q", "to_k", "to_v", "to_out"),
                      t=("", "_t"))
               | _names("single_stream_blocks.{i}.block.attn1.{m}", i=TWO, m=("to_q", "to_k", "to_v", "to_out")),

@@ -1,10 +1,11 @@
 """The cache invariants for the families with variable-length text records (Z-Image, Krea 2, Qwen-Image
-2.1, Ideogram 4, HunyuanVideo 1.5) and for Flux.2-dev and HiDream-I1, a row each: on the family's tiny model, through the real
-preprocess and encode stages, with encodes counted by forward hooks on the VAE encoder and on the
-text encoder (Qwen3; Qwen3-VL at its first decoder layer: one row per caption; Mistral3; HiDream-I1: TEXT_ROWS). A caption edit re-encodes one text
-record; new VAE weights (Ideogram 4's batch-norm statistics too) re-encode latents only; what shapes
-a family's text records (TEXT_CHANGES: a file of the model, a setting in model_index.json, the
-family's own data, the token window) re-encodes text records only."""
+2.1, Ideogram 4, HunyuanVideo 1.5) and for Flux.2-dev and HiDream-I1, a row each: on the family's tiny
+model, through the real preprocess and encode stages, with encodes counted by forward hooks on the VAE
+encoder and on the text encoder (Qwen3; Qwen3-VL at its first decoder layer: one row per caption;
+Mistral3; HiDream-I1: TEXT_ROWS). A caption edit re-encodes one text record; new VAE weights (Ideogram
+4's batch-norm statistics too) re-encode latents only; what shapes a family's text records
+(TEXT_CHANGES: a file of the model, a setting in model_index.json, the family's own data, the token
+window, the Llama layers a transformer reads) re-encodes text records only."""
 from __future__ import annotations
 
 import json

@@ -42,8 +42,8 @@ from pydantic import Field
 from lorapipe.stages.contract import Frozen
 from lorapipe.stages.lora_formats.original_names import COMFYUI, OriginalNames, derive_original_names
 
-from .base import FLOW_MATCH_EULER, Components, Conditioning, Family, ImageGeometry, Kohya, TextOptions, TextRecord, \
-    stack
+from .base import (FLOW_MATCH_EULER, FLOW_UNIPC, Components, Conditioning, Family, ImageGeometry, Kohya,
+                   TextOptions, TextRecord, stack)
 from .flow import FlowFamily, FlowVariant, presets_field, refuse_negative_prompt
 from .folders import component_config, load_component
 from .objectives import FlowMatchingObjective, ObjectiveParams
@@ -57,8 +57,8 @@ FEED_FORWARD = (r"(double|single)_stream_blocks\.\d+\.block\.ff_i\.((shared_expe
                 DOUBLE + r"ff_t\.w[123]")
 CLIP_TOKENS = 218  # the pipeline's bound on the CLIPs' tokens
 TIMESTEP_SCALE = 1000  # the pipeline's timesteps are 1000 sigma, as the transformer reads them
-FLOW_UNIPC = "flow_unipc"
 FULL = "HiDream-ai/HiDream-I1-Full"
+MAX_TOKENS = 128  # the pipeline's default max_sequence_length
 AREA_MARGIN = 1 + 2 ** -20  # AtArea's side scale
 
 
@@ -69,10 +69,11 @@ class HiDreamVariant(FlowVariant):
 
 VARIANTS = (  # the published folders' schedulers and model cards' steps and guidance
     HiDreamVariant("full", "hidream-i1", 50, 5.0, markers=(("scheduler", "_class_name", "UniPCMultistepScheduler"),),
-                   max_sequence_length=128, sampler=FLOW_UNIPC),
-    HiDreamVariant("dev", "hidream-i1-dev", 28, 0.0, markers=(("scheduler", "shift", 6.0),), max_sequence_length=128,
-                   distilled=True, train_instead=FULL),
-    HiDreamVariant("fast", "hidream-i1-fast", 16, 0.0, max_sequence_length=128, distilled=True, train_instead=FULL),
+                   max_sequence_length=MAX_TOKENS, sampler=FLOW_UNIPC),
+    HiDreamVariant("dev", "hidream-i1-dev", 28, 0.0, markers=(("scheduler", "shift", 6.0),),
+                   max_sequence_length=MAX_TOKENS, distilled=True, train_instead=FULL),
+    HiDreamVariant("fast", "hidream-i1-fast", 16, 0.0, max_sequence_length=MAX_TOKENS, distilled=True,
+                   train_instead=FULL),
 )
 
 
