@@ -229,6 +229,29 @@ def test_flux1_kontext_text_to_image_golden_numbers(tmp_path, flux_kontext_model
     assert_golden("flux1-kontext", measured, KONTEXT_GOLDEN)
 
 
+# Recorded at ERNIE-Image's first run through the stages (commit "Pin ERNIE-Image's golden numbers"), once
+# tests/test_families_ernie_image.py had checked its text records, normalisation and transformer call
+# against ErnieImagePipeline: they pin its numbers from then on.
+ERNIE_IMAGE_GOLDEN = Golden(2.5594756603240967, 1.476486345132192, 1.4738749861717224, "94998a542f067556")
+
+
+def test_ernie_image_golden_numbers(tmp_path, tiny_models, run_stages):
+    config = write_config(tmp_path, tiny_models("ernie-image"), Variant("ernie-image"))
+    assert_golden("ernie-image", measure(run_stages(config, STAGES)), ERNIE_IMAGE_GOLDEN)
+
+
+# Recorded at HunyuanImage 2.1's first run through the stages (commit "Add the HunyuanImage 2.1
+# family with its tiny model"), once tests/test_families_hunyuanimage21.py had checked its text
+# records, normalisation and transformer call against HunyuanImagePipeline: they pin its numbers from
+# then on. Its image rendered at the guider's scale (adaptive projected mix guidance).
+HUNYUANIMAGE21_GOLDEN = Golden(2.005096197128296, 1.9129582643508911, 1.8928301235040028, "709d65e7ed2a4bda")
+
+
+def test_hunyuanimage21_golden_numbers(tmp_path, tiny_models, run_stages):
+    config = write_config(tmp_path, tiny_models("hunyuanimage2.1"), Variant("hunyuanimage2.1"))
+    assert_golden("hunyuanimage2.1", measure(run_stages(config, STAGES)), HUNYUANIMAGE21_GOLDEN)
+
+
 # Recorded at HiDream-I1's first run through the stages (commit "Pin HiDream-I1's golden numbers"), once
 # tests/test_families_hidream.py had checked its text records, normalisation and transformer call (in
 # inference and training mode) against HiDreamImagePipeline: they pin its numbers from then on. Full:

@@ -30,17 +30,15 @@ diffusers' HiDream LoRA loader reads too.
 """
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass, replace
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
 from lorapipe.stages.contract import Frozen
-from lorapipe.stages.lora_formats.original_names import COMFYUI, OriginalNames, derive_original_names
+from lorapipe.stages.lora_formats.original_names import COMFYUI, OriginalNames, own_names
 
 from .base import (FLOW_MATCH_EULER, FLOW_UNIPC, Components, Conditioning, Family, ImageGeometry, Kohya,
                    TextOptions, TextRecord, stack)
@@ -160,8 +158,9 @@ class HiDream(FlowFamily):
 
     # ---- LoRA
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
-        config = {key: value for key, value in transformer.config.items() if not key.startswith("_")}
-        return original_names(json.dumps(config, sort_keys=True))
+        """Each Linear under its own name: diffusers' single-file converter for HiDream keeps the
+        original names (it only strips `model.diffusion_model.`)."""
+        return own_names(transformer)
 
     # ---- rendering
     def prepare_pipeline(self, pipe: Any, sampler: str, objective: FlowMatchingObjective) -> None:
@@ -200,21 +199,6 @@ def unpatchified(tokens: torch.Tensor, shape: torch.Size, patch: int) -> torch.T
     b, c, h, w = shape
     image = tokens[:, :, :(h // patch) * (w // patch)].reshape(b, c, h // patch, w // patch, patch, patch)
     return image.permute(0, 1, 2, 4, 3, 5).reshape(b, c, h, w)
-
-
-@cache
-def original_names(config: str) -> OriginalNames:
-    """The original module names of a transformer of this config, by diffusers' single-file converter
-    (which keeps them): every Linear of it, built without weights."""
-    import torch
-    from accelerate import init_empty_weights
-    from diffusers import HiDreamImageTransformer2DModel
-    from diffusers.loaders.single_file_utils import convert_hidream_transformer_to_diffusers
-
-    with init_empty_weights():
-        model = HiDreamImageTransformer2DModel.from_config(json.loads(config))
-    linears = [f"{name}.weight" for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)]
-    return derive_original_names(convert_hidream_transformer_to_diffusers, linears)
 
 
 HIDREAM = HiDream(
