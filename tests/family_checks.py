@@ -280,6 +280,15 @@ FAMILIES = (
               _names("transformer_blocks.{i}.{m}.linear", i=TWO, m=("norm1", "norm1_context"))
               | _names("single_transformer_blocks.{i}.norm.linear", i=TWO),
               (DIFFUSERS_FILE,)),
+    FamilyRow("hidream-i1",  # the image feed-forward mixes a shared and 4 routed experts (its router is no Linear)
+              _names("double_stream_blocks.{i}.block.attn1.{m}{t}", i=TWO, m=("to_q", "to_k", "to_v", "to_out"),
+                     t=("", "_t"))
+              | _names("single_stream_blocks.{i}.block.attn1.{m}", i=TWO, m=("to_q", "to_k", "to_v", "to_out")),
+              _names("{s}_stream_blocks.{i}.block.ff_i.{e}.{w}", s=("double", "single"), i=TWO,
+                     e=("shared_experts", "experts.0", "experts.1", "experts.2", "experts.3"), w=("w1", "w2", "w3"))
+              | _names("double_stream_blocks.{i}.block.ff_t.{w}", i=TWO, w=("w1", "w2", "w3")),
+              _names("{s}_stream_blocks.{i}.block.adaLN_modulation.1", s=("double", "single"), i=TWO),
+              (DIFFUSERS_FILE, COMFYUI_FILE)),
     FamilyRow("ltx2",
               _names("transformer_blocks.{i}.{a}.{m}", i=TWO, a=("attn1", "attn2"), m=QKVO),
               _names("transformer_blocks.{i}.ff.net.{p}", i=TWO, p=("0.proj", "2")),
