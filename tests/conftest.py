@@ -137,12 +137,12 @@ def encoded_baselines(tmp_path_factory, tiny_models, count_encoder_rows):
     """A function arch -> a folder with the tiny model of that arch and the demo photos (model/,
     data/) encoded into its cache (cache/), made once a session: the invalidation tests copy its model
     and data over that cache."""
-    from invalidation_checks import encoded_baseline
+    from invalidation_checks import TEXT_ROWS, encoded_baseline
 
     @functools.cache
     def baseline(arch: str) -> Path:
         return encoded_baseline(tmp_path_factory.mktemp(f"{arch}-baseline"), tiny_models(arch), DEMO_IMAGES,
-                                count_encoder_rows)
+                                count_encoder_rows, TEXT_ROWS.get(arch, 1))
 
     return baseline
 

@@ -227,3 +227,14 @@ KONTEXT_GOLDEN = Golden(FLUX_GOLDEN["flux1-dev"].train_loss, FLUX_GOLDEN["flux1-
 def test_flux1_kontext_text_to_image_golden_numbers(tmp_path, flux_kontext_model, run_stages):
     measured = measure(run_stages(write_config(tmp_path, flux_kontext_model, Variant("flux1-kontext")), STAGES))
     assert_golden("flux1-kontext", measured, KONTEXT_GOLDEN)
+
+
+# Recorded at Kandinsky 5's first run through the stages, once tests/test_families_kandinsky5.py had
+# checked its text records, normalisation and transformer call against Kandinsky5T2IPipeline: they pin
+# its numbers from then on. Its batch's captions differ in length, so each row runs the transformer alone.
+KANDINSKY5_GOLDEN = Golden(1.630100131034851, 1.5478323896725972, 1.5134324034055073, "52b33c937eab89fd")
+
+
+def test_kandinsky5_golden_numbers(tmp_path, tiny_models, run_stages):
+    measured = measure(run_stages(write_config(tmp_path, tiny_models("kandinsky5"), Variant("kandinsky5")), STAGES))
+    assert_golden("kandinsky5", measured, KANDINSKY5_GOLDEN)

@@ -1,5 +1,5 @@
 """The cache invariants for the families with variable-length text records (Z-Image, Krea 2, Qwen-Image
-2.1, Ideogram 4, HunyuanVideo 1.5) and for Flux.2-dev, a row each: on the family's tiny model, through the real
+2.1, Ideogram 4, HunyuanVideo 1.5, Kandinsky 5) and for Flux.2-dev, a row each: on the family's tiny model, through the real
 preprocess and encode stages, with encodes counted by forward hooks on the VAE encoder and on the
 text encoder (Qwen3; Qwen3-VL at its first decoder layer: one row per caption; Mistral3). A caption edit re-encodes one text
 record; new VAE weights (Ideogram 4's batch-norm statistics too) re-encode latents only; what shapes
@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from invalidation_checks import (assert_caption_edit_encodes_one_text_record_and_no_latent,
+from invalidation_checks import (TEXT_ROWS, assert_caption_edit_encodes_one_text_record_and_no_latent,
                                  assert_every_text_record_and_no_latent_re_encoded,
                                  assert_new_vae_weights_re_encode_latents_but_no_text, baseline_copy, encode_counted)
 from PIL import Image, ImageOps
@@ -20,13 +20,14 @@ from lorapipe.stages.families.zimage import ZImage
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ("z-image", "krea2", "qwen-image-2.1", "ideogram4", "flux2-dev", "hunyuanvideo1.5")
+FAMILIES = ("z-image", "krea2", "qwen-image-2.1", "ideogram4", "flux2-dev", "hunyuanvideo1.5", "kandinsky5")
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_caption_edit_encodes_one_text_record_and_no_latent(arch, encoded_baselines, tmp_path, count_encoder_rows):
     config = baseline_copy(encoded_baselines(arch), tmp_path)
-    assert_caption_edit_encodes_one_text_record_and_no_latent(config, tmp_path / "data", count_encoder_rows)
+    assert_caption_edit_encodes_one_text_record_and_no_latent(config, tmp_path / "data", count_encoder_rows,
+                                                              TEXT_ROWS.get(arch, 1))
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -82,6 +83,7 @@ TEXT_CHANGES = [  # (arch, the change, what status names as the reason)
     pytest.param("qwen-image-2.1", processor_tokenizer, "models.processor", id="qwen-image-2.1-processor_tokenizer"),
     pytest.param("hunyuanvideo1.5", token_window, "params.max_sequence_length",
                  id="hunyuanvideo1.5-max_sequence_length"),
+    pytest.param("kandinsky5", token_window, "params.max_sequence_length", id="kandinsky5-max_sequence_length"),
 ]
 
 
@@ -89,7 +91,7 @@ TEXT_CHANGES = [  # (arch, the change, what status names as the reason)
 def test_what_shapes_text_records_re_encodes_text_records_only(arch, change, reason, encoded_baselines, tmp_path,
                                                                count_encoder_rows, monkeypatch):
     config = change(encoded_baselines(arch), tmp_path, monkeypatch)
-    assert_every_text_record_and_no_latent_re_encoded(config, reason, count_encoder_rows)
+    assert_every_text_record_and_no_latent_re_encoded(config, reason, count_encoder_rows, TEXT_ROWS.get(arch, 1))
 
 
 def test_an_ideogram4_image_swapped_under_its_name_encodes_one_latent_and_no_text(encoded_baselines, tmp_path,

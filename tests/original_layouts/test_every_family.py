@@ -37,6 +37,7 @@ ORIGINAL_LAYOUT = {  # the denoiser's class -> (its folder, its component) -> it
     "FluxTransformer2DModel": lambda model, c: bfl_transformer(model),
     "Flux2Transformer2DModel": lambda model, c: to_original(flux2_map(config_of(model, c)), folder_tensors(model, c)),
     "HunyuanVideo15Transformer3DModel": lambda model, c: folder_tensors(model, c),  # no converter: diffusers' names
+    "Kandinsky5Transformer3DModel": lambda model, c: folder_tensors(model, c),  # ComfyUI's names are diffusers'
 }
 ARCHES = [family.variants[0].tiny_arch for family in families.FAMILIES.values()] + ["wan2.2-a14b"]
 
