@@ -35,7 +35,7 @@ def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path, t
 
 
 @pytest.mark.parametrize("arch", ["z-image", "flux2-klein", "flux2-dev", "qwen-image", "qwen-image-2.1", "krea2",
-                                  "ideogram4"])
+                                  "ideogram4", "kandinsky5"])
 def test_2026_family_demo_trains_its_tiny_base_and_its_lora_beats_the_base(tmp_path, tiny_models, arch):
     """`lorapipe demo --arch X` for each 2026 family end to end through Prefect: variable-length or
     stacked-layer text records, per-family latent normalisation, the ComfyUI export; the same command
