@@ -63,11 +63,13 @@ def test_normalised_latents_are_the_pipelines_vae_encode(model):
 
 
 def test_denoiser_call_is_the_pipelines_and_each_text_length_runs_alone(model):
-    """predict is the pipeline's first transformer call on one prompt; a batch whose texts differ in
-    length predicts each row as that row alone (the transformer takes no text mask)."""
+    """predict is the pipeline's first transformer call on one prompt (prepared by the family to render
+    at 64 x 48 px); a batch whose texts differ in length predicts each row as that row alone (the
+    transformer takes no text mask)."""
     family, pipe = families.for_model(model), quiet_pipeline(model)
+    family.prepare_pipeline(pipe, family.sampler, family.objective(model, ObjectiveParams()))
     _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
-        CAPTIONS[0], num_inference_steps=2, height=1024, width=1024, guidance_scale=1.0,
+        CAPTIONS[0], num_inference_steps=2, height=64, width=48, guidance_scale=1.0,
         generator=torch.Generator().manual_seed(0), output_type="latent"))
     _, records = text_records(model, CAPTIONS)
     noisy = kwargs["hidden_states"].permute(0, 4, 1, 2, 3).squeeze(2)
@@ -77,7 +79,7 @@ def test_denoiser_call_is_the_pipelines_and_each_text_length_runs_alone(model):
                                 torch.float32) for record in records]
         batch = family.predict(pipe.transformer, noisy.expand(3, -1, -1, -1), sigma.expand(3),
                                family.conditioning(records, [], ObjectiveParams()), torch.float32)
-    assert noisy.shape == (1, 16, 128, 128)
+    assert noisy.shape == (1, 16, 8, 6)
     assert torch.equal(alone[0], output.sample.permute(0, 4, 1, 2, 3).squeeze(2))
     assert torch.equal(batch, torch.cat(alone))
 
