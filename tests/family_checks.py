@@ -9,7 +9,7 @@ FAMILIES holds each family's golden numbers for the checks every family passes a
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -261,7 +261,7 @@ FAMILIES = (
               _names("transformer_blocks.{i}.{m}.net.{p}", i=TWO, m=("ff", "ff_context"), p=("0.proj", "2")),
               _names("transformer_blocks.{i}.{m}.linear", i=TWO, m=("norm1", "norm1_context")),
               (DIFFUSERS_FILE,)),
-    FamilyRow("kandinsky5",  # its text blocks (in the transformer) as its visual ones
+    KANDINSKY5 := FamilyRow("kandinsky5",  # its text blocks (in the transformer) as its visual ones
               _names("text_transformer_blocks.0.self_attention.{m}", m=("to_query", "to_key", "to_value", "out_layer"))
               | _names("visual_transformer_blocks.{i}.{a}.{m}", i=TWO, a=("self_attention", "cross_attention"),
                        m=("to_query", "to_key", "to_value", "out_layer")),
@@ -270,6 +270,7 @@ FAMILIES = (
               _names("{b}.{m}_modulation.out_layer", b=("text_transformer_blocks.0",), m=("text",))
               | _names("visual_transformer_blocks.{i}.visual_modulation.out_layer", i=TWO),
               (DIFFUSERS_FILE, COMFYUI_FILE)),
+    replace(KANDINSKY5, arch="kandinsky5-video"),  # the same transformer
     FamilyRow("ltx2",
               _names("transformer_blocks.{i}.{a}.{m}", i=TWO, a=("attn1", "attn2"), m=QKVO),
               _names("transformer_blocks.{i}.ff.net.{p}", i=TWO, p=("0.proj", "2")),

@@ -14,7 +14,7 @@ from lorapipe.flows.steps import STAGES, Context
 from lorapipe.flows.runner import explain
 
 IMAGES, CAPTIONS = 8, 8 + 1  # the demo photos; their captions and the empty prompt
-TEXT_ROWS = {"kandinsky5": 2}  # a tiny model's rows per caption where not 1 (Kandinsky 5: Qwen2.5-VL's, CLIP's)
+TEXT_ROWS = {"kandinsky5": 2, "kandinsky5-video": 2}  # a tiny model's rows per caption where not 1 (Kandinsky 5: Qwen2.5-VL's, CLIP's)
 ENCODE = STAGES[:2]
 
 

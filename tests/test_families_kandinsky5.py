@@ -30,7 +30,15 @@ def test_text_records_are_encode_prompts_at_their_own_tokens(model):
     """Each record is encode_prompt's Qwen2.5-VL states (padded to the batch's longest on the right)
     at the caption's own tokens, and its CLIP pooled vector; the cleaning (HTML entities, spaces) is
     the pipeline's."""
-    captions = [*CAPTIONS, "a  cat &amp; a   dog"]
+    family, records, lengths, pooled = assert_records_are_encode_prompts(model, [*CAPTIONS, "a  cat &amp; a   dog"])
+    cond = family.conditioning(records, [], ObjectiveParams())
+    assert cond["encoder_attention_mask"].sum(1).tolist() == lengths
+    assert torch.equal(cond["pooled_projections"], pooled)
+
+
+def assert_records_are_encode_prompts(model, captions: list[str]):
+    """Each caption's record is the pipeline's encode_prompt at the caption's own tokens (each of its
+    own length) and its pooled vector: the family, the records, their lengths and the pooled vectors."""
     family, records = text_records(model, captions)
     with torch.no_grad():
         embeds, pooled, bounds = quiet_pipeline(model).encode_prompt(captions, device="cpu")
@@ -39,9 +47,7 @@ def test_text_records_are_encode_prompts_at_their_own_tokens(model):
     for record, embed, vector, length in zip(records, embeds, pooled, lengths, strict=True):
         assert torch.equal(record["hidden_states"], embed[:length])
         assert torch.equal(record["pooled"], vector)
-    cond = family.conditioning(records, [], ObjectiveParams())
-    assert cond["encoder_attention_mask"].sum(1).tolist() == lengths
-    assert torch.equal(cond["pooled_projections"], pooled)
+    return family, records, lengths, pooled
 
 
 def test_normalised_latents_are_the_pipelines_vae_encode(model):

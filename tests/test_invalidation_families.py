@@ -1,5 +1,5 @@
 """The cache invariants for the families with variable-length text records (Z-Image, Krea 2, Qwen-Image
-2.1, Ideogram 4, HunyuanVideo 1.5, Kandinsky 5) and for Flux.2-dev, a row each: on the family's tiny model, through the real
+2.1, Ideogram 4, HunyuanVideo 1.5, Kandinsky 5 image and video) and for Flux.2-dev, a row each: on the family's tiny model, through the real
 preprocess and encode stages, with encodes counted by forward hooks on the VAE encoder and on the
 text encoder (Qwen3; Qwen3-VL at its first decoder layer: one row per caption; Mistral3). A caption edit re-encodes one text
 record; new VAE weights (Ideogram 4's batch-norm statistics too) re-encode latents only; what shapes
@@ -20,7 +20,8 @@ from lorapipe.stages.families.zimage import ZImage
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ("z-image", "krea2", "qwen-image-2.1", "ideogram4", "flux2-dev", "hunyuanvideo1.5", "kandinsky5")
+FAMILIES = ("z-image", "krea2", "qwen-image-2.1", "ideogram4", "flux2-dev", "hunyuanvideo1.5", "kandinsky5",
+            "kandinsky5-video")
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -84,6 +85,8 @@ TEXT_CHANGES = [  # (arch, the change, what status names as the reason)
     pytest.param("hunyuanvideo1.5", token_window, "params.max_sequence_length",
                  id="hunyuanvideo1.5-max_sequence_length"),
     pytest.param("kandinsky5", token_window, "params.max_sequence_length", id="kandinsky5-max_sequence_length"),
+    pytest.param("kandinsky5-video", token_window, "params.max_sequence_length",
+                 id="kandinsky5-video-max_sequence_length"),
 ]
 
 

@@ -100,6 +100,11 @@ def scaling_factor_of(model_path: Path, vae: str) -> ScaleShift:
     return ScaleShift(scale=component_config(model_path, vae)["scaling_factor"])
 
 
+def unscaled_rope(latent_height: int, latent_width: int) -> tuple[float, float, float]:
+    """Kandinsky5T2IPipeline's rope scale: none, at every size."""
+    return (1.0, 1.0, 1.0)
+
+
 class EveryResolution(list):
     """Kandinsky5T2IPipeline renders a size not in its `resolutions` at the nearest of its own
     (1024-pixel) ones: with this, at evaluate.resolution, as every family renders."""
@@ -115,6 +120,7 @@ class Kandinsky5(FlowFamily):
     lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (BLOCK,))
     template: str = IMAGE_TEMPLATE
     template_tokens: int = IMAGE_TEMPLATE_TOKENS
+    rope_scale: Callable[[int, int], tuple[float, float, float]] = unscaled_rope  # (latent height, width) -> (t, h, w)
 
     # ---- text
     def text_settings(self, model_path: Path, options: TextOptions) -> Kandinsky5TextSettings:
@@ -130,22 +136,26 @@ class Kandinsky5(FlowFamily):
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As the Kandinsky 5 pipelines call their transformer: the latents channels-last (B, F, H, W, C),
-        an image as one frame; rows whose texts differ in length apart (it takes no text mask)."""
+        an image as one frame, with zero condition latents and mask after them where it reads a visual
+        condition; rows whose texts differ in length apart (it takes no text mask)."""
         import torch
 
         frames = noisy if noisy.ndim == 5 else noisy.unsqueeze(2)
-        latents = frames.permute(0, 2, 3, 4, 1).to(dtype)
+        latents = frames.permute(0, 2, 3, 4, 1)
+        out = torch.empty(latents.shape, device=noisy.device)
+        if transformer.visual_cond:
+            latents = torch.cat([latents, torch.zeros_like(latents), torch.zeros_like(latents[..., :1])], dim=-1)
         embeds, mask = (conditioning[name].to(noisy.device) for name in self.text_arguments)
         lengths, pooled = mask.sum(dim=1), conditioning[POOLED].to(noisy.device, dtype)
-        out = torch.empty(latents.shape, device=noisy.device)
+        sides = (latents.shape[1], latents.shape[2] // 2, latents.shape[3] // 2)
         for length in lengths.unique().tolist():
             rows = (lengths == length).nonzero().flatten()
             out[rows] = transformer(
-                hidden_states=latents[rows], encoder_hidden_states=embeds[rows, :length].to(dtype),
+                hidden_states=latents[rows].to(dtype), encoder_hidden_states=embeds[rows, :length].to(dtype),
                 pooled_projections=pooled[rows], timestep=(timesteps[rows] * TIMESTEP_SCALE).to(noisy.device, dtype),
-                visual_rope_pos=[torch.arange(side, device=noisy.device) for side in
-                                 (latents.shape[1], latents.shape[2] // 2, latents.shape[3] // 2)],
-                text_rope_pos=torch.arange(length, device=noisy.device), return_dict=False).float()
+                visual_rope_pos=[torch.arange(side, device=noisy.device) for side in sides],
+                text_rope_pos=torch.arange(length, device=noisy.device),
+                scale_factor=self.rope_scale(*latents.shape[2:4]), return_dict=False).float()
         out = out.permute(0, 4, 1, 2, 3)
         return out if noisy.ndim == 5 else out.squeeze(2)
 
