@@ -17,7 +17,8 @@ model = tiny_model_fixture("kandinsky5")
 
 def test_tiny_kandinsky5_builds_byte_identically_and_is_told_apart(model, tmp_path):
     files = assert_builds_byte_identically(model, "kandinsky5", tmp_path / "again")
-    assert {"tokenizer/processor_config.json", "tokenizer_2/tokenizer_config.json", "text_encoder_2/model.safetensors"} <= set(files)
+    assert {"tokenizer/processor_config.json", "tokenizer_2/tokenizer_config.json",
+            "text_encoder_2/model.safetensors"} <= set(files)
     family = families.for_model(model)
     assert (family.name, family.bound.name, family.bound.render_steps, family.bound.render_guidance) == (
         "kandinsky5", "5.0-t2i-lite", 50, 3.5)

@@ -69,9 +69,9 @@ class Kandinsky5TextEncoder:
         check_ftfy(settings.ftfy)
         self.settings, self.dtype, self.device = settings, dtype, device
         self.encoders = SimpleNamespace(  # what the pipeline's encoding methods read of the pipeline
-            tokenizer=load_component(model_path, "tokenizer"), prompt_template=settings.template,
+            prompt_template=settings.template, prompt_template_encode_start_idx=settings.template_tokens,
+            tokenizer=load_component(model_path, "tokenizer"), tokenizer_2=load_component(model_path, "tokenizer_2"),
             text_encoder=load_component(model_path, "text_encoder").eval().requires_grad_(False).to(device),
-            tokenizer_2=load_component(model_path, "tokenizer_2"), prompt_template_encode_start_idx=settings.template_tokens,
             text_encoder_2=load_component(model_path, "text_encoder_2").eval().requires_grad_(False).to(device))
 
     def too_long(self, caption: str) -> bool:

@@ -65,9 +65,10 @@ class Kandinsky5Video(Kandinsky5, VideoFamily):
 
     def load_denoiser(self, model_path: Path, dtype: torch.dtype) -> torch.nn.Module:
         transformer = super().load_denoiser(model_path, dtype)
-        if transformer.config.attention_type != "regular":
-            raise UserError(f"{model_path}/transformer/config.json: attention_type {transformer.config.attention_type!r}"
-                            " (sparse attention) is not trained here; train a model with regular attention")
+        attention = transformer.config.attention_type
+        if attention != "regular":
+            raise UserError(f"{model_path}/transformer/config.json: attention_type {attention!r} (sparse attention)"
+                            " is not trained here; train a model with regular attention")
         return transformer
 
     def prepare_pipeline(self, pipe: Any, sampler: str, objective: FlowMatchingObjective) -> None:
