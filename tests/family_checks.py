@@ -270,7 +270,7 @@ FAMILIES = (
               _names("{b}.{m}_modulation.out_layer", b=("text_transformer_blocks.0",), m=("text",))
               | _names("visual_transformer_blocks.{i}.visual_modulation.out_layer", i=TWO),
               (DIFFUSERS_FILE, COMFYUI_FILE)),
-    replace(KANDINSKY5, arch="kandinsky5-video"),  # the same transformer
+    replace(KANDINSKY5, arch="kandinsky5-video"), replace(KANDINSKY5, arch="kandinsky5-i2v"),  # the same transformer
     FamilyRow("ltx2",
               _names("transformer_blocks.{i}.{a}.{m}", i=TWO, a=("attn1", "attn2"), m=QKVO),
               _names("transformer_blocks.{i}.ff.net.{p}", i=TWO, p=("0.proj", "2")),

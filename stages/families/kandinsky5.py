@@ -29,7 +29,7 @@ from pydantic import Field
 from lorapipe.stages.contract import Frozen
 from lorapipe.stages.lora_formats.original_names import OriginalNames, whole
 
-from .base import Components, Conditioning, ImageGeometry, Kohya, TextOptions, TextRecord, stack
+from .base import REFERENCE_LATENTS, Components, Conditioning, ImageGeometry, Kohya, TextOptions, TextRecord, stack
 from .flow import FlowFamily, FlowVariant, presets_field
 from .folders import component_config, load_component
 from .latents import ScaleShift
@@ -136,15 +136,21 @@ class Kandinsky5(FlowFamily):
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As the Kandinsky 5 pipelines call their transformer: the latents channels-last (B, F, H, W, C),
-        an image as one frame, with zero condition latents and mask after them where it reads a visual
-        condition; rows whose texts differ in length apart (it takes no text mask)."""
+        an image as one frame, an image-to-video clip's first frame replaced by its conditioning image;
+        where it reads a visual condition, zero condition latents and a mask after them (ones on the
+        conditioning image's frame); rows whose texts differ in length apart (it takes no text mask)."""
         import torch
 
         frames = noisy if noisy.ndim == 5 else noisy.unsqueeze(2)
+        mask = torch.zeros_like(frames[:, :1])
+        if REFERENCE_LATENTS in conditioning:
+            image = conditioning[REFERENCE_LATENTS][:, 0].to(noisy.device, noisy.dtype)
+            frames = torch.cat([image, frames[:, :, 1:]], dim=2)
+            mask[:, :, 0] = 1
         latents = frames.permute(0, 2, 3, 4, 1)
         out = torch.empty(latents.shape, device=noisy.device)
         if transformer.visual_cond:
-            latents = torch.cat([latents, torch.zeros_like(latents), torch.zeros_like(latents[..., :1])], dim=-1)
+            latents = torch.cat([latents, torch.zeros_like(latents), mask.permute(0, 2, 3, 4, 1)], dim=-1)
         embeds, mask = (conditioning[name].to(noisy.device) for name in self.text_arguments)
         lengths, pooled = mask.sum(dim=1), conditioning[POOLED].to(noisy.device, dtype)
         sides = (latents.shape[1], latents.shape[2] // 2, latents.shape[3] // 2)

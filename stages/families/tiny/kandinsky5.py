@@ -8,7 +8,8 @@ tiny Qwen-Image Qwen2.5-VL (16-dim hidden states) around the shared tiny Qwen to
 processor the pipeline calls with `text=`, and the tiny CLIP (pooled dim 32); VAE: the tiny Flux.1
 one (16 channels, 8x downsampling, Flux.1's scale and a shift the pipeline ignores). Scheduler:
 flow-match Euler at a static shift. The text-to-video model (`--arch kandinsky5-video`): the same text
-encoders, the transformer reading a visual condition, HunyuanVideo's 3-D VAE (4x temporal).
+encoders, the transformer reading a visual condition, HunyuanVideo's 3-D VAE (4x temporal); its
+image-to-video model (`--arch kandinsky5-i2v`) holds the same weights.
 """
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def build_tiny_kandinsky5(out_dir: Path) -> Path:
     return _build(out_dir, "Kandinsky5T2IPipeline", vae(), seeded(_transformer))
 
 
-def build_tiny_kandinsky5_video(out_dir: Path) -> Path:
-    """Write a tiny Kandinsky 5 text-to-video model into out_dir: the image model's text encoders, its
-    transformer reading a visual condition (zero in text-to-video), HunyuanVideo's VAE at 16 channels."""
-    return _build(out_dir, "Kandinsky5T2VPipeline", seeded(_video_vae), seeded(_transformer, visual_cond=True))
+def build_tiny_kandinsky5_video(out_dir: Path, pipeline_class: str = "Kandinsky5T2VPipeline") -> Path:
+    """Write a tiny Kandinsky 5 video model into out_dir (text-to-video, or `Kandinsky5I2VPipeline`'s
+    image-to-video: the same weights): the image model's text encoders, its transformer reading a
+    visual condition, HunyuanVideo's VAE at 16 channels."""
+    return _build(out_dir, pipeline_class, seeded(_video_vae), seeded(_transformer, visual_cond=True))
