@@ -13,7 +13,8 @@ names (Z-Image's and Flux.2's diffusers names under `transformer.`), which no fi
 - UNet models: diffusers names as `lora_unet_<name with _>`, `lycoris_<...>`, and the old diffusers
   attention-processor spelling (`[unet.]<block>.processor.to_q`), not peft's `unet.<module>`;
 - Flux: Flux.1's diffusers names under `transformer.` (and `lycoris_`, `lora_transformer_`, bare),
-  each onto its rows of the fused weight; not modelled for Flux.2, whose names that table lacked;
+  each onto its rows of the fused weight, for Chroma too (a Flux model there); not modelled for Flux.2,
+  whose names that table lacked;
 - Z-Image (ComfyUI's Lumina2): diffusers names under `diffusion_model.` (and `lycoris_`, bare) onto
   their rows of the fused weights (`transformer.` only in later versions);
 - Qwen-Image: its (diffusers-named) weights bare, under `transformer.` and `lycoris_`;
@@ -40,7 +41,8 @@ from lorapipe.stages.lora_formats.original_names import OriginalNames, kohya_nam
 LORA_PAIRS = (("lora_up.weight", "lora_down.weight"), ("lora_B.weight", "lora_A.weight"))  # (up, down)
 LYCORIS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2",
            "lokr_w2_a", "lokr_w2_b")
-TABLES = {"sd15": "unet", "sdxl": "unet", "flux1": "flux", "z-image": "lumina2", "qwen-image": "qwen"}
+TABLES = {"sd15": "unet", "sdxl": "unet", "flux1": "flux", "z-image": "lumina2", "qwen-image": "qwen",
+          "chroma": "flux"}  # ComfyUI's Chroma model is a Flux model
 
 
 @dataclass(frozen=True)

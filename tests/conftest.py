@@ -66,7 +66,7 @@ def _count_encoder_rows():
     """Rows pushed through the VAE encoder and through each text encoder (CLIP, T5: a Flux.1 caption
     is two rows; Qwen3: Z-Image, Flux.2-klein; Qwen2.5-VL: Qwen-Image and its edit models; Qwen3-VL: Qwen-Image 2.1, Krea 2, Ideogram 4; UMT5: Wan;
     Gemma 3: LTX-2; Mistral3: Flux.2-dev; Qwen2.5-VL's language model called with token ids, not inside Qwen2.5-VL:
-    HunyuanVideo 1.5, whose ByT5, a T5, runs only on quoted text), whatever calls them. Wan's and Qwen-Image's 3-D VAEs encode a clip in chunks, the
+    HunyuanVideo 1.5 and HunyuanImage 2.1, whose ByT5, a T5, runs only on quoted text), whatever calls them. Wan's and Qwen-Image's 3-D VAEs encode a clip in chunks, the
     first of one frame: a clip (or an image) is counted at that chunk. Qwen3-VL is counted at its first
     decoder layer, which every caller runs once a batch (Ideogram4Pipeline runs the layers itself)."""
     import torch
@@ -76,7 +76,7 @@ def _count_encoder_rows():
     def hook(module, args, kwargs, output):
         name = type(module).__name__
         if name in ("Encoder", "LTX2VideoEncoder3d", "QwenImage21Encoder3d", "HunyuanVideo15Encoder3D",
-                    "HunyuanVideoEncoder3D") and \
+                    "HunyuanImageEncoder2D", "HunyuanVideoEncoder3D") and \
                 type(module).__module__.startswith("diffusers"):
             counts["vae"] += args[0].shape[0]
         elif name in ("WanEncoder3d", "QwenImageEncoder3d") and args[0].shape[2] == 1:

@@ -113,18 +113,13 @@ def trained_lora(family, model: Path, targets: str | tuple[str, ...], alpha: flo
 
 def fused_change(pipe, denoiser: str, lora: Path | dict, **load_kwargs) -> dict[str, torch.Tensor]:
     """Each Linear's weight change after load_lora_weights (with `load_kwargs`) + fuse_lora of
-    `denoiser` in `pipe` (fresh); for a pipeline without diffusers' LoRA loader (HunyuanVideo 1.5),
-    the denoiser's own load_lora_adapter, as its users load a file."""
+    `denoiser` in `pipe` (fresh)."""
     model = getattr(pipe, denoiser)
     base = {n: m.weight.detach().clone() for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
     file = {"pretrained_model_name_or_path_or_dict": lora.parent, "weight_name": lora.name} \
         if isinstance(lora, Path) else {"pretrained_model_name_or_path_or_dict": lora}
-    if hasattr(pipe, "load_lora_weights"):
-        pipe.load_lora_weights(**file, **load_kwargs)
-        pipe.fuse_lora(components=[denoiser])
-    else:
-        model.load_lora_adapter(**file, prefix=denoiser, **load_kwargs)
-        model.fuse_lora()
+    pipe.load_lora_weights(**file, **load_kwargs)
+    pipe.fuse_lora(components=[denoiser])
     return {n: m.weight.detach() - base[n] for n, m in model.named_modules() if n in base}
 
 
@@ -134,6 +129,15 @@ def assert_means_what_was_trained(denoiser, targets: list[str], change: dict[str
         trained = denoiser.get_submodule(name).get_delta_weight("default") if name in targets else 0 * delta
         assert torch.allclose(delta, trained, atol=1e-6), name
 
+
+
+def assert_loads_key_for_key(pipe, file: Path) -> None:
+    """Every key of the diffusers file lands on a LoRA weight of its value in the pipeline's
+    transformer (load_lora_weights), nothing unexpected, nothing missing."""
+    pipe.load_lora_weights(file.parent, weight_name=file.name, adapter_name="x")
+    loaded = {f"transformer.{k.replace('.x.', '.')}": v for k, v in pipe.transformer.state_dict().items() if ".x." in k}
+    tensors = load_file(file)
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[k], tensors[k]) for k in tensors)
 
 def keys_of(file: Path) -> set[str]:
     """The tensor names a safetensors file holds."""
@@ -203,15 +207,17 @@ def _names(pattern: str, **each: tuple) -> frozenset[str]:
 TWO = range(2)
 QKVO = ("to_q", "to_k", "to_v", "to_out.0")
 JOINT_ATTENTION = (*QKVO, "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")  # image and text streams
+FLUX1_ATTENTION = (_names("transformer_blocks.0.attn.{m}", m=JOINT_ATTENTION)
+                   | _names("single_transformer_blocks.0.attn.{m}", m=QKVO[:3]))
+FLUX1_FEED_FORWARD = (_names("transformer_blocks.0.{m}", m=("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
+                                                            "ff_context.net.2"))
+                      | {"single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.proj_out"})
 FAMILIES = (
-    FamilyRow("flux1",
-              _names("transformer_blocks.0.attn.{m}", m=JOINT_ATTENTION)
-              | _names("single_transformer_blocks.0.attn.{m}", m=QKVO[:3]),
-              _names("transformer_blocks.0.{m}", m=("ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj",
-                                                    "ff_context.net.2"))
-              | {"single_transformer_blocks.0.proj_mlp", "single_transformer_blocks.0.proj_out"},
+    FamilyRow("flux1", FLUX1_ATTENTION, FLUX1_FEED_FORWARD,
               frozenset({"transformer_blocks.0.norm1.linear", "transformer_blocks.0.norm1_context.linear",
                          "single_transformer_blocks.0.norm.linear"}),
+              (DIFFUSERS_FILE, KOHYA_FILE, COMFYUI_FILE)),
+    FamilyRow("chroma", FLUX1_ATTENTION, FLUX1_FEED_FORWARD, frozenset(),  # its modulation is outside the blocks
               (DIFFUSERS_FILE, KOHYA_FILE, COMFYUI_FILE)),
     FamilyRow("z-image",
               _names("{b}.attention.{m}", b=("layers.0", "layers.1", "noise_refiner.0", "context_refiner.0"), m=QKVO),
@@ -260,6 +266,19 @@ FAMILIES = (
               _names("transformer_blocks.{i}.attn.{m}", i=TWO, m=JOINT_ATTENTION),
               _names("transformer_blocks.{i}.{m}.net.{p}", i=TWO, m=("ff", "ff_context"), p=("0.proj", "2")),
               _names("transformer_blocks.{i}.{m}.linear", i=TWO, m=("norm1", "norm1_context")),
+              (DIFFUSERS_FILE,)),
+    FamilyRow("ernie-image",
+              _names("layers.{i}.self_attention.{m}", i=TWO, m=QKVO),
+              _names("layers.{i}.mlp.{m}", i=TWO, m=("gate_proj", "up_proj", "linear_fc2")),
+              frozenset(),  # the modulation is shared, outside the blocks
+              (DIFFUSERS_FILE, COMFYUI_FILE)),
+    FamilyRow("hunyuanimage2.1",  # Flux.1's module names in its blocks
+              _names("transformer_blocks.{i}.attn.{m}", i=TWO, m=JOINT_ATTENTION)
+              | _names("single_transformer_blocks.{i}.attn.{m}", i=TWO, m=QKVO[:3]),
+              _names("transformer_blocks.{i}.{m}.net.{p}", i=TWO, m=("ff", "ff_context"), p=("0.proj", "2"))
+              | _names("single_transformer_blocks.{i}.{m}", i=TWO, m=("proj_mlp", "proj_out")),
+              _names("transformer_blocks.{i}.{m}.linear", i=TWO, m=("norm1", "norm1_context"))
+              | _names("single_transformer_blocks.{i}.norm.linear", i=TWO),
               (DIFFUSERS_FILE,)),
     KANDINSKY5 := FamilyRow("kandinsky5",  # its text blocks (in the transformer) as its visual ones
               _names("text_transformer_blocks.0.self_attention.{m}", m=("to_query", "to_key", "to_value", "out_layer"))
@@ -342,3 +361,30 @@ def first_step_predicted(model: Path, captions: list[str], unpack: Callable, opt
         predicted = family.predict(pipe.transformer, noisy, pipe.scheduler.sigmas[0].expand(len(captions)), cond,
                                    torch.float32)
     return noisy, predicted, output, kwargs, pipe
+
+
+def assert_text_and_glyph_records_are_encode_prompts(model: Path, captions: list[str]) -> None:
+    """A Hunyuan family's records are encode_prompt's Qwen2.5-VL states and ByT5 states at the caption's
+    own tokens (captions[0] quotes text; the others, quoting none, have no ByT5 token); padded per
+    batch by the family, with masks counting them."""
+    family, records = text_records(model, captions)
+    pipe = quiet_pipeline(model)
+    with torch.no_grad():
+        embeds, mask, glyphs, glyph_mask = pipe.encode_prompt(captions, device="cpu", batch_size=len(captions))
+    for record, embed, own, glyph, own_glyph in zip(records, embeds, mask.bool(), glyphs, glyph_mask.bool()):
+        assert torch.equal(record["hidden_states"], embed[own])
+        assert torch.equal(record["glyph_states"], glyph[own_glyph])
+    assert [len(r["glyph_states"]) for r in records][1:] == [0] * (len(captions) - 1)
+    assert len(records[0]["glyph_states"]) > 0
+    cond = family.conditioning(records, [], ObjectiveParams())
+    assert cond["encoder_attention_mask"].sum(1).tolist() == mask.sum(1).tolist()
+    assert cond["encoder_attention_mask_2"].sum(1).tolist() == glyph_mask.sum(1).tolist()
+
+
+def assert_only_the_guiders_scale_renders(model: Path, guider_scale: float) -> None:
+    """A pipeline that guides at its guider's scale takes none in the call: another is refused, not ignored."""
+    family = families.for_model(model)
+    settings = family.text_settings(model, TextOptions())
+    assert family.render_kwargs(settings, guider_scale, "blurry") == {"negative_prompt": "blurry"}
+    with pytest.raises(ValueError, match=f"evaluate.guidance_scale: {family.pipeline_class} guides at its guider's"):
+        family.render_kwargs(settings, guider_scale + 0.5, "")

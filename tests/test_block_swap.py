@@ -104,7 +104,7 @@ def denoiser_step_inputs(tiny_models):
 
 @pytest.mark.parametrize("checkpointing", [False, True], ids=["plain", "gradient_checkpointing"])
 @pytest.mark.parametrize("arch", ["flux1", "flux2-klein", "z-image", "qwen-image", "qwen-image-2.1", "krea2",
-                                  "ideogram4", "wan2.1", "wan2.2-5b", "ltx2"])
+                                  "ideogram4", "wan2.1", "wan2.2-5b", "ltx2", "ernie-image"])
 def test_every_transformer_familys_blocks_swap_bit_for_bit(arch, checkpointing, denoiser_step_inputs):
     from peft import LoraConfig
 

@@ -34,16 +34,20 @@ def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path, t
                                                      " give another --workdir for the sd15 demo")
 
 
-@pytest.mark.parametrize("arch", ["z-image", "flux2-klein", "flux2-dev", "qwen-image", "qwen-image-2.1", "krea2",
-                                  "ideogram4", "kandinsky5"])
+LORA_FILES = {**dict.fromkeys(["z-image", "flux2-klein", "flux2-dev", "qwen-image", "qwen-image-2.1", "krea2",
+                                "ideogram4", "ernie-image", "chroma", "kandinsky5"], ("", "_comfyui")),
+              "hunyuanimage2.1": ("",)}  # the diffusers file alone
+
+
+@pytest.mark.parametrize("arch", list(LORA_FILES))
 def test_2026_family_demo_trains_its_tiny_base_and_its_lora_beats_the_base(tmp_path, tiny_models, arch):
     """`lorapipe demo --arch X` for each 2026 family end to end through Prefect: variable-length or
-    stacked-layer text records, per-family latent normalisation, the ComfyUI export; the same command
+    stacked-layer text records, per-family latent normalisation, the family's exports; the same command
     again is all hits (the all-hit path: no model code, a second or so)."""
     run = demo_on_tiny_model(arch, tmp_path / "run", tiny_models)
     assert run.returncode == 0, run.stderr[-3000:]
     outputs = tmp_path / "run" / "outputs"
-    for name in ("pytorch_lora_weights.safetensors", "pytorch_lora_weights_comfyui.safetensors", "grid.png"):
+    for name in (*(f"pytorch_lora_weights{suffix}.safetensors" for suffix in LORA_FILES[arch]), "grid.png"):
         assert (outputs / name).is_file()
     metrics = json.loads((outputs / "metrics.json").read_text())
     assert metrics["prediction_type"] == {"base": "flow", "lora": "flow"}

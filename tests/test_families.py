@@ -1,6 +1,7 @@
 """What every flow-matching family does alike, a row of tests/family_checks.py's FAMILIES each: its
 LoRA presets adapt the modules the row names, and its diffusers LoRA file holds a key for every
-trained module's A and B and loads through the family's own pipeline, meaning what was trained.
+trained module's A and B and loads through the family's own pipeline's load_lora_weights, as evaluate
+prepares it, meaning what was trained.
 Each family's own checks are in tests/test_families_<family>.py."""
 from __future__ import annotations
 
@@ -42,7 +43,9 @@ def test_diffusers_export_loads_and_means_what_was_trained(row, tiny_models, exp
     transformer, targets, written = exported_loras(row.arch, row.lora_targets)
     assert [p.name for p in written] == list(row.exports)
     assert keys_of(written[0]) == {f"transformer.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
-    pipe = quiet_pipeline(tiny_models(row.arch))
+    model = tiny_models(row.arch)
+    pipe, family = quiet_pipeline(model), families.for_model(model)
+    family.prepare_pipeline(pipe, family.sampler, None)  # as evaluate renders (the Hunyuan pipelines get diffusers' loader)
     assert_means_what_was_trained(transformer, targets, fused_change(pipe, "transformer", written[0]))
 
 

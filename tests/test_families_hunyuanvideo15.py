@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_checks import assert_builds_byte_identically, encoded_clip, first_call, quiet_pipeline, text_records, \
+from family_checks import assert_builds_byte_identically, assert_only_the_guiders_scale_renders, \
+    assert_text_and_glyph_records_are_encode_prompts, encoded_clip, first_call, quiet_pipeline, text_records, \
     tiny_model_fixture
 
 import lorapipe.stages.families as families
-from lorapipe.stages.families import ObjectiveParams, TextOptions
+from lorapipe.stages.families import ObjectiveParams
 
 CAPTIONS = ['a sign that says "hello" on a wall', "a rocket", ""]  # the first quotes text for ByT5
 
@@ -28,19 +29,7 @@ def test_tiny_hunyuanvideo15_builds_byte_identically_and_is_told_apart(model, tm
 
 
 def test_text_records_are_encode_prompts_at_their_own_tokens(model):
-    """Each record is encode_prompt's Qwen2.5-VL states and ByT5 states at the caption's own tokens
-    (no quoted text: no ByT5 token); padded per batch by the family, with masks counting them."""
-    family, records = text_records(model, CAPTIONS)
-    pipe = quiet_pipeline(model)
-    with torch.no_grad():
-        embeds, mask, glyphs, glyph_mask = pipe.encode_prompt(CAPTIONS, device="cpu", batch_size=len(CAPTIONS))
-    for record, embed, own, glyph, own_glyph in zip(records, embeds, mask.bool(), glyphs, glyph_mask.bool()):
-        assert torch.equal(record["hidden_states"], embed[own])
-        assert torch.equal(record["glyph_states"], glyph[own_glyph])
-    assert [len(r["glyph_states"]) for r in records][1:] == [0, 0] and len(records[0]["glyph_states"]) > 0
-    cond = family.conditioning(records, [], ObjectiveParams())
-    assert cond["encoder_attention_mask"].sum(1).tolist() == mask.sum(1).tolist()
-    assert cond["encoder_attention_mask_2"].sum(1).tolist() == glyph_mask.sum(1).tolist()
+    assert_text_and_glyph_records_are_encode_prompts(model, CAPTIONS)
 
 
 def test_latents_and_their_normalisation_are_the_pipelines(model):
@@ -79,9 +68,4 @@ def test_denoiser_call_is_the_pipelines(model, captions):
 
 
 def test_a_guidance_scale_other_than_the_guiders_is_refused(model):
-    """The pipeline guides at its guider's scale and takes none in the call: another is refused, not ignored."""
-    family = families.for_model(model)
-    settings = family.text_settings(model, TextOptions())
-    assert family.render_kwargs(settings, 6.0, "blurry") == {"negative_prompt": "blurry"}
-    with pytest.raises(ValueError, match="evaluate.guidance_scale: HunyuanVideo15Pipeline guides at its guider's"):
-        family.render_kwargs(settings, 4.0, "")
+    assert_only_the_guiders_scale_renders(model, 6.0)

@@ -1,7 +1,8 @@
 """The cache invariants for the families with variable-length text records (Z-Image, Krea 2, Qwen-Image
-2.1, Ideogram 4, HunyuanVideo 1.5, Kandinsky 5 image and video) and for Flux.2-dev, a row each: on the family's tiny model, through the real
+2.1, Ideogram 4, HunyuanVideo 1.5, ERNIE-Image, HunyuanImage 2.1, Kandinsky 5 image and video) and for Flux.2-dev and Chroma, a row each: on the family's tiny model, through the real
 preprocess and encode stages, with encodes counted by forward hooks on the VAE encoder and on the
-text encoder (Qwen3; Qwen3-VL at its first decoder layer: one row per caption; Mistral3). A caption edit re-encodes one text
+text encoder (Qwen3; Qwen3-VL at its first decoder layer: one row per caption; Mistral3: Flux.2-dev's
+and ERNIE-Image's). A caption edit re-encodes one text
 record; new VAE weights (Ideogram 4's batch-norm statistics too) re-encode latents only; what shapes
 a family's text records (TEXT_CHANGES: a file of the model, a setting in model_index.json, the
 family's own data, the token window) re-encodes text records only."""
@@ -16,12 +17,13 @@ from invalidation_checks import (TEXT_ROWS, assert_caption_edit_encodes_one_text
 from PIL import Image, ImageOps
 from test_invalidation import statuses
 
+from lorapipe.stages.families.hunyuanimage21 import HunyuanImage21
 from lorapipe.stages.families.zimage import ZImage
 
 pytestmark = pytest.mark.slow
 
-FAMILIES = ("z-image", "krea2", "qwen-image-2.1", "ideogram4", "flux2-dev", "hunyuanvideo1.5", "kandinsky5",
-            "kandinsky5-video")
+FAMILIES = ("z-image", "krea2", "qwen-image-2.1", "ideogram4", "flux2-dev", "hunyuanvideo1.5", "ernie-image", "hunyuanimage2.1",
+            "chroma", "kandinsky5", "kandinsky5-video")
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -45,13 +47,20 @@ def chat_template(baseline, tmp_path, monkeypatch):
     return config
 
 
-def hidden_layer(baseline, tmp_path, monkeypatch):
-    """The hidden layer Z-Image reads is the family's data, not a user setting: a lorapipe release
-    that changes it (simulated by patching the family's text settings)."""
-    released = ZImage.text_settings
-    monkeypatch.setattr(ZImage, "text_settings", lambda self, model_path, options: released(
-        self, model_path, options).model_copy(update={"hidden_layers": (-3,)}))
-    return baseline_copy(baseline, tmp_path)
+def family_release(family_class, **update):
+    """A change of what a family's text settings hold as its own data, not a user setting: a lorapipe
+    release that changes it (simulated by patching the family's text settings)."""
+    def released_with_update(baseline, tmp_path, monkeypatch):
+        released = family_class.text_settings
+        monkeypatch.setattr(family_class, "text_settings", lambda self, model_path, options: released(
+            self, model_path, options).model_copy(update=update))
+        return baseline_copy(baseline, tmp_path)
+
+    return released_with_update
+
+
+hidden_layer = family_release(ZImage, hidden_layers=(-3,))  # the hidden layer Z-Image reads
+template = family_release(HunyuanImage21, template="Draw: {}")  # the template HunyuanImage 2.1 writes captions into
 
 
 def token_window(baseline, tmp_path, monkeypatch):
@@ -84,6 +93,9 @@ TEXT_CHANGES = [  # (arch, the change, what status names as the reason)
     pytest.param("qwen-image-2.1", processor_tokenizer, "models.processor", id="qwen-image-2.1-processor_tokenizer"),
     pytest.param("hunyuanvideo1.5", token_window, "params.max_sequence_length",
                  id="hunyuanvideo1.5-max_sequence_length"),
+    pytest.param("ernie-image", token_window, "params.max_sequence_length", id="ernie-image-max_sequence_length"),
+    pytest.param("hunyuanimage2.1", template, "resolved.text.template", id="hunyuanimage2.1-template"),
+    pytest.param("chroma", token_window, "params.max_sequence_length", id="chroma-max_sequence_length"),
     pytest.param("kandinsky5", token_window, "params.max_sequence_length", id="kandinsky5-max_sequence_length"),
     pytest.param("kandinsky5-video", token_window, "params.max_sequence_length",
                  id="kandinsky5-video-max_sequence_length"),

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from lorapipe.stages.contract import Frozen
 from lorapipe.stages.lora_formats.original_names import COMFYUI, KeySpelling, OriginalNames, fused_lora
 
 from .base import (Conditioning, Family, ImageGeometry, TextOptions, TextRecord, Variant, pad_sequences,
@@ -116,6 +117,12 @@ class FlowFamily(Family):
         return written
 
     # ---- rendering
+    def render_kwargs(self, settings: Frozen, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
+        """A pipeline with classifier-free guidance: the scale, the negative prompt ("" as the pipelines
+        default to) and the text length training saw (settings.max_sequence_length)."""
+        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt,
+                "max_sequence_length": settings.max_sequence_length}
+
     def prepare_pipeline(self, pipe: Any, sampler: str, objective: FlowMatchingObjective) -> None:
         if sampler != self.sampler:
             raise ValueError(f"evaluate.scheduler: {self.label} renders with {self.sampler}, not {sampler}")

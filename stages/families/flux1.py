@@ -97,7 +97,7 @@ class Flux1(FlowFamily):
     def text_settings(self, model_path: Path, options: TextOptions) -> Flux1TextSettings:
         length = self.text_length(options)
         if length > MAX_T5_TOKENS:
-            raise ValueError(f"encode.max_sequence_length: Flux.1 reads at most {MAX_T5_TOKENS} T5 tokens,"
+            raise ValueError(f"encode.max_sequence_length: {self.label} reads at most {MAX_T5_TOKENS} T5 tokens,"
                              f" not {length}")
         return Flux1TextSettings(max_sequence_length=length)
 
@@ -129,11 +129,17 @@ class Flux1(FlowFamily):
             tokens, ids = torch.cat([tokens, reference_tokens], dim=1), torch.cat([ids, reference_ids])
         text = conditioning["encoder_hidden_states"].to(dtype)
         out = transformer(
-            hidden_states=tokens, timestep=timesteps.to(dtype), guidance=conditioning.get("guidance"),
-            pooled_projections=conditioning["pooled_projections"].to(dtype), encoder_hidden_states=text,
+            hidden_states=tokens, timestep=timesteps.to(dtype), encoder_hidden_states=text,
             txt_ids=torch.zeros(text.shape[1], 3, device=noisy.device, dtype=dtype), img_ids=ids, return_dict=False,
+            **self.text_inputs(conditioning, tokens.shape[1], dtype),
         )[0]
         return FluxPipeline._unpack_latents(out[:, :h * w // 4], h, w, 1).float()
+
+    def text_inputs(self, conditioning: Conditioning, image_tokens: int, dtype: torch.dtype) -> Conditioning:
+        """The transformer's inputs besides the tokens, their ids and the text embeddings: CLIP's
+        pooled output and, on dev, the guidance value."""
+        return {"guidance": conditioning.get("guidance"),
+                "pooled_projections": conditioning["pooled_projections"].to(dtype)}
 
     # ---- LoRA
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:

@@ -105,9 +105,12 @@ def component_class(model_path: Path, name: str) -> type:
 
 
 def vae_scale_factor(model_path: Path, vae: str) -> int:
-    """Pixels per latent side, as diffusers' pipelines compute it: 2 ** (the VAE's levels - 1), or
-    for a video VAE (Qwen-Image's) 2 ** its number of downsampling stages."""
+    """Pixels per latent side, as diffusers' pipelines compute it: the VAE's spatial_compression_ratio
+    where its config has one (the Hunyuan VAEs'), else 2 ** (its levels - 1), or for a video VAE
+    (Qwen-Image's) 2 ** its number of downsampling stages."""
     config = component_config(model_path, vae)
+    if "spatial_compression_ratio" in config:
+        return config["spatial_compression_ratio"]
     if "temperal_downsample" in config:
         return 2 ** len(config["temperal_downsample"])
     return 2 ** (len(config["block_out_channels"]) - 1)

@@ -6,8 +6,7 @@ the pipeline's chat template (its system message), tokenized padded to crop_star
 (108 + 1000) with a mask, Qwen2.5-VL's third hidden state from the end with the template's first
 crop_start tokens cut off; and the quoted text (`"..."`), if any, as `Text "...". ` through ByT5 (256
 tokens). A record holds both at their own tokens (`hidden_states` (L, 3584), `glyph_states` (G, 1472),
-G = 0 without quotes), padded per batch with masks: the transformer gathers the unmasked tokens of
-each first, so the padding's length changes nothing.
+G = 0 without quotes), padded per batch with masks as the Hunyuan families do (hunyuan.py).
 
 Latents: records (C, F', H', W') of the VAE's posterior, unscaled, encoded one clip at a time
 (diffusers' VAE fails on a batch of several); 4k + 1 frames become k + 1 latent
@@ -16,26 +15,18 @@ before decoding). The transformer reads the latents with the text-to-video condi
 latents and a zero mask) after them, 1000 sigma as the timestep, and zero image embeddings, as the
 pipeline calls it.
 
-LoRA: diffusers format only. HunyuanVideo15Pipeline has no load_lora_weights in diffusers 0.42.1
-(the transformer loads the file with its own load_lora_adapter), and diffusers has no converter from
-the original layout to name a ComfyUI file from.
+LoRA: diffusers format only, as the Hunyuan families export (hunyuan.py).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from pydantic import Field
-
-from lorapipe.stages.contract import Frozen
-from lorapipe.stages.lora_formats.original_names import OriginalNames, whole
-
-from .base import Components, Conditioning, ImageGeometry, Kohya, LatentGeometry, TextOptions, TextRecord, \
-    pad_sequences
+from .base import Conditioning, Kohya, TextOptions, TextRecord
 from .flow import presets_field
-from .folders import component_config, load_component
-from .objectives import FlowMatchingObjective, ObjectiveParams
+from .folders import component_config
+from .hunyuan import COMPONENTS, HunyuanFamily, HunyuanTextEncoders, HunyuanTextSettings, on_device
 from .video import ClipPosterior, VideoFamily, VideoVariant
 
 if TYPE_CHECKING:
@@ -53,23 +44,9 @@ IMAGE_TOKENS = 729  # the pipeline's vision_num_semantic_tokens: zero image embe
 VARIANTS = (VideoVariant("1.5-t2v", "hunyuanvideo1.5", 50, 6.0, max_sequence_length=1000, render_frames=121),)
 
 
-class HunyuanVideo15TextSettings(Frozen):
-    max_sequence_length: int = Field(gt=0, description="Qwen2.5-VL tokens after the chat template's crop_start")
-    crop_start: int = Field(ge=0, description="the chat template's tokens cut off the hidden states")
-    skipped_layers: int = Field(ge=0, description="last hidden layers skipped: the record is hidden_states[-(n + 1)]")
-    glyph_max_length: int = Field(gt=0, description="ByT5 tokens of the caption's quoted text")
-
-
-class HunyuanVideo15TextEncoder:
+class HunyuanVideo15TextEncoder(HunyuanTextEncoders):
     """HunyuanVideo15Pipeline.encode_prompt, batched: each caption's Qwen2.5-VL and ByT5 states at
     their own tokens."""
-
-    def __init__(self, model_path: Path, settings: HunyuanVideo15TextSettings, dtype: torch.dtype, device: str):
-        self.settings, self.dtype, self.device = settings, dtype, device
-        self.tokenizer = load_component(model_path, "tokenizer")
-        self.encoder = load_component(model_path, "text_encoder").eval().requires_grad_(False).to(device)
-        self.glyph_tokenizer = load_component(model_path, "tokenizer_2")
-        self.glyph_encoder = load_component(model_path, "text_encoder_2").eval().requires_grad_(False).to(device)
 
     def too_long(self, caption: str) -> bool:
         from diffusers.pipelines.hunyuan_video1_5.pipeline_hunyuan_video1_5 import format_text_input
@@ -114,30 +91,19 @@ class ClipByClip(ClipPosterior):
 
 
 @dataclass(frozen=True)
-class HunyuanVideo15(VideoFamily):
+class HunyuanVideo15(HunyuanFamily, VideoFamily):
     variants: tuple[VideoVariant, ...] = VARIANTS
     lora_presets: dict[str, tuple[str, ...]] = presets_field(ATTENTION, FEED_FORWARD, (BLOCK,))
 
     def temporal_compression(self, model_path: Path) -> int:
         return component_config(model_path, self.components.latent[0]).get("temporal_compression_ratio", 4)
 
-    def geometry(self, model_path: Path) -> LatentGeometry:
-        config = component_config(model_path, self.components.latent[0])
-        return LatentGeometry(config.get("spatial_compression_ratio", 16), self.latent_patch)
-
     # ---- text
-    def text_settings(self, model_path: Path, options: TextOptions) -> HunyuanVideo15TextSettings:
-        return HunyuanVideo15TextSettings(max_sequence_length=self.text_length(options), crop_start=CROP_START,
-                                          skipped_layers=SKIPPED_LAYERS, glyph_max_length=GLYPH_LENGTH)
+    def text_settings(self, model_path: Path, options: TextOptions) -> HunyuanTextSettings:
+        return HunyuanTextSettings(max_sequence_length=self.text_length(options), crop_start=CROP_START,
+                                   skipped_layers=SKIPPED_LAYERS, glyph_max_length=GLYPH_LENGTH)
 
     # ---- denoiser
-    def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
-                     params: ObjectiveParams) -> Conditioning:
-        embeds, mask = pad_sequences(texts, "hidden_states")
-        glyphs, glyph_mask = pad_sequences(texts, "glyph_states", max(1, *(len(t["glyph_states"]) for t in texts)))
-        return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask,
-                "encoder_hidden_states_2": glyphs, "encoder_attention_mask_2": glyph_mask}
-
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
         """As HunyuanVideo15Pipeline calls its transformer: the latents (B, C, F, H, W) followed by
@@ -148,36 +114,9 @@ class HunyuanVideo15(VideoFamily):
         batch, channels, frames, height, width = noisy.shape
         condition = torch.zeros(batch, channels + 1, frames, height, width, device=noisy.device, dtype=dtype)
         image = torch.zeros(batch, IMAGE_TOKENS, transformer.config.image_embed_dim, device=noisy.device, dtype=dtype)
-        text = {k: v.to(device=noisy.device, dtype=dtype if v.is_floating_point() else v.dtype)
-                for k, v in conditioning.items()}
         return transformer(hidden_states=torch.cat([noisy.to(dtype), condition], dim=1), image_embeds=image,
                            timestep=(timesteps * TIMESTEP_SCALE).to(noisy.device, dtype), return_dict=False,
-                           **text)[0].float()
-
-    # ---- LoRA
-    def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
-        """Each Linear under its own name, whole: no original-name file is written (none of original_formats)."""
-        import torch
-
-        return {name: (whole(name),) for name, module in transformer.named_modules()
-                if isinstance(module, torch.nn.Linear)}
-
-    # ---- rendering
-    def prepare_pipeline(self, pipe: Any, sampler: str, objective: FlowMatchingObjective) -> None:
-        """The pipeline with diffusers' LoRA loader for a transformer named `transformer`, which
-        HunyuanVideo15Pipeline lacks in diffusers 0.42.1 (its transformer loads adapters itself)."""
-        from diffusers.loaders import HunyuanVideoLoraLoaderMixin
-
-        super().prepare_pipeline(pipe, sampler, objective)
-        if not hasattr(pipe, "load_lora_weights"):
-            pipe.__class__ = type(f"{type(pipe).__name__}WithLora", (type(pipe), HunyuanVideoLoraLoaderMixin), {})
-
-    def render_kwargs(self, settings: HunyuanVideo15TextSettings, guidance_scale: float,
-                      negative_prompt: str) -> dict[str, Any]:
-        if guidance_scale != self.bound.render_guidance:
-            raise ValueError(f"evaluate.guidance_scale: HunyuanVideo15Pipeline guides at its guider's scale"
-                             f" (guider/guider_config.json), not {guidance_scale:g}; remove it")
-        return {"negative_prompt": negative_prompt}
+                           **on_device(conditioning, noisy.device, dtype))[0].float()
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: VideoVariant) -> Path:
@@ -188,8 +127,7 @@ class HunyuanVideo15(VideoFamily):
 
 HUNYUANVIDEO15 = HunyuanVideo15(
     name="hunyuanvideo1.5", label="HunyuanVideo 1.5", pipeline_class="HunyuanVideo15Pipeline",
-    components=Components(text=("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"), latent=("vae",),
-                          denoiser="transformer"),
+    components=COMPONENTS,
     kohya=Kohya("hunyuan_video_1_5"), sequence_patch=1, text_encoder=HunyuanVideo15TextEncoder,
     latent_encoder=ClipByClip,
     original_formats=(), clip_fps=24, block_lists=("transformer_blocks",),

@@ -28,7 +28,7 @@ import math
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from pydantic import Field
 
@@ -133,12 +133,6 @@ class Krea2(FlowFamily):
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
         config = transformer.config
         return original_names(config.num_layers, config.num_layerwise_text_blocks, config.num_refiner_text_blocks)
-
-    # ---- rendering
-    def render_kwargs(self, settings: Krea2PromptSettings, guidance_scale: float,
-                      negative_prompt: str) -> dict[str, Any]:
-        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt,
-                "max_sequence_length": settings.max_sequence_length}
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path:

@@ -11,7 +11,7 @@ Kinds, told apart by `kind`:
 - `scale_shift` (SD, Flux.1, Z-Image): `(z - shift) * scale` from the VAE config;
 - `channel_mean_std` (Qwen-Image, Wan, LTX-2): `(z - mean_c) * (1 / std_c)` from the config's latents_mean/std
   (LTX-2: its VAE's buffers, std divided by its scaling_factor);
-- `patched_batch_norm` (Flux.2): z patchified 2x2 (C -> 4C channels, half the sides), then
+- `patched_batch_norm` (Flux.2, ERNIE-Image): z patchified 2x2 (C -> 4C channels, half the sides), then
   `(z - running_mean_c) / sqrt(running_var_c + eps)` with the VAE's batch-norm statistics (weights,
   not config: read from its safetensors). Its output layout is the patchified one: the objective and
   the denoiser see (4C, H/2, W/2) latents, so noise is drawn after `apply`;
@@ -112,12 +112,14 @@ def channel_mean_std_of(model_path: Path, vae: str) -> ChannelMeanStd:
     return ChannelMeanStd(mean=tuple(config["latents_mean"]), std=tuple(config["latents_std"]))
 
 
-def patched_batch_norm_of(model_path: Path, vae: str,
-                          kind: type[PatchedBatchNorm] = PatchedBatchNorm) -> PatchedBatchNorm:
+def patched_batch_norm_of(model_path: Path, vae: str, kind: type[PatchedBatchNorm] = PatchedBatchNorm,
+                          eps: float | None = None) -> PatchedBatchNorm:
+    """`eps`: the pipeline's own, where it does not read the VAE config's `batch_norm_eps`."""
     config = component_config(model_path, vae)
     stats = component_tensors(model_path, vae, ("bn.running_mean", "bn.running_var"))
     return kind(running_mean=tuple(stats["bn.running_mean"].tolist()),
-                running_var=tuple(stats["bn.running_var"].tolist()), eps=config.get("batch_norm_eps", 1e-4))
+                running_var=tuple(stats["bn.running_var"].tolist()),
+                eps=config.get("batch_norm_eps", 1e-4) if eps is None else eps)
 
 
 def normalisation_from_json(value: dict) -> LatentNormalisation:

@@ -191,10 +191,6 @@ class LTX2Family(VideoFamily):
         return original_names(transformer.config.num_layers)
 
     # ---- rendering
-    def render_kwargs(self, settings: LTX2TextSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
-        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt,
-                "max_sequence_length": settings.max_sequence_length}
-
     def clip_kwargs(self, model_path: Path, num_frames: int | None, fps: float) -> dict[str, Any]:
         return {**super().clip_kwargs(model_path, num_frames, fps), "frame_rate": float(fps)}
 

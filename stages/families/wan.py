@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from pydantic import Field
 
@@ -226,11 +226,6 @@ class Wan(VideoFamily):
         return [f"{kohya.name} loads in ComfyUI and musubi-tuner, not in diffusers, whose loader reads that spelling"
                 " only for a LoRA on every Linear of every block (train.target_modules attention_ff or all_linear):"
                 f" give diffusers {written[0].name} or {named(COMFYUI).name}"]
-
-    # ---- rendering
-    def render_kwargs(self, settings: WanTextSettings, guidance_scale: float, negative_prompt: str) -> dict[str, Any]:
-        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt,
-                "max_sequence_length": settings.max_sequence_length}
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: WanVariant) -> Path:

@@ -88,8 +88,7 @@ class ZImage(FlowFamily):
         if self.bound.distilled:
             refuse_negative_prompt(negative_prompt, f"Z-Image {self.bound.name} renders without guidance and ignores"
                                                     " negative prompts")
-        return {"guidance_scale": guidance_scale, "negative_prompt": negative_prompt,  # "" as the pipeline defaults to
-                "max_sequence_length": settings.max_sequence_length}
+        return super().render_kwargs(settings, guidance_scale, negative_prompt)
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path:

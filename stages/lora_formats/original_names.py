@@ -178,6 +178,19 @@ def kohya_name(original: str) -> str:
     return KOHYA_PREFIX + original.replace(".", "_")
 
 
+def own_names(model: torch.nn.Module) -> OriginalNames:
+    """Each Linear of the model (adapted or not) under its own (diffusers) name, whole: for a model
+    whose original layout is diffusers' own."""
+    import torch
+    from peft.tuners.tuners_utils import BaseTunerLayer
+
+    modules = dict(model.named_modules())
+    adapted = {name for name, module in modules.items() if isinstance(module, BaseTunerLayer)}
+    linear = {name for name, module in modules.items() if isinstance(module, torch.nn.Linear)
+              and not any(name.startswith(f"{a}.") for a in adapted)}  # an adapter's own layers and its base
+    return {name: (whole(name),) for name in sorted(adapted | linear)}
+
+
 def by_diffusers_module(names: OriginalNames) -> OriginalNames:
     """The same modules each under its own (diffusers) name, whole: for a loader that maps diffusers
     names onto their rows of the original weights itself (ComfyUI's Z-Image key map)."""

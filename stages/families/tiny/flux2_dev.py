@@ -30,17 +30,19 @@ CHAT_TEMPLATE = (
 )
 
 
-def _tokenizer():
+def mistral_tokenizer():
+    """The shared tiny BPE tokenizer with Mistral's specials and bos."""
     tokenizer = qwen_tokenizer()
     tokenizer.add_special_tokens({"bos_token": BOS, "additional_special_tokens": list(MISTRAL_SPECIALS)},
                                  replace_extra_special_tokens=False)
     return tokenizer
 
 
-def _text_encoder(tokenizer):
-    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+def mistral3_config(tokenizer):
+    """A Mistral3 config of a 16-dim, 31-layer language model and a 1-layer Pixtral vision tower."""
+    from transformers import Mistral3Config
 
-    config = Mistral3Config(
+    return Mistral3Config(
         text_config={"model_type": "mistral", "hidden_size": TEXT_DIM, "intermediate_size": 32,
                      "num_hidden_layers": TEXT_LAYERS, "num_attention_heads": 2, "num_key_value_heads": 2,
                      "head_dim": 8, "vocab_size": len(tokenizer), "max_position_embeddings": 1024},
@@ -48,7 +50,12 @@ def _text_encoder(tokenizer):
                        "num_attention_heads": 2, "image_size": 64, "patch_size": 16},
         image_token_index=tokenizer.convert_tokens_to_ids(IMAGE), tie_word_embeddings=False,
     )
-    return Mistral3ForConditionalGeneration(config).eval()
+
+
+def _text_encoder(tokenizer):
+    from transformers import Mistral3ForConditionalGeneration
+
+    return Mistral3ForConditionalGeneration(mistral3_config(tokenizer)).eval()
 
 
 def _processor(tokenizer):
@@ -62,7 +69,7 @@ def _processor(tokenizer):
 def build_tiny_flux2_dev(out_dir: Path) -> Path:
     from diffusers import FlowMatchEulerDiscreteScheduler, Flux2Pipeline
 
-    tokenizer = _tokenizer()
+    tokenizer = mistral_tokenizer()
     pipe = Flux2Pipeline(
         scheduler=FlowMatchEulerDiscreteScheduler(shift=3.0, use_dynamic_shifting=True), vae=seeded(tiny_flux2_vae),
         text_encoder=seeded(_text_encoder, tokenizer), tokenizer=_processor(tokenizer),

@@ -58,16 +58,21 @@ def _transformer():
         text_embed_2_dim=GLYPH_DIM, image_embed_dim=IMAGE_DIM, rope_axes_dim=(4, 4, 4), task_type="t2v")
 
 
-def build_tiny_hunyuanvideo15(out_dir: Path) -> Path:
-    """Write a tiny HunyuanVideo 1.5 text-to-video model into out_dir."""
-    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+def text_components() -> dict:
+    """The tiny Qwen2.5-VL and ByT5 encoders and their tokenizers, by the Hunyuan pipelines' component names."""
     from transformers import ByT5Tokenizer
 
     tokenizer, glyph_tokenizer = qwen_tokenizer(), ByT5Tokenizer()
+    return {"text_encoder": seeded(_qwen25vl_text, tokenizer), "tokenizer": tokenizer,
+            "text_encoder_2": seeded(_byt5, len(glyph_tokenizer)), "tokenizer_2": glyph_tokenizer}
+
+
+def build_tiny_hunyuanvideo15(out_dir: Path) -> Path:
+    """Write a tiny HunyuanVideo 1.5 text-to-video model into out_dir."""
+    from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
+
     pipe = HunyuanVideo15Pipeline(
-        text_encoder=seeded(_qwen25vl_text, tokenizer), tokenizer=tokenizer,
-        text_encoder_2=seeded(_byt5, len(glyph_tokenizer)), tokenizer_2=glyph_tokenizer,
-        vae=seeded(_vae), transformer=seeded(_transformer), scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT),
+        **text_components(), vae=seeded(_vae), transformer=seeded(_transformer), scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT),
         guider=ClassifierFreeGuidance(guidance_scale=GUIDANCE_SCALE),
     )
     pipe.save_pretrained(Path(out_dir), safe_serialization=True)
