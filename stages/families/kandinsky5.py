@@ -142,15 +142,15 @@ class Kandinsky5(FlowFamily):
         import torch
 
         frames = noisy if noisy.ndim == 5 else noisy.unsqueeze(2)
-        mask = torch.zeros_like(frames[:, :1])
+        conditioned = torch.zeros_like(frames[:, :1])  # the visual condition's mask: the conditioning image's frame
         if REFERENCE_LATENTS in conditioning:
             image = conditioning[REFERENCE_LATENTS][:, 0].to(noisy.device, noisy.dtype)
             frames = torch.cat([image, frames[:, :, 1:]], dim=2)
-            mask[:, :, 0] = 1
+            conditioned[:, :, 0] = 1
         latents = frames.permute(0, 2, 3, 4, 1)
         out = torch.empty(latents.shape, device=noisy.device)
         if transformer.visual_cond:
-            latents = torch.cat([latents, torch.zeros_like(latents), mask.permute(0, 2, 3, 4, 1)], dim=-1)
+            latents = torch.cat([latents, torch.zeros_like(latents), conditioned.permute(0, 2, 3, 4, 1)], dim=-1)
         embeds, mask = (conditioning[name].to(noisy.device) for name in self.text_arguments)
         lengths, pooled = mask.sum(dim=1), conditioning[POOLED].to(noisy.device, dtype)
         sides = (latents.shape[1], latents.shape[2] // 2, latents.shape[3] // 2)
