@@ -76,7 +76,7 @@ def _count_encoder_rows():
     def hook(module, args, kwargs, output):
         name = type(module).__name__
         if name in ("Encoder", "LTX2VideoEncoder3d", "QwenImage21Encoder3d", "HunyuanVideo15Encoder3D",
-                    "HunyuanImageEncoder2D") and \
+                    "HunyuanImageEncoder2D", "HunyuanVideoEncoder3D") and \
                 type(module).__module__.startswith("diffusers"):
             counts["vae"] += args[0].shape[0]
         elif name in ("WanEncoder3d", "QwenImageEncoder3d") and args[0].shape[2] == 1:

@@ -21,6 +21,9 @@ from .hidream import HIDREAM
 from .hunyuanimage21 import HUNYUANIMAGE21
 from .hunyuanvideo15 import HUNYUANVIDEO15
 from .ideogram4 import IDEOGRAM4
+from .kandinsky5 import KANDINSKY5
+from .kandinsky5_i2v import KANDINSKY5_I2V
+from .kandinsky5_video import KANDINSKY5_VIDEO
 from .krea2 import KREA2
 from .ltx2 import LTX2
 from .ltx2_i2v import LTX2_I2V
@@ -39,7 +42,8 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FL
                                                                   ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
                                                                   QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, WAN_I2V, LTX2,
                                                                   LTX2_I2V, HUNYUANVIDEO15,
-                                                                  ERNIE_IMAGE, HUNYUANIMAGE21, CHROMA, HIDREAM)}
+                                                                  ERNIE_IMAGE, HUNYUANIMAGE21, CHROMA, HIDREAM, KANDINSKY5,
+                                                                  KANDINSKY5_VIDEO, KANDINSKY5_I2V)}
 DENOISER_NAMES = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.denoiser_names))
 # single files: SDXL's marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's and Chroma's before
 # Flux.1's, whose markers their checkpoints also carry

@@ -107,14 +107,19 @@ def ftfy_version() -> str | None:
         return None
 
 
+def check_ftfy(keyed: str | None) -> None:
+    """Refuse to encode with another ftfy than the text settings (and so the records' keys) name."""
+    if keyed != ftfy_version():
+        raise UserError(f"encode: the text settings clean captions with ftfy {keyed or '(none)'}, this"
+                        f" process has ftfy {ftfy_version() or '(none)'}: install the same ftfy where encode runs")
+
+
 class WanTextEncoder:
     """WanPipeline._get_t5_prompt_embeds, batched: cleaned captions, UMT5's last hidden state at each
     caption's own tokens, and the length the pipeline pads them to."""
 
     def __init__(self, model_path: Path, settings: WanTextSettings, dtype: torch.dtype, device: str):
-        if settings.ftfy != ftfy_version():
-            raise UserError(f"encode: the text settings clean captions with ftfy {settings.ftfy or '(none)'}, this"
-                            f" process has ftfy {ftfy_version() or '(none)'}: install the same ftfy where encode runs")
+        check_ftfy(settings.ftfy)
         self.settings, self.dtype, self.device = settings, dtype, device
         self.tokenizer = load_component(model_path, "tokenizer")
         self.encoder = load_component(model_path, "text_encoder").eval().requires_grad_(False).to(device)
