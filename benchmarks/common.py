@@ -104,23 +104,26 @@ def _created_in(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(default)
 
 
-def _random_component(library: str, class_name: str, config_dir: Path, device: torch.device) -> torch.nn.Module:
+def _random_component(library: str, class_name: str, config_dir: Path, device: torch.device,
+                      dtype: torch.dtype) -> torch.nn.Module:
     import torch
 
     cls = getattr(importlib.import_module(library), class_name)
     torch.manual_seed(SEED)
-    with _created_in(device, torch.bfloat16):
+    with _created_in(device, dtype):
         if library == "diffusers":
             model = cls.from_config(cls.load_config(config_dir))
         else:
             model = cls(cls.config_class.from_pretrained(config_dir))
-    return model.to(torch.bfloat16).cpu()
+    return model.to(dtype).cpu()
 
 
-def random_model(arch: str, out: Path, device: torch.device) -> Path:
-    """A diffusers folder of `arch` at its published size: seeded random weights in bf16 from the
+def random_model(arch: str, out: Path, device: torch.device, dtype: str = "bfloat16") -> Path:
+    """A diffusers folder of `arch` at its published size: seeded random weights in `dtype` from the
     configs in stages/assets/arch/<arch>/, which hold no tokenizer vocabularies: the tokenizers of
     the family's tiny model (built offline) instead, checked to fit the text encoders' embeddings."""
+    import torch
+
     from lorapipe.stages.families.folders import load_component
 
     arch_dir, staging = arch_folder(arch), out.with_name(f"{out.name}.partial")
@@ -137,7 +140,8 @@ def random_model(arch: str, out: Path, device: torch.device) -> Path:
         elif name == "scheduler":
             shutil.copytree(arch_dir / name, staging / name)
         else:
-            _random_component(*spec, arch_dir / name, device).save_pretrained(staging / name, safe_serialization=True)
+            _random_component(*spec, arch_dir / name, device, getattr(torch, dtype)).save_pretrained(
+                staging / name, safe_serialization=True)
             release_memory(device)
     staging.rename(out)
     return out

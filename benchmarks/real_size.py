@@ -1,5 +1,5 @@
 """Real size on the CPU: a family's published architecture (stages/assets/arch/<arch>/, seeded random
-weights in bf16) through the real stages, `lorapipe run --only STAGE` one stage per command on 2
+weights stored in --dtype) through the real stages, `lorapipe run --only STAGE` one stage per command on 2
 generated samples, from a config this bench writes beside them.
 
 Reports, per stage (the model's build first), the peak resident memory of the command's whole
@@ -10,11 +10,12 @@ logs/loss.jsonl). A stage that fails, or whose tree passes --max-resident-gib (t
 so and the stages after it are not run.
 
     python -m benchmarks.real_size --arch sd15 [--resolution 512] [--frames N] [--steps 2]
-        [--base-quantization none|int8|fp8|nf4] [--max-resident-gib 10] [--root DIR] [--json]
+        [--base-quantization none|int8|fp8|nf4] [--dtype bfloat16|float32] [--max-resident-gib 10] [--root DIR]
+        [--json]
 
 appends its document to BENCHMARKS.md; `--tiny` runs the same code on the family's tiny model (the
-smoke test, tests/test_real_size.py) and only prints. The model is built once under ROOT/models/<arch>
-(benchmarks/common.py's random_model: one component at a time, created in bf16 where it is
+smoke test, tests/test_real_size.py) and only prints. The model is built once under ROOT/models/<arch>-<dtype>
+(benchmarks/common.py's random_model: one component at a time, created in its dtype where it is
 initialised, saved and freed, so the build never holds the model twice) and reused; the run's
 cache is emptied before every run.
 """
@@ -37,14 +38,15 @@ from .common import ResultsSection, generated_clips, generated_images, machine
 REPO = Path(__file__).resolve().parent.parent
 SAMPLES = 2
 SAMPLE_EVERY_S = 0.2  # how often the process tree's resident memory is read
+MIXED_PRECISION = {"bfloat16": "bf16", "float32": "no"}  # train.mixed_precision running the denoiser in a dtype
 BUILD = """
 import sys
 from pathlib import Path
 import torch
 from benchmarks.common import random_model, tiny_arch
 from lorapipe.stages.families import build_tiny_model
-arch, out, tiny = sys.argv[1], Path(sys.argv[2]), sys.argv[3] == "tiny"
-build_tiny_model(out, tiny_arch(arch)) if tiny else random_model(arch, out, torch.device("cpu"))
+arch, out, dtype = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+build_tiny_model(out, tiny_arch(arch)) if dtype == "tiny" else random_model(arch, out, torch.device("cpu"), dtype)
 """
 
 
@@ -55,6 +57,7 @@ class Bench:
     frames: int  # clips of this many frames; 0: images
     steps: int
     base_quantization: str
+    dtype: str  # encode's record dtype and train's denoiser dtype: "bfloat16" or "float32"
     tiny: bool  # the family's tiny model instead of the published architecture
     max_resident_mib: float | None
 
@@ -111,13 +114,13 @@ def measured(command: list[str], logs: Path, limit_mib: float | None) -> Measure
 # ---- the run
 def model_row(bench: Bench, root: Path) -> tuple[dict, Path]:
     """The model's build (in a process of its own, measured as a stage is), or that it was reused."""
-    model = root / "models" / (f"{bench.arch}-tiny" if bench.tiny else bench.arch)
-    weights = "the family's tiny model" if bench.tiny else "random, published architecture, bf16"
+    model = root / "models" / (f"{bench.arch}-tiny" if bench.tiny else f"{bench.arch}-{bench.dtype}")
+    weights = "the family's tiny model" if bench.tiny else f"random, published architecture, {bench.dtype}"
     if (model / "model_index.json").exists():
         return {"stage": "build", "weights": weights, "status": "reused", "path": str(model)}, model
     shutil.rmtree(model, ignore_errors=True)
     model.parent.mkdir(parents=True, exist_ok=True)
-    run = measured([sys.executable, "-c", BUILD, bench.arch, str(model), "tiny" if bench.tiny else "full"],
+    run = measured([sys.executable, "-c", BUILD, bench.arch, str(model), "tiny" if bench.tiny else bench.dtype],
                    root / "build", bench.max_resident_mib)
     return {"stage": "build", "weights": weights, **outcome(run), "path": str(model)}, model
 
@@ -151,8 +154,9 @@ def write_config(bench: Bench, root: Path, model: Path) -> Path:
         "name": f"real-size-{bench.arch}", "cache_dir": "cache", "output_dir": "out",
         "model": {"path": str(model)}, "data": {"path": str(data)},
         "preprocess": {"resolution": side, "holdout_fraction": 0.0, **({"video": {"num_frames": frames}} if frames else {})},
-        "encode": {"batch_size": 1, "dtype": "bfloat16"},
-        "train": {"max_steps": bench.steps, "batch_size": 1, "mixed_precision": "bf16", "checkpoint_every": bench.steps,
+        "encode": {"batch_size": 1, "dtype": bench.dtype},
+        "train": {"max_steps": bench.steps, "batch_size": 1, "mixed_precision": MIXED_PRECISION[bench.dtype],
+                  "checkpoint_every": bench.steps,
                   "log_with": "none", **quantization},
         "evaluate": {"prompts": ["a generated image"], "seeds": [0], "num_inference_steps": 1, "resolution": side,
                      "loss_timesteps": [500], **({"num_frames": frames} if frames else {})},
@@ -192,7 +196,7 @@ def component_rows(config: Path, artifacts: dict[str, Path]) -> dict[str, dict]:
         ran_in["encode"] = json.loads((artifacts["encode"] / "samples.json").read_text())["dtype"]
     if "train" in artifacts:
         params = json.loads((artifacts["train"] / "train_config.json").read_text())["params"]
-        ran_in["train"] = {"bf16": "bfloat16", "fp16": "float16", "no": "float32"}[params["mixed_precision"]] + (
+        ran_in["train"] = {v: k for k, v in MIXED_PRECISION.items()}[params["mixed_precision"]] + (
             f", Linear weights {params['base_quantization']}" if params.get("base_quantization", "none") != "none" else "")
     components = for_model(Path(described["source"]["location"])).components
     return {
@@ -214,7 +218,7 @@ def step_seconds(artifacts: dict[str, Path]) -> dict:
 
 def measure(bench: Bench, root: Path) -> dict:
     build, model = model_row(bench, root)
-    head = {"arch": bench.arch, "resolution": bench.resolution, "frames": bench.frames,
+    head = {"arch": bench.arch, "resolution": bench.resolution, "frames": bench.frames, "dtype": bench.dtype,
             "base_quantization": bench.base_quantization, "samples": SAMPLES}
     if build["status"] not in ("completed", "reused"):
         return {**head, "stages": [build], "machine": machine()}
@@ -226,7 +230,7 @@ def measure(bench: Bench, root: Path) -> dict:
 
 def summary(document: dict) -> str:
     lines = [f"{document['arch']} at {document['resolution']} px" + (f", {document['frames']} frames" * bool(document["frames"]))
-             + f", base {document['base_quantization']}, {document['machine']}"]
+             + f", {document['dtype']}, base {document['base_quantization']}, {document['machine']}"]
     for row in document["stages"]:
         figures = f"{row['peak_resident_mib']:>9.1f} MiB peak {row['seconds']:>8.1f} s  " if "seconds" in row else ""
         lines.append(f"  {row['stage']:<10} {figures}{row['status']}")
@@ -245,13 +249,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--frames", type=int, default=0, help="clips of this many frames (video families); 0: images")
     parser.add_argument("--steps", type=int, default=2, help="training steps (the first one warms up)")
     parser.add_argument("--base-quantization", choices=("none", "int8", "fp8", "nf4"), default="none")
+    parser.add_argument("--dtype", choices=tuple(MIXED_PRECISION), default="bfloat16",
+                        help="what encode and train run the model in; float32 on a CPU without bf16 kernels, where"
+                        " torch convolves bf16 through a reference loop (a UNet's step takes hours)")
     parser.add_argument("--max-resident-gib", type=float, help="stop a stage whose process tree passes this")
     parser.add_argument("--root", type=Path, default=Path("bench-run") / "real-size")
     parser.add_argument("--tiny", action="store_true", help="the family's tiny model; prints only")
     parser.add_argument("--json", action="store_true", help="print one JSON document")
     args = parser.parse_args(argv)
     limit = args.max_resident_gib and args.max_resident_gib * 1024
-    bench = Bench(args.arch, args.resolution, args.frames, args.steps, args.base_quantization, args.tiny, limit)
+    bench = Bench(args.arch, args.resolution, args.frames, args.steps, args.base_quantization, args.dtype, args.tiny,
+                  limit)
     args.root.mkdir(parents=True, exist_ok=True)
     document = measure(bench, args.root.resolve())
     print(json.dumps(document) if args.json else summary(document), flush=True)
