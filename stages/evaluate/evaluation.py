@@ -344,7 +344,7 @@ def _load_pipeline(model_path: Path, family: families.Family, options: EvalOptio
 
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = stored_dtype(model_path / family.components.denoiser)
-    pipe = DiffusionPipeline.from_pretrained(model_path, torch_dtype=dtype and getattr(torch, dtype)).to(device)
+    pipe = DiffusionPipeline.from_pretrained(model_path, dtype=dtype and getattr(torch, dtype)).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
