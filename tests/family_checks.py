@@ -9,7 +9,7 @@ FAMILIES holds each family's golden numbers for the checks every family passes a
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -272,6 +272,8 @@ FAMILIES = (
               frozenset(),  # no audio module: a video loss leaves them untrained
               (DIFFUSERS_FILE, COMFYUI_FILE)),
 )
+FAMILIES += tuple(replace(row, arch=f"{row.arch}-i2v") for row in FAMILIES  # the same transformer, another pipeline
+                  if row.arch == "hunyuanvideo1.5")
 
 
 def text_records(model: Path, captions: list[str], options: TextOptions = TextOptions()):

@@ -17,6 +17,7 @@ from .flux2 import FLUX2_KLEIN
 from .flux2_dev import FLUX2_DEV
 from .folders import check_weights_file, is_single_file, model_index
 from .hunyuanvideo15 import HUNYUANVIDEO15
+from .hunyuanvideo15_i2v import HUNYUANVIDEO15_I2V
 from .ideogram4 import IDEOGRAM4
 from .krea2 import KREA2
 from .ltx2 import LTX2
@@ -35,7 +36,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FL
                                                                   FLUX2_DEV,
                                                                   ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
                                                                   QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, WAN_I2V, LTX2,
-                                                                  LTX2_I2V, HUNYUANVIDEO15,
+                                                                  LTX2_I2V, HUNYUANVIDEO15, HUNYUANVIDEO15_I2V,
                                                                   ERNIE_IMAGE)}
 DENOISER_NAMES = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.denoiser_names))
 # single files: SDXL's marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's before Flux.1's,

@@ -49,6 +49,7 @@ CROP_START = 108  # the pipeline's prompt_template_encode_start_idx: the templat
 SKIPPED_LAYERS = 2  # the pipeline reads hidden_states[-(2 + 1)]
 GLYPH_LENGTH = 256  # the pipeline's tokenizer_2_max_length: ByT5 tokens of the quoted text
 IMAGE_TOKENS = 729  # the pipeline's vision_num_semantic_tokens: zero image embeddings in text-to-video
+TEXT_INPUTS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2", "encoder_attention_mask_2")
 
 VARIANTS = (VideoVariant("1.5-t2v", "hunyuanvideo1.5", 50, 6.0, max_sequence_length=1000, render_frames=121),)
 
@@ -135,8 +136,7 @@ class HunyuanVideo15(VideoFamily):
                      params: ObjectiveParams) -> Conditioning:
         embeds, mask = pad_sequences(texts, "hidden_states")
         glyphs, glyph_mask = pad_sequences(texts, "glyph_states", max(1, *(len(t["glyph_states"]) for t in texts)))
-        return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask,
-                "encoder_hidden_states_2": glyphs, "encoder_attention_mask_2": glyph_mask}
+        return dict(zip(TEXT_INPUTS, (embeds, mask, glyphs, glyph_mask)))
 
     def predict(self, transformer: torch.nn.Module, noisy: torch.Tensor, timesteps: torch.Tensor,
                 conditioning: Conditioning, dtype: torch.dtype) -> torch.Tensor:
@@ -145,14 +145,22 @@ class HunyuanVideo15(VideoFamily):
         embeddings (which the transformer then masks out)."""
         import torch
 
-        batch, channels, frames, height, width = noisy.shape
-        condition = torch.zeros(batch, channels + 1, frames, height, width, device=noisy.device, dtype=dtype)
-        image = torch.zeros(batch, IMAGE_TOKENS, transformer.config.image_embed_dim, device=noisy.device, dtype=dtype)
-        text = {k: v.to(device=noisy.device, dtype=dtype if v.is_floating_point() else v.dtype)
-                for k, v in conditioning.items()}
+        condition, image = self.image_inputs(transformer, noisy, conditioning, dtype)
+        text = {k: conditioning[k].to(device=noisy.device, dtype=dtype if conditioning[k].is_floating_point()
+                                      else conditioning[k].dtype) for k in TEXT_INPUTS}
         return transformer(hidden_states=torch.cat([noisy.to(dtype), condition], dim=1), image_embeds=image,
                            timestep=(timesteps * TIMESTEP_SCALE).to(noisy.device, dtype), return_dict=False,
                            **text)[0].float()
+
+    def image_inputs(self, transformer: torch.nn.Module, noisy: torch.Tensor, conditioning: Conditioning,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Text-to-video's: zero condition latents and mask after the latents, zero image embeddings."""
+        import torch
+
+        batch, channels, frames, height, width = noisy.shape
+        condition = torch.zeros(batch, channels + 1, frames, height, width, device=noisy.device, dtype=dtype)
+        image = torch.zeros(batch, IMAGE_TOKENS, transformer.config.image_embed_dim, device=noisy.device, dtype=dtype)
+        return condition, image
 
     # ---- LoRA
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
