@@ -14,10 +14,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .base import IMAGE_EMBEDS, REFERENCE_LATENTS, Conditioning, ImageCondition
 from .hunyuanvideo15 import HUNYUANVIDEO15, HunyuanVideo15
+from .objectives import FlowMatchingObjective
 from .video import VideoVariant
 from .wan_i2v import ClipVisionEmbedder
 
@@ -36,6 +38,16 @@ class SiglipEmbedder(ClipVisionEmbedder):
 
     def states(self, inputs: Any) -> torch.Tensor:
         return self.encoder(**inputs).last_hidden_state
+
+
+def _at_size(call: Callable[..., Any]) -> Callable[..., Any]:
+    """The pipeline's call taking height and width: the size its video processor picks for the image."""
+    def sized(pipe: Any, *args: Any, height: int | None = None, width: int | None = None, **kwargs: Any) -> Any:
+        if height is not None and width is not None:
+            pipe.video_processor.calculate_default_height_width = lambda *_, **__: (height, width)
+        return call(pipe, *args, **kwargs)
+
+    return sized
 
 
 @dataclass(frozen=True)
@@ -57,6 +69,12 @@ class HunyuanVideo15I2V(HunyuanVideo15):
         mask = torch.zeros(batch, 1, frames, height, width, device=noisy.device, dtype=dtype)
         mask[:, :, 0] = 1
         return torch.cat([latents, mask], dim=1), conditioning[IMAGE_EMBEDS][:, 0].to(noisy.device, dtype)
+
+    def prepare_pipeline(self, pipe: Any, sampler: str, objective: FlowMatchingObjective) -> None:
+        """Text-to-video's, rendering at the height and width asked: the pipeline takes none and
+        renders at the aspect bucket of its transformer's target_size nearest the image's."""
+        super().prepare_pipeline(pipe, sampler, objective)
+        pipe.__class__ = type(f"{type(pipe).__name__}AtSize", (type(pipe),), {"__call__": _at_size(type(pipe).__call__)})
 
     def build_tiny_variant(self, out_dir: Path, variant: VideoVariant) -> Path:
         from .tiny.hunyuanvideo15 import build_tiny_hunyuanvideo15
