@@ -74,7 +74,8 @@ class HunyuanVideo15I2V(HunyuanVideo15):
         """Text-to-video's, rendering at the height and width asked: the pipeline takes none and
         renders at the aspect bucket of its transformer's target_size nearest the image's."""
         super().prepare_pipeline(pipe, sampler, objective)
-        pipe.__class__ = type(f"{type(pipe).__name__}AtSize", (type(pipe),), {"__call__": _at_size(type(pipe).__call__)})
+        pipe.__class__ = type(f"{type(pipe).__name__}AtSize", (type(pipe),),
+                              {"__call__": _at_size(type(pipe).__call__)})
 
     def build_tiny_variant(self, out_dir: Path, variant: VideoVariant) -> Path:
         from .tiny.hunyuanvideo15 import build_tiny_hunyuanvideo15
