@@ -305,6 +305,8 @@ FAMILIES = (
               frozenset(),  # no audio module: a video loss leaves them untrained
               (DIFFUSERS_FILE, COMFYUI_FILE)),
 )
+FAMILIES += tuple(replace(row, arch=f"{row.arch}-i2v") for row in FAMILIES  # the same transformer, another pipeline
+                  if row.arch == "hunyuanvideo1.5")
 
 
 def text_records(model: Path, captions: list[str], options: TextOptions = TextOptions()):

@@ -20,7 +20,7 @@ from lorapipe.flows.steps import STAGES, Context
 from lorapipe.flows.runner import explain
 from lorapipe.stages.demo.clips import SCENES, write_demo_clips
 from lorapipe.stages.encoded import EncodedData
-from lorapipe.stages.families import build_tiny_model
+from lorapipe.stages.families import build_tiny_model, for_model
 
 pytestmark = pytest.mark.slow
 
@@ -134,13 +134,14 @@ def remux(source: Path, target: Path) -> None:
                 out.mux(packet)
 
 
-@pytest.fixture(scope="module")
-def i2v_baseline(tmp_path_factory, tiny_models, count_encoder_rows):
-    """The demo clips on the tiny Wan 2.1 I2V, encoded: the first clip's conditioning image named in
-    control_dir, the others' their windows' first frames; each window's record and its conditioning
-    image's (the padded clip through the VAE, with its CLIP-vision embedding)."""
-    root = tmp_path_factory.mktemp("wan-i2v-baseline")
-    shutil.copytree(tiny_models("wan2.1-i2v"), root / "model")
+@pytest.fixture(scope="module", params=["wan2.1-i2v", "hunyuanvideo1.5-i2v"])
+def i2v_baseline(request, tmp_path_factory, tiny_models, count_encoder_rows):
+    """The demo clips on a tiny image-to-video model, encoded: the first clip's conditioning image named
+    in control_dir, the others' their windows' first frames; each window's record and its conditioning
+    image's (Wan 2.1 I2V: the padded clip through the VAE, with its CLIP-vision embedding;
+    HunyuanVideo 1.5 I2V: the image alone, with its SigLIP embedding)."""
+    root = tmp_path_factory.mktemp(f"{request.param}-baseline")
+    shutil.copytree(tiny_models(request.param), root / "model")
     write_demo_clips(root / "data")
     (root / "data" / "control").mkdir()
     conditioning_image(root, (200, 30, 30))
@@ -204,6 +205,7 @@ def test_an_image_in_an_i2v_dataset_is_refused_in_one_line(i2v_baseline, tmp_pat
     config = make_config(tmp_path, tmp_path / "model", tmp_path / "data", i2v_baseline / "cache", **VIDEO)
     Image.new("RGB", (64, 64), (10, 20, 30)).save(tmp_path / "data" / "still.png")
     (tmp_path / "data" / "still.txt").write_text("a still")
-    with pytest.raises(UserError, match=r"^data.datasets: still.png is an image, but Wan I2V trains image-to-video on"
-                                        r" clips \(each window conditioned on an image\): remove it"):
+    label = for_model(tmp_path / "model").label  # Wan I2V, HunyuanVideo 1.5 I2V
+    with pytest.raises(UserError, match=rf"^data.datasets: still.png is an image, but {label} trains image-to-video"
+                                        r" on clips \(each window conditioned on an image\): remove it"):
         run_all(config, STAGES[:2])

@@ -20,6 +20,7 @@ from .folders import check_weights_file, is_single_file, model_index
 from .hidream import HIDREAM
 from .hunyuanimage21 import HUNYUANIMAGE21
 from .hunyuanvideo15 import HUNYUANVIDEO15
+from .hunyuanvideo15_i2v import HUNYUANVIDEO15_I2V
 from .ideogram4 import IDEOGRAM4
 from .kandinsky5 import KANDINSKY5
 from .kandinsky5_i2v import KANDINSKY5_I2V
@@ -41,7 +42,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FL
                                                                   FLUX2_DEV,
                                                                   ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
                                                                   QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, WAN_I2V, LTX2,
-                                                                  LTX2_I2V, HUNYUANVIDEO15,
+                                                                  LTX2_I2V, HUNYUANVIDEO15, HUNYUANVIDEO15_I2V,
                                                                   ERNIE_IMAGE, HUNYUANIMAGE21, CHROMA, HIDREAM, KANDINSKY5,
                                                                   KANDINSKY5_VIDEO, KANDINSKY5_I2V)}
 DENOISER_NAMES = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.denoiser_names))

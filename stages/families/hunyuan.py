@@ -27,6 +27,8 @@ if TYPE_CHECKING:
 COMPONENTS = Components(text=("text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2"), latent=("vae",),
                         denoiser="transformer")
 
+TEXT_INPUTS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2", "encoder_attention_mask_2")
+
 
 class HunyuanTextSettings(Frozen):
     max_sequence_length: int = Field(gt=0, description="Qwen2.5-VL tokens after the template's crop_start")
@@ -57,8 +59,7 @@ class HunyuanFamily:
         """Both text streams padded to the batch's longest (one glyph position at least), with their masks."""
         embeds, mask = pad_sequences(texts, "hidden_states")
         glyphs, glyph_mask = pad_sequences(texts, "glyph_states", max(1, *(len(t["glyph_states"]) for t in texts)))
-        return {"encoder_hidden_states": embeds, "encoder_attention_mask": mask,
-                "encoder_hidden_states_2": glyphs, "encoder_attention_mask_2": glyph_mask}
+        return dict(zip(TEXT_INPUTS, (embeds, mask, glyphs, glyph_mask)))
 
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
         """Each Linear under its own name, whole: no original-name file is written (none of original_formats)."""

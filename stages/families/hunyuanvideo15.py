@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 from .base import Conditioning, Kohya, TextOptions, TextRecord
 from .flow import presets_field
 from .folders import component_config
-from .hunyuan import COMPONENTS, HunyuanFamily, HunyuanTextEncoders, HunyuanTextSettings, on_device
+from .hunyuan import COMPONENTS, TEXT_INPUTS, HunyuanFamily, HunyuanTextEncoders, HunyuanTextSettings, on_device
 from .video import ClipPosterior, VideoFamily, VideoVariant
 
 if TYPE_CHECKING:
@@ -111,12 +111,21 @@ class HunyuanVideo15(HunyuanFamily, VideoFamily):
         embeddings (which the transformer then masks out)."""
         import torch
 
+        condition, image = self.image_inputs(transformer, noisy, conditioning, dtype)
+        text = on_device({k: conditioning[k] for k in TEXT_INPUTS}, noisy.device, dtype)
+        return transformer(hidden_states=torch.cat([noisy.to(dtype), condition], dim=1), image_embeds=image,
+                           timestep=(timesteps * TIMESTEP_SCALE).to(noisy.device, dtype), return_dict=False,
+                           **text)[0].float()
+
+    def image_inputs(self, transformer: torch.nn.Module, noisy: torch.Tensor, conditioning: Conditioning,
+                     dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Text-to-video's: zero condition latents and mask after the latents, zero image embeddings."""
+        import torch
+
         batch, channels, frames, height, width = noisy.shape
         condition = torch.zeros(batch, channels + 1, frames, height, width, device=noisy.device, dtype=dtype)
         image = torch.zeros(batch, IMAGE_TOKENS, transformer.config.image_embed_dim, device=noisy.device, dtype=dtype)
-        return transformer(hidden_states=torch.cat([noisy.to(dtype), condition], dim=1), image_embeds=image,
-                           timestep=(timesteps * TIMESTEP_SCALE).to(noisy.device, dtype), return_dict=False,
-                           **on_device(conditioning, noisy.device, dtype))[0].float()
+        return condition, image
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: VideoVariant) -> Path:

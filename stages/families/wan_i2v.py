@@ -48,8 +48,10 @@ class ClipVisionEmbedder:
     """WanImageToVideoPipeline.encode_image on placed pixels: the image processor on the image as
     8-bit RGB (what the pipeline is handed), the CLIP vision model's penultimate hidden state."""
 
+    processor_component = "image_processor"
+
     def __init__(self, model_path: Path, component: str, device: str):
-        self.processor = load_component(model_path, "image_processor")
+        self.processor = load_component(model_path, self.processor_component)
         self.encoder = load_component(model_path, component).eval().requires_grad_(False).to(device)
         self.device = device
 
@@ -61,7 +63,10 @@ class ClipVisionEmbedder:
                   for p in pixels]
         inputs = self.processor(images=images, return_tensors="pt").to(self.device)
         with torch.inference_mode():
-            return self.encoder(**inputs, output_hidden_states=True).hidden_states[-2].float().cpu()
+            return self.states(inputs).float().cpu()
+
+    def states(self, inputs: Any) -> torch.Tensor:
+        return self.encoder(**inputs, output_hidden_states=True).hidden_states[-2]
 
 
 def first_frame_condition(reference: torch.Tensor, mask_channels: int) -> torch.Tensor:

@@ -7,7 +7,10 @@ pipeline reads the third hidden state from the end: not the embeddings) around t
 tokenizer and its chat template, and a T5 encoder of d_model 16 around ByT5's tokenizer (bytes: it
 needs no vocabulary); VAE: HunyuanVideo 1.5's 3-D VAE at width 8 with 4 latent channels, 16x
 spatial and 4x temporal downsampling, as the published one. Scheduler: flow-match Euler; guider:
-classifier-free guidance.
+classifier-free guidance. `--arch hunyuanvideo1.5-i2v`: the same components with an i2v transformer of
+other weights (the same shapes: it reads the same channels) as a HunyuanVideo15ImageToVideoPipeline,
+with a tiny SigLIP vision model (hidden size IMAGE_DIM) and its image processor; its target_size is
+small, as the pipeline sizes a clip from it and the image's aspect ratio.
 """
 from __future__ import annotations
 
@@ -18,6 +21,9 @@ from .qwen import ENDOFTEXT, TEXT_DIM, qwen_tokenizer, seeded
 LATENT_CHANNELS = 4
 GLYPH_DIM = 16  # the ByT5 encoder's d_model, the transformer's text_embed_2_dim
 IMAGE_DIM = 8  # the transformer's image_embed_dim (the pipeline feeds zeros of it in text-to-video)
+IMAGE_SIZE = 32  # the SigLIP image processor's input side
+I2V_SEED = 1  # the image-to-video transformer's: weights other than text-to-video's
+TARGET_SIZE = 32  # the i2v transformer's target_size: the pipeline renders at its aspect bucket of this area
 TEXT_LAYERS = 3  # the pipeline reads hidden_states[-3]: with 3 layers, the first layer's output
 SHIFT = 5.0
 GUIDANCE_SCALE = 6.0
@@ -49,13 +55,21 @@ def _vae():
                                        layers_per_block=1)
 
 
-def _transformer():
+def _siglip():
+    from transformers import SiglipVisionConfig, SiglipVisionModel
+
+    return SiglipVisionModel(SiglipVisionConfig(hidden_size=IMAGE_DIM, intermediate_size=16, num_hidden_layers=2,
+                                                num_attention_heads=2, image_size=IMAGE_SIZE, patch_size=8)).eval()
+
+
+def _transformer(task_type: str = "t2v", target_size: int = 640):
     from diffusers import HunyuanVideo15Transformer3DModel
 
     return HunyuanVideo15Transformer3DModel(
         in_channels=2 * LATENT_CHANNELS + 1, out_channels=LATENT_CHANNELS, num_attention_heads=2,
         attention_head_dim=12, num_layers=2, num_refiner_layers=1, text_embed_dim=TEXT_DIM,
-        text_embed_2_dim=GLYPH_DIM, image_embed_dim=IMAGE_DIM, rope_axes_dim=(4, 4, 4), task_type="t2v")
+        text_embed_2_dim=GLYPH_DIM, image_embed_dim=IMAGE_DIM, rope_axes_dim=(4, 4, 4), task_type=task_type,
+        target_size=target_size)
 
 
 def text_components() -> dict:
@@ -67,13 +81,25 @@ def text_components() -> dict:
             "text_encoder_2": seeded(_byt5, len(glyph_tokenizer)), "tokenizer_2": glyph_tokenizer}
 
 
-def build_tiny_hunyuanvideo15(out_dir: Path) -> Path:
-    """Write a tiny HunyuanVideo 1.5 text-to-video model into out_dir."""
+def build_tiny_hunyuanvideo15(out_dir: Path, image_to_video: bool = False) -> Path:
+    """Write a tiny HunyuanVideo 1.5 text-to-video model, with image_to_video its image-to-video
+    pipeline, into out_dir."""
+    import torch
     from diffusers import ClassifierFreeGuidance, FlowMatchEulerDiscreteScheduler, HunyuanVideo15Pipeline
 
-    pipe = HunyuanVideo15Pipeline(
-        **text_components(), vae=seeded(_vae), transformer=seeded(_transformer), scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT),
+    parts = dict(
+        **text_components(), vae=seeded(_vae), scheduler=FlowMatchEulerDiscreteScheduler(shift=SHIFT),
         guider=ClassifierFreeGuidance(guidance_scale=GUIDANCE_SCALE),
     )
+    if image_to_video:
+        from diffusers import HunyuanVideo15ImageToVideoPipeline
+        from transformers import SiglipImageProcessor
+
+        torch.manual_seed(I2V_SEED)
+        pipe = HunyuanVideo15ImageToVideoPipeline(
+            transformer=_transformer("i2v", TARGET_SIZE), image_encoder=seeded(_siglip),
+            feature_extractor=SiglipImageProcessor(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}), **parts)
+    else:
+        pipe = HunyuanVideo15Pipeline(transformer=seeded(_transformer), **parts)
     pipe.save_pretrained(Path(out_dir), safe_serialization=True)
     return Path(out_dir)
