@@ -9,6 +9,8 @@ FLUX.3's text encoder and processor are the tiny Qwen-Image 2.1 ones (a Qwen3-VL
 of its hidden layers); its VAE is the tiny Flux.2 one, read from the tiny flux2-klein model."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep, Flux3VaeEncoderStep
@@ -16,6 +18,10 @@ from diffusers.modular_pipelines.flux3.modular_blocks_flux3 import Flux3CoreDeno
 from family_checks import first_call, quiet_pipeline, tiny_model_fixture
 
 import lorapipe.stages.families as families
+from lorapipe.cache.digest import StatCache
+from lorapipe.cache.errors import UserError
+from lorapipe.stages.families.folders import component_names, load_component
+from lorapipe.stages.models import component_digests, weights_digest
 from lorapipe.stages.families.tiny.qwen import TEXT_DIM, qwen_tokenizer, seeded
 from lorapipe.stages.families.tiny.qwenimage21 import _processor, _text_encoder
 
@@ -105,6 +111,53 @@ def test_denoise_block_first_call_is_the_reference(text):
                               "txt_ids"]
     stepped = (tokens - prediction).transpose(1, 2).reshape(latents.shape)  # sigma 1 to 0
     assert torch.allclose(result["state"]["latents"], stepped, atol=1e-6)
+
+
+@pytest.fixture(scope="module")
+def modular_folder(tmp_path_factory):
+    """A FLUX.3 denoise block's pipeline saved whole by ModularPipeline.save_pretrained: a folder with
+    modular_model_index.json (no model_index.json) whose entries point at the folder itself."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    folder = tmp_path_factory.mktemp("flux3-modular")
+    pipe = _pipeline(Flux3CoreDenoiseStep(), transformer=seeded(_transformer, 32),
+                     scheduler=FlowMatchEulerDiscreteScheduler())
+    pipe.save_pretrained(str(folder), overwrite_modular_index=True)  # a str: diffusers splits it
+    return folder, pipe.transformer
+
+
+def test_modular_folder_loads_and_keys_as_a_model_folder(modular_folder, tmp_path):
+    """A folder a ModularPipeline saved reads as a model_index.json folder: its components by name,
+    each loaded from its subfolder with the saved weights, keyed by the same per-component digests."""
+    folder, transformer = modular_folder
+    assert not (folder / "model_index.json").exists()
+    assert component_names(folder) == ["transformer"]
+    loaded = load_component(folder, "transformer")
+    assert type(loaded) is type(transformer)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in transformer.state_dict().items())
+    with StatCache(tmp_path / "stat.sqlite") as stat_cache:
+        digests = component_digests(folder, stat_cache, families.get("flux2-klein"))
+        assert digests == {"transformer": weights_digest(folder / "transformer", stat_cache)}
+
+
+@pytest.mark.parametrize("where", [{"pretrained_model_name_or_path": "black-forest-labs/FLUX.3"},
+                                   {"pretrained_model_name_or_path": "/elsewhere"},
+                                   {"subfolder": "../other"}])
+def test_modular_entry_outside_the_folder_is_refused(modular_folder, tmp_path, where):
+    """An entry that would load a component from another repo or folder is refused in one line naming
+    the index file and the key: nothing is read from outside the folder the user named."""
+    folder, _ = modular_folder
+    index = json.loads((folder / "modular_model_index.json").read_text())
+    index["transformer"][2] |= {"pretrained_model_name_or_path": str(tmp_path)} | where
+    (tmp_path / "modular_model_index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match=r"modular_model_index.json: transformer loads from .*not from this folder"):
+        component_names(tmp_path)
+
+
+def test_modular_folder_of_no_family_names_its_index(modular_folder):
+    folder, _ = modular_folder
+    with pytest.raises(UserError, match=r"modular_model_index.json: unsupported pipeline class 'Flux3ModularPipeline'"):
+        families.for_model(folder)
 
 
 ltx2 = tiny_model_fixture("ltx2")
