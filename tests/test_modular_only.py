@@ -5,8 +5,10 @@ compare with; LTX-2.5's text blocks (LTX-2's) equal what LTX2Pipeline encodes; M
 block reads one hidden layer (docs/families.md, "Models diffusers ships only as modular
 pipelines").
 
-FLUX.3's text encoder and processor are the tiny Qwen-Image 2.1 ones (a Qwen3-VL; FLUX.3 reads two
-of its hidden layers); its VAE is the tiny Flux.2 one, read from the tiny flux2-klein model."""
+FLUX.3's blocks read their components from the tiny FLUX.3 (stages/families/tiny/flux3.py), through
+folders.py, as a FLUX.3 folder is read; its text encoder and processor are the tiny Qwen-Image 2.1
+ones (a Qwen3-VL; FLUX.3 reads two of its hidden layers); the VAE block's comparison reads the tiny
+flux2-klein model, whose family the normalisation is compared with."""
 from __future__ import annotations
 
 import json
@@ -21,20 +23,14 @@ import lorapipe.stages.families as families
 from lorapipe.cache.digest import StatCache
 from lorapipe.cache.errors import UserError
 from lorapipe.stages.families.folders import component_names, load_component
-from lorapipe.stages.models import component_digests, weights_digest
+from lorapipe.stages.families.tiny.flux3 import TEXT_LAYERS as LAYERS
+from lorapipe.stages.families.tiny.flux3 import build_tiny_flux3, tiny_flux3_transformer
 from lorapipe.stages.families.tiny.qwen import TEXT_DIM, qwen_tokenizer, seeded
 from lorapipe.stages.families.tiny.qwenimage21 import _processor, _text_encoder
+from lorapipe.stages.models import component_digests, weights_digest
 
 flux2 = tiny_model_fixture("flux2-klein")
-LAYERS = (1, 2)  # the tiny encoder's two decoder layers' outputs (0 is the embeddings)
-
-
-def _transformer(channels: int):
-    from diffusers import Flux3Transformer2DModel
-
-    return Flux3Transformer2DModel(in_channels=channels, cond_in_channels=channels, num_layers=1,
-                                   num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                                   joint_attention_dim=TEXT_DIM * len(LAYERS), axes_dims_rope=(4, 4, 4, 4)).eval()
+FLUX3_COMPONENTS = ["text_encoder", "tokenizer", "transformer", "vae"]
 
 
 def _pipeline(block, **components):
@@ -46,9 +42,15 @@ def _pipeline(block, **components):
 
 
 @pytest.fixture(scope="module")
-def text():
-    tokenizer = qwen_tokenizer()
-    return seeded(_text_encoder, tokenizer), _processor(tokenizer)
+def flux3(tmp_path_factory):
+    """The tiny FLUX.3, saved by ModularPipeline.save_pretrained: modular_model_index.json, no
+    model_index.json; its components are read through folders.py as any model folder's."""
+    return build_tiny_flux3(tmp_path_factory.mktemp("flux3"))
+
+
+@pytest.fixture(scope="module")
+def text(flux3):
+    return load_component(flux3, "text_encoder"), load_component(flux3, "tokenizer")
 
 
 def test_text_block_is_hidden_layers_padded_to_the_blocks_multiple(text):
@@ -85,7 +87,7 @@ def test_vae_block_normalises_as_the_flux2_family(flux2):
     assert torch.allclose(ours, torch.cat(latents), atol=1e-5)  # the block encodes one image a call, ours the batch
 
 
-def test_denoise_block_first_call_is_the_reference(text):
+def test_denoise_block_first_call_is_the_reference(text, flux3):
     """The first transformer call of the core denoise block: the given latents packed to tokens, the
     text block's embeddings, the flow time (sigma, not sigma x 1000), and the Euler step of its
     prediction is what the block returns."""
@@ -95,7 +97,7 @@ def test_denoise_block_first_call_is_the_reference(text):
     encoder, processor = text
     embeds = _pipeline(Flux3TextEncoderStep(), text_encoder=encoder, tokenizer=processor)(
         prompt="a red fox", text_encoder_out_layers=LAYERS, output="prompt_embeds")
-    transformer = seeded(_transformer, 32)
+    transformer = load_component(flux3, "transformer")
     pipe = _pipeline(Flux3CoreDenoiseStep(), transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(),
                      guider=ClassifierFreeGuidance(guidance_scale=1.0))
     latents = torch.randn(1, 32, 4, 3, generator=torch.Generator().manual_seed(5))
@@ -113,51 +115,41 @@ def test_denoise_block_first_call_is_the_reference(text):
     assert torch.allclose(result["state"]["latents"], stepped, atol=1e-6)
 
 
-@pytest.fixture(scope="module")
-def modular_folder(tmp_path_factory):
-    """A FLUX.3 denoise block's pipeline saved whole by ModularPipeline.save_pretrained: a folder with
-    modular_model_index.json (no model_index.json) whose entries point at the folder itself."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
-
-    folder = tmp_path_factory.mktemp("flux3-modular")
-    pipe = _pipeline(Flux3CoreDenoiseStep(), transformer=seeded(_transformer, 32),
-                     scheduler=FlowMatchEulerDiscreteScheduler())
-    pipe.save_pretrained(str(folder), overwrite_modular_index=True)  # a str: diffusers splits it
-    return folder, pipe.transformer
-
-
-def test_modular_folder_loads_and_keys_as_a_model_folder(modular_folder, tmp_path):
+def test_modular_folder_loads_and_keys_as_a_model_folder(flux3, tmp_path):
     """A folder a ModularPipeline saved reads as a model_index.json folder: its components by name,
-    each loaded from its subfolder with the saved weights, keyed by the same per-component digests."""
-    folder, transformer = modular_folder
-    assert not (folder / "model_index.json").exists()
-    assert component_names(folder) == ["transformer"]
-    loaded = load_component(folder, "transformer")
-    assert type(loaded) is type(transformer)
-    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in transformer.state_dict().items())
+    each loaded from its subfolder with the saved weights, keyed by the same per-component digests;
+    a second build differs only in the folder its index points at."""
+    assert not (flux3 / "model_index.json").exists()
+    assert component_names(flux3) == FLUX3_COMPONENTS
+    loaded, built = load_component(flux3, "transformer"), seeded(tiny_flux3_transformer)
+    assert type(loaded) is type(built)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in built.state_dict().items())
     with StatCache(tmp_path / "stat.sqlite") as stat_cache:
-        digests = component_digests(folder, stat_cache, families.get("flux2-klein"))
-        assert digests == {"transformer": weights_digest(folder / "transformer", stat_cache)}
+        digests = component_digests(flux3, stat_cache, families.get("flux2-klein"))
+        assert digests == {name: weights_digest(flux3 / name, stat_cache) for name in FLUX3_COMPONENTS}
+    again = build_tiny_flux3(tmp_path / "again")
+    index = "modular_model_index.json"
+    assert (again / index).read_text() == (flux3 / index).read_text().replace(str(flux3), str(again))
+    assert all((again / rel).read_bytes() == (flux3 / rel).read_bytes()
+               for rel in (p.relative_to(flux3) for p in flux3.rglob("*") if p.is_file()) if rel.name != index)
 
 
 @pytest.mark.parametrize("where", [{"pretrained_model_name_or_path": "black-forest-labs/FLUX.3"},
                                    {"pretrained_model_name_or_path": "/elsewhere"},
                                    {"subfolder": "../other"}])
-def test_modular_entry_outside_the_folder_is_refused(modular_folder, tmp_path, where):
+def test_modular_entry_outside_the_folder_is_refused(flux3, tmp_path, where):
     """An entry that would load a component from another repo or folder is refused in one line naming
     the index file and the key: nothing is read from outside the folder the user named."""
-    folder, _ = modular_folder
-    index = json.loads((folder / "modular_model_index.json").read_text())
-    index["transformer"][2] |= {"pretrained_model_name_or_path": str(tmp_path)} | where
+    index = json.loads((flux3 / "modular_model_index.json").read_text().replace(str(flux3), str(tmp_path)))
+    index["transformer"][2] |= where
     (tmp_path / "modular_model_index.json").write_text(json.dumps(index))
     with pytest.raises(UserError, match=r"modular_model_index.json: transformer loads from .*not from this folder"):
         component_names(tmp_path)
 
 
-def test_modular_folder_of_no_family_names_its_index(modular_folder):
-    folder, _ = modular_folder
+def test_modular_folder_of_no_family_names_its_index(flux3):
     with pytest.raises(UserError, match=r"modular_model_index.json: unsupported pipeline class 'Flux3ModularPipeline'"):
-        families.for_model(folder)
+        families.for_model(flux3)
 
 
 ltx2 = tiny_model_fixture("ltx2")
