@@ -22,7 +22,9 @@ from family_checks import first_call, quiet_pipeline, tiny_model_fixture
 import lorapipe.stages.families as families
 from lorapipe.cache.digest import StatCache
 from lorapipe.cache.errors import UserError
+from lorapipe.stages.families.flux3_text import Flux3PromptEncoder
 from lorapipe.stages.families.folders import component_names, load_component
+from lorapipe.stages.families.qwen_text import QwenPromptSettings
 from lorapipe.stages.families.tiny.flux3 import TEXT_LAYERS as LAYERS
 from lorapipe.stages.families.tiny.flux3 import build_tiny_flux3, tiny_flux3_transformer
 from lorapipe.stages.families.tiny.qwen import TEXT_DIM, qwen_tokenizer, seeded
@@ -71,6 +73,21 @@ def test_text_block_is_hidden_layers_padded_to_the_blocks_multiple(text):
     assert embeds.shape == (1, step.pad_multiple, TEXT_DIM * len(LAYERS)) and ids.shape[1] < step.pad_multiple
     assert torch.allclose(embeds[:, :ids.shape[1]], unpadded, atol=1e-5)
     assert embeds[:, ids.shape[1]:].abs().amin(dim=-1).gt(0).all()
+
+
+def test_flux3_text_records_are_the_text_blocks_embeddings(text, flux3):
+    """The FLUX.3 text record of each caption is exactly the text block's embeddings, pad rows
+    included, each caption in its own window: a short one in one pad multiple, a long one in two."""
+    encoder, processor = text
+    settings = QwenPromptSettings(hidden_layers=LAYERS, max_sequence_length=8192, token_window=8192,
+                                  pad_to_window=False, keep_padding=True)
+    captions = ["a red fox in the snow", " ".join(["a red fox in the snow"] * 7)]
+    records = Flux3PromptEncoder(flux3, settings, torch.float32, "cpu")(captions)
+    block = _pipeline(Flux3TextEncoderStep(), text_encoder=encoder, tokenizer=processor)
+    for caption, record in zip(captions, records):
+        embeds = block(prompt=caption, text_encoder_out_layers=LAYERS, output="prompt_embeds")
+        assert torch.equal(record["hidden_states"], embeds[0])
+    assert [len(r["hidden_states"]) for r in records] == [80, 160]
 
 
 def test_vae_block_normalises_as_the_flux2_family(flux2):
