@@ -1,7 +1,8 @@
 """The models diffusers ships only as modular pipelines, on tiny components built offline: FLUX.3's
 text-encode, VAE-encode and denoise blocks run on their own, each in a ModularPipeline built from
 the block and local components (no hub), so each gives the reference a family's parity checks
-compare with; LTX-2.5's text blocks (LTX-2's) equal what LTX2Pipeline encodes; MiniMax-H3's text
+compare with (FLUX.3's text records and predict are compared with them here, its family not being
+registered yet); LTX-2.5's text blocks (LTX-2's) equal what LTX2Pipeline encodes; MiniMax-H3's text
 block reads one hidden layer (docs/families.md, "Models diffusers ships only as modular
 pipelines").
 
@@ -22,6 +23,7 @@ from family_checks import first_call, quiet_pipeline, tiny_model_fixture
 import lorapipe.stages.families as families
 from lorapipe.cache.digest import StatCache
 from lorapipe.cache.errors import UserError
+from lorapipe.stages.families.flux3 import predict
 from lorapipe.stages.families.flux3_text import Flux3PromptEncoder
 from lorapipe.stages.families.folders import component_names, load_component
 from lorapipe.stages.families.qwen_text import QwenPromptSettings
@@ -107,7 +109,8 @@ def test_vae_block_normalises_as_the_flux2_family(flux2):
 def test_denoise_block_first_call_is_the_reference(text, flux3):
     """The first transformer call of the core denoise block: the given latents packed to tokens, the
     text block's embeddings, the flow time (sigma, not sigma x 1000), and the Euler step of its
-    prediction is what the block returns."""
+    prediction is what the block returns; FLUX.3's predict makes that call, ids included, and
+    returns that prediction in the latents' layout."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.guiders import ClassifierFreeGuidance
 
@@ -130,6 +133,13 @@ def test_denoise_block_first_call_is_the_reference(text, flux3):
                               "txt_ids"]
     stepped = (tokens - prediction).transpose(1, 2).reshape(latents.shape)  # sigma 1 to 0
     assert torch.allclose(result["state"]["latents"], stepped, atol=1e-6)
+    ours = {}
+    with torch.no_grad():
+        _, our_kwargs, _ = first_call(transformer, lambda: ours.update(prediction=predict(
+            transformer, latents, torch.ones(1), embeds, torch.float32)))
+    assert sorted(our_kwargs) == sorted(kwargs)
+    assert all(torch.equal(our_kwargs[name], kwargs[name]) for name in kwargs if name != "return_dict")
+    assert torch.equal(ours["prediction"], prediction.transpose(1, 2).reshape(latents.shape))
 
 
 def test_modular_folder_loads_and_keys_as_a_model_folder(flux3, tmp_path):
