@@ -2,12 +2,16 @@
 in interleaved rounds, and the dated sections they append to BENCHMARKS.md."""
 from __future__ import annotations
 
+import gc
+import importlib
 import json
 import os
 import platform
 import random
 import shutil
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -17,6 +21,7 @@ if TYPE_CHECKING:
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+SEED = 0  # of every random-weight model
 BENCHMARKS_MD = Path(__file__).resolve().parent.parent / "BENCHMARKS.md"
 
 
@@ -63,11 +68,96 @@ def tiny_model(root: Path, arch: str = "sd15") -> Path:
     return model
 
 
+# ---- random weights at a published size
+def arch_folder(arch: str) -> Path:
+    from lorapipe.stages.families.single_file import ARCH_ROOT
+
+    return ARCH_ROOT / arch
+
+
+def tiny_arch(arch: str) -> str:
+    """The tiny model of the family (and variant) of stages/assets/arch/<arch>/."""
+    from lorapipe.stages.families import for_model
+
+    return for_model(arch_folder(arch)).variant.tiny_arch
+
+
+def _check_tokenizer(tokenizer, text_encoder_dir: Path) -> None:
+    vocab_size = json.loads((text_encoder_dir / "config.json").read_text())["vocab_size"]
+    if len(tokenizer) > vocab_size:
+        raise ValueError(f"the tiny model's tokenizer (vocabulary of {len(tokenizer)}) does not fit"
+                         f" {text_encoder_dir}/config.json's vocab_size {vocab_size}")
+
+
+@contextmanager
+def _created_in(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
+    """Modules created in this block are initialised on `device` in `dtype`: seconds on a GPU
+    (minutes for SDXL on a CPU), and half the memory of float32 (Flux.1's transformer: 24 GB)."""
+    import torch
+
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(default)
+
+
+def _random_component(library: str, class_name: str, config_dir: Path, device: torch.device,
+                      dtype: torch.dtype) -> torch.nn.Module:
+    import torch
+
+    cls = getattr(importlib.import_module(library), class_name)
+    torch.manual_seed(SEED)
+    with _created_in(device, dtype):
+        if library == "diffusers":
+            model = cls.from_config(cls.load_config(config_dir))
+        else:
+            model = cls(cls.config_class.from_pretrained(config_dir))
+    return model.to(dtype).cpu()
+
+
+def random_model(arch: str, out: Path, device: torch.device, dtype: str = "bfloat16") -> Path:
+    """A diffusers folder of `arch` at its published size: seeded random weights in `dtype` from the
+    configs in stages/assets/arch/<arch>/, which hold no tokenizer vocabularies: the tokenizers of
+    the family's tiny model (built offline) instead, checked to fit the text encoders' embeddings."""
+    import torch
+
+    from lorapipe.stages.families.folders import load_component
+
+    arch_dir, staging = arch_folder(arch), out.with_name(f"{out.name}.partial")
+    tiny = tiny_model(out.parent, tiny_arch(arch))
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    shutil.copy(arch_dir / "model_index.json", staging)
+    for name, spec in json.loads((arch_dir / "model_index.json").read_text()).items():
+        if not isinstance(spec, list) or spec[0] is None:
+            continue
+        if name.startswith("tokenizer"):
+            shutil.copytree(tiny / name, staging / name)
+            _check_tokenizer(load_component(staging, name), arch_dir / name.replace("tokenizer", "text_encoder"))
+        elif name == "scheduler":
+            shutil.copytree(arch_dir / name, staging / name)
+        else:
+            _random_component(*spec, arch_dir / name, device, getattr(torch, dtype)).save_pretrained(
+                staging / name, safe_serialization=True)
+            release_memory(device)
+    staging.rename(out)
+    return out
+
+
+def release_memory(device: torch.device) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def full_size_sd15(root: Path) -> Path:
     """SD1.5 at its published size with random weights (stages/assets/arch/sd15), built once under ROOT/models/sd15."""
     import torch
-
-    from .gpu_bench import random_model
 
     model = root / "models" / "sd15"
     if not (model / "model_index.json").exists():

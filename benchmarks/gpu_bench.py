@@ -74,7 +74,6 @@ it on the CPU.
 from __future__ import annotations
 
 import argparse
-import gc
 import importlib
 import json
 import shutil
@@ -84,7 +83,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from .common import ResultsSection, Timing, device_sync, generated_clips, generated_images, interleaved, tiny_model
+from .common import (ResultsSection, Timing, device_sync, generated_clips, generated_images, interleaved, random_model,
+                     release_memory, tiny_arch, tiny_model)
 from .encode_bench import bare_forward_seconds, encode_inputs, load_encoders, run_encode
 from .train_bench import cached_step, step_calls, step_figures, training_recipe
 
@@ -94,7 +94,7 @@ if TYPE_CHECKING:
     from lorapipe.stages.encode import EncodeInputs
     from lorapipe.stages.train.recipe import LoRATrainingRecipe
 
-SEED, LORA_RANK = 0, 16
+LORA_RANK = 16
 COMPILED, OFFLOADED = "+compile", "+offload"
 QUANTISED = ("int8", "fp8", "nf4")  # train.base_quantization settings beside each bf16 flow setting
 # dense (no sparsity) bf16 tensor-core peaks, FLOP/s, by the first name part torch.cuda.get_device_name() contains
@@ -162,80 +162,6 @@ SMOKE = Mode(False, {  # each GPU setting on the tiny model of its arch's family
 
 
 # ---- 1. model
-def arch_folder(arch: str) -> Path:
-    from lorapipe.stages.families.single_file import ARCH_ROOT
-
-    return ARCH_ROOT / arch
-
-
-def tiny_arch(arch: str) -> str:
-    """The tiny model of the family (and variant) of stages/assets/arch/<arch>/."""
-    from lorapipe.stages.families import for_model
-
-    return for_model(arch_folder(arch)).variant.tiny_arch
-
-
-def _check_tokenizer(tokenizer, text_encoder_dir: Path) -> None:
-    vocab_size = json.loads((text_encoder_dir / "config.json").read_text())["vocab_size"]
-    if len(tokenizer) > vocab_size:
-        raise ValueError(f"the tiny model's tokenizer (vocabulary of {len(tokenizer)}) does not fit"
-                         f" {text_encoder_dir}/config.json's vocab_size {vocab_size}")
-
-
-@contextmanager
-def _created_in(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
-    """Modules created in this block are initialised on `device` in `dtype`: seconds on a GPU
-    (minutes for SDXL on a CPU), and half the memory of float32 (Flux.1's transformer: 24 GB)."""
-    import torch
-
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            yield
-    finally:
-        torch.set_default_dtype(default)
-
-
-def _random_component(library: str, class_name: str, config_dir: Path, device: torch.device) -> torch.nn.Module:
-    import torch
-
-    cls = getattr(importlib.import_module(library), class_name)
-    torch.manual_seed(SEED)
-    with _created_in(device, torch.bfloat16):
-        if library == "diffusers":
-            model = cls.from_config(cls.load_config(config_dir))
-        else:
-            model = cls(cls.config_class.from_pretrained(config_dir))
-    return model.to(torch.bfloat16).cpu()
-
-
-def random_model(arch: str, out: Path, device: torch.device) -> Path:
-    """A diffusers folder of `arch` at its published size: seeded random weights in bf16 from the
-    configs in stages/assets/arch/<arch>/, which hold no tokenizer vocabularies: the tokenizers of
-    the family's tiny model (built offline) instead, checked to fit the text encoders' embeddings."""
-    from lorapipe.stages.families.folders import load_component
-
-    arch_dir, staging = arch_folder(arch), out.with_name(f"{out.name}.partial")
-    tiny = tiny_model(out.parent, tiny_arch(arch))
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir(parents=True)
-    shutil.copy(arch_dir / "model_index.json", staging)
-    for name, spec in json.loads((arch_dir / "model_index.json").read_text()).items():
-        if not isinstance(spec, list) or spec[0] is None:
-            continue
-        if name.startswith("tokenizer"):
-            shutil.copytree(tiny / name, staging / name)
-            _check_tokenizer(load_component(staging, name), arch_dir / name.replace("tokenizer", "text_encoder"))
-        elif name == "scheduler":
-            shutil.copytree(arch_dir / name, staging / name)
-        else:
-            _random_component(*spec, arch_dir / name, device).save_pretrained(staging / name, safe_serialization=True)
-            release_memory(device)
-    staging.rename(out)
-    return out
-
-
 def model_figures(setting: Setting, mode: Mode, root: Path, device: torch.device) -> tuple[dict, Path]:
     """Figures (built_s null: reused) and the model folder (one per arch, shared by its settings)."""
     if not mode.full_size:
@@ -433,14 +359,6 @@ def error_line(error: Exception) -> str:
 
 
 # ---- the run
-def release_memory(device: torch.device) -> None:
-    import torch
-
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
-
-
 def measurements(mode: Mode, names: list[str], root: Path) -> Iterator[tuple[str, dict]]:
     """(name, figures) of every measurement, each yielded as soon as it is taken."""
     import torch

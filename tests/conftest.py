@@ -65,7 +65,7 @@ class EncodedSet:
 def _count_encoder_rows():
     """Rows pushed through the VAE encoder and through each text encoder (CLIP, T5: a Flux.1 caption
     is two rows; Qwen3: Z-Image, Flux.2-klein; Qwen2.5-VL: Qwen-Image and its edit models; Qwen3-VL: Qwen-Image 2.1, Krea 2, Ideogram 4; UMT5: Wan;
-    Gemma 3: LTX-2; Mistral3: Flux.2-dev; Qwen2.5-VL's language model called with token ids, not inside Qwen2.5-VL:
+    Gemma 3: LTX-2; Mistral3: Flux.2-dev; Llama: HiDream-I1 (with two CLIPs and T5); Qwen2.5-VL's language model called with token ids, not inside Qwen2.5-VL:
     HunyuanVideo 1.5 and HunyuanImage 2.1, whose ByT5, a T5, runs only on quoted text), whatever calls them. Wan's and Qwen-Image's 3-D VAEs encode a clip in chunks, the
     first of one frame: a clip (or an image) is counted at that chunk. Qwen3-VL is counted at its first
     decoder layer, which every caller runs once a batch (Ideogram4Pipeline runs the layers itself)."""
@@ -76,14 +76,14 @@ def _count_encoder_rows():
     def hook(module, args, kwargs, output):
         name = type(module).__name__
         if name in ("Encoder", "LTX2VideoEncoder3d", "QwenImage21Encoder3d", "HunyuanVideo15Encoder3D",
-                    "HunyuanImageEncoder2D") and \
+                    "HunyuanImageEncoder2D", "HunyuanVideoEncoder3D") and \
                 type(module).__module__.startswith("diffusers"):
             counts["vae"] += args[0].shape[0]
         elif name in ("WanEncoder3d", "QwenImageEncoder3d") and args[0].shape[2] == 1:
             counts["vae"] += args[0].shape[0]
         elif name in ("CLIPTextModel", "CLIPTextModelWithProjection", "T5EncoderModel", "Qwen3Model",
                       "UMT5EncoderModel", "Gemma3ForConditionalGeneration", "Qwen2_5_VLModel",
-                      "Mistral3Model") or \
+                      "Mistral3Model", "LlamaForCausalLM") or \
                 name == "Qwen2_5_VLTextModel" and kwargs.get("input_ids") is not None:
             ids = args[0] if args else kwargs["input_ids"]
             counts["text"] += ids.shape[0]
@@ -138,12 +138,12 @@ def encoded_baselines(tmp_path_factory, tiny_models, count_encoder_rows):
     """A function arch -> a folder with the tiny model of that arch and the demo photos (model/,
     data/) encoded into its cache (cache/), made once a session: the invalidation tests copy its model
     and data over that cache."""
-    from invalidation_checks import encoded_baseline
+    from invalidation_checks import TEXT_ROWS, encoded_baseline
 
     @functools.cache
     def baseline(arch: str) -> Path:
         return encoded_baseline(tmp_path_factory.mktemp(f"{arch}-baseline"), tiny_models(arch), DEMO_IMAGES,
-                                count_encoder_rows)
+                                count_encoder_rows, TEXT_ROWS.get(arch, 1))
 
     return baseline
 

@@ -9,7 +9,7 @@ FAMILIES holds each family's golden numbers for the checks every family passes a
 from __future__ import annotations
 
 import copy
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -280,6 +280,25 @@ FAMILIES = (
               _names("transformer_blocks.{i}.{m}.linear", i=TWO, m=("norm1", "norm1_context"))
               | _names("single_transformer_blocks.{i}.norm.linear", i=TWO),
               (DIFFUSERS_FILE,)),
+    FamilyRow("hidream-i1",  # the image feed-forward mixes a shared and 4 routed experts (its router is no Linear)
+              _names("double_stream_blocks.{i}.block.attn1.{m}{t}", i=TWO, m=("to_q", "to_k", "to_v", "to_out"),
+                     t=("", "_t"))
+              | _names("single_stream_blocks.{i}.block.attn1.{m}", i=TWO, m=("to_q", "to_k", "to_v", "to_out")),
+              _names("{s}_stream_blocks.{i}.block.ff_i.{e}.{w}", s=("double", "single"), i=TWO,
+                     e=("shared_experts", "experts.0", "experts.1", "experts.2", "experts.3"), w=("w1", "w2", "w3"))
+              | _names("double_stream_blocks.{i}.block.ff_t.{w}", i=TWO, w=("w1", "w2", "w3")),
+              _names("{s}_stream_blocks.{i}.block.adaLN_modulation.1", s=("double", "single"), i=TWO),
+              (DIFFUSERS_FILE, COMFYUI_FILE)),
+    KANDINSKY5 := FamilyRow("kandinsky5",  # its text blocks (in the transformer) as its visual ones
+              _names("text_transformer_blocks.0.self_attention.{m}", m=("to_query", "to_key", "to_value", "out_layer"))
+              | _names("visual_transformer_blocks.{i}.{a}.{m}", i=TWO, a=("self_attention", "cross_attention"),
+                       m=("to_query", "to_key", "to_value", "out_layer")),
+              _names("{b}.feed_forward.{m}", b=("text_transformer_blocks.0", "visual_transformer_blocks.0",
+                                                "visual_transformer_blocks.1"), m=("in_layer", "out_layer")),
+              _names("{b}.{m}_modulation.out_layer", b=("text_transformer_blocks.0",), m=("text",))
+              | _names("visual_transformer_blocks.{i}.visual_modulation.out_layer", i=TWO),
+              (DIFFUSERS_FILE, COMFYUI_FILE)),
+    replace(KANDINSKY5, arch="kandinsky5-video"), replace(KANDINSKY5, arch="kandinsky5-i2v"),  # the same transformer
     FamilyRow("ltx2",
               _names("transformer_blocks.{i}.{a}.{m}", i=TWO, a=("attn1", "attn2"), m=QKVO),
               _names("transformer_blocks.{i}.ff.net.{p}", i=TWO, p=("0.proj", "2")),

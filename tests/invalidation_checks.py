@@ -14,17 +14,20 @@ from lorapipe.flows.steps import STAGES, Context
 from lorapipe.flows.runner import explain
 
 IMAGES, CAPTIONS = 8, 8 + 1  # the demo photos; their captions and the empty prompt
+TEXT_ROWS = {"hidream-i1": 6, "kandinsky5": 2, "kandinsky5-video": 2}  # a tiny model's rows per caption where not 1:
+# HiDream-I1's two CLIPs (each twice: transformers' CLIPTextModelWithProjection runs a CLIPTextModel inside), T5
+# and Llama; Kandinsky 5's Qwen2.5-VL and CLIP
 ENCODE = STAGES[:2]
 
 
-def encoded_baseline(root: Path, model: Path, demo_images: Path, count_encoder_rows) -> Path:
+def encoded_baseline(root: Path, model: Path, demo_images: Path, count_encoder_rows, text_rows: int = 1) -> Path:
     """The demo photos encoded by `model` (copied, with the data, into root), every encode counted."""
     shutil.copytree(model, root / "model")
     shutil.copytree(demo_images, root / "data")
     with count_encoder_rows() as counts:
         results = run_all(make_config(root, root / "model", root / "data", root / "cache"), ENCODE)
     assert statuses(results) == {"preprocess": "computed", "encode": "computed"}
-    assert counts == {"vae": IMAGES, "text": CAPTIONS}
+    assert counts == {"vae": IMAGES, "text": text_rows * CAPTIONS}
     return root
 
 

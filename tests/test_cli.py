@@ -192,48 +192,37 @@ def test_an_api_in_the_active_prefect_profile_means_no_temporary_server(tmp_path
 
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("bitsandbytes") is None, reason="nf4 needs bitsandbytes installed")
-def test_the_command_encodes_without_the_quantisation_libraries_and_an_nf4_run_trains_with_bitsandbytes(
-        tmp_path, tiny_config):
-    """diffusers imports bitsandbytes and torchao whenever they are installed (seconds of a run's
-    start-up, BENCHMARKS.md); the command's own process hides both where it encodes itself (no
-    training, so no process started ahead), yet an nf4 config validates there and its training
-    process loads bitsandbytes."""
-    config_path = tiny_config(tmp_path, "hidden", max_steps=2, checkpoint_every=2, base_quantization="nf4")
+def test_a_run_imports_torch_once_where_it_trains_and_the_command_hides_the_quantisation_libraries(tmp_path,
+                                                                                                 tiny_config):
+    """torch, transformers and diffusers take seconds to import on two cores (BENCHMARKS.md,
+    start-up): a run that trains imports them in one process, started ahead, which encodes, trains
+    (an nf4 base: with bitsandbytes) and evaluates; the command's own process (Prefect, the flow)
+    imports none of them. diffusers imports bitsandbytes and torchao whenever they are installed:
+    the command's own process hides both where it encodes itself (no training, so no process
+    started ahead), though the config is nf4."""
+    config_path = tiny_config(tmp_path, "once", max_steps=2, checkpoint_every=2, base_quantization="nf4")
     env = {**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}
 
     def lorapipe_run(*args: str) -> str:
         run = subprocess.run([sys.executable, "-c", LOADED_AT_EXIT, "run", str(config_path), *args],
                              cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
-        return run.stderr.splitlines()[-1]
+        return run.stderr
 
-    assert lorapipe_run("--only", "preprocess", "--only", "encode") == "loaded: ['diffusers', 'torch', 'transformers']"
-    assert lorapipe_run() == "loaded: []"  # encode's result cached; train and evaluate in the process started ahead
-    stages = {s["stage"]: s for s in json.loads((tmp_path / "out" / "run-summary.json").read_text())["stages"]}
-    assert [s["status"] for s in stages.values()] == ["hit", "hit", "computed", "computed"]
-    trained = json.loads((Path(stages["train"]["path"]) / "train_config.json").read_text())
-    assert trained["params"]["base_quantization"] == "nf4" and trained["steps"] == 2
-
-
-@pytest.mark.slow
-def test_a_run_that_trains_imports_torch_once_in_the_process_that_encodes_trains_and_evaluates(tmp_path,
-                                                                                                tiny_config):
-    """torch, transformers and diffusers take seconds to import on two cores (BENCHMARKS.md,
-    start-up): a run that trains imports them in one process, started ahead, which encodes, trains
-    and evaluates; the command's own process (Prefect, the flow) imports none of them."""
-    config_path = tiny_config(tmp_path, "once", max_steps=2, checkpoint_every=2)
-    run = subprocess.run([sys.executable, "-c", LOADED_AT_EXIT, "run", str(config_path)], cwd=REPO,
-                         env={**os.environ, "PREFECT_HOME": str(tmp_path / "prefect-home")}, capture_output=True,
-                         text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    assert run.stderr.splitlines()[-1] == "loaded: []", run.stderr[-3000:]
+    stderr = lorapipe_run()
+    assert stderr.splitlines()[-1] == "loaded: []", stderr[-3000:]
     for said in ("encode: in the process started ahead", "train: in the process started ahead",
                  "evaluate: in the process started ahead"):
-        assert said in run.stderr, said
+        assert said in stderr, said
     stages = {s["stage"]: s for s in json.loads((tmp_path / "out" / "run-summary.json").read_text())["stages"]}
     assert [s["status"] for s in stages.values()] == ["computed"] * 4
     assert stages["encode"]["info"]["latents_encoded"] == 8 and stages["train"]["info"]["steps"] == 2
     assert (tmp_path / "out" / "grid.png").is_file() and json.loads((tmp_path / "out" / "metrics.json").read_text())
+    trained = json.loads((Path(stages["train"]["path"]) / "train_config.json").read_text())
+    assert trained["params"]["base_quantization"] == "nf4" and trained["steps"] == 2
+    # new latents (another size), encoded by the command itself
+    encoding = lorapipe_run("--only", "preprocess", "--only", "encode", "--set", "preprocess.resolution=128")
+    assert encoding.splitlines()[-1] == "loaded: ['diffusers', 'torch', 'transformers']"
 
 
 def test_outputs_of_an_artifact_removed_while_they_are_copied_are_refused(tmp_path):

@@ -121,18 +121,20 @@ def test_an_all_cached_rerun_runs_no_prefect_flow_yet_writes_outputs_and_records
 
 
 def test_a_rerun_with_a_stage_to_build_or_forced_runs_the_flow_as_before(demo_runs):
-    """A miss, or a cached stage given to --force, is built by the Prefect flow on the temporary server."""
+    """A miss, or a cached stage given to --force, is built by the Prefect flow on the temporary server.
+    Its Prefect home is two folders deep in folders not made yet (as the demo's own is, in a fresh
+    workdir): Prefect makes only the last folder of its home, where its server's database lives, and
+    such a home once failed the run with 'unable to open database file'."""
     run = demo_runs[0]
-    home = run.parent / "prefect-home"
-    flows_before = flow_runs(home)
+    home = run.parent / "not-yet" / "made" / "prefect"
     seed_1 = ["run", "run/demo.yaml", "--only", "preprocess", "--set", "preprocess.seed=1", "--json"]
     for n, argv in enumerate((seed_1, [*seed_1, "--force", "preprocess"]), 1):  # a miss, then cached but forced
-        built = lorapipe(*argv, cwd=run.parent)
+        built = lorapipe(*argv, cwd=run.parent, prefect_home=home)
         assert built.returncode == 0, built.stderr[-3000:]
         [stage] = json.loads(built.stdout)["stages"]
         assert (stage["status"], stage["prefect_state"]) == ("computed", "Completed")
         assert "Beginning flow run" in built.stderr and "no Prefect flow ran" not in built.stderr
-        assert len(flow_runs(home)) == len(flows_before) + n
+        assert (home / "prefect.db").is_file() and len(flow_runs(home)) == n
 
 
 def test_a_machine_that_only_joins_a_training_never_skips_the_flow(demo_runs):
@@ -146,18 +148,6 @@ def test_a_machine_that_only_joins_a_training_never_skips_the_flow(demo_runs):
                "train.main_process_ip=127.0.0.1"]  # train's key changes (num_processes), preprocess's does not
     config = load_config(demo_runs[0] / "demo.yaml", joining)
     assert all_cached_run(config, plan_run(config, ["preprocess"], None, [], print)) is None
-
-
-def test_a_prefect_home_inside_folders_not_made_yet_is_created(demo_runs):
-    """Prefect makes only the last folder of its home, and its server's database lives there: a home
-    two folders deep (as the demo's own is, in a fresh workdir) once failed the run with 'unable to
-    open database file'. (A run with something to build, so that the flow and its server run.)"""
-    run = demo_runs[0]
-    home = run.parent / "not-yet" / "made" / "prefect"
-    rerun = lorapipe("run", "run/demo.yaml", "--only", "preprocess", "--set", "preprocess.seed=2", cwd=run.parent,
-                     prefect_home=home)
-    assert rerun.returncode == 0, rerun.stderr[-3000:]
-    assert (home / "prefect.db").is_file()
 
 
 def test_status_says_hit_or_miss_and_which_ingredient_changed(demo_runs, capsys):

@@ -11,13 +11,16 @@ from conftest import FEWER_STEPS
 from test_demo import demo_on_tiny_model, lorapipe
 
 pytestmark = pytest.mark.slow
+# The grid's columns: the base and the LoRA at scale 1. The 0.5 column is rendering alone, no check
+# here reads it (the SD demo as shipped and the edit demo below render and check it).
+AT_SCALE_1 = ("--set", "evaluate.lora_scales=[1.0]")
 
 
 def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path, tiny_models):
     """`lorapipe demo --arch flux1`: the same layout and outputs as the SD demo, on the tiny Flux.1 dev
     (flow matching), trained for the steps its --set says; a workdir already holding another arch's
     model is refused in one line."""
-    run = demo_on_tiny_model("flux1", tmp_path / "flux", tiny_models)
+    run = demo_on_tiny_model("flux1", tmp_path / "flux", tiny_models, *AT_SCALE_1)
     assert run.returncode == 0, run.stderr[-3000:]
     outputs = tmp_path / "flux" / "outputs"
     last = json.loads((outputs / "logs" / "loss.jsonl").read_text().splitlines()[-1])
@@ -35,7 +38,7 @@ def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path, t
 
 
 LORA_FILES = {**dict.fromkeys(["z-image", "flux2-klein", "flux2-dev", "qwen-image", "qwen-image-2.1", "krea2",
-                                "ideogram4", "ernie-image", "chroma"], ("", "_comfyui")),
+                                "ideogram4", "ernie-image", "chroma", "hidream-i1", "kandinsky5"], ("", "_comfyui")),
               "hunyuanimage2.1": ("",)}  # the diffusers file alone
 
 
@@ -44,7 +47,7 @@ def test_2026_family_demo_trains_its_tiny_base_and_its_lora_beats_the_base(tmp_p
     """`lorapipe demo --arch X` for each 2026 family end to end through Prefect: variable-length or
     stacked-layer text records, per-family latent normalisation, the family's exports; the same command
     again is all hits (the all-hit path: no model code, a second or so)."""
-    run = demo_on_tiny_model(arch, tmp_path / "run", tiny_models)
+    run = demo_on_tiny_model(arch, tmp_path / "run", tiny_models, *AT_SCALE_1)
     assert run.returncode == 0, run.stderr[-3000:]
     outputs = tmp_path / "run" / "outputs"
     for name in (*(f"pytorch_lora_weights{suffix}.safetensors" for suffix in LORA_FILES[arch]), "grid.png"):
@@ -52,7 +55,7 @@ def test_2026_family_demo_trains_its_tiny_base_and_its_lora_beats_the_base(tmp_p
     metrics = json.loads((outputs / "metrics.json").read_text())
     assert metrics["prediction_type"] == {"base": "flow", "lora": "flow"}
     assert metrics["loss"]["train"]["lora"]["overall"] < metrics["loss"]["train"]["base"]["overall"]
-    again = lorapipe("demo", "--arch", arch, "--workdir", "run", *FEWER_STEPS, cwd=tmp_path)
+    again = lorapipe("demo", "--arch", arch, "--workdir", "run", *FEWER_STEPS, *AT_SCALE_1, cwd=tmp_path)
     assert again.returncode == 0, again.stderr[-3000:]
     summary = json.loads((outputs / "run-summary.json").read_text())
     assert [s["status"] for s in summary["stages"]] == ["hit"] * 4

@@ -19,8 +19,9 @@ pytestmark = pytest.mark.slow
 WAN_FILES, LTX2_FILES = ("", "_comfyui", "_kohya"), ("", "_comfyui")
 LORA_FILES = {"wan2.1": WAN_FILES, "wan2.2-a14b": WAN_FILES, "ltx2": LTX2_FILES, "wan2.1-i2v": WAN_FILES,
               "wan2.2-i2v-a14b": WAN_FILES, "wan2.2-5b-i2v": WAN_FILES, "ltx2-i2v": LTX2_FILES,
-              "hunyuanvideo1.5": ("",)}  # the diffusers file alone
-CONDITIONED = {"wan2.1-i2v", "wan2.2-i2v-a14b", "wan2.2-5b-i2v", "ltx2-i2v"}  # image-to-video: a conditioning image per window, its own record; clips rendered from
+              "hunyuanvideo1.5": ("",), "kandinsky5-video": LTX2_FILES,
+              "kandinsky5-i2v": LTX2_FILES}  # HunyuanVideo 1.5: the diffusers file alone
+CONDITIONED = {"wan2.1-i2v", "wan2.2-i2v-a14b", "wan2.2-5b-i2v", "ltx2-i2v", "kandinsky5-i2v"}  # image-to-video: a conditioning image per window, its own record; clips rendered from
 # the held-out windows' first frames beside them (edit_grid.png)
 FRAMES = 17  # configs/video-demo.yaml's preprocess.video.num_frames and evaluate.num_frames
 RENDERED = 2 * 2 * 2  # prompts x seeds x columns (the base model, the LoRA at scale 1)

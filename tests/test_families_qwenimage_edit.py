@@ -70,19 +70,26 @@ def test_text_records_are_what_encode_prompt_makes_of_the_pipelines_resized_imag
 
 
 @pytest.mark.slow
-def test_denoiser_call_with_references_is_the_pipelines(model):
+def test_denoiser_call_with_references_is_the_pipelines(model, monkeypatch):
     """A one-step pipeline call with the references, caught at its transformer: the family's text
     record and the references' normalised posterior means packed after the noisy latents are its
-    inputs, and predict returns its prediction of the noisy tokens."""
+    inputs, and predict returns its prediction of the noisy tokens. Plus resizes the references for
+    its VAE to its module's VAE_IMAGE_SIZE, set here to a small area that is still not the target's:
+    at a megapixel the tiny VAE took most of the module's time."""
+    from diffusers.pipelines.qwenimage import pipeline_qwenimage_edit_plus
     from diffusers.pipelines.qwenimage.pipeline_qwenimage_edit_plus import calculate_dimensions
 
     family, pipe = families.for_model(model), quiet_pipeline(model)
+    vae_area = 1024 * 1024  # Edit's literal
+    if family.name.endswith("plus"):
+        vae_area = 128 * 96
+        monkeypatch.setattr(pipeline_qwenimage_edit_plus, "VAE_IMAGE_SIZE", vae_area)
     references = [photo(k) for k in range(REFERENCES[family.name])]
     _, kwargs, output = first_call(pipe.transformer, lambda: pipe(
         prompt=CAPTIONS[0], num_inference_steps=1, height=64, width=48, true_cfg_scale=1.0,
         generator=torch.Generator().manual_seed(0), output_type="latent",
         **family.reference_render_kwargs(references)))
-    width, height = calculate_dimensions(1024 * 1024, 48 / 64)  # the pipeline's VAE images' size
+    width, height = calculate_dimensions(vae_area, 48 / 64)  # the pipeline's VAE images' size
     noisy_shape, *reference_shapes = kwargs["img_shapes"][0]
     assert reference_shapes == [(1, height // 16, width // 16)] * len(references)
     records = encoded(family, model, CAPTIONS[:1], [references])

@@ -261,3 +261,26 @@ HUNYUANIMAGE21_GOLDEN = Golden(2.005096197128296, 1.9129582643508911, 1.89283012
 def test_hunyuanimage21_golden_numbers(tmp_path, tiny_models, run_stages):
     config = write_config(tmp_path, tiny_models("hunyuanimage2.1"), Variant("hunyuanimage2.1"))
     assert_golden("hunyuanimage2.1", measure(run_stages(config, STAGES)), HUNYUANIMAGE21_GOLDEN)
+
+
+# Recorded at HiDream-I1's first run through the stages (commit "Pin HiDream-I1's golden numbers"), once
+# tests/test_families_hidream.py had checked its text records, normalisation and transformer call (in
+# inference and training mode) against HiDreamImagePipeline: they pin its numbers from then on. Full:
+# UniPC's static flow_shift in training, its image rendered at evaluate's size with guidance 5.
+HIDREAM_GOLDEN = Golden(1.541206955909729, 1.4348503351211548, 1.4252611796061199, "be58d867cbf1069b")
+
+
+def test_hidream_golden_numbers(tmp_path, tiny_models, run_stages):
+    config = write_config(tmp_path, tiny_models("hidream-i1"), Variant("hidream-i1"))
+    assert_golden("hidream-i1", measure(run_stages(config, STAGES)), HIDREAM_GOLDEN)
+
+
+# Recorded at Kandinsky 5's first run through the stages, once tests/test_families_kandinsky5.py had
+# checked its text records, normalisation and transformer call against Kandinsky5T2IPipeline: they pin
+# its numbers from then on. Its batch's captions differ in length, so each row runs the transformer alone.
+KANDINSKY5_GOLDEN = Golden(1.630100131034851, 1.5478323896725972, 1.5134324034055073, "52b33c937eab89fd")
+
+
+def test_kandinsky5_golden_numbers(tmp_path, tiny_models, run_stages):
+    measured = measure(run_stages(write_config(tmp_path, tiny_models("kandinsky5"), Variant("kandinsky5")), STAGES))
+    assert_golden("kandinsky5", measured, KANDINSKY5_GOLDEN)

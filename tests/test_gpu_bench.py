@@ -32,7 +32,7 @@ RATES = {
 VARIANT_RATES = ("step_ms", "it_s", "tflop_per_step", "achieved_tflop_s")
 PUBLISHED = {  # arch folder -> (family, variant), parameters by component (Flux.1-dev 12B with T5-XXL;
     # Flux.2-klein base 4B with Qwen3-4B; Z-Image 6B with Qwen3-4B; Flux.1's VAE for both; Wan 2.1 T2V 14B
-    # with UMT5-XXL's encoder and Wan 2.1's VAE)
+    # with UMT5-XXL's encoder and Wan 2.1's VAE; SD2.1 768-v with OpenCLIP ViT-H's text tower less its last layer)
     "flux1": (("flux1", "dev"), {"transformer": 11_901_408_320, "text_encoder_2": 4_762_310_656,
                                  "text_encoder": 123_060_480, "vae": 83_819_683}),
     "flux2-klein": (("flux2-klein", "base"), {"transformer": 3_875_544_576, "text_encoder": 4_022_468_096,
@@ -41,18 +41,19 @@ PUBLISHED = {  # arch folder -> (family, variant), parameters by component (Flux
                                       "vae": 83_819_683}),
     "wan2.1-14b": (("wan", "2.1-t2v"), {"transformer": 14_288_491_584, "text_encoder": 5_680_910_336,
                                         "vae": 126_892_531}),
+    "sd21": (("sd15", "sd15"), {"unet": 865_910_724, "text_encoder": 340_387_840, "vae": 83_653_863}),
 }
 
 
 @pytest.mark.parametrize("arch", PUBLISHED)
-def test_shipped_flow_architectures_have_the_published_sizes_and_variants(arch):
+def test_shipped_architectures_have_the_published_sizes_and_variants(arch):
     import importlib
 
     import torch
 
     (family, variant), sizes = PUBLISHED[arch]
     bound = families.for_model(ARCH_ROOT / arch)
-    assert (bound.name, bound.bound.name) == (family, variant)
+    assert (bound.name, bound.variant.name) == (family, variant)
     counted = {}
     for name, size in sizes.items():
         library, class_name = model_index(ARCH_ROOT / arch)[name]

@@ -1,17 +1,18 @@
 """The cache invariants for the families with variable-length text records (Z-Image, Krea 2, Qwen-Image
-2.1, Ideogram 4, HunyuanVideo 1.5, ERNIE-Image, HunyuanImage 2.1) and for Flux.2-dev and Chroma, a row each: on the family's tiny model, through the real
-preprocess and encode stages, with encodes counted by forward hooks on the VAE encoder and on the
-text encoder (Qwen3; Qwen3-VL at its first decoder layer: one row per caption; Mistral3: Flux.2-dev's
-and ERNIE-Image's). A caption edit re-encodes one text
-record; new VAE weights (Ideogram 4's batch-norm statistics too) re-encode latents only; what shapes
-a family's text records (TEXT_CHANGES: a file of the model, a setting in model_index.json, the
-family's own data, the token window) re-encodes text records only."""
+2.1, Ideogram 4, HunyuanVideo 1.5, ERNIE-Image, HunyuanImage 2.1, Kandinsky 5 image and video) and for Flux.2-dev, Chroma and HiDream-I1, a row
+each: on the family's tiny model, through the real preprocess and encode stages, with encodes counted
+by forward hooks on the VAE encoder and on the text encoder (Qwen3; Qwen3-VL at its first decoder
+layer: one row per caption; Mistral3: Flux.2-dev's and ERNIE-Image's; HiDream-I1: TEXT_ROWS). A
+caption edit re-encodes one text record; new VAE weights (Ideogram 4's batch-norm statistics too)
+re-encode latents only; what shapes a family's text records (TEXT_CHANGES: a file of the model, a
+setting in model_index.json, the family's own data, the token window, the Llama layers a transformer
+reads) re-encodes text records only."""
 from __future__ import annotations
 
 import json
 
 import pytest
-from invalidation_checks import (assert_caption_edit_encodes_one_text_record_and_no_latent,
+from invalidation_checks import (TEXT_ROWS, assert_caption_edit_encodes_one_text_record_and_no_latent,
                                  assert_every_text_record_and_no_latent_re_encoded,
                                  assert_new_vae_weights_re_encode_latents_but_no_text, baseline_copy, encode_counted)
 from PIL import Image, ImageOps
@@ -23,13 +24,15 @@ from lorapipe.stages.families.zimage import ZImage
 pytestmark = pytest.mark.slow
 
 FAMILIES = ("z-image", "krea2", "qwen-image-2.1", "ideogram4", "flux2-dev", "hunyuanvideo1.5", "ernie-image", "hunyuanimage2.1",
-            "chroma")
+            "chroma", "hidream-i1", "kandinsky5",
+            "kandinsky5-video")
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_caption_edit_encodes_one_text_record_and_no_latent(arch, encoded_baselines, tmp_path, count_encoder_rows):
     config = baseline_copy(encoded_baselines(arch), tmp_path)
-    assert_caption_edit_encodes_one_text_record_and_no_latent(config, tmp_path / "data", count_encoder_rows)
+    assert_caption_edit_encodes_one_text_record_and_no_latent(config, tmp_path / "data", count_encoder_rows,
+                                                              TEXT_ROWS.get(arch, 1))
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -83,6 +86,15 @@ def processor_tokenizer(baseline, tmp_path, monkeypatch):
     return config
 
 
+def llama_layers(baseline, tmp_path, monkeypatch):
+    """The Llama layers HiDream-I1's transformer reads, in its config: a denoiser setting that shapes
+    the text records."""
+    config = baseline_copy(baseline, tmp_path)
+    transformer = tmp_path / "model" / "transformer" / "config.json"
+    transformer.write_text(json.dumps({**json.loads(transformer.read_text()), "llama_layers": [0, 1, 1, 1]}))
+    return config
+
+
 TEXT_CHANGES = [  # (arch, the change, what status names as the reason)
     pytest.param("z-image", chat_template, "models.tokenizer", id="z-image-chat_template"),
     pytest.param("z-image", hidden_layer, "resolved.text.hidden_layers", id="z-image-hidden_layer"),
@@ -95,6 +107,10 @@ TEXT_CHANGES = [  # (arch, the change, what status names as the reason)
     pytest.param("ernie-image", token_window, "params.max_sequence_length", id="ernie-image-max_sequence_length"),
     pytest.param("hunyuanimage2.1", template, "resolved.text.template", id="hunyuanimage2.1-template"),
     pytest.param("chroma", token_window, "params.max_sequence_length", id="chroma-max_sequence_length"),
+    pytest.param("hidream-i1", llama_layers, "resolved.text.llama_layers", id="hidream-i1-llama_layers"),
+    pytest.param("kandinsky5", token_window, "params.max_sequence_length", id="kandinsky5-max_sequence_length"),
+    pytest.param("kandinsky5-video", token_window, "params.max_sequence_length",
+                 id="kandinsky5-video-max_sequence_length"),
 ]
 
 
@@ -102,7 +118,7 @@ TEXT_CHANGES = [  # (arch, the change, what status names as the reason)
 def test_what_shapes_text_records_re_encodes_text_records_only(arch, change, reason, encoded_baselines, tmp_path,
                                                                count_encoder_rows, monkeypatch):
     config = change(encoded_baselines(arch), tmp_path, monkeypatch)
-    assert_every_text_record_and_no_latent_re_encoded(config, reason, count_encoder_rows)
+    assert_every_text_record_and_no_latent_re_encoded(config, reason, count_encoder_rows, TEXT_ROWS.get(arch, 1))
 
 
 def test_an_ideogram4_image_swapped_under_its_name_encodes_one_latent_and_no_text(encoded_baselines, tmp_path,

@@ -18,6 +18,7 @@ from lorapipe.stages.encoded import EncodedData, Sample
 from lorapipe.stages.families import ObjectiveParams
 from lorapipe.stages.lora_formats.diffusers_format import add_adapter_from_file, adapter_kind, recorded_adapter
 from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, TRAIN_CONFIG, checkpoint_loras, expert_file
+from lorapipe.stages.sources.inventory import stored_dtype
 
 from .clip import clip_score, load_clip
 from .edits import EditPair, held_out_pairs, pixel_distances, render_pairs, write_edit_grid
@@ -109,9 +110,9 @@ def run(
                                 _prompt_references(render_family, pairs), fps)
     columns = None
     if render_path != inputs.model_path:  # rendered first and released, so one pipeline is in memory at a time
-        columns = _render_grid(_load_pipeline(render_path, options), render_family, render_bound, render_path,
-                               settings, params, inputs.train_dir, log)
-    pipe = _load_pipeline(inputs.model_path, options)
+        columns = _render_grid(_load_pipeline(render_path, render_family, options), render_family, render_bound,
+                               render_path, settings, params, inputs.train_dir, log)
+    pipe = _load_pipeline(inputs.model_path, family, options)
 
     log(f"evaluate: base model, {len(samples.scored['holdout'])} held-out losses")
     base = scored_losses(denoisers, pipe, "base")
@@ -335,11 +336,15 @@ def _render_settings(family: families.Family, model_path: Path, encoded: Encoded
                            **render_size_kwargs(family, params.resolution, params.resolution)})
 
 
-def _load_pipeline(model_path: Path, options: EvalOptions) -> DiffusionPipeline:
+def _load_pipeline(model_path: Path, family: families.Family, options: EvalOptions) -> DiffusionPipeline:
+    """The model's pipeline, every component in the dtype its denoiser is stored in: unasked, diffusers
+    loads its models in float32 and transformers its text encoders as stored, and a pipeline of both
+    fails at its first step on a model stored in bf16, as the published ones are."""
     from diffusers import DiffusionPipeline
 
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    pipe = DiffusionPipeline.from_pretrained(model_path).to(device)
+    dtype = stored_dtype(model_path / family.components.denoiser)
+    pipe = DiffusionPipeline.from_pretrained(model_path, dtype=dtype and getattr(torch, dtype)).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 

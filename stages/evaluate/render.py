@@ -59,9 +59,10 @@ def render_column(pipe: DiffusionPipeline, settings: RenderSettings) -> list[Cli
 
 
 def clips_of(output: Any) -> list[Clip]:
-    """The pipeline's output as clips: a video pipeline's frames, or its images as one-frame clips."""
+    """The pipeline's output as clips: a video pipeline's frames, or its images (its first field, whatever
+    its name: `images`, or Kandinsky5T2IPipeline's `image`) as one-frame clips."""
     frames = getattr(output, "frames", None)
-    return [list(clip) for clip in frames] if frames is not None else [[image] for image in output.images]
+    return [list(clip) for clip in frames] if frames is not None else [[image] for image in output[0]]
 
 
 def render_size_kwargs(family: Family, height: int, width: int) -> dict[str, Any]:

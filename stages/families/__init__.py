@@ -17,9 +17,13 @@ from .flux1 import FLUX1, FLUX1_KONTEXT
 from .flux2 import FLUX2_KLEIN
 from .flux2_dev import FLUX2_DEV
 from .folders import check_weights_file, index_file, is_single_file, model_index
+from .hidream import HIDREAM
 from .hunyuanimage21 import HUNYUANIMAGE21
 from .hunyuanvideo15 import HUNYUANVIDEO15
 from .ideogram4 import IDEOGRAM4
+from .kandinsky5 import KANDINSKY5
+from .kandinsky5_i2v import KANDINSKY5_I2V
+from .kandinsky5_video import KANDINSKY5_VIDEO
 from .krea2 import KREA2
 from .ltx2 import LTX2
 from .ltx2_i2v import LTX2_I2V
@@ -38,12 +42,13 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FL
                                                                   ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
                                                                   QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, WAN_I2V, LTX2,
                                                                   LTX2_I2V, HUNYUANVIDEO15,
-                                                                  ERNIE_IMAGE, HUNYUANIMAGE21, CHROMA)}
+                                                                  ERNIE_IMAGE, HUNYUANIMAGE21, CHROMA, HIDREAM, KANDINSKY5,
+                                                                  KANDINSKY5_VIDEO, KANDINSKY5_I2V)}
 DENOISER_NAMES = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.denoiser_names))
 # single files: SDXL's marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's and Chroma's before
 # Flux.1's, whose markers their checkpoints also carry
 SINGLE_FILE_DETECTION = (SDXL, SD15, FLUX2_KLEIN, CHROMA, FLUX1, ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_21, KREA2, WAN, LTX2,
-                         ERNIE_IMAGE)
+                         ERNIE_IMAGE, HIDREAM)
 
 __all__ = ["ALL_LINEAR", "BOTH_DENOISERS", "Components", "DENOISER_NAMES", "FAMILIES", "Family", "ObjectiveParams",
            "TextOptions", "TimestepSampling", "build_tiny_model", "check_references", "for_model", "get",

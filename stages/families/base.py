@@ -34,6 +34,7 @@ IMAGE_EMBEDS = "image_embeds"  # the conditioning image's embedding by the model
 ALL_LINEAR = "all_linear"  # the LoRA preset every family offers
 BOTH_DENOISERS = "both"  # train.denoiser: every denoiser of a model that has several, a LoRA each
 FLOW_MATCH_EULER = "flow_match_euler"  # the flow-matching pipelines' own FlowMatchEulerDiscreteScheduler
+FLOW_UNIPC = "flow_unipc"  # a pipeline's own UniPCMultistepScheduler with flow sigmas (Wan, HiDream-I1 Full)
 MODEL_INDEX = "model_index"  # a variant marker's component: the pipeline's own config
 
 

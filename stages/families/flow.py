@@ -54,8 +54,11 @@ class FlowFamily(Family):
     # ---- objective
     def model_shift(self, scheduler_config: dict) -> TimestepSampling | None:
         """What timestep_sampling.shift "model" means when the pipeline samples otherwise than its
-        scheduler config alone says (None: as the config says)."""
-        return None
+        scheduler config alone says (None: as the config says). A UniPC scheduler with flow sigmas
+        (Wan's, HiDream-I1 Full's) shifts statically by its `flow_shift`."""
+        if "flow_shift" not in scheduler_config:
+            return None  # a FlowMatchEulerDiscreteScheduler: its own `shift`
+        return TimestepSampling(shift="static", shift_value=scheduler_config["flow_shift"])
 
     def check_objective(self, params: ObjectiveParams) -> None:
         why = f"applies to DDPM models; {self.name} is trained by flow matching (see train.timestep_sampling)"

@@ -42,12 +42,12 @@ from pydantic import Field
 from lorapipe.cache.errors import UserError
 from lorapipe.stages.contract import Frozen
 
-from .base import (MODEL_INDEX, Components, Conditioning, Denoiser, ImageGeometry, Kohya, LatentGeometry, TextOptions,
-                   TextRecord, pad_sequences)
+from .base import (FLOW_UNIPC, MODEL_INDEX, Components, Conditioning, Denoiser, ImageGeometry, Kohya, LatentGeometry,
+                   TextOptions, TextRecord, pad_sequences)
 from .flow import FlowVariant, presets_field
 from .folders import component_config, load_component, model_index
 from .latents import ChannelMeanStd, channel_mean_std_of
-from .objectives import ObjectiveParams, TimestepSampling
+from .objectives import ObjectiveParams
 from lorapipe.stages.lora_formats.original_names import (COMFYUI, KOHYA, KeySpelling, OriginalNames,
                                                          derive_original_names, kohya_name, weight_keys)
 from .video import VideoFamily, VideoVariant
@@ -65,7 +65,6 @@ ORIGINAL_TOP_MODULES = ("text_embedding.0", "text_embedding.2", "time_embedding.
                         "time_projection.1", "head.head")
 TIMESTEP_SCALE = 1000  # the pipeline's timesteps are 1000 sigma, as the transformer reads them
 SPATIAL_DOWNSAMPLING = 8  # AutoencoderKLWan's default scale_factor_spatial (Wan 2.1's configs predate the key)
-SAMPLER = "flow_unipc"  # the pipelines' own UniPCMultistepScheduler with flow sigmas
 HIGH_NOISE, LOW_NOISE = "transformer", "transformer_2"  # A14B's experts; every other Wan has the first only
 
 
@@ -108,14 +107,19 @@ def ftfy_version() -> str | None:
         return None
 
 
+def check_ftfy(keyed: str | None) -> None:
+    """Refuse to encode with another ftfy than the text settings (and so the records' keys) name."""
+    if keyed != ftfy_version():
+        raise UserError(f"encode: the text settings clean captions with ftfy {keyed or '(none)'}, this"
+                        f" process has ftfy {ftfy_version() or '(none)'}: install the same ftfy where encode runs")
+
+
 class WanTextEncoder:
     """WanPipeline._get_t5_prompt_embeds, batched: cleaned captions, UMT5's last hidden state at each
     caption's own tokens, and the length the pipeline pads them to."""
 
     def __init__(self, model_path: Path, settings: WanTextSettings, dtype: torch.dtype, device: str):
-        if settings.ftfy != ftfy_version():
-            raise UserError(f"encode: the text settings clean captions with ftfy {settings.ftfy or '(none)'}, this"
-                            f" process has ftfy {ftfy_version() or '(none)'}: install the same ftfy where encode runs")
+        check_ftfy(settings.ftfy)
         self.settings, self.dtype, self.device = settings, dtype, device
         self.tokenizer = load_component(model_path, "tokenizer")
         self.encoder = load_component(model_path, "text_encoder").eval().requires_grad_(False).to(device)
@@ -172,12 +176,6 @@ class Wan(VideoFamily):
     def text_settings(self, model_path: Path, options: TextOptions) -> WanTextSettings:
         return WanTextSettings(max_sequence_length=self.text_length(options),
                                ftfy=ftfy_version())
-
-    # ---- objective
-    def model_shift(self, scheduler_config: dict) -> TimestepSampling | None:
-        if "flow_shift" not in scheduler_config:
-            return None  # a FlowMatchEulerDiscreteScheduler: its own `shift`
-        return TimestepSampling(shift="static", shift_value=scheduler_config["flow_shift"])
 
     # ---- denoiser
     def conditioning(self, texts: list[TextRecord], images: list[tuple[ImageGeometry, bool]],
@@ -243,7 +241,7 @@ WAN = Wan(
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser=HIGH_NOISE),
     kohya=Kohya("wan", "networks.lora_wan"),  # musubi-tuner's network module
     latent_patch=2, text_encoder=WanTextEncoder,
-    original_formats=(KOHYA, COMFYUI), sampler=SAMPLER,
+    original_formats=(KOHYA, COMFYUI), sampler=FLOW_UNIPC,
     block_lists=("blocks",), size_free_converters={"vae": wan21_vae},
     single_file_markers=("blocks.0.cross_attn.q.weight", "model.diffusion_model.blocks.0.cross_attn.q.weight"),  # diffusers' fixes the VAE's depth
     denoiser_names=("high_noise", "low_noise"),  # A14B's transformer and transformer_2, as the ecosystem names them

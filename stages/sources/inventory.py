@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     from lorapipe.stages.families import Family
 
 SHARD_INDEX = "*.safetensors.index.json"  # a sharded component's map of tensors to files
+TORCH_DTYPES = {"F32": "float32", "BF16": "bfloat16", "F16": "float16"}  # of the safetensors dtypes
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,13 @@ def weights_summary(folder: Path) -> tuple[str | None, int]:
         for entry in tensor_headers(file).values():
             counts[entry["dtype"]] += math.prod(entry["shape"])
     return ("+".join(dtype for dtype, _ in counts.most_common()) or None), sum(counts.values())
+
+
+def stored_dtype(folder: Path) -> str | None:
+    """The torch dtype most of a component's parameters are stored in (None: none of float32, bfloat16,
+    float16, e.g. an fp8 file)."""
+    dtype = weights_summary(folder)[0]
+    return TORCH_DTYPES.get(dtype.split("+")[0]) if dtype else None
 
 
 def weight_files(folder: Path) -> list[Path]:

@@ -37,9 +37,10 @@ ORIGINAL_LAYOUT = {  # the denoiser's class -> (its folder, its component) -> it
     "UNet2DConditionModel": lambda model, c: unet_to_ldm(folder_tensors(model, c), config_of(model, c)),
     "FluxTransformer2DModel": lambda model, c: bfl_transformer(model),
     "Flux2Transformer2DModel": lambda model, c: to_original(flux2_map(config_of(model, c)), folder_tensors(model, c)),
-    # no converter, or ERNIE's that keeps them: diffusers' names
+    # no converter, or ERNIE's or HiDream's that keeps them: diffusers' names (Kandinsky 5's: its own, ComfyUI's)
     **dict.fromkeys(("HunyuanVideo15Transformer3DModel", "HunyuanImageTransformer2DModel",
-                      "ErnieImageTransformer2DModel"), folder_tensors),
+                      "ErnieImageTransformer2DModel", "HiDreamImageTransformer2DModel",
+                      "Kandinsky5Transformer3DModel"), folder_tensors),
     "ChromaTransformer2DModel": lambda model, c: to_original(chroma_map(*(config_of(model, c)[k] for k in (
         "num_layers", "num_single_layers", "approximator_layers"))), folder_tensors(model, c)),
 }
@@ -84,7 +85,7 @@ def test_a_repo_id_with_its_denoiser_as_an_original_layout_file_is_the_folders_m
 
 
 @pytest.mark.parametrize("arch", ["flux1", "flux2-klein", "z-image", "qwen-image", "qwen-image-2.1", "krea2", "wan2.1",
-                                  "ltx2", "ernie-image", "chroma"])
+                                  "ltx2", "ernie-image", "chroma", "hidream-i1"])
 def test_a_denoiser_file_alone_is_told_by_its_names_and_the_error_names_the_keys_to_set(tmp_path, tiny_models, arch):
     model = tiny_models(arch)
     family = families.for_model(model)

@@ -37,12 +37,12 @@ def write_tokenizer(out_dir: Path):
     return tokenizer
 
 
-def clip_text_encoder(with_projection: bool):
+def clip_text_encoder(with_projection: bool, positions: int = 77, projection_dim: int = TEXT_DIM):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     config = CLIPTextConfig(
         hidden_size=TEXT_DIM, intermediate_size=64, num_attention_heads=4, num_hidden_layers=2,
-        vocab_size=len(_byte_level_vocab()), max_position_embeddings=77, projection_dim=TEXT_DIM,
+        vocab_size=len(_byte_level_vocab()), max_position_embeddings=positions, projection_dim=projection_dim,
         bos_token_id=len(_byte_level_vocab()) - 2, eos_token_id=len(_byte_level_vocab()) - 1,
         pad_token_id=len(_byte_level_vocab()) - 1,
     )

@@ -1,0 +1,73 @@
+"""benchmarks/real_size.py on the tiny SD1.5 model, stored in bf16 as published models are: the command a
+real-size row is measured with runs every stage through `lorapipe run` and prints every figure (per
+stage its peak resident memory and seconds, per component its parameters and the dtypes it was stored
+and ran in, the training steps' seconds), leaving BENCHMARKS.md alone; and a stage whose processes pass
+the memory limit is stopped and said so, the stages after it not run."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks import real_size
+
+REPO = Path(__file__).resolve().parent.parent
+STAGES = ["build", "preprocess", "encode", "train", "evaluate"]
+
+
+def _with_tiny_model(root: Path, tiny_model: Path) -> Path:
+    """ROOT holding the session's tiny SD1.5 where the bench keeps its model (it only reads it)."""
+    (root / "models").mkdir(parents=True)
+    (root / "models" / "sd15-tiny").symlink_to(tiny_model)
+    return root
+
+
+def _with_tiny_model_in_bf16(root: Path, tiny_model: Path) -> Path:
+    """ROOT holding the session's tiny SD1.5 saved in bf16 where the bench keeps its model: real-size
+    weights are stored in bf16, which the tiny model's float32 hid from evaluate."""
+    import torch
+    from diffusers import DiffusionPipeline
+
+    DiffusionPipeline.from_pretrained(tiny_model).to(torch.bfloat16).save_pretrained(root / "models" / "sd15-tiny")
+    return root
+
+
+@pytest.mark.slow
+def test_the_bench_runs_every_stage_and_prints_every_figure(tmp_path, tiny_model):
+    benchmarks_md = REPO / "BENCHMARKS.md"
+    before = benchmarks_md.read_bytes()
+    root = _with_tiny_model_in_bf16(tmp_path, tiny_model)
+    run = subprocess.run([sys.executable, "-m", "benchmarks.real_size", "--arch", "sd15", "--tiny", "--resolution", "64",
+                          "--steps", "2", "--root", str(root), "--json"],
+                         cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1"}, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    document = json.loads(run.stdout)
+    assert [row["stage"] for row in document["stages"]] == STAGES
+    assert document["stages"][0]["status"] == "reused"
+    for row in document["stages"][1:]:
+        assert row["status"] == "completed", row
+        assert row["peak_resident_mib"] > 100 and row["seconds"] > 0, row  # a Python process with torch at least
+    components = document["components"]
+    assert set(components) == {"text_encoder", "unet", "vae"}
+    assert all(c["parameters"] > 0 and c["stored_dtype"] == "BF16" for c in components.values())
+    assert components["text_encoder"]["encode_dtype"] == components["vae"]["encode_dtype"] == "bfloat16"
+    assert components["unet"]["train_dtype"] == "bfloat16" and "encode_dtype" not in components["unet"]
+    steps = document["train_steps"]
+    assert steps["steps"] == 2 and len(steps["step_seconds"]) == 2 and all(s > 0 for s in steps["step_seconds"])
+    assert benchmarks_md.read_bytes() == before
+
+
+def test_a_stage_past_the_memory_limit_is_stopped_and_the_rest_not_run(tmp_path, tiny_model):
+    root = _with_tiny_model(tmp_path, tiny_model)
+    bench = real_size.Bench("sd15", 64, 0, 1, "none", "bfloat16", tiny=True, max_resident_mib=40)  # less than Python with torch
+    document = real_size.measure(bench, root)
+    statuses = {row["stage"]: row["status"] for row in document["stages"]}
+    assert statuses == {"build": "reused", "preprocess": "stopped: its resident memory passed --max-resident-gib",
+                        "encode": "not run: preprocess did not complete", "train": "not run: preprocess did not complete",
+                        "evaluate": "not run: preprocess did not complete"}
+    assert document["stages"][1]["peak_resident_mib"] > 40
+    assert document["train_steps"] == {}
