@@ -13,7 +13,8 @@ from pathlib import Path
 from lorapipe.cache.digest import StatCache, digest_tree
 from lorapipe.cache.errors import UserError
 from lorapipe.stages.families import Family, is_single_file
-from lorapipe.stages.families.folders import SINGLE_FILE_SUFFIX, check_weights_file, component_class, component_names
+from lorapipe.stages.families.folders import (SINGLE_FILE_SUFFIX, check_weights_file, component_class, component_names,
+                                              index_file)
 
 
 def component_digests(model_path: Path, stat_cache: StatCache, family: Family) -> dict[str, str]:
@@ -27,7 +28,7 @@ def component_digests(model_path: Path, stat_cache: StatCache, family: Family) -
     for name in component_names(model_path):
         folder = Path(model_path) / name
         if not folder.is_dir():
-            raise UserError(f"{model_path}/model_index.json names {name!r} but there is no folder {folder}")
+            raise UserError(f"{index_file(model_path)} names {name!r} but there is no folder {folder}")
         digests[name] = weights_digest(folder, stat_cache)
     return digests
 

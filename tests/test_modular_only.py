@@ -1,13 +1,18 @@
 """The models diffusers ships only as modular pipelines, on tiny components built offline: FLUX.3's
 text-encode, VAE-encode and denoise blocks run on their own, each in a ModularPipeline built from
 the block and local components (no hub), so each gives the reference a family's parity checks
-compare with; LTX-2.5's text blocks (LTX-2's) equal what LTX2Pipeline encodes; MiniMax-H3's text
+compare with (FLUX.3's text records and predict are compared with them here, its family not being
+registered yet); LTX-2.5's text blocks (LTX-2's) equal what LTX2Pipeline encodes; MiniMax-H3's text
 block reads one hidden layer (docs/families.md, "Models diffusers ships only as modular
 pipelines").
 
-FLUX.3's text encoder and processor are the tiny Qwen-Image 2.1 ones (a Qwen3-VL; FLUX.3 reads two
-of its hidden layers); its VAE is the tiny Flux.2 one, read from the tiny flux2-klein model."""
+FLUX.3's blocks read their components from the tiny FLUX.3 (stages/families/tiny/flux3.py), through
+folders.py, as a FLUX.3 folder is read; its text encoder and processor are the tiny Qwen-Image 2.1
+ones (a Qwen3-VL; FLUX.3 reads two of its hidden layers); the VAE block's comparison reads the tiny
+flux2-klein model, whose family the normalisation is compared with."""
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
@@ -16,19 +21,20 @@ from diffusers.modular_pipelines.flux3.modular_blocks_flux3 import Flux3CoreDeno
 from family_checks import first_call, quiet_pipeline, tiny_model_fixture
 
 import lorapipe.stages.families as families
+from lorapipe.cache.digest import StatCache
+from lorapipe.cache.errors import UserError
+from lorapipe.stages.families.flux3 import predict
+from lorapipe.stages.families.flux3_text import Flux3PromptEncoder
+from lorapipe.stages.families.folders import component_names, load_component
+from lorapipe.stages.families.qwen_text import QwenPromptSettings
+from lorapipe.stages.families.tiny.flux3 import TEXT_LAYERS as LAYERS
+from lorapipe.stages.families.tiny.flux3 import build_tiny_flux3, tiny_flux3_transformer
 from lorapipe.stages.families.tiny.qwen import TEXT_DIM, qwen_tokenizer, seeded
 from lorapipe.stages.families.tiny.qwenimage21 import _processor, _text_encoder
+from lorapipe.stages.models import component_digests, weights_digest
 
 flux2 = tiny_model_fixture("flux2-klein")
-LAYERS = (1, 2)  # the tiny encoder's two decoder layers' outputs (0 is the embeddings)
-
-
-def _transformer(channels: int):
-    from diffusers import Flux3Transformer2DModel
-
-    return Flux3Transformer2DModel(in_channels=channels, cond_in_channels=channels, num_layers=1,
-                                   num_single_layers=1, attention_head_dim=16, num_attention_heads=2,
-                                   joint_attention_dim=TEXT_DIM * len(LAYERS), axes_dims_rope=(4, 4, 4, 4)).eval()
+FLUX3_COMPONENTS = ["text_encoder", "tokenizer", "transformer", "vae"]
 
 
 def _pipeline(block, **components):
@@ -40,9 +46,15 @@ def _pipeline(block, **components):
 
 
 @pytest.fixture(scope="module")
-def text():
-    tokenizer = qwen_tokenizer()
-    return seeded(_text_encoder, tokenizer), _processor(tokenizer)
+def flux3(tmp_path_factory):
+    """The tiny FLUX.3, saved by ModularPipeline.save_pretrained: modular_model_index.json, no
+    model_index.json; its components are read through folders.py as any model folder's."""
+    return build_tiny_flux3(tmp_path_factory.mktemp("flux3"))
+
+
+@pytest.fixture(scope="module")
+def text(flux3):
+    return load_component(flux3, "text_encoder"), load_component(flux3, "tokenizer")
 
 
 def test_text_block_is_hidden_layers_padded_to_the_blocks_multiple(text):
@@ -65,6 +77,21 @@ def test_text_block_is_hidden_layers_padded_to_the_blocks_multiple(text):
     assert embeds[:, ids.shape[1]:].abs().amin(dim=-1).gt(0).all()
 
 
+def test_flux3_text_records_are_the_text_blocks_embeddings(text, flux3):
+    """The FLUX.3 text record of each caption is exactly the text block's embeddings, pad rows
+    included, each caption in its own window: a short one in one pad multiple, a long one in two."""
+    encoder, processor = text
+    settings = QwenPromptSettings(hidden_layers=LAYERS, max_sequence_length=8192, token_window=8192,
+                                  pad_to_window=False, keep_padding=True)
+    captions = ["a red fox in the snow", " ".join(["a red fox in the snow"] * 7)]
+    records = Flux3PromptEncoder(flux3, settings, torch.float32, "cpu")(captions)
+    block = _pipeline(Flux3TextEncoderStep(), text_encoder=encoder, tokenizer=processor)
+    for caption, record in zip(captions, records):
+        embeds = block(prompt=caption, text_encoder_out_layers=LAYERS, output="prompt_embeds")
+        assert torch.equal(record["hidden_states"], embeds[0])
+    assert [len(r["hidden_states"]) for r in records] == [80, 160]
+
+
 def test_vae_block_normalises_as_the_flux2_family(flux2):
     """FLUX.3 encodes with Flux.2's VAE: the block's normalised latents are the flux2 family's record
     after its own normalisation, so the latent records and their parity check carry over."""
@@ -79,17 +106,18 @@ def test_vae_block_normalises_as_the_flux2_family(flux2):
     assert torch.allclose(ours, torch.cat(latents), atol=1e-5)  # the block encodes one image a call, ours the batch
 
 
-def test_denoise_block_first_call_is_the_reference(text):
+def test_denoise_block_first_call_is_the_reference(text, flux3):
     """The first transformer call of the core denoise block: the given latents packed to tokens, the
     text block's embeddings, the flow time (sigma, not sigma x 1000), and the Euler step of its
-    prediction is what the block returns."""
+    prediction is what the block returns; FLUX.3's predict makes that call, ids included, and
+    returns that prediction in the latents' layout."""
     from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.guiders import ClassifierFreeGuidance
 
     encoder, processor = text
     embeds = _pipeline(Flux3TextEncoderStep(), text_encoder=encoder, tokenizer=processor)(
         prompt="a red fox", text_encoder_out_layers=LAYERS, output="prompt_embeds")
-    transformer = seeded(_transformer, 32)
+    transformer = load_component(flux3, "transformer")
     pipe = _pipeline(Flux3CoreDenoiseStep(), transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(),
                      guider=ClassifierFreeGuidance(guidance_scale=1.0))
     latents = torch.randn(1, 32, 4, 3, generator=torch.Generator().manual_seed(5))
@@ -105,6 +133,50 @@ def test_denoise_block_first_call_is_the_reference(text):
                               "txt_ids"]
     stepped = (tokens - prediction).transpose(1, 2).reshape(latents.shape)  # sigma 1 to 0
     assert torch.allclose(result["state"]["latents"], stepped, atol=1e-6)
+    ours = {}
+    with torch.no_grad():
+        _, our_kwargs, _ = first_call(transformer, lambda: ours.update(prediction=predict(
+            transformer, latents, torch.ones(1), embeds, torch.float32)))
+    assert sorted(our_kwargs) == sorted(kwargs)
+    assert all(torch.equal(our_kwargs[name], kwargs[name]) for name in kwargs if name != "return_dict")
+    assert torch.equal(ours["prediction"], prediction.transpose(1, 2).reshape(latents.shape))
+
+
+def test_modular_folder_loads_and_keys_as_a_model_folder(flux3, tmp_path):
+    """A folder a ModularPipeline saved reads as a model_index.json folder: its components by name,
+    each loaded from its subfolder with the saved weights, keyed by the same per-component digests;
+    a second build differs only in the folder its index points at."""
+    assert not (flux3 / "model_index.json").exists()
+    assert component_names(flux3) == FLUX3_COMPONENTS
+    loaded, built = load_component(flux3, "transformer"), seeded(tiny_flux3_transformer)
+    assert type(loaded) is type(built)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in built.state_dict().items())
+    with StatCache(tmp_path / "stat.sqlite") as stat_cache:
+        digests = component_digests(flux3, stat_cache, families.get("flux2-klein"))
+        assert digests == {name: weights_digest(flux3 / name, stat_cache) for name in FLUX3_COMPONENTS}
+    again = build_tiny_flux3(tmp_path / "again")
+    index = "modular_model_index.json"
+    assert (again / index).read_text() == (flux3 / index).read_text().replace(str(flux3), str(again))
+    assert all((again / rel).read_bytes() == (flux3 / rel).read_bytes()
+               for rel in (p.relative_to(flux3) for p in flux3.rglob("*") if p.is_file()) if rel.name != index)
+
+
+@pytest.mark.parametrize("where", [{"pretrained_model_name_or_path": "black-forest-labs/FLUX.3"},
+                                   {"pretrained_model_name_or_path": "/elsewhere"},
+                                   {"subfolder": "../other"}])
+def test_modular_entry_outside_the_folder_is_refused(flux3, tmp_path, where):
+    """An entry that would load a component from another repo or folder is refused in one line naming
+    the index file and the key: nothing is read from outside the folder the user named."""
+    index = json.loads((flux3 / "modular_model_index.json").read_text().replace(str(flux3), str(tmp_path)))
+    index["transformer"][2] |= where
+    (tmp_path / "modular_model_index.json").write_text(json.dumps(index))
+    with pytest.raises(UserError, match=r"modular_model_index.json: transformer loads from .*not from this folder"):
+        component_names(tmp_path)
+
+
+def test_modular_folder_of_no_family_names_its_index(flux3):
+    with pytest.raises(UserError, match=r"modular_model_index.json: unsupported pipeline class 'Flux3ModularPipeline'"):
+        families.for_model(flux3)
 
 
 ltx2 = tiny_model_fixture("ltx2")

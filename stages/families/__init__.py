@@ -16,7 +16,7 @@ from .ernie_image import ERNIE_IMAGE
 from .flux1 import FLUX1, FLUX1_KONTEXT
 from .flux2 import FLUX2_KLEIN
 from .flux2_dev import FLUX2_DEV
-from .folders import check_weights_file, is_single_file, model_index
+from .folders import check_weights_file, index_file, is_single_file, model_index
 from .hidream import HIDREAM
 from .hunyuanimage21 import HUNYUANIMAGE21
 from .hunyuanvideo15 import HUNYUANVIDEO15
@@ -75,9 +75,9 @@ def for_model(model_path: Path, declared: str | None = None) -> Family:
     family = next((f for f in FAMILIES.values() if f.pipeline_class == name), None)
     if family is None:
         supported = ", ".join(f.pipeline_class for f in FAMILIES.values())
-        raise UserError(f"{model_path}/model_index.json: unsupported pipeline class {name!r} (supported: {supported})")
+        raise UserError(f"{index_file(model_path)}: unsupported pipeline class {name!r} (supported: {supported})")
     if declared and declared != family.name:
-        raise ValueError(f"model.family is {declared} but {model_path}/model_index.json is a {family.name} model")
+        raise ValueError(f"model.family is {declared} but {index_file(model_path)} is a {family.name} model")
     return family.for_model(model_path)
 
 

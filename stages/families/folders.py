@@ -15,15 +15,47 @@ SINGLE_FILE_SUFFIX = ".safetensors"
 FLOAT_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}  # safetensors' names, as numpy's (and BF16)
 
 
-def model_index(model_path: Path) -> dict:
-    index_path = Path(model_path) / "model_index.json"
-    if not index_path.is_file():
-        raise UserError(f"{index_path} not found: model.path must be a diffusers-format model folder"
+# a DiffusionPipeline's index; a ModularPipeline's, for models diffusers ships only as modular pipelines
+INDEX_FILES = ("model_index.json", "modular_model_index.json")
+
+
+def index_file(model_path: Path) -> Path:
+    """The folder's index: model_index.json, else modular_model_index.json."""
+    folder = Path(model_path)
+    found = next((folder / name for name in INDEX_FILES if (folder / name).is_file()), None)
+    if found is None:
+        raise UserError(f"{folder / INDEX_FILES[0]} not found: model.path must be a diffusers-format model folder"
                         f" or a single-file {SINGLE_FILE_SUFFIX} checkpoint")
+    return found
+
+
+def model_index(model_path: Path) -> dict:
+    """The folder's index as model_index.json has it: a modular index's component entries
+    ([library, class, where]) become [library, class] once each is checked to be in the folder."""
+    index_path = index_file(model_path)
     try:
-        return json.loads(index_path.read_text())
+        index = json.loads(index_path.read_text())
     except ValueError as e:
         raise UserError(f"{index_path}: not valid JSON ({e})") from None
+    if index_path.name == INDEX_FILES[0]:
+        return index
+    return {key: _local_component(index_path, key, spec) if _is_modular_component(spec) else spec
+            for key, spec in index.items()}
+
+
+def _is_modular_component(spec: Any) -> bool:
+    return isinstance(spec, list) and len(spec) == 3 and is_component(spec[:2]) and isinstance(spec[2], dict)
+
+
+def _local_component(index_path: Path, key: str, spec: list) -> list[str]:
+    """[library, class] of a modular index's entry that loads from the folder's own `key` subfolder;
+    an entry pointing elsewhere (another repo or folder) is refused: nothing is read from outside
+    the folder the user named."""
+    source, subfolder = spec[2].get("pretrained_model_name_or_path"), spec[2].get("subfolder")
+    if source is None or Path(source).resolve() != index_path.parent.resolve() or subfolder != key:
+        raise UserError(f"{index_path}: {key} loads from {source!r} subfolder {subfolder!r}, not from this folder's"
+                        f" {key}/; only a model saved whole into one folder (ModularPipeline.save_pretrained) is read")
+    return spec[:2]
 
 
 def is_single_file(model_path: Path) -> bool:
@@ -95,7 +127,7 @@ def component_class(model_path: Path, name: str) -> type:
     as diffusers' loader does: a folder of that name in the working directory is not it."""
     spec = model_index(model_path).get(name)
     if not is_component(spec):
-        raise ValueError(f"{model_path}/model_index.json has no {name}: the model folder is incomplete")
+        raise ValueError(f"{index_file(model_path)} has no {name}: the model folder is incomplete")
     library, class_name = spec
     import diffusers.pipelines
 
