@@ -105,6 +105,7 @@ def sweep(config_path: Path, overrides: list[str], grid: list[str], concurrency:
     from .runlog import new_log_path, run_log
     from .sweep.flow import run_sweep
     from .sweep.grid import check_size, load_sweep, pinned_sweep, size_line
+    from .sweep.slots import started_slots
 
     sweep = pinned_sweep(load_sweep(config_path, overrides, grid, concurrency))
     current().pipeline = sweep.base.name
@@ -118,13 +119,15 @@ def sweep(config_path: Path, overrides: list[str], grid: list[str], concurrency:
         return print_dry_run(sweep, as_json)
     note(f"sweeping {len(sweep.variants)} variants of pipeline {sweep.base.name!r} ({config_path}): starting Prefect")
     log_path = current().log = new_log_path(sweep.base.output_dir)
-    # overlapping Prefect's start, and done before the variants' threads evaluate side by side
-    importing = import_model_code_ahead(sweep.base, frozenset({"encode", "evaluate"}))
-    if server and server.connect():
-        server.wait_ready()
-    importing.join()
-    with run_log(log_path, debug):
-        done = run_sweep(sweep, force)
+    # each slot's imports overlap Prefect's start and the encode; its variants train and evaluate in it
+    with started_slots(sweep.base, min(sweep.settings.concurrency, trainings(sweep, force))) as slots:
+        # overlapping Prefect's start, and done before the variants' threads evaluate side by side
+        importing = import_model_code_ahead(sweep.base, frozenset({"encode", "evaluate"}))
+        if server and server.connect():
+            server.wait_ready()
+        importing.join()
+        with run_log(log_path, debug):
+            done = run_sweep(sweep, force, slots)
     failed = [row for row in done["variants"] if row["error"]]
     if as_json:
         _print_json({**done, "pipeline": sweep.base.name, "shared_settings": sweep.shared, "log": str(log_path)})
@@ -152,14 +155,9 @@ def print_sweep(done: dict, metric: str, output_dir: Path, log_path: Path) -> No
 def print_dry_run(sweep: Sweep, as_json: bool) -> int:
     """Each variant's train and evaluate as `lorapipe status` sees them (hit, or miss: it would
     run), reading the cache only."""
-    from .run_plan import plan_status
-
-    rows = []
-    for variant in sweep.variants:
-        standings = plan_status(variant.config, note).standings
-        standing = {row["stage"]: row["status"] for row in (s.row() for s in standings)}
-        rows.append({"name": variant.name, "overrides": variant.overrides, "output_dir": str(variant.config.output_dir),
-                     "train": standing.get("train"), "evaluate": standing.get("evaluate")})
+    rows = [{"name": variant.name, "overrides": variant.overrides, "output_dir": str(variant.config.output_dir),
+             "train": standing.get("train"), "evaluate": standing.get("evaluate")}
+            for variant, standing in zip(sweep.variants, variant_standings(sweep))]
     if as_json:
         _print_json({"pipeline": sweep.base.name, "shared_settings": sweep.shared, "variants": rows})
         return 0
@@ -169,6 +167,21 @@ def print_dry_run(sweep: Sweep, as_json: bool) -> int:
     trainings = sum(row["train"] != "hit" for row in rows)
     print(f"dry run: {trainings} of {len(rows)} variants would train (the others are cache hits); nothing ran")
     return 0
+
+
+def variant_standings(sweep: Sweep) -> list[dict[str, str]]:
+    """Per variant, each stage's status as `lorapipe status` sees it (hit or miss), reading the cache only."""
+    from .run_plan import plan_status
+
+    return [{row["stage"]: row["status"] for row in (s.row() for s in plan_status(variant.config, note).standings)}
+            for variant in sweep.variants]
+
+
+def trainings(sweep: Sweep, force: tuple[str, ...]) -> int:
+    """How many of the sweep's variants will train (all with `--force train`), as the cache says now."""
+    if "train" in force:
+        return len(sweep.variants)
+    return sum(standing.get("train") != "hit" for standing in variant_standings(sweep))
 
 
 def print_summary(config: PipelineConfig, summary: list[dict], log_path: Path, as_json: bool) -> int:

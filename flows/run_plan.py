@@ -122,9 +122,11 @@ def plan_status(config: PipelineConfig, log: Log) -> RunPlan:
         ctx.close()
 
 
-def plan_flow(config: PipelineConfig, only: list[str], start: str | None, force: list[str]) -> RunPlan:
-    """The plan of a flow run that was handed none (a deployment's): its stages and placements."""
-    return select(config, only, start, force).placed(config)
+def plan_flow(config: PipelineConfig, only: list[str], start: str | None, force: list[str],
+              warm: WarmProcess | None = None) -> RunPlan:
+    """The plan of a flow run that was handed none (a deployment's, a sweep's variant in `warm`, the
+    process it took): its stages and placements."""
+    return select(config, only, start, force).placed(config, warm)
 
 
 def selected_stages(stages: tuple[str, ...], only: list[str], start: str | None) -> set[str]:

@@ -181,6 +181,10 @@ def best_after(out: Path, sweep: int) -> Path:
 
 @pytest.mark.slow
 def test_a_sweep_encodes_once_trains_and_evaluates_each_variant(sweeps):
+    """Two variants at once, each slot's process started ahead training one variant after another:
+    the last variant, its slot's second training, is the LoRA a run trains in a process of its own."""
+    from test_demo import lorapipe
+
     out, [(code, done, stderr, counts), *_] = sweeps
     assert code == 0, stderr[-3000:]
     names = [f"learning_rate={rate}" for rate in RATES]
@@ -197,6 +201,11 @@ def test_a_sweep_encodes_once_trains_and_evaluates_each_variant(sweeps):
         assert (folder / "pytorch_lora_weights.safetensors").is_file()
         holdout = json.loads((folder / "metrics.json").read_text())["loss"]["holdout"]["lora"]["overall"]
         assert row["score"] == holdout
+    alone = lorapipe("run", "config.yaml", "--only", "train", "--force", "train", "--set", "output_dir=out-alone",
+                     "--set", f"train.learning_rate={RATES[-1]}", cwd=out.parent, prefect_home=out.parent / "prefect")
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    lora = "pytorch_lora_weights.safetensors"
+    assert (out.parent / "out-alone" / lora).read_bytes() == (out / "variants" / names[-1] / lora).read_bytes()
 
 
 @pytest.mark.slow

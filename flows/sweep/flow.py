@@ -27,6 +27,7 @@ from .best import publish_best, withdraw_best
 from .grid import Sweep, Variant
 from .outcome import VariantOutcome
 from .report import score, write_sweep_report
+from .slots import WarmSlots
 
 # One evaluation at a time in this process: two diffusers loads side by side in threads failed with
 # "Cannot copy out of meta tensor" (a model is built empty through a process-wide patch of torch,
@@ -34,25 +35,28 @@ from .report import score, write_sweep_report
 EVALUATING = threading.Lock()
 
 
-def run_sweep(sweep: Sweep, force: tuple[str, ...] = ()) -> dict:
-    """The sweep's flow, at most sweep.settings.concurrency variants at once; what it did (`sweep_flow`'s return)."""
+def run_sweep(sweep: Sweep, force: tuple[str, ...] = (), slots: WarmSlots | None = None) -> dict:
+    """The sweep's flow, at most sweep.settings.concurrency variants at once, each in a process of
+    `slots` when one is idle; what it did (`sweep_flow`'s return)."""
     runner = ThreadPoolTaskRunner(max_workers=sweep.settings.concurrency)
     return sweep_flow.with_options(task_runner=runner)(sweep.base, sweep.variants, sweep.settings.metric,
-                                                       sweep.shared, force)
+                                                       sweep.shared, force, slots)
 
 
 @flow(name="lorapipe-sweep", log_prints=True, validate_parameters=False)
 def sweep_flow(config: PipelineConfig, variants: SkipJsonSchema[tuple[Variant, ...]], metric: str,
-               shared_settings: dict, force: tuple[str, ...] = ()) -> dict:
+               shared_settings: dict, force: tuple[str, ...] = (),
+               slots: SkipJsonSchema[WarmSlots | None] = None) -> dict:
     """Train and evaluate each of `variants` over one encode of `config`'s data; report them by
     `metric` (with the `shared_settings` every variant has) and publish the best; `force`: the
-    stages to rebuild (`--force`), the shared ones once. Returns {"shared": the shared stages'
-    rows, "variants": per variant its name, overrides, output_dir, error, score and stages' rows,
+    stages to rebuild (`--force`), the shared ones once; `slots`: the processes started ahead that
+    the variants' stages run in (none: each training in a process of its own). Returns {"shared":
+    the shared stages' rows, "variants": per variant its name, overrides, output_dir, error, score and stages' rows,
     "best": its name or None, "no_best": why there is none}."""
     stages = config_stages(config)
     shared_stages = stages[: stages.index("encode") + 1]
     data = dataset_stages(config, plan_flow(config, list(shared_stages), None, list(force)))
-    futures = run_variant.map(variants, unmapped(data), unmapped(force))
+    futures = run_variant.map(variants, unmapped(data), unmapped(force), unmapped(slots or WarmSlots()))
     finished = [(v, *variant_outcome(v, future)) for v, future in zip(variants, futures)]
     outcomes = [outcome for _, outcome, _ in finished]
     report = write_sweep_report(outcomes, config.output_dir, metric, shared_settings)
@@ -70,15 +74,17 @@ def sweep_flow(config: PipelineConfig, variants: SkipJsonSchema[tuple[Variant, .
 
 
 @task(name="variant", task_run_name="variant {variant.name}", cache_policy=NO_CACHE, persist_result=False)
-def run_variant(variant: Variant, shared: DatasetStages, force: tuple[str, ...] = ()) -> list[dict]:
-    """Train and evaluate `variant` over the shared stages (its own where it changes them), publish
-    it into its folder; its summary's rows. `force` rebuilds those of its stages it runs itself."""
+def run_variant(variant: Variant, shared: DatasetStages, force: tuple[str, ...], slots: WarmSlots) -> list[dict]:
+    """Train and evaluate `variant` over the shared stages (its own where it changes them), in an
+    idle process of `slots`, and publish it into its folder; its summary's rows. `force` rebuilds
+    those of its stages it runs itself."""
     config = variant.config
-    plan = plan_flow(config, [], None, list(force))
-    data = dataset_stages(config, plan) if variant.changes_data else DatasetStages(*map(own_copy, shared))
-    lora = train(config, plan, data.enc, False)
-    with EVALUATING:
-        scores = evaluate(config, plan, data.dataset, data.enc, lora)
+    with slots.taken() as warm:
+        plan = plan_flow(config, [], None, list(force), warm)
+        data = dataset_stages(config, plan) if variant.changes_data else DatasetStages(*map(own_copy, shared))
+        lora = train(config, plan, data.enc, False)
+        with EVALUATING:
+            scores = evaluate(config, plan, data.dataset, data.enc, lora)
     return published(config, config.output_dir, [*data, lora, scores])
 
 
