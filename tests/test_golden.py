@@ -215,17 +215,6 @@ def test_flux2_dev_golden_numbers(tmp_path, tiny_models, run_stages):
     assert_golden("flux2-dev", measure(run_stages(config, STAGES)), FLUX2_DEV_GOLDEN)
 
 
-
-# Recorded at Chroma's first run through the stages, once tests/test_families_chroma.py had checked its
-# text records (every position and the pipeline's mask), normalisation and transformer call against
-# ChromaPipeline: they pin its numbers from then on.
-CHROMA_GOLDEN = Golden(1.7553458213806152, 1.5976020693778992, 1.567533512910207, "9e8d6ff01acb5e38")
-
-
-def test_chroma_golden_numbers(tmp_path, tiny_models, run_stages):
-    measured = measure(run_stages(write_config(tmp_path, tiny_models("chroma"), Variant("chroma")), STAGES))
-    assert_golden("chroma", measured, CHROMA_GOLDEN)
-
 # Flux.1 Kontext without references is Flux.1 dev's text-to-image model, and the tiny Kontext holds the
 # tiny Flux.1 dev's weights: its losses are flux1-dev's (both measured equal to the last bit). Its image, rendered by
 # FluxKontextPipeline at Kontext's guidance (2.5) and output size (max_area), recorded at its first run
@@ -240,47 +229,24 @@ def test_flux1_kontext_text_to_image_golden_numbers(tmp_path, flux_kontext_model
     assert_golden("flux1-kontext", measured, KONTEXT_GOLDEN)
 
 
-# Recorded at ERNIE-Image's first run through the stages (commit "Pin ERNIE-Image's golden numbers"), once
-# tests/test_families_ernie_image.py had checked its text records, normalisation and transformer call
-# against ErnieImagePipeline: they pin its numbers from then on.
-ERNIE_IMAGE_GOLDEN = Golden(2.5594756603240967, 1.476486345132192, 1.4738749861717224, "94998a542f067556")
+# Each recorded at the family's first run through the stages (a plain variant, the tiny model from
+# `tiny_models`), once its tests/test_families_<family>.py had checked its text records, normalisation
+# and transformer call against its diffusers pipeline: they pin its numbers from then on.
+FAMILY_GOLDEN = {
+    # every text position and ChromaPipeline's mask
+    "chroma": Golden(1.7553458213806152, 1.5976020693778992, 1.567533512910207, "9e8d6ff01acb5e38"),
+    "ernie-image": Golden(2.5594756603240967, 1.476486345132192, 1.4738749861717224, "94998a542f067556"),
+    # its image rendered at the guider's scale (adaptive projected mix guidance)
+    "hunyuanimage2.1": Golden(2.005096197128296, 1.9129582643508911, 1.8928301235040028, "709d65e7ed2a4bda"),
+    # Full: UniPC's static flow_shift in training (transformer checked in inference and training mode),
+    # its image rendered at evaluate's size with guidance 5
+    "hidream-i1": Golden(1.541206955909729, 1.4348503351211548, 1.4252611796061199, "be58d867cbf1069b"),
+    # its batch's captions differ in length, so each row runs the transformer alone
+    "kandinsky5": Golden(1.630100131034851, 1.5478323896725972, 1.5134324034055073, "52b33c937eab89fd"),
+}
 
 
-def test_ernie_image_golden_numbers(tmp_path, tiny_models, run_stages):
-    config = write_config(tmp_path, tiny_models("ernie-image"), Variant("ernie-image"))
-    assert_golden("ernie-image", measure(run_stages(config, STAGES)), ERNIE_IMAGE_GOLDEN)
-
-
-# Recorded at HunyuanImage 2.1's first run through the stages (commit "Add the HunyuanImage 2.1
-# family with its tiny model"), once tests/test_families_hunyuanimage21.py had checked its text
-# records, normalisation and transformer call against HunyuanImagePipeline: they pin its numbers from
-# then on. Its image rendered at the guider's scale (adaptive projected mix guidance).
-HUNYUANIMAGE21_GOLDEN = Golden(2.005096197128296, 1.9129582643508911, 1.8928301235040028, "709d65e7ed2a4bda")
-
-
-def test_hunyuanimage21_golden_numbers(tmp_path, tiny_models, run_stages):
-    config = write_config(tmp_path, tiny_models("hunyuanimage2.1"), Variant("hunyuanimage2.1"))
-    assert_golden("hunyuanimage2.1", measure(run_stages(config, STAGES)), HUNYUANIMAGE21_GOLDEN)
-
-
-# Recorded at HiDream-I1's first run through the stages (commit "Pin HiDream-I1's golden numbers"), once
-# tests/test_families_hidream.py had checked its text records, normalisation and transformer call (in
-# inference and training mode) against HiDreamImagePipeline: they pin its numbers from then on. Full:
-# UniPC's static flow_shift in training, its image rendered at evaluate's size with guidance 5.
-HIDREAM_GOLDEN = Golden(1.541206955909729, 1.4348503351211548, 1.4252611796061199, "be58d867cbf1069b")
-
-
-def test_hidream_golden_numbers(tmp_path, tiny_models, run_stages):
-    config = write_config(tmp_path, tiny_models("hidream-i1"), Variant("hidream-i1"))
-    assert_golden("hidream-i1", measure(run_stages(config, STAGES)), HIDREAM_GOLDEN)
-
-
-# Recorded at Kandinsky 5's first run through the stages, once tests/test_families_kandinsky5.py had
-# checked its text records, normalisation and transformer call against Kandinsky5T2IPipeline: they pin
-# its numbers from then on. Its batch's captions differ in length, so each row runs the transformer alone.
-KANDINSKY5_GOLDEN = Golden(1.630100131034851, 1.5478323896725972, 1.5134324034055073, "52b33c937eab89fd")
-
-
-def test_kandinsky5_golden_numbers(tmp_path, tiny_models, run_stages):
-    measured = measure(run_stages(write_config(tmp_path, tiny_models("kandinsky5"), Variant("kandinsky5")), STAGES))
-    assert_golden("kandinsky5", measured, KANDINSKY5_GOLDEN)
+@pytest.mark.parametrize("arch", FAMILY_GOLDEN)
+def test_family_golden_numbers(arch, tmp_path, tiny_models, run_stages):
+    config = write_config(tmp_path, tiny_models(arch), Variant(arch))
+    assert_golden(arch, measure(run_stages(config, STAGES)), FAMILY_GOLDEN[arch])
