@@ -291,6 +291,8 @@ class Family(ABC):
         render_kwargs(settings, guidance, negative), clip_kwargs(path, num_frames, fps),
         prepare_pipeline(pipe, sampler, objective)   the pipeline call's family arguments and its
                                        sampler; the defaults are the variant's and `sampler`
+        (load_render_pipeline, modular.py) the folder's DiffusionPipeline, or for a modular folder its
+                                       ModularPipeline without `modular_blocks_left_out`, called alike
       the tiny model (the demo, tests)
         build_tiny(out_dir, arch)      `video` and `demo_edits` pick the demo's config and data
     """
@@ -322,6 +324,7 @@ class Family(ABC):
     text_takes_references: bool = False  # its text encoder reads the references too (a vision-language one)
     renders_without_references: bool = True  # False: its pipeline only edits (evaluate's prompts edit a reference)
     render_area_argument: str | None = None  # the pipeline's argument for the output's area, when it rescales to one
+    modular_blocks_left_out: tuple[str, ...] = ()  # a modular pipeline's sub-blocks evaluate renders without
     video: bool = False  # trains on clips and renders them (video.VideoFamily)
     clip_fps: int = 16  # frames per second a clip renders at when the training data has no clips (evaluate.fps unset)
     demo_edits: bool = False  # `lorapipe demo` trains it on edit pairs (an edit model; else with --edit)
