@@ -46,7 +46,7 @@ class Components:
     text: tuple[str, ...]  # tokenizers and text encoders: text records depend on them
     latent: tuple[str, ...]  # the VAE: latent records and the latent normalisation
     denoiser: str  # what the LoRA adapts; its digest is the model's identity
-    scheduler: str = "scheduler"
+    scheduler: str | None = "scheduler"  # None: the pipeline makes its scheduler from a config in its code (a modular one)
     other_denoisers: tuple[str, ...] = ()  # a model with several (train.denoiser picks which one trains)
     image: tuple[str, ...] = ()  # an image-to-video model's image encoder: its conditioning image records depend on it
     lora_prefix: str | None = None  # the denoiser's name in LoRA files, when not its own (adapter_prefix)
@@ -55,7 +55,7 @@ class Components:
     def for_stage(self, stage: str) -> tuple[str, ...]:
         parts = {
             "encode": (*self.text, *self.latent, *self.image),
-            "train": (*self.denoisers(), self.scheduler),  # every denoiser: train.denoiser picks one
+            "train": (*self.denoisers(), *self.schedulers()),  # every denoiser: train.denoiser picks one
             "evaluate": self.all(),
         }
         return parts.get(stage, ())
@@ -63,8 +63,11 @@ class Components:
     def denoisers(self) -> tuple[str, ...]:
         return (self.denoiser, *self.other_denoisers)
 
+    def schedulers(self) -> tuple[str, ...]:
+        return () if self.scheduler is None else (self.scheduler,)
+
     def all(self) -> tuple[str, ...]:
-        return (*self.text, *self.latent, *self.image, *self.denoisers(), self.scheduler)
+        return (*self.text, *self.latent, *self.image, *self.denoisers(), *self.schedulers())
 
     def identity(self, digests: dict[str, str]) -> str:
         """The model's identity: its denoiser's weights digest (what a LoRA is made for)."""
