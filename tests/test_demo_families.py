@@ -38,7 +38,8 @@ def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path, t
 
 
 LORA_FILES = {**dict.fromkeys(["z-image", "flux2-klein", "flux2-dev", "qwen-image", "qwen-image-2.1", "krea2",
-                                "ideogram4", "ernie-image", "chroma", "hidream-i1", "kandinsky5"], ("", "_comfyui")),
+                                "ideogram4", "ernie-image", "chroma", "hidream-i1", "kandinsky5", "flux3"],
+                                ("", "_comfyui")),
               "hunyuanimage2.1": ("",)}  # the diffusers file alone
 
 

@@ -23,7 +23,7 @@ from family_checks import first_call, quiet_pipeline, tiny_model_fixture
 import lorapipe.stages.families as families
 from lorapipe.cache.digest import StatCache
 from lorapipe.cache.errors import UserError
-from lorapipe.stages.families.flux3 import predict
+from lorapipe.stages.families.flux3 import SHIFT, predict_window
 from lorapipe.stages.families.flux3_text import Flux3PromptEncoder
 from lorapipe.stages.families.folders import component_names, load_component
 from lorapipe.stages.families.qwen_text import QwenPromptSettings
@@ -135,7 +135,7 @@ def test_denoise_block_first_call_is_the_reference(text, flux3):
     assert torch.allclose(result["state"]["latents"], stepped, atol=1e-6)
     ours = {}
     with torch.no_grad():
-        _, our_kwargs, _ = first_call(transformer, lambda: ours.update(prediction=predict(
+        _, our_kwargs, _ = first_call(transformer, lambda: ours.update(prediction=predict_window(
             transformer, latents, torch.ones(1), embeds, torch.float32)))
     assert sorted(our_kwargs) == sorted(kwargs)
     assert all(torch.equal(our_kwargs[name], kwargs[name]) for name in kwargs if name != "return_dict")
@@ -174,9 +174,51 @@ def test_modular_entry_outside_the_folder_is_refused(flux3, tmp_path, where):
         component_names(tmp_path)
 
 
-def test_modular_folder_of_no_family_names_its_index(flux3):
-    with pytest.raises(UserError, match=r"modular_model_index.json: unsupported pipeline class 'Flux3ModularPipeline'"):
-        families.for_model(flux3)
+def test_modular_folder_of_no_family_names_its_index(flux3, tmp_path):
+    index = json.loads((flux3 / "modular_model_index.json").read_text().replace(str(flux3), str(tmp_path)))
+    (tmp_path / "modular_model_index.json").write_text(json.dumps({**index, "_class_name": "MiniModularPipeline"}))
+    with pytest.raises(UserError, match=r"modular_model_index.json: unsupported pipeline class 'MiniModularPipeline'"):
+        families.for_model(tmp_path)
+
+
+def test_flux3_family_is_its_modular_index_class_and_predicts_each_window_as_the_block(text, flux3):
+    """The flux3 family is found by modular_model_index.json's class; a batch of captions of two windows
+    (80 and 160 tokens) is predicted as the core denoise block predicts each caption alone, in its own
+    window (the transformer takes no text mask)."""
+    family = families.for_model(flux3)
+    assert family.name == "flux3" and family.variant.name == "base"
+    settings = family.text_settings(flux3, families.TextOptions())
+    inputs = {param.name: param.default for param in Flux3TextEncoderStep().inputs}
+    assert settings.hidden_layers == inputs["text_encoder_out_layers"]
+    assert settings.max_sequence_length == inputs["max_sequence_length"]
+    captions = ["a red fox in the snow", " ".join(["a red fox in the snow"] * 7)]
+    records = family.text_encoder(flux3, settings, torch.float32, "cpu")(captions)
+    assert [len(r["hidden_states"]) for r in records] == [80, 160]
+    conditioning = family.conditioning(records, [], families.ObjectiveParams())
+    transformer = load_component(flux3, "transformer")
+    latents = torch.randn(2, 32, 4, 3, generator=torch.Generator().manual_seed(5))
+    sigmas = torch.tensor([0.7, 0.3])
+    with torch.no_grad():
+        batched = family.predict(transformer, latents, sigmas, conditioning, torch.float32)
+        alone = [predict_window(transformer, latents[i:i + 1], sigmas[i:i + 1], r["hidden_states"][None],
+                                torch.float32) for i, r in enumerate(records)]
+    assert torch.equal(batched, torch.cat(alone))
+
+
+def test_flux3_objective_shifts_as_the_set_timesteps_block(flux3):
+    """No FLUX.3 folder holds a scheduler: the blocks make theirs from a config in their code, with a
+    constant shift; the objective's noise levels are that scheduler's sigmas."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.modular_pipelines.flux3.before_denoise import Flux3SetTimestepsStep
+
+    assert not (flux3 / "scheduler").exists()
+    spec = next(c for c in Flux3SetTimestepsStep().expected_components if c.name == "scheduler")
+    assert dict(spec.config) == {"shift": SHIFT}
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(spec.config)
+    u = torch.tensor([0.9, 0.5, 0.1])
+    scheduler.set_timesteps(sigmas=u.tolist())
+    objective = families.for_model(flux3).objective(flux3, families.ObjectiveParams())
+    assert torch.allclose(objective.shifted(u, 12), scheduler.sigmas[:-1])
 
 
 ltx2 = tiny_model_fixture("ltx2")

@@ -16,6 +16,7 @@ from .ernie_image import ERNIE_IMAGE
 from .flux1 import FLUX1, FLUX1_KONTEXT
 from .flux2 import FLUX2_KLEIN
 from .flux2_dev import FLUX2_DEV
+from .flux3 import FLUX3
 from .folders import check_weights_file, index_file, is_single_file, model_index
 from .hidream import HIDREAM
 from .hunyuanimage21 import HUNYUANIMAGE21
@@ -39,7 +40,7 @@ from .wan_i2v import WAN_I2V
 from .zimage import ZIMAGE
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FLUX1, FLUX1_KONTEXT, FLUX2_KLEIN,
-                                                                  FLUX2_DEV,
+                                                                  FLUX2_DEV, FLUX3,
                                                                   ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
                                                                   QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, WAN_I2V, LTX2,
                                                                   LTX2_I2V, HUNYUANVIDEO15, HUNYUANVIDEO15_I2V,
