@@ -1,14 +1,14 @@
 """The models diffusers ships only as modular pipelines, on tiny components built offline: FLUX.3's
 text-encode, VAE-encode and denoise blocks run on their own, each in a ModularPipeline built from
 the block and local components (no hub), so each gives the reference a family's parity checks
-compare with (FLUX.3's text records and predict are compared with them here, its family not being
-registered yet); LTX-2.5's text blocks (LTX-2's) equal what LTX2Pipeline encodes; MiniMax-H3's text
+compare with (the flux3 family's text records, predict and shift are compared with them here);
+LTX-2.5's text blocks (LTX-2's) equal what LTX2Pipeline encodes; MiniMax-H3's text
 block reads one hidden layer (docs/families.md, "Models diffusers ships only as modular
 pipelines").
 
 FLUX.3's blocks read their components from the tiny FLUX.3 (stages/families/tiny/flux3.py), through
 folders.py, as a FLUX.3 folder is read; its text encoder and processor are the tiny Qwen-Image 2.1
-ones (a Qwen3-VL; FLUX.3 reads two of its hidden layers); the VAE block's comparison reads the tiny
+ones (a Qwen3-VL, deep enough for the eight hidden layers FLUX.3 reads); the VAE block's comparison reads the tiny
 flux2-klein model, whose family the normalisation is compared with."""
 from __future__ import annotations
 
@@ -45,11 +45,9 @@ def _pipeline(block, **components):
     return pipe
 
 
-@pytest.fixture(scope="module")
-def flux3(tmp_path_factory):
-    """The tiny FLUX.3, saved by ModularPipeline.save_pretrained: modular_model_index.json, no
-    model_index.json; its components are read through folders.py as any model folder's."""
-    return build_tiny_flux3(tmp_path_factory.mktemp("flux3"))
+# The tiny FLUX.3, saved by ModularPipeline.save_pretrained: modular_model_index.json, no
+# model_index.json; its components are read through folders.py as any model folder's.
+flux3 = tiny_model_fixture("flux3")
 
 
 @pytest.fixture(scope="module")
