@@ -259,3 +259,26 @@ def test_minimax_h3_text_block_is_one_fixed_hidden_layer():
     with torch.no_grad():
         expected = encoder(input_ids=ids, output_hidden_states=True).hidden_states[layer]
     assert torch.allclose(embeds, expected, atol=1e-5)
+
+
+def test_evaluate_renders_flux3_as_its_modular_pipeline(flux3):
+    """Evaluate's pipeline for a modular folder (families/modular.py) is the folder's ModularPipeline
+    less the prompt upsampler, called as a DiffusionPipeline: a column of two seeds, at another
+    guidance scale than the guider's default, is what that pipeline renders for each seed alone with
+    that scale on its guider."""
+    import numpy as np
+
+    from lorapipe.stages.evaluate.render import RenderSettings, render_column
+    from lorapipe.stages.families.modular import load_render_pipeline
+
+    family = families.for_model(flux3)
+    kwargs = family.render_kwargs(family.text_settings(flux3, families.TextOptions()), 2.0, "")
+    renderer = load_render_pipeline(flux3, family, None, "cpu")
+    column = render_column(renderer, RenderSettings(["a red fox"], [3, 4], 2, 32, 2, kwargs))
+    pipe = renderer.pipe
+    assert "prompt_upsampler" not in pipe.blocks.sub_blocks and pipe.guider.guidance_scale == 2.0
+    for seed, (image,) in zip([3, 4], column):
+        (alone,) = pipe(prompt="a red fox", generator=torch.Generator().manual_seed(seed), num_inference_steps=2,
+                        height=32, width=32, text_encoder_out_layers=kwargs["text_encoder_out_layers"],
+                        output="images")
+        assert np.abs(np.asarray(image, dtype=int) - np.asarray(alone, dtype=int)).max() <= 1
