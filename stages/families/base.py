@@ -302,7 +302,7 @@ class Family(ABC):
 
     name: str  # the registry key, recorded in encode manifests and text record keys
     label: str  # for people: "Stable Diffusion 1.x/2.x"
-    pipeline_class: str  # the diffusers pipeline that renders samples (model_index.json's _class_name)
+    pipeline_class: str  # what renders samples: model_index.json's (or modular_model_index.json's) _class_name
     components: Components
     kohya: Kohya
     text_encoder: Callable[[Path, Any, torch.dtype, str], TextEncoder]  # its class: (path, settings, dtype, device)
