@@ -53,6 +53,11 @@ PUBLISHED = {  # arch folder -> (family, variant), parameters by component (Flux
                                          "vae": 126_892_531}),
     "wan2.2-ti2v-5b": (("wan", "2.2-ti2v-5b"), {"transformer": 4_999_787_712, "text_encoder": 5_680_910_336,
                                                 "vae": 704_688_668}),
+    # Qwen-Image 2.1 (7.1B single-stream) with Qwen3-VL-8B; Krea 2 Raw (the base) with Qwen3-VL-4B, Qwen-Image's VAE
+    "qwen-image-2.1": (("qwen-image-2.1", "qwen-image-2.1"), {"transformer": 7_115_124_736,
+                                                              "text_encoder": 8_767_123_696, "vae": 337_740_404}),
+    "krea2": (("krea2", "base"), {"transformer": 12_820_073_036, "text_encoder": 4_437_815_808,
+                                  "vae": 126_892_531}),
     "ltx2": (("ltx2", "2"), {"transformer": 18_876_174_592, "text_encoder": 12_187_325_040,
                              "connectors": 1_431_475_200, "vae": 1_222_479_601, "audio_vae": 53_248_146,
                              "vocoder": 55_592_802}),
