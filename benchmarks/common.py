@@ -123,17 +123,21 @@ def _random_component(arch_dir: Path, name: str, device: torch.device, dtype: to
     return model.to(dtype).cpu()
 
 
-def random_model(arch: str, out: Path, device: torch.device, dtype: str = "bfloat16") -> Path:
-    """A diffusers folder of `arch` at its published size: seeded random weights in `dtype` from the
-    configs in stages/assets/arch/<arch>/, which hold no tokenizer vocabularies: the tokenizers (and
-    processors) of the family's tiny model (built offline) instead, under the classes that wrote
-    them, checked to fit the text encoders' embeddings."""
+def random_model(arch_dir: Path, out: Path, device: torch.device, dtype: str = "bfloat16",
+                 text_dtype: str | None = None) -> Path:
+    """A diffusers folder of the architecture in `arch_dir` (a folder of stages/assets/arch/) at its
+    published size: seeded random weights in `dtype`, the text stage's models in `text_dtype` (default:
+    `dtype`), as published models store their text encoders in bf16, which encode then runs them in.
+    The configs hold no tokenizer vocabularies: the tokenizers (and processors) of the family's tiny
+    model (built offline) instead, under the classes that wrote them, checked to fit the text
+    encoders' embeddings."""
     import torch
 
+    from lorapipe.stages.families import for_model
     from lorapipe.stages.families.folders import is_component, load_component, model_index
 
-    arch_dir, staging = arch_folder(arch), out.with_name(f"{out.name}.partial")
-    tiny = tiny_model(out.parent, tiny_arch(arch))
+    family, staging = for_model(arch_dir), out.with_name(f"{out.name}.partial")
+    tiny = tiny_model(out.parent, family.variant.tiny_arch)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
     index = dict(model_index(arch_dir))
@@ -150,7 +154,8 @@ def random_model(arch: str, out: Path, device: torch.device, dtype: str = "bfloa
         if name == "scheduler":
             shutil.copytree(arch_dir / name, staging / name)
         else:
-            _random_component(arch_dir, name, device, getattr(torch, dtype)).save_pretrained(
+            stored = text_dtype if text_dtype and name in family.components.text else dtype
+            _random_component(arch_dir, name, device, getattr(torch, stored)).save_pretrained(
                 staging / name, safe_serialization=True)
             release_memory(device)
     staging.rename(out)
@@ -176,7 +181,7 @@ def full_size_sd15(root: Path) -> Path:
 
     model = root / "models" / "sd15"
     if not (model / "model_index.json").exists():
-        random_model("sd15", model, torch.device("cpu"))
+        random_model(arch_folder("sd15"), model, torch.device("cpu"))
     return model
 
 
