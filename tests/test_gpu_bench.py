@@ -37,6 +37,8 @@ PUBLISHED = {  # arch folder -> (family, variant), parameters by component (Flux
                                  "text_encoder": 123_060_480, "vae": 83_819_683}),
     "flux2-klein": (("flux2-klein", "base"), {"transformer": 3_875_544_576, "text_encoder": 4_022_468_096,
                                               "vae": 84_046_115}),
+    "flux2-klein-9b": (("flux2-klein", "base"), {"transformer": 9_078_581_248, "text_encoder": 8_190_735_360,
+                                                 "vae": 84_046_115}),
     "z-image": (("z-image", "base"), {"transformer": 6_154_908_736, "text_encoder": 4_022_468_096,
                                       "vae": 83_819_683}),
     "wan2.1-14b": (("wan", "2.1-t2v"), {"transformer": 14_288_491_584, "text_encoder": 5_680_910_336,
@@ -79,6 +81,12 @@ def test_shipped_architectures_have_the_published_sizes_and_variants(arch):
                 cls.config_class.from_pretrained(config))
         counted[name] = sum(p.numel() for p in model.parameters())
     assert counted == sizes
+
+
+def test_every_shipped_architecture_is_pinned():
+    """A folder added to stages/assets/arch gets its published sizes pinned here (SD1.5's and SDXL's
+    in tests/test_single_file.py)."""
+    assert {folder.name for folder in ARCH_ROOT.iterdir()} == set(PUBLISHED) | {"sd15", "sdxl"}
 
 
 @pytest.mark.slow
