@@ -3,7 +3,6 @@ in interleaved rounds, and the dated sections they append to BENCHMARKS.md."""
 from __future__ import annotations
 
 import gc
-import importlib
 import json
 import os
 import platform
@@ -83,7 +82,10 @@ def tiny_arch(arch: str) -> str:
 
 
 def _check_tokenizer(tokenizer, text_encoder_dir: Path) -> None:
-    vocab_size = json.loads((text_encoder_dir / "config.json").read_text())["vocab_size"]
+    from transformers import AutoConfig
+
+    tokenizer = getattr(tokenizer, "tokenizer", tokenizer)  # a processor's
+    vocab_size = AutoConfig.from_pretrained(text_encoder_dir).get_text_config().vocab_size  # a VL model's: its text's
     if len(tokenizer) > vocab_size:
         raise ValueError(f"the tiny model's tokenizer (vocabulary of {len(tokenizer)}) does not fit"
                          f" {text_encoder_dir}/config.json's vocab_size {vocab_size}")
@@ -104,47 +106,65 @@ def _created_in(device: torch.device, dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(default)
 
 
-def _random_component(library: str, class_name: str, config_dir: Path, device: torch.device,
-                      dtype: torch.dtype) -> torch.nn.Module:
+def _random_component(arch_dir: Path, name: str, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """Component `name` of arch_dir with seeded random weights, its class as model_index.json names it
+    (a diffusers pipeline's own module too: LTX-2's connectors)."""
     import torch
 
-    cls = getattr(importlib.import_module(library), class_name)
+    from lorapipe.stages.families.folders import component_class
+
+    cls, config_dir = component_class(arch_dir, name), arch_dir / name
     torch.manual_seed(SEED)
     with _created_in(device, dtype):
-        if library == "diffusers":
+        if hasattr(cls, "load_config"):  # diffusers' ConfigMixin
             model = cls.from_config(cls.load_config(config_dir))
         else:
             model = cls(cls.config_class.from_pretrained(config_dir))
     return model.to(dtype).cpu()
 
 
-def random_model(arch: str, out: Path, device: torch.device, dtype: str = "bfloat16") -> Path:
-    """A diffusers folder of `arch` at its published size: seeded random weights in `dtype` from the
-    configs in stages/assets/arch/<arch>/, which hold no tokenizer vocabularies: the tokenizers of
-    the family's tiny model (built offline) instead, checked to fit the text encoders' embeddings."""
+def random_model(arch_dir: Path, out: Path, device: torch.device, dtype: str = "bfloat16",
+                 text_dtype: str | None = None) -> Path:
+    """A diffusers folder of the architecture in `arch_dir` (a folder of stages/assets/arch/) at its
+    published size: seeded random weights in `dtype`, the text stage's models in `text_dtype` (default:
+    `dtype`), as published models store their text encoders in bf16, which encode then runs them in.
+    The configs hold no tokenizer vocabularies: the tokenizers (and processors) of the family's tiny
+    model (built offline) instead, under the classes that wrote them, checked to fit the text
+    encoders' embeddings."""
     import torch
 
-    from lorapipe.stages.families.folders import load_component
+    from lorapipe.stages.families import for_model
+    from lorapipe.stages.families.folders import is_component, load_component, model_index
 
-    arch_dir, staging = arch_folder(arch), out.with_name(f"{out.name}.partial")
-    tiny = tiny_model(out.parent, tiny_arch(arch))
+    family, staging = for_model(arch_dir), out.with_name(f"{out.name}.partial")
+    tiny = tiny_model(out.parent, family.variant.tiny_arch)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
-    shutil.copy(arch_dir / "model_index.json", staging)
-    for name, spec in json.loads((arch_dir / "model_index.json").read_text()).items():
-        if not isinstance(spec, list) or spec[0] is None:
+    index = dict(model_index(arch_dir))
+    texts = [name for name, spec in index.items() if is_component(spec) and _is_text_input(name)]
+    index.update({name: model_index(tiny)[name] for name in texts})
+    (staging / "model_index.json").write_text(json.dumps(index, indent=2) + "\n")
+    for name in texts:
+        shutil.copytree(tiny / name, staging / name)
+        encoder = "text_encoder" if name == "processor" else name.replace("tokenizer", "text_encoder")
+        _check_tokenizer(load_component(staging, name), arch_dir / encoder)
+    for name, spec in index.items():
+        if not is_component(spec) or name in texts:
             continue
-        if name.startswith("tokenizer"):
-            shutil.copytree(tiny / name, staging / name)
-            _check_tokenizer(load_component(staging, name), arch_dir / name.replace("tokenizer", "text_encoder"))
-        elif name == "scheduler":
+        if name == "scheduler":
             shutil.copytree(arch_dir / name, staging / name)
         else:
-            _random_component(*spec, arch_dir / name, device, getattr(torch, dtype)).save_pretrained(
+            stored = text_dtype if text_dtype and name in family.components.text else dtype
+            _random_component(arch_dir, name, device, getattr(torch, stored)).save_pretrained(
                 staging / name, safe_serialization=True)
             release_memory(device)
     staging.rename(out)
     return out
+
+
+def _is_text_input(name: str) -> bool:
+    """A tokenizer or processor: files with vocabularies, which the arch folders do not ship."""
+    return name.startswith("tokenizer") or name == "processor"
 
 
 def release_memory(device: torch.device) -> None:
@@ -161,7 +181,7 @@ def full_size_sd15(root: Path) -> Path:
 
     model = root / "models" / "sd15"
     if not (model / "model_index.json").exists():
-        random_model("sd15", model, torch.device("cpu"))
+        random_model(arch_folder("sd15"), model, torch.device("cpu"))
     return model
 
 

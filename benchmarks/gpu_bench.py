@@ -83,8 +83,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from .common import (ResultsSection, Timing, device_sync, generated_clips, generated_images, interleaved, random_model,
-                     release_memory, tiny_arch, tiny_model)
+from .common import (ResultsSection, Timing, arch_folder, device_sync, generated_clips, generated_images, interleaved,
+                     random_model, release_memory, tiny_arch, tiny_model)
 from .encode_bench import bare_forward_seconds, encode_inputs, load_encoders, run_encode
 from .train_bench import cached_step, step_calls, step_figures, training_recipe
 
@@ -170,7 +170,7 @@ def model_figures(setting: Setting, mode: Mode, root: Path, device: torch.device
     model, built_s = root / "models" / setting.arch, None
     if not (model / "model_index.json").exists():
         started = time.perf_counter()
-        random_model(setting.arch, model, device)
+        random_model(arch_folder(setting.arch), model, device)
         built_s = round(time.perf_counter() - started, 1)
     return {"weights": "random, published architecture", "arch": setting.arch, "built_s": built_s}, model
 

@@ -10,11 +10,15 @@ logs/loss.jsonl). A stage that fails, or whose tree passes --max-resident-gib (t
 so and the stages after it are not run.
 
     python -m benchmarks.real_size --arch sd15 [--resolution 512] [--frames N] [--steps 2]
-        [--base-quantization none|int8|fp8|nf4] [--dtype bfloat16|float32] [--max-resident-gib 10] [--root DIR]
-        [--json]
+        [--base-quantization none|int8|fp8|nf4] [--dtype bfloat16|float32] [--text-encoder-dtype bfloat16|float32]
+        [--max-resident-gib 10] [--root DIR] [--json]
 
 appends its document to BENCHMARKS.md; `--tiny` runs the same code on the family's tiny model (the
-smoke test, tests/test_real_size.py) and only prints. The model is built once under ROOT/models/<arch>-<dtype>
+smoke test, tests/test_real_size.py) and only prints. `--text-encoder-dtype` stores the text stage's
+models in another dtype than --dtype, as published models store theirs in bf16: encode runs a text
+encoder in the dtype it is stored in (transformers loads it as stored) and the VAE in float32
+(diffusers' default), so a float32 row keeps its big text encoder in bf16. The model is built once
+under ROOT/models/<arch>-<dtype>[-text-<dtype>]
 (benchmarks/common.py's random_model: one component at a time, created in its dtype where it is
 initialised, saved and freed, so the build never holds the model twice) and reused; the run's
 cache is emptied before every run.
@@ -43,10 +47,13 @@ BUILD = """
 import sys
 from pathlib import Path
 import torch
-from benchmarks.common import random_model, tiny_arch
+from benchmarks.common import arch_folder, random_model, tiny_arch
 from lorapipe.stages.families import build_tiny_model
-arch, out, dtype = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
-build_tiny_model(out, tiny_arch(arch)) if dtype == "tiny" else random_model(arch, out, torch.device("cpu"), dtype)
+arch, out, dtype, text_dtype = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+if dtype == "tiny":
+    build_tiny_model(out, tiny_arch(arch))
+else:
+    random_model(arch_folder(arch), out, torch.device("cpu"), dtype, text_dtype)
 """
 
 
@@ -60,6 +67,11 @@ class Bench:
     dtype: str  # encode's record dtype and train's denoiser dtype: "bfloat16" or "float32"
     tiny: bool  # the family's tiny model instead of the published architecture
     max_resident_mib: float | None
+    text_encoder_dtype: str | None = None  # what the text stage's models are stored (and encode runs them) in
+
+    @property
+    def stored_text_dtype(self) -> str:
+        return self.text_encoder_dtype or self.dtype
 
 
 # ---- measuring a command
@@ -114,13 +126,16 @@ def measured(command: list[str], logs: Path, limit_mib: float | None) -> Measure
 # ---- the run
 def model_row(bench: Bench, root: Path) -> tuple[dict, Path]:
     """The model's build (in a process of its own, measured as a stage is), or that it was reused."""
-    model = root / "models" / (f"{bench.arch}-tiny" if bench.tiny else f"{bench.arch}-{bench.dtype}")
-    weights = "the family's tiny model" if bench.tiny else f"random, published architecture, {bench.dtype}"
+    text = f"-text-{bench.stored_text_dtype}" if bench.stored_text_dtype != bench.dtype else ""
+    model = root / "models" / (f"{bench.arch}-tiny" if bench.tiny else f"{bench.arch}-{bench.dtype}{text}")
+    weights = "the family's tiny model" if bench.tiny else (
+        f"random, published architecture, {bench.dtype}, text stage {bench.stored_text_dtype}")
     if (model / "model_index.json").exists():
         return {"stage": "build", "weights": weights, "status": "reused", "path": str(model)}, model
     shutil.rmtree(model, ignore_errors=True)
     model.parent.mkdir(parents=True, exist_ok=True)
-    run = measured([sys.executable, "-c", BUILD, bench.arch, str(model), "tiny" if bench.tiny else bench.dtype],
+    run = measured([sys.executable, "-c", BUILD, bench.arch, str(model), "tiny" if bench.tiny else bench.dtype,
+                    bench.stored_text_dtype],
                    root / "build", bench.max_resident_mib)
     return {"stage": "build", "weights": weights, **outcome(run), "path": str(model)}, model
 
@@ -219,7 +234,8 @@ def step_seconds(artifacts: dict[str, Path]) -> dict:
 def measure(bench: Bench, root: Path) -> dict:
     build, model = model_row(bench, root)
     head = {"arch": bench.arch, "resolution": bench.resolution, "frames": bench.frames, "dtype": bench.dtype,
-            "base_quantization": bench.base_quantization, "samples": SAMPLES}
+            "text_encoder_dtype": bench.stored_text_dtype, "base_quantization": bench.base_quantization,
+            "samples": SAMPLES}
     if build["status"] not in ("completed", "reused"):
         return {**head, "stages": [build], "machine": machine()}
     config = write_config(bench, root, model)
@@ -230,7 +246,8 @@ def measure(bench: Bench, root: Path) -> dict:
 
 def summary(document: dict) -> str:
     lines = [f"{document['arch']} at {document['resolution']} px" + (f", {document['frames']} frames" * bool(document["frames"]))
-             + f", {document['dtype']}, base {document['base_quantization']}, {document['machine']}"]
+             + f", {document['dtype']} (text stage {document['text_encoder_dtype']}), base"
+             f" {document['base_quantization']}, {document['machine']}"]
     for row in document["stages"]:
         figures = f"{row['peak_resident_mib']:>9.1f} MiB peak {row['seconds']:>8.1f} s  " if "seconds" in row else ""
         lines.append(f"  {row['stage']:<10} {figures}{row['status']}")
@@ -252,6 +269,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--dtype", choices=tuple(MIXED_PRECISION), default="bfloat16",
                         help="what encode and train run the model in; float32 on a CPU without bf16 kernels, where"
                         " torch convolves bf16 through a reference loop (a UNet's step takes hours)")
+    parser.add_argument("--text-encoder-dtype", choices=tuple(MIXED_PRECISION),
+                        help="store the text stage's models in this dtype (default: --dtype); encode runs a text"
+                        " encoder as stored and the VAE in float32, so bfloat16 halves a float32 row's text encoder"
+                        " (evaluate still loads the whole pipeline in the denoiser's dtype)")
     parser.add_argument("--max-resident-gib", type=float, help="stop a stage whose process tree passes this")
     parser.add_argument("--root", type=Path, default=Path("bench-run") / "real-size")
     parser.add_argument("--tiny", action="store_true", help="the family's tiny model; prints only")
@@ -259,7 +280,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     limit = args.max_resident_gib and args.max_resident_gib * 1024
     bench = Bench(args.arch, args.resolution, args.frames, args.steps, args.base_quantization, args.dtype, args.tiny,
-                  limit)
+                  limit, args.text_encoder_dtype)
     args.root.mkdir(parents=True, exist_ok=True)
     document = measure(bench, args.root.resolve())
     print(json.dumps(document) if args.json else summary(document), flush=True)

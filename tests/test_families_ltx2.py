@@ -85,6 +85,29 @@ def test_text_records_are_what_the_pipelines_connectors_make(model, length):
     assert torch.equal(cond["frame_rate"], torch.tensor([16.0] * 3))
 
 
+def test_text_records_of_a_text_stage_stored_in_bf16_are_the_pipelines(model, tmp_path):
+    """Published LTX-2 stores Gemma and the connectors in bf16: transformers loads Gemma as stored and
+    diffusers the connectors in float32 unless told, so the connectors are loaded in Gemma's dtype
+    (the tiny model, stored in float32, cannot tell); the record is the bf16 pipeline's."""
+    from diffusers import LTX2Pipeline
+
+    from lorapipe.stages.families.folders import load_component
+
+    stored = tmp_path / "bf16"
+    shutil.copytree(model, stored)
+    family = families.for_model(stored)
+    for part in ("text_encoder", "connectors"):
+        load_component(stored, part).to(torch.bfloat16).save_pretrained(stored / part)
+    records = family.text_encoder(stored, family.text_settings(stored, TextOptions(max_sequence_length=16)),
+                                  torch.float32, "cpu")(CAPTIONS[:2])
+    pipe = LTX2Pipeline.from_pretrained(stored, dtype=torch.bfloat16)
+    with torch.no_grad():
+        embeds, mask, _, _ = pipe.encode_prompt(CAPTIONS[:2], do_classifier_free_guidance=False,
+                                                max_sequence_length=16)
+        video, _, _ = pipe.connectors(embeds, mask, padding_side="left")
+    assert torch.equal(torch.stack([r["hidden_states"] for r in records]), video.float())
+
+
 def test_text_lengths_the_connectors_cannot_take_are_refused(model):
     """The connectors replace the padding with their 8 registers at a time: a max_sequence_length that
     is not a multiple is refused naming the key, before any encoding."""

@@ -71,3 +71,28 @@ def test_a_stage_past_the_memory_limit_is_stopped_and_the_rest_not_run(tmp_path,
                         "evaluate": "not run: preprocess did not complete"}
     assert document["stages"][1]["peak_resident_mib"] > 40
     assert document["train_steps"] == {}
+
+
+def test_the_text_stage_is_stored_in_its_own_dtype_and_encode_loads_it_so(tmp_path, tiny_model):
+    """`--text-encoder-dtype bfloat16` with `--dtype float32`: random_model stores the text encoder in
+    bf16 and the rest in float32, and encode's loaders take them so: a text encoder as stored, the VAE
+    in float32 (what lets a float32 row keep T5-XXL or Qwen2.5-VL in bf16)."""
+    import shutil
+
+    import torch
+
+    from benchmarks.common import random_model
+    from lorapipe.stages.families import for_model
+    from lorapipe.stages.families.folders import load_component
+    from lorapipe.stages.sources.inventory import stored_dtype
+
+    arch = tmp_path / "arch"  # the tiny SD1.5's configs, laid out as stages/assets/arch ships them
+    shutil.copytree(tiny_model, arch, ignore=shutil.ignore_patterns("*.safetensors", "tokenizer"))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / "tiny-sd15").symlink_to(tiny_model)  # the tokenizer random_model takes
+    model = random_model(arch, tmp_path / "models" / "sd15-float32-text-bfloat16", torch.device("cpu"), "float32",
+                         "bfloat16")
+    assert {name: stored_dtype(model / name) for name in ("text_encoder", "unet", "vae")} == \
+        {"text_encoder": "bfloat16", "unet": "float32", "vae": "float32"}
+    assert next(load_component(model, "text_encoder").parameters()).dtype == torch.bfloat16
+    assert next(for_model(model).load_latent_encoder(model, "cpu").vae.parameters()).dtype == torch.float32

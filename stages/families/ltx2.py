@@ -98,7 +98,9 @@ class LTX2TextEncoder:
         if self.tokenizer.pad_token is None:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.encoder = load_component(model_path, "text_encoder").eval().requires_grad_(False).to(device)
-        self.connectors = load_component(model_path, "connectors").eval().requires_grad_(False).to(device)
+        # Gemma loads as stored (bf16 when published), diffusers' connectors in float32 unless told
+        self.connectors = load_component(model_path, "connectors", torch_dtype=self.encoder.dtype)
+        self.connectors.eval().requires_grad_(False).to(device)
 
     def too_long(self, caption: str) -> bool:
         return len(self.tokenizer(caption.strip()).input_ids) > self.settings.max_sequence_length
