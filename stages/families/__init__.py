@@ -49,7 +49,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FL
 DENOISER_NAMES = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.denoiser_names))
 # single files: SDXL's marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's and Chroma's before
 # Flux.1's, whose markers their checkpoints also carry
-SINGLE_FILE_DETECTION = (SDXL, SD15, FLUX2_KLEIN, CHROMA, FLUX1, ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_21, KREA2, WAN, LTX2,
+SINGLE_FILE_DETECTION = (SDXL, SD15, FLUX2_KLEIN, FLUX3, CHROMA, FLUX1, ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_21, KREA2, WAN, LTX2,
                          ERNIE_IMAGE, HIDREAM)
 
 __all__ = ["ALL_LINEAR", "BOTH_DENOISERS", "Components", "DENOISER_NAMES", "FAMILIES", "Family", "ObjectiveParams",
