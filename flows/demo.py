@@ -25,10 +25,11 @@ def prepare_demo(workdir: Path, arch: str, edits: bool = False, caption: bool = 
     `edits` or for an edit model, uncaptioned photos and the tiny captioner with `caption`; return
     the config path."""
     from lorapipe.stages import families
+    from lorapipe.stages.families.folders import INDEX_FILES
 
     workdir.mkdir(parents=True, exist_ok=True)
     model = workdir / "model"
-    if not (model / "model_index.json").exists():
+    if not any((model / index).exists() for index in INDEX_FILES):
         print(f"demo: building the tiny {arch} model in {model}")
         families.build_tiny_model(model, arch)
     family = families.for_model(model)

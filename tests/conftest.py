@@ -48,6 +48,18 @@ atexit.register(lambda: print("loaded:", sorted(n for n in names if sys.modules.
 sys.argv[0] = "lorapipe"
 runpy.run_module("lorapipe.flows.cli", run_name="__main__")
 """
+MODULAR_INDEX = "modular_model_index.json"  # its entries name the folder it was saved into
+
+
+def copy_model(model: Path, to: Path) -> Path:
+    """A copy of a model folder; a modular one's index pointed at the copy, as saving it there writes it
+    (a moved modular folder is refused: stages/families/folders.py)."""
+    shutil.copytree(model, to)
+    if (to / MODULAR_INDEX).is_file():
+        (to / MODULAR_INDEX).write_text((model / MODULAR_INDEX).read_text().replace(str(model), str(to)))
+    return to
+
+
 # What a demo run trains and renders in the tests that are not about the shipped demo itself (test_demo's
 # demo_runs runs it as shipped): enough for every tiny model's LoRA to beat its base (docs/testing.md).
 FEWER_STEPS = ("--set", "train.max_steps=60", "--set", "evaluate.num_inference_steps=2")

@@ -43,12 +43,11 @@ def assert_builds_byte_identically(model: Path, arch: str, again: Path) -> list[
 
 
 def quiet_pipeline(model: Path):
-    """The model's diffusers pipeline (the class its model_index.json names), without progress bars."""
-    from diffusers import DiffusionPipeline
+    """The model's diffusers pipeline as evaluate loads it (the class its model_index.json names, or a
+    modular folder's ModularPipeline), without progress bars."""
+    from lorapipe.stages.families.modular import load_render_pipeline
 
-    pipe = DiffusionPipeline.from_pretrained(model)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_render_pipeline(model, families.for_model(model), None, "cpu")
 
 
 def first_call(module: torch.nn.Module, run) -> tuple[tuple, dict, object]:
@@ -230,6 +229,12 @@ FAMILIES = (
               | _names("single_transformer_blocks.0.attn.{m}", m=("to_qkv_mlp_proj", "to_out")),
               _names("transformer_blocks.0.{m}.{io}", m=("ff", "ff_context"), io=("linear_in", "linear_out")),
               frozenset(),
+              (DIFFUSERS_FILE, KOHYA_FILE, COMFYUI_FILE)),
+    FamilyRow("flux3",  # the text and image mode blocks (not the reference images'), then the single blocks
+              _names("{b}.0.attn.{m}", b=("txt_mode_blocks", "mode_blocks.image", "single_transformer_blocks"), m=QKVO),
+              _names("{b}.0.ff.{io}", b=("txt_mode_blocks", "mode_blocks.image", "single_transformer_blocks"),
+                     io=("linear_in", "linear_out")),
+              frozenset(),  # the modulation is per stream, outside the blocks
               (DIFFUSERS_FILE, KOHYA_FILE, COMFYUI_FILE)),
     FamilyRow("flux2-dev",  # Klein's transformer with the guidance input, outside the blocks
               _names("transformer_blocks.0.attn.{m}", m=JOINT_ATTENTION)

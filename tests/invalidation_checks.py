@@ -8,6 +8,7 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
+from conftest import copy_model
 from test_invalidation import make_config, run_all, statuses
 
 from lorapipe.flows.steps import STAGES, Context
@@ -22,7 +23,7 @@ ENCODE = STAGES[:2]
 
 def encoded_baseline(root: Path, model: Path, demo_images: Path, count_encoder_rows, text_rows: int = 1) -> Path:
     """The demo photos encoded by `model` (copied, with the data, into root), every encode counted."""
-    shutil.copytree(model, root / "model")
+    copy_model(model, root / "model")
     shutil.copytree(demo_images, root / "data")
     with count_encoder_rows() as counts:
         results = run_all(make_config(root, root / "model", root / "data", root / "cache"), ENCODE)
@@ -32,7 +33,7 @@ def encoded_baseline(root: Path, model: Path, demo_images: Path, count_encoder_r
 
 
 def baseline_copy(baseline: Path, tmp_path: Path, **sections):
-    shutil.copytree(baseline / "model", tmp_path / "model")
+    copy_model(baseline / "model", tmp_path / "model")
     shutil.copytree(baseline / "data", tmp_path / "data")
     return make_config(tmp_path, tmp_path / "model", tmp_path / "data", baseline / "cache", **sections)
 

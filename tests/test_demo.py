@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FEWER_STEPS, LIBRARY_WARNINGS_SHOWN, LOADED_AT_EXIT
+from conftest import FEWER_STEPS, LIBRARY_WARNINGS_SHOWN, LOADED_AT_EXIT, copy_model
 
 pytestmark = pytest.mark.slow
 
@@ -31,7 +31,7 @@ def demo_on_tiny_model(arch: str, workdir: Path, tiny_models, *settings: str) ->
     """`lorapipe demo --arch ARCH --workdir WORKDIR` (FEWER_STEPS, then `settings`) run from WORKDIR's parent,
     WORKDIR holding a copy of the session's tiny model of ARCH, which the demo then trains instead of
     building its own (the same bytes: the SD demo's runs below cover building it)."""
-    shutil.copytree(tiny_models(arch), workdir / "model")
+    copy_model(tiny_models(arch), workdir / "model")
     return lorapipe("demo", "--arch", arch, "--workdir", workdir.name, *FEWER_STEPS, *settings, cwd=workdir.parent)
 
 

@@ -38,7 +38,8 @@ def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path, t
 
 
 LORA_FILES = {**dict.fromkeys(["z-image", "flux2-klein", "flux2-dev", "qwen-image", "qwen-image-2.1", "krea2",
-                                "ideogram4", "ernie-image", "chroma", "hidream-i1", "kandinsky5"], ("", "_comfyui")),
+                                "ideogram4", "ernie-image", "chroma", "hidream-i1", "kandinsky5", "flux3"],
+                                ("", "_comfyui")),
               "hunyuanimage2.1": ("",)}  # the diffusers file alone
 
 
@@ -59,6 +60,7 @@ def test_2026_family_demo_trains_its_tiny_base_and_its_lora_beats_the_base(tmp_p
     assert again.returncode == 0, again.stderr[-3000:]
     summary = json.loads((outputs / "run-summary.json").read_text())
     assert [s["status"] for s in summary["stages"]] == ["hit"] * 4
+    assert "demo: building" not in run.stdout + again.stdout  # the model in the workdir is used as it is
 
 
 def test_edit_demo_trains_kontext_on_generated_pairs_and_renders_the_edit_grid(tmp_path, tiny_models):

@@ -166,7 +166,7 @@ def test_objective_refuses_flow_matching_settings(tiny_model):
 
 def test_tiny_arches_come_from_the_registry():
     assert set(families.tiny_arches()) == {"sd15", "sdxl", "flux1", "flux1-schnell", "flux1-kontext", "z-image",
-                                            "z-image-turbo", "flux2-klein", "flux2-klein-distilled", "flux2-dev", "qwen-image",
+                                            "z-image-turbo", "flux2-klein", "flux2-klein-distilled", "flux2-dev", "flux3", "qwen-image",
                                             "qwen-image-edit", "qwen-image-edit-plus", "qwen-image-2.1", "krea2",
                                             "krea2-distilled", "ideogram4", "wan2.1", "wan2.2-5b", "wan2.2-a14b", "wan2.1-i2v",
                                             "wan2.2-i2v-a14b", "wan2.2-5b-i2v", "ltx2", "ltx2-i2v",

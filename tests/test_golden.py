@@ -235,6 +235,8 @@ def test_flux1_kontext_text_to_image_golden_numbers(tmp_path, flux_kontext_model
 FAMILY_GOLDEN = {
     # every text position and ChromaPipeline's mask
     "chroma": Golden(1.7553458213806152, 1.5976020693778992, 1.567533512910207, "9e8d6ff01acb5e38"),
+    # rendered through its modular pipeline (Flux3ModularPipeline, its prompt upsampler left out)
+    "flux3": Golden(2.4841225147247314, 1.4933860500653584, 1.4933740297953289, "aa0a5aed5df3ddea"),
     "ernie-image": Golden(2.5594756603240967, 1.476486345132192, 1.4738749861717224, "94998a542f067556"),
     # its image rendered at the guider's scale (adaptive projected mix guidance)
     "hunyuanimage2.1": Golden(2.005096197128296, 1.9129582643508911, 1.8928301235040028, "709d65e7ed2a4bda"),

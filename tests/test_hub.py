@@ -103,6 +103,16 @@ def test_only_what_a_diffusers_pipeline_loads_is_fetched():
     assert list(filter_repo_objects(fetched + left, allow_patterns=PIPELINE_FILES)) == fetched
 
 
+def test_a_modular_repos_index_is_fetched():
+    """A model diffusers ships only as a modular pipeline (FLUX.3) is indexed by modular_model_index.json."""
+    from huggingface_hub.utils import filter_repo_objects
+
+    from lorapipe.stages.sources.hub import PIPELINE_FILES
+
+    files = ["modular_model_index.json", "transformer/config.json", "README.md"]
+    assert list(filter_repo_objects(files, allow_patterns=PIPELINE_FILES)) == files[:2]
+
+
 def test_a_revision_is_a_commit_a_tag_or_a_branch(tmp_path, tiny_config, tiny_model, hf_cache):
     first = write_hub_cache(hf_cache, REPO_ID, tiny_model, refs=("main", "v1.0"))
     second = write_hub_cache(hf_cache, REPO_ID, tiny_model, refs=("dev",), commit="1" * 40)

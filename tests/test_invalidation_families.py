@@ -1,5 +1,5 @@
 """The cache invariants for the families with variable-length text records (Z-Image, Krea 2, Qwen-Image
-2.1, Ideogram 4, HunyuanVideo 1.5, ERNIE-Image, HunyuanImage 2.1, Kandinsky 5 image and video) and for Flux.2-dev, Chroma and HiDream-I1, a row
+2.1, Ideogram 4, HunyuanVideo 1.5, ERNIE-Image, HunyuanImage 2.1, Kandinsky 5 image and video, FLUX.3) and for Flux.2-dev, Chroma and HiDream-I1, a row
 each: on the family's tiny model, through the real preprocess and encode stages, with encodes counted
 by forward hooks on the VAE encoder and on the text encoder (Qwen3; Qwen3-VL at its first decoder
 layer: one row per caption; Mistral3: Flux.2-dev's and ERNIE-Image's; HiDream-I1: TEXT_ROWS). A
@@ -25,7 +25,7 @@ pytestmark = pytest.mark.slow
 
 FAMILIES = ("z-image", "krea2", "qwen-image-2.1", "ideogram4", "flux2-dev", "hunyuanvideo1.5", "ernie-image", "hunyuanimage2.1",
             "chroma", "hidream-i1", "kandinsky5",
-            "kandinsky5-video")
+            "kandinsky5-video", "flux3")
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -111,6 +111,7 @@ TEXT_CHANGES = [  # (arch, the change, what status names as the reason)
     pytest.param("kandinsky5", token_window, "params.max_sequence_length", id="kandinsky5-max_sequence_length"),
     pytest.param("kandinsky5-video", token_window, "params.max_sequence_length",
                  id="kandinsky5-video-max_sequence_length"),
+    pytest.param("flux3", token_window, "params.max_sequence_length", id="flux3-max_sequence_length"),
 ]
 
 

@@ -1,14 +1,14 @@
 """The models diffusers ships only as modular pipelines, on tiny components built offline: FLUX.3's
 text-encode, VAE-encode and denoise blocks run on their own, each in a ModularPipeline built from
 the block and local components (no hub), so each gives the reference a family's parity checks
-compare with (FLUX.3's text records and predict are compared with them here, its family not being
-registered yet); LTX-2.5's text blocks (LTX-2's) equal what LTX2Pipeline encodes; MiniMax-H3's text
+compare with (the flux3 family's text records, predict and shift are compared with them here);
+LTX-2.5's text blocks (LTX-2's) equal what LTX2Pipeline encodes; MiniMax-H3's text
 block reads one hidden layer (docs/families.md, "Models diffusers ships only as modular
 pipelines").
 
 FLUX.3's blocks read their components from the tiny FLUX.3 (stages/families/tiny/flux3.py), through
 folders.py, as a FLUX.3 folder is read; its text encoder and processor are the tiny Qwen-Image 2.1
-ones (a Qwen3-VL; FLUX.3 reads two of its hidden layers); the VAE block's comparison reads the tiny
+ones (a Qwen3-VL, deep enough for the eight hidden layers FLUX.3 reads); the VAE block's comparison reads the tiny
 flux2-klein model, whose family the normalisation is compared with."""
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ from family_checks import first_call, quiet_pipeline, tiny_model_fixture
 import lorapipe.stages.families as families
 from lorapipe.cache.digest import StatCache
 from lorapipe.cache.errors import UserError
-from lorapipe.stages.families.flux3 import predict
+from lorapipe.stages.families.flux3 import SHIFT, predict_window
 from lorapipe.stages.families.flux3_text import Flux3PromptEncoder
 from lorapipe.stages.families.folders import component_names, load_component
 from lorapipe.stages.families.qwen_text import QwenPromptSettings
@@ -45,11 +45,9 @@ def _pipeline(block, **components):
     return pipe
 
 
-@pytest.fixture(scope="module")
-def flux3(tmp_path_factory):
-    """The tiny FLUX.3, saved by ModularPipeline.save_pretrained: modular_model_index.json, no
-    model_index.json; its components are read through folders.py as any model folder's."""
-    return build_tiny_flux3(tmp_path_factory.mktemp("flux3"))
+# The tiny FLUX.3, saved by ModularPipeline.save_pretrained: modular_model_index.json, no
+# model_index.json; its components are read through folders.py as any model folder's.
+flux3 = tiny_model_fixture("flux3")
 
 
 @pytest.fixture(scope="module")
@@ -135,7 +133,7 @@ def test_denoise_block_first_call_is_the_reference(text, flux3):
     assert torch.allclose(result["state"]["latents"], stepped, atol=1e-6)
     ours = {}
     with torch.no_grad():
-        _, our_kwargs, _ = first_call(transformer, lambda: ours.update(prediction=predict(
+        _, our_kwargs, _ = first_call(transformer, lambda: ours.update(prediction=predict_window(
             transformer, latents, torch.ones(1), embeds, torch.float32)))
     assert sorted(our_kwargs) == sorted(kwargs)
     assert all(torch.equal(our_kwargs[name], kwargs[name]) for name in kwargs if name != "return_dict")
@@ -174,9 +172,51 @@ def test_modular_entry_outside_the_folder_is_refused(flux3, tmp_path, where):
         component_names(tmp_path)
 
 
-def test_modular_folder_of_no_family_names_its_index(flux3):
-    with pytest.raises(UserError, match=r"modular_model_index.json: unsupported pipeline class 'Flux3ModularPipeline'"):
-        families.for_model(flux3)
+def test_modular_folder_of_no_family_names_its_index(flux3, tmp_path):
+    index = json.loads((flux3 / "modular_model_index.json").read_text().replace(str(flux3), str(tmp_path)))
+    (tmp_path / "modular_model_index.json").write_text(json.dumps({**index, "_class_name": "MiniModularPipeline"}))
+    with pytest.raises(UserError, match=r"modular_model_index.json: unsupported pipeline class 'MiniModularPipeline'"):
+        families.for_model(tmp_path)
+
+
+def test_flux3_family_is_its_modular_index_class_and_predicts_each_window_as_the_block(text, flux3):
+    """The flux3 family is found by modular_model_index.json's class; a batch of captions of two windows
+    (80 and 160 tokens) is predicted as the core denoise block predicts each caption alone, in its own
+    window (the transformer takes no text mask)."""
+    family = families.for_model(flux3)
+    assert family.name == "flux3" and family.variant.name == "base"
+    settings = family.text_settings(flux3, families.TextOptions())
+    inputs = {param.name: param.default for param in Flux3TextEncoderStep().inputs}
+    assert settings.hidden_layers == inputs["text_encoder_out_layers"]
+    assert settings.max_sequence_length == inputs["max_sequence_length"]
+    captions = ["a red fox in the snow", " ".join(["a red fox in the snow"] * 7)]
+    records = family.text_encoder(flux3, settings, torch.float32, "cpu")(captions)
+    assert [len(r["hidden_states"]) for r in records] == [80, 160]
+    conditioning = family.conditioning(records, [], families.ObjectiveParams())
+    transformer = load_component(flux3, "transformer")
+    latents = torch.randn(2, 32, 4, 3, generator=torch.Generator().manual_seed(5))
+    sigmas = torch.tensor([0.7, 0.3])
+    with torch.no_grad():
+        batched = family.predict(transformer, latents, sigmas, conditioning, torch.float32)
+        alone = [predict_window(transformer, latents[i:i + 1], sigmas[i:i + 1], r["hidden_states"][None],
+                                torch.float32) for i, r in enumerate(records)]
+    assert torch.equal(batched, torch.cat(alone))
+
+
+def test_flux3_objective_shifts_as_the_set_timesteps_block(flux3):
+    """No FLUX.3 folder holds a scheduler: the blocks make theirs from a config in their code, with a
+    constant shift; the objective's noise levels are that scheduler's sigmas."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.modular_pipelines.flux3.before_denoise import Flux3SetTimestepsStep
+
+    assert not (flux3 / "scheduler").exists()
+    spec = next(c for c in Flux3SetTimestepsStep().expected_components if c.name == "scheduler")
+    assert dict(spec.config) == {"shift": SHIFT}
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(spec.config)
+    u = torch.tensor([0.9, 0.5, 0.1])
+    scheduler.set_timesteps(sigmas=u.tolist())
+    objective = families.for_model(flux3).objective(flux3, families.ObjectiveParams())
+    assert torch.allclose(objective.shifted(u, 12), scheduler.sigmas[:-1])
 
 
 ltx2 = tiny_model_fixture("ltx2")
@@ -219,3 +259,26 @@ def test_minimax_h3_text_block_is_one_fixed_hidden_layer():
     with torch.no_grad():
         expected = encoder(input_ids=ids, output_hidden_states=True).hidden_states[layer]
     assert torch.allclose(embeds, expected, atol=1e-5)
+
+
+def test_evaluate_renders_flux3_as_its_modular_pipeline(flux3):
+    """Evaluate's pipeline for a modular folder (families/modular.py) is the folder's ModularPipeline
+    less the prompt upsampler, called as a DiffusionPipeline: a column of two seeds, at another
+    guidance scale than the guider's default, is what that pipeline renders for each seed alone with
+    that scale on its guider."""
+    import numpy as np
+
+    from lorapipe.stages.evaluate.render import RenderSettings, render_column
+    from lorapipe.stages.families.modular import load_render_pipeline
+
+    family = families.for_model(flux3)
+    kwargs = family.render_kwargs(family.text_settings(flux3, families.TextOptions()), 2.0, "")
+    renderer = load_render_pipeline(flux3, family, None, "cpu")
+    column = render_column(renderer, RenderSettings(["a red fox"], [3, 4], 2, 32, 2, kwargs))
+    pipe = renderer.pipe
+    assert "prompt_upsampler" not in pipe.blocks.sub_blocks and pipe.guider.guidance_scale == 2.0
+    for seed, (image,) in zip([3, 4], column):
+        (alone,) = pipe(prompt="a red fox", generator=torch.Generator().manual_seed(seed), num_inference_steps=2,
+                        height=32, width=32, text_encoder_out_layers=kwargs["text_encoder_out_layers"],
+                        output="images")
+        assert np.abs(np.asarray(image, dtype=int) - np.asarray(alone, dtype=int)).max() <= 1

@@ -4,8 +4,8 @@ Reads:  the base model folder (through its family: stages/families); the train a
         `checkpoints/step-N/pytorch_lora_weights.safetensors` for every retained checkpoint; one of each
         per denoiser, named by it, for a run that trained several: each loads into its denoiser);
         the encode artifact and its sample store (cached latents and text embeddings).
-Renders with the family's pipeline (model_index.json's class), sampler and defaults for steps and
-guidance; scores the loss with the family's objective as the LoRA was trained (train_config.json).
+Renders with the family's pipeline (model_index.json's class, or a modular folder's ModularPipeline:
+stages/families/modular.py), sampler and defaults for steps and guidance; scores the loss with the family's objective as the LoRA was trained (train_config.json).
 Writes: grid.png, metrics.json, report.md; with checkpoints, checkpoint_losses.json and
         checkpoint_loss.png. All byte-deterministic for the same inputs and params.
 Key:    VERSION, EvalParams, and the digests of the base model, encode and train artifacts; so

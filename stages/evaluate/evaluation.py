@@ -16,6 +16,8 @@ from lorapipe.stages import families
 from lorapipe.stages.contract import Log
 from lorapipe.stages.encoded import EncodedData, Sample
 from lorapipe.stages.families import ObjectiveParams
+from lorapipe.stages.families.folders import INDEX_FILES
+from lorapipe.stages.families.modular import load_render_pipeline
 from lorapipe.stages.lora_formats.diffusers_format import add_adapter_from_file, adapter_kind, recorded_adapter
 from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, TRAIN_CONFIG, checkpoint_loras, expert_file
 from lorapipe.stages.sources.inventory import stored_dtype
@@ -213,7 +215,7 @@ def _renderer(trained: tuple[families.Family, dict[str, families.Family]], input
         return trained, inputs.model_path
     family = trained[0]
     path = Path(params.render_model)
-    if not (path / "model_index.json").is_file():
+    if not any((path / name).is_file() for name in INDEX_FILES):
         raise UserError(f"evaluate.render_model: {path} is not a diffusers model folder (no model_index.json)")
     renderer, bound = _bound(families.for_model(path), denoiser)
     if renderer.name != family.name:
@@ -340,13 +342,9 @@ def _load_pipeline(model_path: Path, family: families.Family, options: EvalOptio
     """The model's pipeline, every component in the dtype its denoiser is stored in: unasked, diffusers
     loads its models in float32 and transformers its text encoders as stored, and a pipeline of both
     fails at its first step on a model stored in bf16, as the published ones are."""
-    from diffusers import DiffusionPipeline
-
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
     dtype = stored_dtype(model_path / family.components.denoiser)
-    pipe = DiffusionPipeline.from_pretrained(model_path, dtype=dtype and getattr(torch, dtype)).to(device)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
+    return load_render_pipeline(model_path, family, dtype and getattr(torch, dtype), device)
 
 
 def _clip_metrics(

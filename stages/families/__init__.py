@@ -16,6 +16,7 @@ from .ernie_image import ERNIE_IMAGE
 from .flux1 import FLUX1, FLUX1_KONTEXT
 from .flux2 import FLUX2_KLEIN
 from .flux2_dev import FLUX2_DEV
+from .flux3 import FLUX3
 from .folders import check_weights_file, index_file, is_single_file, model_index
 from .hidream import HIDREAM
 from .hunyuanimage21 import HUNYUANIMAGE21
@@ -39,7 +40,7 @@ from .wan_i2v import WAN_I2V
 from .zimage import ZIMAGE
 
 FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FLUX1, FLUX1_KONTEXT, FLUX2_KLEIN,
-                                                                  FLUX2_DEV,
+                                                                  FLUX2_DEV, FLUX3,
                                                                   ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
                                                                   QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, WAN_I2V, LTX2,
                                                                   LTX2_I2V, HUNYUANVIDEO15, HUNYUANVIDEO15_I2V,
@@ -48,7 +49,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FL
 DENOISER_NAMES = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.denoiser_names))
 # single files: SDXL's marker before SD1.x's, which SDXL checkpoints also carry; Flux.2's and Chroma's before
 # Flux.1's, whose markers their checkpoints also carry
-SINGLE_FILE_DETECTION = (SDXL, SD15, FLUX2_KLEIN, CHROMA, FLUX1, ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_21, KREA2, WAN, LTX2,
+SINGLE_FILE_DETECTION = (SDXL, SD15, FLUX2_KLEIN, FLUX3, CHROMA, FLUX1, ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_21, KREA2, WAN, LTX2,
                          ERNIE_IMAGE, HIDREAM)
 
 __all__ = ["ALL_LINEAR", "BOTH_DENOISERS", "Components", "DENOISER_NAMES", "FAMILIES", "Family", "ObjectiveParams",

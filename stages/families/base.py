@@ -46,7 +46,7 @@ class Components:
     text: tuple[str, ...]  # tokenizers and text encoders: text records depend on them
     latent: tuple[str, ...]  # the VAE: latent records and the latent normalisation
     denoiser: str  # what the LoRA adapts; its digest is the model's identity
-    scheduler: str = "scheduler"
+    scheduler: str | None = "scheduler"  # None: the pipeline makes its scheduler from a config in its code (a modular one)
     other_denoisers: tuple[str, ...] = ()  # a model with several (train.denoiser picks which one trains)
     image: tuple[str, ...] = ()  # an image-to-video model's image encoder: its conditioning image records depend on it
     lora_prefix: str | None = None  # the denoiser's name in LoRA files, when not its own (adapter_prefix)
@@ -55,7 +55,7 @@ class Components:
     def for_stage(self, stage: str) -> tuple[str, ...]:
         parts = {
             "encode": (*self.text, *self.latent, *self.image),
-            "train": (*self.denoisers(), self.scheduler),  # every denoiser: train.denoiser picks one
+            "train": (*self.denoisers(), *self.schedulers()),  # every denoiser: train.denoiser picks one
             "evaluate": self.all(),
         }
         return parts.get(stage, ())
@@ -63,8 +63,11 @@ class Components:
     def denoisers(self) -> tuple[str, ...]:
         return (self.denoiser, *self.other_denoisers)
 
+    def schedulers(self) -> tuple[str, ...]:
+        return () if self.scheduler is None else (self.scheduler,)
+
     def all(self) -> tuple[str, ...]:
-        return (*self.text, *self.latent, *self.image, *self.denoisers(), self.scheduler)
+        return (*self.text, *self.latent, *self.image, *self.denoisers(), *self.schedulers())
 
     def identity(self, digests: dict[str, str]) -> str:
         """The model's identity: its denoiser's weights digest (what a LoRA is made for)."""
@@ -291,13 +294,15 @@ class Family(ABC):
         render_kwargs(settings, guidance, negative), clip_kwargs(path, num_frames, fps),
         prepare_pipeline(pipe, sampler, objective)   the pipeline call's family arguments and its
                                        sampler; the defaults are the variant's and `sampler`
+        (load_render_pipeline, modular.py) the folder's DiffusionPipeline, or for a modular folder its
+                                       ModularPipeline without `modular_blocks_left_out`, called alike
       the tiny model (the demo, tests)
         build_tiny(out_dir, arch)      `video` and `demo_edits` pick the demo's config and data
     """
 
     name: str  # the registry key, recorded in encode manifests and text record keys
     label: str  # for people: "Stable Diffusion 1.x/2.x"
-    pipeline_class: str  # the diffusers pipeline that renders samples (model_index.json's _class_name)
+    pipeline_class: str  # what renders samples: model_index.json's (or modular_model_index.json's) _class_name
     components: Components
     kohya: Kohya
     text_encoder: Callable[[Path, Any, torch.dtype, str], TextEncoder]  # its class: (path, settings, dtype, device)
@@ -322,6 +327,7 @@ class Family(ABC):
     text_takes_references: bool = False  # its text encoder reads the references too (a vision-language one)
     renders_without_references: bool = True  # False: its pipeline only edits (evaluate's prompts edit a reference)
     render_area_argument: str | None = None  # the pipeline's argument for the output's area, when it rescales to one
+    modular_blocks_left_out: tuple[str, ...] = ()  # a modular pipeline's sub-blocks evaluate renders without
     video: bool = False  # trains on clips and renders them (video.VideoFamily)
     clip_fps: int = 16  # frames per second a clip renders at when the training data has no clips (evaluate.fps unset)
     demo_edits: bool = False  # `lorapipe demo` trains it on edit pairs (an edit model; else with --edit)

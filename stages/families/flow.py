@@ -40,6 +40,8 @@ class FlowFamily(Family):
     comfyui_slice_prefix: str | None = None  # ComfyUI maps <prefix><diffusers module> to its rows of a fused weight
     # the denoiser's arguments for the batch's text records padded to its longest, and their mask (`conditioning`)
     text_arguments: tuple[str, str] = ("encoder_hidden_states", "encoder_attention_mask")
+    # the scheduler config of a model whose folder has none (Components.scheduler None): its pipeline's, from its code
+    code_scheduler_config: tuple[tuple[str, Any], ...] = ()
 
     @property
     def bound(self) -> FlowVariant:
@@ -69,7 +71,8 @@ class FlowFamily(Family):
 
     def objective(self, model_path: Path, params: ObjectiveParams) -> FlowMatchingObjective:
         self.check_objective(params)
-        config = component_config(model_path, self.components.scheduler)
+        scheduler = self.components.scheduler
+        config = dict(self.code_scheduler_config) if scheduler is None else component_config(model_path, scheduler)
         objective = FlowMatchingObjective.from_scheduler_config(config, params, self.sequence_patch,
                                                                 self.geometry(model_path).pixel_multiple,
                                                                 self.model_shift(config))

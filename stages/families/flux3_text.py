@@ -23,6 +23,9 @@ class Flux3PromptEncoder(QwenPromptEncoder):
     def __call__(self, captions: list[str]) -> list[TextRecord]:
         return [self.record(caption) for caption in captions]
 
+    def too_long(self, caption: str) -> bool:
+        return len(self.tokenizer.tokenizer(self.templated(caption)).input_ids) > self.settings.max_sequence_length
+
     def record(self, caption: str) -> TextRecord:
         import torch
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -48,14 +49,38 @@ def _is_modular_component(spec: Any) -> bool:
 
 
 def _local_component(index_path: Path, key: str, spec: list) -> list[str]:
-    """[library, class] of a modular index's entry that loads from the folder's own `key` subfolder;
-    an entry pointing elsewhere (another repo or folder) is refused: nothing is read from outside
-    the folder the user named."""
+    """[library, class] of a modular index's entry that loads from the folder's own `key` subfolder
+    (the folder, or for a Hugging Face cache's snapshot the repo it is a snapshot of); an entry
+    pointing elsewhere (another repo or folder) is refused: nothing is read from outside the folder
+    the user named."""
     source, subfolder = spec[2].get("pretrained_model_name_or_path"), spec[2].get("subfolder")
-    if source is None or Path(source).resolve() != index_path.parent.resolve() or subfolder != key:
+    folder = index_path.parent
+    own = source is not None and (source == _snapshot_repo(folder) or Path(source).resolve() == folder.resolve())
+    if not own or subfolder != key:
         raise UserError(f"{index_path}: {key} loads from {source!r} subfolder {subfolder!r}, not from this folder's"
                         f" {key}/; only a model saved whole into one folder (ModularPipeline.save_pretrained) is read")
     return spec[:2]
+
+
+def _snapshot_repo(folder: Path) -> str | None:
+    """The repo id of a Hugging Face cache's snapshot folder (models--owner--name/snapshots/<commit>);
+    None for any other folder."""
+    repo = folder.parent.parent.name
+    if folder.parent.name != "snapshots" or not repo.startswith("models--"):
+        return None
+    return repo.removeprefix("models--").replace("--", "/")
+
+
+def copy_index(base: Path, folder: Path, final: Path) -> None:
+    """The index of `base` into `folder` for a model folder made of its components that will be at
+    `final`: a modular index's component entries then load from `final`."""
+    source = index_file(base)
+    if source.name == INDEX_FILES[0]:
+        shutil.copyfile(source, Path(folder) / source.name)
+        return
+    index = {key: [*spec[:2], {**spec[2], "pretrained_model_name_or_path": str(final)}]
+             if _is_modular_component(spec) else spec for key, spec in json.loads(source.read_text()).items()}
+    (Path(folder) / source.name).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
 
 def is_single_file(model_path: Path) -> bool:

@@ -1,10 +1,10 @@
 """A model made of component files over a base: the components the config sets (model.transformer,
 model.vae, model.text_encoders, ...) checked against the base's family, and the diffusers folder
 every stage then loads, composed once under the cache's models/<digest>/: the base's
-model_index.json, each component the config leaves alone a link to the base's folder (no copy), a
-component folder given a link to it, a single file converted into a component folder
-(stages/sources/convert.py). The folder is made in a staging folder and renamed into place, so
-concurrent runs are safe; the user's files are never changed. Keys never read this folder: each
+model_index.json (a modular one's entries pointed at the composed folder), each component the
+config leaves alone a link to the base's folder (no copy), a component folder given a link to it,
+a single file converted into a component folder (stages/sources/convert.py). The folder is made in
+a staging folder and renamed into place, so concurrent runs are safe; the user's files are never changed. Keys never read this folder: each
 component is keyed by its own content (stages/models.py), so a new VAE re-encodes latents only.
 """
 from __future__ import annotations
@@ -19,7 +19,7 @@ from lorapipe.cache.errors import UserError
 from lorapipe.cache.fsutil import publish_folder
 from lorapipe.stages.contract import Log
 from lorapipe.stages.families import Family
-from lorapipe.stages.families.folders import SINGLE_FILE_SUFFIX, component_names
+from lorapipe.stages.families.folders import INDEX_FILES, SINGLE_FILE_SUFFIX, component_names, copy_index
 
 from .convert import convert_component
 
@@ -78,7 +78,7 @@ def composed_folder(family: Family, base: Path, components: Mapping[str, Path], 
     with the paths the folder links to, names it."""
     linked = {name: str(path) for name, path in components.items() if path.is_dir()}
     target = Path(models_root) / digest_json({"base": str(base), "digests": dict(digests), "linked": linked})
-    if (target / "model_index.json").is_file():
+    if any((target / name).is_file() for name in INDEX_FILES):
         return target
     staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
@@ -90,7 +90,7 @@ def composed_folder(family: Family, base: Path, components: Mapping[str, Path], 
                 _convert(family, name, given, base, staging / name, log)
             else:
                 (staging / name).symlink_to((given or Path(base) / name).absolute(), target_is_directory=True)
-        shutil.copyfile(Path(base) / "model_index.json", staging / "model_index.json")
+        copy_index(Path(base), staging, target)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

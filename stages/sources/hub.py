@@ -16,8 +16,8 @@ from lorapipe.cache.errors import UserError
 
 DEFAULT_REVISION = "main"
 # *.jinja: a chat template as transformers writes it (a processor's or tokenizer's chat_template.jinja)
-PIPELINE_FILES = ["model_index.json", "*/*.json", "*/*.safetensors", "*/*.txt", "*/*.model", "*/*.tiktoken",
-                  "*/*.jinja"]
+PIPELINE_FILES = ["model_index.json", "modular_model_index.json", "*/*.json", "*/*.safetensors", "*/*.txt",
+                  "*/*.model", "*/*.tiktoken", "*/*.jinja"]
 
 
 @dataclass(frozen=True)

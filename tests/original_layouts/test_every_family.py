@@ -84,8 +84,8 @@ def test_a_repo_id_with_its_denoiser_as_an_original_layout_file_is_the_folders_m
 
 
 
-@pytest.mark.parametrize("arch", ["flux1", "flux2-klein", "z-image", "qwen-image", "qwen-image-2.1", "krea2", "wan2.1",
-                                  "ltx2", "ernie-image", "chroma", "hidream-i1"])
+@pytest.mark.parametrize("arch", ["flux1", "flux2-klein", "flux3", "z-image", "qwen-image", "qwen-image-2.1", "krea2",
+                                  "wan2.1", "ltx2", "ernie-image", "chroma", "hidream-i1"])
 def test_a_denoiser_file_alone_is_told_by_its_names_and_the_error_names_the_keys_to_set(tmp_path, tiny_models, arch):
     model = tiny_models(arch)
     family = families.for_model(model)

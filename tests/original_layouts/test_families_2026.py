@@ -20,15 +20,16 @@ from lorapipe.stages.sources.convert import convert_component
 
 from . import COMFYUI_PREFIX, assert_diffusers_reads_the_same, assert_same_tensors, convert_written, folder_tensors, \
     write_file
-from . import ideogram4, krea2, ltx2, qwenimage, wan, zimage
+from . import flux3, ideogram4, krea2, ltx2, qwenimage, wan, zimage
 
-WRITERS = {**zimage.WRITERS, **qwenimage.WRITERS, **krea2.WRITERS, **ideogram4.WRITERS, **wan.WRITERS, **ltx2.WRITERS}
+WRITERS = {**flux3.WRITERS, **zimage.WRITERS, **qwenimage.WRITERS, **krea2.WRITERS, **ideogram4.WRITERS, **wan.WRITERS, **ltx2.WRITERS}
 BOTH = ("", COMFYUI_PREFIX)
 CASES = {  # (arch, component) -> (a key only the original layout has, prefixes, those diffusers reads)
     ("z-image", "transformer"): ("layers.0.attention.qkv.weight", BOTH, BOTH),
     ("qwen-image", "transformer"): ("transformer_blocks.0.img_mlp.net.0.proj.weight", BOTH, ("",)),
     ("qwen-image-2.1", "transformer"): ("transformer_blocks.0.img_mlp.gate_up.weight", BOTH, BOTH),
     ("krea2", "transformer"): ("blocks.0.attn.wq.weight", BOTH, BOTH),
+    ("flux3", "transformer"): ("content_mode_blocks.image.0.q_proj.weight", BOTH, ("",)),
     ("ideogram4", "transformer"): ("layers.0.attention.to_q.weight", BOTH, ()),
     ("wan2.1", "transformer"): ("blocks.0.norm3.weight", BOTH, BOTH),
     ("wan2.1-i2v", "transformer"): ("blocks.0.cross_attn.k_img.weight", BOTH, BOTH),

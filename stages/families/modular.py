@@ -1,0 +1,73 @@
+"""The pipeline evaluate renders with, for any model folder: a DiffusionPipeline from model_index.json,
+or, for a model diffusers ships only as a modular pipeline (modular_model_index.json), its
+ModularPipeline wrapped to be called as evaluate calls a DiffusionPipeline.
+
+A modular pipeline is built from its folder's blocks less the family's `modular_blocks_left_out`
+(FLUX.3's prompt upsampler, a model no checkpoint folder holds), its components loaded from the
+folder; it takes one prompt per call (several images of it by num_images_per_prompt) and reads its
+guidance scale from its guider component. Everything else (its LoRA loader mixin's load_lora_weights,
+set_adapters, its components) is the pipeline's own.
+"""
+from __future__ import annotations
+
+from itertools import groupby
+from types import SimpleNamespace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from .folders import INDEX_FILES, index_file
+
+if TYPE_CHECKING:
+    import torch
+
+    from .base import Family
+
+
+def load_render_pipeline(model_path: Path, family: Family, dtype: torch.dtype | None, device: str) -> Any:
+    """The folder's pipeline on `device`, its components in `dtype` (None: as diffusers loads them), its
+    progress bars off."""
+    if index_file(model_path).name == INDEX_FILES[0]:
+        from diffusers import DiffusionPipeline
+
+        pipe = DiffusionPipeline.from_pretrained(model_path, dtype=dtype).to(device)
+    else:
+        pipe = ModularRenderer(model_path, family.modular_blocks_left_out, dtype, family.video).to(device)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
+class ModularRenderer:
+    """A ModularPipeline called as a DiffusionPipeline: prompt lists, a guidance_scale argument, images
+    (or a video model's frames) as its output's first field."""
+
+    def __init__(self, model_path: Path, left_out: tuple[str, ...], dtype: torch.dtype | None, video: bool):
+        from diffusers.modular_pipelines import ModularPipeline
+
+        blocks = ModularPipeline.from_pretrained(str(model_path)).blocks  # a str: diffusers splits it
+        for name in left_out:
+            blocks.sub_blocks.pop(name)
+        self.pipe = blocks.init_pipeline(str(model_path))
+        self.pipe.load_components(dtype=dtype)
+        self.output = "videos" if video else "images"
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.__dict__["pipe"], name)
+
+    def to(self, device: str) -> ModularRenderer:
+        self.pipe.to(device)
+        return self
+
+    def __call__(self, prompt: list[str], generator: list[torch.Generator], guidance_scale: float | None = None,
+                 negative_prompt: list[str] | None = None, output_type: str = "pil", **kwargs: Any) -> Any:
+        """One pipeline call per run of equal prompts, with their generators; its images, or frames."""
+        if guidance_scale not in (None, self.pipe.guider.guidance_scale):
+            self.pipe.update_components(guider=self.pipe.guider.new(guidance_scale=guidance_scale))
+        negatives = negative_prompt or [None] * len(prompt)
+        outputs, start = [], 0
+        for (text, negative), run in groupby(zip(prompt, negatives)):
+            count = len(list(run))
+            outputs += self.pipe(prompt=text, negative_prompt=negative, num_images_per_prompt=count,
+                                 generator=generator[start:start + count], output_type=output_type,
+                                 output=self.output, **kwargs)
+            start += count
+        return SimpleNamespace(frames=outputs) if self.output == "videos" else (outputs,)
