@@ -1,6 +1,6 @@
 """The `lorapipe` command line.
 
-    lorapipe demo [--arch ARCH] [--edit] [--caption] [--workdir DIR] [--set key=value]...
+    lorapipe demo [--arch ARCH]... [--edit] [--caption] [--workdir DIR] [--set key=value]...
     lorapipe run CONFIG [--only S]... [--from S] [--force S]... [--set key=value]... [--strict] [--json]
     lorapipe sweep CONFIG [--grid key=v1,v2]... [--set key=value]... [--concurrency N] [--yes] [--dry-run]
                    [--strict] [--json]
@@ -25,11 +25,12 @@ import sys
 import traceback
 from pathlib import Path
 
-from lorapipe.cache.errors import one_line, user_message
+from lorapipe.cache.errors import UserError
 from lorapipe.stages.processes.launching import skip_exit_collection
 from lorapipe.stages.processes.library_notes import quiet_harmless_notes
 from lorapipe.stages.processes.optional_libraries import hide
 
+from .command_errors import error_line, exit_code
 from .run_record import RunRecord, recording
 
 STRICT = ["preprocess.on_bad_row=error"]  # --strict: a bad metadata row stops the run
@@ -67,13 +68,22 @@ def _add_demo(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) 
     demo = sub.add_parser("demo", parents=[common], help="a tiny model through the whole pipeline on the bundled photos"
                           " (a video arch: on generated clips)")
     demo.add_argument("--workdir", type=Path, default=Path("demo-run"))
-    demo.add_argument("--arch", choices=arches, default=arches[0], help="the tiny model to train")
+    demo.add_argument("--arch", choices=arches, action="append", help=f"the tiny model to train (default"
+                      f" {arches[0]}); given several times, each family's demo in turn in WORKDIR/ARCH, in one"
+                      " process, one Prefect server and one process started ahead for them all")
     demo.add_argument("--edit", action="store_true", help="train edit pairs generated from the bundled photos (a"
                       " family that takes reference images; an edit model's demo always does)")
     demo.add_argument("--caption", action="store_true", help="the bundled photos without captions, captioned by a"
                       " tiny captioner (the caption stage) before training")
     _add_overrides(demo, "change a setting of the demo's config for this run (train.max_steps=50)")
     demo.add_argument("--json", action="store_true")
+
+
+def default_arch() -> str:
+    """The arch `lorapipe demo` trains without --arch: the registry's first."""
+    from lorapipe.stages.families import tiny_arches
+
+    return next(iter(tiny_arches()))
 
 
 def _add_pipeline_commands(sub: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -155,9 +165,7 @@ def main(argv: list[str] | None = None) -> int:
         except Exception as error:
             if args.debug:
                 traceback.print_exc()
-            from .config import ConfigError
-
-            return failed(args, record, f"error: {error_line(error)}", 2 if isinstance(error, ConfigError) else 1)
+            return failed(args, record, f"error: {error_line(error)}", exit_code(error))
         finally:
             if args.command in FLOW_COMMANDS:  # a process that imported Prefect, and diffusers for an in-process stage
                 skip_exit_collection()
@@ -171,17 +179,9 @@ def failed(args: argparse.Namespace, record: RunRecord, line: str, exit_code: in
     return exit_code
 
 
-def error_line(error: Exception) -> str:
-    """What went wrong and what to do, for an error the user can fix; else the bug's one line."""
-    message = user_message(error)
-    if message is not None:
-        return message
-    text = one_line(str(error))
-    what = f"{type(error).__name__}: {text}" if text else type(error).__name__
-    return f"{what} (an internal error: its traceback is in the run's log, or rerun with --debug)"
-
-
 def _dispatch(args: argparse.Namespace) -> int:
+    if args.command == "demo" and args.json and len(args.arch or ()) > 1:
+        raise UserError("demo --json: give one --arch (each demo's summary is one JSON document)")
     if args.command in FLOW_COMMANDS:
         from .server import EmbeddedServer
 
@@ -191,7 +191,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from .demo import prepare_demo
 
-        config = prepare_demo(args.workdir, args.arch, args.edit, args.caption)
+        arches = args.arch or [default_arch()]
+        if len(arches) > 1:
+            return commands.demos(args.workdir, arches, args.edit, args.caption, args.overrides, args.debug, server)
+        config = prepare_demo(args.workdir, arches[0], args.edit, args.caption)
         return commands.run(config, args.overrides, [], None, [], args.json, args.debug, server)
     if args.command == "run":
         return commands.run(args.config, args.overrides + STRICT * args.strict, args.only, args.start, args.force,

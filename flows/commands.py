@@ -5,8 +5,9 @@ import json
 import sys
 import threading
 import time
+import traceback
 from collections import Counter
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -17,7 +18,9 @@ from .run_record import current
 
 if TYPE_CHECKING:
     from lorapipe.stages.preprocess.sources import DatasetSource
+    from lorapipe.stages.processes.placement import WarmProcess
 
+    from .run_plan import RunPlan
     from .server import EmbeddedServer
     from .sweep.grid import Sweep
 
@@ -57,8 +60,27 @@ NO_FLOW = ("lorapipe: every stage was cached, so no Prefect flow ran (Prefect re
            " have such runs in the Prefect UI, keep a Prefect server running (docs/service.md, \"Fast repeated runs\")")
 
 
+class KeptWarmProcess:
+    """The process started ahead by the first of a command's runs that trains, kept for its later
+    runs (`lorapipe demo` with several --arch), so that they import torch and the rest once; the
+    command's ExitStack ends it."""
+
+    def __init__(self, stack: ExitStack) -> None:
+        self.stack, self.process = stack, None
+
+    def for_run(self, plan: RunPlan, config: PipelineConfig) -> WarmProcess | None:
+        """The kept process (a new one when it died), else one started now if this run trains in one."""
+        if self.process is None or not self.process.alive():
+            started = plan.warm_process(config)
+            self.process = self.stack.enter_context(started) if started else None
+        return self.process
+
+
 def run(config_path: Path, overrides: list[str], only: list[str], start: str | None,
-        force: list[str], as_json: bool, debug: bool = False, server: EmbeddedServer | None = None) -> int:
+        force: list[str], as_json: bool, debug: bool = False, server: EmbeddedServer | None = None,
+        kept: KeptWarmProcess | None = None, more_runs: bool = False) -> int:
+    """`lorapipe run`. `kept`: the process started ahead that earlier runs of the command trained in;
+    `more_runs`: another run follows on the same server (an all-hit run leaves it running)."""
     from .run_plan import plan_run
     from .runlog import new_log_path, run_log
     from .steps import pinned
@@ -75,11 +97,12 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
         with run_log(log_path, debug, flow=False):
             summary = all_cached_run(config, plan)
         if summary is not None:
-            server.stop()
+            if not more_runs:
+                server.stop()
             print(NO_FLOW, file=sys.stderr)
             return print_summary(config, summary, log_path, as_json)
     # its imports overlap Prefect's start and the stages before train; encode and evaluate hand it their jobs
-    with plan.warm_process(config) or nullcontext() as warm:
+    with nullcontext(kept.for_run(plan, config)) if kept else plan.warm_process(config) or nullcontext() as warm:
         plan = plan.placed(config, warm)
         if server and not server.connect():
             server = None  # the API that Prefect's own settings name is used instead
@@ -92,6 +115,32 @@ def run(config_path: Path, overrides: list[str], only: list[str], start: str | N
         with run_log(log_path, debug):
             summary = pipeline(config, only=only, start=start, force=force, plan=plan)
     return print_summary(config, summary, log_path, as_json)
+
+
+def demos(workdir: Path, arches: list[str], edits: bool, caption: bool, overrides: list[str], debug: bool,
+          server: EmbeddedServer | None) -> int:
+    """`lorapipe demo` with several --arch: each family's demo in turn in WORKDIR/ARCH, on one Prefect
+    server and one process started ahead. A demo that fails says so in one line and the others still
+    run; the exit status is the worst of theirs."""
+    from .command_errors import error_line, exit_code
+    from .demo import demo_heading, prepare_demo
+
+    worst = 0
+    with ExitStack() as stack:
+        kept = KeptWarmProcess(stack)
+        for number, arch in enumerate(arches, 1):
+            heading = demo_heading(arch, workdir / arch, number, len(arches))
+            print(f"\n{heading}", flush=True)
+            note(heading)
+            try:
+                config = prepare_demo(workdir / arch, arch, edits, caption)
+                run(config, overrides, [], None, [], False, debug, server, kept, more_runs=number < len(arches))
+            except Exception as error:  # noqa: BLE001  the next demo still runs; Ctrl-C ends them all
+                if debug:
+                    traceback.print_exc()
+                note(f"error: the {arch} demo: {error_line(error)}")
+                worst = max(worst, exit_code(error))
+    return worst
 
 
 def sweep(config_path: Path, overrides: list[str], grid: list[str], concurrency: int | None, as_json: bool,

@@ -51,6 +51,11 @@ def prepare_demo(workdir: Path, arch: str, edits: bool = False, caption: bool = 
     return config
 
 
+def demo_heading(arch: str, workdir: Path, number: int, count: int) -> str:
+    """The line before each demo's output when one command runs several."""
+    return f"demo {number} of {count}: {arch} in {workdir}"
+
+
 def demo_config(family: Family, edits: bool = False) -> str:
     """The file in configs/ that `lorapipe demo` runs on the family's tiny model (`edits`: on edit
     pairs, for a family that takes references)."""

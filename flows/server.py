@@ -94,6 +94,8 @@ class EmbeddedServer:
         from prefect.settings import get_current_settings
 
         settings = get_current_settings()
+        if self.process is not None and settings.api.url == self.api_url:  # an earlier run of the command connected it
+            return True
         if settings.api.url or not settings.server.ephemeral.enabled:
             self.stop()
             return False

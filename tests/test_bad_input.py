@@ -345,7 +345,9 @@ def test_json_prints_one_document_with_the_error_and_the_stages_that_ran(ws, tmp
 
 @pytest.mark.parametrize("argv", [["run", "{config}", "--set", "train.rank=0"], ["sweep", "{config}", "--grid", "train.rank"],
                                   ["status", "{config}", "--set", "train.rank=0"], ["cache", "ls", "--config", "{tmp}/no.yaml"],
-                                  ["captions", "export", "{config}"]], ids=lambda argv: argv[0])
+                                  ["captions", "export", "{config}"],
+                                  ["demo", "--arch", "sd15", "--arch", "flux1", "--workdir", "{tmp}/demos"]],
+                         ids=lambda argv: argv[0])
 def test_json_prints_the_error_of_a_command_that_fails_before_it_runs(ws, tmp_path, argv):
     done = lorapipe(ws, [a.format(config=ws.config, tmp=tmp_path) for a in argv] + ["--json"], plain_user=False)
     document = json.loads(done.stdout)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import sqlite3
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -19,12 +21,48 @@ pytestmark = pytest.mark.slow
 
 
 def lorapipe(*args: str, cwd: Path, prefect_home: Path | None = None,
-             report_loaded: bool = False) -> subprocess.CompletedProcess:
+             report_loaded: bool = False, timeout: float = 900) -> subprocess.CompletedProcess:
     """report_loaded: the last line of stderr names the model libraries the command's process loaded."""
     env = {**os.environ, **LIBRARY_WARNINGS_SHOWN, "PREFECT_HOME": str(prefect_home or cwd / "prefect-home")}
     entry = ["-c", LOADED_AT_EXIT] if report_loaded else ["-m", "lorapipe.flows.cli"]
     return subprocess.run([sys.executable, *entry, *args], cwd=cwd, env=env, text=True,
-                          capture_output=True, timeout=900)
+                          capture_output=True, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class DemoPart:
+    """One family's demo in a `lorapipe demo` with several --arch: its lines of the command's output."""
+    stdout: str
+    stderr: str
+
+    def error(self) -> str | None:
+        """Its one error line, if it failed."""
+        return next((line for line in self.stderr.splitlines() if line.startswith("lorapipe: error: ")), None)
+
+
+def several_demos(arches: list[str], root: Path, *settings: str, report_loaded: bool = False,
+                  ) -> tuple[subprocess.CompletedProcess, dict[str, DemoPart]]:
+    """`lorapipe demo --arch A --arch B ... --workdir .` (FEWER_STEPS, then `settings`) run from ROOT:
+    each family's demo in ROOT/ARCH, in one command; the command and each demo's part of its output."""
+    command = lorapipe("demo", *(word for arch in arches for word in ("--arch", arch)), "--workdir", ".",
+                       *FEWER_STEPS, *settings, cwd=root, report_loaded=report_loaded, timeout=300 * len(arches))
+    parts = [demo_parts(output, prefix) for output, prefix in ((command.stdout, ""), (command.stderr, "lorapipe: "))]
+    return command, {arch: DemoPart(parts[0].get(arch, ""), parts[1].get(arch, "")) for arch in arches}
+
+
+def demo_parts(output: str, prefix: str) -> dict[str, str]:
+    """The output split at each demo's heading line (flows/demo.py demo_heading), by arch."""
+    pieces = re.split(rf"^{prefix}demo \d+ of \d+: (\S+) in .*$", output, flags=re.MULTILINE)
+    return dict(zip(pieces[1::2], pieces[2::2]))
+
+
+def demos_on_tiny_models(arches: list[str], root: Path, tiny_models, *settings: str,
+                         ) -> tuple[subprocess.CompletedProcess, dict[str, DemoPart]]:
+    """several_demos, each ROOT/ARCH holding a copy of the session's tiny model of ARCH first (as
+    demo_on_tiny_model)."""
+    for arch in arches:
+        shutil.copytree(tiny_models(arch), root / arch / "model")
+    return several_demos(arches, root, *settings)
 
 
 def demo_on_tiny_model(arch: str, workdir: Path, tiny_models, *settings: str) -> subprocess.CompletedProcess:

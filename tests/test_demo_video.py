@@ -1,6 +1,8 @@
 """`lorapipe demo --arch ARCH` for the video families end to end through Prefect, twice: the demo
 writes the generated clips (stages/demo/clips.py) into its data folder, trains the tiny model on
-17-frame windows of them, renders clips, and a second run is all cache hits."""
+17-frame windows of them, renders clips, and a second run is all cache hits. Every family's demo
+runs in one command (`lorapipe demo --arch A --arch B ...`), their reruns in another: one process,
+Prefect server and process started ahead for all, as a user's would."""
 from __future__ import annotations
 
 import json
@@ -9,8 +11,7 @@ from pathlib import Path
 import av
 import pytest
 from PIL import Image
-from conftest import FEWER_STEPS
-from test_demo import demo_on_tiny_model, lorapipe
+from test_demo import demos_on_tiny_models, several_demos
 
 from lorapipe.stages.demo.clips import SCENES
 
@@ -30,14 +31,26 @@ FPS = 12  # the windows' frame rate (the generated clips have 16): what the rend
 AT_FPS = ("--set", f"preprocess.video.fps={FPS}")
 
 
+@pytest.fixture(scope="module")
+def video_demos(tmp_path_factory, tiny_models):
+    """Each video family's demo in one `lorapipe demo` command, in a workdir named after its arch as a
+    user may name it (a folder `ltx2` in the working directory once hid the LTX-2 connectors'
+    module): the folder, the command, each demo's part of its output, each run summary it left."""
+    root = tmp_path_factory.mktemp("video")
+    command, parts = demos_on_tiny_models(list(LORA_FILES), root, tiny_models, *AT_FPS)
+    summaries = {arch: json.loads(path.read_text()) for arch in LORA_FILES
+                 if (path := root / arch / "outputs" / "run-summary.json").is_file()}
+    return root, command, parts, summaries
+
+
 @pytest.mark.parametrize("arch", list(LORA_FILES))
-def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_path, tiny_models, arch):
-    """The workdir is named after the arch, as a user may name it: a folder `ltx2` in the working
-    directory once hid the LTX-2 connectors' module. Trained on windows at 12 fps, its clips play at
-    12 fps, published with the rest."""
-    first = demo_on_tiny_model(arch, tmp_path / arch, tiny_models, *AT_FPS)
-    assert first.returncode == 0, first.stderr[-3000:]
-    run = tmp_path / arch
+def test_video_demo_trains_on_the_generated_clips(video_demos, arch):
+    """Trained on windows at 12 fps, its clips play at 12 fps, published with the rest."""
+    root, command, parts, summaries = video_demos
+    first = parts[arch]
+    assert first.error() is None, first.stderr[-3000:]
+    assert command.returncode == (1 if any(part.error() for part in parts.values()) else 0)
+    run = root / arch
     assert sorted(p.name for p in (run / "data").iterdir()) == sorted(
         f"{name}{suffix}" for name, *_ in SCENES for suffix in (".mp4", ".txt"))  # the clips, not the photos
     if arch.endswith("a14b"):  # two denoisers: the demo trains the first, and its config says so
@@ -59,7 +72,7 @@ def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_pa
     assert metrics["n_samples_in_split"] == {"holdout": 2, "train": len(SCENES) - 2}
     train = metrics["loss"]["train"]
     assert train["lora"]["overall"] < train["base"]["overall"]
-    summary = json.loads((outputs / "run-summary.json").read_text())
+    summary = summaries[arch]
     assert [s["status"] for s in summary["stages"]] == ["computed"] * 4
     assert summary["stages"][1]["info"]["latents_encoded"] == len(SCENES) * (2 if arch in CONDITIONED else 1)
     if arch in CONDITIONED:
@@ -73,11 +86,22 @@ def test_video_demo_trains_on_the_generated_clips_and_a_rerun_is_all_hits(tmp_pa
     with av.open(str(outputs / metrics["clips"][1])) as clip:
         assert clip.streams.video[0].average_rate == FPS and clip.streams.video[0].frames == FRAMES
 
-    second = lorapipe("demo", "--arch", arch, "--workdir", arch, *FEWER_STEPS, *AT_FPS, cwd=tmp_path,
-                      report_loaded=True)
-    assert second.returncode == 0, second.stderr[-3000:]
+
+@pytest.fixture(scope="module")
+def video_reruns(video_demos):
+    """The same command again, after the tests above read the first runs."""
+    return several_demos(list(LORA_FILES), video_demos[0], *AT_FPS, report_loaded=True)
+
+
+@pytest.mark.parametrize("arch", list(LORA_FILES))
+def test_video_demo_run_again_is_all_hits(video_demos, video_reruns, arch):
+    """The command again is all cache hits, its keys computed without the model code."""
+    root, *_, summaries = video_demos
+    second, parts = video_reruns
+    assert parts[arch].error() is None, parts[arch].stderr[-3000:]
+    assert second.returncode == (1 if any(part.error() for part in parts.values()) else 0)
     assert second.stderr.splitlines()[-1] == "loaded: []"  # keys computed without the model code
-    again = json.loads((outputs / "run-summary.json").read_text())
+    again = json.loads((root / arch / "outputs" / "run-summary.json").read_text())
     assert [s["status"] for s in again["stages"]] == ["hit"] * 4
-    assert [s["key"] for s in again["stages"]] == [s["key"] for s in summary["stages"]]
+    assert [s["key"] for s in again["stages"]] == [s["key"] for s in summaries[arch]["stages"]]
     assert all(s["info"] == {} for s in again["stages"])  # a hit encodes, trains and renders nothing
