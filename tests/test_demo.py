@@ -61,7 +61,7 @@ def demos_on_tiny_models(arches: list[str], root: Path, tiny_models, *settings: 
     """several_demos, each ROOT/ARCH holding a copy of the session's tiny model of ARCH first (as
     demo_on_tiny_model)."""
     for arch in arches:
-        shutil.copytree(tiny_models(arch), root / arch / "model")
+        copy_model(tiny_models(arch), root / arch / "model")
     return several_demos(arches, root, *settings)
 
 
