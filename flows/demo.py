@@ -25,11 +25,11 @@ def prepare_demo(workdir: Path, arch: str, edits: bool = False, caption: bool = 
     `edits` or for an edit model, uncaptioned photos and the tiny captioner with `caption`; return
     the config path."""
     from lorapipe.stages import families
-    from lorapipe.stages.families.folders import INDEX_FILES
+    from lorapipe.stages.families.folders import found_index
 
     workdir.mkdir(parents=True, exist_ok=True)
     model = workdir / "model"
-    if not any((model / index).exists() for index in INDEX_FILES):
+    if found_index(model) is None:
         print(f"demo: building the tiny {arch} model in {model}")
         families.build_tiny_model(model, arch)
     family = families.for_model(model)

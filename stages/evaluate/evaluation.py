@@ -16,7 +16,7 @@ from lorapipe.stages import families
 from lorapipe.stages.contract import Log
 from lorapipe.stages.encoded import EncodedData, Sample
 from lorapipe.stages.families import ObjectiveParams
-from lorapipe.stages.families.folders import INDEX_FILES
+from lorapipe.stages.families.folders import found_index
 from lorapipe.stages.families.modular import load_render_pipeline
 from lorapipe.stages.lora_formats.diffusers_format import add_adapter_from_file, adapter_kind, recorded_adapter
 from lorapipe.stages.lora_formats.lora_folder import EMA_DIR, LORA_FILE, TRAIN_CONFIG, checkpoint_loras, expert_file
@@ -215,7 +215,7 @@ def _renderer(trained: tuple[families.Family, dict[str, families.Family]], input
         return trained, inputs.model_path
     family = trained[0]
     path = Path(params.render_model)
-    if not any((path / name).is_file() for name in INDEX_FILES):
+    if found_index(path) is None:
         raise UserError(f"evaluate.render_model: {path} is not a diffusers model folder (no model_index.json)")
     renderer, bound = _bound(families.for_model(path), denoiser)
     if renderer.name != family.name:

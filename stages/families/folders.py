@@ -20,10 +20,16 @@ FLOAT_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2"}  # safetensors' names,
 INDEX_FILES = ("model_index.json", "modular_model_index.json")
 
 
-def index_file(model_path: Path) -> Path:
-    """The folder's index: model_index.json, else modular_model_index.json."""
+def found_index(model_path: Path) -> Path | None:
+    """The folder's index: model_index.json, else modular_model_index.json; None for a folder with neither."""
     folder = Path(model_path)
-    found = next((folder / name for name in INDEX_FILES if (folder / name).is_file()), None)
+    return next((folder / name for name in INDEX_FILES if (folder / name).is_file()), None)
+
+
+def index_file(model_path: Path) -> Path:
+    """found_index, or the error that the folder is not a model folder."""
+    folder = Path(model_path)
+    found = found_index(folder)
     if found is None:
         raise UserError(f"{folder / INDEX_FILES[0]} not found: model.path must be a diffusers-format model folder"
                         f" or a single-file {SINGLE_FILE_SUFFIX} checkpoint")

@@ -19,7 +19,7 @@ from lorapipe.cache.errors import UserError
 from lorapipe.cache.fsutil import publish_folder
 from lorapipe.stages.contract import Log
 from lorapipe.stages.families import Family
-from lorapipe.stages.families.folders import INDEX_FILES, SINGLE_FILE_SUFFIX, component_names, copy_index
+from lorapipe.stages.families.folders import SINGLE_FILE_SUFFIX, component_names, copy_index, found_index
 
 from .convert import convert_component
 
@@ -78,7 +78,7 @@ def composed_folder(family: Family, base: Path, components: Mapping[str, Path], 
     with the paths the folder links to, names it."""
     linked = {name: str(path) for name, path in components.items() if path.is_dir()}
     target = Path(models_root) / digest_json({"base": str(base), "digests": dict(digests), "linked": linked})
-    if any((target / name).is_file() for name in INDEX_FILES):
+    if found_index(target) is not None:
         return target
     staging = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     shutil.rmtree(staging, ignore_errors=True)
