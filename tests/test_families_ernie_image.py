@@ -73,3 +73,21 @@ def test_comfyui_file_is_diffusers_names_and_loads_through_the_pipeline(ernie, e
     assert keys_of(comfyui) == {f"diffusion_model.{t}.lora_{ab}.weight" for t in targets for ab in "AB"}
     change = fused_change(quiet_pipeline(ernie), "transformer", comfyui)
     assert_means_what_was_trained(transformer, targets, change)
+
+
+def test_evaluate_renders_without_loading_the_prompt_enhancer(ernie, tmp_path):
+    """A published folder holds the prompt enhancer (a language model as large as the text encoder);
+    rendering the captions as trained never calls it, so evaluate's pipeline does not load it."""
+    import json
+
+    from conftest import copy_model
+
+    from lorapipe.stages.families.modular import load_render_pipeline
+
+    model = copy_model(ernie, tmp_path / "with-pe")
+    index = json.loads((model / "model_index.json").read_text())
+    index |= {"pe": ["transformers", "Ministral3ForCausalLM"], "pe_tokenizer": ["transformers", "AutoTokenizer"]}
+    (model / "model_index.json").write_text(json.dumps(index))
+    (model / "pe").mkdir()  # no weights: loading it would fail
+    pipe = load_render_pipeline(model, families.for_model(model), None, "cpu")
+    assert pipe.pe is None and pipe.pe_tokenizer is None and pipe.transformer is not None

@@ -295,7 +295,7 @@ class Family(ABC):
         prepare_pipeline(pipe, sampler, objective)   the pipeline call's family arguments and its
                                        sampler; the defaults are the variant's and `sampler`
         (load_render_pipeline, modular.py) the folder's DiffusionPipeline, or for a modular folder its
-                                       ModularPipeline without `modular_blocks_left_out`, called alike
+                                       ModularPipeline, without `render_left_out`, called alike
       the tiny model (the demo, tests)
         build_tiny(out_dir, arch)      `video` and `demo_edits` pick the demo's config and data
     """
@@ -327,7 +327,7 @@ class Family(ABC):
     text_takes_references: bool = False  # its text encoder reads the references too (a vision-language one)
     renders_without_references: bool = True  # False: its pipeline only edits (evaluate's prompts edit a reference)
     render_area_argument: str | None = None  # the pipeline's argument for the output's area, when it rescales to one
-    modular_blocks_left_out: tuple[str, ...] = ()  # a modular pipeline's sub-blocks evaluate renders without
+    render_left_out: tuple[str, ...] = ()  # what evaluate renders without: optional components, a modular one's sub-blocks
     video: bool = False  # trains on clips and renders them (video.VideoFamily)
     clip_fps: int = 16  # frames per second a clip renders at when the training data has no clips (evaluate.fps unset)
     demo_edits: bool = False  # `lorapipe demo` trains it on edit pairs (an edit model; else with --edit)

@@ -11,7 +11,8 @@ caption). The transformer reads the batch padded to its longest with each record
 
 The prompt enhancer (`pe`, `pe_tokenizer`: a Ministral3 language model, optional) rewrites a
 prompt at render time only, sampling; the records are of the user's captions as written, and the
-previews render them so (`use_pe=False`): a LoRA learns the captions it was trained on.
+previews render them so (`use_pe=False`), with a pipeline loaded without it: a LoRA learns the
+captions it was trained on.
 
 Latents are Flux.2-klein's normalisation (latents.PatchedBatchNorm) with the pipeline's own eps 1e-5
 (it ignores the VAE config's batch_norm_eps), the layout the transformer reads as it is (its patch
@@ -108,5 +109,5 @@ ERNIE_IMAGE = ErnieImage(
     components=Components(text=("text_encoder", "tokenizer"), latent=("vae",), denoiser="transformer"),
     kohya=Kohya("ernie_image"), latent_patch=2, text_encoder=ErniePromptEncoder, sequence_patch=1,
     single_file_markers=("layers.0.adaLN_sa_ln.weight", "model.diffusion_model.layers.0.adaLN_sa_ln.weight"),
-    block_lists=("layers",),
+    block_lists=("layers",), render_left_out=("pe", "pe_tokenizer"),
 )

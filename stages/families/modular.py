@@ -2,8 +2,10 @@
 or, for a model diffusers ships only as a modular pipeline (modular_model_index.json), its
 ModularPipeline wrapped to be called as evaluate calls a DiffusionPipeline.
 
-A modular pipeline is built from its folder's blocks less the family's `modular_blocks_left_out`
-(FLUX.3's prompt upsampler, a model no checkpoint folder holds), its components loaded from the
+Either is loaded without the family's `render_left_out`: a DiffusionPipeline's optional components
+that rendering a caption as trained never calls (ERNIE-Image's prompt enhancer, a language model as
+large as its text encoder), a modular pipeline's sub-blocks (FLUX.3's prompt upsampler, a model no
+checkpoint folder holds). A modular pipeline is built from its folder's blocks, its components loaded from the
 folder; it takes one prompt per call (several images of it by num_images_per_prompt) and reads its
 guidance scale from its guider component. Everything else (its LoRA loader mixin's load_lora_weights,
 set_adapters, its components) is the pipeline's own.
@@ -15,7 +17,7 @@ from types import SimpleNamespace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .folders import INDEX_FILES, index_file
+from .folders import INDEX_FILES, index_file, model_index
 
 if TYPE_CHECKING:
     import torch
@@ -27,11 +29,15 @@ def load_render_pipeline(model_path: Path, family: Family, dtype: torch.dtype | 
     """The folder's pipeline on `device`, its components in `dtype` (None: as diffusers loads them), its
     progress bars off."""
     if index_file(model_path).name == INDEX_FILES[0]:
-        from diffusers import DiffusionPipeline
+        import diffusers
 
-        pipe = DiffusionPipeline.from_pretrained(model_path, dtype=dtype).to(device)
+        # the folder's own class, not DiffusionPipeline's from_pretrained: only the class knows which
+        # of its components are optional, and a component given as None is left out only if optional
+        pipeline_class = getattr(diffusers, model_index(model_path)["_class_name"])
+        left_out = dict.fromkeys(family.render_left_out)
+        pipe = pipeline_class.from_pretrained(model_path, dtype=dtype, **left_out).to(device)
     else:
-        pipe = ModularRenderer(model_path, family.modular_blocks_left_out, dtype, family.video).to(device)
+        pipe = ModularRenderer(model_path, family.render_left_out, dtype, family.video).to(device)
     pipe.set_progress_bar_config(disable=True)
     return pipe
 
