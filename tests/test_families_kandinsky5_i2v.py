@@ -4,6 +4,7 @@ the first latent frame, the visual condition's mask on it) is the pipeline's fir
 the conditioning frame out."""
 from __future__ import annotations
 
+import pytest
 import torch
 from family_checks import CAPTIONS, first_call, quiet_pipeline, text_records, tiny_model_fixture
 
@@ -52,3 +53,16 @@ def test_denoiser_call_is_the_pipelines_with_the_image_as_the_first_frame(model)
     assert torch.equal(predicted, output.sample.permute(0, 4, 1, 2, 3))
     scored, _ = family.loss_region(predicted, predicted)
     assert torch.equal(scored, predicted[:, :, 1:])
+
+
+def test_clips_render_long_enough_for_the_pipelines_first_frame_rescaling(model):
+    """Kandinsky5I2VPipeline rescales its first 4 latent frames to those after them: 9 frames (3 latent
+    frames) render NaN, a black clip, so evaluate refuses them in one line; 17 (5) render."""
+    family, pipe = families.for_model(model), quiet_pipeline(model)
+    assert family.clip_kwargs(model, 17, 24) == {"num_frames": 17}
+    with pytest.raises(ValueError, match=r"^evaluate.num_frames: Kandinsky 5 I2V renders clips of at least 17 frames"
+                                         r" \(.*\), not 13$"):
+        family.clip_kwargs(model, 13, 24)
+    latents = torch.randn(1, 3, 4, 6, 16, generator=torch.Generator().manual_seed(0))
+    assert pipe.normalize_first_frame(latents).isnan().all()  # what 9 frames would render
+    assert not pipe.normalize_first_frame(torch.cat([latents, latents[:, :2]], dim=1)).isnan().any()

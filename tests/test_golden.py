@@ -59,6 +59,7 @@ class Variant:
     prediction_type: str | None = None  # written into a copy's scheduler config (SD2-style: v_prediction)
     train: dict = field(default_factory=dict)
     encode: dict = field(default_factory=dict)
+    evaluate: dict = field(default_factory=dict)
 
 
 VARIANTS = {
@@ -103,17 +104,20 @@ def variant_model(variant: Variant, tiny_model: Path, sdxl_model: Path, folder: 
     return model
 
 
-def write_config(folder: Path, model: Path, variant: Variant) -> Path:
+def write_config(folder: Path, model: Path, variant: Variant, data: Path = DEMO_IMAGES, frames: int | None = None) -> Path:
+    """The golden run's config: the demo photos, or with `frames` the clips in `data` as windows of that many."""
+    video = {"video": {"fps": 16, "num_frames": frames}} if frames else {}
     config = folder / "config.yaml"
     config.write_text(yaml.safe_dump({
         "name": "golden", "cache_dir": "cache", "output_dir": "out", "model": {"path": str(model)},
-        "data": {"path": str(DEMO_IMAGES)},
-        "preprocess": {"resolution": RESOLUTION, "holdout_fraction": 0.25},
+        "data": {"path": str(data)},
+        "preprocess": {"resolution": RESOLUTION, "holdout_fraction": 0.25, **video},
         "encode": {"num_workers": 0, **variant.encode},
         "train": {"max_steps": 1, "batch_size": 3, "learning_rate": 1e-2, "seed": 5, "checkpoint_every": 1,
                   "log_with": "none", **variant.train},
         "evaluate": {"prompts": ["a photo of a tabby cat looking to the side"], "seeds": [7], "lora_scales": [1.0],
-                     "num_inference_steps": 3, "loss_timesteps": [100, 500, 900], "resolution": RESOLUTION},
+                     "num_inference_steps": 3, "loss_timesteps": [100, 500, 900], "resolution": RESOLUTION,
+                     **({"num_frames": frames} if frames else {}), **variant.evaluate},
     }))
     return config
 
@@ -252,3 +256,37 @@ FAMILY_GOLDEN = {
 def test_family_golden_numbers(arch, tmp_path, tiny_models, run_stages):
     config = write_config(tmp_path, tiny_models(arch), Variant(arch))
     assert_golden(arch, measure(run_stages(config, STAGES)), FAMILY_GOLDEN[arch])
+
+
+# The video families on the demo clips (stages/demo/clips.py, the same bytes on every machine), one
+# window of 9 frames each; the image is the first frame of the first rendered clip. Each recorded at
+# the family's first run through the stages here, once its tests/test_families_<family>.py had checked
+# its text records, normalisation and transformer call (for image-to-video: the conditioning record
+# and its channels) against its diffusers pipeline: they pin its numbers from then on.
+VIDEO_FRAMES = 9
+VIDEO_GOLDEN = {
+    "wan2.1": Golden(2.948509454727173, 1.7512623866399128, 1.7075002392133076, "efc3a86c2ce15ad5"),
+    "ltx2": Golden(1.783990502357483, 1.3164358536402385, 1.2723967333634694, "d9c73ff18cbff7d3"),
+    "hunyuanvideo1.5": Golden(5.401336669921875, 2.185679296652476, 2.1511257092158, "b3599afad4fd8584"),
+    # image-to-video: the window's first frame its conditioning record, renders conditioned on a held-out one
+    "hunyuanvideo1.5-i2v": Golden(5.169785022735596, 1.6768140594164531, 1.6684776544570923, "854891029b555d1d"),
+    "kandinsky5-video": Golden(1.6389330625534058, 1.4246582786242168, 1.3841825127601624, "eea442f887c24641"),
+    "kandinsky5-i2v": Golden(1.6266628503799438, 1.4136979579925537, 1.3650062481562297, "d7e059ea8e44201d"),
+}
+
+
+RENDERED_LONGER = {"kandinsky5-i2v": {"num_frames": 17}}  # its pipeline renders no fewer (kandinsky5_i2v.py)
+
+
+@pytest.fixture(scope="module")
+def demo_clips(tmp_path_factory) -> Path:
+    from lorapipe.stages.demo.clips import write_demo_clips
+
+    return write_demo_clips(tmp_path_factory.mktemp("demo-clips"))[0].parent
+
+
+@pytest.mark.parametrize("arch", VIDEO_GOLDEN)
+def test_video_family_golden_numbers(arch, tmp_path, tiny_models, demo_clips, run_stages):
+    config = write_config(tmp_path, tiny_models(arch), Variant(arch, evaluate=RENDERED_LONGER.get(arch, {})),
+                          demo_clips, VIDEO_FRAMES)
+    assert_golden(arch, measure(run_stages(config, STAGES)), VIDEO_GOLDEN[arch])
