@@ -14,6 +14,7 @@ from family_checks import (CAPTIONS, assert_builds_byte_identically, assert_load
 
 import lorapipe.stages.families as families
 from lorapipe.stages.families import ObjectiveParams, TextOptions
+from lorapipe.stages.train.checkpointing import enable_gradient_checkpointing
 
 chroma = tiny_model_fixture("chroma")
 
@@ -117,7 +118,7 @@ def test_gradient_checkpointing_trains_what_the_pipeline_calls(chroma):
         torch.manual_seed(0)  # the same LoRA both times
         denoiser, _ = trained_lora(family, chroma, "all_linear")
         if checkpointed:
-            denoiser.enable_gradient_checkpointing()
+            enable_gradient_checkpointing(denoiser)
         predicted = family.predict(denoiser.train(), noisy, torch.tensor([0.3, 0.6, 0.9]), cond, torch.float32)
         predicted.square().mean().backward()
         grads = [p.grad for n, p in sorted(denoiser.named_parameters()) if "lora_" in n]

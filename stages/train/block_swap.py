@@ -17,7 +17,9 @@ adapter's weights may still run); it is over when the block before it starts its
 engine runs the ready node created last first, and every node of a block was created after every
 node of the blocks before it. So a block leaves at the next block's backward, the last ones at the
 end of the backward pass. With the swap the step computes what it computes without it,
-bit for bit: only where the frozen weights wait between uses changes.
+bit for bit: only where the frozen weights wait between uses changes. (Where one block's output feeds
+several later blocks, Kandinsky 5's text blocks, the full backward hooks themselves change the order
+in which that output's gradients are summed, swapped or not: last-bit rounding.)
 
 Which blocks a denoiser has is its family's (Family.block_lists). The swapped blocks' frozen
 weights never reach the accelerator whole: `to_device_leaving` moves the rest of the model, the

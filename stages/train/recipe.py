@@ -61,6 +61,7 @@ from lorapipe.stages.progress import progress_line
 from lorapipe.stages.train.adapter import check_targets, kohya_network_dim_alpha, load_init_lora
 from lorapipe.stages.train.block_swap import BlockSwap, swap_count, to_device_leaving
 from lorapipe.stages.train.checkpoints import CheckpointDir
+from lorapipe.stages.train.checkpointing import enable_gradient_checkpointing
 from lorapipe.stages.train.compile import compile_blocks
 from lorapipe.stages.train.data import BatchPlan, MicroBatches, StepInputs, derived_seed, prepare_micro_batch
 from lorapipe.stages.train.experts import Expert, check_routable, experts_of, export_expert, routed
@@ -196,7 +197,7 @@ class LoRATrainingRecipe:
         cast_training_params(denoiser, dtype=torch.float32)
         keep_base_out_of_ddp_sync(denoiser, p.base_quantization)
         if self.options.gradient_checkpointing:
-            denoiser.enable_gradient_checkpointing()
+            enable_gradient_checkpointing(denoiser)
         if self.options.compile:
             compile_blocks(blocks)
         expert.block_swap = BlockSwap(blocks, swapped, self.accelerator.device) if swapped else None
