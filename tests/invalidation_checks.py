@@ -15,7 +15,7 @@ from lorapipe.flows.steps import STAGES, Context
 from lorapipe.flows.runner import explain
 
 IMAGES, CAPTIONS = 8, 8 + 1  # the demo photos; their captions and the empty prompt
-TEXT_ROWS = {"hidream-i1": 6, "kandinsky5": 2, "kandinsky5-video": 2}  # a tiny model's rows per caption where not 1:
+TEXT_ROWS = {"hidream-i1": 6, "kandinsky5": 2, "kandinsky5-video": 2, "kandinsky5-i2v": 2}  # a tiny model's rows per caption where not 1:
 # HiDream-I1's two CLIPs (each twice: transformers' CLIPTextModelWithProjection runs a CLIPTextModel inside), T5
 # and Llama; Kandinsky 5's Qwen2.5-VL and CLIP
 ENCODE = STAGES[:2]

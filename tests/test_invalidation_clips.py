@@ -4,8 +4,9 @@ text encoders (UMT5, Gemma 3): a caption edit encodes one text record and no lat
 one time range's caption only that window's text record; the frame count, frame rate or window
 strategy re-encode only the windows whose frames changed, never a text; a clip re-muxed into
 another container keeps its latents (it is known by its decoded frames); the timestep shift reruns
-training only. On the tiny Wan 2.1 I2V (encode only): a named conditioning image swapped encodes its
-one record (no window's latent, no text), a caption edit one text record."""
+training only. On the tiny image-to-video models (Wan 2.1, HunyuanVideo 1.5 and Kandinsky 5 I2V, encode
+only): a named conditioning image swapped encodes its one record (no window's latent, no text), a
+caption edit one text record (its rows to each text encoder)."""
 from __future__ import annotations
 
 import json
@@ -14,6 +15,7 @@ from pathlib import Path
 
 import av
 import pytest
+from invalidation_checks import TEXT_ROWS
 from test_invalidation import make_config, run_all, statuses
 
 from lorapipe.flows.steps import STAGES, Context
@@ -67,11 +69,11 @@ def test_a_clip_caption_edit_encodes_one_text_record_and_no_latent(baseline, tmp
     assert_a_caption_edit_encodes_one_text_record(clip_copy(baseline, tmp_path), tmp_path, count_encoder_rows)
 
 
-def assert_a_caption_edit_encodes_one_text_record(config, tmp_path: Path, count_encoder_rows) -> None:
+def assert_a_caption_edit_encodes_one_text_record(config, tmp_path: Path, count_encoder_rows, rows: int = 1) -> None:
     (tmp_path / "data" / f"{SCENES[0][0]}.txt").write_text("a red ball speeding to the right")
     results, counts = encode_counted(config, count_encoder_rows)
     assert statuses(results) == {"preprocess": "computed", "encode": "computed"}
-    assert counts == {"vae": 0, "text": 1}
+    assert counts == {"vae": 0, "text": rows}
 
 
 def test_a_time_range_caption_edit_encodes_that_window_text_record_only(baseline, tmp_path, count_encoder_rows):
@@ -134,12 +136,12 @@ def remux(source: Path, target: Path) -> None:
                 out.mux(packet)
 
 
-@pytest.fixture(scope="module", params=["wan2.1-i2v", "hunyuanvideo1.5-i2v"])
+@pytest.fixture(scope="module", params=["wan2.1-i2v", "hunyuanvideo1.5-i2v", "kandinsky5-i2v"])
 def i2v_baseline(request, tmp_path_factory, tiny_models, count_encoder_rows):
     """The demo clips on a tiny image-to-video model, encoded: the first clip's conditioning image named
     in control_dir, the others' their windows' first frames; each window's record and its conditioning
     image's (Wan 2.1 I2V: the padded clip through the VAE, with its CLIP-vision embedding;
-    HunyuanVideo 1.5 I2V: the image alone, with its SigLIP embedding)."""
+    HunyuanVideo 1.5 I2V: the image alone, with its SigLIP embedding; Kandinsky 5 I2V: the image alone)."""
     root = tmp_path_factory.mktemp(f"{request.param}-baseline")
     shutil.copytree(tiny_models(request.param), root / "model")
     write_demo_clips(root / "data")
@@ -147,10 +149,15 @@ def i2v_baseline(request, tmp_path_factory, tiny_models, count_encoder_rows):
     conditioning_image(root, (200, 30, 30))
     with count_encoder_rows() as counts:
         encoded = run_all(i2v_config(root, root), STAGES[:2])
-    assert counts == {"vae": 2 * CLIPS, "text": CLIPS + 1}  # a window and its conditioning image per clip
+    rows = caption_rows(root)
+    assert counts == {"vae": 2 * CLIPS, "text": rows * (CLIPS + 1)}  # a window and its conditioning image per clip
     samples = EncodedData(Path(encoded["encode"].path), root / "cache").samples
     assert all(len(s.references) == 1 for s in samples)
     return root
+
+
+def caption_rows(baseline: Path) -> int:
+    return TEXT_ROWS.get(for_model(baseline / "model").name, 1)
 
 
 def conditioning_image(root: Path, colour: tuple[int, int, int]) -> None:
@@ -191,7 +198,8 @@ def test_a_swapped_conditioning_image_encodes_its_one_record(i2v_baseline, tmp_p
 
 
 def test_an_i2v_caption_edit_encodes_one_text_record_and_no_latent(i2v_baseline, tmp_path, count_encoder_rows):
-    assert_a_caption_edit_encodes_one_text_record(i2v_copy(i2v_baseline, tmp_path), tmp_path, count_encoder_rows)
+    assert_a_caption_edit_encodes_one_text_record(i2v_copy(i2v_baseline, tmp_path), tmp_path, count_encoder_rows,
+                                                  caption_rows(i2v_baseline))
 
 
 def test_an_image_in_an_i2v_dataset_is_refused_in_one_line(i2v_baseline, tmp_path):
@@ -205,7 +213,7 @@ def test_an_image_in_an_i2v_dataset_is_refused_in_one_line(i2v_baseline, tmp_pat
     config = make_config(tmp_path, tmp_path / "model", tmp_path / "data", i2v_baseline / "cache", **VIDEO)
     Image.new("RGB", (64, 64), (10, 20, 30)).save(tmp_path / "data" / "still.png")
     (tmp_path / "data" / "still.txt").write_text("a still")
-    label = for_model(tmp_path / "model").label  # Wan I2V, HunyuanVideo 1.5 I2V
+    label = for_model(tmp_path / "model").label  # Wan I2V, HunyuanVideo 1.5 I2V, Kandinsky 5 I2V
     with pytest.raises(UserError, match=rf"^data.datasets: still.png is an image, but {label} trains image-to-video"
                                         r" on clips \(each window conditioned on an image\): remove it"):
         run_all(config, STAGES[:2])
