@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from benchmarks import real_size
@@ -73,10 +74,12 @@ def test_a_stage_past_the_memory_limit_is_stopped_and_the_rest_not_run(tmp_path,
     assert document["train_steps"] == {}
 
 
-def test_the_text_stage_is_stored_in_its_own_dtype_and_encode_loads_it_so(tmp_path, tiny_model):
+def test_the_text_stage_is_stored_in_its_own_dtype_and_encode_and_evaluate_load_it_so(tmp_path, tiny_model):
     """`--text-encoder-dtype bfloat16` with `--dtype float32`: random_model stores the text encoder in
     bf16 and the rest in float32, and encode's loaders take them so: a text encoder as stored, the VAE
-    in float32 (what lets a float32 row keep T5-XXL or Qwen2.5-VL in bf16)."""
+    in float32 (what lets a float32 row keep T5-XXL or Qwen2.5-VL in bf16). So does evaluate's pipeline
+    (it cast the whole pipeline to the denoiser's float32: the real-size Wan 2.1's UMT5-XXL at 21 GiB),
+    and it renders what the pipeline cast to float32 renders, to float rounding."""
     import shutil
 
     import torch
@@ -96,3 +99,16 @@ def test_the_text_stage_is_stored_in_its_own_dtype_and_encode_loads_it_so(tmp_pa
         {"text_encoder": "bfloat16", "unet": "float32", "vae": "float32"}
     assert next(load_component(model, "text_encoder").parameters()).dtype == torch.bfloat16
     assert next(for_model(model).load_latent_encoder(model, "cpu").vae.parameters()).dtype == torch.float32
+
+    from lorapipe.stages.evaluate.evaluation import EvalOptions, _load_pipeline
+    from lorapipe.stages.families.modular import load_render_pipeline
+
+    def render(pipe) -> np.ndarray:
+        return pipe(prompt=["a cat"], generator=[torch.Generator().manual_seed(0)], num_inference_steps=2, height=64,
+                    width=64, output_type="np")[0][0]
+
+    pipe = _load_pipeline(model, for_model(model), EvalOptions())
+    assert {name: pipe.components[name].dtype for name in ("text_encoder", "unet", "vae")} == \
+        {"text_encoder": torch.bfloat16, "unet": torch.float32, "vae": torch.float32}
+    cast_whole = render(load_render_pipeline(model, for_model(model), torch.float32, "cpu"))
+    assert np.abs(render(pipe) - cast_whole).max() * 255 < 2  # 0.64 levels measured

@@ -339,12 +339,17 @@ def _render_settings(family: families.Family, model_path: Path, encoded: Encoded
 
 
 def _load_pipeline(model_path: Path, family: families.Family, options: EvalOptions) -> DiffusionPipeline:
-    """The model's pipeline, every component in the dtype its denoiser is stored in: unasked, diffusers
-    loads its models in float32 and transformers its text encoders as stored, and a pipeline of both
-    fails at its first step on a model stored in bf16, as the published ones are."""
+    """The model's pipeline, its text encoders in the dtype each is stored in, every other component in
+    the dtype its denoiser is stored in: unasked, diffusers loads its models in float32 (a model stored
+    in bf16, as the published ones are, would then not run beside its text encoders), and a text encoder
+    cast to a float32 denoiser's dtype can be twice its stored size (UMT5-XXL: 21 GiB in float32)."""
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = stored_dtype(model_path / family.components.denoiser)
-    return load_render_pipeline(model_path, family, dtype and getattr(torch, dtype), device)
+    stored = {name: dtype for name in (family.components.denoiser, *family.components.text)
+              if (dtype := stored_dtype(model_path / name))}
+    denoiser = stored.pop(family.components.denoiser, None)
+    dtypes = {name: getattr(torch, dtype) for name, dtype in stored.items()}
+    return load_render_pipeline(model_path, family, dtypes | ({"default": getattr(torch, denoiser)} if denoiser else {}),
+                                device)
 
 
 def _clip_metrics(

@@ -12,6 +12,7 @@ set_adapters, its components) is the pipeline's own.
 """
 from __future__ import annotations
 
+from functools import partial
 from itertools import groupby
 from types import SimpleNamespace
 from pathlib import Path
@@ -25,9 +26,11 @@ if TYPE_CHECKING:
     from .base import Family
 
 
-def load_render_pipeline(model_path: Path, family: Family, dtype: torch.dtype | None, device: str) -> Any:
-    """The folder's pipeline on `device`, its components in `dtype` (None: as diffusers loads them), its
-    progress bars off."""
+def load_render_pipeline(model_path: Path, family: Family, dtype: torch.dtype | dict[str, torch.dtype] | None,
+                         device: str) -> Any:
+    """The folder's pipeline on `device`, its components in `dtype` (one for all, or by component with
+    a "default"; None: as diffusers loads them), its progress bars off, its text encoders' outputs
+    handed on in the denoiser's dtype (`computing_in_denoiser_dtype`)."""
     if index_file(model_path).name == INDEX_FILES[0]:
         import diffusers
 
@@ -39,7 +42,45 @@ def load_render_pipeline(model_path: Path, family: Family, dtype: torch.dtype | 
     else:
         pipe = ModularRenderer(model_path, family.render_left_out, dtype, family.video).to(device)
     pipe.set_progress_bar_config(disable=True)
+    computing_in_denoiser_dtype(pipe, family)
     return pipe
+
+
+def computing_in_denoiser_dtype(pipe: Any, family: Family) -> None:
+    """A pipeline whose text encoders keep a dtype of their own (a bf16 text encoder beside a float32
+    denoiser: each as stored) made to run: each text module hands its outputs on in the denoiser's
+    dtype, and every model takes its inputs in its own dtype, a VAE's children too (decode and encode
+    are not its forward). Pipelines cast embeddings back to their text encoder's dtype and draw
+    latents in it; a model given them computes in its own."""
+    import torch
+
+    denoiser = getattr(pipe, family.components.denoiser)
+    for name, component in pipe.components.items():
+        if not isinstance(component, torch.nn.Module):
+            continue
+        for module in (component, *(component.children() if name not in family.components.text else ())):
+            module.register_forward_pre_hook(partial(_inputs_in, component.dtype), with_kwargs=True)
+        if name in family.components.text:
+            component.register_forward_hook(lambda _, args, output: _cast(output, denoiser.dtype))
+
+
+def _inputs_in(dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    return _cast(args, dtype), _cast(kwargs, dtype)
+
+
+def _cast(value: Any, dtype: torch.dtype) -> Any:
+    """Every floating tensor in `value` (a tensor, or tuples, lists and dicts of them: a model output) in `dtype`."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.to(dtype) if value.is_floating_point() else value
+    if isinstance(value, dict):  # a ModelOutput too: its fields set in place keep its class and attributes
+        for key, item in value.items():
+            value[key] = _cast(item, dtype)
+        return value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_cast(item, dtype) for item in value)
+    return value
 
 
 class ModularRenderer:
