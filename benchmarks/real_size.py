@@ -270,9 +270,8 @@ def main(argv: list[str] | None = None) -> None:
                         help="what encode and train run the model in; float32 on a CPU without bf16 kernels, where"
                         " torch convolves bf16 through a reference loop (a UNet's step takes hours)")
     parser.add_argument("--text-encoder-dtype", choices=tuple(MIXED_PRECISION),
-                        help="store the text stage's models in this dtype (default: --dtype); encode runs a text"
-                        " encoder as stored and the VAE in float32, so bfloat16 halves a float32 row's text encoder"
-                        " (evaluate still loads the whole pipeline in the denoiser's dtype)")
+                        help="store the text stage's models in this dtype (default: --dtype); encode and evaluate"
+                        " run a text encoder as stored, so bfloat16 halves a float32 row's text encoder")
     parser.add_argument("--max-resident-gib", type=float, help="stop a stage whose process tree passes this")
     parser.add_argument("--root", type=Path, default=Path("bench-run") / "real-size")
     parser.add_argument("--tiny", action="store_true", help="the family's tiny model; prints only")
