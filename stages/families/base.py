@@ -321,7 +321,7 @@ class Family(ABC):
     size_free_converters: dict[str, Callable[[dict, dict], dict]] = field(default_factory=dict)
     latent_patch: int = 1  # latent pixels per image token side (Flux: 2x2 patches)
     lora_presets: dict[str, tuple[str, ...]] = field(default_factory=dict)  # name -> what lora_target_modules reads
-    block_lists: tuple[str, ...] = ()  # the denoiser's lists of blocks, in run order (swappable_blocks)
+    block_lists: tuple[str, ...] = ()  # the denoiser's lists of blocks (dotted paths), in run order (swappable_blocks)
     max_references: int = 0  # reference images a sample may have (an edit model's); 0: none
     image_condition: ImageCondition | None = None  # an image-to-video model's conditioning image; None: none
     text_takes_references: bool = False  # its text encoder reads the references too (a vision-language one)
@@ -485,4 +485,4 @@ def swappable_blocks(family: Family, denoiser: torch.nn.Module) -> list[torch.nn
     """The blocks of the family's `block_lists`, in the order the denoiser runs them: those
     train.blocks_to_swap may keep off the accelerator (the last N); [] for a denoiser without a chain
     of blocks (SD's UNet), which refuses it."""
-    return [block for name in family.block_lists for block in getattr(denoiser, name)]
+    return [block for name in family.block_lists for block in denoiser.get_submodule(name)]

@@ -151,5 +151,5 @@ FLUX3 = Flux3(
     original_formats=(KOHYA, COMFYUI), code_scheduler_config=(("shift", SHIFT),),
     single_file_markers=("early_stream_modulations.image.lin.weight",  # BFL's names, bare or under ComfyUI's prefix
                          "model.diffusion_model.early_stream_modulations.image.lin.weight"),
-    block_lists=("txt_mode_blocks", "single_transformer_blocks"), render_left_out=("prompt_upsampler",),
+    block_lists=("txt_mode_blocks", "mode_blocks.image", "single_transformer_blocks"), render_left_out=("prompt_upsampler",),
 )
