@@ -51,21 +51,36 @@ def computing_in_denoiser_dtype(pipe: Any, family: Family) -> None:
     denoiser: each as stored) made to run: each text module hands its outputs on in the denoiser's
     dtype, and every model takes its inputs in its own dtype, a VAE's children too (decode and encode
     are not its forward). Pipelines cast embeddings back to their text encoder's dtype and draw
-    latents in it; a model given them computes in its own."""
+    latents in it; a model given them computes in its own. A pipeline in one dtype is left as it is."""
     import torch
 
-    denoiser = getattr(pipe, family.components.denoiser)
-    for name, component in pipe.components.items():
-        if not isinstance(component, torch.nn.Module):
-            continue
+    dtypes = {name: dtype for name, component in pipe.components.items()
+              if isinstance(component, torch.nn.Module) and (dtype := _computing_dtype(component))}
+    if len(set(dtypes.values())) < 2:
+        return  # one dtype: the pipeline as diffusers runs it
+    denoiser_dtype = dtypes[family.components.denoiser]
+    for name, dtype in dtypes.items():
+        component = pipe.components[name]
         for module in (component, *(component.children() if name not in family.components.text else ())):
-            module.register_forward_pre_hook(partial(_inputs_in, component.dtype), with_kwargs=True)
+            module.register_forward_pre_hook(partial(_inputs_in, dtype), with_kwargs=True)
         if name in family.components.text:
-            component.register_forward_hook(lambda _, args, output: _cast(output, denoiser.dtype))
+            component.register_forward_hook(lambda _, args, output: _cast(output, denoiser_dtype))
+
+
+def _computing_dtype(module: torch.nn.Module) -> torch.dtype | None:
+    """Its first floating parameter's dtype (None: it has none)."""
+    return next((p.dtype for p in module.parameters() if p.is_floating_point()), None)
 
 
 def _inputs_in(dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-    return _cast(args, dtype), _cast(kwargs, dtype)
+    """The module's floating tensor arguments in `dtype`; nothing inside a container, which may be state the
+    module fills in place (Wan's VAE passes its causal-convolution cache as lists)."""
+    import torch
+
+    def cast(value: Any) -> Any:
+        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
+
+    return tuple(cast(value) for value in args), {key: cast(value) for key, value in kwargs.items()}
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
