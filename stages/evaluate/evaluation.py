@@ -344,12 +344,11 @@ def _load_pipeline(model_path: Path, family: families.Family, options: EvalOptio
     in bf16, as the published ones are, would then not run beside its text encoders), and a text encoder
     cast to a float32 denoiser's dtype can be twice its stored size (UMT5-XXL: 21 GiB in float32)."""
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    stored = {name: dtype for name in (family.components.denoiser, *family.components.text)
+    stored = {name: getattr(torch, dtype) for name in (*family.components.text, family.components.denoiser)
               if (dtype := stored_dtype(model_path / name))}
-    denoiser = stored.pop(family.components.denoiser, None)
-    dtypes = {name: getattr(torch, dtype) for name, dtype in stored.items()}
-    return load_render_pipeline(model_path, family, dtypes | ({"default": getattr(torch, denoiser)} if denoiser else {}),
-                                device)
+    if family.components.denoiser in stored:  # the rest in its dtype (unread, e.g. fp8: as diffusers loads them)
+        stored["default"] = stored.pop(family.components.denoiser)
+    return load_render_pipeline(model_path, family, stored, device)
 
 
 def _clip_metrics(

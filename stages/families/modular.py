@@ -75,27 +75,25 @@ def _computing_dtype(module: torch.nn.Module) -> torch.dtype | None:
 def _inputs_in(dtype: torch.dtype, module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """The module's floating tensor arguments in `dtype`; nothing inside a container, which may be state the
     module fills in place (Wan's VAE passes its causal-convolution cache as lists)."""
+    return tuple(_cast_tensor(value, dtype) for value in args), {k: _cast_tensor(v, dtype) for k, v in kwargs.items()}
+
+
+def _cast_tensor(value: Any, dtype: torch.dtype) -> Any:
+    """`value` in `dtype` if it is a floating tensor, else as it is."""
     import torch
 
-    def cast(value: Any) -> Any:
-        return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
-
-    return tuple(cast(value) for value in args), {key: cast(value) for key, value in kwargs.items()}
+    return value.to(dtype) if isinstance(value, torch.Tensor) and value.is_floating_point() else value
 
 
 def _cast(value: Any, dtype: torch.dtype) -> Any:
     """Every floating tensor in `value` (a tensor, or tuples, lists and dicts of them: a model output) in `dtype`."""
-    import torch
-
-    if isinstance(value, torch.Tensor):
-        return value.to(dtype) if value.is_floating_point() else value
     if isinstance(value, dict):  # a ModelOutput too: its fields set in place keep its class and attributes
         for key, item in value.items():
             value[key] = _cast(item, dtype)
         return value
     if isinstance(value, (tuple, list)):
         return type(value)(_cast(item, dtype) for item in value)
-    return value
+    return _cast_tensor(value, dtype)
 
 
 class ModularRenderer:
