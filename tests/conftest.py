@@ -353,6 +353,25 @@ class S3Server:
 
 
 @pytest.fixture(scope="session")
+def prefect_api(tmp_path_factory) -> str:
+    """One kept Prefect server for the session (tests/prefect_server.py): its API URL."""
+    from prefect_server import kept_server
+
+    with kept_server(tmp_path_factory.mktemp("prefect-server"), dict(os.environ)) as api:
+        yield api
+
+
+@pytest.fixture(scope="module")
+def on_kept_prefect_server(prefect_api):
+    """A module's commands run their flows on the session's kept server (PREFECT_API_URL in this
+    process's environment, which the commands inherit) instead of each starting a temporary one;
+    for a module, `pytestmark = pytest.mark.usefixtures("on_kept_prefect_server")`."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("PREFECT_API_URL", prefect_api)
+        yield prefect_api
+
+
+@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory):
     """One SeaweedFS for the whole session (benchmarks/seaweed.py); its AWS_* variables are set in
     this process while it runs, and child processes inherit them."""

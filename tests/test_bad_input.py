@@ -27,7 +27,7 @@ from mounts import tmpfs
 from permissions import as_a_plain_user
 from lorapipe.stages.train.checkpoints import CheckpointDir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("on_kept_prefect_server")]
 REPO = Path(__file__).resolve().parent.parent
 MAX_FLOW_LINES = 20  # Prefect's progress lines for three stages, the log's path, the error
 

@@ -16,7 +16,7 @@ import pytest
 
 from lorapipe.flows.steps import STAGES
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("on_kept_prefect_server")]
 REPO = Path(__file__).resolve().parent.parent
 TRAINING = "lorapipe.stages.processes.jobs"  # in the command line of the training process (and of a launcher's)
 

@@ -14,7 +14,6 @@ import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from uuid import UUID
 import psutil
 import pytest
 from browser import Chromium, stop
+from prefect_server import free_port
 
 pytestmark = pytest.mark.slow
 
@@ -42,12 +42,6 @@ SMALL = {  # the demo, made quick: a few training steps, a small evaluation
     "evaluate": {"prompts": ["a photo of a rocket on a launch pad"], "seeds": [0], "lora_scales": [1.0],
                  "num_inference_steps": 2},
 }
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def merged(base: dict, changes: dict) -> dict:

@@ -16,6 +16,8 @@ import pytest
 
 from benchmarks import real_size
 
+pytestmark = pytest.mark.usefixtures("on_kept_prefect_server")  # its commands' flows: tests/prefect_server.py
+
 REPO = Path(__file__).resolve().parent.parent
 STAGES = ["build", "preprocess", "encode", "train", "evaluate"]
 

@@ -16,6 +16,8 @@ from lorapipe.flows.cli import main
 from lorapipe.flows.config import ConfigError, load_config
 from lorapipe.flows.sweep.grid import load_sweep
 
+pytestmark = pytest.mark.usefixtures("on_kept_prefect_server")  # its commands' flows: tests/prefect_server.py
+
 DEMO = Path(__file__).resolve().parent.parent / "configs" / "demo.yaml"
 
 

@@ -18,6 +18,8 @@ from PIL import Image
 from lorapipe.flows.sweep.outcome import VariantOutcome
 from lorapipe.flows.sweep.report import METRICS, REPORT_HTML, best_variant, score, write_sweep_report
 
+pytestmark = pytest.mark.usefixtures("on_kept_prefect_server")  # its commands' flows: tests/prefect_server.py
+
 REPO = Path(__file__).resolve().parent.parent
 VARIANTS = {"learning_rate=0.0001": {"train.learning_rate": 0.0001},
             "learning_rate=0.02,max_steps=6": {"train.learning_rate": 0.02, "train.max_steps": 6}}

@@ -17,6 +17,8 @@ from lorapipe.stages.train.checkpoints import CheckpointDir
 
 from test_train import PARAMS, run_train, train_inputs, trajectory
 
+pytestmark = pytest.mark.usefixtures("on_kept_prefect_server")  # its commands' flows: tests/prefect_server.py
+
 STEPS = dict(max_steps=4, checkpoint_every=2, keep_checkpoints=2)
 ONE_THREAD = {"cpu_threads": 1}  # the same torch threads per process however the processes are spread
 
