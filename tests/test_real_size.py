@@ -114,3 +114,36 @@ def test_the_text_stage_is_stored_in_its_own_dtype_and_encode_and_evaluate_load_
         {"text_encoder": torch.bfloat16, "unet": torch.float32, "vae": torch.float32}
     cast_whole = render(load_render_pipeline(model, for_model(model), torch.float32, "cpu"))
     assert np.abs(render(pipe) - cast_whole).max() * 255 < 2  # 0.64 levels measured
+
+
+def test_evaluate_decodes_with_the_vae_as_stored_beside_a_bf16_denoiser(tmp_path, tiny_model):
+    """A VAE stored in float32 beside a denoiser stored in bf16 (as Wan's, which its pipeline's examples
+    load in float32): evaluate keeps it in float32, the denoiser in bf16, and renders the latents of the
+    pipeline whose VAE is cast to bf16 decoded in float32, to float rounding."""
+    import shutil
+
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from lorapipe.stages.evaluate.evaluation import EvalOptions, _load_pipeline
+    from lorapipe.stages.families import for_model
+    from lorapipe.stages.families.modular import load_render_pipeline
+
+    model = tmp_path / "sd15-unet-bfloat16"
+    shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("unet"))
+    UNet2DConditionModel.from_pretrained(tiny_model / "unet").to(torch.bfloat16).save_pretrained(model / "unet")
+    pipe = _load_pipeline(model, for_model(model), EvalOptions())
+    assert {name: pipe.components[name].dtype for name in ("text_encoder", "unet", "vae")} == \
+        {"text_encoder": torch.float32, "unet": torch.bfloat16, "vae": torch.float32}
+
+    def render(pipe, output_type: str) -> torch.Tensor | np.ndarray:
+        return pipe(prompt=["a cat"], generator=[torch.Generator().manual_seed(0)], num_inference_steps=2, height=64,
+                    width=64, output_type=output_type)[0]
+
+    cast = load_render_pipeline(model, for_model(model), {"default": torch.bfloat16, "text_encoder": torch.float32},
+                                "cpu")
+    assert cast.vae.dtype == torch.bfloat16
+    latents = render(cast, "latent").float() / pipe.vae.config.scaling_factor
+    with torch.no_grad():
+        decoded = pipe.image_processor.postprocess(pipe.vae.decode(latents).sample, output_type="np")[0]
+    assert np.abs(render(pipe, "np")[0] - decoded).max() * 255 < 1

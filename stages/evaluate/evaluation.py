@@ -339,15 +339,18 @@ def _render_settings(family: families.Family, model_path: Path, encoded: Encoded
 
 
 def _load_pipeline(model_path: Path, family: families.Family, options: EvalOptions) -> DiffusionPipeline:
-    """The model's pipeline, its text encoders in the dtype each is stored in, every other component in
-    the dtype its denoiser is stored in: unasked, diffusers loads its models in float32 (a model stored
-    in bf16, as the published ones are, would then not run beside its text encoders), and a text encoder
-    cast to a float32 denoiser's dtype can be twice its stored size (UMT5-XXL: 21 GiB in float32)."""
+    """The model's pipeline, its text encoders and VAE in the dtype each is stored in, every other
+    component in the dtype its denoiser is stored in: unasked, diffusers loads its models in float32 (a
+    model stored in bf16, as the published ones are, would then not run beside its text encoders), a
+    text encoder cast to a float32 denoiser's dtype can be twice its stored size (UMT5-XXL: 21 GiB in
+    float32), and a VAE stored in float32 beside a bf16 denoiser (as Wan's, which its pipeline's
+    examples load in float32) decodes as stored."""
     device = options.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    stored = {name: getattr(torch, dtype) for name in (*family.components.text, family.components.denoiser)
+    components = family.components
+    stored = {name: getattr(torch, dtype) for name in (*components.text, *components.latent, components.denoiser)
               if (dtype := stored_dtype(model_path / name))}
-    if family.components.denoiser in stored:  # the rest in its dtype (unread, e.g. fp8: as diffusers loads them)
-        stored["default"] = stored.pop(family.components.denoiser)
+    if components.denoiser in stored:  # the rest in its dtype (unread, e.g. fp8: as diffusers loads them)
+        stored["default"] = stored.pop(components.denoiser)
     return load_render_pipeline(model_path, family, stored, device)
 
 
