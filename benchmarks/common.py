@@ -124,10 +124,11 @@ def _random_component(arch_dir: Path, name: str, device: torch.device, dtype: to
 
 
 def random_model(arch_dir: Path, out: Path, device: torch.device, dtype: str = "bfloat16",
-                 text_dtype: str | None = None) -> Path:
+                 text_dtype: str | None = None, vae_dtype: str | None = None) -> Path:
     """A diffusers folder of the architecture in `arch_dir` (a folder of stages/assets/arch/) at its
     published size: seeded random weights in `dtype`, the text stage's models in `text_dtype` (default:
-    `dtype`), as published models store their text encoders in bf16, which encode then runs them in.
+    `dtype`), as published models store their text encoders in bf16, which encode then runs them in,
+    and the VAE in `vae_dtype` (default: `dtype`), which evaluate decodes in.
     The configs hold no tokenizer vocabularies: the tokenizers (and processors) of the family's tiny
     model (built offline) instead, under the classes that wrote them, checked to fit the text
     encoders' embeddings."""
@@ -154,7 +155,8 @@ def random_model(arch_dir: Path, out: Path, device: torch.device, dtype: str = "
         if name == "scheduler":
             shutil.copytree(arch_dir / name, staging / name)
         else:
-            stored = text_dtype if text_dtype and name in family.components.text else dtype
+            stored = (text_dtype if text_dtype and name in family.components.text else
+                      vae_dtype if vae_dtype and name in family.components.latent else dtype)
             _random_component(arch_dir, name, device, getattr(torch, stored)).save_pretrained(
                 staging / name, safe_serialization=True)
             release_memory(device)

@@ -11,14 +11,17 @@ so and the stages after it are not run.
 
     python -m benchmarks.real_size --arch sd15 [--resolution 512] [--frames N] [--steps 2]
         [--base-quantization none|int8|fp8|nf4] [--dtype bfloat16|float32] [--text-encoder-dtype bfloat16|float32]
+        [--vae-dtype bfloat16|float32]
         [--max-resident-gib 10] [--root DIR] [--json]
 
 appends its document to BENCHMARKS.md; `--tiny` runs the same code on the family's tiny model (the
 smoke test, tests/test_real_size.py) and only prints. `--text-encoder-dtype` stores the text stage's
 models in another dtype than --dtype, as published models store theirs in bf16: encode runs a text
 encoder in the dtype it is stored in (transformers loads it as stored) and the VAE in float32
-(diffusers' default), so a float32 row keeps its big text encoder in bf16. The model is built once
-under ROOT/models/<arch>-<dtype>[-text-<dtype>]
+(diffusers' default), so a float32 row keeps its big text encoder in bf16. `--vae-dtype` stores the
+VAE in another dtype, which evaluate decodes in (it loads a VAE as stored): float32 beside a bf16
+row, whose VAE would otherwise convolve in bf16, which this CPU does through a reference loop.
+The model is built once under ROOT/models/<arch>-<dtype>[-text-<dtype>][-vae-<dtype>]
 (benchmarks/common.py's random_model: one component at a time, created in its dtype where it is
 initialised, saved and freed, so the build never holds the model twice) and reused; the run's
 cache is emptied before every run.
@@ -49,11 +52,11 @@ from pathlib import Path
 import torch
 from benchmarks.common import arch_folder, random_model, tiny_arch
 from lorapipe.stages.families import build_tiny_model
-arch, out, dtype, text_dtype = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4]
+arch, out, dtype, text_dtype, vae_dtype = sys.argv[1], Path(sys.argv[2]), sys.argv[3], sys.argv[4], sys.argv[5]
 if dtype == "tiny":
     build_tiny_model(out, tiny_arch(arch))
 else:
-    random_model(arch_folder(arch), out, torch.device("cpu"), dtype, text_dtype)
+    random_model(arch_folder(arch), out, torch.device("cpu"), dtype, text_dtype, vae_dtype)
 """
 
 
@@ -68,10 +71,15 @@ class Bench:
     tiny: bool  # the family's tiny model instead of the published architecture
     max_resident_mib: float | None
     text_encoder_dtype: str | None = None  # what the text stage's models are stored (and encode runs them) in
+    vae_dtype: str | None = None  # what the VAE is stored (and evaluate decodes) in
 
     @property
     def stored_text_dtype(self) -> str:
         return self.text_encoder_dtype or self.dtype
+
+    @property
+    def stored_vae_dtype(self) -> str:
+        return self.vae_dtype or self.dtype
 
 
 # ---- measuring a command
@@ -127,15 +135,16 @@ def measured(command: list[str], logs: Path, limit_mib: float | None) -> Measure
 def model_row(bench: Bench, root: Path) -> tuple[dict, Path]:
     """The model's build (in a process of its own, measured as a stage is), or that it was reused."""
     text = f"-text-{bench.stored_text_dtype}" if bench.stored_text_dtype != bench.dtype else ""
-    model = root / "models" / (f"{bench.arch}-tiny" if bench.tiny else f"{bench.arch}-{bench.dtype}{text}")
+    vae = f"-vae-{bench.stored_vae_dtype}" if bench.stored_vae_dtype != bench.dtype else ""
+    model = root / "models" / (f"{bench.arch}-tiny" if bench.tiny else f"{bench.arch}-{bench.dtype}{text}{vae}")
     weights = "the family's tiny model" if bench.tiny else (
-        f"random, published architecture, {bench.dtype}, text stage {bench.stored_text_dtype}")
+        f"random, published architecture, {bench.dtype}, text stage {bench.stored_text_dtype}, VAE {bench.stored_vae_dtype}")
     if (model / "model_index.json").exists():
         return {"stage": "build", "weights": weights, "status": "reused", "path": str(model)}, model
     shutil.rmtree(model, ignore_errors=True)
     model.parent.mkdir(parents=True, exist_ok=True)
     run = measured([sys.executable, "-c", BUILD, bench.arch, str(model), "tiny" if bench.tiny else bench.dtype,
-                    bench.stored_text_dtype],
+                    bench.stored_text_dtype, bench.stored_vae_dtype],
                    root / "build", bench.max_resident_mib)
     return {"stage": "build", "weights": weights, **outcome(run), "path": str(model)}, model
 
@@ -234,7 +243,8 @@ def step_seconds(artifacts: dict[str, Path]) -> dict:
 def measure(bench: Bench, root: Path) -> dict:
     build, model = model_row(bench, root)
     head = {"arch": bench.arch, "resolution": bench.resolution, "frames": bench.frames, "dtype": bench.dtype,
-            "text_encoder_dtype": bench.stored_text_dtype, "base_quantization": bench.base_quantization,
+            "text_encoder_dtype": bench.stored_text_dtype, "vae_dtype": bench.stored_vae_dtype,
+            "base_quantization": bench.base_quantization,
             "samples": SAMPLES}
     if build["status"] not in ("completed", "reused"):
         return {**head, "stages": [build], "machine": machine()}
@@ -246,7 +256,7 @@ def measure(bench: Bench, root: Path) -> dict:
 
 def summary(document: dict) -> str:
     lines = [f"{document['arch']} at {document['resolution']} px" + (f", {document['frames']} frames" * bool(document["frames"]))
-             + f", {document['dtype']} (text stage {document['text_encoder_dtype']}), base"
+             + f", {document['dtype']} (text stage {document['text_encoder_dtype']}, VAE {document['vae_dtype']}), base"
              f" {document['base_quantization']}, {document['machine']}"]
     for row in document["stages"]:
         figures = f"{row['peak_resident_mib']:>9.1f} MiB peak {row['seconds']:>8.1f} s  " if "seconds" in row else ""
@@ -272,6 +282,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--text-encoder-dtype", choices=tuple(MIXED_PRECISION),
                         help="store the text stage's models in this dtype (default: --dtype); encode and evaluate"
                         " run a text encoder as stored, so bfloat16 halves a float32 row's text encoder")
+    parser.add_argument("--vae-dtype", choices=tuple(MIXED_PRECISION),
+                        help="store the VAE in this dtype (default: --dtype); evaluate decodes in it, so float32"
+                        " keeps a bfloat16 row's decode off this CPU's bf16 reference convolution")
     parser.add_argument("--max-resident-gib", type=float, help="stop a stage whose process tree passes this")
     parser.add_argument("--root", type=Path, default=Path("bench-run") / "real-size")
     parser.add_argument("--tiny", action="store_true", help="the family's tiny model; prints only")
@@ -279,7 +292,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     limit = args.max_resident_gib and args.max_resident_gib * 1024
     bench = Bench(args.arch, args.resolution, args.frames, args.steps, args.base_quantization, args.dtype, args.tiny,
-                  limit, args.text_encoder_dtype)
+                  limit, args.text_encoder_dtype, args.vae_dtype)
     args.root.mkdir(parents=True, exist_ok=True)
     document = measure(bench, args.root.resolve())
     print(json.dumps(document) if args.json else summary(document), flush=True)

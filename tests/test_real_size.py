@@ -76,14 +76,23 @@ def test_a_stage_past_the_memory_limit_is_stopped_and_the_rest_not_run(tmp_path,
     assert document["train_steps"] == {}
 
 
+def _tiny_arch(root: Path, tiny_model: Path) -> Path:
+    """The tiny SD1.5's configs laid out as stages/assets/arch ships them, and its tokenizer where
+    random_model takes one: ROOT/arch."""
+    import shutil
+
+    shutil.copytree(tiny_model, root / "arch", ignore=shutil.ignore_patterns("*.safetensors", "tokenizer"))
+    (root / "models").mkdir()
+    (root / "models" / "tiny-sd15").symlink_to(tiny_model)
+    return root / "arch"
+
+
 def test_the_text_stage_is_stored_in_its_own_dtype_and_encode_and_evaluate_load_it_so(tmp_path, tiny_model):
     """`--text-encoder-dtype bfloat16` with `--dtype float32`: random_model stores the text encoder in
     bf16 and the rest in float32, and encode's loaders take them so: a text encoder as stored, the VAE
     in float32 (what lets a float32 row keep T5-XXL or Qwen2.5-VL in bf16). So does evaluate's pipeline
     (it cast the whole pipeline to the denoiser's float32: the real-size Wan 2.1's UMT5-XXL at 21 GiB),
     and it renders what the pipeline cast to float32 renders, to float rounding."""
-    import shutil
-
     import torch
 
     from benchmarks.common import random_model
@@ -91,12 +100,8 @@ def test_the_text_stage_is_stored_in_its_own_dtype_and_encode_and_evaluate_load_
     from lorapipe.stages.families.folders import load_component
     from lorapipe.stages.sources.inventory import stored_dtype
 
-    arch = tmp_path / "arch"  # the tiny SD1.5's configs, laid out as stages/assets/arch ships them
-    shutil.copytree(tiny_model, arch, ignore=shutil.ignore_patterns("*.safetensors", "tokenizer"))
-    (tmp_path / "models").mkdir()
-    (tmp_path / "models" / "tiny-sd15").symlink_to(tiny_model)  # the tokenizer random_model takes
-    model = random_model(arch, tmp_path / "models" / "sd15-float32-text-bfloat16", torch.device("cpu"), "float32",
-                         "bfloat16")
+    model = random_model(_tiny_arch(tmp_path, tiny_model), tmp_path / "models" / "sd15-float32-text-bfloat16",
+                         torch.device("cpu"), "float32", "bfloat16")
     assert {name: stored_dtype(model / name) for name in ("text_encoder", "unet", "vae")} == \
         {"text_encoder": "bfloat16", "unet": "float32", "vae": "float32"}
     assert next(load_component(model, "text_encoder").parameters()).dtype == torch.bfloat16
@@ -117,21 +122,22 @@ def test_the_text_stage_is_stored_in_its_own_dtype_and_encode_and_evaluate_load_
 
 
 def test_evaluate_decodes_with_the_vae_as_stored_beside_a_bf16_denoiser(tmp_path, tiny_model):
-    """A VAE stored in float32 beside a denoiser stored in bf16 (as Wan's, which its pipeline's examples
-    load in float32): evaluate keeps it in float32, the denoiser in bf16, and renders the latents of the
-    pipeline whose VAE is cast to bf16 decoded in float32, to float rounding."""
-    import shutil
-
+    """`--dtype bfloat16 --vae-dtype float32`: random_model stores the VAE in float32 beside the bf16
+    denoiser (as Wan's is, which its pipeline's examples load in float32); evaluate keeps it in float32,
+    the denoiser in bf16, and renders the latents of the pipeline whose VAE is cast to bf16 decoded in
+    float32, to float rounding."""
     import torch
-    from diffusers import UNet2DConditionModel
 
+    from benchmarks.common import random_model
     from lorapipe.stages.evaluate.evaluation import EvalOptions, _load_pipeline
+    from lorapipe.stages.sources.inventory import stored_dtype
     from lorapipe.stages.families import for_model
     from lorapipe.stages.families.modular import load_render_pipeline
 
-    model = tmp_path / "sd15-unet-bfloat16"
-    shutil.copytree(tiny_model, model, ignore=shutil.ignore_patterns("unet"))
-    UNet2DConditionModel.from_pretrained(tiny_model / "unet").to(torch.bfloat16).save_pretrained(model / "unet")
+    model = random_model(_tiny_arch(tmp_path, tiny_model), tmp_path / "models" / "sd15-bfloat16-text-float32-vae-float32",
+                         torch.device("cpu"), "bfloat16", "float32", "float32")
+    assert {name: stored_dtype(model / name) for name in ("text_encoder", "unet", "vae")} == \
+        {"text_encoder": "float32", "unet": "bfloat16", "vae": "float32"}
     pipe = _load_pipeline(model, for_model(model), EvalOptions())
     assert {name: pipe.components[name].dtype for name in ("text_encoder", "unet", "vae")} == \
         {"text_encoder": torch.float32, "unet": torch.bfloat16, "vae": torch.float32}
