@@ -12,25 +12,20 @@ where it would have had to start a temporary server (flows/cached_run.py; tests/
 from __future__ import annotations
 
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 from browser import stop
 
+from lorapipe.flows.server import api_answers
+from lorapipe.stages.processes.launching import free_port
+
 PREFECT = str(Path(sys.executable).with_name("prefect"))
 START_TIMEOUT = 120  # seconds: its first start migrates a new database
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @contextmanager
@@ -46,7 +41,7 @@ def kept_server(home: Path, env: dict[str, str]) -> Iterator[str]:
     try:
         api = f"http://127.0.0.1:{port}/api"
         deadline = time.time() + START_TIMEOUT
-        while not _answers(api):
+        while not api_answers(api):
             if server.poll() is not None or time.time() > deadline:
                 raise RuntimeError(f"the kept Prefect server did not start: {(home / 'server.log').read_text()[-2000:]}")
             time.sleep(0.5)
@@ -55,10 +50,3 @@ def kept_server(home: Path, env: dict[str, str]) -> Iterator[str]:
         stop(server, signal.SIGTERM)
         log.close()
 
-
-def _answers(api: str) -> bool:
-    try:
-        with urllib.request.urlopen(f"{api}/health", timeout=2):
-            return True
-    except OSError:
-        return False

@@ -27,12 +27,13 @@ from uuid import UUID
 import psutil
 import pytest
 from browser import Chromium, stop
-from prefect_server import free_port
+from prefect_server import PREFECT
+
+from lorapipe.stages.processes.launching import free_port
 
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parent.parent
-PREFECT = str(Path(sys.executable).parent / "prefect")
 SERVICE_DOC = REPO / "docs" / "service.md"
 WALKTHROUGH = "### Step by step: server, worker, first run"  # the section the fixture runs
 STAGES = ["preprocess", "encode", "train", "evaluate"]

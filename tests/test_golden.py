@@ -304,7 +304,7 @@ VIDEO_LAST_FRAME = {
 }
 
 
-def last_frame(done: dict) -> np.ndarray:
+def last_frame(done: dict) -> Image.Image:
     """The animated grid's last frame, its first cell (the base model's first clip)."""
     with Image.open(Path(done["evaluate"][1].path) / "grid.webp") as grid:
         grid.seek(grid.n_frames - 1)

@@ -87,6 +87,14 @@ def _tiny_arch(root: Path, tiny_model: Path) -> Path:
     return root / "arch"
 
 
+def _render(pipe, output_type: str = "np"):
+    """The tiny SD1.5 pipeline's render of one prompt at 64 px, 2 steps, seed 0: its batch."""
+    import torch
+
+    return pipe(prompt=["a cat"], generator=[torch.Generator().manual_seed(0)], num_inference_steps=2, height=64,
+                width=64, output_type=output_type)[0]
+
+
 def test_the_text_stage_is_stored_in_its_own_dtype_and_encode_and_evaluate_load_it_so(tmp_path, tiny_model):
     """`--text-encoder-dtype bfloat16` with `--dtype float32`: random_model stores the text encoder in
     bf16 and the rest in float32, and encode's loaders take them so: a text encoder as stored, the VAE
@@ -110,15 +118,11 @@ def test_the_text_stage_is_stored_in_its_own_dtype_and_encode_and_evaluate_load_
     from lorapipe.stages.evaluate.evaluation import EvalOptions, _load_pipeline
     from lorapipe.stages.families.modular import load_render_pipeline
 
-    def render(pipe) -> np.ndarray:
-        return pipe(prompt=["a cat"], generator=[torch.Generator().manual_seed(0)], num_inference_steps=2, height=64,
-                    width=64, output_type="np")[0][0]
-
     pipe = _load_pipeline(model, for_model(model), EvalOptions())
     assert {name: pipe.components[name].dtype for name in ("text_encoder", "unet", "vae")} == \
         {"text_encoder": torch.bfloat16, "unet": torch.float32, "vae": torch.float32}
-    cast_whole = render(load_render_pipeline(model, for_model(model), torch.float32, "cpu"))
-    assert np.abs(render(pipe) - cast_whole).max() * 255 < 2  # 0.64 levels measured
+    cast_whole = _render(load_render_pipeline(model, for_model(model), torch.float32, "cpu"))[0]
+    assert np.abs(_render(pipe)[0] - cast_whole).max() * 255 < 2  # 0.64 levels measured
 
 
 def test_evaluate_decodes_with_the_vae_as_stored_beside_a_bf16_denoiser(tmp_path, tiny_model):
@@ -142,14 +146,10 @@ def test_evaluate_decodes_with_the_vae_as_stored_beside_a_bf16_denoiser(tmp_path
     assert {name: pipe.components[name].dtype for name in ("text_encoder", "unet", "vae")} == \
         {"text_encoder": torch.float32, "unet": torch.bfloat16, "vae": torch.float32}
 
-    def render(pipe, output_type: str) -> torch.Tensor | np.ndarray:
-        return pipe(prompt=["a cat"], generator=[torch.Generator().manual_seed(0)], num_inference_steps=2, height=64,
-                    width=64, output_type=output_type)[0]
-
     cast = load_render_pipeline(model, for_model(model), {"default": torch.bfloat16, "text_encoder": torch.float32},
                                 "cpu")
     assert cast.vae.dtype == torch.bfloat16
-    latents = render(cast, "latent").float() / pipe.vae.config.scaling_factor
+    latents = _render(cast, "latent").float() / pipe.vae.config.scaling_factor
     with torch.no_grad():
         decoded = pipe.image_processor.postprocess(pipe.vae.decode(latents).sample, output_type="np")[0]
-    assert np.abs(render(pipe, "np")[0] - decoded).max() * 255 < 1
+    assert np.abs(_render(pipe)[0] - decoded).max() * 255 < 1
