@@ -5,6 +5,7 @@ import functools
 import os
 import shutil
 import signal
+import sys
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -365,10 +366,19 @@ def prefect_api(tmp_path_factory) -> str:
 def on_kept_prefect_server(prefect_api):
     """A module's commands run their flows on the session's kept server (PREFECT_API_URL in this
     process's environment, which the commands inherit) instead of each starting a temporary one;
-    for a module, `pytestmark = pytest.mark.usefixtures("on_kept_prefect_server")`."""
+    for a module, `pytestmark = pytest.mark.usefixtures("on_kept_prefect_server")`. Prefect, once
+    imported, holds its settings from the environment of that moment: they are refreshed on entry
+    and on exit, so no later module in this worker sees the kept server's URL."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("PREFECT_API_URL", prefect_api)
+        _refresh_prefect_settings()
         yield prefect_api
+    _refresh_prefect_settings()
+
+
+def _refresh_prefect_settings() -> None:
+    if "prefect.context" in sys.modules:
+        sys.modules["prefect.context"].refresh_global_settings_context()
 
 
 @pytest.fixture(scope="session")
