@@ -64,7 +64,8 @@ ATTENTION = (BLOCK + r"(attn1|attn2)\.(to_q|to_k|to_v|to_out\.0)",)
 FEED_FORWARD = (BLOCK + r"ff\.net\.(0\.proj|2)",)
 VIDEO_STREAM = (BLOCK + r"(attn1|attn2|ff)\.",)  # all_linear: every Linear of the blocks' video stream
 ORIGINAL_ATTENTION = ("attn1", "attn2", "audio_attn1", "audio_attn2", "audio_to_video_attn", "video_to_audio_attn")
-ORIGINAL_BLOCK_MODULES = (*(f"{a}.{p}" for a in ORIGINAL_ATTENTION for p in ("to_q", "to_k", "to_v", "to_out.0")),
+ORIGINAL_BLOCK_MODULES = (*(f"{a}.{p}" for a in ORIGINAL_ATTENTION  # to_gate_logits: LTX-2.3's gated attention
+                            for p in ("to_q", "to_k", "to_v", "to_out.0", "to_gate_logits")),
                           "ff.net.0.proj", "ff.net.2", "audio_ff.net.0.proj", "audio_ff.net.2")
 ORIGINAL_MODULATIONS = ("adaln_single", "audio_adaln_single", "av_ca_video_scale_shift_adaln_single",
                         "av_ca_audio_scale_shift_adaln_single", "av_ca_a2v_gate_adaln_single",

@@ -7,7 +7,7 @@ that rendering a caption as trained never calls (ERNIE-Image's prompt enhancer, 
 large as its text encoder), a modular pipeline's sub-blocks (FLUX.3's prompt upsampler, a model no
 checkpoint folder holds). A modular pipeline is built from its folder's blocks, its components loaded from the
 folder; it takes one prompt per call (several images of it by num_images_per_prompt) and reads its
-guidance scale from its guider component. Everything else (its LoRA loader mixin's load_lora_weights,
+guidance scale from its guider component, and the number of images (a video model's: videos) per prompt. Everything else (its LoRA loader mixin's load_lora_weights,
 set_adapters, its components) is the pipeline's own.
 """
 from __future__ import annotations
@@ -109,6 +109,7 @@ class ModularRenderer:
         self.pipe = blocks.init_pipeline(str(model_path))
         self.pipe.load_components(dtype=dtype)
         self.output = "videos" if video else "images"
+        self.per_prompt = "num_videos_per_prompt" if video else "num_images_per_prompt"  # the blocks' input
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["pipe"], name)
@@ -126,8 +127,7 @@ class ModularRenderer:
         outputs, start = [], 0
         for (text, negative), run in groupby(zip(prompt, negatives)):
             count = len(list(run))
-            outputs += self.pipe(prompt=text, negative_prompt=negative, num_images_per_prompt=count,
-                                 generator=generator[start:start + count], output_type=output_type,
-                                 output=self.output, **kwargs)
+            outputs += self.pipe(prompt=text, negative_prompt=negative, generator=generator[start:start + count],
+                                 output_type=output_type, output=self.output, **{self.per_prompt: count}, **kwargs)
             start += count
         return SimpleNamespace(frames=outputs) if self.output == "videos" else (outputs,)

@@ -11,6 +11,9 @@ start (stages/processes/launching.py begin_worker).
 - transformers: "`PaddleOCRVLProcessor` defines `image_processor_class = 'AutoImageProcessor'`, which is
   deprecated": transformers' own processor class (the tiny captioner's, Qwen-Image's) tells its
   maintainers, on every load of a captioner.
+- torch: "flex_attention called without torch.compile() - this will use an unfused implementation ..."
+  (a Python warning of ten lines): LTX-2.5's diffusion decoder attends through flex_attention; on a
+  CPU it runs unfused, which its advice (compile it) does not change for a single decode.
 - the libraries' own progress bars (loading weights, pipeline components): redrawn in place, they
   become a line per redraw in a log file and the Prefect log. Our stages print progress lines.
 """
@@ -19,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import re
+import warnings
 
 NO_TEXT_ENCODER_LORA = re.compile(r"No LoRA keys associated to \w+ found with the prefix='text_encoder")
 HARMLESS = {  # logger -> the messages it logs that are dropped
@@ -42,6 +46,7 @@ def quiet_harmless_notes() -> None:
     """Install the filters in this process (idempotent). Library progress bars stay off in this
     process and its children unless TQDM_DISABLE is set (where tqdm is not imported yet)."""
     os.environ.setdefault("TQDM_DISABLE", "1")
+    warnings.filterwarnings("ignore", message="flex_attention called without torch.compile", category=UserWarning)
     for name, pattern in HARMLESS.items():
         logger = logging.getLogger(name)
         if not any(isinstance(f, _DropHarmless) for f in logger.filters):
