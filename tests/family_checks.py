@@ -312,6 +312,9 @@ FAMILIES = (
 )
 FAMILIES += tuple(replace(row, arch=f"{row.arch}-i2v") for row in FAMILIES  # the same transformer, another pipeline
                   if row.arch == "hunyuanvideo1.5")
+FAMILIES += tuple(replace(row, arch="ltx2.5",  # LTX-2.3's blocks: LTX-2's modules and each attention's gate
+                          modulation=_names("transformer_blocks.{i}.{a}.to_gate_logits", i=TWO, a=("attn1", "attn2")))
+                  for row in FAMILIES if row.arch == "ltx2")
 
 
 def text_records(model: Path, captions: list[str], options: TextOptions = TextOptions()):

@@ -169,7 +169,7 @@ def test_tiny_arches_come_from_the_registry():
                                             "z-image-turbo", "flux2-klein", "flux2-klein-distilled", "flux2-dev", "flux3", "qwen-image",
                                             "qwen-image-edit", "qwen-image-edit-plus", "qwen-image-2.1", "krea2",
                                             "krea2-distilled", "ideogram4", "wan2.1", "wan2.2-5b", "wan2.2-a14b", "wan2.1-i2v",
-                                            "wan2.2-i2v-a14b", "wan2.2-5b-i2v", "ltx2", "ltx2-i2v",
+                                            "wan2.2-i2v-a14b", "wan2.2-5b-i2v", "ltx2", "ltx2-i2v", "ltx2.5",
                                             "hunyuanvideo1.5", "hunyuanvideo1.5-i2v", "ernie-image", "hunyuanimage2.1", "chroma",
                                             "hidream-i1", "hidream-i1-dev", "hidream-i1-fast",
                                             "kandinsky5", "kandinsky5-video", "kandinsky5-i2v"}

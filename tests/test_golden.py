@@ -281,6 +281,8 @@ VIDEO_GOLDEN = {
     "hunyuanvideo1.5-i2v": Golden(5.169785022735596, 1.6768140594164531, 1.6684776544570923, "854891029b555d1d"),
     "kandinsky5-video": Golden(1.6389330625534058, 1.4246582786242168, 1.3841825127601624, "eea442f887c24641"),
     "kandinsky5-i2v": Golden(1.6266628503799438, 1.4136979579925537, 1.3650062481562297, "d7e059ea8e44201d"),
+    # LTX-2.3's transformer; rendered through its modular pipeline and decoded by its diffusion decoder
+    "ltx2.5": Golden(1.7966543436050415, 1.3085544904073079, 1.2393556733926137, "1b6116735aa0fdd3"),
 }
 
 
@@ -300,7 +302,7 @@ def demo_clips(tmp_path_factory) -> Path:
 VIDEO_LAST_FRAME = {
     "wan2.1": "a2c1de1972aaaa0c", "ltx2": "9daa9235aa8fb41b", "hunyuanvideo1.5": "e40ec6c368697265",
     "hunyuanvideo1.5-i2v": "f58a6843643e7734", "kandinsky5-video": "597ceba9d00417a8",
-    "kandinsky5-i2v": "4977b6c4f483c807",
+    "kandinsky5-i2v": "4977b6c4f483c807", "ltx2.5": "39ea85e0fd036067",  # ltx2.5: recorded with its numbers
 }
 
 

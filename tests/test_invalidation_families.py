@@ -1,8 +1,9 @@
 """The cache invariants for the families with variable-length text records (Z-Image, Krea 2, Qwen-Image
-2.1, Ideogram 4, HunyuanVideo 1.5, ERNIE-Image, HunyuanImage 2.1, Kandinsky 5 image and video, FLUX.3) and for Flux.2-dev, Chroma and HiDream-I1, a row
-each: on the family's tiny model, through the real preprocess and encode stages, with encodes counted
-by forward hooks on the VAE encoder and on the text encoder (Qwen3; Qwen3-VL at its first decoder
-layer: one row per caption; Mistral3: Flux.2-dev's and ERNIE-Image's; HiDream-I1: TEXT_ROWS). A
+2.1, Ideogram 4, HunyuanVideo 1.5, ERNIE-Image, HunyuanImage 2.1, Kandinsky 5 image and video, FLUX.3)
+and for Flux.2-dev, Chroma, HiDream-I1 and LTX-2.5 (a modular folder), a row each: on the family's
+tiny model, through the real preprocess and encode stages, with encodes counted by forward hooks
+on the VAE encoder and on the text encoder (Qwen3; Qwen3-VL at its first decoder layer: one row per
+caption; Mistral3: Flux.2-dev's and ERNIE-Image's; HiDream-I1: TEXT_ROWS; Gemma 3: LTX-2.5's). A
 caption edit re-encodes one text record; new VAE weights (Ideogram 4's batch-norm statistics too)
 re-encode latents only; what shapes a family's text records (TEXT_CHANGES: a file of the model, a
 setting in model_index.json, the family's own data, the token window, the Llama layers a transformer
@@ -25,7 +26,7 @@ pytestmark = pytest.mark.slow
 
 FAMILIES = ("z-image", "krea2", "qwen-image-2.1", "ideogram4", "flux2-dev", "hunyuanvideo1.5", "ernie-image", "hunyuanimage2.1",
             "chroma", "hidream-i1", "kandinsky5",
-            "kandinsky5-video", "flux3")
+            "kandinsky5-video", "flux3", "ltx2.5")
 
 
 @pytest.mark.parametrize("arch", FAMILIES)

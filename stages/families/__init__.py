@@ -29,6 +29,7 @@ from .kandinsky5_video import KANDINSKY5_VIDEO
 from .krea2 import KREA2
 from .ltx2 import LTX2
 from .ltx2_i2v import LTX2_I2V
+from .ltx25 import LTX25
 from .objectives import ObjectiveParams, TimestepSampling
 from .qwenimage import QWEN_IMAGE
 from .qwenimage21 import QWEN_IMAGE_21
@@ -43,7 +44,7 @@ FAMILIES: dict[str, Family] = {family.name: family for family in (SD15, SDXL, FL
                                                                   FLUX2_DEV, FLUX3,
                                                                   ZIMAGE, QWEN_IMAGE, QWEN_IMAGE_EDIT, QWEN_IMAGE_EDIT_PLUS,
                                                                   QWEN_IMAGE_21, KREA2, IDEOGRAM4, WAN, WAN_I2V, LTX2,
-                                                                  LTX2_I2V, HUNYUANVIDEO15, HUNYUANVIDEO15_I2V,
+                                                                  LTX2_I2V, LTX25, HUNYUANVIDEO15, HUNYUANVIDEO15_I2V,
                                                                   ERNIE_IMAGE, HUNYUANIMAGE21, CHROMA, HIDREAM, KANDINSKY5,
                                                                   KANDINSKY5_VIDEO, KANDINSKY5_I2V)}
 DENOISER_NAMES = tuple(dict.fromkeys(name for family in FAMILIES.values() for name in family.denoiser_names))

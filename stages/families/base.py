@@ -49,6 +49,7 @@ class Components:
     scheduler: str | None = "scheduler"  # None: the pipeline makes its scheduler from a config in its code (a modular one)
     other_denoisers: tuple[str, ...] = ()  # a model with several (train.denoiser picks which one trains)
     image: tuple[str, ...] = ()  # an image-to-video model's image encoder: its conditioning image records depend on it
+    render: tuple[str, ...] = ()  # what only rendering reads (LTX-2.5's diffusion decoder): evaluate's output depends on it
     lora_prefix: str | None = None  # the denoiser's name in LoRA files, when not its own (adapter_prefix)
     lora_load_kwargs: tuple[tuple[str, Any], ...] = ()  # what the pipeline's load_lora_weights takes to load into it
 
@@ -67,7 +68,7 @@ class Components:
         return () if self.scheduler is None else (self.scheduler,)
 
     def all(self) -> tuple[str, ...]:
-        return (*self.text, *self.latent, *self.image, *self.denoisers(), *self.schedulers())
+        return (*self.text, *self.latent, *self.image, *self.denoisers(), *self.schedulers(), *self.render)
 
     def identity(self, digests: dict[str, str]) -> str:
         """The model's identity: its denoiser's weights digest (what a LoRA is made for)."""

@@ -26,6 +26,7 @@ from .qwen import CAPTIONS, seeded
 TEXT_DIM = 16
 TEXT_LAYERS = 2
 LATENT_CHANNELS = 8
+VIDEO_WIDTH, AUDIO_WIDTH = 16, 8  # the transformer's streams: 2 heads of 8, 2 heads of 4
 REGISTERS = 8  # the connectors' learnable registers: max_sequence_length must be a multiple
 SCALING_FACTOR = 0.8  # LTX-2's VAE has 1.0, which would hide a normalisation that leaves it out
 SCHEDULER = dict(use_dynamic_shifting=True, base_image_seq_len=1024, max_image_seq_len=4096, base_shift=0.95,
@@ -68,13 +69,27 @@ def _gemma3(vocab_size: int):
                                                        image_token_index=vocab_size + 2)).eval()
 
 
-def _connectors():
+def _connectors(ltx23: bool = False):
+    """LTX-2.0's connectors, or (`ltx23`) LTX-2.3's: gated attention and a projection per stream, to the
+    transformer's widths (it then projects no caption itself)."""
     from diffusers.pipelines.ltx2 import LTX2TextConnectors
 
     stream = dict(num_attention_heads=2, attention_head_dim=8, num_layers=1, num_learnable_registers=REGISTERS)
+    streams = {"video": stream, "audio": stream}
+    ltx23_args = {}
+    if ltx23:  # each connector at its stream's width
+        streams["audio"] = {**stream, "attention_head_dim": AUDIO_WIDTH // 2}
+        ltx23_args = dict(per_modality_projections=True, video_hidden_dim=VIDEO_WIDTH, audio_hidden_dim=AUDIO_WIDTH,
+                          video_gated_attn=True, audio_gated_attn=True)
     return LTX2TextConnectors(caption_channels=TEXT_DIM, text_proj_in_factor=TEXT_LAYERS + 1,
-                              connector_rope_base_seq_len=1024,
-                              **{f"{s}_connector_{k}": v for s in ("video", "audio") for k, v in stream.items()})
+                              connector_rope_base_seq_len=1024, **ltx23_args,
+                              **{f"{s}_connector_{k}": v for s, args in streams.items() for k, v in args.items()})
+
+
+def _latent_statistics() -> tuple[torch.Tensor, torch.Tensor]:
+    """Seeded per-channel latents_mean and latents_std (zeros and ones would hide a wrong normalisation)."""
+    generator = torch.Generator().manual_seed(1)
+    return torch.randn(LATENT_CHANNELS, generator=generator) * 0.5, torch.rand(LATENT_CHANNELS, generator=generator) + 0.5
 
 
 def _vae():
@@ -85,10 +100,26 @@ def _vae():
         layers_per_block=(1, 1, 1, 1, 1), decoder_layers_per_block=(1, 1, 1, 1),
         downsample_type=("spatial", "temporal", "spatiotemporal", "spatiotemporal"), decoder_causal=False,
         spatial_compression_ratio=32, temporal_compression_ratio=8, scaling_factor=SCALING_FACTOR)
-    generator = torch.Generator().manual_seed(1)
-    vae.latents_mean.copy_(torch.randn(LATENT_CHANNELS, generator=generator) * 0.5)
-    vae.latents_std.copy_(torch.rand(LATENT_CHANNELS, generator=generator) + 0.5)
+    mean, std = _latent_statistics()
+    vae.latents_mean.copy_(mean)
+    vae.latents_std.copy_(std)
     return vae
+
+
+def _diffusion_decoder():
+    """LTX-2.5's diffusion decoder (32x spatial, 8x temporal, as the VAE), one block a stage, windows
+    small enough for a 64 px clip's latent grid; the VAE's latent statistics."""
+    from diffusers import LTX2VideoDiffusionDecoderModel
+
+    decoder = LTX2VideoDiffusionDecoderModel(
+        latent_channels=LATENT_CHANNELS, scaling_factor=SCALING_FACTOR, decoder_head_dim=8,
+        decoder_stage_channels=(32, 16, 16, 16, 16), decoder_stage_depths=(1, 1, 1, 1, 1),
+        decoder_stage_kernels=((1, 2, 2), (1, 2, 2), (3, 3, 3), (3, 3, 3)),
+        decoder_upsample_channel_reductions=(2, 1, 1, 1), decoder_stage5_kernel=(3, 3, 3), decoder_t_emb_dim=16)
+    mean, std = _latent_statistics()
+    decoder.latents_mean.copy_(mean)
+    decoder.latents_std.copy_(std)
+    return decoder
 
 
 def _audio_vae():
@@ -110,14 +141,18 @@ def _vocoder(audio_vae):
                        output_sampling_rate=16000)
 
 
-def _transformer(audio_channels: int):
+def _transformer(audio_channels: int, ltx23: bool = False):
+    """LTX-2.0's transformer, or (`ltx23`) LTX-2.3's: gated attention, the text cross-attention
+    modulated by sigma, the captions projected by the connectors."""
     from diffusers import LTX2VideoTransformer3DModel
 
+    ltx23_args = dict(gated_attn=True, cross_attn_mod=True, audio_gated_attn=True, audio_cross_attn_mod=True,
+                      use_prompt_embeddings=False) if ltx23 else {}
     return LTX2VideoTransformer3DModel(
         in_channels=LATENT_CHANNELS, out_channels=LATENT_CHANNELS, num_attention_heads=2, attention_head_dim=8,
-        cross_attention_dim=16, audio_in_channels=audio_channels, audio_out_channels=audio_channels,
-        audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8, num_layers=2,
-        caption_channels=TEXT_DIM)
+        cross_attention_dim=VIDEO_WIDTH, audio_in_channels=audio_channels, audio_out_channels=audio_channels,
+        audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=AUDIO_WIDTH, num_layers=2,
+        caption_channels=TEXT_DIM, **ltx23_args)
 
 
 def build_tiny_ltx2(out_dir: Path, image_to_video: bool = False) -> Path:
@@ -134,4 +169,26 @@ def build_tiny_ltx2(out_dir: Path, image_to_video: bool = False) -> Path:
         scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
     )
     pipe.save_pretrained(Path(out_dir), safe_serialization=True)
+    return Path(out_dir)
+
+
+def build_tiny_ltx25(out_dir: Path) -> Path:
+    """Write a tiny LTX-2.5 into out_dir as diffusers ships it: an LTX25ModularPipeline saved by
+    save_pretrained (modular_model_index.json, entries pointing at the folder), LTX-2.3's transformer
+    and connectors, LTX-2's VAE to encode and the diffusion decoder to render; no prompt enhancer and
+    no duration head (rendering gives the frame count)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
+    from diffusers.modular_pipelines import LTX25AutoBlocks
+
+    tokenizer = gemma_tokenizer()
+    audio_vae = seeded(_audio_vae)
+    latent_mel_bins = audio_vae.config.mel_bins // audio_vae.mel_compression_ratio
+    pipe = LTX25AutoBlocks().init_pipeline()
+    pipe.update_components(
+        tokenizer=tokenizer, text_encoder=seeded(_gemma3, len(tokenizer)), connectors=seeded(_connectors, True),
+        vae=seeded(_vae), diffusion_decoder=seeded(_diffusion_decoder), audio_vae=audio_vae,
+        vocoder=seeded(_vocoder, audio_vae),
+        transformer=seeded(_transformer, audio_vae.config.latent_channels * latent_mel_bins, True),
+        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER))
+    pipe.save_pretrained(str(Path(out_dir).absolute()), overwrite_modular_index=True)  # a str: diffusers splits it
     return Path(out_dir)
