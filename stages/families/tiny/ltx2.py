@@ -1,5 +1,6 @@
 """A tiny LTX-2 built offline, byte-for-byte reproducible: `lorapipe tiny-model DIR --arch ltx2` (or
-`--arch ltx2-i2v`: the same components as an LTX2ImageToVideoPipeline).
+`--arch ltx2-i2v`: the same components as an LTX2ImageToVideoPipeline; `--arch ltx2.5`: LTX-2.3's
+transformer and connectors and a diffusion decoder, in an LTX25ModularPipeline folder).
 
 Text: a Gemma 3 (conditional generation, a tiny SigLIP vision tower beside it) with hidden size 16
 and 2 layers, around a byte-fallback BPE tokenizer trained on the bundled captions (words of the
@@ -155,19 +156,25 @@ def _transformer(audio_channels: int, ltx23: bool = False):
         caption_channels=TEXT_DIM, **ltx23_args)
 
 
-def build_tiny_ltx2(out_dir: Path, image_to_video: bool = False) -> Path:
-    """Write a tiny LTX-2 into out_dir (`image_to_video`: the same components as an LTX2ImageToVideoPipeline)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler, LTX2ImageToVideoPipeline, LTX2Pipeline
+def _components(ltx23: bool = False) -> dict:
+    """Every component but the diffusion decoder, by the pipelines' names (`ltx23`: LTX-2.3's
+    transformer and connectors)."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
     tokenizer = gemma_tokenizer()
     audio_vae = seeded(_audio_vae)
     latent_mel_bins = audio_vae.config.mel_bins // audio_vae.mel_compression_ratio
-    pipe = (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(
-        tokenizer=tokenizer, text_encoder=seeded(_gemma3, len(tokenizer)), connectors=seeded(_connectors),
-        vae=seeded(_vae), audio_vae=audio_vae, vocoder=seeded(_vocoder, audio_vae),
-        transformer=seeded(_transformer, audio_vae.config.latent_channels * latent_mel_bins),
-        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER),
-    )
+    return dict(tokenizer=tokenizer, text_encoder=seeded(_gemma3, len(tokenizer)), connectors=seeded(_connectors, ltx23),
+                vae=seeded(_vae), audio_vae=audio_vae, vocoder=seeded(_vocoder, audio_vae),
+                transformer=seeded(_transformer, audio_vae.config.latent_channels * latent_mel_bins, ltx23),
+                scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER))
+
+
+def build_tiny_ltx2(out_dir: Path, image_to_video: bool = False) -> Path:
+    """Write a tiny LTX-2 into out_dir (`image_to_video`: the same components as an LTX2ImageToVideoPipeline)."""
+    from diffusers import LTX2ImageToVideoPipeline, LTX2Pipeline
+
+    pipe = (LTX2ImageToVideoPipeline if image_to_video else LTX2Pipeline)(**_components())
     pipe.save_pretrained(Path(out_dir), safe_serialization=True)
     return Path(out_dir)
 
@@ -177,18 +184,9 @@ def build_tiny_ltx25(out_dir: Path) -> Path:
     save_pretrained (modular_model_index.json, entries pointing at the folder), LTX-2.3's transformer
     and connectors, LTX-2's VAE to encode and the diffusion decoder to render; no prompt enhancer and
     no duration head (rendering gives the frame count)."""
-    from diffusers import FlowMatchEulerDiscreteScheduler
     from diffusers.modular_pipelines import LTX25AutoBlocks
 
-    tokenizer = gemma_tokenizer()
-    audio_vae = seeded(_audio_vae)
-    latent_mel_bins = audio_vae.config.mel_bins // audio_vae.mel_compression_ratio
     pipe = LTX25AutoBlocks().init_pipeline()
-    pipe.update_components(
-        tokenizer=tokenizer, text_encoder=seeded(_gemma3, len(tokenizer)), connectors=seeded(_connectors, True),
-        vae=seeded(_vae), diffusion_decoder=seeded(_diffusion_decoder), audio_vae=audio_vae,
-        vocoder=seeded(_vocoder, audio_vae),
-        transformer=seeded(_transformer, audio_vae.config.latent_channels * latent_mel_bins, True),
-        scheduler=FlowMatchEulerDiscreteScheduler(**SCHEDULER))
+    pipe.update_components(**_components(ltx23=True), diffusion_decoder=seeded(_diffusion_decoder))
     pipe.save_pretrained(str(Path(out_dir).absolute()), overwrite_modular_index=True)  # a str: diffusers splits it
     return Path(out_dir)
