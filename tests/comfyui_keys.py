@@ -19,7 +19,11 @@ names (Z-Image's and Flux.2's diffusers names under `transformer.`), which no fi
   their rows of the fused weights (`transformer.` only in later versions);
 - Qwen-Image: its (diffusers-named) weights bare, under `transformer.` and `lycoris_`;
 - Wan: no table of its own (its model holds Wan's original names, `blocks.N.self_attn.q`): only the
-  two names every model has, so diffusers-named Wan files are not modelled as read.
+  two names every model has, so diffusers-named Wan files are not modelled as read;
+- HunyuanVideo (1.0, and 1.5, its subclass there): its model holds its own names, Flux's double
+  blocks' (`double_blocks.N.img_attn.qkv`, `img_mlp.0`, `img_mod.lin`), not Tencent's; lora.py maps
+  each, renamed to Tencent's spelling (`img_attn_qkv`, `img_mlp.fc1`, `img_mod.linear`), under
+  `transformer.` and `diffusion_model.` (diffusion-pipe's files).
 A module's tensors are read by ComfyUI's suffixes (`lora_up/lora_down`, `lora_B/lora_A`, `alpha`,
 `dora_scale`, `hada_*`, `lokr_*`); a file without `.alpha` is applied at scale 1.
 """
@@ -42,7 +46,11 @@ LORA_PAIRS = (("lora_up.weight", "lora_down.weight"), ("lora_B.weight", "lora_A.
 LYCORIS = ("hada_w1_a", "hada_w1_b", "hada_w2_a", "hada_w2_b", "lokr_w1", "lokr_w1_a", "lokr_w1_b", "lokr_w2",
            "lokr_w2_a", "lokr_w2_b")
 TABLES = {"sd15": "unet", "sdxl": "unet", "flux1": "flux", "z-image": "lumina2", "qwen-image": "qwen",
-          "chroma": "flux"}  # ComfyUI's Chroma model is a Flux model
+          "chroma": "flux",  # ComfyUI's Chroma model is a Flux model
+          "hunyuanvideo1.5": "hunyuan_video", "hunyuanvideo1.5-i2v": "hunyuan_video"}
+# lora.py's renames of a HunyuanVideo model's names into the keys it reads (Tencent's spelling)
+HUNYUAN_VIDEO_RENAMES = (("_mod.lin.", "_mod.linear."), ("_attn.qkv.", "_attn_qkv."), ("_attn.proj.", "_attn_proj."),
+                         ("mlp.0.", "mlp.fc1."), ("mlp.2.", "mlp.fc2."), (".modulation.lin.", ".modulation.linear."))
 
 
 @dataclass(frozen=True)
@@ -80,16 +88,27 @@ class ComfyUIModel:
 def comfyui_model(family, denoiser: torch.nn.Module) -> ComfyUIModel:
     """ComfyUI's model and key map for the family's denoiser (see the module docstring)."""
     layout = _layout(family, denoiser)
+    table = TABLES.get(family.name)
+    if table == "hunyuan_video":  # the model's own names, which the file's (Tencent's) are renamed from
+        layout = {_renamed(f"{name}.", HUNYUAN_VIDEO_RENAMES, back=True)[:-1]: rows for name, rows in layout.items()}
     key_map = {}
     for original in layout:
         key_map[f"diffusion_model.{original}"] = key_map[kohya_name(original)] = Target(original)
-    table = TABLES.get(family.name)
+        if table == "hunyuan_video":
+            read_as = _renamed(f"{original}.", HUNYUAN_VIDEO_RENAMES)[:-1]
+            key_map[f"transformer.{read_as}"] = key_map[f"diffusion_model.{read_as}"] = Target(original)
     for original, segments in layout.items():
         for s in segments:
             if [t.module for t in segments].count(s.module) == 1:  # one run of rows (not a swapped pair)
                 for key in _diffusers_keys(table, s.module):
                     key_map[key] = Target(original, s.start, s.end)
     return ComfyUIModel(layout, key_map)
+
+
+def _renamed(name: str, renames: tuple[tuple[str, str], ...], back: bool = False) -> str:
+    for old, new in renames:
+        name = name.replace(new, old) if back else name.replace(old, new)
+    return name
 
 
 def _layout(family, denoiser) -> OriginalNames:

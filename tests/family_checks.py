@@ -271,7 +271,7 @@ FAMILIES = (
               _names("transformer_blocks.{i}.attn.{m}", i=TWO, m=JOINT_ATTENTION),
               _names("transformer_blocks.{i}.{m}.net.{p}", i=TWO, m=("ff", "ff_context"), p=("0.proj", "2")),
               _names("transformer_blocks.{i}.{m}.linear", i=TWO, m=("norm1", "norm1_context")),
-              (DIFFUSERS_FILE,)),
+              (DIFFUSERS_FILE, COMFYUI_FILE)),
     FamilyRow("ernie-image",
               _names("layers.{i}.self_attention.{m}", i=TWO, m=QKVO),
               _names("layers.{i}.mlp.{m}", i=TWO, m=("gate_proj", "up_proj", "linear_fc2")),

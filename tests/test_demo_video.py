@@ -17,11 +17,10 @@ from lorapipe.stages.demo.clips import SCENES
 
 pytestmark = pytest.mark.slow
 
-WAN_FILES, LTX2_FILES = ("", "_comfyui", "_kohya"), ("", "_comfyui")
-LORA_FILES = {"wan2.1": WAN_FILES, "wan2.2-a14b": WAN_FILES, "ltx2": LTX2_FILES, "wan2.1-i2v": WAN_FILES,
-              "wan2.2-i2v-a14b": WAN_FILES, "wan2.2-5b-i2v": WAN_FILES, "ltx2-i2v": LTX2_FILES,
-              "hunyuanvideo1.5": ("",), "hunyuanvideo1.5-i2v": ("",), "kandinsky5-video": LTX2_FILES,
-              "kandinsky5-i2v": LTX2_FILES, "ltx2.5": LTX2_FILES}  # HunyuanVideo 1.5: the diffusers file alone
+WAN_FILES, WITH_COMFYUI = ("", "_comfyui", "_kohya"), ("", "_comfyui")
+LORA_FILES = {"wan2.1": WAN_FILES, "wan2.2-a14b": WAN_FILES, "wan2.1-i2v": WAN_FILES, "wan2.2-i2v-a14b": WAN_FILES,
+              "wan2.2-5b-i2v": WAN_FILES, **dict.fromkeys(("ltx2", "ltx2-i2v", "hunyuanvideo1.5", "hunyuanvideo1.5-i2v",
+                                                           "kandinsky5-video", "kandinsky5-i2v", "ltx2.5"), WITH_COMFYUI)}
 CONDITIONED = {"wan2.1-i2v", "wan2.2-i2v-a14b", "wan2.2-5b-i2v", "ltx2-i2v", "kandinsky5-i2v",
                "hunyuanvideo1.5-i2v"}  # image-to-video: a conditioning image per window, its own record; clips rendered from
 # the held-out windows' first frames beside them (edit_grid.png)

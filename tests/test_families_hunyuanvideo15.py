@@ -69,3 +69,23 @@ def test_denoiser_call_is_the_pipelines(model, captions):
 
 def test_a_guidance_scale_other_than_the_guiders_is_refused(model):
     assert_only_the_guiders_scale_renders(model, 6.0)
+
+
+def test_comfyui_export_is_hunyuanvideos_names_read_by_diffusers_and_comfyui(model, exported_loras):
+    """HunyuanVideo's original names under `diffusion_model.` (double_blocks.N.img_attn_qkv, q|k|v fused;
+    img_mlp.fc1; img_mod.linear), the scale in lora_B and no `.alpha`: diffusers' HunyuanVideo LoRA loader
+    (the one evaluate gives the pipeline) and ComfyUI's key map for its HunyuanVideo models both apply
+    the trained model."""
+    from comfyui_keys import assert_comfyui_applies_the_merged_model
+    from family_checks import assert_means_what_was_trained, fused_change, keys_of, quiet_pipeline
+
+    transformer, targets, written = exported_loras("hunyuanvideo1.5")
+    keys = keys_of(written[1])
+    assert {"diffusion_model.double_blocks.0.img_attn_qkv.lora_A.weight",
+            "diffusion_model.double_blocks.1.txt_mlp.fc2.lora_B.weight",
+            "diffusion_model.double_blocks.1.img_mod.linear.lora_A.weight"} <= keys
+    assert not any(key.endswith(".alpha") for key in keys)
+    family, pipe = families.for_model(model), quiet_pipeline(model)
+    family.prepare_pipeline(pipe, family.sampler, None)
+    assert_means_what_was_trained(transformer, targets, fused_change(pipe, "transformer", written[1]))
+    assert_comfyui_applies_the_merged_model(written[1], transformer, family)

@@ -11,7 +11,7 @@ Latents: the VAE's posterior (C, H/32, W/32), unscaled; normalised by the VAE co
 scaling_factor (the pipeline divides by it before decoding). The transformer reads them unpacked
 (1x1 patches), 1000 sigma as its timestep, both texts with their masks.
 
-LoRA: diffusers format only, as the Hunyuan families export (hunyuan.py).
+LoRA: diffusers format only (hunyuan.py): diffusers keeps no converter from its original layout.
 
 The distilled checkpoint is refused: its meanflow transformer reads the sampler's next timestep as well
 (`timestep_r`), which a training step, at one noise level, does not have.
