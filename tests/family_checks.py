@@ -284,7 +284,7 @@ FAMILIES = (
               | _names("single_transformer_blocks.{i}.{m}", i=TWO, m=("proj_mlp", "proj_out")),
               _names("transformer_blocks.{i}.{m}.linear", i=TWO, m=("norm1", "norm1_context"))
               | _names("single_transformer_blocks.{i}.norm.linear", i=TWO),
-              (DIFFUSERS_FILE,)),
+              (DIFFUSERS_FILE, COMFYUI_FILE)),
     FamilyRow("hidream-i1",  # the image feed-forward mixes a shared and 4 routed experts (its router is no Linear)
               _names("double_stream_blocks.{i}.block.attn1.{m}{t}", i=TWO, m=("to_q", "to_k", "to_v", "to_out"),
                      t=("", "_t"))

@@ -53,10 +53,9 @@ def test_flux1_demo_trains_the_tiny_flux_and_its_lora_beats_the_base(tmp_path, f
         f" another --workdir for the {arch} demo" for arch in ("sd15", "z-image")]
 
 
-LORA_FILES = {**dict.fromkeys(["z-image", "flux2-klein", "flux2-dev", "qwen-image", "qwen-image-2.1", "krea2",
-                                "ideogram4", "ernie-image", "chroma", "hidream-i1", "kandinsky5", "flux3"],
-                                ("", "_comfyui")),
-              "hunyuanimage2.1": ("",)}  # the diffusers file alone
+LORA_FILES = dict.fromkeys(["z-image", "flux2-klein", "flux2-dev", "qwen-image", "qwen-image-2.1", "krea2", "ideogram4",
+                            "ernie-image", "chroma", "hidream-i1", "kandinsky5", "flux3", "hunyuanimage2.1"],
+                           ("", "_comfyui"))
 
 
 @pytest.mark.parametrize("arch", list(LORA_FILES))

@@ -83,3 +83,21 @@ def test_the_distilled_checkpoint_is_refused_naming_the_base(model, tmp_path):
     with pytest.raises(UserError, match=r"transformer/config.json: the distilled HunyuanImage 2.1 \(use_meanflow\).*"
                                         r"train the base \(hunyuanvideo-community/HunyuanImage-2.1-Diffusers\)"):
         families.for_model(tmp_path)
+
+
+def test_comfyui_export_is_comfyuis_model_names_and_applies_the_trained_model(model, exported_loras):
+    """The blocks in ComfyUI's HunyuanImage 2.1 model's own names under `diffusion_model.` (its key
+    map has no table of its own): q|k|v fused in `img_attn.qkv`, q|k|v|mlp in a single block's
+    `linear1`, the scale in lora_B and no `.alpha`; ComfyUI's key map reads every key and applies the
+    trained model."""
+    from comfyui_keys import assert_comfyui_applies_the_merged_model
+    from family_checks import keys_of
+
+    transformer, _, written = exported_loras("hunyuanimage2.1")
+    keys = keys_of(written[1])
+    assert {"diffusion_model.double_blocks.0.img_attn.qkv.lora_A.weight",
+            "diffusion_model.double_blocks.1.txt_mlp.2.lora_B.weight",
+            "diffusion_model.single_blocks.1.linear1.lora_B.weight",
+            "diffusion_model.single_blocks.0.modulation.lin.lora_A.weight"} <= keys
+    assert not any(key.endswith(".alpha") for key in keys)
+    assert_comfyui_applies_the_merged_model(written[1], transformer, families.for_model(model))

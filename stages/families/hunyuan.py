@@ -3,18 +3,24 @@ Qwen2.5-VL's states and, for the text a caption quotes, ByT5's, each at its own 
 (`hidden_states` (L, D), `glyph_states` (G, D2), G = 0 without quotes), padded per batch with masks
 (the transformers gather the unmasked tokens of each first, so the padding's length changes
 nothing); the guider that sets their pipelines' guidance; diffusers' LoRA loader, which their
-pipelines lack in diffusers 0.42.1; and each Linear under its own name (their families write the
-diffusers file only: diffusers has no converter from their original layouts to name another from).
+pipelines lack in diffusers 0.42.1; and the original names of their blocks: both keep HunyuanVideo
+1.0's double blocks (HunyuanImage 2.1 its single blocks too), so diffusers' HunyuanVideo converter
+(convert_hunyuan_video_transformer_to_diffusers) names them, in HunyuanVideo's spelling
+(`double_blocks.N.img_attn_qkv`, q|k|v fused; `img_mlp.fc1`; `img_mod.linear`; `single_blocks.N.linear1`,
+q|k|v|mlp fused). ComfyUI's HunyuanVideo and HunyuanImage 2.1 models hold the same weights under
+Flux's block names (`img_attn.qkv`, `img_mlp.0`, `img_mod.lin`: `COMFYUI_SPELLING`). Hand-written:
+the original block module names (`ORIGINAL_DOUBLE`, `ORIGINAL_SINGLE`), the converter's input.
 """
 from __future__ import annotations
 
+from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from pydantic import Field
 
 from lorapipe.stages.contract import Frozen
-from lorapipe.stages.lora_formats.original_names import OriginalNames, own_names
+from lorapipe.stages.lora_formats.original_names import OriginalNames, derive_original_names, weight_keys
 
 from .base import Components, Conditioning, ImageGeometry, TextRecord, pad_sequences
 from .folders import load_component
@@ -28,6 +34,12 @@ COMPONENTS = Components(text=("text_encoder", "tokenizer", "text_encoder_2", "to
                         denoiser="transformer")
 
 TEXT_INPUTS = ("encoder_hidden_states", "encoder_attention_mask", "encoder_hidden_states_2", "encoder_attention_mask_2")
+ORIGINAL_DOUBLE = tuple(f"{stream}_{module}" for stream in ("img", "txt")
+                        for module in ("attn_qkv", "attn_proj", "mlp.fc1", "mlp.fc2", "mod.linear"))
+ORIGINAL_SINGLE = ("linear1", "linear2", "modulation.linear")
+# HunyuanVideo's spelling -> ComfyUI's models' own (comfy/lora.py renames the other way for HunyuanVideo's)
+COMFYUI_SPELLING = (("_attn_qkv", "_attn.qkv"), ("_attn_proj", "_attn.proj"), ("mlp.fc1", "mlp.0"),
+                    ("mlp.fc2", "mlp.2"), ("_mod.linear", "_mod.lin"), ("modulation.linear", "modulation.lin"))
 
 
 class HunyuanTextSettings(Frozen):
@@ -61,10 +73,6 @@ class HunyuanFamily:
         glyphs, glyph_mask = pad_sequences(texts, "glyph_states", max(1, *(len(t["glyph_states"]) for t in texts)))
         return dict(zip(TEXT_INPUTS, (embeds, mask, glyphs, glyph_mask)))
 
-    def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
-        """Each Linear under its own name, whole: no original-name file is written (none of original_formats)."""
-        return own_names(transformer)
-
     def prepare_pipeline(self, pipe: Any, sampler: str, objective: FlowMatchingObjective) -> None:
         """The pipeline with diffusers' LoRA loader for a transformer named `transformer`, which the
         Hunyuan pipelines lack in diffusers 0.42.1 (their transformers load adapters themselves)."""
@@ -86,3 +94,24 @@ class HunyuanFamily:
 def on_device(conditioning: Conditioning, device: torch.device, dtype: torch.dtype) -> Conditioning:
     """The conditioning on the denoiser's device, its states in the denoiser's dtype, its masks as they are."""
     return {k: v.to(device=device, dtype=dtype if v.is_floating_point() else v.dtype) for k, v in conditioning.items()}
+
+
+@cache
+def hunyuan_video_names(num_layers: int, num_single_layers: int) -> OriginalNames:
+    """HunyuanVideo's original names of the blocks of a transformer of this shape, from diffusers' converter
+    (its single blocks' q|k|v|mlp split is 1:1:1:4, any width, at the mlp_ratio 4 both families have)."""
+    from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers
+
+    seeds = weight_keys((f"double_blocks.{i}" for i in range(num_layers)), ORIGINAL_DOUBLE) + \
+        weight_keys((f"single_blocks.{i}" for i in range(num_single_layers)), ORIGINAL_SINGLE)
+    return derive_original_names(convert_hunyuan_video_transformer_to_diffusers, seeds)
+
+
+def in_comfyui_spelling(names: OriginalNames) -> OriginalNames:
+    """The same weights under ComfyUI's models' names."""
+    def spelt(name: str) -> str:
+        for original, comfyui in COMFYUI_SPELLING:
+            name = name.replace(original, comfyui)
+        return name
+
+    return {spelt(name): rows for name, rows in names.items()}

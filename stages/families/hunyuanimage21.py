@@ -11,7 +11,10 @@ Latents: the VAE's posterior (C, H/32, W/32), unscaled; normalised by the VAE co
 scaling_factor (the pipeline divides by it before decoding). The transformer reads them unpacked
 (1x1 patches), 1000 sigma as its timestep, both texts with their masks.
 
-LoRA: diffusers format only (hunyuan.py): diffusers keeps no converter from its original layout.
+LoRA: the diffusers file, and its blocks in ComfyUI's HunyuanImage 2.1 model's names under
+`diffusion_model.` (`_comfyui`: `double_blocks.N.img_attn.qkv`, `img_mlp.0`, `img_mod.lin`,
+`single_blocks.N.linear1`; hunyuan.py): that model is read by those names alone (comfy/lora.py has
+no table of its own for it), and diffusers reads no such file for HunyuanImage 2.1.
 
 The distilled checkpoint is refused: its meanflow transformer reads the sampler's next timestep as well
 (`timestep_r`), which a training step, at one noise level, does not have.
@@ -24,11 +27,14 @@ from typing import TYPE_CHECKING
 
 from pydantic import Field
 
+from lorapipe.stages.lora_formats.original_names import COMFYUI, OriginalNames
+
 from .base import Conditioning, Kohya, TextOptions, TextRecord
 from .flow import FlowFamily, FlowVariant, presets_field
 from .flux1 import ATTENTION, DOUBLE, FEED_FORWARD, SINGLE
 from .folders import component_config
-from .hunyuan import COMPONENTS, HunyuanFamily, HunyuanTextEncoders, HunyuanTextSettings, on_device
+from .hunyuan import (COMPONENTS, HunyuanFamily, HunyuanTextEncoders, HunyuanTextSettings, hunyuan_video_names,
+                      in_comfyui_spelling, on_device)
 
 if TYPE_CHECKING:
     import torch
@@ -113,6 +119,11 @@ class HunyuanImage21(HunyuanFamily, FlowFamily):
         return transformer(hidden_states=noisy.to(dtype), timestep=(timesteps * TIMESTEP_SCALE).to(noisy.device, dtype),
                            return_dict=False, **on_device(conditioning, noisy.device, dtype))[0].float()
 
+    # ---- LoRA
+    def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
+        config = transformer.config
+        return in_comfyui_spelling(hunyuan_video_names(config.num_layers, config.num_single_layers))
+
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: FlowVariant) -> Path:
         from .tiny.hunyuanimage21 import build_tiny_hunyuanimage21
@@ -124,5 +135,5 @@ HUNYUANIMAGE21 = HunyuanImage21(
     name="hunyuanimage2.1", label="HunyuanImage 2.1", pipeline_class="HunyuanImagePipeline",
     components=COMPONENTS,
     kohya=Kohya("hunyuan_image_2_1"), sequence_patch=1, text_encoder=HunyuanImageTextEncoder,
-    original_formats=(), block_lists=("transformer_blocks", "single_transformer_blocks"),
+    original_formats=(COMFYUI,), block_lists=("transformer_blocks", "single_transformer_blocks"),
 )

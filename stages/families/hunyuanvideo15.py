@@ -15,28 +15,24 @@ before decoding). The transformer reads the latents with the text-to-video condi
 latents and a zero mask) after them, 1000 sigma as the timestep, and zero image embeddings, as the
 pipeline calls it.
 
-LoRA: the diffusers file, and HunyuanVideo's original names under `diffusion_model.` (`_comfyui`):
-its double blocks as diffusers' HunyuanVideo converter (convert_hunyuan_video_transformer_to_diffusers,
-of the 1.0 layout, whose double blocks 1.5 keeps) names them, q|k|v fused in `img_attn_qkv` and
-`txt_attn_qkv`. ComfyUI's HunyuanVideo model (its HunyuanVideo 1.5 one a subclass) reads those names
-(comfy/lora.py renames them onto its own: `img_attn.qkv`, `img_mlp.0`, `img_mod.lin`), and diffusers'
-HunyuanVideo LoRA loader converts them back. Hand-written: the original block module names
-(`ORIGINAL_BLOCK`), the converter's input; modules outside the blocks have no original name here.
+LoRA: the diffusers file, and its double blocks in HunyuanVideo's original names under
+`diffusion_model.` (`_comfyui`; hunyuan.py): ComfyUI's HunyuanVideo model (its HunyuanVideo 1.5 one
+a subclass) reads that spelling (comfy/lora.py renames it onto its own), and diffusers' HunyuanVideo
+LoRA loader converts it back. Modules outside the blocks have no original name here.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lorapipe.stages.lora_formats.original_names import (COMFYUI, OriginalNames, derive_original_names,
-                                                         weight_keys)
+from lorapipe.stages.lora_formats.original_names import COMFYUI, OriginalNames
 
 from .base import Conditioning, Kohya, TextOptions, TextRecord
 from .flow import presets_field
 from .folders import component_config
-from .hunyuan import COMPONENTS, TEXT_INPUTS, HunyuanFamily, HunyuanTextEncoders, HunyuanTextSettings, on_device
+from .hunyuan import (COMPONENTS, TEXT_INPUTS, HunyuanFamily, HunyuanTextEncoders, HunyuanTextSettings,
+                      hunyuan_video_names, on_device)
 from .video import ClipPosterior, VideoFamily, VideoVariant
 
 if TYPE_CHECKING:
@@ -50,8 +46,6 @@ CROP_START = 108  # the pipeline's prompt_template_encode_start_idx: the templat
 SKIPPED_LAYERS = 2  # the pipeline reads hidden_states[-(2 + 1)]
 GLYPH_LENGTH = 256  # the pipeline's tokenizer_2_max_length: ByT5 tokens of the quoted text
 IMAGE_TOKENS = 729  # the pipeline's vision_num_semantic_tokens: zero image embeddings in text-to-video
-ORIGINAL_BLOCK = tuple(f"{stream}_{module}" for stream in ("img", "txt")
-                       for module in ("attn_qkv", "attn_proj", "mlp.fc1", "mlp.fc2", "mod.linear"))
 
 VARIANTS = (VideoVariant("1.5-t2v", "hunyuanvideo1.5", 50, 6.0, max_sequence_length=1000, render_frames=121),)
 
@@ -141,7 +135,7 @@ class HunyuanVideo15(HunyuanFamily, VideoFamily):
 
     # ---- LoRA
     def original_names(self, transformer: torch.nn.Module) -> OriginalNames:
-        return original_names(transformer.config.num_layers)
+        return hunyuan_video_names(transformer.config.num_layers, 0)
 
     # ---- tiny model
     def build_tiny_variant(self, out_dir: Path, variant: VideoVariant) -> Path:
@@ -149,14 +143,6 @@ class HunyuanVideo15(HunyuanFamily, VideoFamily):
 
         return build_tiny_hunyuanvideo15(out_dir)
 
-
-@cache
-def original_names(num_layers: int) -> OriginalNames:
-    """HunyuanVideo's original names of the double blocks of a transformer this deep, from diffusers' converter."""
-    from diffusers.loaders.single_file_utils import convert_hunyuan_video_transformer_to_diffusers
-
-    blocks = (f"double_blocks.{i}" for i in range(num_layers))
-    return derive_original_names(convert_hunyuan_video_transformer_to_diffusers, weight_keys(blocks, ORIGINAL_BLOCK))
 
 
 HUNYUANVIDEO15 = HunyuanVideo15(
