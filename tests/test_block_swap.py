@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from parallel import trained_ahead
 from safetensors.torch import load_file
 
 from lorapipe.cache.errors import UserError
@@ -185,25 +186,31 @@ def test_a_unet_refuses_block_swap_before_training_starts(tmp_path, tiny_model, 
     assert not (tmp_path / "work").exists()  # no training process was started
 
 
-def train_flux(tmp: Path, name: str, model: Path, encoded, processes: int = 1,
+def train_flux(tmp: Path, name: str, model: Path, encoded, processes: int = 1, placement=None,
                **options) -> tuple[list[float], dict, str]:
-    """Four steps of the tiny Flux.1 (a LoRA on every Linear of both its blocks): losses, LoRA, log."""
+    """Four steps of the tiny Flux.1 (a LoRA on every Linear of both its blocks), where `placement`
+    says (default: where its settings say): losses, LoRA, log."""
     inputs = train.TrainInputs(encoded.artifact_dir, encoded.cache_root, model, "base", encoded.digest)
     params = train.TrainParams(rank=4, target_modules="all_linear", learning_rate=1e-2, batch_size=2, max_steps=4,
                                checkpoint_every=4, seed=5, num_processes=processes)
     out = tmp / name
     train.run(params, inputs, out, tmp / f"work-{name}", train.TrainOptions(log_with="none", **options),
-              log=lambda line: None)
+              log=lambda line: None, placement=placement)
     losses = [json.loads(line)["loss"] for line in (out / "logs" / "loss.jsonl").read_text().splitlines()]
     return losses, load_file(out / "pytorch_lora_weights.safetensors"), (out / "logs" / "train.log").read_text()
 
 
 @pytest.mark.slow
 def test_training_with_block_swap_is_bit_for_bit_training_without(tmp_path, flux_model, flux_encoded):
-    plain_losses, plain_lora, _ = train_flux(tmp_path, "plain", flux_model, flux_encoded)
-    for name, options, swapped in [("all", {"blocks_to_swap": 2}, 2),
-                                   ("half-checkpointed", {"blocks_to_swap": 0.5, "gradient_checkpointing": True}, 1)]:
-        losses, lora, log = train_flux(tmp_path, name, flux_model, flux_encoded, **options)
+    """The three trainings one after another in one process started ahead (tests/parallel.py)."""
+    with trained_ahead() as placement:
+        plain_losses, plain_lora, _ = train_flux(tmp_path, "plain", flux_model, flux_encoded, placement=placement)
+        swapped_runs = [(name, swapped, train_flux(tmp_path, name, flux_model, flux_encoded, placement=placement,
+                                                   **options))
+                        for name, options, swapped in [
+                            ("all", {"blocks_to_swap": 2}, 2),
+                            ("half-checkpointed", {"blocks_to_swap": 0.5, "gradient_checkpointing": True}, 1)]]
+    for name, swapped, (losses, lora, log) in swapped_runs:
         assert f"block swap: the last {swapped} of 2 blocks wait off cpu between their uses" in log
         assert losses == plain_losses, name
         assert lora.keys() == plain_lora.keys() and all(torch.equal(lora[k], plain_lora[k]) for k in lora), name
