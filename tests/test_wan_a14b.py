@@ -9,6 +9,7 @@ import json
 import pytest
 import torch
 from family_checks import fused_change, quiet_pipeline
+from parallel import trained_ahead
 from PIL import Image, ImageChops
 from safetensors import safe_open
 from safetensors.torch import load_file
@@ -28,6 +29,14 @@ def a14b_model(tiny_models):
     return tiny_models("wan2.2-a14b")
 
 
+@pytest.fixture(scope="module")
+def warm():
+    """Where the module's trainings run: one process started ahead (parallel.py), which trains as a
+    process of its own would, importing torch, diffusers and peft once for all of them."""
+    with trained_ahead() as placement:
+        yield placement
+
+
 def test_train_denoiser_is_refused_before_training(tmp_path, a14b_model, wan_model, wan_clips_encoded):
     with pytest.raises(UserError, match="train.denoiser: this Wan model has 2 denoisers, each trained by a LoRA of"
                                         " its own: set it to one of high_noise, low_noise or both"):
@@ -37,11 +46,11 @@ def test_train_denoiser_is_refused_before_training(tmp_path, a14b_model, wan_mod
 
 
 @pytest.mark.slow
-def test_low_noise_expert_trains_and_evaluates_in_its_expert(tmp_path, a14b_model, wan_clips_encoded):
+def test_low_noise_expert_trains_and_evaluates_in_its_expert(tmp_path, a14b_model, wan_clips_encoded, warm):
     """Training writes the expert's LoRA under transformer's names with the choice recorded (its log
     says diffusers will not read the attention-only musubi file); evaluate loads it into transformer_2
     (the render changes) and scores the held-out loss at the loss timesteps of the expert's range only."""
-    out, built = run_train(tmp_path, "low", train_inputs(a14b_model, wan_clips_encoded), **LOW_NOISE)
+    out, built = run_train(tmp_path, "low", train_inputs(a14b_model, wan_clips_encoded), placement=warm, **LOW_NOISE)
     assert built.info["steps"] == 4
     with safe_open(out / "pytorch_lora_weights.safetensors", "pt") as f:
         assert all(k.startswith("transformer.blocks.") for k in f.keys())
@@ -65,7 +74,7 @@ def test_low_noise_expert_trains_and_evaluates_in_its_expert(tmp_path, a14b_mode
 
 @pytest.mark.slow
 def test_both_experts_train_in_one_run_resume_exactly_and_load_into_their_transformers(
-        tmp_path, a14b_model, wan_clips_encoded):
+        tmp_path, a14b_model, wan_clips_encoded, warm):
     """train.denoiser both: each step trains the expert whose noise levels it draws (both get steps);
     4 steps, then 8 over the same work folder, train what 8 straight steps train, bit for bit; each
     expert's files, named by it, load into its transformer (the low-noise one's with
@@ -74,9 +83,9 @@ def test_both_experts_train_in_one_run_resume_exactly_and_load_into_their_transf
     the same seed) and scores each expert's held-out loss at the loss timesteps of its own range, merged
     into one figure, as it scores each checkpoint's pair."""
     inputs = train_inputs(a14b_model, wan_clips_encoded)
-    straight, _ = run_train(tmp_path, "straight", inputs, **BOTH)
-    run_train(tmp_path, "half", inputs, tmp_path / "work", **{**BOTH, "max_steps": 4})
-    resumed, built = run_train(tmp_path, "resumed", inputs, tmp_path / "work", **BOTH)
+    straight, _ = run_train(tmp_path, "straight", inputs, placement=warm, **BOTH)
+    run_train(tmp_path, "half", inputs, tmp_path / "work", placement=warm, **{**BOTH, "max_steps": 4})
+    resumed, built = run_train(tmp_path, "resumed", inputs, tmp_path / "work", placement=warm, **BOTH)
     assert built.info["resumed_from"] == 4 and trajectory(resumed) == trajectory(straight)
     assert {row["denoiser"] for row in losses(straight)} == set(EXPERTS)
     for expert, (component, load_kwargs) in EXPERTS.items():
