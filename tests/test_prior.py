@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import DEMO_IMAGES, _encode_demo_images
+from parallel import trained_ahead
 from test_train_adapters import published, run_train
 
 from lorapipe.stages import families
@@ -152,10 +153,12 @@ def test_a_run_with_prior_data_resumes_exactly(tmp_path, tiny_model, prior_encod
     """base_output and a prior weight through the real train stage: a run resumed from the halfway
     checkpoint publishes the same files, byte for byte, as one that ran straight."""
     settings = dict(prior_target="base_output", prior_loss_weight=0.5, ema_decay=None, batch_size=3)
-    straight = run_train(tmp_path, "straight", tiny_model, prior_encoded, tmp_path / "work-straight", **settings)
-    halfway = "checkpoints/step-000002"
-    shutil.copytree(tmp_path / "work-straight" / halfway, tmp_path / "work" / halfway)
-    resumed = run_train(tmp_path, "resumed", tiny_model, prior_encoded, tmp_path / "work", **settings)
+    with trained_ahead() as warm:  # both in one process started ahead, which trains as its own would
+        straight = run_train(tmp_path, "straight", tiny_model, prior_encoded, tmp_path / "work-straight", warm,
+                             **settings)
+        halfway = "checkpoints/step-000002"
+        shutil.copytree(tmp_path / "work-straight" / halfway, tmp_path / "work" / halfway)
+        resumed = run_train(tmp_path, "resumed", tiny_model, prior_encoded, tmp_path / "work", warm, **settings)
     files = published(straight)
     assert "pytorch_lora_weights.safetensors" in files and published(resumed) == files
 
