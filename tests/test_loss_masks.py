@@ -19,7 +19,7 @@ from lorapipe.stages.encoded import EncodedData
 from lorapipe.stages.families import ObjectiveParams
 from lorapipe.stages.train.data import StepInputs, load_batch
 from lorapipe.stages.train.recipe import step_loss
-from test_invalidation import make_config, run_all, statuses
+from test_invalidation import ahead, make_config, run_all, statuses  # noqa: F401 (ahead: a module fixture here)
 
 
 def left_half_white(width: int, height: int, mode: str = "L") -> Image.Image:
@@ -139,21 +139,22 @@ def test_a_zero_mask_region_does_not_reach_the_gradient(tiny_model):
 # ---- invalidation: what adding or editing a mask reruns
 
 @pytest.fixture(scope="module")
-def unmasked_run(tmp_path_factory, tiny_model, demo_images, count_encoder_rows):
-    """The demo photos (no masks) through preprocess, encode and train; tests copy its data."""
+def unmasked_run(tmp_path_factory, tiny_model, demo_images, count_encoder_rows, ahead):
+    """The demo photos (no masks) through preprocess, encode and train; tests copy its data. The
+    module's trainings run in one process started ahead (`ahead`)."""
     root = tmp_path_factory.mktemp("unmasked")
     shutil.copytree(demo_images, root / "data")
     with count_encoder_rows() as counts:
-        run_all(make_config(root, tiny_model, root / "data", root / "cache"), STAGES[:3])
+        run_all(make_config(root, tiny_model, root / "data", root / "cache"), STAGES[:3], placements=ahead)
     assert counts == {"vae": 8, "text": 9}
     return root
 
 
-def run_counted(config, count_encoder_rows, cache: Path) -> tuple[dict, dict, set[str]]:
+def run_counted(config, count_encoder_rows, cache: Path, placements: dict) -> tuple[dict, dict, set[str]]:
     """(results, encoder rows, record keys the sample store gained) of preprocess, encode and train."""
     before = set(open_sample_store(cache).index())
     with count_encoder_rows() as counts:
-        results = run_all(config, STAGES[:3])
+        results = run_all(config, STAGES[:3], placements=placements)
     return results, counts, set(open_sample_store(cache).index()) - before
 
 
@@ -166,10 +167,10 @@ def copy_run(unmasked_run: Path, tmp_path: Path, tiny_model: Path):
 
 @pytest.mark.slow
 def test_adding_a_mask_encodes_one_mask_record_and_keeps_latents_and_texts(unmasked_run, tmp_path, tiny_model,
-                                                                           count_encoder_rows):
+                                                                           count_encoder_rows, ahead):
     config = copy_run(unmasked_run, tmp_path, tiny_model)
     left_half_white(128, 85).save(tmp_path / "data" / "coffee.mask.png")
-    results, counts, new = run_counted(config, count_encoder_rows, tmp_path / "cache")
+    results, counts, new = run_counted(config, count_encoder_rows, tmp_path / "cache", ahead)
     assert statuses(results) == {"preprocess": "computed", "encode": "computed", "train": "computed"}
     assert counts == {"vae": 0, "text": 0} and len(new) == 1
     coffee = next(s for s in EncodedData(Path(results["encode"].path), tmp_path / "cache").samples if s.id == "coffee")
@@ -178,18 +179,18 @@ def test_adding_a_mask_encodes_one_mask_record_and_keeps_latents_and_texts(unmas
 
 @pytest.mark.slow
 def test_editing_a_mask_re_encodes_that_mask_alone_and_retrains(unmasked_run, tmp_path, tiny_model,
-                                                                count_encoder_rows):
+                                                                count_encoder_rows, ahead):
     config = copy_run(unmasked_run, tmp_path, tiny_model)
     left_half_white(128, 85).save(tmp_path / "data" / "coffee.mask.png")
     left_half_white(128, 85).transpose(Image.Transpose.FLIP_LEFT_RIGHT).save(tmp_path / "data" / "rocket.mask.png")
-    assert len(run_counted(config, count_encoder_rows, tmp_path / "cache")[2]) == 2  # (equal masks share a record)
+    assert len(run_counted(config, count_encoder_rows, tmp_path / "cache", ahead)[2]) == 2  # (equal masks share a record)
     edited = left_half_white(128, 85)
     edited.paste(128, (0, 0, 128, 20))  # a gray band across the top
     edited.save(tmp_path / "data" / "coffee.mask.png")
-    results, counts, new = run_counted(config, count_encoder_rows, tmp_path / "cache")
+    results, counts, new = run_counted(config, count_encoder_rows, tmp_path / "cache", ahead)
     assert statuses(results) == {"preprocess": "computed", "encode": "computed", "train": "computed"}
     assert counts == {"vae": 0, "text": 0} and len(new) == 1
-    results, counts, new = run_counted(config, count_encoder_rows, tmp_path / "cache")
+    results, counts, new = run_counted(config, count_encoder_rows, tmp_path / "cache", ahead)
     assert statuses(results) == dict.fromkeys(STAGES[:3], "hit") and counts == {"vae": 0, "text": 0} and not new
 
 
