@@ -13,6 +13,7 @@ import pytest
 from PIL import Image, ImageOps
 from conftest import EncodedSet
 from invalidation_checks import ENCODE, encode_counted
+from parallel import trained_ahead
 from test_invalidation import make_config, run_all
 from test_train_adapters import published, train_straight_and_resumed
 from test_preprocess import image, preprocess
@@ -271,8 +272,9 @@ def test_a_target_caption_edit_encodes_one_text_record(edit_baseline, tmp_path, 
 def test_training_on_edit_pairs_resumes_exactly(edit_baseline, tmp_path):
     """The real train stage on the pairs: a run resumed from its halfway checkpoint publishes the same
     files, byte for byte, as one that ran straight."""
-    run = train_straight_and_resumed(tmp_path, edit_baseline[1], encoded_set(edit_baseline, tmp_path),
-                                     {"ema_decay": None})
+    with trained_ahead() as warm:  # both in one process started ahead, which trains as its own would
+        run = train_straight_and_resumed(tmp_path, edit_baseline[1], encoded_set(edit_baseline, tmp_path),
+                                         {"ema_decay": None}, warm)
     files = published(run.straight)
     assert "pytorch_lora_weights.safetensors" in files and published(run.resumed) == files
 
