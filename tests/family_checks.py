@@ -50,6 +50,15 @@ def quiet_pipeline(model: Path):
     return load_render_pipeline(model, families.for_model(model), None, "cpu")
 
 
+def block_pipeline(block, **components):
+    """A ModularPipeline of one modular block, its components given here, not fetched: the reference a
+    modular-only model's family is compared with, block by block."""
+    pipe = block.init_pipeline()
+    pipe.update_components(**components)
+    pipe.set_progress_bar_config(disable=True)
+    return pipe
+
+
 def first_call(module: torch.nn.Module, run) -> tuple[tuple, dict, object]:
     """The args, kwargs and output of the first call of `module` while `run()` runs."""
     seen = []

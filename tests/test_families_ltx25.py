@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from family_checks import encoded_clip, first_call, quiet_pipeline, text_records, tiny_model_fixture
+from family_checks import block_pipeline, encoded_clip, first_call, quiet_pipeline, text_records, tiny_model_fixture
 
 import lorapipe.stages.families as families
 from lorapipe.stages.families import ObjectiveParams, TextOptions
@@ -31,13 +31,6 @@ class Clip:
     fps: float
 
 
-def _block_pipeline(block, **components):
-    pipe = block.init_pipeline()
-    pipe.update_components(**components)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
-
-
 def test_the_modular_folder_is_ltx25_and_rebuilds_alike_but_for_its_path(model, tmp_path):
     family = families.for_model(model)
     assert (family.name, family.variant.name, family.pipeline_class) == ("ltx2.5", "2.5", "LTX25ModularPipeline")
@@ -54,8 +47,8 @@ def test_text_records_are_the_text_blocks_connector_output(model):
     from diffusers.modular_pipelines.ltx2.modular_blocks_ltx2 import LTX2TextConditioningStep
 
     pipe = quiet_pipeline(model)
-    block = _block_pipeline(LTX2TextConditioningStep(), text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer,
-                            connectors=pipe.connectors)
+    block = block_pipeline(LTX2TextConditioningStep(), text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer,
+                           connectors=pipe.connectors)
     _, records = text_records(model, CAPTIONS, LENGTH)
     for caption, record in zip(CAPTIONS, records):
         state = block(prompt=caption, max_sequence_length=16,
@@ -75,7 +68,7 @@ def test_normalised_latents_are_what_the_decode_block_hands_the_diffusion_decode
     pipe = quiet_pipeline(model)
     family, _, _, mean = encoded_clip(model, pipe, 9, 64, 96)
     packed = LTX2Pipeline._pack_latents(family.latent_normalisation(model).apply(mean))
-    block = _block_pipeline(LTX2DiffusionVaeDecoderStep(), diffusion_decoder=pipe.diffusion_decoder)
+    block = block_pipeline(LTX2DiffusionVaeDecoderStep(), diffusion_decoder=pipe.diffusion_decoder)
     read = []
 
     def stop_at_the_input(module, args):
@@ -125,7 +118,7 @@ def test_shift_is_the_set_timesteps_blocks(model):
 
     pipe = quiet_pipeline(model)
     u = torch.tensor([1.0, 0.75, 0.5, 0.25])
-    state = _block_pipeline(LTX2SetTimestepsStep(), scheduler=pipe.scheduler)(
+    state = block_pipeline(LTX2SetTimestepsStep(), scheduler=pipe.scheduler)(
         num_inference_steps=4, height=64, width=64, num_frames=17, output="timesteps")
     objective = families.for_model(model).objective(model, ObjectiveParams())
     stretched = pipe.scheduler.stretch_shift_to_terminal(objective.shifted(u, 3 * 2 * 2))
@@ -178,7 +171,8 @@ def test_the_diffusion_decoder_keys_evaluate_alone(model, tmp_path):
     config = tmp_path / "config.yaml"
     config.write_text(yaml.safe_dump({"name": "keys", "cache_dir": "cache", "output_dir": "out",
                                       "model": {"path": str(model)}, "data": {"path": str(tmp_path)},
-                                      "preprocess": {"resolution": 64}, "train": {}, "evaluate": {"prompts": ["a cat"]}}))
+                                      "preprocess": {"resolution": 64}, "train": {},
+                                      "evaluate": {"prompts": ["a cat"]}}))
     ctx = Context(load_config(config), log=lambda line: None)
     try:
         keyed = {stage: set(ctx.models_for(stage)) for stage in ("encode", "train", "evaluate")}

@@ -18,7 +18,7 @@ import pytest
 import torch
 from diffusers.modular_pipelines.flux3.encoders import Flux3TextEncoderStep, Flux3VaeEncoderStep
 from diffusers.modular_pipelines.flux3.modular_blocks_flux3 import Flux3CoreDenoiseStep
-from family_checks import first_call, quiet_pipeline, tiny_model_fixture
+from family_checks import block_pipeline, first_call, quiet_pipeline, tiny_model_fixture
 
 import lorapipe.stages.families as families
 from lorapipe.cache.digest import StatCache
@@ -35,14 +35,6 @@ from lorapipe.stages.models import component_digests, weights_digest
 
 flux2 = tiny_model_fixture("flux2-klein")
 FLUX3_COMPONENTS = ["text_encoder", "tokenizer", "transformer", "vae"]
-
-
-def _pipeline(block, **components):
-    """A ModularPipeline of one block, its components given here, not fetched."""
-    pipe = block.init_pipeline()
-    pipe.update_components(**components)
-    pipe.set_progress_bar_config(disable=True)
-    return pipe
 
 
 # The tiny FLUX.3, saved by ModularPipeline.save_pretrained: modular_model_index.json, no
@@ -62,7 +54,7 @@ def test_text_block_is_hidden_layers_padded_to_the_blocks_multiple(text):
     encoder, processor = text
     caption = "a red fox in the snow"
     step = Flux3TextEncoderStep()
-    embeds = _pipeline(step, text_encoder=encoder, tokenizer=processor)(
+    embeds = block_pipeline(step, text_encoder=encoder, tokenizer=processor)(
         prompt=caption, text_encoder_out_layers=LAYERS, output="prompt_embeds")
     rendered = processor.apply_chat_template([{"role": "user", "content": caption}], tokenize=False,
                                              add_generation_prompt=True)
@@ -83,7 +75,7 @@ def test_flux3_text_records_are_the_text_blocks_embeddings(text, flux3):
                                   pad_to_window=False, keep_padding=True)
     captions = ["a red fox in the snow", " ".join(["a red fox in the snow"] * 7)]
     records = Flux3PromptEncoder(flux3, settings, torch.float32, "cpu")(captions)
-    block = _pipeline(Flux3TextEncoderStep(), text_encoder=encoder, tokenizer=processor)
+    block = block_pipeline(Flux3TextEncoderStep(), text_encoder=encoder, tokenizer=processor)
     for caption, record in zip(captions, records):
         embeds = block(prompt=caption, text_encoder_out_layers=LAYERS, output="prompt_embeds")
         assert torch.equal(record["hidden_states"], embeds[0])
@@ -98,7 +90,7 @@ def test_vae_block_normalises_as_the_flux2_family(flux2):
     family = families.for_model(flux2)
     pixels = torch.rand(2, 3, 64, 48, generator=torch.Generator().manual_seed(3)) * 2 - 1
     mean, _ = family.load_latent_encoder(flux2, "cpu")(pixels)
-    latents = _pipeline(Flux3VaeEncoderStep(), vae=AutoencoderKLFlux2.from_pretrained(flux2 / "vae"))(
+    latents = block_pipeline(Flux3VaeEncoderStep(), vae=AutoencoderKLFlux2.from_pretrained(flux2 / "vae"))(
         condition_images=[pixels[:1], pixels[1:]], output="image_cond_latents")
     ours = family.latent_normalisation(flux2).apply(mean)
     assert torch.allclose(ours, torch.cat(latents), atol=1e-5)  # the block encodes one image a call, ours the batch
@@ -113,11 +105,11 @@ def test_denoise_block_first_call_is_the_reference(text, flux3):
     from diffusers.guiders import ClassifierFreeGuidance
 
     encoder, processor = text
-    embeds = _pipeline(Flux3TextEncoderStep(), text_encoder=encoder, tokenizer=processor)(
+    embeds = block_pipeline(Flux3TextEncoderStep(), text_encoder=encoder, tokenizer=processor)(
         prompt="a red fox", text_encoder_out_layers=LAYERS, output="prompt_embeds")
     transformer = load_component(flux3, "transformer")
-    pipe = _pipeline(Flux3CoreDenoiseStep(), transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(),
-                     guider=ClassifierFreeGuidance(guidance_scale=1.0))
+    pipe = block_pipeline(Flux3CoreDenoiseStep(), transformer=transformer, scheduler=FlowMatchEulerDiscreteScheduler(),
+                          guider=ClassifierFreeGuidance(guidance_scale=1.0))
     latents = torch.randn(1, 32, 4, 3, generator=torch.Generator().manual_seed(5))
     result = {}
     _, kwargs, (prediction,) = first_call(transformer, lambda: result.update(state=pipe(
@@ -229,8 +221,8 @@ def test_ltx25_text_blocks_are_what_ltx2_pipeline_encodes(ltx2):
     from diffusers.modular_pipelines.ltx2.modular_blocks_ltx2 import LTX2TextConditioningStep
 
     pipe = quiet_pipeline(ltx2)
-    blocks = _pipeline(LTX2TextConditioningStep(), text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer,
-                       connectors=pipe.connectors)
+    blocks = block_pipeline(LTX2TextConditioningStep(), text_encoder=pipe.text_encoder, tokenizer=pipe.tokenizer,
+                            connectors=pipe.connectors)
     state = blocks(prompt="a red fox", max_sequence_length=32,
                    output=["connector_prompt_embeds", "connector_attention_mask"])
     with torch.no_grad():
@@ -252,8 +244,8 @@ def test_minimax_h3_text_block_is_one_fixed_hidden_layer():
     layer = MiniMaxH3ModularPipeline.text_encoder_layer.fget(None)
     tokenizer = qwen_tokenizer()
     encoder = seeded(_text_encoder, tokenizer, layers=layer + 1)
-    pipe = _pipeline(MiniMaxH3TextEncoderStep(), text_encoder=encoder, tokenizer=tokenizer,
-                     processor=_processor(tokenizer))
+    pipe = block_pipeline(MiniMaxH3TextEncoderStep(), text_encoder=encoder, tokenizer=tokenizer,
+                          processor=_processor(tokenizer))
     embeds = pipe(prompt="a red fox in the snow", output="prompt_embeds")
     ids = tokenizer("a red fox in the snow", add_special_tokens=False, return_tensors="pt")["input_ids"]
     with torch.no_grad():

@@ -144,7 +144,6 @@ class HunyuanVideo15(HunyuanFamily, VideoFamily):
         return build_tiny_hunyuanvideo15(out_dir)
 
 
-
 HUNYUANVIDEO15 = HunyuanVideo15(
     name="hunyuanvideo1.5", label="HunyuanVideo 1.5", pipeline_class="HunyuanVideo15Pipeline",
     components=COMPONENTS,

@@ -6,9 +6,10 @@ Either is loaded without the family's `render_left_out`: a DiffusionPipeline's o
 that rendering a caption as trained never calls (ERNIE-Image's prompt enhancer, a language model as
 large as its text encoder), a modular pipeline's sub-blocks (FLUX.3's prompt upsampler, a model no
 checkpoint folder holds). A modular pipeline is built from its folder's blocks, its components loaded from the
-folder; it takes one prompt per call (several images of it by num_images_per_prompt) and reads its
-guidance scale from its guider component, and the number of images (a video model's: videos) per prompt. Everything else (its LoRA loader mixin's load_lora_weights,
-set_adapters, its components) is the pipeline's own.
+folder; it takes one prompt per call (several images of it by num_images_per_prompt, a video
+model's clips by num_videos_per_prompt) and reads its guidance scale from its guider component.
+Everything else (its LoRA loader mixin's load_lora_weights, set_adapters, its components) is the
+pipeline's own.
 """
 from __future__ import annotations
 
