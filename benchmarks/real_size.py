@@ -11,7 +11,7 @@ so and the stages after it are not run.
 
     python -m benchmarks.real_size --arch sd15 [--resolution 512] [--frames N] [--steps 2]
         [--base-quantization none|int8|fp8|nf4] [--dtype bfloat16|float32] [--text-encoder-dtype bfloat16|float32]
-        [--vae-dtype bfloat16|float32]
+        [--vae-dtype bfloat16|float32] [--gradient-checkpointing] [--keep-cache]
         [--max-resident-gib 10] [--root DIR] [--json]
 
 appends its document to BENCHMARKS.md; `--tiny` runs the same code on the family's tiny model (the
@@ -24,7 +24,8 @@ row, whose VAE would otherwise convolve in bf16, which this CPU does through a r
 The model is built once under ROOT/models/<arch>-<dtype>[-text-<dtype>][-vae-<dtype>]
 (benchmarks/common.py's random_model: one component at a time, created in its dtype where it is
 initialised, saved and freed, so the build never holds the model twice) and reused; the run's
-cache is emptied before every run.
+cache is emptied before every run, unless --keep-cache, which serves the stages whose key did not change
+from it (their rows say so).
 """
 from __future__ import annotations
 
@@ -72,6 +73,8 @@ class Bench:
     max_resident_mib: float | None
     text_encoder_dtype: str | None = None  # what the text stage's models are stored (and encode runs them) in
     vae_dtype: str | None = None  # what the VAE is stored (and evaluate decodes) in
+    gradient_checkpointing: bool = False  # train.gradient_checkpointing, as the big families' presets set it
+    keep_cache: bool = False  # serve unchanged stages from the last run's cache instead of emptying it
 
     @property
     def stored_text_dtype(self) -> str:
@@ -170,8 +173,10 @@ def write_config(bench: Bench, root: Path, model: Path) -> Path:
     else:
         data = generated_images(root / f"images-{SAMPLES}-{side}px", SAMPLES, side)
     work = root / "run"
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir()
+    for old in work.glob("*") if work.exists() else ():
+        if not (bench.keep_cache and old.name == "cache"):
+            shutil.rmtree(old) if old.is_dir() else old.unlink()
+    work.mkdir(exist_ok=True)
     quantization = {"base_quantization": bench.base_quantization} if bench.base_quantization != "none" else {}
     config = work / "config.yaml"
     config.write_text(yaml.safe_dump({
@@ -180,7 +185,7 @@ def write_config(bench: Bench, root: Path, model: Path) -> Path:
         "preprocess": {"resolution": side, "holdout_fraction": 0.0, **({"video": {"num_frames": frames}} if frames else {})},
         "encode": {"batch_size": 1, "dtype": bench.dtype},
         "train": {"max_steps": bench.steps, "batch_size": 1, "mixed_precision": MIXED_PRECISION[bench.dtype],
-                  "checkpoint_every": bench.steps,
+                  "checkpoint_every": bench.steps, "gradient_checkpointing": bench.gradient_checkpointing,
                   "log_with": "none", **quantization},
         "evaluate": {"prompts": ["a generated image"], "seeds": [0], "num_inference_steps": 1, "resolution": side,
                      "loss_timesteps": [500], **({"num_frames": frames} if frames else {})},
@@ -200,11 +205,15 @@ def stage_rows(bench: Bench, config: Path) -> tuple[list[dict], dict[str, Path]]
             continue
         run = measured([sys.executable, "-m", "lorapipe", "run", str(config), "--only", stage, "--json"],
                        config.parent / stage, bench.max_resident_mib)
-        rows.append({"stage": stage, **outcome(run)})
+        row = {"stage": stage, **outcome(run)}
         if run.returncode == 0:
-            artifacts[stage] = Path(next(row["path"] for row in json.loads(run.stdout)["stages"] if row["stage"] == stage))
+            ran = next(r for r in json.loads(run.stdout)["stages"] if r["stage"] == stage)
+            artifacts[stage] = Path(ran["path"])
+            if ran["status"] != "computed":
+                row["status"] = "served from the last run's cache (--keep-cache): its figures are a cache hit's"
         else:
             incomplete = stage
+        rows.append(row)
     return rows, artifacts
 
 
@@ -245,7 +254,7 @@ def measure(bench: Bench, root: Path) -> dict:
     head = {"arch": bench.arch, "resolution": bench.resolution, "frames": bench.frames, "dtype": bench.dtype,
             "text_encoder_dtype": bench.stored_text_dtype, "vae_dtype": bench.stored_vae_dtype,
             "base_quantization": bench.base_quantization,
-            "samples": SAMPLES}
+            "gradient_checkpointing": bench.gradient_checkpointing, "samples": SAMPLES}
     if build["status"] not in ("completed", "reused"):
         return {**head, "stages": [build], "machine": machine()}
     config = write_config(bench, root, model)
@@ -285,6 +294,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--vae-dtype", choices=tuple(MIXED_PRECISION),
                         help="store the VAE in this dtype (default: --dtype); evaluate decodes in it, so float32"
                         " keeps a bfloat16 row's decode off this CPU's bf16 reference convolution")
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="train.gradient_checkpointing (the presets of the families over 2B parameters set it)")
+    parser.add_argument("--keep-cache", action="store_true",
+                        help="keep the last run's cache under ROOT: stages whose key did not change are served from"
+                        " it (a rerun of a row's later stages without its hour of encoding)")
     parser.add_argument("--max-resident-gib", type=float, help="stop a stage whose process tree passes this")
     parser.add_argument("--root", type=Path, default=Path("bench-run") / "real-size")
     parser.add_argument("--tiny", action="store_true", help="the family's tiny model; prints only")
@@ -292,7 +306,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     limit = args.max_resident_gib and args.max_resident_gib * 1024
     bench = Bench(args.arch, args.resolution, args.frames, args.steps, args.base_quantization, args.dtype, args.tiny,
-                  limit, args.text_encoder_dtype, args.vae_dtype)
+                  limit, args.text_encoder_dtype, args.vae_dtype, args.gradient_checkpointing, args.keep_cache)
     args.root.mkdir(parents=True, exist_ok=True)
     document = measure(bench, args.root.resolve())
     print(json.dumps(document) if args.json else summary(document), flush=True)

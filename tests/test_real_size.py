@@ -153,3 +153,23 @@ def test_evaluate_decodes_with_the_vae_as_stored_beside_a_bf16_denoiser(tmp_path
     with torch.no_grad():
         decoded = pipe.image_processor.postprocess(pipe.vae.decode(latents).sample, output_type="np")[0]
     assert np.abs(_render(pipe)[0] - decoded).max() * 255 < 1
+
+
+def test_keep_cache_keeps_the_last_runs_cache_and_nothing_else(tmp_path):
+    """`--keep-cache` (a row's later stages rerun without its hour of encoding) keeps ROOT/run/cache and
+    empties the rest of the run's folder; without it the cache goes too. `--gradient-checkpointing`
+    reaches the config's train section."""
+    import yaml
+
+    def rerun(keep_cache: bool) -> Path:
+        bench = real_size.Bench("sd15", 64, 0, 1, "none", "float32", True, None, gradient_checkpointing=True,
+                                keep_cache=keep_cache)
+        return real_size.write_config(bench, tmp_path, tmp_path / "models" / "sd15-tiny")
+
+    config = rerun(keep_cache=False)
+    (config.parent / "cache" / "encode").mkdir(parents=True)
+    (config.parent / "encode.out").write_text("the last run's log")
+    config = rerun(keep_cache=True)
+    assert (config.parent / "cache" / "encode").is_dir() and not (config.parent / "encode.out").exists()
+    assert yaml.safe_load(config.read_text())["train"]["gradient_checkpointing"] is True
+    assert not (rerun(keep_cache=False).parent / "cache").exists()
