@@ -3,8 +3,9 @@ weights stored in --dtype) through the real stages, `lorapipe run --only STAGE` 
 generated samples, from a config this bench writes beside them.
 
 Reports, per stage (the model's build first), the peak resident memory of the command's whole
-process tree (Prefect's server, the warm process and the training process included) and its wall
-seconds; per component its parameters, its stored dtype and the dtype encode and train ran it in
+process tree (Prefect's server, the warm process and the training process included), the peak of its
+anonymous part (what is not file pages: weights loaded as stored stay mapped from their files), and
+its wall seconds; per component its parameters, its stored dtype and the dtype encode and train ran it in
 (read from their artifacts); and the seconds of each training step (the train artifact's
 logs/loss.jsonl). A stage that fails, or whose tree passes --max-resident-gib (then stopped), says
 so and the stages after it are not run.
@@ -90,20 +91,25 @@ class Bench:
 class Measured:
     returncode: int | None  # None: stopped for passing the memory limit
     peak_mib: float
+    peak_anonymous_mib: float  # of the sampled tree: its memory that is not file pages
     seconds: float
     stdout: str
     stderr: str
 
 
-def tree_rss_kib(pid: int) -> int:
-    """Resident memory of a process and all its descendants (0 for one that has gone)."""
+def tree_memory_kib(pid: int) -> tuple[int, int]:
+    """Resident and anonymous resident memory (VmRSS, RssAnon) of a process and all its descendants
+    ((0, 0) for one that has gone). Their difference is mostly file pages: weights loaded in the dtype
+    they are stored in stay mapped from their safetensors file, which the kernel can drop and re-read."""
     try:
         status = Path(f"/proc/{pid}/status").read_text()
         children = " ".join(p.read_text() for p in Path(f"/proc/{pid}/task").glob("*/children"))
     except (FileNotFoundError, ProcessLookupError):
-        return 0
-    own = next((int(line.split()[1]) for line in status.splitlines() if line.startswith("VmRSS:")), 0)
-    return own + sum(tree_rss_kib(int(child)) for child in children.split())
+        return 0, 0
+    fields = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmRSS:", "RssAnon:"))}
+    descendants = [tree_memory_kib(int(child)) for child in children.split()]
+    return (fields.get("VmRSS", 0) + sum(rss for rss, _ in descendants),
+            fields.get("RssAnon", 0) + sum(anon for _, anon in descendants))
 
 
 def measured(command: list[str], logs: Path, limit_mib: float | None) -> Measured:
@@ -111,15 +117,16 @@ def measured(command: list[str], logs: Path, limit_mib: float | None) -> Measure
     memory: the larger of the sampled sum over its process tree and the kernel's high-water mark of
     its largest process (wait4's, which a peak shorter than a sample cannot pass unseen)."""
     out, err = logs.with_suffix(".out"), logs.with_suffix(".err")
-    started, peak_kib, done, stopped = time.perf_counter(), 0, threading.Event(), threading.Event()
+    started, peak_kib, peak_anon_kib, done, stopped = time.perf_counter(), 0, 0, threading.Event(), threading.Event()
     with open(out, "w") as stdout, open(err, "w") as stderr:
         process = subprocess.Popen(command, cwd=REPO, stdout=stdout, stderr=stderr, start_new_session=True,
                                    env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
     def sample() -> None:
-        nonlocal peak_kib
+        nonlocal peak_kib, peak_anon_kib
         while not done.wait(SAMPLE_EVERY_S):
-            peak_kib = max(peak_kib, tree_rss_kib(process.pid))
+            rss_kib, anon_kib = tree_memory_kib(process.pid)
+            peak_kib, peak_anon_kib = max(peak_kib, rss_kib), max(peak_anon_kib, anon_kib)
             if limit_mib and peak_kib / 1024 > limit_mib and not stopped.is_set():
                 stopped.set()
                 os.killpg(process.pid, signal.SIGKILL)
@@ -131,7 +138,7 @@ def measured(command: list[str], logs: Path, limit_mib: float | None) -> Measure
     sampler.join()
     process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
     return Measured(None if stopped.is_set() else process.returncode, round(max(peak_kib, usage.ru_maxrss) / 1024, 1),
-                    round(time.perf_counter() - started, 1), out.read_text(), err.read_text())
+                    round(peak_anon_kib / 1024, 1), round(time.perf_counter() - started, 1), out.read_text(), err.read_text())
 
 
 # ---- the run
@@ -159,7 +166,8 @@ def outcome(run: Measured) -> dict:
         status = "failed: " + next(iter(run.stderr.strip().splitlines()[-1:]), f"exit code {run.returncode}")
     else:
         status = "completed"
-    return {"status": status, "peak_resident_mib": run.peak_mib, "seconds": run.seconds}
+    return {"status": status, "peak_resident_mib": run.peak_mib, "peak_anonymous_mib": run.peak_anonymous_mib,
+            "seconds": run.seconds}
 
 
 def write_config(bench: Bench, root: Path, model: Path) -> Path:
@@ -268,7 +276,8 @@ def summary(document: dict) -> str:
              + f", {document['dtype']} (text stage {document['text_encoder_dtype']}, VAE {document['vae_dtype']}), base"
              f" {document['base_quantization']}, {document['machine']}"]
     for row in document["stages"]:
-        figures = f"{row['peak_resident_mib']:>9.1f} MiB peak {row['seconds']:>8.1f} s  " if "seconds" in row else ""
+        figures = (f"{row['peak_resident_mib']:>9.1f} MiB peak ({row['peak_anonymous_mib']:.1f} anonymous)"
+                   f" {row['seconds']:>8.1f} s  ") if "seconds" in row else ""
         lines.append(f"  {row['stage']:<10} {figures}{row['status']}")
     for name, row in document.get("components", {}).items():
         ran = ", ".join(f"{k.removesuffix('_dtype')} {v}" for k, v in row.items() if k.endswith("_dtype") and k != "stored_dtype")

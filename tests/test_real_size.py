@@ -54,6 +54,7 @@ def test_the_bench_runs_every_stage_and_prints_every_figure(tmp_path, tiny_model
     for row in document["stages"][1:]:
         assert row["status"] == "completed", row
         assert row["peak_resident_mib"] > 100 and row["seconds"] > 0, row  # a Python process with torch at least
+        assert 0 < row["peak_anonymous_mib"] <= row["peak_resident_mib"], row
     components = document["components"]
     assert set(components) == {"text_encoder", "unet", "vae"}
     assert all(c["parameters"] > 0 and c["stored_dtype"] == "BF16" for c in components.values())
