@@ -11,7 +11,7 @@ import argparse
 import json
 from pathlib import Path
 
-from . import (caption_bench, captioner_bench, clip_window_bench, decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench,
+from . import (caption_bench, captioner_bench, clip_window_bench, cpu_matmul, decode_bench, encode_bench, gpu_bench, loader_bench, memory_bench,
                noop_rerun, object_bench, pipeline_noop, prior_bench, quant_memory_bench, sweep_bench, train_bench)
 from .common import ResultsSection
 
@@ -38,6 +38,7 @@ BENCHES = {
     "captioner_throughput": lambda root: captioner_bench.throughput(root),
     "captioner_noop": lambda root: captioner_bench.noop(root),
     "captioner_camera_reads": lambda root: captioner_bench.camera_reads(root),
+    "cpu_matmul": cpu_matmul.measure,
     "gpu": lambda root: gpu_bench.measure(root),
 }
 
