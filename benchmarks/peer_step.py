@@ -7,10 +7,11 @@ benchmarks/real_size measures a stage.
 
 The script is not ours: get examples/text_to_image/train_text_to_image_lora.py of the installed
 diffusers' release and pass its path, and run the bench with a Python that also has the script's
-`datasets` and `torchvision`, which the project does not install (BENCHMARKS.md says how it was run here). It runs as a user runs it, through `accelerate launch`, on the
-same model folder and generated images (copied beside a metadata.jsonl of their captions, the
-folder its --train_data_dir reads), at batch 1, rank 4, the same steps, float32. lorapipe's step is
-on cached latents and text embeddings while the script encodes every step: that is the comparison.
+`datasets` and `torchvision`, which the project does not install (BENCHMARKS.md says how it was run
+here). It runs as a user runs it, through `accelerate launch`, on the same model folder and generated
+images (copied beside a metadata.jsonl of their captions, the folder its --train_data_dir reads), at
+batch 1, rank 4, the same steps, float32. lorapipe's step is on cached latents and text embeddings
+while the script encodes every step: that is the comparison.
 Step seconds: lorapipe's from the train artifact's logs/loss.jsonl, the script's from the elapsed
 time its tqdm progress bar prints at each step (whole seconds).
 """

@@ -106,7 +106,8 @@ def tree_memory_kib(pid: int) -> tuple[int, int]:
         children = " ".join(p.read_text() for p in Path(f"/proc/{pid}/task").glob("*/children"))
     except (FileNotFoundError, ProcessLookupError):
         return 0, 0
-    fields = {line.split(":")[0]: int(line.split()[1]) for line in status.splitlines() if line.startswith(("VmRSS:", "RssAnon:"))}
+    fields = {line.split(":")[0]: int(line.split()[1])
+              for line in status.splitlines() if line.startswith(("VmRSS:", "RssAnon:"))}
     descendants = [tree_memory_kib(int(child)) for child in children.split()]
     return (fields.get("VmRSS", 0) + sum(rss for rss, _ in descendants),
             fields.get("RssAnon", 0) + sum(anon for _, anon in descendants))
@@ -138,7 +139,8 @@ def measured(command: list[str], logs: Path, limit_mib: float | None) -> Measure
     sampler.join()
     process.returncode = os.waitstatus_to_exitcode(status)  # reaped here, not by Popen
     return Measured(None if stopped.is_set() else process.returncode, round(max(peak_kib, usage.ru_maxrss) / 1024, 1),
-                    round(peak_anon_kib / 1024, 1), round(time.perf_counter() - started, 1), out.read_text(), err.read_text())
+                    round(peak_anon_kib / 1024, 1), round(time.perf_counter() - started, 1), out.read_text(),
+                    err.read_text())
 
 
 # ---- the run
